@@ -1,0 +1,25 @@
+"""Command line: `python -m htree_jax demo [flags]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from htree_jax.demo import DemoError, add_demo_arguments, run_demo
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m htree_jax", description="htree attention for JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run htree through the public API and report on it")
+    add_demo_arguments(demo)
+    args = parser.parse_args(argv)  # exits with 2 on unknown or malformed flags
+    try:
+        return run_demo(args)
+    except (DemoError, ValueError, TypeError) as e:
+        print(f"python -m htree_jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""`HTreeConfig`: the static parameters of htree attention (SPEC.md, "Shapes and names")."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+IMPORTANCE_MODES = ("softmax", "shared_max")
+
+
+def _is_power_of_two(x: int) -> bool:
+    return x >= 1 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HTreeConfig:
+    """Static configuration of htree attention.
+
+    Frozen and hashable, so it can be passed as a static argument to `jax.jit`.
+
+    Attributes:
+      compression_rate: children per tree node (`r`), a power of two >= 2.
+      top_k: nodes kept for refinement per layer (`k_top`), a power of two >= 1.
+      rope_base: base of the rotate-half RoPE that htree applies itself.
+      scale: score scale `alpha`; `None` means `K ** -0.5`.
+      importance: `"softmax"` (per-head normalised, NSA's rule, the default) or
+        `"shared_max"` (one running max over the group, the upstream Triton rule).
+      strict_causal: leave the rightmost node out of the importance normaliser
+        (SPEC section 2.3). With `True` (the default) the output at `t` depends on
+        no token after `t`, so prefix runs and token-by-token decoding agree with
+        the full-sequence output exactly. With `False` the rightmost node of an
+        upper layer, a mean that includes tokens after `t`, enters the normaliser,
+        so changing future keys can change which nodes are selected, and hence
+        `o[t]` (tested in `tests/test_properties.py`).
+    """
+
+    compression_rate: int = 16
+    top_k: int = 512
+    rope_base: float = 10000.0
+    scale: float | None = None
+    importance: str = "softmax"
+    strict_causal: bool = True
+
+    def __post_init__(self):
+        r, k = self.compression_rate, self.top_k
+        if isinstance(r, bool) or not isinstance(r, int) or r < 2 or not _is_power_of_two(r):
+            raise ValueError(f"compression_rate must be a power of two >= 2, got {r!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not _is_power_of_two(k):
+            raise ValueError(f"top_k must be a positive power of two, got {k!r}")
+        base = self.rope_base
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not (
+            math.isfinite(base) and base > 0
+        ):
+            raise ValueError(f"rope_base must be a positive finite number, got {base!r}")
+        if self.scale is not None:
+            s = self.scale
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not (
+                math.isfinite(s) and s > 0
+            ):
+                raise ValueError(f"scale must be None or a positive finite number, got {s!r}")
+        if self.importance not in IMPORTANCE_MODES:
+            raise ValueError(
+                f"importance must be one of {IMPORTANCE_MODES}, got {self.importance!r}"
+            )
+        if not isinstance(self.strict_causal, bool):
+            raise ValueError(f"strict_causal must be a bool, got {self.strict_causal!r}")
+        if self.max_candidates > 2**24:
+            # Candidate positions are packed into the low bits of a float32 importance.
+            raise ValueError(
+                "top_k * compression_rate must be at most 2**24, got "
+                f"{self.top_k} * {self.compression_rate} = {self.max_candidates}"
+            )
+
+    @property
+    def max_candidates(self) -> int:
+        """`M = top_k * compression_rate`: the static length of a candidate buffer."""
+        return self.top_k * self.compression_rate
+
+    @property
+    def log_n(self) -> int:
+        """Bits of the packed importance that hold the candidate position: `log2(M)`."""
+        return self.max_candidates.bit_length() - 1
+
+    def layer_sizes(self, seq_len: int) -> tuple[int, ...]:
+        """Node counts `(N_0, ..., N_{L-1})`, bottom first: `N_0 = T`, and while
+        `N_l > M`, `N_{l+1} = ceil(N_l / r)`."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        sizes = [seq_len]
+        while sizes[-1] > self.max_candidates:
+            sizes.append(-(-sizes[-1] // self.compression_rate))
+        return tuple(sizes)
+
+    def num_layers(self, seq_len: int) -> int:
+        """`L`, the number of tree layers for a sequence of `seq_len` tokens."""
+        return len(self.layer_sizes(seq_len))
+
+    def score_scale(self, head_dim: int) -> float:
+        """`alpha`: `scale`, or `head_dim ** -0.5` when `scale` is None."""
+        return float(head_dim) ** -0.5 if self.scale is None else float(self.scale)

@@ -1,0 +1,160 @@
+"""`python -m htree_jax demo`: run htree through the public API and report on it."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+# Outputs within this of the float64 oracle count as agreement (values are O(1)).
+AGREEMENT_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-len", "-T", type=int, default=4096, help="sequence length T (default 4096)")
+    p.add_argument("--batch", "-B", type=int, default=1, help="batch size B")
+    p.add_argument("--heads", type=int, default=8, help="query heads H")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads H_kv (H %% H_kv == 0)")
+    p.add_argument("--head-dim", type=int, default=64, help="query/key head dim K (even)")
+    p.add_argument("--value-dim", type=int, default=None, help="value head dim V (default: K)")
+    p.add_argument("--compression-rate", type=int, default=16, help="children per node r")
+    p.add_argument("--top-k", type=int, default=64, help="nodes refined per layer (demo default 64)")
+    p.add_argument("--rope-base", type=float, default=10000.0)
+    p.add_argument("--scale", type=float, default=None, help="score scale (default K**-0.5)")
+    p.add_argument("--importance", default="softmax", help="softmax | shared_max")
+    p.add_argument("--no-strict-causal", action="store_true", help="strict_causal=False")
+    p.add_argument("--backend", default="auto", help="htree backend (auto | reference)")
+    p.add_argument("--dtype", default="float32", choices=sorted(AGREEMENT_TOL), help="input dtype")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--oracle-samples", type=int, default=6, help="positions checked against the oracle")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+
+
+class DemoError(ValueError):
+    """A bad demo argument, reported with exit code 2."""
+
+
+def _positive(args, *names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise DemoError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def candidates_per_query(selected, config, seq_len):
+    """Candidates each query scores, summed over layers: `[B, T, H_kv]`, from the
+    selections (SPEC 2.1: `n = (n_P - 1) * r + c* + 1`)."""
+    r, L = config.compression_rate, config.num_layers(seq_len)
+    t = np.arange(seq_len)[None, :, None]
+    num_parents = t // r ** (L - 1) // r + 1  # virtual parents of the top layer
+    total = 0
+    for depth, l in enumerate(reversed(range(L))):
+        n = (num_parents - 1) * r + (t // r**l) % r + 1
+        total = total + n
+        if l > 0:
+            num_parents = (np.asarray(selected[depth]) >= 0).sum(axis=-1)
+    return total
+
+
+def _median_ms(fn, repeats):
+    fn()  # warm-up: compilation
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_demo(args) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from htree_jax import HTreeConfig, htree_attention
+    from htree_jax.attention import resolve_backend
+    from htree_jax.rope import rope_absolute
+    from reference_numpy import htree_attention_numpy
+
+    _positive(args, "seq_len", "batch", "heads", "kv_heads", "head_dim", "value_dim", "repeats")
+    if args.oracle_samples < 0:
+        raise DemoError(f"--oracle-samples must be >= 0, got {args.oracle_samples}")
+    config = HTreeConfig(
+        compression_rate=args.compression_rate,
+        top_k=args.top_k,
+        rope_base=args.rope_base,
+        scale=args.scale,
+        importance=args.importance,
+        strict_causal=not args.no_strict_causal,
+    )
+    backend = resolve_backend(args.backend)
+    B, T, H, H_kv, K = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
+    V = args.value_dim or K
+    dtype = jnp.dtype(args.dtype)
+    rng = np.random.default_rng(args.seed)
+    q = jnp.asarray(rng.standard_normal((B, T, H, K)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, T, H_kv, K)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, T, H_kv, V)), dtype)
+
+    run = jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend, return_selected=True))
+    o, selected = run(q, k, v)  # validates (ValueError/TypeError) before any work
+    o = np.asarray(o)
+
+    device = jax.devices()[0]
+    print(f"htree-jax demo on {device.platform} ({device.device_kind}), jax {jax.__version__}")
+    print(f"inputs   B={B} T={T} H={H} H_kv={H_kv} K={K} V={V} {dtype.name}, seed {args.seed}")
+    print(
+        f"config   compression_rate={config.compression_rate} top_k={config.top_k} "
+        f"(max_candidates M={config.max_candidates}) importance={config.importance} "
+        f"strict_causal={config.strict_causal}, backend {args.backend} -> {backend}"
+    )
+    sizes = config.layer_sizes(T)
+    print(f"tree     {len(sizes)} layer(s), nodes per layer bottom->top: {', '.join(map(str, sizes))}")
+
+    cands = candidates_per_query(selected, config, T)
+    dense_keys = np.arange(1, T + 1)
+    print(
+        f"reads    candidates scored per query (all layers): mean {cands.mean():.0f}, max {cands.max()}; "
+        f"a dense query reads t+1 keys: mean {dense_keys.mean():.0f}, max {T} "
+        f"(last position: {cands[:, -1].max()} vs {T}, {T / cands[:, -1].max():.1f}x fewer)"
+    )
+
+    agree = True
+    if args.oracle_samples:
+        count = min(args.oracle_samples, T)
+        positions = np.unique(np.concatenate([[T - 1], rng.choice(T, size=count - 1, replace=False)]))
+        ref, ref_sel, fragile = htree_attention_numpy(
+            np.asarray(q), np.asarray(k), np.asarray(v), config, return_selected=True,
+            query_positions=positions, return_fragile=True,
+        )
+        same = np.ones((B, len(positions), H_kv), bool)
+        for got, want in zip(selected, ref_sel):
+            same &= (np.asarray(got)[:, positions] == want).all(axis=-1)
+        err = np.abs(o[:, positions].astype(np.float64) - ref).max()
+        tol = AGREEMENT_TOL[dtype.name]
+        # A mismatch is only excusable where the oracle flags a near-tie (fragile).
+        agree = bool(np.all(same | fragile)) and (err <= tol or bool(np.any(fragile)))
+        print(
+            f"oracle   float64 NumPy oracle at {len(positions)} positions x {B * H_kv} (batch, kv-head): "
+            f"selections identical for {same.sum()}/{same.size} ({fragile.sum()} near-ties), "
+            f"max |o - oracle| = {err:.2e} (tolerance {tol:.0e}): {'AGREES' if agree else 'DISAGREES'}"
+        )
+
+    htree_ms = _median_ms(lambda: jax.block_until_ready(run(q, k, v)), args.repeats)
+    line = f"time     median of {args.repeats} after warm-up: htree ({backend}) {htree_ms:.1f} ms"
+    if V == K:
+        alpha = config.score_scale(K)
+        dense = jax.jit(
+            lambda q, k, v: jax.nn.dot_product_attention(
+                rope_absolute(q, config.rope_base).astype(dtype),
+                rope_absolute(k, config.rope_base).astype(dtype),
+                v, is_causal=True, scale=alpha,
+            )
+        )
+        dense_ms = _median_ms(lambda: jax.block_until_ready(dense(q, k, v)), args.repeats)
+        line += f", dense jax.nn.dot_product_attention {dense_ms:.1f} ms, dense/htree = {dense_ms / htree_ms:.2f}"
+    else:
+        line += " (dense comparison needs V == K)"
+    print(line)
+    return 0 if agree else 1

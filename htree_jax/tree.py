@@ -1,0 +1,58 @@
+"""`build_tree`: the mean-pooling tree of SPEC section 1."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from htree_jax.config import HTreeConfig
+from htree_jax.validation import check_config, check_kv
+
+
+def child_counts(num_children: int, compression_rate: int) -> np.ndarray:
+    """Existing children of each parent of a layer with `num_children` nodes, `[ceil(N/r)]`.
+
+    Every parent has `r` children except possibly the last (ragged) one.
+    """
+    num_parents = -(-num_children // compression_rate)
+    counts = np.full((num_parents,), compression_rate, dtype=np.int64)
+    counts[-1] = num_children - (num_parents - 1) * compression_rate
+    return counts
+
+
+def pool_layer(x, compression_rate: int):
+    """One step up the tree: the mean of each node's existing children.
+
+    `x [B, N, H_kv, D]` (any float dtype) -> `[B, ceil(N/r), H_kv, D]` in `x.dtype`,
+    summed and divided in float32 (SPEC: computed in float32 from the stored layer
+    below, stored in the input dtype).
+    """
+    B, N, H, D = x.shape
+    r = compression_rate
+    counts = child_counts(N, r)
+    num_parents = counts.shape[0]
+    x32 = x.astype(jnp.float32)
+    pad = num_parents * r - N
+    if pad:
+        x32 = jnp.pad(x32, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    sums = x32.reshape(B, num_parents, r, H, D).sum(axis=2)
+    means = sums / jnp.asarray(counts, jnp.float32)[None, :, None, None]
+    return means.astype(x.dtype)
+
+
+def build_tree(k, v, config: HTreeConfig | None = None) -> list[tuple[jax.Array, jax.Array]]:
+    """The mean-pooling tree of `k [B,T,H_kv,K]` and `v [B,T,H_kv,V]`.
+
+    Returns `[(K_0, V_0), ..., (K_{L-1}, V_{L-1})]`, bottom layer first, with
+    `K_0 = k`, `V_0 = v` and `K_l [B, N_l, H_kv, K]`, `N_l = config.layer_sizes(T)[l]`.
+    Node `i` of layer `l` is the mean of children `[i*r, min(i*r + r, N_{l-1}))`.
+    """
+    config = check_config(config)
+    dims = check_kv(k, v)
+    k, v = jnp.asarray(k), jnp.asarray(v)
+    layers = [(k, v)]
+    for _ in config.layer_sizes(dims.seq_len)[1:]:
+        k_up, v_up = layers[-1]
+        layers.append((pool_layer(k_up, config.compression_rate), pool_layer(v_up, config.compression_rate)))
+    return layers

@@ -1,0 +1,205 @@
+"""The float64 NumPy oracle: a per-(b, t, h_kv) loop that reads like SPEC.md.
+
+Everything is computed in float64 except where the spec fixes a narrower type:
+tree layers are rounded to the input dtype when stored (SPEC 1), and the importance is
+rounded to float32 before it is bit-packed (SPEC 2.3). It is slow on purpose: every
+other implementation is tested against it, so it must stay obviously right.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from htree_jax.config import HTreeConfig
+
+FORCED_IMPORTANCE = np.float32(1e6)
+# Relative perturbation of the importance under which `fragile` checks a selection.
+# float32 implementations compute importance to ~1e-6 relative (measured: no float32
+# selection differed from the oracle outside this band in 21600 random queries).
+FRAGILE_RTOL = 1e-5
+
+
+def build_tree_numpy(k, v, config: HTreeConfig):
+    """Mean-pooling tree in float64, each layer rounded to the input dtype when stored.
+
+    Returns `[(K_0, V_0), ...]` bottom first, float64 arrays `[B, N_l, H_kv, D]`.
+    """
+    k, v = np.asarray(k), np.asarray(v)
+    stored = k.dtype
+    r = config.compression_rate
+    layers = [(k.astype(np.float64), v.astype(np.float64))]
+    for n_up in config.layer_sizes(k.shape[1])[1:]:
+        below = layers[-1]
+        up = []
+        for x in below:
+            n_below = x.shape[1]
+            pooled = np.stack(
+                [x[:, i * r : min(i * r + r, n_below)].mean(axis=1) for i in range(n_up)], axis=1
+            )
+            up.append(pooled.astype(stored).astype(np.float64))
+        layers.append(tuple(up))
+    return layers
+
+
+def rope(x, positions, base):
+    """Rotate-half RoPE in float64: `x [..., n, K]` rotated by `positions [n]`."""
+    K = x.shape[-1]
+    inv_freq = float(base) ** (-np.arange(0, K, 2, dtype=np.float64) / K)
+    ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(ang), np.sin(ang)
+    lo, hi = x[..., : K // 2], x[..., K // 2 :]
+    return np.concatenate([lo * cos - hi * sin, lo * sin + hi * cos], axis=-1)
+
+
+def pack_keys(importance_f32, positions, log_n):
+    """SPEC 2.3: float32 bits with the low `log_n` bits replaced by `~p` (int64 keys)."""
+    mask = (1 << log_n) - 1
+    bits = np.asarray(importance_f32, np.float32).view(np.int32).astype(np.int64)
+    return (bits & ~mask) | (mask - np.asarray(positions, np.int64))
+
+
+def importance(scores, in_norm, mode):
+    """`scores [G, n]`, `in_norm [n]` (the set R) -> float64 importance `[n]` (SPEC 2.3)."""
+    G, n = scores.shape
+    if not in_norm.any():
+        return np.zeros(n)
+    s_r = scores[:, in_norm]
+    if mode == "softmax":
+        mx = s_r.max(axis=1, keepdims=True)
+        lse = mx + np.log(np.exp(s_r - mx).sum(axis=1, keepdims=True))
+        return np.exp(scores - lse).sum(axis=0)
+    m = s_r.max()
+    return np.exp(scores - m).sum(axis=0)
+
+
+@dataclasses.dataclass
+class LayerTrace:
+    layer: int
+    candidates: np.ndarray  # node indices of layer `layer`, buffer order, [n]
+    scores: np.ndarray  # float64 [G, n]
+    selected: np.ndarray  # node indices kept for refinement (ascending); empty at l = 0
+    merged: np.ndarray  # node indices folded into the softmax
+    fragile: bool  # the selection could flip under a FRAGILE_RTOL change of importance
+
+
+@dataclasses.dataclass
+class QueryTrace:
+    output: np.ndarray  # float64 [G, V]
+    layers: list  # LayerTrace, top layer first
+
+    @property
+    def fragile(self) -> bool:
+        return any(lt.fragile for lt in self.layers)
+
+
+def trace_query(q_group, layers, t, config: HTreeConfig, alpha):
+    """One `(b, t, h_kv)`: `q_group [G, K]` float64, `layers` from `build_tree_numpy`
+    sliced to one batch row and kv head (`[(K_l [N_l, K], V_l [N_l, V]), ...]`)."""
+    r, k_top, L = config.compression_rate, config.top_k, len(layers)
+    G = q_group.shape[0]
+    Vd = layers[0][1].shape[-1]
+    m = np.full(G, -np.inf)
+    S = np.zeros(G)
+    U = np.zeros((G, Vd))
+    parents = np.arange(t // r ** (L - 1) // r + 1)  # virtual parents of the top layer
+    traces = []
+    for l in reversed(range(L)):
+        K_l, V_l = layers[l]
+        c_star = (t // r**l) % r
+        n = (len(parents) - 1) * r + c_star + 1
+        pos = np.arange(n)
+        nodes = parents[pos // r] * r + pos % r
+        q_rot = rope(q_group, np.full(1, n - 1), config.rope_base)
+        k_rot = rope(K_l[nodes], pos, config.rope_base)
+        s = alpha * q_rot @ k_rot.T  # [G, n]
+        fragile = False
+        if l > 0:
+            in_norm = pos < n - 1 if config.strict_causal else np.ones(n, bool)
+            imp64 = importance(s, in_norm, config.importance)
+            imp = imp64.astype(np.float32)
+            imp[n - 1] = FORCED_IMPORTANCE
+            keys = pack_keys(imp, pos, config.log_n)
+            chosen = np.argsort(-keys, kind="stable")[: min(k_top, n)]
+            is_sel = np.zeros(n, bool)
+            is_sel[chosen] = True
+            merged_mask = ~is_sel
+            if n > k_top:
+                lo = imp64 * (1 - FRAGILE_RTOL)
+                hi = imp64 * (1 + FRAGILE_RTOL)
+                lo[n - 1] = hi[n - 1] = FORCED_IMPORTANCE
+                weakest_kept = pack_keys(lo.astype(np.float32), pos, config.log_n)[is_sel].min()
+                strongest_dropped = pack_keys(hi.astype(np.float32), pos, config.log_n)[~is_sel].max()
+                fragile = bool(strongest_dropped > weakest_kept)
+            selected = nodes[is_sel]  # ascending: nodes increase with buffer position
+        else:
+            merged_mask = np.ones(n, bool)
+            selected = nodes[:0]
+        traces.append(LayerTrace(l, nodes, s, selected, nodes[merged_mask], fragile))
+        if merged_mask.any():
+            s_m = s[:, merged_mask]
+            m_new = np.maximum(m, s_m.max(axis=1))
+            w = np.exp(s_m - m_new[:, None])
+            decay = np.exp(m - m_new)
+            S = S * decay + w.sum(axis=1)
+            U = U * decay[:, None] + w @ V_l[nodes[merged_mask]]
+            m = m_new
+        parents = selected
+    return QueryTrace(U / S[:, None], traces)
+
+
+def htree_attention_numpy(
+    q,
+    k,
+    v,
+    config: HTreeConfig | None = None,
+    return_selected: bool = False,
+    *,
+    query_positions=None,
+    return_fragile: bool = False,
+):
+    """float64 htree attention, the oracle.
+
+    Args:
+      q `[B,T,H,K]`, k `[B,T,H_kv,K]`, v `[B,T,H_kv,V]`: un-rotated, any float dtype
+        (the tree layers are rounded to it, as the spec stores them).
+      return_selected: also return the selected node lists of every layer `l >= 1`,
+        top layer first, each int64 `[B, T', H_kv, top_k]` ascending, `-1` padded.
+      query_positions: optional 1-D positions `t` to evaluate (default all of `[0, T)`);
+        outputs then have `T' = len(query_positions)` rows.
+      return_fragile: also return bool `[B, T', H_kv]`: the query's selection could
+        change under a `FRAGILE_RTOL` relative change of any importance value, so a
+        float32 implementation may legitimately select differently there.
+
+    Returns:
+      `o` float64 `[B, T', H, V]`, then the selections and/or fragile flags if asked.
+    """
+    config = config or HTreeConfig()
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    B, T, H, K = q.shape
+    H_kv = k.shape[2]
+    G = H // H_kv
+    alpha = config.score_scale(K)
+    positions = np.arange(T) if query_positions is None else np.asarray(query_positions)
+    layers = build_tree_numpy(k, v, config)
+    L = len(layers)
+    q64 = q.astype(np.float64)
+    out = np.zeros((B, len(positions), H, v.shape[-1]))
+    selected = [np.full((B, len(positions), H_kv, config.top_k), -1, np.int64) for _ in range(L - 1)]
+    fragile = np.zeros((B, len(positions), H_kv), bool)
+    for b in range(B):
+        for h_kv in range(H_kv):
+            head_layers = [(K_l[b, :, h_kv], V_l[b, :, h_kv]) for K_l, V_l in layers]
+            for i, t in enumerate(positions):
+                tr = trace_query(q64[b, t, h_kv * G : (h_kv + 1) * G], head_layers, int(t), config, alpha)
+                out[b, i, h_kv * G : (h_kv + 1) * G] = tr.output
+                fragile[b, i, h_kv] = tr.fragile
+                for j, lt in enumerate(tr.layers[:-1]):
+                    selected[j][b, i, h_kv, : len(lt.selected)] = lt.selected
+    result = (out,)
+    if return_selected:
+        result += (selected,)
+    if return_fragile:
+        result += (fragile,)
+    return result[0] if len(result) == 1 else result

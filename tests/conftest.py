@@ -1,0 +1,37 @@
+"""Shared fixtures: fresh random inputs and small multi-layer configs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig
+
+
+def random_qkv(rng, B, T, H, H_kv, K, V, dtype=np.float32, scale=1.0):
+    """Fresh normal q [B,T,H,K], k [B,T,H_kv,K], v [B,T,H_kv,V] in `dtype`."""
+    q = (scale * rng.standard_normal((B, T, H, K))).astype(dtype)
+    k = (scale * rng.standard_normal((B, T, H_kv, K))).astype(dtype)
+    v = rng.standard_normal((B, T, H_kv, V)).astype(dtype)
+    return q, k, v
+
+
+# Small configs with 3+ layers at T <= 300 (the layer counts are asserted in the tests).
+MULTI_LAYER_CASES = [
+    # (compression_rate, top_k, T)
+    (4, 4, 150),  # 150 -> 38 -> 10: 3 layers
+    (2, 8, 300),  # 300 -> 150 -> 75 -> 38 -> 19 -> 10: 6 layers
+    (8, 2, 200),  # 200 -> 25: 2 layers
+    (2, 2, 100),  # 100 -> 50 -> 25 -> 13 -> 7 -> 4: 6 layers
+]
+
+
+@pytest.fixture
+def rng(request):
+    # A different stream per test (fresh inputs), reproducible from the test's name.
+    seed = abs(hash(request.node.nodeid)) % (2**32)
+    return np.random.default_rng(seed)
+
+
+def small_config(r, top_k, **kw):
+    return HTreeConfig(compression_rate=r, top_k=top_k, **kw)

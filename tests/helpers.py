@@ -1,0 +1,52 @@
+"""Reconstruct a query's leaf set from returned selections (independently of the oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reference_numpy.htree_numpy import rope
+
+
+def leaf_set(t, selected_for_query, config, seq_len):
+    """Merged nodes of one `(b, t, h_kv)` given its selections (top layer first).
+
+    Returns a list of `(layer, node, buffer_position, n)` for every merged candidate,
+    rebuilt from SPEC 2.1 (candidates) and 2.4 (merged = candidates - selected).
+    """
+    r = config.compression_rate
+    L = config.num_layers(seq_len)
+    assert len(selected_for_query) == L - 1
+    parents = np.arange(t // r ** (L - 1) // r + 1)
+    leaves = []
+    for depth, l in enumerate(reversed(range(L))):
+        c_star = (t // r**l) % r
+        n = (len(parents) - 1) * r + c_star + 1
+        pos = np.arange(n)
+        nodes = parents[pos // r] * r + pos % r
+        if l > 0:
+            sel = np.asarray(selected_for_query[depth])
+            sel = sel[sel >= 0]
+            assert np.all(np.diff(sel) > 0), "selected nodes must be ascending"
+            assert set(sel.tolist()) <= set(nodes.tolist()), "selected nodes must be candidates"
+            assert len(sel) == min(config.top_k, n)
+            assert sel[-1] == t // r**l, "the rightmost node is always selected, and last"
+            is_merged = ~np.isin(nodes, sel)
+            parents = sel
+        else:
+            is_merged = np.ones(n, bool)
+        leaves += [(l, int(j), int(p), n) for j, p in zip(nodes[is_merged], pos[is_merged])]
+    return leaves
+
+
+def softmax_over_leaves(q_group, k_layers, v_layers, leaves, config):
+    """SPEC 3 'Equivalence': float64 softmax attention over a leaf set, `q_group [G, K]`."""
+    alpha = config.score_scale(q_group.shape[-1])
+    scores, values = [], []
+    for l, j, p, n in leaves:
+        qr = rope(q_group.astype(np.float64), np.array([n - 1]), config.rope_base)
+        kr = rope(k_layers[l][j][None].astype(np.float64), np.array([p]), config.rope_base)
+        scores.append(alpha * (qr @ kr.T)[:, 0])
+        values.append(v_layers[l][j].astype(np.float64))
+    s = np.stack(scores, axis=1)  # [G, leaves]
+    w = np.exp(s - s.max(axis=1, keepdims=True))
+    return (w @ np.stack(values)) / w.sum(axis=1, keepdims=True)

@@ -1,0 +1,62 @@
+"""HTreeConfig: defaults, derived sizes, validation, hashability."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from htree_jax import HTreeConfig
+
+
+def test_defaults_and_derived_sizes():
+    c = HTreeConfig()
+    assert (c.compression_rate, c.top_k, c.rope_base, c.scale) == (16, 512, 10000.0, None)
+    assert (c.importance, c.strict_causal) == ("softmax", True)
+    assert c.max_candidates == 8192 and c.log_n == 13
+    assert c.layer_sizes(8192) == (8192,)
+    assert c.layer_sizes(8193) == (8193, 513)
+    assert c.layer_sizes(131072) == (131072, 8192)
+    assert c.layer_sizes(524288) == (524288, 32768, 2048)
+    assert c.num_layers(1) == 1 and c.num_layers(524288) == 3
+    assert c.score_scale(64) == 64**-0.5
+    assert HTreeConfig(scale=0.5).score_scale(64) == 0.5
+
+
+def test_hashable_static_jit_argument():
+    assert hash(HTreeConfig()) == hash(HTreeConfig())
+    assert HTreeConfig(top_k=64) != HTreeConfig()
+    f = jax.jit(lambda x, config: x * config.top_k, static_argnames="config")
+    assert int(f(jnp.ones(()), config=HTreeConfig(top_k=64))) == 64
+    with pytest.raises(Exception):
+        HTreeConfig().top_k = 4  # frozen
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(compression_rate=3), "compression_rate must be a power of two"),
+        (dict(compression_rate=1), "compression_rate must be a power of two >= 2"),
+        (dict(compression_rate=0), "compression_rate"),
+        (dict(compression_rate=4.0), "compression_rate"),
+        (dict(top_k=0), "top_k must be a positive power of two"),
+        (dict(top_k=6), "top_k must be a positive power of two"),
+        (dict(top_k=-4), "top_k"),
+        (dict(rope_base=0.0), "rope_base must be a positive finite"),
+        (dict(rope_base=float("inf")), "rope_base"),
+        (dict(scale=-1.0), "scale must be None or a positive finite"),
+        (dict(scale=float("nan")), "scale"),
+        (dict(importance="max"), "importance must be one of"),
+        (dict(strict_causal=1), "strict_causal must be a bool"),
+        (dict(top_k=2**20, compression_rate=32), "at most 2\\*\\*24"),
+    ],
+)
+def test_invalid_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HTreeConfig(**kwargs)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_layer_sizes_rejects_bad_length(bad):
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        HTreeConfig().layer_sizes(bad)

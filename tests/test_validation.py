@@ -1,0 +1,68 @@
+"""Bad input raises a clear error naming the argument, before any heavy work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, htree_attention
+import htree_jax.reference as reference
+
+f32 = np.float32
+
+
+def arrays(B=1, T=8, H=4, H_kv=2, K=8, V=4, dtype=f32, Tk=None, Kk=None):
+    q = np.ones((B, T, H, K), dtype)
+    k = np.ones((B, Tk or T, H_kv, Kk or K), dtype)
+    v = np.ones((B, Tk or T, H_kv, V), dtype)
+    return q, k, v
+
+
+CASES = [
+    ("q rank", lambda: (np.ones((8, 4, 8), f32),) + arrays()[1:], ValueError, "q must have rank 4"),
+    ("k rank", lambda: (arrays()[0], np.ones((1, 8, 2, 8, 1), f32), arrays()[2]), ValueError, "k must have rank 4"),
+    ("v rank", lambda: arrays()[:2] + (np.ones((1, 8, 2), f32),), ValueError, "v must have rank 4"),
+    ("batch mismatch", lambda: (np.ones((2, 8, 4, 8), f32),) + arrays()[1:], ValueError, "agree on \\[B, T\\]"),
+    ("T mismatch", lambda: (arrays()[0],) + arrays(Tk=9)[1:], ValueError, "agree on \\[B, T\\]"),
+    ("v vs k heads", lambda: arrays()[:2] + (np.ones((1, 8, 3, 4), f32),), ValueError, "v must have shape"),
+    ("H % H_kv", lambda: arrays(H=3, H_kv=2), ValueError, "multiple of H_kv"),
+    ("odd K", lambda: arrays(K=7), ValueError, "must be even"),
+    ("K mismatch", lambda: (arrays(K=8)[0],) + arrays(Kk=6)[1:], ValueError, "same head dim K"),
+    ("T = 0", lambda: arrays(T=0), ValueError, "T = 0"),
+    ("int dtype", lambda: arrays(dtype=np.int32), TypeError, "q must have a floating dtype"),
+    ("float64", lambda: arrays(dtype=np.float64), TypeError, "floating dtype"),
+    ("mixed dtype", lambda: (arrays()[0].astype(np.float16),) + arrays()[1:], TypeError, "same dtype"),
+    ("not an array", lambda: ([[1.0]],) + arrays()[1:], TypeError, "q must be an array"),
+]
+
+
+@pytest.mark.parametrize("name, make, exc, match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_raises_before_work(monkeypatch, name, make, exc, match):
+    def must_not_run(*a, **k):
+        raise AssertionError("validation let bad input reach the computation")
+
+    monkeypatch.setattr(reference, "_forward", must_not_run)
+    with pytest.raises(exc, match=match):
+        htree_attention(*make(), HTreeConfig(compression_rate=2, top_k=2))
+
+
+def test_bad_config_backend_and_flags():
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match="config must be an HTreeConfig"):
+        htree_attention(q, k, v, {"top_k": 4})
+    with pytest.raises(ValueError, match="backend must be one of"):
+        htree_attention(q, k, v, backend="cuda")
+    with pytest.raises(TypeError, match="return_selected must be a bool"):
+        htree_attention(q, k, v, return_selected="yes")
+    with pytest.raises(ValueError, match="query_chunk must be a positive int"):
+        reference.htree_attention_reference(q, k, v, HTreeConfig(), query_chunk=0)
+
+
+def test_nan_input_does_not_crash():
+    q, k, v = arrays(T=40)
+    q = q.copy()
+    q[0, 3] = np.nan
+    o = np.asarray(htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2)))
+    assert o.shape == (1, 40, 4, 4)
+    # Queries that did not read the NaN stay finite.
+    assert np.all(np.isfinite(o[0, :3]))
