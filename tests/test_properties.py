@@ -24,13 +24,15 @@ def test_exact_attention_when_short(rng, T, G, dtype, tol):
     q, k, v = random_qkv(rng, 2, T, G * H_kv, H_kv, K, K, dtype=dtype)  # dense needs V = K
     o, selected = htree_attention(q, k, v, config, return_selected=True)
     assert selected == []
-    dense = jax.nn.dot_product_attention(
-        rope_absolute(jnp.asarray(q), config.rope_base),
-        rope_absolute(jnp.asarray(k), config.rope_base),
-        jnp.asarray(v, jnp.float32),
-        is_causal=True,
-        scale=config.score_scale(K),
-    )
+    # Full-precision dots: on GPU the default f32 matmul is TF32 (~1e-3 relative).
+    with jax.default_matmul_precision("highest"):
+        dense = jax.nn.dot_product_attention(
+            rope_absolute(jnp.asarray(q), config.rope_base),
+            rope_absolute(jnp.asarray(k), config.rope_base),
+            jnp.asarray(v, jnp.float32),
+            is_causal=True,
+            scale=config.score_scale(K),
+        )
     assert o.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(dense), rtol=tol, atol=tol)
 
