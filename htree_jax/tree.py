@@ -38,7 +38,21 @@ def pool_layer(x, compression_rate: int):
         x32 = jnp.pad(x32, ((0, 0), (0, pad), (0, 0), (0, 0)))
     sums = x32.reshape(B, num_parents, r, H, D).sum(axis=2)
     means = sums / jnp.asarray(counts, jnp.float32)[None, :, None, None]
-    return means.astype(x.dtype)
+    return round_to_storage(means, x.dtype)
+
+
+def round_to_storage(x32, dtype):
+    """Rounds float32 `x32` to `dtype`, guaranteed even inside one jitted computation.
+
+    A plain `astype` is not enough: XLA's default `xla_allow_excess_precision` may drop
+    a float32 -> bfloat16 -> float32 round trip inside a fusion, so a jitted consumer
+    would see the unrounded float32 means and select differently from the spec (which
+    stores each layer in the input dtype). `reduce_precision` is always honoured.
+    """
+    if jnp.dtype(dtype) != jnp.float32:
+        info = jnp.finfo(dtype)
+        x32 = jax.lax.reduce_precision(x32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return x32.astype(dtype)
 
 
 def build_tree(k, v, config: HTreeConfig | None = None) -> list[tuple[jax.Array, jax.Array]]:

@@ -87,3 +87,17 @@ def test_low_precision_inputs_match_oracle(rng, dtype, tol):
     config = HTreeConfig(compression_rate=4, top_k=4)
     q, k, v = random_qkv(rng, 1, 150, 4, 2, 16, 8, dtype=np_dtype)
     assert_matches_oracle(q, k, v, config, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_selections_exact_at_default_rate(rng, dtype):
+    """Regression: inside one jit, XLA may skip the float32 -> bf16 rounding of stored
+    tree layers unless it is forced; the selections then drift from the spec. With
+    r=16 and 16 of 64 top-layer nodes kept, that showed on ~2% of queries."""
+    import ml_dtypes
+
+    np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    config = HTreeConfig(compression_rate=16, top_k=16)
+    q, k, v = random_qkv(rng, 1, 1024, 8, 2, 32, 16, dtype=np_dtype)
+    fragile = assert_matches_oracle(q, k, v, config, rtol=2e-2, atol=2e-2)
+    assert fragile.mean() < 0.01
