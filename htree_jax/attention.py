@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from htree_jax.config import HTreeConfig
 from htree_jax.reference import htree_attention_reference
 from htree_jax.validation import check_config, check_qkv
 
-# Backends that exist today. "auto" picks the best one for the default device; the
-# Pallas backend (GPU, issue 3) will join this table.
-BACKENDS = ("auto", "reference")
+# "auto" picks the best backend for the default device. The Pallas kernels compute the
+# same function but are still slower than the reference on an H200 (benchmarks/
+# RESULTS.md, 2026-11-21), so "auto" stays on the reference until they are faster.
+BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
-def resolve_backend(backend: str) -> str:
-    """The concrete backend that `backend` names on this platform."""
+def resolve_backend(backend: str, interpret: bool = False) -> str:
+    """The concrete backend that `backend` (and `interpret`) name on this platform."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool, got {interpret!r}")
     if backend == "auto":
         return "reference"
+    if backend == "pallas" and interpret:
+        return "pallas_interpret"
+    if backend == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(
+            "backend 'pallas' needs a CUDA GPU (Triton lowering); on "
+            f"{jax.default_backend()!r} use backend='pallas_interpret' (or interpret=True) "
+            "to run the same kernels interpreted"
+        )
     return backend
 
 
@@ -30,6 +42,7 @@ def htree_attention(
     *,
     backend: str = "auto",
     return_selected: bool = False,
+    interpret: bool = False,
 ):
     """Hierarchical sparse (htree) attention, causal, with RoPE applied inside.
 
@@ -39,24 +52,31 @@ def htree_attention(
       v: `[B, T, H_kv, V]` values.
         q, k, v share one dtype: float32, bfloat16 or float16.
       config: an `HTreeConfig` (default `HTreeConfig()`), static under `jax.jit`.
-      backend: `"auto"` (the best backend for the platform) or `"reference"` (the
-        jittable JAX reference).
+      backend: `"auto"` (the best backend for the platform; today the reference),
+        `"reference"` (the jittable JAX reference), `"pallas"` (Pallas-Triton kernels,
+        CUDA GPUs; K and V in [32, 256], at most 16 query heads per kv head) or
+        `"pallas_interpret"` (the same kernels interpreted, any platform; slow).
       return_selected: also return the nodes selected for refinement at every layer
         `l >= 1` (the parent lists of the layer below), top layer first: a list of
         `L - 1` int32 arrays `[B, T, H_kv, top_k]`, ascending, `-1` padded (empty
         when `T <= top_k * compression_rate`, where htree is exact attention).
 
+      interpret: with `backend="pallas"`, run the kernels in interpret mode.
+
     Returns:
       `o [B, T, H, V]` in the input dtype, or `(o, selected)` with `return_selected`.
     """
     config = check_config(config)
-    check_qkv(q, k, v)
-    impl = resolve_backend(backend)
+    dims = check_qkv(q, k, v)
+    impl = resolve_backend(backend, interpret)
     if not isinstance(return_selected, bool):
         raise TypeError(f"return_selected must be a bool, got {return_selected!r}")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if impl == "reference":
         o, selected = htree_attention_reference(q, k, v, config)
-    else:  # pragma: no cover - resolve_backend only returns known names
-        raise AssertionError(impl)
+    else:
+        from pallas_kernels.forward import check_pallas_dims, htree_forward_pallas
+
+        check_pallas_dims(dims)
+        o, selected = htree_forward_pallas(q, k, v, config, interpret=impl == "pallas_interpret")
     return (o, selected) if return_selected else o

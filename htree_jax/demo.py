@@ -25,7 +25,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=None, help="score scale (default K**-0.5)")
     p.add_argument("--importance", default="softmax", help="softmax | shared_max")
     p.add_argument("--no-strict-causal", action="store_true", help="strict_causal=False")
-    p.add_argument("--backend", default="auto", help="htree backend (auto | reference)")
+    p.add_argument("--backend", default="auto", help="htree backend (auto | reference | pallas | pallas_interpret)")
     p.add_argument("--dtype", default="float32", choices=sorted(AGREEMENT_TOL), help="input dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--oracle-samples", type=int, default=6, help="positions checked against the oracle")

@@ -20,8 +20,8 @@ from tests.conftest import MULTI_LAYER_CASES, random_qkv
 MAX_FRAGILE_FRACTION = 0.01
 
 
-def assert_matches_oracle(q, k, v, config, rtol=1e-5, atol=1e-5):
-    o, selected = htree_attention(q, k, v, config, return_selected=True)
+def assert_matches_oracle(q, k, v, config, rtol=1e-5, atol=1e-5, backend="reference"):
+    o, selected = htree_attention(q, k, v, config, return_selected=True, backend=backend)
     ref, ref_selected, fragile = htree_attention_numpy(
         q, k, v, config, return_selected=True, return_fragile=True
     )

@@ -52,6 +52,8 @@ def test_bad_config_backend_and_flags():
         htree_attention(q, k, v, {"top_k": 4})
     with pytest.raises(ValueError, match="backend must be one of"):
         htree_attention(q, k, v, backend="cuda")
+    with pytest.raises(TypeError, match="interpret must be a bool"):
+        htree_attention(q, k, v, backend="pallas", interpret="yes")
     with pytest.raises(TypeError, match="return_selected must be a bool"):
         htree_attention(q, k, v, return_selected="yes")
     with pytest.raises(ValueError, match="query_chunk must be a positive int"):

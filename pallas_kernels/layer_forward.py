@@ -1,0 +1,317 @@
+"""Per-layer htree kernels (SPEC 2): candidate scores, importance keys, shared top-K and
+the online-softmax merge, one program per `(b, t, h_kv)`, looping over tiles of the
+candidate buffer. Each has a pure-JAX twin below with the same contract.
+
+Layouts (all padded by the wrapper in `pallas_kernels/forward.py`):
+  q        `[B, Q, H_kv, Gp, Kp]`   un-rotated, halves padded apart (`pad_rope_halves`)
+  parents  `[B, Q, H_kv, P]` int32  ascending, `-1` padded; `P * r = Mp`
+  n        `[B, Q, H_kv, 1]` int32  valid candidates (SPEC 2.1)
+  layer    `[B, H_kv, N, Kp]`, `[B, H_kv, N, Vp]` stored dtype
+  cos, sin `[Mp, Kp/2]` float32     RoPE at candidate positions (exactly rounded)
+  keys     `[B, Q, H_kv, Mp]` int32 packed importance, `-1` where invalid
+  state    m, S `[B, Q, H_kv, Gp]`, U `[B, Q, H_kv, Gp, Vp]` float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import compiler_params
+from pallas_kernels.top_k import compaction_targets, kth_largest_key
+
+FORCED_IMPORTANCE = 1e6
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStatic:
+    """Everything static about one layer launch."""
+
+    r: int
+    tile: int  # candidates per inner step: a multiple of r, a power of two >= 16
+    group: int  # real heads per group G (rows >= G are padding)
+    alpha: float
+    importance: str
+    strict_causal: bool
+    log_n: int
+    top_k: int
+    precision: lax.Precision | None
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _dot_t(a, b, precision):
+    """`a [m, k] @ b[n, k].T` in float32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=precision)
+
+
+def _rotated_query(q_ref, cos_ref, sin_ref, position):
+    """The group's queries rotated by RoPE at `position`: two halves `[Gp, Kp/2]`."""
+    half = cos_ref.shape[1]
+    c = cos_ref[pl.ds(position, 1), :]
+    s = sin_ref[pl.ds(position, 1), :]
+    lo = q_ref[:, pl.ds(0, half)].astype(jnp.float32)
+    hi = q_ref[:, pl.ds(half, half)].astype(jnp.float32)
+    return lo * c - hi * s, lo * s + hi * c
+
+
+def _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic):
+    """Scores of candidate tile `i`: `(scores [Gp, tile], valid, positions, nodes)`.
+
+    Buffer position `p = s*r + c` holds node `parents[s]*r + c`; the key there is
+    rotated by `p` (candidate-local RoPE, SPEC 2.2).
+    """
+    r, tile = st.r, st.tile
+    per_tile = tile // r
+    half = cos_ref.shape[1]
+    parents = par_ref[pl.ds(i * per_tile, per_tile)]
+    child = jnp.arange(r, dtype=jnp.int32)
+    positions = i * tile + jnp.arange(tile, dtype=jnp.int32)
+    valid = positions < n
+    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(tile), 0)
+    k_lo = k_ref[nodes, pl.ds(0, half)].astype(jnp.float32)
+    k_hi = k_ref[nodes, pl.ds(half, half)].astype(jnp.float32)
+    c = cos_ref[pl.ds(i * tile, tile), :]
+    s = sin_ref[pl.ds(i * tile, tile), :]
+    q_lo, q_hi = q_rot
+    scores = _dot_t(q_lo, k_lo * c - k_hi * s, st.precision) + _dot_t(q_hi, k_lo * s + k_hi * c, st.precision)
+    return st.alpha * scores, valid, positions, nodes
+
+
+def _online_max_sum(m, total, scores):
+    """Fold `scores [Gp, tile]` (-inf where excluded) into a running max and sum."""
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    total = total * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(scores - m_safe[:, None]), axis=1)
+    return m_new, total
+
+
+def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st: LayerStatic):
+    n = n_ref[0]
+    q_rot = _rotated_query(q_ref, cos_ref, sin_ref, n - 1)
+    gp = q_ref.shape[0]
+    num_tiles = (n + st.tile - 1) // st.tile
+    real_head = jnp.arange(gp, dtype=jnp.int32) < st.group
+    # R, the normaliser set: valid positions, less the rightmost one when strict.
+    last_in_norm = n - 1 if st.strict_causal else n
+    has_norm = last_in_norm > 0
+
+    def norm_stats(i, carry):
+        scores, _, positions, _ = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
+        in_norm = positions < last_in_norm
+        return _online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
+
+    init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
+    if st.importance == "softmax":
+        shift = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)  # lse_g
+    else:  # shared_max: one max over the real heads of the group
+        shift = jnp.broadcast_to(jnp.max(jnp.where(real_head, m, NEG_INF)), (gp,))
+        shift = jnp.where(shift == NEG_INF, 0.0, shift)
+    mask = (1 << st.log_n) - 1
+
+    def write_keys(i, carry):
+        scores, valid, positions, _ = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
+        weights = jnp.where(real_head[:, None], jnp.exp(scores - shift[:, None]), 0.0)
+        imp = jnp.where(has_norm, jnp.sum(weights, axis=0), 0.0)
+        imp = jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp)
+        bits = lax.bitcast_convert_type(imp, jnp.int32)
+        keys = (bits & ~mask) | (mask - positions)
+        keys_ref[pl.ds(i * st.tile, st.tile)] = jnp.where(valid, keys, -1)
+        return carry
+
+    def write_invalid(i, carry):
+        keys_ref[pl.ds(i * st.tile, st.tile)] = jnp.full((st.tile,), -1, jnp.int32)
+        return carry
+
+    # Loops that only store carry nothing (a constant carry does not lower to Triton).
+    lax.fori_loop(0, num_tiles, write_keys, ())
+    lax.fori_loop(num_tiles, keys_ref.shape[0] // st.tile, write_invalid, ())
+
+
+def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
+    """Shared top-K (upper layers) then the online-softmax merge of what is not kept."""
+    if bottom:
+        q_ref, par_ref, n_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref, o_ref = refs
+        keys_ref = None
+    else:
+        (q_ref, par_ref, n_ref, keys_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref,
+         m_out, s_out, u_out, next_ref) = refs
+    n = n_ref[0]
+    q_rot = _rotated_query(q_ref, cos_ref, sin_ref, n - 1)
+    num_tiles = (n + st.tile - 1) // st.tile
+    if not bottom:
+        keys = keys_ref[...]
+        kept = jnp.minimum(st.top_k, n)
+        tau = kth_largest_key(keys, kept)
+        selected = keys >= tau
+        positions = jnp.arange(keys.shape[0], dtype=jnp.int32)
+        nodes = par_ref[positions // st.r] * st.r + positions % st.r
+        # Ascending positions give ascending nodes: the next layer's parents.
+        next_ref[compaction_targets(selected, kept)] = jnp.where(selected, nodes, -1)
+
+    def merge_tile(i, carry):
+        m, total, acc = carry
+        scores, valid, _, nodes = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
+        merged = valid
+        if not bottom:
+            merged = merged & (keys_ref[pl.ds(i * st.tile, st.tile)] < tau)
+        s_m = jnp.where(merged[None, :], scores, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s_m, axis=1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        w = jnp.exp(s_m - m_safe[:, None])
+        decay = jnp.exp(m - m_safe)
+        values = v_ref[nodes, :].astype(jnp.float32)
+        acc = acc * decay[:, None] + lax.dot_general(
+            w, values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=st.precision
+        )
+        return m_new, total * decay + jnp.sum(w, axis=1), acc
+
+    m, total, acc = lax.fori_loop(0, num_tiles, merge_tile, (m_ref[...], s_ref[...], u_ref[...]))
+    if bottom:
+        o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+    else:
+        m_out[...] = m
+        s_out[...] = total
+        u_out[...] = acc
+
+
+def _specs(q, parents, layer_k, layer_v, cos):
+    """BlockSpecs shared by both kernels, grid `(B, Q, H_kv)`."""
+    _, _, _, gp, kp = q.shape
+    P = parents.shape[-1]
+    N = layer_k.shape[2]
+    per_query = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
+    per_head = lambda d: pl.BlockSpec((None, None, N, d), lambda b, i, h: (b, h, 0, 0))
+    table = pl.BlockSpec(cos.shape, lambda b, i, h: (0, 0))
+    return dict(
+        q=per_query(gp, kp), parents=per_query(P), n=per_query(1), keys=per_query(cos.shape[0]),
+        k=per_head(kp), v=per_head(layer_v.shape[-1]) if layer_v is not None else None, table=table,
+        vec=per_query(gp), mat=per_query(gp, layer_v.shape[-1]) if layer_v is not None else None,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def importance_keys_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, interpret=False):
+    """Packed importance keys of every candidate position: `[B, Q, H_kv, Mp]` int32."""
+    B, Q, H_kv = q.shape[:3]
+    sp = _specs(q, parents, layer_k, None, cos)
+    return pl.pallas_call(
+        functools.partial(_keys_kernel, st=st),
+        grid=(B, Q, H_kv),
+        in_specs=[sp["q"], sp["parents"], sp["n"], sp["k"], sp["table"], sp["table"]],
+        out_specs=sp["keys"],
+        out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, cos.shape[0]), jnp.int32),
+        compiler_params=compiler_params(st.num_warps, st.num_stages),
+        interpret=interpret,
+    )(q, parents, n, layer_k, cos, sin)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype"))
+def select_and_merge_pallas(q, parents, n, keys, layer_k, layer_v, cos, sin, state, st: LayerStatic,
+                            interpret=False, out_dtype=jnp.float32):
+    """Upper layer (`keys` given): returns `(state', next_parents [B, Q, H_kv, Mp])`,
+    the kept nodes ascending in the first `min(top_k, n)` slots, `-1` after.
+    Bottom layer (`keys=None`): returns the normalised output `[B, Q, H_kv, Gp, Vp]`."""
+    B, Q, H_kv, gp, _ = q.shape
+    vp = layer_v.shape[-1]
+    sp = _specs(q, parents, layer_k, layer_v, cos)
+    bottom = keys is None
+    in_specs = [sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"]])
+    in_specs += [sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"]]
+    args = (q, parents, n) + (() if bottom else (keys,)) + (layer_k, layer_v, cos, sin) + tuple(state)
+    if bottom:
+        out_specs = sp["mat"]
+        out_shape = jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), out_dtype)
+    else:
+        out_specs = [sp["vec"], sp["vec"], sp["mat"], sp["keys"]]
+        out_shape = [
+            jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), jnp.float32),
+            jax.ShapeDtypeStruct((B, Q, H_kv, cos.shape[0]), jnp.int32),
+        ]
+    out = pl.pallas_call(
+        functools.partial(_merge_kernel, st=st, bottom=bottom),
+        grid=(B, Q, H_kv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(st.num_warps, st.num_stages),
+        interpret=interpret,
+    )(*args)
+    if bottom:
+        return out
+    return (out[0], out[1], out[2]), out[3]
+
+
+# ---------------------------------------------------------------------------------------
+# Pure-JAX twins: the same contracts, written with the reference's building blocks.
+
+
+def _gather(layer, idx):
+    """`layer [B, H_kv, N, D]`, `idx [B, Q, H_kv, M]` -> `[B, Q, H_kv, M, D]`."""
+    per_head = jax.vmap(lambda lh, ih: lh[ih], in_axes=(0, 1), out_axes=1)
+    return jax.vmap(per_head)(layer, idx)
+
+
+def _twin_scores(q, parents, n, layer_k, cos, sin, st: LayerStatic):
+    """`[B, Q, H_kv, Gp, Mp]` scores, valid `[B, Q, H_kv, Mp]`, nodes, positions."""
+    from htree_jax.rope import apply_rope
+
+    Mp, half = cos.shape
+    positions = jnp.arange(Mp, dtype=jnp.int32)
+    nodes = parents[..., positions // st.r] * st.r + positions % st.r
+    valid = positions < n
+    gathered = _gather(layer_k, jnp.where(valid, nodes, 0)).astype(jnp.float32)
+    k_rot = apply_rope(gathered, cos, sin)
+    qpos = n - 1  # [B, Q, H_kv, 1]
+    q_rot = apply_rope(q.astype(jnp.float32), cos[qpos], sin[qpos])
+    scores = st.alpha * jnp.einsum("bqhgk,bqhmk->bqhgm", q_rot, k_rot, precision=lax.Precision.HIGHEST)
+    return scores, valid, nodes, positions
+
+
+def importance_keys_twin(q, parents, n, layer_k, cos, sin, st: LayerStatic):
+    from htree_jax.reference import importance, pack_importance
+
+    B, Q, H_kv, gp, _ = q.shape
+    scores, valid, _, positions = _twin_scores(q, parents, n, layer_k, cos, sin, st)
+    flat = lambda x: x.reshape((B * Q * H_kv,) + x.shape[3:])
+    rightmost = positions == n - 1
+    in_norm = valid & ~rightmost if st.strict_causal else valid
+    imp = importance(flat(scores)[:, : st.group], flat(in_norm), st.importance)
+    imp = jnp.where(flat(rightmost), FORCED_IMPORTANCE, imp)
+    keys = jnp.where(flat(valid), pack_importance(imp, positions[None], st.log_n), -1)
+    return keys.reshape(B, Q, H_kv, -1)
+
+
+def select_and_merge_twin(q, parents, n, keys, layer_k, layer_v, cos, sin, state, st: LayerStatic,
+                          out_dtype=jnp.float32):
+    from htree_jax.reference import merge
+
+    B, Q, H_kv, gp, _ = q.shape
+    scores, valid, nodes, positions = _twin_scores(q, parents, n, layer_k, cos, sin, st)
+    Mp = positions.shape[0]
+    flat = lambda x: x.reshape((B * Q * H_kv,) + x.shape[3:])
+    merged = valid
+    if keys is not None:
+        kept = jnp.minimum(st.top_k, n)  # [B, Q, H_kv, 1]
+        top, _ = lax.top_k(keys, Mp)
+        tau = jnp.take_along_axis(top, kept - 1, axis=-1)
+        selected = keys >= tau
+        merged = valid & ~selected
+        order = jnp.sort(jnp.where(selected, positions, Mp), axis=-1)
+        next_parents = jnp.where(order < Mp, jnp.take_along_axis(nodes, jnp.minimum(order, Mp - 1), -1), -1)
+    values = _gather(layer_v, jnp.where(valid, nodes, 0)).astype(jnp.float32)
+    m, S, U = merge(tuple(flat(x) for x in state), flat(scores), flat(values), flat(merged))
+    if keys is None:
+        return (U / S[..., None]).reshape(B, Q, H_kv, gp, -1).astype(out_dtype)
+    shape = (B, Q, H_kv)
+    return (m.reshape(shape + (gp,)), S.reshape(shape + (gp,)), U.reshape(shape + U.shape[-2:])), next_parents

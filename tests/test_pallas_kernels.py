@@ -1,0 +1,196 @@
+"""Pallas kernels in interpret mode against their pure-JAX twins, and the whole Pallas
+backend against the JAX reference and the float64 oracle (small multi-layer configs).
+On a GPU the same kernels run compiled in `benchmarks/check_pallas_gpu.py`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, htree_attention
+from htree_jax.rope import rope_table
+from pallas_kernels.common import pad_axis, pad_rope_halves
+from pallas_kernels.forward import BlockSizes, layout
+from pallas_kernels.layer_forward import (
+    LayerStatic,
+    importance_keys_pallas,
+    importance_keys_twin,
+    select_and_merge_pallas,
+    select_and_merge_twin,
+)
+from pallas_kernels.top_k import select_top_k_pallas, select_top_k_twin
+from pallas_kernels.tree_build import pool_layer_pallas, pool_layer_twin
+from tests.conftest import random_qkv
+from tests.test_oracle_agreement import assert_matches_oracle
+
+
+@pytest.mark.parametrize("r, N", [(4, 150), (16, 1000), (2, 7), (8, 8)])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_pool_kernel_equals_twin(rng, r, N, dtype):
+    x = jnp.asarray(rng.standard_normal((2, 3, N, 32)).astype(dtype))
+    got = pool_layer_pallas(x, r, interpret=True)
+    want = pool_layer_twin(x, r)
+    assert got.dtype == x.dtype and got.shape == want.shape == (2, 3, -(-N // r), 32)
+    # float32 sums in another order: last-bit differences, which after rounding to a
+    # narrower dtype can become one unit in its last place.
+    ulp = {np.float32: 1e-6, ml_dtypes.bfloat16: 2**-7, np.float16: 2**-10}[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=ulp, atol=ulp)
+
+
+@pytest.mark.parametrize("M", [16, 64, 256])
+def test_top_k_kernel_equals_twin(rng, M):
+    P = 24
+    log_n = M.bit_length() - 1
+    imp = rng.random((P, M)).astype(np.float32)
+    imp[:4] = 0.0  # ties: all equal, broken by position
+    imp[4:8] = np.round(imp[4:8], 1)  # many equal values
+    mask = (1 << log_n) - 1
+    keys = (imp.view(np.int32) & ~mask) | (mask - np.arange(M, dtype=np.int32))
+    num_valid = rng.integers(1, M + 1, size=P)
+    keys = np.where(np.arange(M)[None, :] < num_valid[:, None], keys, -1).astype(np.int32)
+    k = np.minimum(rng.integers(1, M + 1, size=P), num_valid).astype(np.int32)
+    got = np.asarray(select_top_k_pallas(jnp.asarray(keys), jnp.asarray(k), interpret=True))
+    want = np.asarray(select_top_k_twin(jnp.asarray(keys), jnp.asarray(k)))
+    np.testing.assert_array_equal(got, want)
+    assert np.all((got >= 0).sum(axis=1) == k)
+
+
+def _layer_inputs(rng, config, G, K, V, Q=6, N=None, dtype=np.float32):
+    """Random but consistent inputs of one upper layer: ascending parent lists, `n`."""
+    r = config.compression_rate
+    tile, _, P, Mp = layout(config, BlockSizes())
+    gp, kp, vp = 16, 32, 32
+    B, H_kv = 2, 2
+    N = N or r * (config.top_k + 5)
+    parents = np.full((B, Q, H_kv, P), -1, np.int32)
+    n = np.zeros((B, Q, H_kv, 1), np.int32)
+    for idx in np.ndindex(B, Q, H_kv):
+        count = rng.integers(1, config.top_k + 1)
+        chosen = np.sort(rng.choice(N // r, size=count, replace=False))
+        parents[idx][:count] = chosen
+        n[idx] = (count - 1) * r + rng.integers(0, r) + 1
+    q = pad_axis(pad_rope_halves(jnp.asarray(rng.standard_normal((B, Q, H_kv, G, K)).astype(dtype)), kp // 2), 3, gp)
+    layer_k = pad_rope_halves(jnp.asarray(rng.standard_normal((B, H_kv, N, K)).astype(dtype)), kp // 2)
+    layer_v = pad_axis(jnp.asarray(rng.standard_normal((B, H_kv, N, V)).astype(dtype)), -1, vp)
+    cos, sin = rope_table(Mp, K, config.rope_base)
+    cos, sin = pad_axis(jnp.asarray(cos), -1, kp // 2), pad_axis(jnp.asarray(sin), -1, kp // 2)
+    st = LayerStatic(r=r, tile=tile, group=G, alpha=config.score_scale(K), importance=config.importance,
+                     strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
+                     precision=jax.lax.Precision.HIGHEST)
+    m0 = jnp.asarray(rng.standard_normal((B, Q, H_kv, gp)).astype(np.float32))
+    state = (m0, jnp.exp(jnp.asarray(rng.standard_normal((B, Q, H_kv, gp)).astype(np.float32))),
+             jnp.asarray(rng.standard_normal((B, Q, H_kv, gp, vp)).astype(np.float32)))
+    return dict(q=q, parents=jnp.asarray(parents), n=jnp.asarray(n), layer_k=layer_k, layer_v=layer_v,
+                cos=cos, sin=sin, state=state, st=st)
+
+
+LAYER_CONFIGS = [
+    HTreeConfig(compression_rate=4, top_k=4),
+    HTreeConfig(compression_rate=8, top_k=8, importance="shared_max"),
+    HTreeConfig(compression_rate=2, top_k=16, strict_causal=False),
+    HTreeConfig(compression_rate=16, top_k=16),
+]
+
+
+@pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
+@pytest.mark.parametrize("G", [1, 3])
+def test_layer_kernels_equal_twins(rng, config, G):
+    a = _layer_inputs(rng, config, G=G, K=24, V=20)
+    st = a["st"]
+    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st, True)
+    keys_twin = importance_keys_twin(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st)
+    # Packed keys may differ in the last float32 bits kept (summation order); compare the
+    # importance they encode, and the exact selection via the same keys below.
+    mask = (1 << st.log_n) - 1
+    kp, kt = np.asarray(keys), np.asarray(keys_twin)
+    np.testing.assert_array_equal(kp < 0, kt < 0)
+    np.testing.assert_array_equal(kp & mask, kt & mask)
+    imp_p = (np.where(kp < 0, 0, kp) & ~mask).view(np.float32)
+    imp_t = (np.where(kt < 0, 0, kt) & ~mask).view(np.float32)
+    np.testing.assert_allclose(imp_p, imp_t, rtol=2e-3)  # one bucket of 10 mantissa bits
+
+    args = (a["q"], a["parents"], a["n"], keys, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
+    (m, S, U), nxt = select_and_merge_pallas(*args, interpret=True)
+    (m_t, S_t, U_t), nxt_t = select_and_merge_twin(*args)
+    np.testing.assert_array_equal(np.asarray(nxt)[..., : st.top_k], np.asarray(nxt_t)[..., : st.top_k])
+    for got, want in ((m, m_t), (S, S_t), (U, U_t)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    bottom = (a["q"], a["parents"], a["n"], None) + args[4:]
+    o = select_and_merge_pallas(*bottom, interpret=True)
+    o_t = select_and_merge_twin(*bottom)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
+
+
+BACKEND_CASES = [
+    # (r, top_k, T, G, importance, strict_causal)
+    (4, 4, 150, 1, "softmax", True),
+    (4, 4, 150, 4, "shared_max", False),
+    (8, 8, 200, 2, "softmax", False),
+    (8, 8, 200, 4, "shared_max", True),
+    (2, 4, 77, 2, "softmax", True),
+]
+
+
+@pytest.mark.parametrize("r, top_k, T, G, importance, strict_causal", BACKEND_CASES)
+def test_pallas_backend_equals_reference_and_oracle(rng, r, top_k, T, G, importance, strict_causal):
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal)
+    assert config.num_layers(T) >= 2
+    q, k, v = random_qkv(rng, 2, T, 2 * G, 2, 40, 36)  # non-power-of-two dims: padded inside
+    o, sel = htree_attention(q, k, v, config, backend="pallas_interpret", return_selected=True)
+    o_ref, sel_ref = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    for a, b in zip(sel, sel_ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
+    assert_matches_oracle(q, k, v, config, backend="pallas_interpret")
+
+
+def test_pallas_backend_bfloat16(rng):
+    config = HTreeConfig(compression_rate=16, top_k=4)
+    q, k, v = random_qkv(rng, 1, 300, 4, 2, 32, 32, dtype=ml_dtypes.bfloat16)
+    o = htree_attention(q, k, v, config, backend="pallas", interpret=True)
+    assert o.dtype == q.dtype
+    assert_matches_oracle(q, k, v, config, rtol=2e-2, atol=2e-2, backend="pallas_interpret")
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        (dict(K=16), "head dim K in \\[32, 256\\]"),
+        (dict(K=258), "head dim K in \\[32, 256\\]"),
+        (dict(V=8), "value dim V in \\[32, 256\\]"),
+        (dict(G=32), "at most 16 query heads per kv head"),
+    ],
+)
+def test_pallas_backend_rejects_unsupported_dims(monkeypatch, shape, match):
+    import pallas_kernels.forward as fwd
+
+    monkeypatch.setattr(fwd, "htree_forward_pallas", lambda *a, **k: pytest.fail("launched"))
+    dims = dict(K=32, V=32, G=2) | shape
+    q = np.ones((1, 8, dims["G"], dims["K"]), np.float32)
+    k = np.ones((1, 8, 1, dims["K"]), np.float32)
+    v = np.ones((1, 8, 1, dims["V"]), np.float32)
+    with pytest.raises(ValueError, match=match):
+        htree_attention(q, k, v, backend="pallas_interpret")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error")
+def test_pallas_without_gpu_says_how_to_interpret():
+    q, k, v = (np.ones((1, 8, 2, 32), np.float32) for _ in range(3))
+    with pytest.raises(ValueError, match="pallas_interpret"):
+        htree_attention(q, k[:, :, :1], v[:, :, :1], backend="pallas")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_pallas_compiled_equals_reference_on_gpu(rng):
+    config = HTreeConfig(compression_rate=16, top_k=16)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 4096, 8, 2, 64, 64))
+    o, sel = htree_attention(q, k, v, config, backend="pallas", return_selected=True)
+    o_ref, sel_ref = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    for a, b in zip(sel, sel_ref):
+        assert np.mean(np.all(np.asarray(a) == np.asarray(b), axis=-1)) >= 0.999
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-4, atol=1e-4)
