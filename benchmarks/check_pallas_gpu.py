@@ -19,43 +19,65 @@ import numpy as np
 
 from htree_jax import HTreeConfig
 from htree_jax.reference import htree_attention_reference
+from jax import lax
+
 from pallas_kernels.forward import htree_forward_pallas
+from reference_numpy import htree_attention_numpy
+
+PRECISIONS = {"default": lax.Precision.DEFAULT, "high": lax.Precision.HIGH, "highest": lax.Precision.HIGHEST}
 
 
-def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0):
+def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0, precision=None):
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((B, T, H, K)), dtype)
     k = jnp.asarray(rng.standard_normal((B, T, H_kv, K)), dtype)
     v = jnp.asarray(rng.standard_normal((B, T, H_kv, V)), dtype)
     t0 = time.perf_counter()
-    o, sel = jax.block_until_ready(htree_forward_pallas(q, k, v, config))
+    o, sel = jax.block_until_ready(htree_forward_pallas(q, k, v, config, precision=precision))
     t_pallas = time.perf_counter() - t0
     ro, rsel = jax.block_until_ready(htree_attention_reference(q, k, v, config))
     same = [float(np.mean(np.all(np.asarray(a) == np.asarray(b), axis=-1))) for a, b in zip(sel, rsel)]
-    o64, r64 = np.asarray(o, np.float64), np.asarray(ro, np.float64)
+    agree = np.ones((B, T, H_kv), bool)  # every layer's parent list identical
+    for a, b in zip(sel, rsel):
+        agree &= np.all(np.asarray(a) == np.asarray(b), axis=-1)
+    heads = np.repeat(agree, H // H_kv, axis=2)
+    o64, r64 = np.asarray(o, np.float64)[heads], np.asarray(ro, np.float64)[heads]
     rel = float(np.linalg.norm(o64 - r64) / np.linalg.norm(r64))
     worst = float(np.max(np.abs(o64 - r64)))
-    return same, rel, worst, t_pallas
+    # Are the disagreements near-ties? Ask the float64 oracle about up to 12 of them.
+    b_idx, t_idx, h_idx = np.nonzero(~agree)
+    fragile_of_mismatches = None
+    if len(t_idx):
+        pick = np.unique(t_idx[:12])
+        _, frag = htree_attention_numpy(np.asarray(q), np.asarray(k), np.asarray(v), config,
+                                        query_positions=pick, return_fragile=True)
+        mism = ~agree[:, pick]
+        fragile_of_mismatches = (int(np.sum(frag & mism)), int(np.sum(mism)))
+    return same, rel, worst, t_pallas, fragile_of_mismatches
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default="4096,32768")
     p.add_argument("--top-k", type=int, default=512)
+    p.add_argument("--low-precision", default="default", choices=sorted(PRECISIONS),
+                   help="dot precision for bfloat16 inputs (float32 inputs always use highest)")
     args = p.parse_args(argv)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     ok = True
     for T in [int(s) for s in args.sizes.split(",")]:
         for mode in ["softmax", "shared_max"]:
             config = HTreeConfig(top_k=args.top_k, importance=mode)
-            for dtype, rel_tol in [(jnp.float32, 1e-4), (jnp.bfloat16, 2e-2)]:
-                same, rel, worst, secs = check(T, dtype, config)
-                # f32: selections must match on >= 99.9% of parent lists (near-ties may flip).
-                good = rel <= rel_tol and (dtype != jnp.float32 or min(same, default=1.0) >= 0.999)
+            for dtype, rel_tol, prec in [(jnp.float32, 1e-4, "highest"), (jnp.bfloat16, 2e-2, args.low_precision)]:
+                same, rel, worst, secs, frag = check(T, dtype, config, precision=PRECISIONS[prec])
+                # Selections must match on >= 99.9% of parent lists (near-ties may flip);
+                # outputs are compared where every layer's selection matches.
+                good = rel <= rel_tol and min(same, default=1.0) >= (0.999 if dtype == jnp.float32 else 0.99)
                 ok &= good
-                print(f"T={T:6d} {mode:10s} {jnp.dtype(dtype).name:8s} layers={config.layer_sizes(T)} "
-                      f"parent lists identical {['%.5f' % s for s in same]} rel err {rel:.2e} "
-                      f"max abs {worst:.2e} first call {secs:.1f}s {'OK' if good else 'FAIL'}", flush=True)
+                print(f"T={T:6d} {mode:10s} {jnp.dtype(dtype).name:8s} dots={prec:7s} layers={config.layer_sizes(T)} "
+                      f"parent lists identical {['%.5f' % s for s in same]} rel err (agreeing queries) {rel:.2e} "
+                      f"max abs {worst:.2e}; oracle near-ties among sampled mismatches {frag} "
+                      f"first call {secs:.1f}s {'OK' if good else 'FAIL'}", flush=True)
     return 0 if ok else 1
 
 

@@ -1,4 +1,4 @@
-"""Command line: `python -m htree_jax demo [flags]`."""
+"""Command line: `python -m htree_jax demo [flags]` and `python -m htree_jax bench [flags]`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run htree through the public API and report on it")
     add_demo_arguments(demo)
+    bench = sub.add_parser("bench", help="GPU forward benchmark: htree pallas vs reference vs dense cuDNN")
+    from htree_jax.bench import add_bench_arguments, run_bench
+
+    add_bench_arguments(bench)
     args = parser.parse_args(argv)  # exits with 2 on unknown or malformed flags
     try:
+        if args.command == "bench":
+            return run_bench(args, list(sys.argv[2:] if argv is None else argv[1:]))
         return run_demo(args)
     except (DemoError, ValueError, TypeError) as e:
         print(f"python -m htree_jax {args.command}: error: {e}", file=sys.stderr)

@@ -28,7 +28,9 @@ MIN_DIM, MAX_DIM, MAX_GROUP = 32, 256, 16
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    tile: int = 128  # candidates per inner step (raised to >= 16 and >= r)
+    # Candidates per inner step (raised to >= 16 and >= r). H200 sweep, T=8192, top_k=512,
+    # TF32 dots: tile 32 / 4 warps 27.8 ms; 64/4 28.0; 128/4 46.7; 16/4 40.4 (RESULTS.md).
+    tile: int = 32
     num_warps: int = 4
     num_stages: int = 2
     chunk_budget_bytes: int = 1 << 30
@@ -62,52 +64,86 @@ def chunk_size(config, block_sizes, B, T, H_kv, Mp):
     return int(limit)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precision"))
-def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                         interpret: bool = False, precision=lax.Precision.HIGHEST):
-    """htree attention with Pallas kernels. Inputs validated by the caller.
+def default_precision(dtype):
+    """Exact float32 score dots for float32 inputs (they must match the reference to
+    1e-4); 3xTF32 (`HIGH`, see `layer_forward._dot_t`) for bfloat16/float16 inputs:
+    scores to ~1e-6, far faster than exact float32 dots (7x on an H200)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.HIGH
 
-    Returns `(o [B, T, H, V] in q.dtype, selections)` like the JAX reference.
-    """
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["layers", "cos", "sin", "q5"],
+                   meta_fields=["st", "parents_width", "chunk"])
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
+
+    layers: list  # [(K_l [B, H_kv, N_l, Kp], V_l [B, H_kv, N_l, Vp]), ...] bottom first
+    cos: jax.Array  # [Mp, Kp/2]
+    sin: jax.Array
+    q5: jax.Array  # [B, chunks * Qc, H_kv, Gp, Kp]
+    st: LayerStatic
+    parents_width: int  # P
+    chunk: int  # Qc
+
+
+def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool, precision) -> Prepared:
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
-    r, k_top = config.compression_rate, config.top_k
+    r = config.compression_rate
     kp, vp, gp = next_power_of_two(K, 32), next_power_of_two(V, 16), next_power_of_two(G, 16)
     half = kp // 2
     tile, _, P, Mp = layout(config, block_sizes)
     st = LayerStatic(
         r=r, tile=tile, group=G, alpha=config.score_scale(K), importance=config.importance,
-        strict_causal=config.strict_causal, log_n=config.log_n, top_k=k_top, precision=precision,
+        strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
+        precision=default_precision(q.dtype) if precision is None else precision,
         num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages,
     )
-
-    # Tree, in the kernels' layout [B, H_kv, N, D] with padded dims.
-    k0 = jnp.swapaxes(pad_rope_halves(k, half), 1, 2)
-    v0 = jnp.swapaxes(pad_axis(v, -1, vp), 1, 2)
-    layers = [(k0, v0)]
+    layers = [(jnp.swapaxes(pad_rope_halves(k, half), 1, 2), jnp.swapaxes(pad_axis(v, -1, vp), 1, 2))]
     for _ in config.layer_sizes(T)[1:]:
-        kl, vl = layers[-1]
-        layers.append((pool_layer_pallas(kl, r, PoolBlockSizes(), interpret),
-                       pool_layer_pallas(vl, r, PoolBlockSizes(), interpret)))
-    L = len(layers)
-
+        layers.append(tuple(pool_layer_pallas(x, r, PoolBlockSizes(), interpret) for x in layers[-1]))
     cos_np, sin_np = rope_table(Mp, K, float(config.rope_base))
-    cos = pad_axis(jnp.asarray(cos_np), -1, half)
-    sin = pad_axis(jnp.asarray(sin_np), -1, half)
-
+    cos, sin = (pad_axis(jnp.asarray(a), -1, half) for a in (cos_np, sin_np))
     q5 = pad_axis(pad_rope_halves(q.reshape(B, T, H_kv, G, K), half), 3, gp)
     Qc = chunk_size(config, block_sizes, B, T, H_kv, Mp)
-    num_chunks = -(-T // Qc)
-    if num_chunks * Qc != T:
-        q5 = pad_axis(q5, 1, num_chunks * Qc)
-    slot = jnp.arange(P, dtype=jnp.int32)
+    q5 = pad_axis(q5, 1, -(-T // Qc) * Qc)
+    return Prepared(layers, cos, sin, q5, st, P, Qc)
+
+
+def top_layer_parents(t, prep: Prepared, num_layers: int, shape):
+    """Virtual parents of the top layer, `0 .. floor(i*_{L-1} / r)`, `-1` padded."""
+    r = prep.st.r
+    slot = jnp.arange(prep.parents_width, dtype=jnp.int32)
+    return jnp.broadcast_to(jnp.where(slot <= t // r ** (num_layers - 1) // r, slot, -1), shape)
+
+
+def candidate_count(parents, t, r: int, layer: int):
+    """SPEC 2.1: `n = (n_P - 1) * r + c* + 1`, `[B, Q, H_kv, 1]` int32."""
+    num_parents = jnp.sum(parents >= 0, axis=-1, keepdims=True)
+    return ((num_parents - 1) * r + (t // r**layer) % r + 1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precision"))
+def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
+                         interpret: bool = False, precision=None):
+    """htree attention with Pallas kernels. Inputs validated by the caller.
+
+    `precision` of the in-kernel score dots; `None` means `default_precision(q.dtype)`.
+    Returns `(o [B, T, H, V] in q.dtype, selections)` like the JAX reference.
+    """
+    B, T, H, _ = q.shape
+    H_kv, V = k.shape[2], v.shape[-1]
+    G = H // H_kv
+    prep = prepare(q, k, v, config, block_sizes, interpret, precision)
+    st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers)
+    num_chunks = prep.q5.shape[1] // Qc
+    gp, vp = prep.q5.shape[3], prep.layers[0][1].shape[-1]
 
     def chunk(c):
-        qc = lax.dynamic_slice_in_dim(q5, c * Qc, Qc, axis=1)
+        qc = lax.dynamic_slice_in_dim(prep.q5, c * Qc, Qc, axis=1)
         t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
-        parents = jnp.where(slot <= t // r ** (L - 1) // r, slot, -1)
-        parents = jnp.broadcast_to(parents, (B, Qc, H_kv, P))
+        parents = top_layer_parents(t, prep, L, (B, Qc, H_kv, P))
         state = (
             jnp.full((B, Qc, H_kv, gp), -jnp.inf, jnp.float32),
             jnp.zeros((B, Qc, H_kv, gp), jnp.float32),
@@ -115,25 +151,24 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
         )
         selections = []
         for l in reversed(range(L)):
-            kl, vl = layers[l]
-            num_parents = jnp.sum(parents >= 0, axis=-1, keepdims=True)
-            n = ((num_parents - 1) * r + (t // r**l) % r + 1).astype(jnp.int32)
+            kl, vl = prep.layers[l]
+            n = candidate_count(parents, t, st.r, l)
             if l > 0:
-                keys = importance_keys_pallas(qc, parents, n, kl, cos, sin, st, interpret)
+                keys = importance_keys_pallas(qc, parents, n, kl, prep.cos, prep.sin, st, interpret)
                 state, next_parents = select_and_merge_pallas(
-                    qc, parents, n, keys, kl, vl, cos, sin, state, st, interpret)
+                    qc, parents, n, keys, kl, vl, prep.cos, prep.sin, state, st, interpret)
                 parents = next_parents[..., :P]
-                selections.append(parents[..., :k_top])
+                selections.append(parents[..., : config.top_k])
             else:
-                o = select_and_merge_pallas(qc, parents, n, None, kl, vl, cos, sin, state, st,
+                o = select_and_merge_pallas(qc, parents, n, None, kl, vl, prep.cos, prep.sin, state, st,
                                             interpret, out_dtype=q.dtype)
         return o, selections
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, Qc, H_kv, gp, vp] -> [B, T, H, V]
     o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H_kv, gp, vp)[:, :T, :, :G, :V]
-    sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, k_top)[:, :T] for s in sels]
+    sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T] for s in sels]
     return o.reshape(B, T, H, V), sels
 
 
-__all__ = ["BlockSizes", "check_pallas_dims", "htree_forward_pallas"]
+__all__ = ["BlockSizes", "Prepared", "check_pallas_dims", "htree_forward_pallas", "prepare"]

@@ -44,3 +44,14 @@ def test_demo_bad_flags_exit_2(args, message):
     res = run(SMALL + args)
     assert res.returncode == 2
     assert message in res.stderr
+
+
+def test_bench_without_gpu_is_a_clear_error():
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU the benchmark runs; see benchmarks/RESULTS.md")
+    res = subprocess.run([sys.executable, "-m", "htree_jax", "bench", "--sizes", "64"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert "needs a CUDA GPU" in res.stderr
