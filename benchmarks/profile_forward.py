@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from htree_jax.bench import B, H, H_KV, K, dense_fn, inputs, median_ms
 from htree_jax import HTreeConfig
 from pallas_kernels.forward import BlockSizes, candidate_count, prepare, top_layer_parents
-from pallas_kernels.layer_forward import importance_keys_pallas, select_and_merge_pallas
+from pallas_kernels.layer_forward import importance_keys_pallas, merge_pallas, select_top_k_layer_pallas
 
 
 def main(argv=None):
@@ -50,20 +50,28 @@ def main(argv=None):
         n = candidate_count(parents, t, st.r, l)
         mean_n = float(jnp.mean(n))
         if l > 0:
-            keys_call = jax.jit(lambda *a: importance_keys_pallas(*a, st, ip))
-            kargs = (qc, parents, n, kl, prep.cos, prep.sin)
-            rows.append((f"layer {l} importance keys (2 score passes, mean n={mean_n:.0f})",
+            st_l = prep.st_top if l == L - 1 else st
+            bq = st_l.block_queries
+            blocks = lambda x, bq=bq: x[:, ::bq]
+            keys_call = jax.jit(lambda *a, st_l=st_l: importance_keys_pallas(*a, st_l, ip))
+            kargs = (qc, blocks(parents), blocks(n), kl, prep.cos, prep.sin)
+            rows.append((f"layer {l} importance keys ({bq} queries/program, 2 score passes, mean n={mean_n:.0f})",
                          median_ms(keys_call, kargs, args.iters), chunks))
             keys = keys_call(*kargs)
-            merge_call = jax.jit(lambda *a: select_and_merge_pallas(*a, st, ip))
-            margs = (qc, parents, n, keys, kl, vl, prep.cos, prep.sin, state)
-            rows.append((f"layer {l} top-K + merge (1 score pass + values)",
+            select_call = jax.jit(lambda *a: select_top_k_layer_pallas(*a, st, ip))
+            sargs = (keys, parents, n)
+            rows.append((f"layer {l} shared top-K (31-step search + compaction)",
+                         median_ms(select_call, sargs, args.iters), chunks))
+            nxt, tau = select_call(*sargs)
+            merge_call = jax.jit(lambda *a, st_l=st_l: merge_pallas(*a, st_l, ip))
+            margs = (qc, blocks(parents), blocks(n), keys, tau, kl, vl, prep.cos, prep.sin, state)
+            rows.append((f"layer {l} merge ({bq} queries/program, 1 score pass + values)",
                          median_ms(merge_call, margs, args.iters), chunks))
-            state, nxt = merge_call(*margs)
+            state = merge_call(*margs)
             parents = nxt[..., :P]
         else:
-            bottom = jax.jit(lambda *a: select_and_merge_pallas(*a, st, ip, out_dtype=q.dtype))
-            bargs = (qc, parents, n, None, kl, vl, prep.cos, prep.sin, state)
+            bottom = jax.jit(lambda *a: merge_pallas(*a, st, ip, out_dtype=q.dtype))
+            bargs = (qc, parents, n, None, None, kl, vl, prep.cos, prep.sin, state)
             rows.append((f"layer 0 merge + normalise (1 score pass + values, mean n={mean_n:.0f})",
                          median_ms(bottom, bargs, args.iters), chunks))
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)

@@ -20,7 +20,7 @@ from jax import lax
 from htree_jax.config import HTreeConfig
 from htree_jax.rope import rope_table
 from pallas_kernels.common import next_power_of_two, pad_axis, pad_rope_halves
-from pallas_kernels.layer_forward import LayerStatic, importance_keys_pallas, select_and_merge_pallas
+from pallas_kernels.layer_forward import LayerStatic, importance_keys_pallas, merge_pallas, select_top_k_layer_pallas
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 
 MIN_DIM, MAX_DIM, MAX_GROUP = 32, 256, 16
@@ -31,6 +31,9 @@ class BlockSizes:
     # Candidates per inner step (raised to >= 16 and >= r). H200 sweep, T=8192, top_k=512,
     # TF32 dots: tile 32 / 4 warps 27.8 ms; 64/4 28.0; 128/4 46.7; 16/4 40.4 (RESULTS.md).
     tile: int = 32
+    # Queries per program on the top layer, where a block of r^(L-1) neighbours shares
+    # parents, candidates and RoPE positions: one key tile then serves the whole block.
+    top_block_queries: int = 8
     num_warps: int = 4
     num_stages: int = 2
     chunk_budget_bytes: int = 1 << 30
@@ -65,14 +68,20 @@ def chunk_size(config, block_sizes, B, T, H_kv, Mp):
 
 
 def default_precision(dtype):
-    """Exact float32 score dots for float32 inputs (they must match the reference to
-    1e-4); 3xTF32 (`HIGH`, see `layer_forward._dot_t`) for bfloat16/float16 inputs:
-    scores to ~1e-6, far faster than exact float32 dots (7x on an H200)."""
+    """Score dots that decide selections: exact float32 for float32 inputs (they must
+    match the reference to 1e-4); 3xTF32 (`HIGH`, see `layer_forward._dot_t`) for
+    bfloat16/float16 inputs: scores to ~1e-6, 7x faster than exact dots on an H200."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.HIGH
 
 
+def default_merge_precision(dtype):
+    """Score dots of the merge passes, which only weigh values in the output: exact for
+    float32 inputs, TF32 (~5e-4, below bfloat16's own 4e-3) for bfloat16/float16."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["layers", "cos", "sin", "q5"],
-                   meta_fields=["st", "parents_width", "chunk"])
+                   meta_fields=["st", "st_top", "parents_width", "chunk"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
@@ -81,9 +90,10 @@ class Prepared:
     cos: jax.Array  # [Mp, Kp/2]
     sin: jax.Array
     q5: jax.Array  # [B, chunks * Qc, H_kv, Gp, Kp]
-    st: LayerStatic
+    st: LayerStatic  # every layer but the top one
+    st_top: LayerStatic  # the top layer: `block_queries` queries per program
     parents_width: int  # P
-    chunk: int  # Qc
+    chunk: int  # Qc, a multiple of st_top.block_queries
 
 
 def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool, precision) -> Prepared:
@@ -98,6 +108,7 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         r=r, tile=tile, group=G, alpha=config.score_scale(K), importance=config.importance,
         strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
         precision=default_precision(q.dtype) if precision is None else precision,
+        merge_precision=default_merge_precision(q.dtype) if precision is None else precision,
         num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages,
     )
     layers = [(jnp.swapaxes(pad_rope_halves(k, half), 1, 2), jnp.swapaxes(pad_axis(v, -1, vp), 1, 2))]
@@ -106,9 +117,13 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     cos_np, sin_np = rope_table(Mp, K, float(config.rope_base))
     cos, sin = (pad_axis(jnp.asarray(a), -1, half) for a in (cos_np, sin_np))
     q5 = pad_axis(pad_rope_halves(q.reshape(B, T, H_kv, G, K), half), 3, gp)
-    Qc = chunk_size(config, block_sizes, B, T, H_kv, Mp)
+    L = len(layers)
+    # Blocks of queries must not straddle a top-layer node: BQ divides r^(L-1).
+    bq = min(r ** (L - 1), next_power_of_two(block_sizes.top_block_queries)) if L > 1 else 1
+    st_top = dataclasses.replace(st, block_queries=bq)
+    Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp) // bq) * bq
     q5 = pad_axis(q5, 1, -(-T // Qc) * Qc)
-    return Prepared(layers, cos, sin, q5, st, P, Qc)
+    return Prepared(layers, cos, sin, q5, st, st_top, P, Qc)
 
 
 def top_layer_parents(t, prep: Prepared, num_layers: int, shape):
@@ -154,14 +169,19 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
             kl, vl = prep.layers[l]
             n = candidate_count(parents, t, st.r, l)
             if l > 0:
-                keys = importance_keys_pallas(qc, parents, n, kl, prep.cos, prep.sin, st, interpret)
-                state, next_parents = select_and_merge_pallas(
-                    qc, parents, n, keys, kl, vl, prep.cos, prep.sin, state, st, interpret)
+                st_l = prep.st_top if l == L - 1 else st
+                bq = st_l.block_queries
+                blocks = lambda x: x[:, ::bq]  # one row per block of queries sharing it
+                keys = importance_keys_pallas(qc, blocks(parents), blocks(n), kl, prep.cos, prep.sin, st_l,
+                                              interpret)
+                next_parents, tau = select_top_k_layer_pallas(keys, parents, n, st, interpret)
+                state = merge_pallas(qc, blocks(parents), blocks(n), keys, tau, kl, vl, prep.cos, prep.sin,
+                                     state, st_l, interpret)
                 parents = next_parents[..., :P]
                 selections.append(parents[..., : config.top_k])
             else:
-                o = select_and_merge_pallas(qc, parents, n, None, kl, vl, prep.cos, prep.sin, state, st,
-                                            interpret, out_dtype=q.dtype)
+                o = merge_pallas(qc, parents, n, None, None, kl, vl, prep.cos, prep.sin, state, st,
+                                 interpret, out_dtype=q.dtype)
         return o, selections
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))

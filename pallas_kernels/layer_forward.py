@@ -4,8 +4,10 @@ candidate buffer. Each has a pure-JAX twin below with the same contract.
 
 Layouts (all padded by the wrapper in `pallas_kernels/forward.py`):
   q        `[B, Q, H_kv, Gp, Kp]`   un-rotated, halves padded apart (`pad_rope_halves`)
-  parents  `[B, Q, H_kv, P]` int32  ascending, `-1` padded; `P * r = Mp`
-  n        `[B, Q, H_kv, 1]` int32  valid candidates (SPEC 2.1)
+  parents  `[B, Q/BQ, H_kv, P]` int32  ascending, `-1` padded; `P * r = Mp`; one row per
+           block of BQ queries that share them (BQ = 1 but on the top layer)
+  n        `[B, Q/BQ, H_kv, 1]` int32  valid candidates (SPEC 2.1)
+  tau      `[B, Q, H_kv, 1]` int32  smallest kept key per query
   layer    `[B, H_kv, N, Kp]`, `[B, H_kv, N, Vp]` stored dtype
   cos, sin `[Mp, Kp/2]` float32     RoPE at candidate positions (exactly rounded)
   keys     `[B, Q, H_kv, Mp]` int32 packed importance, `-1` where invalid
@@ -44,6 +46,11 @@ class LayerStatic:
     precision: lax.Precision | None
     num_warps: int = 4
     num_stages: int = 2
+    block_queries: int = 1  # queries per program; they must share parents and n
+    # Score dots of the merge passes. Their scores only weigh values in the output
+    # softmax (selection is decided by the keys kernel), so bf16/f16 inputs need
+    # only output precision here. None: same as `precision`.
+    merge_precision: lax.Precision | None = None
 
 
 def _tf32_split(x):
@@ -70,20 +77,23 @@ def _dot_t(a, b, precision):
 
 
 def _rotated_query(q_ref, cos_ref, sin_ref, position):
-    """The group's queries rotated by RoPE at `position`: two halves `[Gp, Kp/2]`."""
+    """The block's queries rotated by RoPE at `position`: two halves `[BQ*Gp, Kp/2]`
+    (`q_ref [BQ, Gp, Kp]`; the block's queries share `n`, hence `position`)."""
+    bq, gp, _ = q_ref.shape
     half = cos_ref.shape[1]
     c = cos_ref[pl.ds(position, 1), :]
     s = sin_ref[pl.ds(position, 1), :]
-    lo = q_ref[:, pl.ds(0, half)].astype(jnp.float32)
-    hi = q_ref[:, pl.ds(half, half)].astype(jnp.float32)
+    lo = q_ref[:, :, pl.ds(0, half)].astype(jnp.float32).reshape(bq * gp, half)
+    hi = q_ref[:, :, pl.ds(half, half)].astype(jnp.float32).reshape(bq * gp, half)
     return lo * c - hi * s, lo * s + hi * c
 
 
-def _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic):
-    """Scores of candidate tile `i`: `(scores [Gp, tile], valid, positions, nodes)`.
+def _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision=None):
+    """Scores of candidate tile `i`: `(scores [BQ*Gp, tile], valid, positions, nodes)`.
 
     Buffer position `p = s*r + c` holds node `parents[s]*r + c`; the key there is
-    rotated by `p` (candidate-local RoPE, SPEC 2.2).
+    rotated by `p` (candidate-local RoPE, SPEC 2.2). One gathered, rotated key tile
+    serves every query of the block.
     """
     r, tile = st.r, st.tile
     per_tile = tile // r
@@ -98,12 +108,13 @@ def _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic)
     c = cos_ref[pl.ds(i * tile, tile), :]
     s = sin_ref[pl.ds(i * tile, tile), :]
     q_lo, q_hi = q_rot
-    scores = _dot_t(q_lo, k_lo * c - k_hi * s, st.precision) + _dot_t(q_hi, k_lo * s + k_hi * c, st.precision)
+    precision = st.precision if precision is None else precision
+    scores = _dot_t(q_lo, k_lo * c - k_hi * s, precision) + _dot_t(q_hi, k_lo * s + k_hi * c, precision)
     return st.alpha * scores, valid, positions, nodes
 
 
 def _online_max_sum(m, total, scores):
-    """Fold `scores [Gp, tile]` (-inf where excluded) into a running max and sum."""
+    """Fold `scores [R, tile]` (-inf where excluded) into a running max and sum."""
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
     total = total * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(scores - m_safe[:, None]), axis=1)
@@ -111,11 +122,12 @@ def _online_max_sum(m, total, scores):
 
 
 def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st: LayerStatic):
+    bq, gp, _ = q_ref.shape
+    rows = bq * gp
     n = n_ref[0]
     q_rot = _rotated_query(q_ref, cos_ref, sin_ref, n - 1)
-    gp = q_ref.shape[0]
     num_tiles = (n + st.tile - 1) // st.tile
-    real_head = jnp.arange(gp, dtype=jnp.int32) < st.group
+    real_head = jnp.arange(rows, dtype=jnp.int32) % gp < st.group
     # R, the normaliser set: valid positions, less the rightmost one when strict.
     last_in_norm = n - 1 if st.strict_causal else n
     has_norm = last_in_norm > 0
@@ -125,150 +137,187 @@ def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st
         in_norm = positions < last_in_norm
         return _online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
 
-    init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
     if st.importance == "softmax":
-        shift = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)  # lse_g
-    else:  # shared_max: one max over the real heads of the group
-        shift = jnp.broadcast_to(jnp.max(jnp.where(real_head, m, NEG_INF)), (gp,))
+        shift = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)  # lse per row
+    else:  # shared_max: one max over the real heads of each query's group
+        group_max = jnp.max(jnp.where(real_head, m, NEG_INF).reshape(bq, gp), axis=1)
+        shift = jnp.broadcast_to(group_max[:, None], (bq, gp)).reshape(rows)
         shift = jnp.where(shift == NEG_INF, 0.0, shift)
     mask = (1 << st.log_n) - 1
 
     def write_keys(i, carry):
         scores, valid, positions, _ = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
         weights = jnp.where(real_head[:, None], jnp.exp(scores - shift[:, None]), 0.0)
-        imp = jnp.where(has_norm, jnp.sum(weights, axis=0), 0.0)
-        imp = jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp)
+        imp = jnp.sum(weights.reshape(bq, gp, st.tile), axis=1)  # [BQ, tile]
+        imp = jnp.where(has_norm, imp, 0.0)
+        imp = jnp.where(positions[None, :] == n - 1, FORCED_IMPORTANCE, imp)
         bits = lax.bitcast_convert_type(imp, jnp.int32)
-        keys = (bits & ~mask) | (mask - positions)
-        keys_ref[pl.ds(i * st.tile, st.tile)] = jnp.where(valid, keys, -1)
+        keys = (bits & ~mask) | (mask - positions[None, :])
+        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid[None, :], keys, -1)
         return carry
 
     def write_invalid(i, carry):
-        keys_ref[pl.ds(i * st.tile, st.tile)] = jnp.full((st.tile,), -1, jnp.int32)
+        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.full((bq, st.tile), -1, jnp.int32)
         return carry
 
     # Loops that only store carry nothing (a constant carry does not lower to Triton).
     lax.fori_loop(0, num_tiles, write_keys, ())
-    lax.fori_loop(num_tiles, keys_ref.shape[0] // st.tile, write_invalid, ())
+    lax.fori_loop(num_tiles, keys_ref.shape[1] // st.tile, write_invalid, ())
+
+
+def _select_kernel(keys_ref, par_ref, n_ref, next_ref, tau_ref, *, st: LayerStatic):
+    """Shared top-K of one query: the kept nodes (ascending, the next layer's parents)
+    and `tau`, the smallest kept key (kept <=> valid and key >= tau)."""
+    keys = keys_ref[...]
+    kept = jnp.minimum(st.top_k, n_ref[0])
+    tau = kth_largest_key(keys, kept)
+    selected = keys >= tau
+    positions = jnp.arange(keys.shape[0], dtype=jnp.int32)
+    nodes = par_ref[positions // st.r] * st.r + positions % st.r
+    # Ascending positions give ascending nodes.
+    next_ref[compaction_targets(selected, kept)] = jnp.where(selected, nodes, -1)
+    tau_ref[...] = jnp.full((1,), tau, jnp.int32)
 
 
 def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
-    """Shared top-K (upper layers) then the online-softmax merge of what is not kept."""
+    """Online-softmax merge of the candidates not kept (all of them at the bottom)."""
     if bottom:
         q_ref, par_ref, n_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref, o_ref = refs
-        keys_ref = None
     else:
-        (q_ref, par_ref, n_ref, keys_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref,
-         m_out, s_out, u_out, next_ref) = refs
+        (q_ref, par_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref,
+         m_out, s_out, u_out) = refs
+    bq, gp, _ = q_ref.shape
+    rows = bq * gp
+    vp = v_ref.shape[1]
     n = n_ref[0]
     q_rot = _rotated_query(q_ref, cos_ref, sin_ref, n - 1)
     num_tiles = (n + st.tile - 1) // st.tile
     if not bottom:
-        keys = keys_ref[...]
-        kept = jnp.minimum(st.top_k, n)
-        tau = kth_largest_key(keys, kept)
-        selected = keys >= tau
-        positions = jnp.arange(keys.shape[0], dtype=jnp.int32)
-        nodes = par_ref[positions // st.r] * st.r + positions % st.r
-        # Ascending positions give ascending nodes: the next layer's parents.
-        next_ref[compaction_targets(selected, kept)] = jnp.where(selected, nodes, -1)
+        tau = tau_ref[...]  # [BQ, 1]
+    score_precision = st.precision if st.merge_precision is None else st.merge_precision
+    # Values only need the output's precision: TF32 unless exact float32 is asked for.
+    value_precision = lax.Precision.HIGHEST if score_precision == lax.Precision.HIGHEST else lax.Precision.DEFAULT
 
     def merge_tile(i, carry):
         m, total, acc = carry
-        scores, valid, _, nodes = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
-        merged = valid
-        if not bottom:
-            merged = merged & (keys_ref[pl.ds(i * st.tile, st.tile)] < tau)
-        s_m = jnp.where(merged[None, :], scores, NEG_INF)
+        scores, valid, _, nodes = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st, score_precision)
+        if bottom:
+            merged = jnp.broadcast_to(valid[None, :], (rows, st.tile))
+        else:
+            kept = keys_ref[:, pl.ds(i * st.tile, st.tile)] >= tau  # [BQ, tile]
+            merged_q = valid[None, :] & ~kept
+            merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gp, st.tile)).reshape(rows, st.tile)
+        s_m = jnp.where(merged, scores, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s_m, axis=1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
         w = jnp.exp(s_m - m_safe[:, None])
         decay = jnp.exp(m - m_safe)
         values = v_ref[nodes, :].astype(jnp.float32)
-        # Values only need the output's precision: TF32 unless exact float32 is asked for.
-        value_precision = lax.Precision.HIGHEST if st.precision == lax.Precision.HIGHEST else lax.Precision.DEFAULT
         acc = acc * decay[:, None] + lax.dot_general(
             w, values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=value_precision
         )
         return m_new, total * decay + jnp.sum(w, axis=1), acc
 
-    m, total, acc = lax.fori_loop(0, num_tiles, merge_tile, (m_ref[...], s_ref[...], u_ref[...]))
+    init = (m_ref[...].reshape(rows), s_ref[...].reshape(rows), u_ref[...].reshape(rows, vp))
+    m, total, acc = lax.fori_loop(0, num_tiles, merge_tile, init)
     if bottom:
-        o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+        o_ref[...] = (acc / total[:, None]).reshape(bq, gp, vp).astype(o_ref.dtype)
     else:
-        m_out[...] = m
-        s_out[...] = total
-        u_out[...] = acc
+        m_out[...] = m.reshape(bq, gp)
+        s_out[...] = total.reshape(bq, gp)
+        u_out[...] = acc.reshape(bq, gp, vp)
 
 
-def _specs(q, parents, layer_k, layer_v, cos):
-    """BlockSpecs shared by both kernels, grid `(B, Q, H_kv)`."""
+def _block_specs(st: LayerStatic, q, parents, layer_k, layer_v, cos):
+    """BlockSpecs for a grid `(B, Q / BQ, H_kv)`: per-query arrays in blocks of BQ
+    queries, per-block arrays (parents, n: one row per block), whole layers and tables."""
+    bq = st.block_queries
     _, _, _, gp, kp = q.shape
-    P = parents.shape[-1]
     N = layer_k.shape[2]
-    per_query = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
-    per_head = lambda d: pl.BlockSpec((None, None, N, d), lambda b, i, h: (b, h, 0, 0))
+    queries = lambda *tail: pl.BlockSpec((None, bq, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
+    block = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
+    head = lambda d: pl.BlockSpec((None, None, N, d), lambda b, i, h: (b, h, 0, 0))
     table = pl.BlockSpec(cos.shape, lambda b, i, h: (0, 0))
-    return dict(
-        q=per_query(gp, kp), parents=per_query(P), n=per_query(1), keys=per_query(cos.shape[0]),
-        k=per_head(kp), v=per_head(layer_v.shape[-1]) if layer_v is not None else None, table=table,
-        vec=per_query(gp), mat=per_query(gp, layer_v.shape[-1]) if layer_v is not None else None,
-    )
+    vp = layer_v.shape[-1] if layer_v is not None else None
+    return dict(q=queries(gp, kp), parents=block(parents.shape[-1]), n=block(1), keys=queries(cos.shape[0]),
+                tau=queries(1), k=head(kp), v=head(vp), table=table, vec=queries(gp), mat=queries(gp, vp))
+
+
+def _params(st: LayerStatic):
+    warps = st.num_warps if st.block_queries == 1 else max(st.num_warps, 8)
+    return compiler_params(warps, st.num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
 def importance_keys_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, interpret=False):
-    """Packed importance keys of every candidate position: `[B, Q, H_kv, Mp]` int32."""
+    """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position.
+
+    `q [B, Q, H_kv, Gp, Kp]`; `parents [B, Q/BQ, H_kv, P]` and `n [B, Q/BQ, H_kv, 1]`
+    one row per block of `BQ = st.block_queries` queries that share them.
+    """
     B, Q, H_kv = q.shape[:3]
-    sp = _specs(q, parents, layer_k, None, cos)
+    sp = _block_specs(st, q, parents, layer_k, None, cos)
     return pl.pallas_call(
         functools.partial(_keys_kernel, st=st),
-        grid=(B, Q, H_kv),
+        grid=(B, Q // st.block_queries, H_kv),
         in_specs=[sp["q"], sp["parents"], sp["n"], sp["k"], sp["table"], sp["table"]],
         out_specs=sp["keys"],
         out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, cos.shape[0]), jnp.int32),
-        compiler_params=compiler_params(st.num_warps, st.num_stages),
+        compiler_params=_params(st),
         interpret=interpret,
     )(q, parents, n, layer_k, cos, sin)
 
 
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def select_top_k_layer_pallas(keys, parents, n, st: LayerStatic, interpret=False):
+    """Per query: `(next_parents [B, Q, H_kv, Mp], tau [B, Q, H_kv, 1])`, the kept nodes
+    ascending in the first `min(top_k, n)` slots and `-1` after. `parents, n` per query."""
+    B, Q, H_kv, Mp = keys.shape
+    spec = lambda w: pl.BlockSpec((None, None, None, w), lambda b, i, h: (b, i, h, 0))
+    return pl.pallas_call(
+        functools.partial(_select_kernel, st=st),
+        grid=(B, Q, H_kv),
+        in_specs=[spec(Mp), spec(parents.shape[-1]), spec(1)],
+        out_specs=[spec(Mp), spec(1)],
+        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, Mp), jnp.int32),
+                   jax.ShapeDtypeStruct((B, Q, H_kv, 1), jnp.int32)],
+        compiler_params=compiler_params(st.num_warps, 1),
+        interpret=interpret,
+    )(keys, parents, n)
+
+
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype"))
-def select_and_merge_pallas(q, parents, n, keys, layer_k, layer_v, cos, sin, state, st: LayerStatic,
-                            interpret=False, out_dtype=jnp.float32):
-    """Upper layer (`keys` given): returns `(state', next_parents [B, Q, H_kv, Mp])`,
-    the kept nodes ascending in the first `min(top_k, n)` slots, `-1` after.
-    Bottom layer (`keys=None`): returns the normalised output `[B, Q, H_kv, Gp, Vp]`."""
+def merge_pallas(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, state, st: LayerStatic,
+                 interpret=False, out_dtype=jnp.float32):
+    """Upper layer (`keys`, `tau` given): the state after merging the candidates not
+    kept. Bottom layer (`keys=None`): the normalised output `[B, Q, H_kv, Gp, Vp]`.
+    `parents, n` one row per block of `st.block_queries` queries, as for the keys."""
     B, Q, H_kv, gp, _ = q.shape
     vp = layer_v.shape[-1]
-    sp = _specs(q, parents, layer_k, layer_v, cos)
+    sp = _block_specs(st, q, parents, layer_k, layer_v, cos)
     bottom = keys is None
-    in_specs = [sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"]])
+    in_specs = [sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"]]
-    args = (q, parents, n) + (() if bottom else (keys,)) + (layer_k, layer_v, cos, sin) + tuple(state)
+    args = (q, parents, n) + (() if bottom else (keys, tau)) + (layer_k, layer_v, cos, sin) + tuple(state)
     if bottom:
-        out_specs = sp["mat"]
-        out_shape = jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), out_dtype)
+        out_specs, out_shape = sp["mat"], jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), out_dtype)
     else:
-        out_specs = [sp["vec"], sp["vec"], sp["mat"], sp["keys"]]
-        out_shape = [
-            jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32),
-            jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32),
-            jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), jnp.float32),
-            jax.ShapeDtypeStruct((B, Q, H_kv, cos.shape[0]), jnp.int32),
-        ]
+        out_specs = [sp["vec"], sp["vec"], sp["mat"]]
+        out_shape = [jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32),
+                     jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32),
+                     jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), jnp.float32)]
     out = pl.pallas_call(
         functools.partial(_merge_kernel, st=st, bottom=bottom),
-        grid=(B, Q, H_kv),
+        grid=(B, Q // st.block_queries, H_kv),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=compiler_params(st.num_warps, st.num_stages),
+        compiler_params=_params(st),
         interpret=interpret,
     )(*args)
-    if bottom:
-        return out
-    return (out[0], out[1], out[2]), out[3]
+    return out if bottom else tuple(out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -281,11 +330,17 @@ def _gather(layer, idx):
     return jax.vmap(per_head)(layer, idx)
 
 
+def _per_query(x, st: LayerStatic):
+    """Block-level rows (parents, n) repeated for each query of the block."""
+    return jnp.repeat(x, st.block_queries, axis=1)
+
+
 def _twin_scores(q, parents, n, layer_k, cos, sin, st: LayerStatic):
     """`[B, Q, H_kv, Gp, Mp]` scores, valid `[B, Q, H_kv, Mp]`, nodes, positions."""
     from htree_jax.rope import apply_rope
 
-    Mp, half = cos.shape
+    parents, n = _per_query(parents, st), _per_query(n, st)
+    Mp = cos.shape[0]
     positions = jnp.arange(Mp, dtype=jnp.int32)
     nodes = parents[..., positions // st.r] * st.r + positions % st.r
     valid = positions < n
@@ -294,14 +349,14 @@ def _twin_scores(q, parents, n, layer_k, cos, sin, st: LayerStatic):
     qpos = n - 1  # [B, Q, H_kv, 1]
     q_rot = apply_rope(q.astype(jnp.float32), cos[qpos], sin[qpos])
     scores = st.alpha * jnp.einsum("bqhgk,bqhmk->bqhgm", q_rot, k_rot, precision=lax.Precision.HIGHEST)
-    return scores, valid, nodes, positions
+    return scores, valid, nodes, positions, n
 
 
 def importance_keys_twin(q, parents, n, layer_k, cos, sin, st: LayerStatic):
     from htree_jax.reference import importance, pack_importance
 
     B, Q, H_kv, gp, _ = q.shape
-    scores, valid, _, positions = _twin_scores(q, parents, n, layer_k, cos, sin, st)
+    scores, valid, _, positions, n = _twin_scores(q, parents, n, layer_k, cos, sin, st)
     flat = lambda x: x.reshape((B * Q * H_kv,) + x.shape[3:])
     rightmost = positions == n - 1
     in_norm = valid & ~rightmost if st.strict_causal else valid
@@ -311,26 +366,31 @@ def importance_keys_twin(q, parents, n, layer_k, cos, sin, st: LayerStatic):
     return keys.reshape(B, Q, H_kv, -1)
 
 
-def select_and_merge_twin(q, parents, n, keys, layer_k, layer_v, cos, sin, state, st: LayerStatic,
-                          out_dtype=jnp.float32):
+def select_top_k_layer_twin(keys, parents, n, st: LayerStatic):
+    """Twin of `select_top_k_layer_pallas` (`parents, n` per query) with `lax.top_k`."""
+    Mp = keys.shape[-1]
+    positions = jnp.arange(Mp, dtype=jnp.int32)
+    nodes = parents[..., positions // st.r] * st.r + positions % st.r
+    kept = jnp.minimum(st.top_k, n)
+    top, _ = lax.top_k(keys, Mp)
+    tau = jnp.take_along_axis(top, kept - 1, axis=-1)
+    order = jnp.sort(jnp.where(keys >= tau, positions, Mp), axis=-1)
+    next_parents = jnp.where(order < Mp, jnp.take_along_axis(nodes, jnp.minimum(order, Mp - 1), -1), -1)
+    return next_parents, tau
+
+
+def merge_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, state, st: LayerStatic,
+               out_dtype=jnp.float32):
+    """Twin of `merge_pallas`, written with the reference's `merge`."""
     from htree_jax.reference import merge
 
     B, Q, H_kv, gp, _ = q.shape
-    scores, valid, nodes, positions = _twin_scores(q, parents, n, layer_k, cos, sin, st)
-    Mp = positions.shape[0]
+    scores, valid, nodes, _, _ = _twin_scores(q, parents, n, layer_k, cos, sin, st)
     flat = lambda x: x.reshape((B * Q * H_kv,) + x.shape[3:])
-    merged = valid
-    if keys is not None:
-        kept = jnp.minimum(st.top_k, n)  # [B, Q, H_kv, 1]
-        top, _ = lax.top_k(keys, Mp)
-        tau = jnp.take_along_axis(top, kept - 1, axis=-1)
-        selected = keys >= tau
-        merged = valid & ~selected
-        order = jnp.sort(jnp.where(selected, positions, Mp), axis=-1)
-        next_parents = jnp.where(order < Mp, jnp.take_along_axis(nodes, jnp.minimum(order, Mp - 1), -1), -1)
+    merged = valid if keys is None else valid & (keys < tau)
     values = _gather(layer_v, jnp.where(valid, nodes, 0)).astype(jnp.float32)
     m, S, U = merge(tuple(flat(x) for x in state), flat(scores), flat(values), flat(merged))
     if keys is None:
         return (U / S[..., None]).reshape(B, Q, H_kv, gp, -1).astype(out_dtype)
     shape = (B, Q, H_kv)
-    return (m.reshape(shape + (gp,)), S.reshape(shape + (gp,)), U.reshape(shape + U.shape[-2:])), next_parents
+    return m.reshape(shape + (gp,)), S.reshape(shape + (gp,)), U.reshape(shape + U.shape[-2:])

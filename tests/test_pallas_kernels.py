@@ -18,8 +18,10 @@ from pallas_kernels.layer_forward import (
     LayerStatic,
     importance_keys_pallas,
     importance_keys_twin,
-    select_and_merge_pallas,
-    select_and_merge_twin,
+    merge_pallas,
+    merge_twin,
+    select_top_k_layer_pallas,
+    select_top_k_layer_twin,
 )
 from pallas_kernels.top_k import select_top_k_pallas, select_top_k_twin
 from pallas_kernels.tree_build import pool_layer_pallas, pool_layer_twin
@@ -58,16 +60,17 @@ def test_top_k_kernel_equals_twin(rng, M):
     assert np.all((got >= 0).sum(axis=1) == k)
 
 
-def _layer_inputs(rng, config, G, K, V, Q=6, N=None, dtype=np.float32):
-    """Random but consistent inputs of one upper layer: ascending parent lists, `n`."""
+def _layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_queries=1):
+    """Random but consistent inputs of one upper layer: ascending parent lists and `n`,
+    one per block of `block_queries` queries (which share them)."""
     r = config.compression_rate
     tile, _, P, Mp = layout(config, BlockSizes())
     gp, kp, vp = 16, 32, 32
     B, H_kv = 2, 2
     N = N or r * (config.top_k + 5)
-    parents = np.full((B, Q, H_kv, P), -1, np.int32)
-    n = np.zeros((B, Q, H_kv, 1), np.int32)
-    for idx in np.ndindex(B, Q, H_kv):
+    parents = np.full((B, Q // block_queries, H_kv, P), -1, np.int32)
+    n = np.zeros((B, Q // block_queries, H_kv, 1), np.int32)
+    for idx in np.ndindex(*n.shape[:3]):
         count = rng.integers(1, config.top_k + 1)
         chosen = np.sort(rng.choice(N // r, size=count, replace=False))
         parents[idx][:count] = chosen
@@ -79,7 +82,7 @@ def _layer_inputs(rng, config, G, K, V, Q=6, N=None, dtype=np.float32):
     cos, sin = pad_axis(jnp.asarray(cos), -1, kp // 2), pad_axis(jnp.asarray(sin), -1, kp // 2)
     st = LayerStatic(r=r, tile=tile, group=G, alpha=config.score_scale(K), importance=config.importance,
                      strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
-                     precision=jax.lax.Precision.HIGHEST)
+                     precision=jax.lax.Precision.HIGHEST, block_queries=block_queries)
     m0 = jnp.asarray(rng.standard_normal((B, Q, H_kv, gp)).astype(np.float32))
     state = (m0, jnp.exp(jnp.asarray(rng.standard_normal((B, Q, H_kv, gp)).astype(np.float32))),
              jnp.asarray(rng.standard_normal((B, Q, H_kv, gp, vp)).astype(np.float32)))
@@ -96,9 +99,9 @@ LAYER_CONFIGS = [
 
 
 @pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
-@pytest.mark.parametrize("G", [1, 3])
-def test_layer_kernels_equal_twins(rng, config, G):
-    a = _layer_inputs(rng, config, G=G, K=24, V=20)
+@pytest.mark.parametrize("G, block_queries", [(1, 1), (3, 1), (2, 4)])
+def test_layer_kernels_equal_twins(rng, config, G, block_queries):
+    a = _layer_inputs(rng, config, G=G, K=24, V=20, block_queries=block_queries)
     st = a["st"]
     keys = importance_keys_pallas(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st, True)
     keys_twin = importance_keys_twin(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st)
@@ -112,16 +115,19 @@ def test_layer_kernels_equal_twins(rng, config, G):
     imp_t = (np.where(kt < 0, 0, kt) & ~mask).view(np.float32)
     np.testing.assert_allclose(imp_p, imp_t, rtol=2e-3)  # one bucket of 10 mantissa bits
 
-    args = (a["q"], a["parents"], a["n"], keys, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
-    (m, S, U), nxt = select_and_merge_pallas(*args, interpret=True)
-    (m_t, S_t, U_t), nxt_t = select_and_merge_twin(*args)
+    per_query = lambda x: jnp.repeat(x, block_queries, axis=1)
+    nxt, tau = select_top_k_layer_pallas(keys, per_query(a["parents"]), per_query(a["n"]), st, True)
+    nxt_t, tau_t = select_top_k_layer_twin(keys, per_query(a["parents"]), per_query(a["n"]), st)
+    np.testing.assert_array_equal(np.asarray(tau), np.asarray(tau_t))
     np.testing.assert_array_equal(np.asarray(nxt)[..., : st.top_k], np.asarray(nxt_t)[..., : st.top_k])
-    for got, want in ((m, m_t), (S, S_t), (U, U_t)):
+
+    args = (a["q"], a["parents"], a["n"], keys, tau, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
+    for got, want in zip(merge_pallas(*args, interpret=True), merge_twin(*args)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
-    bottom = (a["q"], a["parents"], a["n"], None) + args[4:]
-    o = select_and_merge_pallas(*bottom, interpret=True)
-    o_t = select_and_merge_twin(*bottom)
+    bottom = args[:3] + (None, None) + args[5:]
+    o = merge_pallas(*bottom, interpret=True)
+    o_t = merge_twin(*bottom)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
 
 
