@@ -9,19 +9,21 @@ from htree_jax.config import HTreeConfig
 from htree_jax.reference import htree_attention_reference
 from htree_jax.validation import check_config, check_qkv
 
-# "auto" picks the best backend for the default device. The Pallas kernels compute the
-# same function but are still slower than the reference on an H200 (benchmarks/
-# RESULTS.md, 2026-11-21), so "auto" stays on the reference until they are faster.
+# "auto": the Pallas kernels on a GPU (faster than the reference at every size measured
+# on an H200, benchmarks/RESULTS.md) when they support the shapes, else the reference.
 BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
-def resolve_backend(backend: str, interpret: bool = False) -> str:
-    """The concrete backend that `backend` (and `interpret`) name on this platform."""
+def resolve_backend(backend: str, interpret: bool = False, dims=None) -> str:
+    """The concrete backend that `backend` (and `interpret`) name on this platform;
+    `dims` (from `check_qkv`) lets "auto" check the Pallas kernels' limits."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool, got {interpret!r}")
     if backend == "auto":
+        if jax.default_backend() == "gpu" and (dims is None or _pallas_supports(dims)):
+            return "pallas"
         return "reference"
     if backend == "pallas" and interpret:
         return "pallas_interpret"
@@ -32,6 +34,16 @@ def resolve_backend(backend: str, interpret: bool = False) -> str:
             "to run the same kernels interpreted"
         )
     return backend
+
+
+def _pallas_supports(dims) -> bool:
+    from pallas_kernels.forward import check_pallas_dims
+
+    try:
+        check_pallas_dims(dims)
+    except ValueError:
+        return False
+    return True
 
 
 def htree_attention(
@@ -52,7 +64,7 @@ def htree_attention(
       v: `[B, T, H_kv, V]` values.
         q, k, v share one dtype: float32, bfloat16 or float16.
       config: an `HTreeConfig` (default `HTreeConfig()`), static under `jax.jit`.
-      backend: `"auto"` (the best backend for the platform; today the reference),
+      backend: `"auto"` (`"pallas"` on a GPU when the shapes allow it, else the reference),
         `"reference"` (the jittable JAX reference), `"pallas"` (Pallas-Triton kernels,
         CUDA GPUs; K and V in [32, 256], at most 16 query heads per kv head) or
         `"pallas_interpret"` (the same kernels interpreted, any platform; slow).
@@ -68,7 +80,7 @@ def htree_attention(
     """
     config = check_config(config)
     dims = check_qkv(q, k, v)
-    impl = resolve_backend(backend, interpret)
+    impl = resolve_backend(backend, interpret, dims)
     if not isinstance(return_selected, bool):
         raise TypeError(f"return_selected must be a bool, got {return_selected!r}")
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)

@@ -68,3 +68,17 @@ def test_nan_input_does_not_crash():
     assert o.shape == (1, 40, 4, 4)
     # Queries that did not read the NaN stay finite.
     assert np.all(np.isfinite(o[0, :3]))
+
+
+def test_auto_backend_choice(monkeypatch):
+    import htree_jax.attention as attention
+    from htree_jax.validation import check_qkv
+
+    q, k, v = arrays(K=64, V=64)
+    dims = check_qkv(q, k, v)
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "cpu")
+    assert attention.resolve_backend("auto", dims=dims) == "reference"
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
+    assert attention.resolve_backend("auto", dims=dims) == "pallas"
+    # Shapes the kernels do not support fall back to the reference rather than failing.
+    assert attention.resolve_backend("auto", dims=check_qkv(*arrays(K=8, V=4))) == "reference"
