@@ -1,5 +1,10 @@
 """Pallas (Triton lowering) kernels for htree attention on NVIDIA GPUs.
 
-Empty for now: the kernels (tree build, per-layer scoring, shared top-K, online-softmax
-accumulation) arrive with the Pallas backend, each beside a pure-JAX twin.
+- `tree_build`: mean pooling, one layer up per launch.
+- `top_k`: the sort-free top-K building block (bitwise threshold search + compaction).
+- `layer_forward`: per-layer kernels (importance keys, shared top-K, online-softmax
+  merge), each beside a pure-JAX twin with the same contract.
+- `forward`: their composition, `htree_forward_pallas`.
+
+Every kernel runs with `interpret=True` on any platform; CI tests them that way.
 """

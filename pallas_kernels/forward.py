@@ -1,5 +1,7 @@
 """The Pallas forward pass: tree build, then per layer (top down) the importance-keys
-kernel and the select-and-merge kernel, over chunks of query positions.
+kernel, the per-query top-K kernel and the merge kernel (the bottom layer: merge and
+normalise only), over chunks of query positions. On the top layer, where neighbouring
+queries share everything, each program serves a block of queries.
 
 Device memory beyond inputs, tree and output: per chunk of `Qc` positions the packed
 keys and next-parent buffers (`2 * B * Qc * H_kv * Mp` int32) and the softmax state
