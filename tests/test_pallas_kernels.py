@@ -200,3 +200,15 @@ def test_pallas_compiled_equals_reference_on_gpu(rng):
     for a, b in zip(sel, sel_ref):
         assert np.mean(np.all(np.asarray(a) == np.asarray(b), axis=-1)) >= 0.999
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("B, T, G, r, top_k", [(1, 1, 2, 4, 4), (3, 2, 2, 2, 2), (1, 5, 16, 2, 2), (2, 40, 16, 4, 2)])
+def test_pallas_backend_edge_sizes(rng, B, T, G, r, top_k):
+    """T = 1, tiny T, B = 3 and the largest group (G = 16), down to 3-layer trees."""
+    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    q, k, v = random_qkv(rng, B, T, G * (2 if T == 40 else 1), 2 if T == 40 else 1, 32, 32)
+    o, sel = htree_attention(q, k, v, config, backend="pallas_interpret", return_selected=True)
+    o_ref, sel_ref = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    for a, b in zip(sel, sel_ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
