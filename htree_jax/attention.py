@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -34,6 +36,28 @@ def resolve_backend(backend: str, interpret: bool = False, dims=None) -> str:
             "to run the same kernels interpreted"
         )
     return backend
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _pallas_forward(q, k, v, config, interpret):
+    from pallas_kernels.forward import htree_forward_pallas
+
+    return htree_forward_pallas(q, k, v, config, interpret=interpret)
+
+
+def _pallas_forward_fwd(q, k, v, config, interpret):
+    return _pallas_forward(q, k, v, config, interpret), None
+
+
+def _pallas_forward_bwd(config, interpret, residuals, cotangents):
+    # pallas_call has no transpose rule; without this, jax.grad fails deep inside JAX.
+    raise NotImplementedError(
+        "gradients through backend='pallas' are not implemented yet; differentiate with "
+        "backend='reference' (plain autodiff, selection treated as constant)"
+    )
+
+
+_pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
 
 
 def _pallas_supports(dims) -> bool:
@@ -87,8 +111,8 @@ def htree_attention(
     if impl == "reference":
         o, selected = htree_attention_reference(q, k, v, config)
     else:
-        from pallas_kernels.forward import check_pallas_dims, htree_forward_pallas
+        from pallas_kernels.forward import check_pallas_dims
 
         check_pallas_dims(dims)
-        o, selected = htree_forward_pallas(q, k, v, config, interpret=impl == "pallas_interpret")
+        o, selected = _pallas_forward(q, k, v, config, impl == "pallas_interpret")
     return (o, selected) if return_selected else o
