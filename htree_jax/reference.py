@@ -212,7 +212,9 @@ def _forward(q, k, v, config: HTreeConfig, query_chunk: int):
         t = jnp.minimum(i * C + jnp.arange(C, dtype=jnp.int32), T - 1)
         return per_batch(qc, t, layers)  # o [B, H_kv, C, G, V], sels [B, H_kv, C, k_top]
 
-    o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
+    # Rematerialised under autodiff: the backward keeps only each chunk's inputs, not its
+    # [chunk, M, K] gathers, so gradient memory is bounded by the same chunking.
+    o, sels = lax.map(jax.checkpoint(chunk), jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, H_kv, C, G, V] -> [B, T, H, V]
     o = jnp.transpose(o, (1, 0, 3, 2, 4, 5)).reshape(B, num_chunks * C, H, -1)[:, :T]
     sels = [jnp.transpose(s, (1, 0, 3, 2, 4)).reshape(B, num_chunks * C, H_kv, -1)[:, :T] for s in sels]
