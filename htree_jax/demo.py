@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 
+from htree_jax.reference import candidate_count
+
 # Outputs within this of the float64 oracle count as agreement (values are O(1)).
 AGREEMENT_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 
@@ -51,7 +53,7 @@ def candidates_per_query(selected, config, seq_len):
     num_parents = t // r ** (L - 1) // r + 1  # virtual parents of the top layer
     total = 0
     for depth, l in enumerate(reversed(range(L))):
-        n = (num_parents - 1) * r + (t // r**l) % r + 1
+        n = candidate_count(num_parents, t, r, l)
         total = total + n
         if l > 0:
             num_parents = (np.asarray(selected[depth]) >= 0).sum(axis=-1)

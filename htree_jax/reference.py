@@ -76,6 +76,14 @@ def importance(scores, in_norm, mode):
     return jnp.where(has_norm, imp, 0.0)
 
 
+def candidate_count(num_parents, t, r: int, layer: int):
+    """SPEC 2.1: valid candidates `n = (n_P - 1) * r + c* + 1`, with `c* = (t // r^l) mod r`.
+
+    Plain arithmetic, so it serves NumPy and JAX arrays alike (any broadcastable shapes).
+    """
+    return (num_parents - 1) * r + (t // r**layer) % r + 1
+
+
 def select_top_k(importance_keys, valid, nodes, top_k, max_candidates):
     """Shared top-K on packed keys. `importance_keys, valid, nodes`: `[C, M]`.
 
@@ -143,9 +151,7 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha):
     selections = []
     for l in reversed(range(L)):
         K_l, V_l = layers[l]
-        num_parents = jnp.sum(parents >= 0, axis=-1)
-        c_star = (t // r**l) % r
-        n = (num_parents - 1) * r + c_star + 1  # [C]
+        n = candidate_count(jnp.sum(parents >= 0, axis=-1), t, r, l)  # [C]
         nodes = parents[:, slot] * r + child[None, :]  # [C, M]
         valid = p[None, :] < n[:, None]
         safe_nodes = jnp.where(valid, nodes, 0)

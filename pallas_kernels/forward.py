@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from htree_jax.config import HTreeConfig
+from htree_jax.reference import candidate_count as reference_candidate_count
 from htree_jax.rope import rope_table
 from pallas_kernels.common import next_power_of_two, pad_axis, pad_rope_halves
 from pallas_kernels.layer_forward import LayerStatic, importance_keys_pallas, merge_pallas, select_top_k_layer_pallas
@@ -136,9 +137,9 @@ def top_layer_parents(t, prep: Prepared, num_layers: int, shape):
 
 
 def candidate_count(parents, t, r: int, layer: int):
-    """SPEC 2.1: `n = (n_P - 1) * r + c* + 1`, `[B, Q, H_kv, 1]` int32."""
+    """Valid candidates per query, `[B, Q, H_kv, 1]` int32 (the reference's rule)."""
     num_parents = jnp.sum(parents >= 0, axis=-1, keepdims=True)
-    return ((num_parents - 1) * r + (t // r**layer) % r + 1).astype(jnp.int32)
+    return reference_candidate_count(num_parents, t, r, layer).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precision"))
