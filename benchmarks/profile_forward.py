@@ -17,8 +17,10 @@ import jax.numpy as jnp
 
 from htree_jax.bench import B, H, H_KV, K, dense_fn, inputs, median_ms
 from htree_jax import HTreeConfig
+from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import BlockSizes, candidate_count, prepare, top_layer_parents
 from pallas_kernels.layer_forward import importance_keys_pallas, merge_pallas, select_top_k_layer_pallas
+from pallas_kernels.top_layer import rotate_queries, top_importance_keys_pallas, top_merge_pallas
 
 
 def main(argv=None):
@@ -26,58 +28,89 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--tile", type=int, default=BlockSizes.tile)
+    p.add_argument("--top-tile", type=int, default=BlockSizes.top_tile)
+    p.add_argument("--top-rows", type=int, default=BlockSizes.top_rows)
+    p.add_argument("--merge-operands", default="auto", help="auto, float32, or a dtype name")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip = args.interpret
     T, config = args.T, HTreeConfig(top_k=args.top_k)
     q, k, v = inputs(T)
-    bs = BlockSizes()
-    prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None))
+    bs = BlockSizes(tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows)
+    operands = None if args.merge_operands == "float32" else args.merge_operands
+    prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None, operands))
     tree_ms = median_ms(prep_fn, (q, k, v), args.iters)
     prep = prep_fn(q, k, v)
-    st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers)
-    chunks = prep.q5.shape[1] // Qc
+    st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers)
+    G = H // H_KV
+    gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
+    chunks = prep.q4.shape[1] // Qc
     c = chunks // 2
-    qc = prep.q5[:, c * Qc : (c + 1) * Qc]
+    qc = prep.q4[:, c * Qc : (c + 1) * Qc]
     t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
-    gp, vp = prep.q5.shape[3], prep.layers[0][1].shape[-1]
-    parents = top_layer_parents(t, prep, L, (B, Qc, H_KV, P))
-    state = (jnp.full((B, Qc, H_KV, gp), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_KV, gp), jnp.float32),
-             jnp.zeros((B, Qc, H_KV, gp, vp), jnp.float32))
-    rows = [("tree build + padding (whole call)", tree_ms, 1)]
-    for l in reversed(range(L)):
+    vp, Mp = prep.layers[0][1].shape[-1], prep.cos.shape[0]
+    empty = lambda g: (jnp.full((B, Qc, H_KV, g), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_KV, g), jnp.float32),
+                       jnp.zeros((B, Qc, H_KV, g, vp), jnp.float32))
+    rows = [("tree build + padding + top-layer key rotation (whole call)", tree_ms, 1)]
+    n_top = jnp.broadcast_to(t // st.r ** (L - 1) + 1, (B, Qc, H_KV, 1))
+    rot_call = jax.jit(lambda qc, n: rotate_queries(pad_axis(qc, 3, gt), n, prep.cos, prep.sin))
+    rows.append(("top layer query rotation", median_ms(rot_call, (qc, n_top), args.iters), chunks))
+    q_top = rot_call(qc, n_top)
+    mean_n = float(jnp.mean(n_top))
+    blk = f"{st_top.block_queries} queries/program, tile {st_top.tile}"
+    if L == 1:
+        call = jax.jit(lambda *a: top_merge_pallas(*a, st_top, ip, out_dtype=q.dtype))
+        margs = (q_top, n_top, None, None, prep.top_k_rot, prep.top_v, empty(gt))
+        rows.append((f"layer 0 (top) merge + normalise ({blk}, mean n={mean_n:.0f})",
+                     median_ms(call, margs, args.iters), chunks))
+    else:
+        keys_call = jax.jit(lambda *a: top_importance_keys_pallas(*a, Mp, st_top, ip))
+        kargs = (q_top, n_top, prep.top_k_rot)
+        rows.append((f"layer {L - 1} (top) importance keys ({blk}, 2 score passes, mean n={mean_n:.0f})",
+                     median_ms(keys_call, kargs, args.iters), chunks))
+        keys = keys_call(*kargs)
+        parents = top_layer_parents(t, prep, L, (B, Qc, H_KV, P))
+        select_call = jax.jit(lambda *a: select_top_k_layer_pallas(*a, st, ip))
+        rows.append((f"layer {L - 1} shared top-K (31-step search + compaction)",
+                     median_ms(select_call, (keys, parents, n_top), args.iters), chunks))
+        nxt, tau = select_call(keys, parents, n_top)
+        merge_call = jax.jit(lambda *a: top_merge_pallas(*a, st_top, ip))
+        margs = (q_top, n_top, keys, tau, prep.top_k_rot, prep.top_v, empty(gt))
+        rows.append((f"layer {L - 1} (top) merge ({blk}, 1 score pass + values)",
+                     median_ms(merge_call, margs, args.iters), chunks))
+        state = tuple(pad_axis(x, 3, gp) for x in merge_call(*margs))
+        parents = nxt[..., :P]
+        q_rows = pad_axis(qc, 3, gp)
+    for l in reversed(range(L - 1)):
         kl, vl = prep.layers[l]
         n = candidate_count(parents, t, st.r, l)
         mean_n = float(jnp.mean(n))
         if l > 0:
-            st_l = prep.st_top if l == L - 1 else st
-            bq = st_l.block_queries
-            blocks = lambda x, bq=bq: x[:, ::bq]
-            keys_call = jax.jit(lambda *a, st_l=st_l: importance_keys_pallas(*a, st_l, ip))
-            kargs = (qc, blocks(parents), blocks(n), kl, prep.cos, prep.sin)
-            rows.append((f"layer {l} importance keys ({bq} queries/program, 2 score passes, mean n={mean_n:.0f})",
+            keys_call = jax.jit(lambda *a: importance_keys_pallas(*a, st, ip))
+            kargs = (q_rows, parents, n, kl, prep.cos, prep.sin)
+            rows.append((f"layer {l} importance keys (1 query/program, 2 score passes, mean n={mean_n:.0f})",
                          median_ms(keys_call, kargs, args.iters), chunks))
             keys = keys_call(*kargs)
             select_call = jax.jit(lambda *a: select_top_k_layer_pallas(*a, st, ip))
-            sargs = (keys, parents, n)
             rows.append((f"layer {l} shared top-K (31-step search + compaction)",
-                         median_ms(select_call, sargs, args.iters), chunks))
-            nxt, tau = select_call(*sargs)
-            merge_call = jax.jit(lambda *a, st_l=st_l: merge_pallas(*a, st_l, ip))
-            margs = (qc, blocks(parents), blocks(n), keys, tau, kl, vl, prep.cos, prep.sin, state)
-            rows.append((f"layer {l} merge ({bq} queries/program, 1 score pass + values)",
+                         median_ms(select_call, (keys, parents, n), args.iters), chunks))
+            nxt, tau = select_call(keys, parents, n)
+            merge_call = jax.jit(lambda *a: merge_pallas(*a, st, ip))
+            margs = (q_rows, parents, n, keys, tau, kl, vl, prep.cos, prep.sin, state)
+            rows.append((f"layer {l} merge (1 query/program, 1 score pass + values)",
                          median_ms(merge_call, margs, args.iters), chunks))
             state = merge_call(*margs)
             parents = nxt[..., :P]
         else:
             bottom = jax.jit(lambda *a: merge_pallas(*a, st, ip, out_dtype=q.dtype))
-            bargs = (qc, parents, n, None, None, kl, vl, prep.cos, prep.sin, state)
-            rows.append((f"layer 0 merge + normalise (1 score pass + values, mean n={mean_n:.0f})",
+            bargs = (q_rows, parents, n, None, None, kl, vl, prep.cos, prep.sin, state)
+            rows.append((f"layer 0 merge + normalise (1 query/program, 1 score pass + values, mean n={mean_n:.0f})",
                          median_ms(bottom, bargs, args.iters), chunks))
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: T={T} top_k={args.top_k} "
           f"layers={config.layer_sizes(T)} B={B} H={H} H_kv={H_KV} K=V={K} bf16, score dots {st.precision}, "
-          f"tile {st.tile}, {chunks} chunks of {Qc} positions")
+          f"tile {st.tile} (top: {st_top.tile}), merge operands {st.merge_operands}, {chunks} chunks of {Qc} positions")
     print("| stage | per chunk ms | chunks | total ms |\n|---|---|---|---|")
     total = 0.0
     for name, ms, times in rows:

@@ -1,7 +1,9 @@
 """The Pallas forward pass: tree build, then per layer (top down) the importance-keys
 kernel, the per-query top-K kernel and the merge kernel (the bottom layer: merge and
-normalise only), over chunks of query positions. On the top layer, where neighbouring
-queries share everything, each program serves a block of queries.
+normalise only), over chunks of query positions. The top layer, where neighbouring
+queries share every candidate, runs flash-attention-shaped kernels over blocks of
+queries (`pallas_kernels/top_layer.py`); the layers below, where each query has its
+own parents, one program per query (`pallas_kernels/layer_forward.py`).
 
 Device memory beyond inputs, tree and output: per chunk of `Qc` positions the packed
 keys and next-parent buffers (`2 * B * Qc * H_kv * Mp` int32) and the softmax state
@@ -24,6 +26,7 @@ from htree_jax.reference import candidate_count as reference_candidate_count
 from htree_jax.rope import rope_table
 from pallas_kernels.common import next_power_of_two, pad_axis, pad_rope_halves
 from pallas_kernels.layer_forward import LayerStatic, importance_keys_pallas, merge_pallas, select_top_k_layer_pallas
+from pallas_kernels.top_layer import pad_nodes, rotate_keys, rotate_queries, top_importance_keys_pallas, top_merge_pallas
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 
 MIN_DIM, MAX_DIM, MAX_GROUP = 32, 256, 16
@@ -34,9 +37,11 @@ class BlockSizes:
     # Candidates per inner step (raised to >= 16 and >= r). H200 sweep, T=8192, top_k=512,
     # TF32 dots: tile 32 / 4 warps 27.8 ms; 64/4 28.0; 128/4 46.7; 16/4 40.4 (RESULTS.md).
     tile: int = 32
-    # Queries per program on the top layer, where a block of r^(L-1) neighbours shares
-    # parents, candidates and RoPE positions: one key tile then serves the whole block.
-    top_block_queries: int = 8
+    # Top layer: rows (queries x heads) per program and candidates per step. All queries
+    # share the top layer's candidates, so one key tile serves `top_rows` rows.
+    top_rows: int = 128
+    top_tile: int = 64
+    top_num_warps: int = 8
     num_warps: int = 4
     num_stages: int = 2
     chunk_budget_bytes: int = 1 << 30
@@ -83,28 +88,40 @@ def default_merge_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["layers", "cos", "sin", "q5"],
+def default_merge_operands(dtype):
+    """bfloat16/float16 inputs: the merge dots take operands in the input dtype (the
+    rotated query and keys and the softmax weights rounded to it, float32 accumulation),
+    as flash attention does; the merges do not select, so this only touches the output,
+    at the input dtype's own precision. float32 inputs: float32 operands."""
+    return jnp.dtype(dtype).name if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["layers", "top_k_rot", "top_v", "cos", "sin", "q4"],
                    meta_fields=["st", "st_top", "parents_width", "chunk"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
 
     layers: list  # [(K_l [B, H_kv, N_l, Kp], V_l [B, H_kv, N_l, Vp]), ...] bottom first
+    top_k_rot: jax.Array  # the top layer's keys rotated by their position, float32, tile-padded
+    top_v: jax.Array  # the top layer's values, tile-padded
     cos: jax.Array  # [Mp, Kp/2]
     sin: jax.Array
-    q5: jax.Array  # [B, chunks * Qc, H_kv, Gp, Kp]
-    st: LayerStatic  # every layer but the top one
+    q4: jax.Array  # [B, chunks * Qc, H_kv, G, Kp]; heads padded per chunk, per kernel
+    st: LayerStatic  # the layers below the top: one query per program
     st_top: LayerStatic  # the top layer: `block_queries` queries per program
     parents_width: int  # P
     chunk: int  # Qc, a multiple of st_top.block_queries
 
 
-def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool, precision) -> Prepared:
+def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool, precision,
+            merge_operands="auto") -> Prepared:
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
     r = config.compression_rate
-    kp, vp, gp = next_power_of_two(K, 32), next_power_of_two(V, 16), next_power_of_two(G, 16)
+    kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
     half = kp // 2
     tile, _, P, Mp = layout(config, block_sizes)
     st = LayerStatic(
@@ -112,6 +129,8 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
         precision=default_precision(q.dtype) if precision is None else precision,
         merge_precision=default_merge_precision(q.dtype) if precision is None else precision,
+        merge_operands=(default_merge_operands(q.dtype) if precision is None else None)
+        if merge_operands == "auto" else merge_operands,
         num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages,
     )
     layers = [(jnp.swapaxes(pad_rope_halves(k, half), 1, 2), jnp.swapaxes(pad_axis(v, -1, vp), 1, 2))]
@@ -119,14 +138,17 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         layers.append(tuple(pool_layer_pallas(x, r, PoolBlockSizes(), interpret) for x in layers[-1]))
     cos_np, sin_np = rope_table(Mp, K, float(config.rope_base))
     cos, sin = (pad_axis(jnp.asarray(a), -1, half) for a in (cos_np, sin_np))
-    q5 = pad_axis(pad_rope_halves(q.reshape(B, T, H_kv, G, K), half), 3, gp)
-    L = len(layers)
-    # Blocks of queries must not straddle a top-layer node: BQ divides r^(L-1).
-    bq = min(r ** (L - 1), next_power_of_two(block_sizes.top_block_queries)) if L > 1 else 1
-    st_top = dataclasses.replace(st, block_queries=bq)
+    # Top layer: rows = queries x next_power_of_two(G) heads, at least 16 (a dot's minimum).
+    gt = next_power_of_two(G)
+    bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
+    top_tile = min(next_power_of_two(block_sizes.top_tile, 16), Mp)
+    st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps)
+    top_k_rot = rotate_keys(layers[-1][0], cos, sin, top_tile)
+    top_v = pad_nodes(layers[-1][1], top_tile)
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp) // bq) * bq
-    q5 = pad_axis(q5, 1, -(-T // Qc) * Qc)
-    return Prepared(layers, cos, sin, q5, st, st_top, P, Qc)
+    q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
+    q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
+    return Prepared(layers, top_k_rot, top_v, cos, sin, q4, st, st_top, P, Qc)
 
 
 def top_layer_parents(t, prep: Prepared, num_layers: int, shape):
@@ -142,54 +164,66 @@ def candidate_count(parents, t, r: int, layer: int):
     return reference_candidate_count(num_parents, t, r, layer).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precision"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precision", "merge_operands"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                         interpret: bool = False, precision=None):
+                         interpret: bool = False, precision=None, merge_operands="auto"):
     """htree attention with Pallas kernels. Inputs validated by the caller.
 
-    `precision` of the in-kernel score dots; `None` means `default_precision(q.dtype)`.
+    `precision` of the in-kernel score dots; `None` means `default_precision(q.dtype)`
+    for the importance keys and `default_merge_precision` / `default_merge_operands`
+    for the merges. `merge_operands`: "auto", None (float32) or a dtype name.
     Returns `(o [B, T, H, V] in q.dtype, selections)` like the JAX reference.
     """
     B, T, H, _ = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
-    prep = prepare(q, k, v, config, block_sizes, interpret, precision)
-    st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers)
-    num_chunks = prep.q5.shape[1] // Qc
-    gp, vp = prep.q5.shape[3], prep.layers[0][1].shape[-1]
+    prep = prepare(q, k, v, config, block_sizes, interpret, precision, merge_operands)
+    st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers)
+    num_chunks = prep.q4.shape[1] // Qc
+    vp, Mp = prep.layers[0][1].shape[-1], prep.cos.shape[0]
+    gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
+
+    def empty_state(rows):
+        return (jnp.full((B, Qc, H_kv, rows), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_kv, rows), jnp.float32),
+                jnp.zeros((B, Qc, H_kv, rows, vp), jnp.float32))
 
     def chunk(c):
-        qc = lax.dynamic_slice_in_dim(prep.q5, c * Qc, Qc, axis=1)
+        qc = lax.dynamic_slice_in_dim(prep.q4, c * Qc, Qc, axis=1)
         t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
+        # Top layer: candidates are the nodes [0, n), n = i*_{L-1} + 1 (SPEC 2.1).
+        n_top = jnp.broadcast_to(t // st.r ** (L - 1) + 1, (B, Qc, H_kv, 1))
+        q_top = rotate_queries(pad_axis(qc, 3, gt), n_top, prep.cos, prep.sin)
+        if L == 1:
+            o = top_merge_pallas(q_top, n_top, None, None, prep.top_k_rot, prep.top_v, empty_state(gt), st_top,
+                                 interpret, out_dtype=q.dtype)
+            return o[:, :, :, :G], []
+        keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_rot, Mp, st_top, interpret)
         parents = top_layer_parents(t, prep, L, (B, Qc, H_kv, P))
-        state = (
-            jnp.full((B, Qc, H_kv, gp), -jnp.inf, jnp.float32),
-            jnp.zeros((B, Qc, H_kv, gp), jnp.float32),
-            jnp.zeros((B, Qc, H_kv, gp, vp), jnp.float32),
-        )
-        selections = []
-        for l in reversed(range(L)):
+        next_parents, tau = select_top_k_layer_pallas(keys, parents, n_top, st, interpret)
+        state = top_merge_pallas(q_top, n_top, keys, tau, prep.top_k_rot, prep.top_v, empty_state(gt), st_top,
+                                 interpret)
+        # The layers below: one query per program, its G heads padded to >= 16 rows.
+        state = tuple(pad_axis(x, 3, gp) for x in state)
+        parents = next_parents[..., :P]
+        selections = [parents[..., : config.top_k]]
+        q_rows = pad_axis(qc, 3, gp)
+        for l in reversed(range(L - 1)):
             kl, vl = prep.layers[l]
             n = candidate_count(parents, t, st.r, l)
             if l > 0:
-                st_l = prep.st_top if l == L - 1 else st
-                bq = st_l.block_queries
-                blocks = lambda x: x[:, ::bq]  # one row per block of queries sharing it
-                keys = importance_keys_pallas(qc, blocks(parents), blocks(n), kl, prep.cos, prep.sin, st_l,
-                                              interpret)
+                keys = importance_keys_pallas(q_rows, parents, n, kl, prep.cos, prep.sin, st, interpret)
                 next_parents, tau = select_top_k_layer_pallas(keys, parents, n, st, interpret)
-                state = merge_pallas(qc, blocks(parents), blocks(n), keys, tau, kl, vl, prep.cos, prep.sin,
-                                     state, st_l, interpret)
+                state = merge_pallas(q_rows, parents, n, keys, tau, kl, vl, prep.cos, prep.sin, state, st, interpret)
                 parents = next_parents[..., :P]
                 selections.append(parents[..., : config.top_k])
             else:
-                o = merge_pallas(qc, parents, n, None, None, kl, vl, prep.cos, prep.sin, state, st,
+                o = merge_pallas(q_rows, parents, n, None, None, kl, vl, prep.cos, prep.sin, state, st,
                                  interpret, out_dtype=q.dtype)
-        return o, selections
+        return o[:, :, :, :G], selections
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
-    # o: [chunks, B, Qc, H_kv, gp, vp] -> [B, T, H, V]
-    o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H_kv, gp, vp)[:, :T, :, :G, :V]
+    # o: [chunks, B, Qc, H_kv, G, vp] -> [B, T, H, V]
+    o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H_kv, G, vp)[:, :T, :, :, :V]
     sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T] for s in sels]
     return o.reshape(B, T, H, V), sels
 

@@ -51,6 +51,9 @@ class LayerStatic:
     # softmax (selection is decided by the keys kernel), so bf16/f16 inputs need
     # only output precision here. None: same as `precision`.
     merge_precision: lax.Precision | None = None
+    # Operand dtype of the merge dots ("bfloat16"/"float16", float32 accumulation), as
+    # flash attention does for such inputs; None: float32 operands at merge_precision.
+    merge_operands: str | None = None
 
 
 def _tf32_split(x):
@@ -59,8 +62,8 @@ def _tf32_split(x):
     return hi, x - hi
 
 
-def _dot_t(a, b, precision):
-    """`a [m, k] @ b[n, k].T` in float32.
+def _dot_t(a, b, precision, operands=None):
+    """`a [m, k] @ b[n, k].T` in float32 (`operands`: cast both to this dtype first).
 
     `Precision.HIGH` is done here as 3xTF32 (hi*hi + hi*lo + lo*hi): ~1e-6 relative
     error on TF32 tensor cores. Pallas-Triton runs HIGH as plain TF32 (~5e-4), which is
@@ -68,6 +71,8 @@ def _dot_t(a, b, precision):
     selections at T=32768 on an H200; HIGHEST (exact float32) ran 7x slower.
     """
     dims = (((1,), (1,)), ((), ()))
+    if operands is not None:
+        return lax.dot_general(a.astype(operands), b.astype(operands), dims, preferred_element_type=jnp.float32)
     if precision == lax.Precision.HIGH:
         (a_hi, a_lo), (b_hi, b_lo) = _tf32_split(a), _tf32_split(b)
         tf32 = lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=jnp.float32,
@@ -88,7 +93,7 @@ def _rotated_query(q_ref, cos_ref, sin_ref, position):
     return lo * c - hi * s, lo * s + hi * c
 
 
-def _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision=None):
+def _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision=None, operands=None):
     """Scores of candidate tile `i`: `(scores [BQ*Gp, tile], valid, positions, nodes)`.
 
     Buffer position `p = s*r + c` holds node `parents[s]*r + c`; the key there is
@@ -109,7 +114,8 @@ def _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic,
     s = sin_ref[pl.ds(i * tile, tile), :]
     q_lo, q_hi = q_rot
     precision = st.precision if precision is None else precision
-    scores = _dot_t(q_lo, k_lo * c - k_hi * s, precision) + _dot_t(q_hi, k_lo * s + k_hi * c, precision)
+    scores = (_dot_t(q_lo, k_lo * c - k_hi * s, precision, operands)
+              + _dot_t(q_hi, k_lo * s + k_hi * c, precision, operands))
     return st.alpha * scores, valid, positions, nodes
 
 
@@ -181,6 +187,17 @@ def _select_kernel(keys_ref, par_ref, n_ref, next_ref, tau_ref, *, st: LayerStat
     tau_ref[...] = jnp.full((1,), tau, jnp.int32)
 
 
+def _weighted_values(w, values, score_precision, operands):
+    """`w [R, tile] @ values [tile, Vp]` in float32. Values only need the output's
+    precision: TF32 unless exact float32 is asked for, or `operands` (bf16/f16) dots."""
+    dims = (((1,), (0,)), ((), ()))
+    if operands is not None:
+        return lax.dot_general(w.astype(operands), values.astype(operands), dims, preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST if score_precision == lax.Precision.HIGHEST else lax.Precision.DEFAULT
+    return lax.dot_general(w, values.astype(jnp.float32), dims, preferred_element_type=jnp.float32,
+                           precision=precision)
+
+
 def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     """Online-softmax merge of the candidates not kept (all of them at the bottom)."""
     if bottom:
@@ -197,12 +214,14 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     if not bottom:
         tau = tau_ref[...]  # [BQ, 1]
     score_precision = st.precision if st.merge_precision is None else st.merge_precision
-    # Values only need the output's precision: TF32 unless exact float32 is asked for.
-    value_precision = lax.Precision.HIGHEST if score_precision == lax.Precision.HIGHEST else lax.Precision.DEFAULT
+    operands = st.merge_operands
+    if operands is not None:  # the rotated query is cast once, not per tile
+        q_rot = tuple(x.astype(operands) for x in q_rot)
 
     def merge_tile(i, carry):
         m, total, acc = carry
-        scores, valid, _, nodes = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st, score_precision)
+        scores, valid, _, nodes = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st, score_precision,
+                                               operands)
         if bottom:
             merged = jnp.broadcast_to(valid[None, :], (rows, st.tile))
         else:
@@ -214,10 +233,7 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
         w = jnp.exp(s_m - m_safe[:, None])
         decay = jnp.exp(m - m_safe)
-        values = v_ref[nodes, :].astype(jnp.float32)
-        acc = acc * decay[:, None] + lax.dot_general(
-            w, values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=value_precision
-        )
+        acc = acc * decay[:, None] + _weighted_values(w, v_ref[nodes, :], score_precision, operands)
         return m_new, total * decay + jnp.sum(w, axis=1), acc
 
     init = (m_ref[...].reshape(rows), s_ref[...].reshape(rows), u_ref[...].reshape(rows, vp))

@@ -4,6 +4,8 @@ On a GPU the same kernels run compiled in `benchmarks/check_pallas_gpu.py`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -24,6 +26,14 @@ from pallas_kernels.layer_forward import (
     select_top_k_layer_twin,
 )
 from pallas_kernels.top_k import select_top_k_pallas, select_top_k_twin
+from pallas_kernels.top_layer import (
+    pad_nodes,
+    rotate_keys,
+    rotate_queries,
+    top_importance_keys_pallas,
+    top_merge_pallas,
+    virtual_parents,
+)
 from pallas_kernels.tree_build import pool_layer_pallas, pool_layer_twin
 from tests.conftest import random_qkv
 from tests.test_oracle_agreement import assert_matches_oracle
@@ -105,15 +115,8 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries):
     st = a["st"]
     keys = importance_keys_pallas(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st, True)
     keys_twin = importance_keys_twin(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st)
-    # Packed keys may differ in the last float32 bits kept (summation order); compare the
-    # importance they encode, and the exact selection via the same keys below.
-    mask = (1 << st.log_n) - 1
-    kp, kt = np.asarray(keys), np.asarray(keys_twin)
-    np.testing.assert_array_equal(kp < 0, kt < 0)
-    np.testing.assert_array_equal(kp & mask, kt & mask)
-    imp_p = (np.where(kp < 0, 0, kp) & ~mask).view(np.float32)
-    imp_t = (np.where(kt < 0, 0, kt) & ~mask).view(np.float32)
-    np.testing.assert_allclose(imp_p, imp_t, rtol=2e-3)  # one bucket of 10 mantissa bits
+    # The exact selection is checked via the same keys below.
+    _assert_same_keys(keys, keys_twin, st.log_n)
 
     per_query = lambda x: jnp.repeat(x, block_queries, axis=1)
     nxt, tau = select_top_k_layer_pallas(keys, per_query(a["parents"]), per_query(a["n"]), st, True)
@@ -129,6 +132,62 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries):
     o = merge_pallas(*bottom, interpret=True)
     o_t = merge_twin(*bottom)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
+    # bfloat16 dot operands (the default for bf16 inputs): output precision only.
+    st_bf16 = dataclasses.replace(st, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
+    o = merge_pallas(*bottom[:-1], st_bf16, interpret=True)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
+    assert not np.allclose(np.asarray(o), np.asarray(o_t), rtol=1e-6, atol=1e-6)  # it did round
+
+
+def _assert_same_keys(got, want, log_n):
+    """Packed keys may differ in the last float32 bits kept (summation order): compare
+    validity and positions exactly and the importance they encode to one bucket."""
+    mask = (1 << log_n) - 1
+    kp, kt = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(kp < 0, kt < 0)
+    np.testing.assert_array_equal(kp & mask, kt & mask)
+    imp_p = (np.where(kp < 0, 0, kp) & ~mask).view(np.float32)
+    imp_t = (np.where(kt < 0, 0, kt) & ~mask).view(np.float32)
+    np.testing.assert_allclose(imp_p, imp_t, rtol=2e-3)  # one bucket of 10 mantissa bits
+
+
+@pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
+@pytest.mark.parametrize("G, block_queries, top_tile", [(1, 16, 16), (3, 4, 32), (8, 2, 16)])
+def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
+    """The top layer's block kernels against the per-query twins with virtual parents;
+    every query of a block has its own `n` (as at L = 1, or blocks across top nodes)."""
+    a = _layer_inputs(rng, config, G=G, K=24, V=20, Q=16)
+    r, st = config.compression_rate, a["st"]
+    Mp = a["cos"].shape[0]
+    N = min(a["layer_k"].shape[2], Mp)
+    layer_k, layer_v = a["layer_k"][:, :, :N], a["layer_v"][:, :, :N]
+    n = jnp.asarray(rng.integers(1, N + 1, size=a["n"].shape[:3] + (1,)).astype(np.int32))
+    n = n.at[0, :3].set(1).at[1, 3].set(N)  # a lone candidate (rightmost only), and all of them
+    n = jnp.broadcast_to(n[:, :, :1], n.shape) if G == 3 else n  # heads of a query share n
+    parents = virtual_parents(n, r, Mp // r)
+    gt = 1 << (G - 1).bit_length()
+    q = a["q"][:, :, :, :gt]
+    top_tile = min(top_tile, Mp)
+    st_top = dataclasses.replace(st, block_queries=block_queries, tile=top_tile)
+    q_rot = rotate_queries(q, n, a["cos"], a["sin"])
+    k_rot = rotate_keys(layer_k, a["cos"], a["sin"], top_tile)
+
+    keys = top_importance_keys_pallas(q_rot, n, k_rot, Mp, st_top, interpret=True)
+    _assert_same_keys(keys, importance_keys_twin(q, parents, n, layer_k, a["cos"], a["sin"], st), st.log_n)
+
+    _, tau = select_top_k_layer_twin(keys, parents, n, st)
+    state = tuple(x[:, :, :, :gt] for x in a["state"])
+    got = top_merge_pallas(q_rot, n, keys, tau, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
+    want = merge_twin(q, parents, n, keys, tau, layer_k, layer_v, a["cos"], a["sin"], state, st)
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+    o = top_merge_pallas(q_rot, n, None, None, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
+    o_t = merge_twin(q, parents, n, None, None, layer_k, layer_v, a["cos"], a["sin"], state, st)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
+    st_bf16 = dataclasses.replace(st_top, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
+    o = top_merge_pallas(q_rot, n, None, None, k_rot, pad_nodes(layer_v, top_tile), state, st_bf16, interpret=True)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
 
 
 BACKEND_CASES = [

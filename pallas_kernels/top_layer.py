@@ -1,0 +1,290 @@
+"""Top-layer kernels (SPEC 2 for `l = L-1`), shaped like flash attention.
+
+On the top layer the parents are virtual (`0, 1, ...`), so candidate position `p` holds
+node `p` itself and the valid candidates of query `t` are the contiguous nodes
+`[0, n)`, `n = floor(t / r^(L-1)) + 1`. Two consequences make this layer a dense,
+block-causal attention instead of a gather:
+- the key at position `p` is rotated by `p`, the same for every query, so the layer's
+  keys are rotated once (`rotate_keys`, float32) and read as contiguous tiles;
+- neighbouring queries differ only in `n`, so one program serves a block of `BQ`
+  queries (`BQ * Gt` rows, `Gt = next_power_of_two(G)`), each row masked by its own `n`
+  (its query is rotated by its own `n - 1` beforehand, `rotate_queries`). One key tile
+  feeds one `[BQ*Gt, K] x [K, tile]` product; no gathers, no RoPE tables in the kernel.
+With `L = 1` (`T <= M`) the top layer is the bottom one and `top_merge_pallas(...,
+keys=None)` is causal softmax attention with RoPE at absolute positions.
+
+Layouts (padded by the wrapper in `pallas_kernels/forward.py`):
+  q_rot    `[B, Q, H_kv, Gt, Kp]` float32, `rotate_queries` (each query by its `n - 1`)
+  n        `[B, Q, H_kv, 1]` int32  valid candidates per query
+  k_rot    `[B, H_kv, Np, Kp]` float32, `rotate_keys` of the layer (`Np` a multiple of the tile)
+  v        `[B, H_kv, Np, Vp]` stored dtype, zero rows past the layer (`pad_nodes`)
+  keys     `[B, Q, H_kv, width]` int32 packed importance, `-1` where invalid
+  state    m, S `[B, Q, H_kv, Gt]`, U `[B, Q, H_kv, Gt, Vp]` float32
+
+The pure-JAX twins are `layer_forward.importance_keys_twin` / `merge_twin` with the
+virtual parents (`virtual_parents`); the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import compiler_params, pad_axis
+from pallas_kernels.layer_forward import (
+    FORCED_IMPORTANCE,
+    NEG_INF,
+    LayerStatic,
+    _online_max_sum,
+    _tf32_split,
+    _weighted_values,
+)
+
+
+def rotate_keys(layer_k, cos, sin, tile: int):
+    """`rope(K[j], j)` in float32 for every node `j` of a layer (`[B, H_kv, N, Kp]` ->
+    `[B, H_kv, Np, Kp]`, zero rows up to `Np`, the next multiple of `tile`). The same
+    products as rotating a gathered key tile in the per-query kernels."""
+    N, kp = layer_k.shape[2], layer_k.shape[3]
+    half = kp // 2
+    k = layer_k.astype(jnp.float32)
+    c, s = cos[:N], sin[:N]
+    lo, hi = k[..., :half], k[..., half:]
+    rotated = jnp.concatenate([lo * c - hi * s, lo * s + hi * c], axis=-1)
+    return pad_axis(rotated, 2, -(-N // tile) * tile)
+
+
+def pad_nodes(layer, tile: int):
+    """Zero rows up to the next multiple of `tile` (`[B, H_kv, N, D]`)."""
+    return pad_axis(layer, 2, -(-layer.shape[2] // tile) * tile)
+
+
+def virtual_parents(n, r: int, width: int):
+    """The top layer's parents as the twins take them: slot `s` holds node `s`, valid
+    while `s * r < n` (`n [B, Q, H_kv, 1]` -> `[B, Q, H_kv, width]`, `-1` padded)."""
+    slot = jnp.arange(width, dtype=jnp.int32)
+    return jnp.where(slot * r < n, slot, -1)
+
+
+def rotate_queries(q, n, cos, sin):
+    """Each query rotated by its own `n - 1` in float32 (`q [B, Q, H_kv, Gt, Kp]`,
+    `n [B, Q, H_kv, 1]`): the whole top layer is then plain dot products."""
+    half = q.shape[-1] // 2
+    position = (n - 1)[..., None]  # [B, Q, H_kv, 1, 1]
+    c, s = cos[position[..., 0]], sin[position[..., 0]]  # [B, Q, H_kv, 1, half]
+    x = q.astype(jnp.float32)
+    lo, hi = x[..., :half], x[..., half:]
+    return jnp.concatenate([lo * c - hi * s, lo * s + hi * c], axis=-1)
+
+
+def _split(x, precision, operands=None):
+    """The row operand of `_dot_rows`, prepared once per program: split for 3xTF32, or
+    cast to the `operands` dtype."""
+    if operands is not None:
+        return (x.astype(operands), None)
+    return _tf32_split(x) if precision == lax.Precision.HIGH else (x, None)
+
+
+def _dot_rows(q_parts, k, precision, operands=None):
+    """`q @ k.T` in float32 with `q` prepared by `_split` (see `layer_forward._dot_t`)."""
+    dims = (((1,), (1,)), ((), ()))
+    if operands is not None:
+        return lax.dot_general(q_parts[0], k.astype(operands), dims, preferred_element_type=jnp.float32)
+    if precision == lax.Precision.HIGH:
+        (q_hi, q_lo), (k_hi, k_lo) = q_parts, _tf32_split(k)
+        tf32 = lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=jnp.float32,
+                                            precision=lax.Precision.DEFAULT)
+        return tf32(q_hi, k_hi) + (tf32(q_hi, k_lo) + tf32(q_lo, k_hi))
+    return lax.dot_general(q_parts[0], k, dims, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _block_rows(q_ref, n_ref):
+    """The block's rotated queries `[BQ*Gt, Kp]` (row `b*Gt + g`) and `n` per query `[BQ]`."""
+    bq, gt, kp = q_ref.shape
+    return q_ref[...].reshape(bq * gt, kp), n_ref[...].reshape(bq)
+
+
+def _per_row(x, gt: int):
+    """A per-query `[BQ]` value repeated for the `Gt` rows of each query."""
+    return jnp.broadcast_to(x[:, None], (x.shape[0], gt)).reshape(x.shape[0] * gt)
+
+
+def _tile_scores(i, q_parts, k_ref, st: LayerStatic, precision, operands=None):
+    """Scores `[BQ*Gt, tile]` of the contiguous candidates `[i*tile, (i+1)*tile)` and
+    their positions `[tile]`."""
+    start = i * st.tile
+    k = k_ref[pl.ds(start, st.tile), :]
+    return st.alpha * _dot_rows(q_parts, k, precision, operands), start + jnp.arange(st.tile, dtype=jnp.int32)
+
+
+def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
+    bq, gt, _ = q_ref.shape
+    rows = bq * gt
+    q, n_q = _block_rows(q_ref, n_ref)
+    n_rows = _per_row(n_q, gt)
+    q_parts = _split(q, st.precision)
+    num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
+    real_head = jnp.arange(rows, dtype=jnp.int32) % gt < st.group
+    # R, the normaliser set, per row: valid positions, less the rightmost when strict.
+    norm_end = n_rows - 1 if st.strict_causal else n_rows
+    has_norm = (n_q - 1 if st.strict_causal else n_q) > 0  # [BQ]
+
+    def norm_stats(i, carry):
+        scores, positions = _tile_scores(i, q_parts, k_ref, st, st.precision)
+        in_norm = positions[None, :] < norm_end[:, None]
+        return _online_max_sum(*carry, jnp.where(in_norm, scores, NEG_INF))
+
+    init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
+    if st.importance == "softmax":
+        shift = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)
+    else:  # shared_max: one max over the real heads of each query's group
+        group_max = jnp.max(jnp.where(real_head, m, NEG_INF).reshape(bq, gt), axis=1)
+        shift = _per_row(group_max, gt)
+        shift = jnp.where(shift == NEG_INF, 0.0, shift)
+    mask = (1 << st.log_n) - 1
+
+    def write_keys(i, carry):
+        scores, positions = _tile_scores(i, q_parts, k_ref, st, st.precision)
+        in_norm = positions[None, :] < norm_end[:, None]
+        # Rows' weights outside R may overflow; they are never kept (masked below).
+        weights = jnp.where(real_head[:, None] & in_norm, jnp.exp(scores - shift[:, None]), 0.0)
+        imp = jnp.sum(weights.reshape(bq, gt, st.tile), axis=1)  # [BQ, tile]
+        imp = jnp.where(has_norm[:, None], imp, 0.0)
+        imp = jnp.where(positions[None, :] == n_q[:, None] - 1, FORCED_IMPORTANCE, imp)
+        bits = lax.bitcast_convert_type(imp, jnp.int32)
+        keys = (bits & ~mask) | (mask - positions[None, :])
+        valid = positions[None, :] < n_q[:, None]
+        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid, keys, -1)
+        return carry
+
+    def write_invalid(i, carry):
+        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.full((bq, st.tile), -1, jnp.int32)
+        return carry
+
+    lax.fori_loop(0, num_tiles, write_keys, ())
+    lax.fori_loop(num_tiles, keys_ref.shape[1] // st.tile, write_invalid, ())
+
+
+def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
+    """Online-softmax merge of the candidates not kept (all valid ones at the bottom)."""
+    if bottom:
+        q_ref, n_ref, k_ref, v_ref, m_ref, s_ref, u_ref, o_ref = refs
+    else:
+        q_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, m_ref, s_ref, u_ref, m_out, s_out, u_out = refs
+    bq, gt, _ = q_ref.shape
+    rows, vp = bq * gt, v_ref.shape[1]
+    q, n_q = _block_rows(q_ref, n_ref)
+    n_rows = _per_row(n_q, gt)
+    num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
+    if not bottom:
+        tau = tau_ref[...]  # [BQ, 1]
+    score_precision = st.precision if st.merge_precision is None else st.merge_precision
+    operands = st.merge_operands
+    q_parts = _split(q, score_precision, operands)
+
+    def merge_tile(i, carry):
+        m, total, acc = carry
+        scores, positions = _tile_scores(i, q_parts, k_ref, st, score_precision, operands)
+        if bottom:
+            merged = positions[None, :] < n_rows[:, None]
+        else:
+            kept = keys_ref[:, pl.ds(i * st.tile, st.tile)] >= tau  # [BQ, tile]
+            merged_q = (positions[None, :] < n_q[:, None]) & ~kept
+            merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gt, st.tile)).reshape(rows, st.tile)
+        s_m = jnp.where(merged, scores, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s_m, axis=1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        w = jnp.exp(s_m - m_safe[:, None])
+        decay = jnp.exp(m - m_safe)
+        values = v_ref[pl.ds(i * st.tile, st.tile), :]
+        acc = acc * decay[:, None] + _weighted_values(w, values, score_precision, operands)
+        return m_new, total * decay + jnp.sum(w, axis=1), acc
+
+    init = (m_ref[...].reshape(rows), s_ref[...].reshape(rows), u_ref[...].reshape(rows, vp))
+    m, total, acc = lax.fori_loop(0, num_tiles, merge_tile, init)
+    if bottom:
+        o_ref[...] = (acc / total[:, None]).reshape(bq, gt, vp).astype(o_ref.dtype)
+    else:
+        m_out[...] = m.reshape(bq, gt)
+        s_out[...] = total.reshape(bq, gt)
+        u_out[...] = acc.reshape(bq, gt, vp)
+
+
+def _specs(st: LayerStatic, q, k_rot, v, width: int):
+    bq = st.block_queries
+    gt, kp = q.shape[3], q.shape[4]
+    Np = k_rot.shape[2]
+    queries = lambda *tail: pl.BlockSpec((None, bq, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
+    head = lambda d: pl.BlockSpec((None, None, Np, d), lambda b, i, h: (b, h, 0, 0))
+    vp = v.shape[-1] if v is not None else None
+    return dict(q=queries(gt, kp), n=queries(1), keys=queries(width), tau=queries(1), k=head(kp), v=head(vp),
+                vec=queries(gt), mat=queries(gt, vp))
+
+
+def _check(st: LayerStatic, q, k_rot, width: int):
+    if q.shape[1] % st.block_queries or k_rot.shape[2] % st.tile or width % st.tile:
+        raise ValueError(f"queries {q.shape[1]} / nodes {k_rot.shape[2]} and width {width} must be multiples "
+                         f"of block_queries {st.block_queries} / tile {st.tile}")
+    if q.dtype != jnp.float32 or k_rot.dtype != jnp.float32:
+        raise TypeError("q and k_rot must be rotated float32 (rotate_queries / rotate_keys)")
+
+
+@functools.partial(jax.jit, static_argnames=("width", "st", "interpret"))
+def top_importance_keys_pallas(q_rot, n, k_rot, width: int, st: LayerStatic, interpret=False):
+    """Packed importance keys `[B, Q, H_kv, width]` of the top layer, `st.block_queries`
+    queries per program. `q_rot = rotate_queries(q, n, ...)`, `k_rot = rotate_keys(...)`."""
+    _check(st, q_rot, k_rot, width)
+    B, Q, H_kv = q_rot.shape[:3]
+    sp = _specs(st, q_rot, k_rot, None, width)
+    return pl.pallas_call(
+        functools.partial(_top_keys_kernel, st=st),
+        grid=(B, Q // st.block_queries, H_kv),
+        in_specs=[sp["q"], sp["n"], sp["k"]],
+        out_specs=sp["keys"],
+        out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.int32),
+        compiler_params=compiler_params(st.num_warps, st.num_stages),
+        interpret=interpret,
+    )(q_rot, n, k_rot)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype"))
+def top_merge_pallas(q_rot, n, keys, tau, k_rot, v, state, st: LayerStatic, interpret=False,
+                     out_dtype=jnp.float32):
+    """With `keys [B, Q, H_kv, width], tau`: the state after merging the top layer's
+    candidates not kept. With `keys=None` (`L = 1`): the normalised output
+    `[B, Q, H_kv, Gt, Vp]` in `out_dtype`. `v` padded like `k_rot` (`pad_nodes`)."""
+    bottom = keys is None
+    width = st.tile if bottom else keys.shape[-1]
+    _check(st, q_rot, k_rot, width)
+    B, Q, H_kv, gt, _ = q_rot.shape
+    vp = v.shape[-1]
+    sp = _specs(st, q_rot, k_rot, v, width)
+    in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
+    in_specs += [sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
+    args = (q_rot, n) + (() if bottom else (keys, tau)) + (k_rot, v) + tuple(state)
+    if bottom:
+        out_specs, out_shape = sp["mat"], jax.ShapeDtypeStruct((B, Q, H_kv, gt, vp), out_dtype)
+    else:
+        out_specs = [sp["vec"], sp["vec"], sp["mat"]]
+        out_shape = [jax.ShapeDtypeStruct((B, Q, H_kv, gt), jnp.float32),
+                     jax.ShapeDtypeStruct((B, Q, H_kv, gt), jnp.float32),
+                     jax.ShapeDtypeStruct((B, Q, H_kv, gt, vp), jnp.float32)]
+    out = pl.pallas_call(
+        functools.partial(_top_merge_kernel, st=st, bottom=bottom),
+        grid=(B, Q // st.block_queries, H_kv),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(st.num_warps, st.num_stages),
+        interpret=interpret,
+    )(*args)
+    return out if bottom else tuple(out)
+
+
+__all__ = ["pad_nodes", "rotate_keys", "rotate_queries", "top_importance_keys_pallas", "top_merge_pallas",
+           "virtual_parents"]
