@@ -42,14 +42,14 @@ def main(argv=None):
     prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None, operands))
     tree_ms = median_ms(prep_fn, (q, k, v), args.iters)
     prep = prep_fn(q, k, v)
-    st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers)
+    st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     G = H // H_KV
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
     chunks = prep.q4.shape[1] // Qc
     c = chunks // 2
     qc = prep.q4[:, c * Qc : (c + 1) * Qc]
     t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
-    vp, Mp = prep.layers[0][1].shape[-1], prep.cos.shape[0]
+    vp, Mp = prep.top_v.shape[-1], prep.cos.shape[0]
     empty = lambda g: (jnp.full((B, Qc, H_KV, g), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_KV, g), jnp.float32),
                        jnp.zeros((B, Qc, H_KV, g, vp), jnp.float32))
     rows = [("tree build + padding + top-layer key rotation (whole call)", tree_ms, 1)]

@@ -25,7 +25,13 @@ from htree_jax.config import HTreeConfig
 from htree_jax.reference import candidate_count as reference_candidate_count
 from htree_jax.rope import rope_table
 from pallas_kernels.common import next_power_of_two, pad_axis, pad_rope_halves
-from pallas_kernels.layer_forward import LayerStatic, importance_keys_pallas, merge_pallas, select_top_k_layer_pallas
+from pallas_kernels.layer_forward import (
+    LayerStatic,
+    importance_keys_pallas,
+    merge_pallas,
+    rotate_child_offset,
+    select_top_k_layer_pallas,
+)
 from pallas_kernels.top_layer import pad_nodes, rotate_keys, rotate_queries, top_importance_keys_pallas, top_merge_pallas
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 
@@ -103,7 +109,9 @@ def default_merge_operands(dtype):
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
 
-    layers: list  # [(K_l [B, H_kv, N_l, Kp], V_l [B, H_kv, N_l, Vp]), ...] bottom first
+    # [(K_l [B, H_kv, N_l, Kp] rotated by child offset, V_l [B, H_kv, N_l, Vp]), ...],
+    # bottom first, the top layer left out (it is `top_k_rot`, `top_v`)
+    layers: list
     top_k_rot: jax.Array  # the top layer's keys rotated by their position, float32, tile-padded
     top_v: jax.Array  # the top layer's values, tile-padded
     cos: jax.Array  # [Mp, Kp/2]
@@ -145,6 +153,10 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps)
     top_k_rot = rotate_keys(layers[-1][0], cos, sin, top_tile)
     top_v = pad_nodes(layers[-1][1], top_tile)
+    # Below the top: keys rotated by child offset. Layers that select keep float32 (their
+    # scores decide selections); the bottom one only merges: stored in the merge dtype.
+    layers = [(rotate_child_offset(kl, cos, sin, r, (st.merge_operands or jnp.float32) if l == 0 else jnp.float32),
+               vl) for l, (kl, vl) in enumerate(layers[:-1])]
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp) // bq) * bq
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
@@ -178,9 +190,9 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
     prep = prepare(q, k, v, config, block_sizes, interpret, precision, merge_operands)
-    st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers)
+    st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
-    vp, Mp = prep.layers[0][1].shape[-1], prep.cos.shape[0]
+    vp, Mp = prep.top_v.shape[-1], prep.cos.shape[0]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
 
     def empty_state(rows):

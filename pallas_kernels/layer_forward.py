@@ -5,10 +5,13 @@ candidate buffer. Each has a pure-JAX twin below with the same contract.
 Layouts (all padded by the wrapper in `pallas_kernels/forward.py`):
   q        `[B, Q, H_kv, Gp, Kp]`   un-rotated, halves padded apart (`pad_rope_halves`)
   parents  `[B, Q/BQ, H_kv, P]` int32  ascending, `-1` padded; `P * r = Mp`; one row per
-           block of BQ queries that share them (BQ = 1 but on the top layer)
+           block of BQ queries that share them (the forward uses BQ = 1 below the
+           top layer; the top layer has its own kernels, `top_layer.py`)
   n        `[B, Q/BQ, H_kv, 1]` int32  valid candidates (SPEC 2.1)
   tau      `[B, Q, H_kv, 1]` int32  smallest kept key per query
-  layer    `[B, H_kv, N, Kp]`, `[B, H_kv, N, Vp]` stored dtype
+  k_rot    `[B, H_kv, N, Kp]` keys rotated by their child offset (`rotate_child_offset`),
+           float32, or the merge operand dtype for a merge-only layer
+  layer_v  `[B, H_kv, N, Vp]` stored dtype
   cos, sin `[Mp, Kp/2]` float32     RoPE at candidate positions (exactly rounded)
   keys     `[B, Q, H_kv, Mp]` int32 packed importance, `-1` where invalid
   state    m, S `[B, Q, H_kv, Gp]`, U `[B, Q, H_kv, Gp, Vp]` float32
@@ -81,41 +84,65 @@ def _dot_t(a, b, precision, operands=None):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _rotated_query(q_ref, cos_ref, sin_ref, position):
-    """The block's queries rotated by RoPE at `position`: two halves `[BQ*Gp, Kp/2]`
-    (`q_ref [BQ, Gp, Kp]`; the block's queries share `n`, hence `position`)."""
-    bq, gp, _ = q_ref.shape
-    half = cos_ref.shape[1]
-    c = cos_ref[pl.ds(position, 1), :]
-    s = sin_ref[pl.ds(position, 1), :]
+def rotate_child_offset(layer_k, cos, sin, r: int, dtype=jnp.float32):
+    """`rope(K[j], j mod r)` for every node of a layer (`[B, H_kv, N, Kp]`), stored in
+    `dtype`. With it a candidate's score needs only its slot's rotation, applied to the
+    query (SPEC 2.2 is relative): `<rope(q, n-1), rope(K[j], s*r + c)> =
+    <rope(q, n-1 - s*r), rope(K[j], c)>`, as the JAX reference computes it."""
+    N, kp = layer_k.shape[2], layer_k.shape[3]
+    half = kp // 2
+    child = jnp.arange(N) % r
+    c, s = cos[child], sin[child]
+    k = layer_k.astype(jnp.float32)
+    lo, hi = k[..., :half], k[..., half:]
+    return jnp.concatenate([lo * c - hi * s, lo * s + hi * c], axis=-1).astype(dtype)
+
+
+def _query_halves(q_ref):
+    """The block's un-rotated queries as two float32 halves `[BQ*Gp, Kp/2]`."""
+    bq, gp, kp = q_ref.shape
+    half = kp // 2
     lo = q_ref[:, :, pl.ds(0, half)].astype(jnp.float32).reshape(bq * gp, half)
     hi = q_ref[:, :, pl.ds(half, half)].astype(jnp.float32).reshape(bq * gp, half)
-    return lo * c - hi * s, lo * s + hi * c
+    return lo, hi
 
 
-def _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision=None, operands=None):
+def _tile_scores(i, q_halves, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision=None, operands=None):
     """Scores of candidate tile `i`: `(scores [BQ*Gp, tile], valid, positions, nodes)`.
 
-    Buffer position `p = s*r + c` holds node `parents[s]*r + c`; the key there is
-    rotated by `p` (candidate-local RoPE, SPEC 2.2). One gathered, rotated key tile
-    serves every query of the block.
+    Buffer position `p = s*r + c` holds node `parents[s]*r + c`; `k_ref` holds the
+    layer's keys rotated by their child offset `c` (`rotate_child_offset`), and the
+    query is rotated once per slot `s` of the tile, by `n - 1 - s*r`. The tile's
+    `tile/r` slots are stacked as row blocks of one product `[slots*rows, K] x [K, tile]`
+    whose diagonal blocks are the scores: a few wasted multiply-adds buy a key tile that
+    goes from memory straight into the dot, unrotated, shared by all the block's rows.
     """
     r, tile = st.r, st.tile
     per_tile = tile // r
     half = cos_ref.shape[1]
+    q_lo, q_hi = q_halves
+    rows = q_lo.shape[0]
     parents = par_ref[pl.ds(i * per_tile, per_tile)]
     child = jnp.arange(r, dtype=jnp.int32)
     positions = i * tile + jnp.arange(tile, dtype=jnp.int32)
     valid = positions < n
     nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(tile), 0)
-    k_lo = k_ref[nodes, pl.ds(0, half)].astype(jnp.float32)
-    k_hi = k_ref[nodes, pl.ds(half, half)].astype(jnp.float32)
-    c = cos_ref[pl.ds(i * tile, tile), :]
-    s = sin_ref[pl.ds(i * tile, tile), :]
-    q_lo, q_hi = q_rot
+    k_lo = k_ref[nodes, pl.ds(0, half)]
+    k_hi = k_ref[nodes, pl.ds(half, half)]
+    if operands is None:
+        k_lo, k_hi = k_lo.astype(jnp.float32), k_hi.astype(jnp.float32)
+    slots = i * per_tile + jnp.arange(per_tile, dtype=jnp.int32)
+    angle = jnp.maximum(n - 1 - slots * r, 0)  # invalid slots: any row, masked later
+    c = cos_ref[angle, pl.ds(0, half)][:, None, :]  # [slots, 1, half]
+    s = sin_ref[angle, pl.ds(0, half)][:, None, :]
+    q_l, q_h = q_lo[None], q_hi[None]
+    q_slot_lo = (q_l * c - q_h * s).reshape(per_tile * rows, half)
+    q_slot_hi = (q_l * s + q_h * c).reshape(per_tile * rows, half)
     precision = st.precision if precision is None else precision
-    scores = (_dot_t(q_lo, k_lo * c - k_hi * s, precision, operands)
-              + _dot_t(q_hi, k_lo * s + k_hi * c, precision, operands))
+    full = (_dot_t(q_slot_lo, k_lo, precision, operands)
+            + _dot_t(q_slot_hi, k_hi, precision, operands)).reshape(per_tile, rows, tile)
+    own = jnp.arange(per_tile, dtype=jnp.int32)[:, None] == (jnp.arange(tile, dtype=jnp.int32) // r)[None, :]
+    scores = jnp.sum(jnp.where(own[:, None, :], full, 0.0), axis=0)
     return st.alpha * scores, valid, positions, nodes
 
 
@@ -131,7 +158,7 @@ def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st
     bq, gp, _ = q_ref.shape
     rows = bq * gp
     n = n_ref[0]
-    q_rot = _rotated_query(q_ref, cos_ref, sin_ref, n - 1)
+    q_halves = _query_halves(q_ref)
     num_tiles = (n + st.tile - 1) // st.tile
     real_head = jnp.arange(rows, dtype=jnp.int32) % gp < st.group
     # R, the normaliser set: valid positions, less the rightmost one when strict.
@@ -139,7 +166,7 @@ def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st
     has_norm = last_in_norm > 0
 
     def norm_stats(i, carry):
-        scores, _, positions, _ = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
+        scores, _, positions, _ = _tile_scores(i, q_halves, par_ref, k_ref, cos_ref, sin_ref, n, st)
         in_norm = positions < last_in_norm
         return _online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
 
@@ -154,7 +181,7 @@ def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st
     mask = (1 << st.log_n) - 1
 
     def write_keys(i, carry):
-        scores, valid, positions, _ = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
+        scores, valid, positions, _ = _tile_scores(i, q_halves, par_ref, k_ref, cos_ref, sin_ref, n, st)
         weights = jnp.where(real_head[:, None], jnp.exp(scores - shift[:, None]), 0.0)
         imp = jnp.sum(weights.reshape(bq, gp, st.tile), axis=1)  # [BQ, tile]
         imp = jnp.where(has_norm, imp, 0.0)
@@ -209,19 +236,17 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     rows = bq * gp
     vp = v_ref.shape[1]
     n = n_ref[0]
-    q_rot = _rotated_query(q_ref, cos_ref, sin_ref, n - 1)
+    q_halves = _query_halves(q_ref)
     num_tiles = (n + st.tile - 1) // st.tile
     if not bottom:
         tau = tau_ref[...]  # [BQ, 1]
     score_precision = st.precision if st.merge_precision is None else st.merge_precision
     operands = st.merge_operands
-    if operands is not None:  # the rotated query is cast once, not per tile
-        q_rot = tuple(x.astype(operands) for x in q_rot)
 
     def merge_tile(i, carry):
         m, total, acc = carry
-        scores, valid, _, nodes = _tile_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st, score_precision,
-                                               operands)
+        scores, valid, _, nodes = _tile_scores(i, q_halves, par_ref, k_ref, cos_ref, sin_ref, n, st,
+                                               score_precision, operands)
         if bottom:
             merged = jnp.broadcast_to(valid[None, :], (rows, st.tile))
         else:
@@ -267,14 +292,14 @@ def _params(st: LayerStatic):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def importance_keys_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, interpret=False):
+def importance_keys_pallas(q, parents, n, k_rot, cos, sin, st: LayerStatic, interpret=False):
     """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position.
 
     `q [B, Q, H_kv, Gp, Kp]`; `parents [B, Q/BQ, H_kv, P]` and `n [B, Q/BQ, H_kv, 1]`
     one row per block of `BQ = st.block_queries` queries that share them.
     """
     B, Q, H_kv = q.shape[:3]
-    sp = _block_specs(st, q, parents, layer_k, None, cos)
+    sp = _block_specs(st, q, parents, k_rot, None, cos)
     return pl.pallas_call(
         functools.partial(_keys_kernel, st=st),
         grid=(B, Q // st.block_queries, H_kv),
@@ -283,7 +308,7 @@ def importance_keys_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, in
         out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, cos.shape[0]), jnp.int32),
         compiler_params=_params(st),
         interpret=interpret,
-    )(q, parents, n, layer_k, cos, sin)
+    )(q, parents, n, k_rot, cos, sin)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
@@ -305,18 +330,18 @@ def select_top_k_layer_pallas(keys, parents, n, st: LayerStatic, interpret=False
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype"))
-def merge_pallas(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, state, st: LayerStatic,
+def merge_pallas(q, parents, n, keys, tau, k_rot, layer_v, cos, sin, state, st: LayerStatic,
                  interpret=False, out_dtype=jnp.float32):
     """Upper layer (`keys`, `tau` given): the state after merging the candidates not
     kept. Bottom layer (`keys=None`): the normalised output `[B, Q, H_kv, Gp, Vp]`.
     `parents, n` one row per block of `st.block_queries` queries, as for the keys."""
     B, Q, H_kv, gp, _ = q.shape
     vp = layer_v.shape[-1]
-    sp = _block_specs(st, q, parents, layer_k, layer_v, cos)
+    sp = _block_specs(st, q, parents, k_rot, layer_v, cos)
     bottom = keys is None
     in_specs = [sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"]]
-    args = (q, parents, n) + (() if bottom else (keys, tau)) + (layer_k, layer_v, cos, sin) + tuple(state)
+    args = (q, parents, n) + (() if bottom else (keys, tau)) + (k_rot, layer_v, cos, sin) + tuple(state)
     if bottom:
         out_specs, out_shape = sp["mat"], jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), out_dtype)
     else:

@@ -22,6 +22,7 @@ from pallas_kernels.layer_forward import (
     importance_keys_twin,
     merge_pallas,
     merge_twin,
+    rotate_child_offset,
     select_top_k_layer_pallas,
     select_top_k_layer_twin,
 )
@@ -113,7 +114,8 @@ LAYER_CONFIGS = [
 def test_layer_kernels_equal_twins(rng, config, G, block_queries):
     a = _layer_inputs(rng, config, G=G, K=24, V=20, block_queries=block_queries)
     st = a["st"]
-    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st, True)
+    k_rot = rotate_child_offset(a["layer_k"], a["cos"], a["sin"], st.r)
+    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], k_rot, a["cos"], a["sin"], st, True)
     keys_twin = importance_keys_twin(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st)
     # The exact selection is checked via the same keys below.
     _assert_same_keys(keys, keys_twin, st.log_n)
@@ -125,16 +127,19 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries):
     np.testing.assert_array_equal(np.asarray(nxt)[..., : st.top_k], np.asarray(nxt_t)[..., : st.top_k])
 
     args = (a["q"], a["parents"], a["n"], keys, tau, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
-    for got, want in zip(merge_pallas(*args, interpret=True), merge_twin(*args)):
+    with_rotated = lambda args, k: args[:5] + (k,) + args[6:]
+    for got, want in zip(merge_pallas(*with_rotated(args, k_rot), interpret=True), merge_twin(*args)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
     bottom = args[:3] + (None, None) + args[5:]
-    o = merge_pallas(*bottom, interpret=True)
+    o = merge_pallas(*with_rotated(bottom, k_rot), interpret=True)
     o_t = merge_twin(*bottom)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
-    # bfloat16 dot operands (the default for bf16 inputs): output precision only.
+    # bfloat16 dot operands and keys stored rotated in bfloat16 (the default for bf16
+    # inputs): output precision only.
     st_bf16 = dataclasses.replace(st, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
-    o = merge_pallas(*bottom[:-1], st_bf16, interpret=True)
+    k_bf16 = rotate_child_offset(a["layer_k"], a["cos"], a["sin"], st.r, jnp.bfloat16)
+    o = merge_pallas(*with_rotated(bottom, k_bf16)[:-1], st_bf16, interpret=True)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
     assert not np.allclose(np.asarray(o), np.asarray(o_t), rtol=1e-6, atol=1e-6)  # it did round
 
