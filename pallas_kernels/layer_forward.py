@@ -98,77 +98,105 @@ def rotate_child_offset(layer_k, cos, sin, r: int, dtype=jnp.float32):
     return jnp.concatenate([lo * c - hi * s, lo * s + hi * c], axis=-1).astype(dtype)
 
 
-def _query_halves(q_ref):
-    """The block's un-rotated queries as two float32 halves `[BQ*Gp, Kp/2]`."""
-    bq, gp, kp = q_ref.shape
-    half = kp // 2
-    lo = q_ref[:, :, pl.ds(0, half)].astype(jnp.float32).reshape(bq * gp, half)
-    hi = q_ref[:, :, pl.ds(half, half)].astype(jnp.float32).reshape(bq * gp, half)
-    return lo, hi
+def rotate_half(q):
+    """`[x_lo, x_hi] -> [-x_hi, x_lo]`: with it, RoPE at angle table row `a` is
+    `q * [cos_a, cos_a] + rotate_half(q) * [sin_a, sin_a]`, full-width, no halves."""
+    half = q.shape[-1] // 2
+    return jnp.concatenate([-q[..., half:], q[..., :half]], axis=-1)
 
 
-def _tile_scores(i, q_halves, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision=None, operands=None):
-    """Scores of candidate tile `i`: `(scores [BQ*Gp, tile], valid, positions, nodes)`.
+def full_width(table):
+    """`[Mp, Kp/2]` angle table -> `[Mp, Kp]`, both halves the same."""
+    return jnp.concatenate([table, table], axis=-1)
 
-    Buffer position `p = s*r + c` holds node `parents[s]*r + c`; `k_ref` holds the
-    layer's keys rotated by their child offset `c` (`rotate_child_offset`), and the
-    query is rotated once per slot `s` of the tile, by `n - 1 - s*r`. The tile's
-    `tile/r` slots are stacked as row blocks of one product `[slots*rows, K] x [K, tile]`
-    whose diagonal blocks are the scores: a few wasted multiply-adds buy a key tile that
-    goes from memory straight into the dot, unrotated, shared by all the block's rows.
+
+def _unit(st: LayerStatic) -> int:
+    """Candidates per score product: one parent's children (or 16, the smallest dot)."""
+    return max(16, st.r)
+
+
+def _unit_scores(p0, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
+    """Scores of the candidate positions `[p0, p0 + unit)`: `(scores [rows, unit],
+    valid, positions, nodes)`.
+
+    Position `p = s*r + c` holds node `parents[s]*r + c`; `k_ref` holds the layer's keys
+    rotated by their child offset `c` (`rotate_child_offset`), so a key row goes from
+    memory straight into the product, and only the query is rotated, once per slot `s`,
+    by `n - 1 - s*r` (`<rope(q, n-1), rope(K, s*r + c)> = <rope(q, n-1 - s*r), rope(K, c)>`).
+    With `r < 16` a unit holds `16/r` slots: they are stacked as row blocks of one
+    product whose diagonal blocks are the scores.
     """
-    r, tile = st.r, st.tile
-    per_tile = tile // r
-    half = cos_ref.shape[1]
-    q_lo, q_hi = q_halves
-    rows = q_lo.shape[0]
-    parents = par_ref[pl.ds(i * per_tile, per_tile)]
+    r, unit = st.r, _unit(st)
+    slots_per_unit = unit // r
+    q, q_half = q_parts  # [rows, Kp] float32: the query and rotate_half(query)
+    rows = q.shape[0]
+    first_slot = p0 // r
+    parents = par_ref[pl.ds(first_slot, slots_per_unit)]
     child = jnp.arange(r, dtype=jnp.int32)
-    positions = i * tile + jnp.arange(tile, dtype=jnp.int32)
+    positions = p0 + jnp.arange(unit, dtype=jnp.int32)
     valid = positions < n
-    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(tile), 0)
-    k_lo = k_ref[nodes, pl.ds(0, half)]
-    k_hi = k_ref[nodes, pl.ds(half, half)]
+    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(unit), 0)
+    keys = k_ref[nodes, :]
     if operands is None:
-        k_lo, k_hi = k_lo.astype(jnp.float32), k_hi.astype(jnp.float32)
-    slots = i * per_tile + jnp.arange(per_tile, dtype=jnp.int32)
-    angle = jnp.maximum(n - 1 - slots * r, 0)  # invalid slots: any row, masked later
-    c = cos_ref[angle, pl.ds(0, half)][:, None, :]  # [slots, 1, half]
-    s = sin_ref[angle, pl.ds(0, half)][:, None, :]
-    q_l, q_h = q_lo[None], q_hi[None]
-    q_slot_lo = (q_l * c - q_h * s).reshape(per_tile * rows, half)
-    q_slot_hi = (q_l * s + q_h * c).reshape(per_tile * rows, half)
-    precision = st.precision if precision is None else precision
-    full = (_dot_t(q_slot_lo, k_lo, precision, operands)
-            + _dot_t(q_slot_hi, k_hi, precision, operands)).reshape(per_tile, rows, tile)
-    own = jnp.arange(per_tile, dtype=jnp.int32)[:, None] == (jnp.arange(tile, dtype=jnp.int32) // r)[None, :]
-    scores = jnp.sum(jnp.where(own[:, None, :], full, 0.0), axis=0)
+        keys = keys.astype(jnp.float32)
+    if slots_per_unit == 1:
+        angle = jnp.maximum(n - 1 - first_slot * r, 0)  # an invalid slot: any row, masked later
+        c, s = cf_ref[pl.ds(angle, 1), :], sf_ref[pl.ds(angle, 1), :]
+        scores = _dot_t(q * c + q_half * s, keys, precision, operands)
+    else:
+        slots = first_slot + jnp.arange(slots_per_unit, dtype=jnp.int32)
+        angle = jnp.maximum(n - 1 - slots * r, 0)
+        c, s = cf_ref[angle, :][:, None, :], sf_ref[angle, :][:, None, :]
+        q_slots = (q[None] * c + q_half[None] * s).reshape(slots_per_unit * rows, q.shape[1])
+        full = _dot_t(q_slots, keys, precision, operands).reshape(slots_per_unit, rows, unit)
+        own = jnp.arange(slots_per_unit, dtype=jnp.int32)[:, None] == (jnp.arange(unit, dtype=jnp.int32) // r)[None, :]
+        scores = jnp.sum(jnp.where(own[:, None, :], full, 0.0), axis=0)
     return st.alpha * scores, valid, positions, nodes
 
 
+def _tile_units(i, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
+    """`_unit_scores` of every unit of candidate tile `i` (unrolled: their loads are
+    issued together)."""
+    unit = _unit(st)
+    return [_unit_scores(i * st.tile + u * unit, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st, precision, operands)
+            for u in range(st.tile // unit)]
+
+
+def _query_rows(q_ref, qh_ref):
+    bq, gp, kp = q_ref.shape
+    return (q_ref[...].astype(jnp.float32).reshape(bq * gp, kp), qh_ref[...].astype(jnp.float32).reshape(bq * gp, kp))
+
+
 def _online_max_sum(m, total, scores):
-    """Fold `scores [R, tile]` (-inf where excluded) into a running max and sum."""
-    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    """Fold `scores [R, tile]` (-inf where excluded) into a running max and sum; a
+    list of score blocks folds as one."""
+    blocks = scores if isinstance(scores, list) else [scores]
+    m_new = m
+    for x in blocks:
+        m_new = jnp.maximum(m_new, jnp.max(x, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    total = total * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(scores - m_safe[:, None]), axis=1)
+    total = total * jnp.exp(m - m_safe)
+    for x in blocks:
+        total = total + jnp.sum(jnp.exp(x - m_safe[:, None]), axis=1)
     return m_new, total
 
 
-def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st: LayerStatic):
+def _keys_kernel(q_ref, qh_ref, par_ref, n_ref, k_ref, cf_ref, sf_ref, keys_ref, *, st: LayerStatic):
     bq, gp, _ = q_ref.shape
     rows = bq * gp
     n = n_ref[0]
-    q_halves = _query_halves(q_ref)
+    q_parts = _query_rows(q_ref, qh_ref)
     num_tiles = (n + st.tile - 1) // st.tile
     real_head = jnp.arange(rows, dtype=jnp.int32) % gp < st.group
     # R, the normaliser set: valid positions, less the rightmost one when strict.
     last_in_norm = n - 1 if st.strict_causal else n
     has_norm = last_in_norm > 0
+    units = lambda i: _tile_units(i, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st, st.precision)
 
     def norm_stats(i, carry):
-        scores, _, positions, _ = _tile_scores(i, q_halves, par_ref, k_ref, cos_ref, sin_ref, n, st)
-        in_norm = positions < last_in_norm
-        return _online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
+        blocks = [jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF)
+                  for scores, _, positions, _ in units(i)]
+        return _online_max_sum(*carry, blocks)
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
@@ -179,16 +207,17 @@ def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st
         shift = jnp.broadcast_to(group_max[:, None], (bq, gp)).reshape(rows)
         shift = jnp.where(shift == NEG_INF, 0.0, shift)
     mask = (1 << st.log_n) - 1
+    unit = _unit(st)
 
     def write_keys(i, carry):
-        scores, valid, positions, _ = _tile_scores(i, q_halves, par_ref, k_ref, cos_ref, sin_ref, n, st)
-        weights = jnp.where(real_head[:, None], jnp.exp(scores - shift[:, None]), 0.0)
-        imp = jnp.sum(weights.reshape(bq, gp, st.tile), axis=1)  # [BQ, tile]
-        imp = jnp.where(has_norm, imp, 0.0)
-        imp = jnp.where(positions[None, :] == n - 1, FORCED_IMPORTANCE, imp)
-        bits = lax.bitcast_convert_type(imp, jnp.int32)
-        keys = (bits & ~mask) | (mask - positions[None, :])
-        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid[None, :], keys, -1)
+        for scores, valid, positions, _ in units(i):
+            weights = jnp.where(real_head[:, None], jnp.exp(scores - shift[:, None]), 0.0)
+            imp = jnp.sum(weights.reshape(bq, gp, unit), axis=1)  # [BQ, unit]
+            imp = jnp.where(has_norm, imp, 0.0)
+            imp = jnp.where(positions[None, :] == n - 1, FORCED_IMPORTANCE, imp)
+            bits = lax.bitcast_convert_type(imp, jnp.int32)
+            keys = (bits & ~mask) | (mask - positions[None, :])
+            keys_ref[:, pl.ds(positions[0], unit)] = jnp.where(valid[None, :], keys, -1)
         return carry
 
     def write_invalid(i, carry):
@@ -228,15 +257,16 @@ def _weighted_values(w, values, score_precision, operands):
 def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     """Online-softmax merge of the candidates not kept (all of them at the bottom)."""
     if bottom:
-        q_ref, par_ref, n_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref, o_ref = refs
+        q_ref, qh_ref, par_ref, n_ref, k_ref, v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref, o_ref = refs
     else:
-        (q_ref, par_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref,
+        (q_ref, qh_ref, par_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref,
          m_out, s_out, u_out) = refs
     bq, gp, _ = q_ref.shape
     rows = bq * gp
     vp = v_ref.shape[1]
     n = n_ref[0]
-    q_halves = _query_halves(q_ref)
+    q_parts = _query_rows(q_ref, qh_ref)
+    unit = _unit(st)
     num_tiles = (n + st.tile - 1) // st.tile
     if not bottom:
         tau = tau_ref[...]  # [BQ, 1]
@@ -245,21 +275,27 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
 
     def merge_tile(i, carry):
         m, total, acc = carry
-        scores, valid, _, nodes = _tile_scores(i, q_halves, par_ref, k_ref, cos_ref, sin_ref, n, st,
-                                               score_precision, operands)
-        if bottom:
-            merged = jnp.broadcast_to(valid[None, :], (rows, st.tile))
-        else:
-            kept = keys_ref[:, pl.ds(i * st.tile, st.tile)] >= tau  # [BQ, tile]
-            merged_q = valid[None, :] & ~kept
-            merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gp, st.tile)).reshape(rows, st.tile)
-        s_m = jnp.where(merged, scores, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(s_m, axis=1))
+        blocks = []
+        for scores, valid, positions, nodes in _tile_units(i, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st,
+                                                           score_precision, operands):
+            if bottom:
+                merged = jnp.broadcast_to(valid[None, :], (rows, unit))
+            else:
+                kept = keys_ref[:, pl.ds(positions[0], unit)] >= tau  # [BQ, unit]
+                merged_q = valid[None, :] & ~kept
+                merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gp, unit)).reshape(rows, unit)
+            blocks.append((jnp.where(merged, scores, NEG_INF), nodes))
+        m_new = m
+        for s_m, _ in blocks:
+            m_new = jnp.maximum(m_new, jnp.max(s_m, axis=1))
         m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        w = jnp.exp(s_m - m_safe[:, None])
         decay = jnp.exp(m - m_safe)
-        acc = acc * decay[:, None] + _weighted_values(w, v_ref[nodes, :], score_precision, operands)
-        return m_new, total * decay + jnp.sum(w, axis=1), acc
+        total, acc = total * decay, acc * decay[:, None]
+        for s_m, nodes in blocks:
+            w = jnp.exp(s_m - m_safe[:, None])
+            total = total + jnp.sum(w, axis=1)
+            acc = acc + _weighted_values(w, v_ref[nodes, :], score_precision, operands)
+        return m_new, total, acc
 
     init = (m_ref[...].reshape(rows), s_ref[...].reshape(rows), u_ref[...].reshape(rows, vp))
     m, total, acc = lax.fori_loop(0, num_tiles, merge_tile, init)
@@ -280,10 +316,16 @@ def _block_specs(st: LayerStatic, q, parents, layer_k, layer_v, cos):
     queries = lambda *tail: pl.BlockSpec((None, bq, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
     block = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
     head = lambda d: pl.BlockSpec((None, None, N, d), lambda b, i, h: (b, h, 0, 0))
-    table = pl.BlockSpec(cos.shape, lambda b, i, h: (0, 0))
+    table = pl.BlockSpec((cos.shape[0], kp), lambda b, i, h: (0, 0))
     vp = layer_v.shape[-1] if layer_v is not None else None
     return dict(q=queries(gp, kp), parents=block(parents.shape[-1]), n=block(1), keys=queries(cos.shape[0]),
                 tau=queries(1), k=head(kp), v=head(vp), table=table, vec=queries(gp), mat=queries(gp, vp))
+
+
+def _full_width_inputs(q, cos, sin):
+    """What the kernels read instead of `q, cos, sin`: `q, rotate_half(q)` and the
+    full-width tables (`[Mp, Kp]`)."""
+    return (q, rotate_half(q)), (full_width(cos), full_width(sin))
 
 
 def _params(st: LayerStatic):
@@ -300,15 +342,16 @@ def importance_keys_pallas(q, parents, n, k_rot, cos, sin, st: LayerStatic, inte
     """
     B, Q, H_kv = q.shape[:3]
     sp = _block_specs(st, q, parents, k_rot, None, cos)
+    queries, tables = _full_width_inputs(q, cos, sin)
     return pl.pallas_call(
         functools.partial(_keys_kernel, st=st),
         grid=(B, Q // st.block_queries, H_kv),
-        in_specs=[sp["q"], sp["parents"], sp["n"], sp["k"], sp["table"], sp["table"]],
+        in_specs=[sp["q"], sp["q"], sp["parents"], sp["n"], sp["k"], sp["table"], sp["table"]],
         out_specs=sp["keys"],
         out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, cos.shape[0]), jnp.int32),
         compiler_params=_params(st),
         interpret=interpret,
-    )(q, parents, n, k_rot, cos, sin)
+    )(*queries, parents, n, k_rot, *tables)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
@@ -339,9 +382,10 @@ def merge_pallas(q, parents, n, keys, tau, k_rot, layer_v, cos, sin, state, st: 
     vp = layer_v.shape[-1]
     sp = _block_specs(st, q, parents, k_rot, layer_v, cos)
     bottom = keys is None
-    in_specs = [sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
+    queries, tables = _full_width_inputs(q, cos, sin)
+    in_specs = [sp["q"], sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"]]
-    args = (q, parents, n) + (() if bottom else (keys, tau)) + (k_rot, layer_v, cos, sin) + tuple(state)
+    args = queries + (parents, n) + (() if bottom else (keys, tau)) + (k_rot, layer_v) + tables + tuple(state)
     if bottom:
         out_specs, out_shape = sp["mat"], jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), out_dtype)
     else:

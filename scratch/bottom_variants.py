@@ -1,0 +1,84 @@
+"""Scratch experiment (not part of the package): what limits the per-query bottom merge?"""
+import functools, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from pallas_kernels.common import compiler_params
+
+R = 16
+
+def timeit(f, *a, iters=5):
+    jax.block_until_ready(f(*a)); ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+def make(variant, tile, Mp, rows, Kp, Vp):
+    pc = tile // R
+    def kernel(q_ref, qs_ref, par_ref, n_ref, k_ref, v_ref, c_ref, s_ref, o_ref):
+        q = q_ref[...].astype(jnp.float32)  # [rows, Kp]
+        qs = qs_ref[...].astype(jnp.float32)
+        n = n_ref[0]
+        nt = Mp // tile if variant == "static" else (n + tile - 1) // tile
+        child = jnp.arange(R, dtype=jnp.int32)
+        def body(i, carry):
+            m, tot, acc = carry
+            par = par_ref[pl.ds(i * pc, pc)]
+            pos = i * tile + jnp.arange(tile, dtype=jnp.int32)
+            valid = pos < n
+            idx = jnp.where(valid, (par[:, None] * R + child[None, :]).reshape(tile), 0)
+            kb = k_ref[idx, :]
+            vb = v_ref[idx, :]
+            if variant in ("static", "dynamic"):
+                sc = lax.dot_general(q.astype(kb.dtype), kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            else:  # full-width rope per slot, block diagonal
+                slots = i * pc + jnp.arange(pc, dtype=jnp.int32)
+                ang = jnp.maximum(n - 1 - slots * R, 0)
+                c = c_ref[ang, :][:, None, :]; s = s_ref[ang, :][:, None, :]
+                qq = (q[None] * c + qs[None] * s).reshape(pc * rows, Kp).astype(kb.dtype)
+                full = lax.dot_general(qq, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).reshape(pc, rows, tile)
+                own = jnp.arange(pc, dtype=jnp.int32)[:, None] == (jnp.arange(tile, dtype=jnp.int32) // R)[None, :]
+                sc = jnp.sum(jnp.where(own[:, None, :], full, 0.0), axis=0)
+            sc = jnp.where(valid[None, :], sc * 0.088, -jnp.inf)
+            m2 = jnp.maximum(m, sc.max(axis=1))
+            p = jnp.exp(sc - m2[:, None]); a = jnp.exp(m - m2)
+            return m2, tot * a + p.sum(axis=1), acc * a[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, Vp), jnp.float32))
+        m, tot, acc = lax.fori_loop(0, nt, body, init)
+        o_ref[...] = (acc / tot[:, None]).astype(o_ref.dtype)
+    return kernel
+
+def run(variant, tile, Q=4096, HKV=4, N=131072, P=512, rows=16, Kp=128, Vp=128, warps=4, stages=2):
+    rng = np.random.default_rng(0)
+    Mp = P * R
+    pars = np.sort(np.stack([rng.choice(N // R, P, replace=False) for _ in range(1024)]), axis=1)
+    pars = np.resize(pars, (Q * HKV, P)).astype(np.int32).reshape(Q, HKV, P)
+    key = jax.random.PRNGKey(0)
+    q = jax.random.normal(key, (Q, HKV, rows, Kp), jnp.bfloat16)
+    k = jax.random.normal(key, (HKV, N, Kp), jnp.bfloat16)
+    v = jax.random.normal(key, (HKV, N, Vp), jnp.bfloat16)
+    n = jnp.full((Q, HKV, 1), Mp - 3, jnp.int32)
+    c = jnp.cos(jnp.arange(Mp)[:, None] * 0.01 * jnp.ones((1, Kp)))
+    s = jnp.sin(jnp.arange(Mp)[:, None] * 0.01 * jnp.ones((1, Kp)))
+    f = pl.pallas_call(make(variant, tile, Mp, rows, Kp, Vp), grid=(Q, HKV),
+        in_specs=[pl.BlockSpec((None, None, rows, Kp), lambda b, h: (b, h, 0, 0))] * 2 + [
+            pl.BlockSpec((None, None, P), lambda b, h: (b, h, 0)),
+            pl.BlockSpec((None, None, 1), lambda b, h: (b, h, 0)),
+            pl.BlockSpec((None, N, Kp), lambda b, h: (h, 0, 0)),
+            pl.BlockSpec((None, N, Vp), lambda b, h: (h, 0, 0)),
+            pl.BlockSpec((Mp, Kp), lambda b, h: (0, 0)), pl.BlockSpec((Mp, Kp), lambda b, h: (0, 0))],
+        out_specs=pl.BlockSpec((None, None, rows, Vp), lambda b, h: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((Q, HKV, rows, Vp), jnp.bfloat16),
+        compiler_params=compiler_params(warps, stages))
+    ms = timeit(jax.jit(f), q, q, jnp.asarray(pars), n, k, v, c, s)
+    by = Q * HKV * Mp * (Kp + Vp) * 2
+    print(f"{variant:8s} tile={tile:3d} warps={warps} stages={stages}: {ms:7.2f} ms/chunk of {Q} queries "
+          f"({ms * 32:6.0f} ms for T=131072), {by / ms / 1e9:.1f} TB/s", flush=True)
+
+if __name__ == "__main__":
+    for variant, tile, w, st in [("static", 64, 4, 2), ("dynamic", 64, 4, 2), ("dynamic", 32, 4, 2), ("dynamic", 128, 4, 2),
+                                 ("dynamic", 64, 4, 3), ("rope", 64, 4, 2), ("rope", 32, 4, 2), ("rope", 128, 4, 2), ("rope", 64, 8, 2)]:
+        try:
+            run(variant, tile, warps=w, stages=st)
+        except Exception as e:
+            print(variant, tile, "FAIL", type(e).__name__, str(e)[:300], flush=True)
