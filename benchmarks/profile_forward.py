@@ -31,13 +31,16 @@ def main(argv=None):
     p.add_argument("--tile", type=int, default=BlockSizes.tile)
     p.add_argument("--top-tile", type=int, default=BlockSizes.top_tile)
     p.add_argument("--top-rows", type=int, default=BlockSizes.top_rows)
+    p.add_argument("--warps", type=int, default=BlockSizes.num_warps, help="per-query importance kernel")
+    p.add_argument("--merge-warps", type=int, default=BlockSizes.merge_num_warps, help="per-query merges")
     p.add_argument("--merge-operands", default="auto", help="auto, float32, or a dtype name")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip = args.interpret
     T, config = args.T, HTreeConfig(top_k=args.top_k)
     q, k, v = inputs(T)
-    bs = BlockSizes(tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows)
+    bs = BlockSizes(tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, num_warps=args.warps,
+                    merge_num_warps=args.merge_warps)
     operands = None if args.merge_operands == "float32" else args.merge_operands
     prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None, operands))
     tree_ms = median_ms(prep_fn, (q, k, v), args.iters)
@@ -83,7 +86,7 @@ def main(argv=None):
         parents = nxt[..., :P]
         q_rows = pad_axis(qc, 3, gp)
     for l in reversed(range(L - 1)):
-        kl, vl = prep.layers[l]
+        kl, kl_rot, vl = prep.layers[l]
         n = candidate_count(parents, t, st.r, l)
         mean_n = float(jnp.mean(n))
         if l > 0:
@@ -97,20 +100,20 @@ def main(argv=None):
                          median_ms(select_call, (keys, parents, n), args.iters), chunks))
             nxt, tau = select_call(keys, parents, n)
             merge_call = jax.jit(lambda *a: merge_pallas(*a, st, ip))
-            margs = (q_rows, parents, n, keys, tau, kl, vl, prep.cos, prep.sin, state)
+            margs = (q_rows, parents, n, keys, tau, kl_rot, vl, prep.cos, prep.sin, state)
             rows.append((f"layer {l} merge (1 query/program, 1 score pass + values)",
                          median_ms(merge_call, margs, args.iters), chunks))
             state = merge_call(*margs)
             parents = nxt[..., :P]
         else:
             bottom = jax.jit(lambda *a: merge_pallas(*a, st, ip, out_dtype=q.dtype))
-            bargs = (q_rows, parents, n, None, None, kl, vl, prep.cos, prep.sin, state)
+            bargs = (q_rows, parents, n, None, None, kl_rot, vl, prep.cos, prep.sin, state)
             rows.append((f"layer 0 merge + normalise (1 query/program, 1 score pass + values, mean n={mean_n:.0f})",
                          median_ms(bottom, bargs, args.iters), chunks))
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: T={T} top_k={args.top_k} "
           f"layers={config.layer_sizes(T)} B={B} H={H} H_kv={H_KV} K=V={K} bf16, score dots {st.precision}, "
-          f"tile {st.tile} (top: {st_top.tile}), merge operands {st.merge_operands}, {chunks} chunks of {Qc} positions")
+          f"tile {st.tile} (top: {st_top.tile}), warps {st.num_warps}/{st.merge_num_warps}, merge operands {st.merge_operands}, {chunks} chunks of {Qc} positions")
     print("| stage | per chunk ms | chunks | total ms |\n|---|---|---|---|")
     total = 0.0
     for name, ms, times in rows:

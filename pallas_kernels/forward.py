@@ -48,7 +48,11 @@ class BlockSizes:
     top_rows: int = 128
     top_tile: int = 64
     top_num_warps: int = 8
+    # Per-query kernels below the top. H200, T=131072: the importance pass ran best at
+    # 4 warps (483 ms vs 705 at 2, top_k=64), the merges at 1 (bottom: 490 ms vs 540 at
+    # 2 and 850 at 4, top_k=512).
     num_warps: int = 4
+    merge_num_warps: int = 1
     num_stages: int = 2
     chunk_budget_bytes: int = 1 << 30
 
@@ -109,8 +113,10 @@ def default_merge_operands(dtype):
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
 
-    # [(K_l [B, H_kv, N_l, Kp] rotated by child offset, V_l [B, H_kv, N_l, Vp]), ...],
-    # bottom first, the top layer left out (it is `top_k_rot`, `top_v`)
+    # [(K_l [B, H_kv, N_l, Kp], K_l rotated by child offset, V_l [B, H_kv, N_l, Vp]), ...],
+    # bottom first, the top layer left out (it is `top_k_rot`, `top_v`). The importance
+    # kernel reads K_l (None at the bottom, which only merges), the merge kernel the
+    # rotated keys.
     layers: list
     top_k_rot: jax.Array  # the top layer's keys rotated by their position, float32, tile-padded
     top_v: jax.Array  # the top layer's values, tile-padded
@@ -139,7 +145,8 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         merge_precision=default_merge_precision(q.dtype) if precision is None else precision,
         merge_operands=(default_merge_operands(q.dtype) if precision is None else None)
         if merge_operands == "auto" else merge_operands,
-        num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages,
+        num_warps=block_sizes.num_warps, merge_num_warps=block_sizes.merge_num_warps,
+        num_stages=block_sizes.num_stages,
     )
     layers = [(jnp.swapaxes(pad_rope_halves(k, half), 1, 2), jnp.swapaxes(pad_axis(v, -1, vp), 1, 2))]
     for _ in config.layer_sizes(T)[1:]:
@@ -155,8 +162,8 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     top_v = pad_nodes(layers[-1][1], top_tile)
     # Below the top: keys rotated by child offset. Layers that select keep float32 (their
     # scores decide selections); the bottom one only merges: stored in the merge dtype.
-    layers = [(rotate_child_offset(kl, cos, sin, r, (st.merge_operands or jnp.float32) if l == 0 else jnp.float32),
-               vl) for l, (kl, vl) in enumerate(layers[:-1])]
+    layers = [(None, rotate_child_offset(kl, cos, sin, r, st.merge_operands or jnp.float32), vl) if l == 0 else
+              (kl, rotate_child_offset(kl, cos, sin, r), vl) for l, (kl, vl) in enumerate(layers[:-1])]
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp) // bq) * bq
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
@@ -220,16 +227,17 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
         selections = [parents[..., : config.top_k]]
         q_rows = pad_axis(qc, 3, gp)
         for l in reversed(range(L - 1)):
-            kl, vl = prep.layers[l]
+            kl, kl_rot, vl = prep.layers[l]
             n = candidate_count(parents, t, st.r, l)
             if l > 0:
                 keys = importance_keys_pallas(q_rows, parents, n, kl, prep.cos, prep.sin, st, interpret)
                 next_parents, tau = select_top_k_layer_pallas(keys, parents, n, st, interpret)
-                state = merge_pallas(q_rows, parents, n, keys, tau, kl, vl, prep.cos, prep.sin, state, st, interpret)
+                state = merge_pallas(q_rows, parents, n, keys, tau, kl_rot, vl, prep.cos, prep.sin, state, st,
+                                     interpret)
                 parents = next_parents[..., :P]
                 selections.append(parents[..., : config.top_k])
             else:
-                o = merge_pallas(q_rows, parents, n, None, None, kl, vl, prep.cos, prep.sin, state, st,
+                o = merge_pallas(q_rows, parents, n, None, None, kl_rot, vl, prep.cos, prep.sin, state, st,
                                  interpret, out_dtype=q.dtype)
         return o[:, :, :, :G], selections
 

@@ -29,6 +29,43 @@ def make(variant, tile, Mp, rows, Kp, Vp):
             idx = jnp.where(valid, (par[:, None] * R + child[None, :]).reshape(tile), 0)
             kb = k_ref[idx, :]
             vb = v_ref[idx, :]
+            if variant.startswith("unit"):  # one slot per product, unrolled over the tile
+                mx = m; blocks = []
+                for u in range(pc):
+                    par1 = par_ref[pl.ds(i * pc + u, 1)]
+                    idx1 = jnp.where(valid[u*R:(u+1)*R] if False else True, (par1[:, None] * R + child[None, :]).reshape(R), 0)
+                    kb1 = k_ref[idx1, :]
+                    ang = jnp.maximum(n - 1 - (i * pc + u) * R, 0)
+                    if variant == "unit_qrot":
+                        c = c_ref[pl.ds(ang, 1), :]; s = s_ref[pl.ds(ang, 1), :]
+                        qq = (q * c + qs * s).astype(kb1.dtype)
+                    elif variant == "unit_qrot_bf16":
+                        c = c_ref[pl.ds(ang, 1), :].astype(jnp.bfloat16); s = s_ref[pl.ds(ang, 1), :].astype(jnp.bfloat16)
+                        qq = q.astype(jnp.bfloat16) * c + qs.astype(jnp.bfloat16) * s
+                    elif variant == "unit_krot_halves":
+                        H2 = Kp // 2
+                        c = c_ref[pl.ds(ang, 1), pl.ds(0, H2)]; s = s_ref[pl.ds(ang, 1), pl.ds(0, H2)]
+                        klo = k_ref[idx1, pl.ds(0, H2)].astype(jnp.float32); khi = k_ref[idx1, pl.ds(H2, H2)].astype(jnp.float32)
+                        qlo = q_ref[:, pl.ds(0, H2)]; qhi = q_ref[:, pl.ds(H2, H2)]
+                        dn = (((1,), (1,)), ((), ()))
+                        sc1 = (lax.dot_general(qlo, (klo * c - khi * s).astype(jnp.bfloat16), dn, preferred_element_type=jnp.float32)
+                               + lax.dot_general(qhi, (klo * s + khi * c).astype(jnp.bfloat16), dn, preferred_element_type=jnp.float32)) * 0.088
+                        blocks.append((sc1, idx1)); mx = jnp.maximum(mx, sc1.max(axis=1)); continue
+                    elif variant == "unit_krot":
+                        c = c_ref[pl.ds(ang, 1), :]; s = s_ref[pl.ds(ang, 1), :]
+                        kh = k_ref[idx1, :].astype(jnp.float32)
+                        kb1 = (kb1.astype(jnp.float32) * c + kh * s).astype(kb1.dtype)
+                        qq = q.astype(kb1.dtype)
+                    else:
+                        qq = q.astype(kb1.dtype)
+                    sc1 = lax.dot_general(qq, kb1, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * 0.088
+                    blocks.append((sc1, idx1))
+                    mx = jnp.maximum(mx, sc1.max(axis=1))
+                a = jnp.exp(m - mx); tot = tot * a; acc = acc * a[:, None]
+                for sc1, idx1 in blocks:
+                    p = jnp.exp(sc1 - mx[:, None]); tot = tot + p.sum(axis=1)
+                    acc = acc + jnp.dot(p.astype(jnp.bfloat16), v_ref[idx1, :], preferred_element_type=jnp.float32)
+                return mx, tot, acc
             if variant in ("static", "dynamic"):
                 sc = lax.dot_general(q.astype(kb.dtype), kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             else:  # full-width rope per slot, block diagonal
@@ -76,8 +113,8 @@ def run(variant, tile, Q=4096, HKV=4, N=131072, P=512, rows=16, Kp=128, Vp=128, 
           f"({ms * 32:6.0f} ms for T=131072), {by / ms / 1e9:.1f} TB/s", flush=True)
 
 if __name__ == "__main__":
-    for variant, tile, w, st in [("static", 64, 4, 2), ("dynamic", 64, 4, 2), ("dynamic", 32, 4, 2), ("dynamic", 128, 4, 2),
-                                 ("dynamic", 64, 4, 3), ("rope", 64, 4, 2), ("rope", 32, 4, 2), ("rope", 128, 4, 2), ("rope", 64, 8, 2)]:
+    for variant, tile, w, st in [("unit_qrot_bf16", 64, 4, 2), ("unit_krot_halves", 64, 4, 2), ("unit_qrot", 64, 2, 2),
+                                 ("unit_qrot", 64, 4, 1)]:
         try:
             run(variant, tile, warps=w, stages=st)
         except Exception as e:

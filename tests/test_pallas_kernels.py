@@ -114,8 +114,8 @@ LAYER_CONFIGS = [
 def test_layer_kernels_equal_twins(rng, config, G, block_queries):
     a = _layer_inputs(rng, config, G=G, K=24, V=20, block_queries=block_queries)
     st = a["st"]
+    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st, True)
     k_rot = rotate_child_offset(a["layer_k"], a["cos"], a["sin"], st.r)
-    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], k_rot, a["cos"], a["sin"], st, True)
     keys_twin = importance_keys_twin(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st)
     # The exact selection is checked via the same keys below.
     _assert_same_keys(keys, keys_twin, st.log_n)
