@@ -160,10 +160,11 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps)
     top_k_rot = rotate_keys(layers[-1][0], cos, sin, top_tile)
     top_v = pad_nodes(layers[-1][1], top_tile)
-    # Below the top: keys rotated by child offset. Layers that select keep float32 (their
-    # scores decide selections); the bottom one only merges: stored in the merge dtype.
-    layers = [(None, rotate_child_offset(kl, cos, sin, r, st.merge_operands or jnp.float32), vl) if l == 0 else
-              (kl, rotate_child_offset(kl, cos, sin, r), vl) for l, (kl, vl) in enumerate(layers[:-1])]
+    # Below the top: keys rotated by child offset for the merges, stored in the merge
+    # operand dtype; the importance kernel rotates the stored keys itself.
+    merge_keys = st.merge_operands or jnp.float32
+    layers = [(None if l == 0 else kl, rotate_child_offset(kl, cos, sin, r, merge_keys), vl)
+              for l, (kl, vl) in enumerate(layers[:-1])]
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp) // bq) * bq
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
