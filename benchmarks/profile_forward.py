@@ -15,12 +15,25 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from htree_jax.bench import B, H, H_KV, K, dense_fn, inputs, median_ms
 from htree_jax import HTreeConfig
+from htree_jax.bench import H_KV, B, H, K, dense_fn, inputs, median_ms
 from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import BlockSizes, candidate_count, prepare, top_layer_parents
-from pallas_kernels.layer_forward import importance_keys_pallas, merge_pallas, select_top_k_layer_pallas
-from pallas_kernels.top_layer import rotate_queries, top_importance_keys_pallas, top_merge_pallas
+from pallas_kernels.forward import (
+    BlockSizes,
+    candidate_count,
+    prepare,
+    top_layer_parents,
+)
+from pallas_kernels.layer_forward import (
+    importance_keys_pallas,
+    merge_pallas,
+    select_top_k_layer_pallas,
+)
+from pallas_kernels.top_layer import (
+    rotate_queries,
+    top_importance_keys_pallas,
+    top_merge_pallas,
+)
 
 
 def main(argv=None):
@@ -31,6 +44,7 @@ def main(argv=None):
     p.add_argument("--tile", type=int, default=BlockSizes.tile)
     p.add_argument("--top-tile", type=int, default=BlockSizes.top_tile)
     p.add_argument("--top-rows", type=int, default=BlockSizes.top_rows)
+    p.add_argument("--top-warps", type=int, default=BlockSizes.top_num_warps)
     p.add_argument("--warps", type=int, default=BlockSizes.num_warps, help="per-query importance kernel")
     p.add_argument("--merge-warps", type=int, default=BlockSizes.merge_num_warps, help="per-query merges")
     p.add_argument("--merge-operands", default="auto", help="auto, float32, or a dtype name")
@@ -39,7 +53,8 @@ def main(argv=None):
     ip = args.interpret
     T, config = args.T, HTreeConfig(top_k=args.top_k)
     q, k, v = inputs(T)
-    bs = BlockSizes(tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, num_warps=args.warps,
+    bs = BlockSizes(tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, top_num_warps=args.top_warps,
+                    num_warps=args.warps,
                     merge_num_warps=args.merge_warps)
     operands = None if args.merge_operands == "float32" else args.merge_operands
     prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None, operands))

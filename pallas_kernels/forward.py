@@ -32,7 +32,13 @@ from pallas_kernels.layer_forward import (
     rotate_child_offset,
     select_top_k_layer_pallas,
 )
-from pallas_kernels.top_layer import pad_nodes, rotate_keys, rotate_queries, top_importance_keys_pallas, top_merge_pallas
+from pallas_kernels.top_layer import (
+    pad_nodes,
+    rotate_keys,
+    rotate_queries,
+    top_importance_keys_pallas,
+    top_merge_pallas,
+)
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 
 MIN_DIM, MAX_DIM, MAX_GROUP = 32, 256, 16

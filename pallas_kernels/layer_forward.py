@@ -227,6 +227,24 @@ def _online_max_sum(m, total, scores):
     return m_new, total
 
 
+def _pack(imp, positions, st: LayerStatic):
+    """Packed keys (SPEC 2.3): importance bits, low `log_n` bits replaced by `~p`."""
+    mask = (1 << st.log_n) - 1
+    return (lax.bitcast_convert_type(imp, jnp.int32) & ~mask) | (mask - positions[None, :])
+
+
+def _write_tiles(keys_ref, num_tiles, write_keys, st: LayerStatic):
+    """Runs `write_keys` over the first `num_tiles` tiles and marks the rest invalid."""
+
+    def write_invalid(i, carry):
+        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.full((keys_ref.shape[0], st.tile), -1, jnp.int32)
+        return carry
+
+    # Loops that only store carry nothing (a constant carry does not lower to Triton).
+    lax.fori_loop(0, num_tiles, write_keys, ())
+    lax.fori_loop(num_tiles, keys_ref.shape[1] // st.tile, write_invalid, ())
+
+
 def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st: LayerStatic):
     bq, gp, _ = q_ref.shape
     rows = bq * gp
@@ -251,7 +269,6 @@ def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st
         group_max = jnp.max(jnp.where(real_head, m, NEG_INF).reshape(bq, gp), axis=1)
         shift = jnp.broadcast_to(group_max[:, None], (bq, gp)).reshape(rows)
         shift = jnp.where(shift == NEG_INF, 0.0, shift)
-    mask = (1 << st.log_n) - 1
 
     def write_keys(i, carry):
         scores, valid, positions, _ = _position_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
@@ -259,18 +276,10 @@ def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st
         imp = jnp.sum(weights.reshape(bq, gp, st.tile), axis=1)  # [BQ, tile]
         imp = jnp.where(has_norm, imp, 0.0)
         imp = jnp.where(positions[None, :] == n - 1, FORCED_IMPORTANCE, imp)
-        bits = lax.bitcast_convert_type(imp, jnp.int32)
-        keys = (bits & ~mask) | (mask - positions[None, :])
-        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid[None, :], keys, -1)
+        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid[None, :], _pack(imp, positions, st), -1)
         return carry
 
-    def write_invalid(i, carry):
-        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.full((bq, st.tile), -1, jnp.int32)
-        return carry
-
-    # Loops that only store carry nothing (a constant carry does not lower to Triton).
-    lax.fori_loop(0, num_tiles, write_keys, ())
-    lax.fori_loop(num_tiles, keys_ref.shape[1] // st.tile, write_invalid, ())
+    _write_tiles(keys_ref, num_tiles, write_keys, st)
 
 
 
@@ -420,6 +429,15 @@ def select_top_k_layer_pallas(keys, parents, n, st: LayerStatic, interpret=False
     )(keys, parents, n)
 
 
+def merge_outputs(specs, shape, bottom: bool, out_dtype):
+    """`(out_specs, out_shape)` of a merge launch: the normalised output `[B, Q, H_kv,
+    rows, Vp]` at the bottom, else the float32 state `(m, S, U)`."""
+    if bottom:
+        return specs["mat"], jax.ShapeDtypeStruct(shape, out_dtype)
+    vec = jax.ShapeDtypeStruct(shape[:-1], jnp.float32)
+    return [specs["vec"], specs["vec"], specs["mat"]], [vec, vec, jax.ShapeDtypeStruct(shape, jnp.float32)]
+
+
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype"))
 def merge_pallas(q, parents, n, keys, tau, k_rot, layer_v, cos, sin, state, st: LayerStatic,
                  interpret=False, out_dtype=jnp.float32):
@@ -434,13 +452,7 @@ def merge_pallas(q, parents, n, keys, tau, k_rot, layer_v, cos, sin, state, st: 
     in_specs = [sp["q"], sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"]]
     args = queries + (parents, n) + (() if bottom else (keys, tau)) + (k_rot, layer_v) + tables + tuple(state)
-    if bottom:
-        out_specs, out_shape = sp["mat"], jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), out_dtype)
-    else:
-        out_specs = [sp["vec"], sp["vec"], sp["mat"]]
-        out_shape = [jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32),
-                     jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32),
-                     jax.ShapeDtypeStruct((B, Q, H_kv, gp, vp), jnp.float32)]
+    out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gp, vp), bottom, out_dtype)
     out = pl.pallas_call(
         functools.partial(_merge_kernel, st=st, bottom=bottom),
         grid=(B, Q // st.block_queries, H_kv),

@@ -40,8 +40,11 @@ from pallas_kernels.layer_forward import (
     NEG_INF,
     LayerStatic,
     _online_max_sum,
+    _pack,
     _tf32_split,
     _weighted_values,
+    _write_tiles,
+    merge_outputs,
 )
 
 
@@ -146,7 +149,6 @@ def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
         group_max = jnp.max(jnp.where(real_head, m, NEG_INF).reshape(bq, gt), axis=1)
         shift = _per_row(group_max, gt)
         shift = jnp.where(shift == NEG_INF, 0.0, shift)
-    mask = (1 << st.log_n) - 1
 
     def write_keys(i, carry):
         scores, positions = _tile_scores(i, q_parts, k_ref, st, st.precision)
@@ -156,18 +158,11 @@ def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
         imp = jnp.sum(weights.reshape(bq, gt, st.tile), axis=1)  # [BQ, tile]
         imp = jnp.where(has_norm[:, None], imp, 0.0)
         imp = jnp.where(positions[None, :] == n_q[:, None] - 1, FORCED_IMPORTANCE, imp)
-        bits = lax.bitcast_convert_type(imp, jnp.int32)
-        keys = (bits & ~mask) | (mask - positions[None, :])
         valid = positions[None, :] < n_q[:, None]
-        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid, keys, -1)
+        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid, _pack(imp, positions, st), -1)
         return carry
 
-    def write_invalid(i, carry):
-        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.full((bq, st.tile), -1, jnp.int32)
-        return carry
-
-    lax.fori_loop(0, num_tiles, write_keys, ())
-    lax.fori_loop(num_tiles, keys_ref.shape[1] // st.tile, write_invalid, ())
+    _write_tiles(keys_ref, num_tiles, write_keys, st)
 
 
 def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
@@ -267,13 +262,7 @@ def top_merge_pallas(q_rot, n, keys, tau, k_rot, v, state, st: LayerStatic, inte
     in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
     args = (q_rot, n) + (() if bottom else (keys, tau)) + (k_rot, v) + tuple(state)
-    if bottom:
-        out_specs, out_shape = sp["mat"], jax.ShapeDtypeStruct((B, Q, H_kv, gt, vp), out_dtype)
-    else:
-        out_specs = [sp["vec"], sp["vec"], sp["mat"]]
-        out_shape = [jax.ShapeDtypeStruct((B, Q, H_kv, gt), jnp.float32),
-                     jax.ShapeDtypeStruct((B, Q, H_kv, gt), jnp.float32),
-                     jax.ShapeDtypeStruct((B, Q, H_kv, gt, vp), jnp.float32)]
+    out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gt, vp), bottom, out_dtype)
     out = pl.pallas_call(
         functools.partial(_top_merge_kernel, st=st, bottom=bottom),
         grid=(B, Q // st.block_queries, H_kv),

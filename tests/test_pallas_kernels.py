@@ -128,8 +128,11 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries):
 
     args = (a["q"], a["parents"], a["n"], keys, tau, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
     with_rotated = lambda args, k: args[:5] + (k,) + args[6:]
+    # The kernel rotates the query per slot (relative RoPE), the twin each key by its
+    # position: scores differ by ~1e-7 relative, and U, a sum of many signed terms,
+    # can cancel to ~1e-2 (seen: 1.07e-5 absolute on 0.0195), hence atol 5e-5 there.
     for got, want in zip(merge_pallas(*with_rotated(args, k_rot), interpret=True), merge_twin(*args)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
 
     bottom = args[:3] + (None, None) + args[5:]
     o = merge_pallas(*with_rotated(bottom, k_rot), interpret=True)

@@ -1,8 +1,22 @@
-"""Scratch experiment (not part of the package): what limits the per-query bottom merge?"""
-import functools, sys, time
-import jax, jax.numpy as jnp, numpy as np
+"""Probe: what limits the per-query bottom-layer merge? (GPU only; not a test.)
+
+    python -m benchmarks.probe_bottom_merge
+
+Stripped-down versions of the bottom merge (one program per (query, kv head), 16 rows,
+512 random parents x 16 children of a 131072-token layer, bf16 K/V, online softmax),
+differing in how RoPE at candidate-local positions is handled. Times one chunk of 4096
+queries x 4 kv heads and scales to T=131072. Findings in benchmarks/RESULTS.md
+(2026-11-22): without RoPE the gathers run at ~8 TB/s; any per-(query, slot) rotation
+in the kernel, of the query or of the keys, costs ~2-3x.
+"""
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+
 from pallas_kernels.common import compiler_params
 
 R = 16
@@ -33,7 +47,7 @@ def make(variant, tile, Mp, rows, Kp, Vp):
                 mx = m; blocks = []
                 for u in range(pc):
                     par1 = par_ref[pl.ds(i * pc + u, 1)]
-                    idx1 = jnp.where(valid[u*R:(u+1)*R] if False else True, (par1[:, None] * R + child[None, :]).reshape(R), 0)
+                    idx1 = (par1[:, None] * R + child[None, :]).reshape(R)  # n = Mp - 3: every unit is valid
                     kb1 = k_ref[idx1, :]
                     ang = jnp.maximum(n - 1 - (i * pc + u) * R, 0)
                     if variant == "unit_qrot":
@@ -68,7 +82,7 @@ def make(variant, tile, Mp, rows, Kp, Vp):
                 return mx, tot, acc
             if variant in ("static", "dynamic"):
                 sc = lax.dot_general(q.astype(kb.dtype), kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            else:  # full-width rope per slot, block diagonal
+            else:  # "rope": full-width query rotation per slot, slots stacked, block diagonal
                 slots = i * pc + jnp.arange(pc, dtype=jnp.int32)
                 ang = jnp.maximum(n - 1 - slots * R, 0)
                 c = c_ref[ang, :][:, None, :]; s = s_ref[ang, :][:, None, :]
@@ -81,7 +95,7 @@ def make(variant, tile, Mp, rows, Kp, Vp):
             p = jnp.exp(sc - m2[:, None]); a = jnp.exp(m - m2)
             return m2, tot * a + p.sum(axis=1), acc * a[:, None] + jnp.dot(p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, Vp), jnp.float32))
-        m, tot, acc = lax.fori_loop(0, nt, body, init)
+        _, tot, acc = lax.fori_loop(0, nt, body, init)
         o_ref[...] = (acc / tot[:, None]).astype(o_ref.dtype)
     return kernel
 
@@ -113,9 +127,11 @@ def run(variant, tile, Q=4096, HKV=4, N=131072, P=512, rows=16, Kp=128, Vp=128, 
           f"({ms * 32:6.0f} ms for T=131072), {by / ms / 1e9:.1f} TB/s", flush=True)
 
 if __name__ == "__main__":
-    for variant, tile, w, st in [("unit_qrot_bf16", 64, 4, 2), ("unit_krot_halves", 64, 4, 2), ("unit_qrot", 64, 2, 2),
-                                 ("unit_qrot", 64, 4, 1)]:
+    variants = [("static", 64, 4, 2), ("dynamic", 64, 4, 2), ("dynamic", 32, 4, 2), ("dynamic", 128, 4, 2),
+                ("rope", 64, 4, 2), ("unit_none", 64, 4, 2), ("unit_qrot", 64, 4, 2), ("unit_qrot", 64, 2, 2),
+                ("unit_krot", 64, 4, 2), ("unit_krot_halves", 64, 4, 2), ("unit_qrot_bf16", 64, 4, 2)]
+    for variant, tile, w, st in variants:
         try:
             run(variant, tile, warps=w, stages=st)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - report and go on
             print(variant, tile, "FAIL", type(e).__name__, str(e)[:300], flush=True)
