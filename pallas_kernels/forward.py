@@ -5,9 +5,12 @@ queries share every candidate, runs flash-attention-shaped kernels over blocks o
 queries (`pallas_kernels/top_layer.py`); the layers below, where each query has its
 own parents, one program per query (`pallas_kernels/layer_forward.py`).
 
-Device memory beyond inputs, tree and output: per chunk of `Qc` positions the packed
-keys and next-parent buffers (`2 * B * Qc * H_kv * Mp` int32) and the softmax state
-(`B * Qc * H * (V + 2)` float32), plus the selections (`(L-1) * B*T*H_kv*top_k` int32).
+Device memory beyond inputs, tree and output: the rotated copies of the tree's keys
+(the top layer in float32, each lower layer in the merge operand dtype); per chunk of
+`Qc` positions the packed keys and next-parent buffers (`2 * B * Qc * H_kv * Mp` int32),
+the queries padded and rotated for the top layer (`B * Qc * H_kv * Gt * Kp` float32)
+and the softmax state (`B * Qc * H * (V + 2)` float32); the selections
+(`(L-1) * B*T*H_kv*top_k` int32).
 `Qc` is chosen so that `Qc * Mp <= T * top_k` (so nothing is `O(T * M)`) and the
 buffers stay under `chunk_budget_bytes`.
 """
