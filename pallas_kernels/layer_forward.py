@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from htree_jax.rope import apply_rope
 from pallas_kernels.common import compiler_params
 from pallas_kernels.top_k import compaction_targets, kth_largest_key
 
@@ -49,7 +50,9 @@ class LayerStatic:
     precision: lax.Precision | None
     num_warps: int = 4
     num_stages: int = 2
-    block_queries: int = 1  # queries per program; they must share parents and n
+    # Queries per program. Per-query kernels: they must share parents and n; the top
+    # layer's kernels (`top_layer.py`): each query has its own n.
+    block_queries: int = 1
     # Score dots of the merge passes. Their scores only weigh values in the output
     # softmax (selection is decided by the keys kernel), so bf16/f16 inputs need
     # only output precision here. None: same as `precision`.
@@ -68,8 +71,17 @@ def _tf32_split(x):
     return hi, x - hi
 
 
-def _dot_t(a, b, precision, operands=None):
-    """`a [m, k] @ b[n, k].T` in float32 (`operands`: cast both to this dtype first).
+def split_rows(a, precision, operands=None):
+    """The left operand of `dot_rows`, prepared once (hoisted out of loops where it is
+    loop-invariant): split `hi + lo` for 3xTF32, or cast to the `operands` dtype."""
+    if operands is not None:
+        return (a.astype(operands), None)
+    return _tf32_split(a) if precision == lax.Precision.HIGH else (a, None)
+
+
+def dot_rows(a_parts, b, precision, operands=None):
+    """`a [m, k] @ b[n, k].T` in float32, `a` prepared by `split_rows` (`operands`:
+    both in this dtype, float32 accumulation).
 
     `Precision.HIGH` is done here as 3xTF32 (hi*hi + hi*lo + lo*hi): ~1e-6 relative
     error on TF32 tensor cores. Pallas-Triton runs HIGH as plain TF32 (~5e-4), which is
@@ -78,13 +90,18 @@ def _dot_t(a, b, precision, operands=None):
     """
     dims = (((1,), (1,)), ((), ()))
     if operands is not None:
-        return lax.dot_general(a.astype(operands), b.astype(operands), dims, preferred_element_type=jnp.float32)
+        return lax.dot_general(a_parts[0], b.astype(operands), dims, preferred_element_type=jnp.float32)
     if precision == lax.Precision.HIGH:
-        (a_hi, a_lo), (b_hi, b_lo) = _tf32_split(a), _tf32_split(b)
+        (a_hi, a_lo), (b_hi, b_lo) = a_parts, _tf32_split(b)
         tf32 = lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=jnp.float32,
                                             precision=lax.Precision.DEFAULT)
         return tf32(a_hi, b_hi) + (tf32(a_hi, b_lo) + tf32(a_lo, b_hi))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
+    return lax.dot_general(a_parts[0], b, dims, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _dot_t(a, b, precision, operands=None):
+    """`dot_rows` with `a` prepared on the spot."""
+    return dot_rows(split_rows(a, precision, operands), b, precision, operands)
 
 
 def rotate_child_offset(layer_k, cos, sin, r: int, dtype=jnp.float32):
@@ -92,13 +109,8 @@ def rotate_child_offset(layer_k, cos, sin, r: int, dtype=jnp.float32):
     `dtype`. With it a candidate's score needs only its slot's rotation, applied to the
     query (SPEC 2.2 is relative): `<rope(q, n-1), rope(K[j], s*r + c)> =
     <rope(q, n-1 - s*r), rope(K[j], c)>`, as the JAX reference computes it."""
-    N, kp = layer_k.shape[2], layer_k.shape[3]
-    half = kp // 2
-    child = jnp.arange(N) % r
-    c, s = cos[child], sin[child]
-    k = layer_k.astype(jnp.float32)
-    lo, hi = k[..., :half], k[..., half:]
-    return jnp.concatenate([lo * c - hi * s, lo * s + hi * c], axis=-1).astype(dtype)
+    child = jnp.arange(layer_k.shape[2]) % r
+    return apply_rope(layer_k.astype(jnp.float32), cos[child], sin[child]).astype(dtype)
 
 
 def rotate_half(q):
@@ -182,7 +194,7 @@ def _rotated_query(q_ref, cos_ref, sin_ref, position):
     return lo * c - hi * s, lo * s + hi * c
 
 
-def _position_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision=None, operands=None):
+def _position_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic):
     """The importance kernel's scores of candidate tile `i`: `(scores [BQ*Gp, tile],
     valid, positions, nodes)`, keys rotated in the kernel by their position `p` (float32
     halves, position tables `[Mp, Kp/2]`); measured faster than `_unit_scores` for the
@@ -205,26 +217,68 @@ def _position_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerSta
     c = cos_ref[pl.ds(i * tile, tile), :]
     s = sin_ref[pl.ds(i * tile, tile), :]
     q_lo, q_hi = q_rot
-    precision = st.precision if precision is None else precision
-    scores = (_dot_t(q_lo, k_lo * c - k_hi * s, precision, operands)
-              + _dot_t(q_hi, k_lo * s + k_hi * c, precision, operands))
+    scores = _dot_t(q_lo, k_lo * c - k_hi * s, st.precision) + _dot_t(q_hi, k_lo * s + k_hi * c, st.precision)
     return st.alpha * scores, valid, positions, nodes
 
 
-
-
 def _online_max_sum(m, total, scores):
-    """Fold `scores [R, tile]` (-inf where excluded) into a running max and sum; a
-    list of score blocks folds as one."""
-    blocks = scores if isinstance(scores, list) else [scores]
-    m_new = m
-    for x in blocks:
-        m_new = jnp.maximum(m_new, jnp.max(x, axis=1))
+    """Fold `scores [R, tile]` (-inf where excluded) into a running max and sum."""
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    total = total * jnp.exp(m - m_safe)
-    for x in blocks:
-        total = total + jnp.sum(jnp.exp(x - m_safe[:, None]), axis=1)
+    total = total * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(scores - m_safe[:, None]), axis=1)
     return m_new, total
+
+
+def importance_shift(m, total, real_head, group_rows: int, importance: str):
+    """Per row, what the importance subtracts from scores (SPEC 2.3): the row's LSE over
+    R (`softmax`), or the max over the real heads of its query's group (`shared_max`);
+    0 where R is empty. `m, total [rows]` from `_online_max_sum`, rows grouped by query
+    in blocks of `group_rows`."""
+    if importance == "softmax":
+        return jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)
+    queries = m.shape[0] // group_rows
+    group_max = jnp.max(jnp.where(real_head, m, NEG_INF).reshape(queries, group_rows), axis=1)
+    shift = jnp.broadcast_to(group_max[:, None], (queries, group_rows)).reshape(m.shape[0])
+    return jnp.where(shift == NEG_INF, 0.0, shift)
+
+
+def fold_merged(carry, blocks, score_precision, operands):
+    """Online-softmax merge (SPEC 2.4) of score blocks into `(m, S, U)` `[rows]`,
+    `[rows]`, `[rows, Vp]`: `blocks` is a list of `(scores [rows, n], values [n, Vp])`,
+    scores `-inf` where not merged; they fold as one step (one rescale)."""
+    m, total, acc = carry
+    m_new = m
+    for s_m, _ in blocks:
+        m_new = jnp.maximum(m_new, jnp.max(s_m, axis=1))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    decay = jnp.exp(m - m_safe)
+    total, acc = total * decay, acc * decay[:, None]
+    for s_m, values in blocks:
+        w = jnp.exp(s_m - m_safe[:, None])
+        total = total + jnp.sum(w, axis=1)
+        acc = acc + _weighted_values(w, values, score_precision, operands)
+    return m_new, total, acc
+
+
+def read_state(m_ref, s_ref, u_ref):
+    """The incoming `(m, S, U)` of a block, rows flattened."""
+    vp = u_ref.shape[-1]
+    rows = m_ref.shape[0] * m_ref.shape[1]
+    return m_ref[...].reshape(rows), s_ref[...].reshape(rows), u_ref[...].reshape(rows, vp)
+
+
+def write_merged(state, out_refs, bottom: bool):
+    """The bottom layer writes the normalised output (`out_refs = (o_ref,)`), the others
+    the state `(m_out, s_out, u_out)` (`[BQ, G]`, `[BQ, G]`, `[BQ, G, Vp]`)."""
+    m, total, acc = state
+    if bottom:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / total[:, None]).reshape(o_ref.shape).astype(o_ref.dtype)
+    else:
+        m_out, s_out, u_out = out_refs
+        m_out[...] = m.reshape(m_out.shape)
+        s_out[...] = total.reshape(s_out.shape)
+        u_out[...] = acc.reshape(u_out.shape)
 
 
 def _pack(imp, positions, st: LayerStatic):
@@ -263,12 +317,7 @@ def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
-    if st.importance == "softmax":
-        shift = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)  # lse per row
-    else:  # shared_max: one max over the real heads of each query's group
-        group_max = jnp.max(jnp.where(real_head, m, NEG_INF).reshape(bq, gp), axis=1)
-        shift = jnp.broadcast_to(group_max[:, None], (bq, gp)).reshape(rows)
-        shift = jnp.where(shift == NEG_INF, 0.0, shift)
+    shift = importance_shift(m, total, real_head, gp, st.importance)
 
     def write_keys(i, carry):
         scores, valid, positions, _ = _position_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
@@ -280,8 +329,6 @@ def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st
         return carry
 
     _write_tiles(keys_ref, num_tiles, write_keys, st)
-
-
 
 
 def _select_kernel(keys_ref, par_ref, n_ref, next_ref, tau_ref, *, st: LayerStatic):
@@ -312,13 +359,12 @@ def _weighted_values(w, values, score_precision, operands):
 def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     """Online-softmax merge of the candidates not kept (all of them at the bottom)."""
     if bottom:
-        q_ref, qh_ref, par_ref, n_ref, k_ref, v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref, o_ref = refs
+        q_ref, qh_ref, par_ref, n_ref, k_ref, v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref = refs[:-1]
     else:
-        (q_ref, qh_ref, par_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref,
-         m_out, s_out, u_out) = refs
+        q_ref, qh_ref, par_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref = refs[:-3]
+    out_refs = refs[-1:] if bottom else refs[-3:]
     bq, gp, _ = q_ref.shape
     rows = bq * gp
-    vp = v_ref.shape[1]
     n = n_ref[0]
     q_parts = _query_rows(q_ref, qh_ref)
     unit = _unit(st)
@@ -329,7 +375,6 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     operands = st.merge_operands
 
     def merge_tile(i, carry):
-        m, total, acc = carry
         blocks = []
         units = _tile_units(i, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st, score_precision, operands)
         for u, (scores, valid, _, nodes) in enumerate(units):
@@ -339,27 +384,11 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
                 kept = keys_ref[:, pl.ds(i * st.tile + u * unit, unit)] >= tau  # [BQ, unit]
                 merged_q = valid[None, :] & ~kept
                 merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gp, unit)).reshape(rows, unit)
-            blocks.append((jnp.where(merged, scores, NEG_INF), nodes))
-        m_new = m
-        for s_m, _ in blocks:
-            m_new = jnp.maximum(m_new, jnp.max(s_m, axis=1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        decay = jnp.exp(m - m_safe)
-        total, acc = total * decay, acc * decay[:, None]
-        for s_m, nodes in blocks:
-            w = jnp.exp(s_m - m_safe[:, None])
-            total = total + jnp.sum(w, axis=1)
-            acc = acc + _weighted_values(w, v_ref[nodes, :], score_precision, operands)
-        return m_new, total, acc
+            blocks.append((jnp.where(merged, scores, NEG_INF), v_ref[nodes, :]))
+        return fold_merged(carry, blocks, score_precision, operands)
 
-    init = (m_ref[...].reshape(rows), s_ref[...].reshape(rows), u_ref[...].reshape(rows, vp))
-    m, total, acc = lax.fori_loop(0, num_tiles, merge_tile, init)
-    if bottom:
-        o_ref[...] = (acc / total[:, None]).reshape(bq, gp, vp).astype(o_ref.dtype)
-    else:
-        m_out[...] = m.reshape(bq, gp)
-        s_out[...] = total.reshape(bq, gp)
-        u_out[...] = acc.reshape(bq, gp, vp)
+    state = lax.fori_loop(0, num_tiles, merge_tile, read_state(m_ref, s_ref, u_ref))
+    write_merged(state, out_refs, bottom)
 
 
 def _block_specs(st: LayerStatic, q, parents, layer_k, layer_v, cos):

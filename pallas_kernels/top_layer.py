@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from htree_jax.rope import apply_rope
 from pallas_kernels.common import compiler_params, pad_axis
 from pallas_kernels.layer_forward import (
     FORCED_IMPORTANCE,
@@ -41,10 +42,14 @@ from pallas_kernels.layer_forward import (
     LayerStatic,
     _online_max_sum,
     _pack,
-    _tf32_split,
-    _weighted_values,
     _write_tiles,
+    dot_rows,
+    fold_merged,
+    importance_shift,
     merge_outputs,
+    read_state,
+    split_rows,
+    write_merged,
 )
 
 
@@ -52,13 +57,8 @@ def rotate_keys(layer_k, cos, sin, tile: int):
     """`rope(K[j], j)` in float32 for every node `j` of a layer (`[B, H_kv, N, Kp]` ->
     `[B, H_kv, Np, Kp]`, zero rows up to `Np`, the next multiple of `tile`). The same
     products as rotating a gathered key tile in the per-query kernels."""
-    N, kp = layer_k.shape[2], layer_k.shape[3]
-    half = kp // 2
-    k = layer_k.astype(jnp.float32)
-    c, s = cos[:N], sin[:N]
-    lo, hi = k[..., :half], k[..., half:]
-    rotated = jnp.concatenate([lo * c - hi * s, lo * s + hi * c], axis=-1)
-    return pad_axis(rotated, 2, -(-N // tile) * tile)
+    N = layer_k.shape[2]
+    return pad_nodes(apply_rope(layer_k.astype(jnp.float32), cos[:N], sin[:N]), tile)
 
 
 def pad_nodes(layer, tile: int):
@@ -76,33 +76,8 @@ def virtual_parents(n, r: int, width: int):
 def rotate_queries(q, n, cos, sin):
     """Each query rotated by its own `n - 1` in float32 (`q [B, Q, H_kv, Gt, Kp]`,
     `n [B, Q, H_kv, 1]`): the whole top layer is then plain dot products."""
-    half = q.shape[-1] // 2
-    position = (n - 1)[..., None]  # [B, Q, H_kv, 1, 1]
-    c, s = cos[position[..., 0]], sin[position[..., 0]]  # [B, Q, H_kv, 1, half]
-    x = q.astype(jnp.float32)
-    lo, hi = x[..., :half], x[..., half:]
-    return jnp.concatenate([lo * c - hi * s, lo * s + hi * c], axis=-1)
-
-
-def _split(x, precision, operands=None):
-    """The row operand of `_dot_rows`, prepared once per program: split for 3xTF32, or
-    cast to the `operands` dtype."""
-    if operands is not None:
-        return (x.astype(operands), None)
-    return _tf32_split(x) if precision == lax.Precision.HIGH else (x, None)
-
-
-def _dot_rows(q_parts, k, precision, operands=None):
-    """`q @ k.T` in float32 with `q` prepared by `_split` (see `layer_forward._dot_t`)."""
-    dims = (((1,), (1,)), ((), ()))
-    if operands is not None:
-        return lax.dot_general(q_parts[0], k.astype(operands), dims, preferred_element_type=jnp.float32)
-    if precision == lax.Precision.HIGH:
-        (q_hi, q_lo), (k_hi, k_lo) = q_parts, _tf32_split(k)
-        tf32 = lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=jnp.float32,
-                                            precision=lax.Precision.DEFAULT)
-        return tf32(q_hi, k_hi) + (tf32(q_hi, k_lo) + tf32(q_lo, k_hi))
-    return lax.dot_general(q_parts[0], k, dims, preferred_element_type=jnp.float32, precision=precision)
+    position = n - 1  # [B, Q, H_kv, 1]: one row of the tables per query, for all its heads
+    return apply_rope(q.astype(jnp.float32), cos[position], sin[position])
 
 
 def _block_rows(q_ref, n_ref):
@@ -121,7 +96,7 @@ def _tile_scores(i, q_parts, k_ref, st: LayerStatic, precision, operands=None):
     their positions `[tile]`."""
     start = i * st.tile
     k = k_ref[pl.ds(start, st.tile), :]
-    return st.alpha * _dot_rows(q_parts, k, precision, operands), start + jnp.arange(st.tile, dtype=jnp.int32)
+    return st.alpha * dot_rows(q_parts, k, precision, operands), start + jnp.arange(st.tile, dtype=jnp.int32)
 
 
 def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
@@ -129,7 +104,7 @@ def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
     rows = bq * gt
     q, n_q = _block_rows(q_ref, n_ref)
     n_rows = _per_row(n_q, gt)
-    q_parts = _split(q, st.precision)
+    q_parts = split_rows(q, st.precision)
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
     real_head = jnp.arange(rows, dtype=jnp.int32) % gt < st.group
     # R, the normaliser set, per row: valid positions, less the rightmost when strict.
@@ -143,12 +118,7 @@ def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
-    if st.importance == "softmax":
-        shift = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)
-    else:  # shared_max: one max over the real heads of each query's group
-        group_max = jnp.max(jnp.where(real_head, m, NEG_INF).reshape(bq, gt), axis=1)
-        shift = _per_row(group_max, gt)
-        shift = jnp.where(shift == NEG_INF, 0.0, shift)
+    shift = importance_shift(m, total, real_head, gt, st.importance)
 
     def write_keys(i, carry):
         scores, positions = _tile_scores(i, q_parts, k_ref, st, st.precision)
@@ -168,11 +138,12 @@ def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
 def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
     """Online-softmax merge of the candidates not kept (all valid ones at the bottom)."""
     if bottom:
-        q_ref, n_ref, k_ref, v_ref, m_ref, s_ref, u_ref, o_ref = refs
+        q_ref, n_ref, k_ref, v_ref, m_ref, s_ref, u_ref = refs[:-1]
     else:
-        q_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, m_ref, s_ref, u_ref, m_out, s_out, u_out = refs
+        q_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, m_ref, s_ref, u_ref = refs[:-3]
+    out_refs = refs[-1:] if bottom else refs[-3:]
     bq, gt, _ = q_ref.shape
-    rows, vp = bq * gt, v_ref.shape[1]
+    rows = bq * gt
     q, n_q = _block_rows(q_ref, n_ref)
     n_rows = _per_row(n_q, gt)
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
@@ -180,10 +151,9 @@ def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
         tau = tau_ref[...]  # [BQ, 1]
     score_precision = st.precision if st.merge_precision is None else st.merge_precision
     operands = st.merge_operands
-    q_parts = _split(q, score_precision, operands)
+    q_parts = split_rows(q, score_precision, operands)
 
     def merge_tile(i, carry):
-        m, total, acc = carry
         scores, positions = _tile_scores(i, q_parts, k_ref, st, score_precision, operands)
         if bottom:
             merged = positions[None, :] < n_rows[:, None]
@@ -191,23 +161,11 @@ def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
             kept = keys_ref[:, pl.ds(i * st.tile, st.tile)] >= tau  # [BQ, tile]
             merged_q = (positions[None, :] < n_q[:, None]) & ~kept
             merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gt, st.tile)).reshape(rows, st.tile)
-        s_m = jnp.where(merged, scores, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(s_m, axis=1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        w = jnp.exp(s_m - m_safe[:, None])
-        decay = jnp.exp(m - m_safe)
         values = v_ref[pl.ds(i * st.tile, st.tile), :]
-        acc = acc * decay[:, None] + _weighted_values(w, values, score_precision, operands)
-        return m_new, total * decay + jnp.sum(w, axis=1), acc
+        return fold_merged(carry, [(jnp.where(merged, scores, NEG_INF), values)], score_precision, operands)
 
-    init = (m_ref[...].reshape(rows), s_ref[...].reshape(rows), u_ref[...].reshape(rows, vp))
-    m, total, acc = lax.fori_loop(0, num_tiles, merge_tile, init)
-    if bottom:
-        o_ref[...] = (acc / total[:, None]).reshape(bq, gt, vp).astype(o_ref.dtype)
-    else:
-        m_out[...] = m.reshape(bq, gt)
-        s_out[...] = total.reshape(bq, gt)
-        u_out[...] = acc.reshape(bq, gt, vp)
+    state = lax.fori_loop(0, num_tiles, merge_tile, read_state(m_ref, s_ref, u_ref))
+    write_merged(state, out_refs, bottom)
 
 
 def _specs(st: LayerStatic, q, k_rot, v, width: int):
