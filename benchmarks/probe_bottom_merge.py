@@ -27,7 +27,7 @@ def timeit(f, *a, iters=5):
         t0 = time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter() - t0)
     return sorted(ts)[len(ts) // 2] * 1e3
 
-def make(variant, tile, Mp, rows, Kp, Vp):
+def make(variant, tile, Mp, rows, Kp, Vp, N):
     pc = tile // R
     def kernel(q_ref, qs_ref, par_ref, n_ref, k_ref, v_ref, c_ref, s_ref, o_ref):
         q = q_ref[...].astype(jnp.float32)  # [rows, Kp]
@@ -80,7 +80,14 @@ def make(variant, tile, Mp, rows, Kp, Vp):
                     p = jnp.exp(sc1 - mx[:, None]); tot = tot + p.sum(axis=1)
                     acc = acc + jnp.dot(p.astype(jnp.bfloat16), v_ref[idx1, :], preferred_element_type=jnp.float32)
                 return mx, tot, acc
-            if variant in ("static", "dynamic"):
+            if variant == "span":  # keys stored in tile/R phase versions: one query rotation per tile
+                ver = (jnp.arange(tile, dtype=jnp.int32) // R) * N
+                kb = k_ref[jnp.where(valid, idx + ver, 0), :]
+                ang = jnp.maximum(n - 1 - i * tile, 0)
+                c = c_ref[pl.ds(ang, 1), :]; s = s_ref[pl.ds(ang, 1), :]
+                sc = lax.dot_general((q * c + qs * s).astype(kb.dtype), kb, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+            elif variant in ("static", "dynamic"):
                 sc = lax.dot_general(q.astype(kb.dtype), kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
             else:  # "rope": full-width query rotation per slot, slots stacked, block diagonal
                 slots = i * pc + jnp.arange(pc, dtype=jnp.int32)
@@ -106,16 +113,17 @@ def run(variant, tile, Q=4096, HKV=4, N=131072, P=512, rows=16, Kp=128, Vp=128, 
     pars = np.resize(pars, (Q * HKV, P)).astype(np.int32).reshape(Q, HKV, P)
     key = jax.random.PRNGKey(0)
     q = jax.random.normal(key, (Q, HKV, rows, Kp), jnp.bfloat16)
-    k = jax.random.normal(key, (HKV, N, Kp), jnp.bfloat16)
+    versions = tile // R if variant == "span" else 1
+    k = jax.random.normal(key, (HKV, versions * N, Kp), jnp.bfloat16)
     v = jax.random.normal(key, (HKV, N, Vp), jnp.bfloat16)
     n = jnp.full((Q, HKV, 1), Mp - 3, jnp.int32)
     c = jnp.cos(jnp.arange(Mp)[:, None] * 0.01 * jnp.ones((1, Kp)))
     s = jnp.sin(jnp.arange(Mp)[:, None] * 0.01 * jnp.ones((1, Kp)))
-    f = pl.pallas_call(make(variant, tile, Mp, rows, Kp, Vp), grid=(Q, HKV),
+    f = pl.pallas_call(make(variant, tile, Mp, rows, Kp, Vp, N), grid=(Q, HKV),
         in_specs=[pl.BlockSpec((None, None, rows, Kp), lambda b, h: (b, h, 0, 0))] * 2 + [
             pl.BlockSpec((None, None, P), lambda b, h: (b, h, 0)),
             pl.BlockSpec((None, None, 1), lambda b, h: (b, h, 0)),
-            pl.BlockSpec((None, N, Kp), lambda b, h: (h, 0, 0)),
+            pl.BlockSpec((None, versions * N, Kp), lambda b, h: (h, 0, 0)),
             pl.BlockSpec((None, N, Vp), lambda b, h: (h, 0, 0)),
             pl.BlockSpec((Mp, Kp), lambda b, h: (0, 0)), pl.BlockSpec((Mp, Kp), lambda b, h: (0, 0))],
         out_specs=pl.BlockSpec((None, None, rows, Vp), lambda b, h: (b, h, 0, 0)),
@@ -127,6 +135,13 @@ def run(variant, tile, Q=4096, HKV=4, N=131072, P=512, rows=16, Kp=128, Vp=128, 
           f"({ms * 32:6.0f} ms for T=131072), {by / ms / 1e9:.1f} TB/s", flush=True)
 
 if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] == ["span"]:
+        for variant, tile, w, st in [("dynamic", 64, 4, 2), ("unit_qrot", 32, 1, 2), ("span", 32, 1, 2),
+                                     ("span", 64, 1, 2), ("span", 64, 2, 2), ("span", 64, 4, 2),
+                                     ("span", 128, 2, 2), ("span", 128, 4, 2), ("span", 64, 2, 3)]:
+            run(variant, tile, warps=w, stages=st)
+        sys.exit()
     variants = [("static", 64, 4, 2), ("dynamic", 64, 4, 2), ("dynamic", 32, 4, 2), ("dynamic", 128, 4, 2),
                 ("rope", 64, 4, 2), ("unit_none", 64, 4, 2), ("unit_qrot", 64, 4, 2), ("unit_qrot", 64, 2, 2),
                 ("unit_krot", 64, 4, 2), ("unit_krot_halves", 64, 4, 2), ("unit_qrot_bf16", 64, 4, 2)]

@@ -21,6 +21,7 @@ from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import (
     BlockSizes,
     candidate_count,
+    htree_forward_pallas,
     prepare,
     top_layer_parents,
 )
@@ -41,23 +42,30 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--span", type=int, default=BlockSizes.span)
     p.add_argument("--tile", type=int, default=BlockSizes.tile)
     p.add_argument("--top-tile", type=int, default=BlockSizes.top_tile)
     p.add_argument("--top-rows", type=int, default=BlockSizes.top_rows)
     p.add_argument("--top-warps", type=int, default=BlockSizes.top_num_warps)
+    p.add_argument("--top-keys-tile", type=int, default=BlockSizes.top_keys_tile)
+    p.add_argument("--chunk-gb", type=float, default=BlockSizes.chunk_budget_bytes / 2**30)
+    p.add_argument("--top-keys-stages", type=int, default=BlockSizes.top_keys_stages)
     p.add_argument("--warps", type=int, default=BlockSizes.num_warps, help="per-query importance kernel")
     p.add_argument("--merge-warps", type=int, default=BlockSizes.merge_num_warps, help="per-query merges")
     p.add_argument("--merge-operands", default="auto", help="auto, float32, or a dtype name")
+    p.add_argument("--importance-operands", default="auto", help="auto, float32 (3xTF32), bf16x3 or a dtype name")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip = args.interpret
     T, config = args.T, HTreeConfig(top_k=args.top_k)
     q, k, v = inputs(T)
-    bs = BlockSizes(tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, top_num_warps=args.top_warps,
+    bs = BlockSizes(span=args.span, tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, top_num_warps=args.top_warps,
+                    top_keys_tile=args.top_keys_tile, chunk_budget_bytes=int(args.chunk_gb * 2**30), top_keys_stages=args.top_keys_stages,
                     num_warps=args.warps,
                     merge_num_warps=args.merge_warps)
     operands = None if args.merge_operands == "float32" else args.merge_operands
-    prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None, operands))
+    imp_ops = None if args.importance_operands == "float32" else args.importance_operands
+    prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None, operands, imp_ops))
     tree_ms = median_ms(prep_fn, (q, k, v), args.iters)
     prep = prep_fn(q, k, v)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
@@ -77,15 +85,16 @@ def main(argv=None):
     q_top = rot_call(qc, n_top)
     mean_n = float(jnp.mean(n_top))
     blk = f"{st_top.block_queries} queries/program, tile {st_top.tile}"
+    kblk = f"{st_top.block_queries} queries/program, tile {prep.st_top_keys.tile}, {prep.st_top_keys.num_stages} stages"
     if L == 1:
         call = jax.jit(lambda *a: top_merge_pallas(*a, st_top, ip, out_dtype=q.dtype))
-        margs = (q_top, n_top, None, None, prep.top_k_rot, prep.top_v, empty(gt))
+        margs = (q_top, n_top, None, None, prep.top_k_merge, prep.top_v, empty(gt))
         rows.append((f"layer 0 (top) merge + normalise ({blk}, mean n={mean_n:.0f})",
                      median_ms(call, margs, args.iters), chunks))
     else:
-        keys_call = jax.jit(lambda *a: top_importance_keys_pallas(*a, Mp, st_top, ip))
-        kargs = (q_top, n_top, prep.top_k_rot)
-        rows.append((f"layer {L - 1} (top) importance keys ({blk}, 2 score passes, mean n={mean_n:.0f})",
+        keys_call = jax.jit(lambda *a: top_importance_keys_pallas(*a, Mp, prep.st_top_keys, ip))
+        kargs = (q_top, n_top, prep.top_k_imp)
+        rows.append((f"layer {L - 1} (top) importance keys ({kblk}, 2 score passes, mean n={mean_n:.0f})",
                      median_ms(keys_call, kargs, args.iters), chunks))
         keys = keys_call(*kargs)
         parents = top_layer_parents(t, prep, L, (B, Qc, H_KV, P))
@@ -94,7 +103,7 @@ def main(argv=None):
                      median_ms(select_call, (keys, parents, n_top), args.iters), chunks))
         nxt, tau = select_call(keys, parents, n_top)
         merge_call = jax.jit(lambda *a: top_merge_pallas(*a, st_top, ip))
-        margs = (q_top, n_top, keys, tau, prep.top_k_rot, prep.top_v, empty(gt))
+        margs = (q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, empty(gt))
         rows.append((f"layer {L - 1} (top) merge ({blk}, 1 score pass + values)",
                      median_ms(merge_call, margs, args.iters), chunks))
         state = tuple(pad_axis(x, 3, gp) for x in merge_call(*margs))
@@ -126,15 +135,18 @@ def main(argv=None):
             rows.append((f"layer 0 merge + normalise (1 query/program, 1 score pass + values, mean n={mean_n:.0f})",
                          median_ms(bottom, bargs, args.iters), chunks))
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
+    whole = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs, ip, None, operands, imp_ops)[0])
+    whole_ms = median_ms(whole, (q, k, v), args.iters)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: T={T} top_k={args.top_k} "
           f"layers={config.layer_sizes(T)} B={B} H={H} H_kv={H_KV} K=V={K} bf16, score dots {st.precision}, "
-          f"tile {st.tile} (top: {st_top.tile}), warps {st.num_warps}/{st.merge_num_warps}, merge operands {st.merge_operands}, {chunks} chunks of {Qc} positions")
+          f"span {st.span}, tile {st.tile} (top: {st_top.tile}), warps {st.num_warps}/{st.merge_num_warps}, merge operands {st.merge_operands}, importance operands {st.importance_operands}, {chunks} chunks of {Qc} positions")
     print("| stage | per chunk ms | chunks | total ms |\n|---|---|---|---|")
     total = 0.0
     for name, ms, times in rows:
         total += ms * times
         print(f"| {name} | {ms:.2f} | {times} | {ms * times:.1f} |")
-    print(f"| sum | | | {total:.1f} |\n| dense cuDNN (whole attention) | | | {dense_ms:.1f} |")
+    print(f"| sum | | | {total:.1f} |\n| end to end (one call) | | | {whole_ms:.1f} |\n"
+          f"| dense cuDNN (whole attention) | | | {dense_ms:.1f} |")
 
 
 if __name__ == "__main__":

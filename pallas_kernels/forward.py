@@ -6,8 +6,11 @@ queries (`pallas_kernels/top_layer.py`); the layers below, where each query has 
 own parents, one program per query (`pallas_kernels/layer_forward.py`).
 
 Device memory beyond inputs, tree and output: the rotated copies of the tree's keys
-(the top layer in float32, each lower layer in the merge operand dtype); per chunk of
-`Qc` positions the packed keys and next-parent buffers (`2 * B * Qc * H_kv * Mp` int32),
+(the top layer once in float32; each lower layer in `span / r` copies, `rotate_phases`,
+as the merge dots read them, and the upper ones also as the importance dots read them
+when that differs: two bfloat16 or float32 parts, `key_operands`); per chunk of `Qc` positions the packed keys and next-parent
+buffers (`2 * B * Qc * H_kv * Mp` int32), the scores of a layer below the top that
+selects (`B * Qc * H_kv * Gp * Mp` float32, `Gp = max(16, G)`, only when `L >= 3`),
 the queries padded and rotated for the top layer (`B * Qc * H_kv * Gt * Kp` float32)
 and the softmax state (`B * Qc * H * (V + 2)` float32); the selections
 (`(L-1) * B*T*H_kv*top_k` int32).
@@ -29,10 +32,13 @@ from htree_jax.reference import candidate_count as reference_candidate_count
 from htree_jax.rope import rope_table
 from pallas_kernels.common import next_power_of_two, pad_axis, pad_rope_halves
 from pallas_kernels.layer_forward import (
+    BF16X3,
     LayerStatic,
     importance_keys_pallas,
+    key_operands,
     merge_pallas,
-    rotate_child_offset,
+    merge_score_precision,
+    rotate_phases,
     select_top_k_layer_pallas,
 )
 from pallas_kernels.top_layer import (
@@ -49,21 +55,30 @@ MIN_DIM, MAX_DIM, MAX_GROUP = 32, 256, 16
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    # Candidates per inner step (raised to >= 16 and >= r). H200 sweep, T=8192, top_k=512,
-    # TF32 dots: tile 32 / 4 warps 27.8 ms; 64/4 28.0; 128/4 46.7; 16/4 40.4 (RESULTS.md).
-    tile: int = 32
+    # Below the top layer: candidates per score product, all scored with one rotation
+    # of the query (the layer's keys are kept in span/r rotated copies, at most 16;
+    # raised to >= 16 and >= r), and candidates per inner step (a multiple of it).
+    span: int = 64
+    tile: int = 64
     # Top layer: rows (queries x heads) per program and candidates per step. All queries
     # share the top layer's candidates, so one key tile serves `top_rows` rows.
     top_rows: int = 128
     top_tile: int = 64
     top_num_warps: int = 8
-    # Per-query kernels below the top. H200, T=131072: the importance pass ran best at
-    # 4 warps (483 ms vs 705 at 2, top_k=64), the merges at 1 (bottom: 490 ms vs 540 at
-    # 2 and 850 at 4, top_k=512).
-    num_warps: int = 4
-    merge_num_warps: int = 1
+    # The top layer's importance kernel (H200, T=131072, 3xTF32 split in the kernel:
+    # tile 64 / 2 stages 199 ms; with keys split in memory, two tiles per step: tile 64 /
+    # 2 stages out of shared memory, 64 / 1 stage 215 ms, 32 / 2 stages 260 ms).
+    top_keys_tile: int = 64
+    top_keys_stages: int = 2
+    # Per-query kernels below the top (importance; merges). H200, T=131072, bf16 inputs:
+    # importance (top_k=64, layer 1) 114 ms at 2 warps, 135 at 4, 217 at 8; the bottom
+    # merge with span 64 at 2 warps (probe: 338 ms vs 407 at 4, 2506 at 1).
+    num_warps: int = 2
+    merge_num_warps: int = 2
     num_stages: int = 2
-    chunk_budget_bytes: int = 1 << 30
+    # Per-chunk buffers (see `chunk_size`). H200, T=131072, top_k=64: 2 GiB (18 chunks)
+    # 167 ms end to end, 1 GiB (36 chunks) 171 ms.
+    chunk_budget_bytes: int = 2 << 30
 
 
 def check_pallas_dims(dims) -> None:
@@ -80,16 +95,21 @@ def check_pallas_dims(dims) -> None:
 
 
 def layout(config: HTreeConfig, block_sizes: BlockSizes):
-    """`(tile, parents_per_tile, P, Mp)`: the padded candidate-buffer geometry."""
+    """`(span, tile, P, Mp)`: candidates per product and per step below the top layer,
+    and the padded candidate-buffer geometry (`P` parent slots, `Mp = P * r` positions)."""
     r, M = config.compression_rate, config.max_candidates
-    tile = max(16, r, min(next_power_of_two(block_sizes.tile), M))
+    span = max(16, r, min(next_power_of_two(block_sizes.span), 16 * r, M))
+    tile = max(span, min(next_power_of_two(block_sizes.tile), M))
     per_tile = tile // r
     P = -(-config.top_k // per_tile) * per_tile
-    return tile, per_tile, P, P * r
+    return span, tile, P, P * r
 
 
-def chunk_size(config, block_sizes, B, T, H_kv, Mp):
-    per_query = 8 * B * H_kv * Mp
+def chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows=0):
+    """Query positions per chunk: the per-chunk buffers (packed keys and next parents,
+    int32, and `score_rows` float32 scores per candidate where a layer below the top
+    selects) within `chunk_budget_bytes`, and `Qc * Mp <= T * top_k`."""
+    per_query = (8 + 4 * score_rows) * B * H_kv * Mp
     limit = max(1, min(block_sizes.chunk_budget_bytes // per_query, T // config.compression_rate, T))
     return int(limit)
 
@@ -107,6 +127,17 @@ def default_merge_precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
+def default_importance_operands(dtype):
+    """bfloat16/float16 inputs: the importance dots (which decide selections) in `BF16X3`,
+    float32-grade (~4e-6 relative, against ~1e-6 for 3xTF32 and 4e-3 for plain bfloat16)
+    at bfloat16 tensor-core rate, reading half the bytes of 3xTF32's split keys. H200,
+    T=32768, against the float32 reference: parent lists identical 0.9988 (softmax) /
+    0.9968 (shared_max), 0.9997 / 0.9994 with 3xTF32, 0.61 with plain bfloat16; at
+    T=131072 the forward ran 465 ms vs 528 ms with 3xTF32. float32 inputs: None (the
+    dots at `default_precision`, exact float32)."""
+    return BF16X3 if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
+
+
 def default_merge_operands(dtype):
     """bfloat16/float16 inputs: the merge dots take operands in the input dtype (the
     rotated query and keys and the softmax weights rounded to it, float32 accumulation),
@@ -116,44 +147,47 @@ def default_merge_operands(dtype):
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["layers", "top_k_rot", "top_v", "cos", "sin", "q4"],
-                   meta_fields=["st", "st_top", "parents_width", "chunk"])
+                   data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4"],
+                   meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
 
-    # [(K_l [B, H_kv, N_l, Kp], K_l rotated by child offset, V_l [B, H_kv, N_l, Vp]), ...],
-    # bottom first, the top layer left out (it is `top_k_rot`, `top_v`). The importance
-    # kernel reads K_l (None at the bottom, which only merges), the merge kernel the
-    # rotated keys.
+    # [(importance keys, merge keys, V_l [B, H_kv, N_l, Vp]), ...], bottom first, the top
+    # layer left out. The keys: `key_operands` of `rotate_phases(K_l)` for the dots that
+    # read them (the bottom layer only merges: no importance keys, None).
     layers: list
-    top_k_rot: jax.Array  # the top layer's keys rotated by their position, float32, tile-padded
+    top_k_imp: tuple  # key_operands of the top layer's keys rotated by position, tile-padded
+    top_k_merge: tuple  # the same for the merge dots (often the same arrays)
     top_v: jax.Array  # the top layer's values, tile-padded
     cos: jax.Array  # [Mp, Kp/2]
     sin: jax.Array
     q4: jax.Array  # [B, chunks * Qc, H_kv, G, Kp]; heads padded per chunk, per kernel
     st: LayerStatic  # the layers below the top: one query per program
     st_top: LayerStatic  # the top layer: `block_queries` queries per program
+    st_top_keys: LayerStatic  # its importance kernel (its own tile and pipeline depth)
     parents_width: int  # P
     chunk: int  # Qc, a multiple of st_top.block_queries
 
 
 def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool, precision,
-            merge_operands="auto") -> Prepared:
+            merge_operands="auto", importance_operands="auto") -> Prepared:
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
     r = config.compression_rate
     kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
     half = kp // 2
-    tile, _, P, Mp = layout(config, block_sizes)
+    span, tile, P, Mp = layout(config, block_sizes)
     st = LayerStatic(
-        r=r, tile=tile, group=G, alpha=config.score_scale(K), importance=config.importance,
+        r=r, tile=tile, span=span, group=G, alpha=config.score_scale(K), importance=config.importance,
         strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
         precision=default_precision(q.dtype) if precision is None else precision,
         merge_precision=default_merge_precision(q.dtype) if precision is None else precision,
         merge_operands=(default_merge_operands(q.dtype) if precision is None else None)
         if merge_operands == "auto" else merge_operands,
+        importance_operands=(default_importance_operands(q.dtype) if precision is None else None)
+        if importance_operands == "auto" else importance_operands,
         num_warps=block_sizes.num_warps, merge_num_warps=block_sizes.merge_num_warps,
         num_stages=block_sizes.num_stages,
     )
@@ -167,17 +201,31 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
     top_tile = min(next_power_of_two(block_sizes.top_tile, 16), Mp)
     st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps)
-    top_k_rot = rotate_keys(layers[-1][0], cos, sin, top_tile)
+    st_top_keys = dataclasses.replace(st_top, tile=min(next_power_of_two(block_sizes.top_keys_tile, 16), top_tile),
+                                      num_stages=block_sizes.top_keys_stages)
     top_v = pad_nodes(layers[-1][1], top_tile)
-    # Below the top: keys rotated by child offset for the merges, stored in the merge
-    # operand dtype; the importance kernel rotates the stored keys itself.
-    merge_keys = st.merge_operands or jnp.float32
-    layers = [(None if l == 0 else kl, rotate_child_offset(kl, cos, sin, r, merge_keys), vl)
+    # The keys as the products read them: rotated, then split for 3xTF32 or cast to the
+    # operand dtype, once per layer (one array when both dots take the same operands).
+    imp_spec = (st.precision, st.importance_operands)
+    merge_spec = (merge_score_precision(st), st.merge_operands)
+
+    def operands_of(rotated, with_importance=True, split=True):
+        merge = key_operands(rotated, *merge_spec)
+        if not with_importance:
+            return None, merge
+        same = key_operands(rotated, *imp_spec, split=split) if imp_spec != merge_spec else merge
+        return same, merge
+
+    top_k_imp, top_k_merge = operands_of(rotate_keys(layers[-1][0], cos, sin, top_tile), split=False)
+    # Below the top: the keys in span/r rotated copies (the bottom layer only merges).
+    layers = [operands_of(rotate_phases(kl, cos, sin, st), l > 0) + (vl,)
               for l, (kl, vl) in enumerate(layers[:-1])]
-    Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp) // bq) * bq
+    # Layers below the top that select (L >= 3) store their scores per chunk.
+    score_rows = next_power_of_two(G, 16) if len(config.layer_sizes(T)) >= 3 else 0
+    Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows) // bq) * bq
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
-    return Prepared(layers, top_k_rot, top_v, cos, sin, q4, st, st_top, P, Qc)
+    return Prepared(layers, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc)
 
 
 def top_layer_parents(t, prep: Prepared, num_layers: int, shape):
@@ -193,20 +241,24 @@ def candidate_count(parents, t, r: int, layer: int):
     return reference_candidate_count(num_parents, t, r, layer).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precision", "merge_operands"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precision", "merge_operands",
+                                             "importance_operands"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                         interpret: bool = False, precision=None, merge_operands="auto"):
+                         interpret: bool = False, precision=None, merge_operands="auto", importance_operands="auto"):
     """htree attention with Pallas kernels. Inputs validated by the caller.
 
     `precision` of the in-kernel score dots; `None` means `default_precision(q.dtype)`
-    for the importance keys and `default_merge_precision` / `default_merge_operands`
-    for the merges. `merge_operands`: "auto", None (float32) or a dtype name.
+    with `default_importance_operands` for the importance keys and
+    `default_merge_precision` / `default_merge_operands` for the merges (an explicit
+    `precision` sets float32 operands for both unless they are named).
+    `merge_operands`: "auto", None (float32) or a dtype name; `importance_operands`:
+    "auto", None (float32 at `precision`, 3xTF32 for `HIGH`), `BF16X3` or a dtype name.
     Returns `(o [B, T, H, V] in q.dtype, selections)` like the JAX reference.
     """
     B, T, H, _ = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
-    prep = prepare(q, k, v, config, block_sizes, interpret, precision, merge_operands)
+    prep = prepare(q, k, v, config, block_sizes, interpret, precision, merge_operands, importance_operands)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
     vp, Mp = prep.top_v.shape[-1], prep.cos.shape[0]
@@ -223,13 +275,13 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
         n_top = jnp.broadcast_to(t // st.r ** (L - 1) + 1, (B, Qc, H_kv, 1))
         q_top = rotate_queries(pad_axis(qc, 3, gt), n_top, prep.cos, prep.sin)
         if L == 1:
-            o = top_merge_pallas(q_top, n_top, None, None, prep.top_k_rot, prep.top_v, empty_state(gt), st_top,
+            o = top_merge_pallas(q_top, n_top, None, None, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
                                  interpret, out_dtype=q.dtype)
             return o[:, :, :, :G], []
-        keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_rot, Mp, st_top, interpret)
+        keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_imp, Mp, prep.st_top_keys, interpret)
         parents = top_layer_parents(t, prep, L, (B, Qc, H_kv, P))
         next_parents, tau = select_top_k_layer_pallas(keys, parents, n_top, st, interpret)
-        state = top_merge_pallas(q_top, n_top, keys, tau, prep.top_k_rot, prep.top_v, empty_state(gt), st_top,
+        state = top_merge_pallas(q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
                                  interpret)
         # The layers below: one query per program, its G heads padded to >= 16 rows.
         state = tuple(pad_axis(x, 3, gp) for x in state)

@@ -9,8 +9,8 @@ Layouts (all padded by the wrapper in `pallas_kernels/forward.py`):
            top layer; the top layer has its own kernels, `top_layer.py`)
   n        `[B, Q/BQ, H_kv, 1]` int32  valid candidates (SPEC 2.1)
   tau      `[B, Q, H_kv, 1]` int32  smallest kept key per query
-  k_rot    `[B, H_kv, N, Kp]` keys rotated by their child offset (`rotate_child_offset`),
-           float32, or the merge operand dtype for a merge-only layer
+  k_phases `[B, H_kv, (span/r)*N, Kp]` the layer's keys in `span/r` rotated copies
+           (`rotate_phases`), in the dtype of the products that read them
   layer_v  `[B, H_kv, N, Vp]` stored dtype
   cos, sin `[Mp, Kp/2]` float32     RoPE at candidate positions (exactly rounded)
   keys     `[B, Q, H_kv, Mp]` int32 packed importance, `-1` where invalid
@@ -40,7 +40,7 @@ class LayerStatic:
     """Everything static about one layer launch."""
 
     r: int
-    tile: int  # candidates per inner step: a multiple of r, a power of two >= 16
+    tile: int  # candidates per inner step: a multiple of `span`
     group: int  # real heads per group G (rows >= G are padding)
     alpha: float
     importance: str
@@ -50,6 +50,12 @@ class LayerStatic:
     precision: lax.Precision | None
     num_warps: int = 4
     num_stages: int = 2
+    # Candidates per score product below the top layer, all scored with one rotation of
+    # the query (`rotate_phases`): a power of two, a multiple of r, >= 16 (a dot's least).
+    span: int = 16
+    # Operand dtype of the importance dots: None (float32 at `precision`), `BF16X3`
+    # (float32-grade from bfloat16 pairs) or a dtype name.
+    importance_operands: str | None = None
     # Queries per program. Per-query kernels: they must share parents and n; the top
     # layer's kernels (`top_layer.py`): each query has its own n.
     block_queries: int = 1
@@ -71,17 +77,60 @@ def _tf32_split(x):
     return hi, x - hi
 
 
+# `operands` value for float32-grade products on bfloat16 tensor cores: each float32
+# operand is split into `hi + lo`, both bfloat16 (16 significant bits together), and
+# hi*hi + hi*lo + lo*hi accumulate in float32: ~1e-5 relative, at bf16 tensor-core rate
+# and half the bytes of a (hi, lo) float32 pair.
+BF16X3 = "bf16x3"
+
+
+def _bf16_split(x):
+    """`x = hi + lo` (float32 `x`), both bfloat16: ~2^-17 relative. `hi` is `x` rounded to
+    8 significant bits on its bit pattern (exact in bfloat16), not by a round trip
+    through bfloat16, which the GPU compiler folded away (then `lo = 0`: H200, 0.69 of
+    parent lists agreed, as with plain bfloat16)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    hi = lax.bitcast_convert_type((bits + jnp.int32(0x8000)) & jnp.int32(-65536), jnp.float32)
+    return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
+
+
 def split_rows(a, precision, operands=None):
     """The left operand of `dot_rows`, prepared once (hoisted out of loops where it is
-    loop-invariant): split `hi + lo` for 3xTF32, or cast to the `operands` dtype."""
+    loop-invariant): split `hi + lo` for 3xTF32 or `BF16X3`, or cast to the `operands`
+    dtype."""
+    if operands == BF16X3:
+        return _bf16_split(a.astype(jnp.float32))
     if operands is not None:
         return (a.astype(operands), None)
     return _tf32_split(a) if precision == lax.Precision.HIGH else (a, None)
 
 
-def dot_rows(a_parts, b, precision, operands=None):
-    """`a [m, k] @ b[n, k].T` in float32, `a` prepared by `split_rows` (`operands`:
-    both in this dtype, float32 accumulation).
+def key_parts(precision, operands=None) -> int:
+    """How many arrays `key_operands` gives: 2 for 3xTF32 or `BF16X3` (`hi`, `lo`), else 1."""
+    return 2 if operands == BF16X3 or (operands is None and precision == lax.Precision.HIGH) else 1
+
+
+def key_operands(keys, precision, operands=None, split: bool = True) -> tuple:
+    """The right operand of `dot_rows` as the kernels read it, prepared once in memory:
+    `(hi, lo)` float32 for 3xTF32, `(keys in the operands dtype,)`, or `(float32,)`.
+    A loaded tile then goes into the product as it is: any arithmetic on it in the
+    kernel (a split, a cast, a rotation) puts it through registers and a layout change
+    before every product, which cost more than the load in the per-query kernels (H200:
+    below the top, pre-split keys). `split=False` leaves the 3xTF32 split to the kernel:
+    the top layer's importance pass, bound by its products, not its loads, ran faster
+    that way (199 vs 215-260 ms at T=131072)."""
+    keys = keys.astype(jnp.float32)
+    if operands == BF16X3:
+        return _bf16_split(keys)
+    if operands is not None:
+        return (keys.astype(operands),)
+    return _tf32_split(keys) if precision == lax.Precision.HIGH and split else (keys,)
+
+
+def dot_rows(a_parts, b_parts, precision, operands=None):
+    """`a [m, k] @ b[n, k].T` in float32, `a` prepared by `split_rows`, `b` a tuple of
+    tiles loaded from `key_operands` arrays (`operands`: both in that dtype, float32
+    accumulation).
 
     `Precision.HIGH` is done here as 3xTF32 (hi*hi + hi*lo + lo*hi): ~1e-6 relative
     error on TF32 tensor cores. Pallas-Triton runs HIGH as plain TF32 (~5e-4), which is
@@ -89,28 +138,52 @@ def dot_rows(a_parts, b, precision, operands=None):
     selections at T=32768 on an H200; HIGHEST (exact float32) ran 7x slower.
     """
     dims = (((1,), (1,)), ((), ()))
+    if operands == BF16X3:
+        (a_hi, a_lo) = a_parts
+        b_hi, b_lo = b_parts if len(b_parts) == 2 else _bf16_split(b_parts[0].astype(jnp.float32))
+        bf16 = lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
+        return bf16(a_hi, b_hi) + (bf16(a_hi, b_lo) + bf16(a_lo, b_hi))
     if operands is not None:
-        return lax.dot_general(a_parts[0], b.astype(operands), dims, preferred_element_type=jnp.float32)
+        return lax.dot_general(a_parts[0], b_parts[0].astype(operands), dims, preferred_element_type=jnp.float32)
     if precision == lax.Precision.HIGH:
-        (a_hi, a_lo), (b_hi, b_lo) = a_parts, _tf32_split(b)
+        (a_hi, a_lo) = a_parts
+        b_hi, b_lo = b_parts if len(b_parts) == 2 else _tf32_split(b_parts[0].astype(jnp.float32))
         tf32 = lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=jnp.float32,
                                             precision=lax.Precision.DEFAULT)
         return tf32(a_hi, b_hi) + (tf32(a_hi, b_lo) + tf32(a_lo, b_hi))
-    return lax.dot_general(a_parts[0], b, dims, preferred_element_type=jnp.float32, precision=precision)
+    return lax.dot_general(a_parts[0], b_parts[0].astype(jnp.float32), dims, preferred_element_type=jnp.float32,
+                           precision=precision)
 
 
-def _dot_t(a, b, precision, operands=None):
+def _dot_t(a, b_parts, precision, operands=None):
     """`dot_rows` with `a` prepared on the spot."""
-    return dot_rows(split_rows(a, precision, operands), b, precision, operands)
+    return dot_rows(split_rows(a, precision, operands), b_parts, precision, operands)
 
 
-def rotate_child_offset(layer_k, cos, sin, r: int, dtype=jnp.float32):
-    """`rope(K[j], j mod r)` for every node of a layer (`[B, H_kv, N, Kp]`), stored in
-    `dtype`. With it a candidate's score needs only its slot's rotation, applied to the
-    query (SPEC 2.2 is relative): `<rope(q, n-1), rope(K[j], s*r + c)> =
-    <rope(q, n-1 - s*r), rope(K[j], c)>`, as the JAX reference computes it."""
-    child = jnp.arange(layer_k.shape[2]) % r
-    return apply_rope(layer_k.astype(jnp.float32), cos[child], sin[child]).astype(dtype)
+def phase_versions(st: LayerStatic) -> int:
+    """How many rotated copies of a layer's keys the kernels read: `span / r`."""
+    return st.span // st.r
+
+
+def rotate_phases(layer_k, cos, sin, st: LayerStatic):
+    """The layer's keys in `span / r` rotated copies, `[B, H_kv, (span/r) * N, Kp]`
+    float32 (the kernels read them through `key_operands`): row `m*N + j` is
+    `rope(K[j], m*r + j mod r)`.
+
+    Candidate position `p = s*r + c` (slot `s`, child `c`) of a product over the span
+    `[p0, p0 + span)` (`p0` a multiple of the span) reads copy `m = (p - p0) / r`, so
+    each key arrives rotated by `p - p0`, and one rotation of the query, by
+    `n - 1 - p0`, serves the whole span (SPEC 2.2 is relative:
+    `<rope(q, n-1), rope(K, p)> = <rope(q, n-1-p0), rope(K, p - p0)>`). The copies cost
+    `span / r` times the layer's keys in memory and save a query rotation per slot,
+    which in Pallas-Triton costs more than the gathers (H200 probe: bottom merge at
+    T=131072 498 ms with a rotation per slot, 338 ms with one per 64 keys)."""
+    versions = phase_versions(st)
+    N = layer_k.shape[2]
+    child = jnp.arange(N) % st.r
+    angle = (jnp.arange(versions)[:, None] * st.r + child[None, :]).reshape(-1)
+    tiled = jnp.tile(layer_k.astype(jnp.float32), (1, 1, versions, 1))
+    return apply_rope(tiled, cos[angle], sin[angle])
 
 
 def rotate_half(q):
@@ -125,100 +198,43 @@ def full_width(table):
     return jnp.concatenate([table, table], axis=-1)
 
 
-def _unit(st: LayerStatic) -> int:
-    """Candidates per score product: one parent's children (or 16, the smallest dot)."""
-    return max(16, st.r)
+def _unit_scores(p0, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
+    """Scores of the candidate positions `[p0, p0 + span)`: `(scores [rows, span],
+    valid, positions, nodes)`, `p0` a multiple of the span.
 
-
-def _unit_scores(p0, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
-    """Scores of the candidate positions `[p0, p0 + unit)`: `(scores [rows, unit],
-    valid, positions, nodes)`.
-
-    Position `p = s*r + c` holds node `parents[s]*r + c`; `k_ref` holds the layer's keys
-    rotated by their child offset `c` (`rotate_child_offset`), so a key row goes from
-    memory straight into the product, and only the query is rotated, once per slot `s`,
-    by `n - 1 - s*r` (`<rope(q, n-1), rope(K, s*r + c)> = <rope(q, n-1 - s*r), rope(K, c)>`).
-    With `r < 16` a unit holds `16/r` slots: they are stacked as row blocks of one
-    product whose diagonal blocks are the scores.
+    Position `p = s*r + c` holds node `parents[s]*r + c`; `k_refs` (`key_operands`)
+    hold the layer's keys in `span / r` rotated copies (`rotate_phases`), so every key
+    row goes from memory straight into the product, already rotated by `p - p0`, and
+    the query is rotated once, by `n - 1 - p0`.
     """
-    r, unit = st.r, _unit(st)
-    slots_per_unit = unit // r
+    r, span = st.r, st.span
+    versions = span // r
+    N = k_refs[0].shape[0] // versions
     q, q_half = q_parts  # [rows, Kp] float32: the query and rotate_half(query)
-    rows = q.shape[0]
-    first_slot = p0 // r
-    parents = par_ref[pl.ds(first_slot, slots_per_unit)]
+    parents = par_ref[pl.ds(p0 // r, versions)]
     child = jnp.arange(r, dtype=jnp.int32)
-    positions = p0 + jnp.arange(unit, dtype=jnp.int32)
+    positions = p0 + jnp.arange(span, dtype=jnp.int32)
     valid = positions < n
-    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(unit), 0)
-    keys = k_ref[nodes, :]
-    if operands is None:
-        keys = keys.astype(jnp.float32)
-    if slots_per_unit == 1:
-        angle = jnp.maximum(n - 1 - first_slot * r, 0)  # an invalid slot: any row, masked later
-        c, s = cf_ref[pl.ds(angle, 1), :], sf_ref[pl.ds(angle, 1), :]
-        scores = _dot_t(q * c + q_half * s, keys, precision, operands)
-    else:
-        slots = first_slot + jnp.arange(slots_per_unit, dtype=jnp.int32)
-        angle = jnp.maximum(n - 1 - slots * r, 0)
-        c, s = cf_ref[angle, :][:, None, :], sf_ref[angle, :][:, None, :]
-        q_slots = (q[None] * c + q_half[None] * s).reshape(slots_per_unit * rows, q.shape[1])
-        full = _dot_t(q_slots, keys, precision, operands).reshape(slots_per_unit, rows, unit)
-        own = jnp.arange(slots_per_unit, dtype=jnp.int32)[:, None] == (jnp.arange(unit, dtype=jnp.int32) // r)[None, :]
-        scores = jnp.sum(jnp.where(own[:, None, :], full, 0.0), axis=0)
+    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(span), 0)
+    copy = (jnp.arange(span, dtype=jnp.int32) // r) * N
+    keys = tuple(k_ref[nodes + copy, :] for k_ref in k_refs)
+    angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked later
+    c, s = cf_ref[pl.ds(angle, 1), :], sf_ref[pl.ds(angle, 1), :]
+    scores = _dot_t(q * c + q_half * s, keys, precision, operands)
     return st.alpha * scores, valid, positions, nodes
 
 
-def _tile_units(i, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
-    """`_unit_scores` of every unit of candidate tile `i` (unrolled: their loads are
+def _tile_units(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
+    """`_unit_scores` of every span of candidate tile `i` (unrolled: their loads are
     issued together)."""
-    unit = _unit(st)
-    return [_unit_scores(i * st.tile + u * unit, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st, precision, operands)
-            for u in range(st.tile // unit)]
+    return [_unit_scores(i * st.tile + u * st.span, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, precision,
+                         operands)
+            for u in range(st.tile // st.span)]
 
 
 def _query_rows(q_ref, qh_ref):
     bq, gp, kp = q_ref.shape
     return (q_ref[...].astype(jnp.float32).reshape(bq * gp, kp), qh_ref[...].astype(jnp.float32).reshape(bq * gp, kp))
-
-
-def _rotated_query(q_ref, cos_ref, sin_ref, position):
-    """The block's queries rotated by RoPE at `position`: two halves `[BQ*Gp, Kp/2]`
-    (`q_ref [BQ, Gp, Kp]`; the block's queries share `n`, hence `position`)."""
-    bq, gp, _ = q_ref.shape
-    half = cos_ref.shape[1]
-    c = cos_ref[pl.ds(position, 1), :]
-    s = sin_ref[pl.ds(position, 1), :]
-    lo = q_ref[:, :, pl.ds(0, half)].astype(jnp.float32).reshape(bq * gp, half)
-    hi = q_ref[:, :, pl.ds(half, half)].astype(jnp.float32).reshape(bq * gp, half)
-    return lo * c - hi * s, lo * s + hi * c
-
-
-def _position_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic):
-    """The importance kernel's scores of candidate tile `i`: `(scores [BQ*Gp, tile],
-    valid, positions, nodes)`, keys rotated in the kernel by their position `p` (float32
-    halves, position tables `[Mp, Kp/2]`); measured faster than `_unit_scores` for the
-    3xTF32 products of the importance pass (H200: 483 vs 705 ms, T=131072, top_k=64).
-
-    Buffer position `p = s*r + c` holds node `parents[s]*r + c`; the key there is
-    rotated by `p` (candidate-local RoPE, SPEC 2.2). One gathered, rotated key tile
-    serves every query of the block.
-    """
-    r, tile = st.r, st.tile
-    per_tile = tile // r
-    half = cos_ref.shape[1]
-    parents = par_ref[pl.ds(i * per_tile, per_tile)]
-    child = jnp.arange(r, dtype=jnp.int32)
-    positions = i * tile + jnp.arange(tile, dtype=jnp.int32)
-    valid = positions < n
-    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(tile), 0)
-    k_lo = k_ref[nodes, pl.ds(0, half)].astype(jnp.float32)
-    k_hi = k_ref[nodes, pl.ds(half, half)].astype(jnp.float32)
-    c = cos_ref[pl.ds(i * tile, tile), :]
-    s = sin_ref[pl.ds(i * tile, tile), :]
-    q_lo, q_hi = q_rot
-    scores = _dot_t(q_lo, k_lo * c - k_hi * s, st.precision) + _dot_t(q_hi, k_lo * s + k_hi * c, st.precision)
-    return st.alpha * scores, valid, positions, nodes
 
 
 def _online_max_sum(m, total, scores):
@@ -299,36 +315,49 @@ def _write_tiles(keys_ref, num_tiles, write_keys, st: LayerStatic):
     lax.fori_loop(num_tiles, keys_ref.shape[1] // st.tile, write_invalid, ())
 
 
-def _keys_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, keys_ref, *, st: LayerStatic):
+def _scores_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic):
+    """One pass over the candidates: their scores, stored (`[BQ, Gp, Mp]`, only the
+    first `ceil(n / tile)` tiles written), and each row's importance shift. Storing
+    them (G floats per candidate) costs far less than gathering and scoring the keys
+    again (a key row is K values, in two parts), which a second pass would."""
+    *k_refs, cf_ref, sf_ref, s_ref, shift_ref = refs
     bq, gp, _ = q_ref.shape
     rows = bq * gp
     n = n_ref[0]
-    q_rot = _rotated_query(q_ref, cos_ref, sin_ref, n - 1)
+    q_parts = _query_rows(q_ref, qh_ref)
     num_tiles = (n + st.tile - 1) // st.tile
     real_head = jnp.arange(rows, dtype=jnp.int32) % gp < st.group
     # R, the normaliser set: valid positions, less the rightmost one when strict.
     last_in_norm = n - 1 if st.strict_causal else n
-    has_norm = last_in_norm > 0
 
-    def norm_stats(i, carry):
-        scores, _, positions, _ = _position_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
-        in_norm = positions < last_in_norm
-        return _online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
-
-    init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
-    shift = importance_shift(m, total, real_head, gp, st.importance)
-
-    def write_keys(i, carry):
-        scores, valid, positions, _ = _position_scores(i, q_rot, par_ref, k_ref, cos_ref, sin_ref, n, st)
-        weights = jnp.where(real_head[:, None], jnp.exp(scores - shift[:, None]), 0.0)
-        imp = jnp.sum(weights.reshape(bq, gp, st.tile), axis=1)  # [BQ, tile]
-        imp = jnp.where(has_norm, imp, 0.0)
-        imp = jnp.where(positions[None, :] == n - 1, FORCED_IMPORTANCE, imp)
-        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid[None, :], _pack(imp, positions, st), -1)
+    def score_tile(i, carry):
+        units = _tile_units(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, st.precision, st.importance_operands)
+        for u, (scores, _, positions, _) in enumerate(units):
+            s_ref[:, :, pl.ds(i * st.tile + u * st.span, st.span)] = scores.reshape(bq, gp, st.span)
+            in_norm = positions < last_in_norm
+            carry = _online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
         return carry
 
-    _write_tiles(keys_ref, num_tiles, write_keys, st)
+    init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    m, total = lax.fori_loop(0, num_tiles, score_tile, init)
+    shift_ref[...] = importance_shift(m, total, real_head, gp, st.importance).reshape(shift_ref.shape)
+
+
+def keys_from_scores(scores, shift, n, st: LayerStatic):
+    """Packed importance keys `[B, Q, H_kv, Mp]` (SPEC 2.3) from stored scores `[B, Q,
+    H_kv, Gp, Mp]` (read only where valid) and the rows' shifts `[B, Q, H_kv, Gp]`, per
+    query `n [B, Q, H_kv, 1]`: one fused XLA pass over the scores."""
+    # Only the real heads' rows are read (padding rows hold scores of zero queries).
+    scores, shift = scores[..., : st.group, :], shift[..., : st.group]
+    Mp = scores.shape[-1]
+    positions = jnp.arange(Mp, dtype=jnp.int32)
+    valid = positions < n  # [B, Q, H_kv, Mp]
+    weights = jnp.where(valid[..., None, :], jnp.exp(scores - shift[..., None]), 0.0)
+    imp = jnp.sum(weights, axis=-2)
+    has_norm = (n - 1 if st.strict_causal else n) > 0
+    imp = jnp.where(has_norm, imp, 0.0)
+    imp = jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp)
+    return jnp.where(valid, _pack(imp, positions, st), -1)
 
 
 def _select_kernel(keys_ref, par_ref, n_ref, next_ref, tau_ref, *, st: LayerStatic):
@@ -356,27 +385,30 @@ def _weighted_values(w, values, score_precision, operands):
                            precision=precision)
 
 
+def merge_score_precision(st: LayerStatic):
+    return st.precision if st.merge_precision is None else st.merge_precision
+
+
 def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     """Online-softmax merge of the candidates not kept (all of them at the bottom)."""
-    if bottom:
-        q_ref, qh_ref, par_ref, n_ref, k_ref, v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref = refs[:-1]
-    else:
-        q_ref, qh_ref, par_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref = refs[:-3]
-    out_refs = refs[-1:] if bottom else refs[-3:]
+    score_precision, operands = merge_score_precision(st), st.merge_operands
+    parts = key_parts(score_precision, operands)
+    q_ref, qh_ref, par_ref, n_ref, *refs = refs
+    if not bottom:
+        keys_ref, tau_ref, *refs = refs
+    k_refs, (v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref, *out_refs) = refs[:parts], refs[parts:]
     bq, gp, _ = q_ref.shape
     rows = bq * gp
     n = n_ref[0]
     q_parts = _query_rows(q_ref, qh_ref)
-    unit = _unit(st)
+    unit = st.span
     num_tiles = (n + st.tile - 1) // st.tile
     if not bottom:
         tau = tau_ref[...]  # [BQ, 1]
-    score_precision = st.precision if st.merge_precision is None else st.merge_precision
-    operands = st.merge_operands
 
     def merge_tile(i, carry):
         blocks = []
-        units = _tile_units(i, q_parts, par_ref, k_ref, cf_ref, sf_ref, n, st, score_precision, operands)
+        units = _tile_units(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, score_precision, operands)
         for u, (scores, valid, _, nodes) in enumerate(units):
             if bottom:
                 merged = jnp.broadcast_to(valid[None, :], (rows, unit))
@@ -391,27 +423,32 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     write_merged(state, out_refs, bottom)
 
 
-def _block_specs(st: LayerStatic, q, parents, layer_k, layer_v, cos):
+def _block_specs(st: LayerStatic, q, parents, k_phases: tuple, layer_v, cos):
     """BlockSpecs for a grid `(B, Q / BQ, H_kv)`: per-query arrays in blocks of BQ
     queries, per-block arrays (parents, n: one row per block), whole layers and tables."""
     bq = st.block_queries
     _, _, _, gp, kp = q.shape
-    N = layer_k.shape[2]
     queries = lambda *tail: pl.BlockSpec((None, bq, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
     block = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
-    head = lambda d: pl.BlockSpec((None, None, N, d), lambda b, i, h: (b, h, 0, 0))
+    head = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda b, i, h: (b, h, 0, 0))
     table = pl.BlockSpec((cos.shape[0], kp), lambda b, i, h: (0, 0))  # full_width
-    half_table = pl.BlockSpec(cos.shape, lambda b, i, h: (0, 0))
-    vp = layer_v.shape[-1] if layer_v is not None else None
-    return dict(q=queries(gp, kp), parents=block(parents.shape[-1]), n=block(1), keys=queries(cos.shape[0]),
-                tau=queries(1), k=head(kp), v=head(vp), table=table, half_table=half_table, vec=queries(gp),
-                mat=queries(gp, vp))
+    specs = dict(q=queries(gp, kp), parents=block(parents.shape[-1]), n=block(1), keys=queries(cos.shape[0]),
+                 tau=queries(1), k=[head(x) for x in k_phases], table=table, vec=queries(gp),
+                 scores=queries(gp, cos.shape[0]))
+    if layer_v is not None:
+        specs.update(v=head(layer_v), mat=queries(gp, layer_v.shape[-1]))
+    return specs
 
 
 def _full_width_inputs(q, cos, sin):
     """What the kernels read instead of `q, cos, sin`: `q, rotate_half(q)` and the
     full-width tables (`[Mp, Kp]`)."""
     return (q, rotate_half(q)), (full_width(cos), full_width(sin))
+
+
+def _check_parts(k_parts, expected: int):
+    if not isinstance(k_parts, tuple) or len(k_parts) != expected:
+        raise TypeError(f"keys must be a tuple of {expected} array(s) from key_operands, got {type(k_parts)}")
 
 
 def _params(st: LayerStatic, warps=None):
@@ -421,23 +458,31 @@ def _params(st: LayerStatic, warps=None):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def importance_keys_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, interpret=False):
-    """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position.
+def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, interpret=False):
+    """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position: the
+    scores kernel, then `keys_from_scores`.
 
     `q [B, Q, H_kv, Gp, Kp]`; `parents [B, Q/BQ, H_kv, P]` and `n [B, Q/BQ, H_kv, 1]`
-    one row per block of `BQ = st.block_queries` queries that share them.
+    one row per block of `BQ = st.block_queries` queries that share them; `k_phases` the
+    layer's keys from `rotate_phases`, as `key_operands(..., st.precision,
+    st.importance_operands)`. Holds `B * Q * H_kv * Gp * Mp` float32 scores meanwhile.
     """
-    B, Q, H_kv = q.shape[:3]
-    sp = _block_specs(st, q, parents, layer_k, None, cos)
-    return pl.pallas_call(
-        functools.partial(_keys_kernel, st=st),
+    _check_parts(k_phases, key_parts(st.precision, st.importance_operands))
+    B, Q, H_kv, gp = q.shape[:4]
+    Mp = cos.shape[0]
+    sp = _block_specs(st, q, parents, k_phases, None, cos)
+    queries, tables = _full_width_inputs(q, cos, sin)
+    scores, shift = pl.pallas_call(
+        functools.partial(_scores_kernel, st=st),
         grid=(B, Q // st.block_queries, H_kv),
-        in_specs=[sp["q"], sp["parents"], sp["n"], sp["k"], sp["half_table"], sp["half_table"]],
-        out_specs=sp["keys"],
-        out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, cos.shape[0]), jnp.int32),
+        in_specs=[sp["q"], sp["q"], sp["parents"], sp["n"], *sp["k"], sp["table"], sp["table"]],
+        out_specs=[sp["scores"], sp["vec"]],
+        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, gp, Mp), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32)],
         compiler_params=_params(st),
         interpret=interpret,
-    )(q, parents, n, layer_k, cos, sin)
+    )(*queries, parents, n, *k_phases, *tables)
+    return keys_from_scores(scores, shift, _per_query(n, st), st)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
@@ -468,19 +513,21 @@ def merge_outputs(specs, shape, bottom: bool, out_dtype):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype"))
-def merge_pallas(q, parents, n, keys, tau, k_rot, layer_v, cos, sin, state, st: LayerStatic,
+def merge_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, state, st: LayerStatic,
                  interpret=False, out_dtype=jnp.float32):
     """Upper layer (`keys`, `tau` given): the state after merging the candidates not
     kept. Bottom layer (`keys=None`): the normalised output `[B, Q, H_kv, Gp, Vp]`.
-    `parents, n` one row per block of `st.block_queries` queries, as for the keys."""
+    `parents, n` one row per block of `st.block_queries` queries, as for the keys;
+    `k_phases` as `key_operands(rotate_phases(...), merge precision, st.merge_operands)`."""
+    _check_parts(k_phases, key_parts(merge_score_precision(st), st.merge_operands))
     B, Q, H_kv, gp, _ = q.shape
     vp = layer_v.shape[-1]
-    sp = _block_specs(st, q, parents, k_rot, layer_v, cos)
+    sp = _block_specs(st, q, parents, k_phases, layer_v, cos)
     bottom = keys is None
     queries, tables = _full_width_inputs(q, cos, sin)
     in_specs = [sp["q"], sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
-    in_specs += [sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"]]
-    args = queries + (parents, n) + (() if bottom else (keys, tau)) + (k_rot, layer_v) + tables + tuple(state)
+    in_specs += [*sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"]]
+    args = queries + (parents, n) + (() if bottom else (keys, tau)) + tuple(k_phases) + (layer_v,) + tables + tuple(state)
     out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gp, vp), bottom, out_dtype)
     out = pl.pallas_call(
         functools.partial(_merge_kernel, st=st, bottom=bottom),

@@ -46,7 +46,9 @@ from pallas_kernels.layer_forward import (
     dot_rows,
     fold_merged,
     importance_shift,
+    key_parts,
     merge_outputs,
+    merge_score_precision,
     read_state,
     split_rows,
     write_merged,
@@ -91,20 +93,21 @@ def _per_row(x, gt: int):
     return jnp.broadcast_to(x[:, None], (x.shape[0], gt)).reshape(x.shape[0] * gt)
 
 
-def _tile_scores(i, q_parts, k_ref, st: LayerStatic, precision, operands=None):
+def _tile_scores(i, q_parts, k_refs, st: LayerStatic, precision, operands=None):
     """Scores `[BQ*Gt, tile]` of the contiguous candidates `[i*tile, (i+1)*tile)` and
     their positions `[tile]`."""
     start = i * st.tile
-    k = k_ref[pl.ds(start, st.tile), :]
+    k = tuple(k_ref[pl.ds(start, st.tile), :] for k_ref in k_refs)
     return st.alpha * dot_rows(q_parts, k, precision, operands), start + jnp.arange(st.tile, dtype=jnp.int32)
 
 
-def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
+def _top_keys_kernel(q_ref, n_ref, *refs, st: LayerStatic):
+    *k_refs, keys_ref = refs
     bq, gt, _ = q_ref.shape
     rows = bq * gt
     q, n_q = _block_rows(q_ref, n_ref)
     n_rows = _per_row(n_q, gt)
-    q_parts = split_rows(q, st.precision)
+    q_parts = split_rows(q, st.precision, st.importance_operands)
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
     real_head = jnp.arange(rows, dtype=jnp.int32) % gt < st.group
     # R, the normaliser set, per row: valid positions, less the rightmost when strict.
@@ -112,7 +115,7 @@ def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
     has_norm = (n_q - 1 if st.strict_causal else n_q) > 0  # [BQ]
 
     def norm_stats(i, carry):
-        scores, positions = _tile_scores(i, q_parts, k_ref, st, st.precision)
+        scores, positions = _tile_scores(i, q_parts, k_refs, st, st.precision, st.importance_operands)
         in_norm = positions[None, :] < norm_end[:, None]
         return _online_max_sum(*carry, jnp.where(in_norm, scores, NEG_INF))
 
@@ -121,7 +124,7 @@ def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
     shift = importance_shift(m, total, real_head, gt, st.importance)
 
     def write_keys(i, carry):
-        scores, positions = _tile_scores(i, q_parts, k_ref, st, st.precision)
+        scores, positions = _tile_scores(i, q_parts, k_refs, st, st.precision, st.importance_operands)
         in_norm = positions[None, :] < norm_end[:, None]
         # Rows' weights outside R may overflow; they are never kept (masked below).
         weights = jnp.where(real_head[:, None] & in_norm, jnp.exp(scores - shift[:, None]), 0.0)
@@ -137,11 +140,12 @@ def _top_keys_kernel(q_ref, n_ref, k_ref, keys_ref, *, st: LayerStatic):
 
 def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
     """Online-softmax merge of the candidates not kept (all valid ones at the bottom)."""
-    if bottom:
-        q_ref, n_ref, k_ref, v_ref, m_ref, s_ref, u_ref = refs[:-1]
-    else:
-        q_ref, n_ref, keys_ref, tau_ref, k_ref, v_ref, m_ref, s_ref, u_ref = refs[:-3]
-    out_refs = refs[-1:] if bottom else refs[-3:]
+    score_precision, operands = merge_score_precision(st), st.merge_operands
+    parts = key_parts(score_precision, operands)
+    q_ref, n_ref, *refs = refs
+    if not bottom:
+        keys_ref, tau_ref, *refs = refs
+    k_refs, (v_ref, m_ref, s_ref, u_ref, *out_refs) = refs[:parts], refs[parts:]
     bq, gt, _ = q_ref.shape
     rows = bq * gt
     q, n_q = _block_rows(q_ref, n_ref)
@@ -149,12 +153,10 @@ def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
     if not bottom:
         tau = tau_ref[...]  # [BQ, 1]
-    score_precision = st.precision if st.merge_precision is None else st.merge_precision
-    operands = st.merge_operands
     q_parts = split_rows(q, score_precision, operands)
 
     def merge_tile(i, carry):
-        scores, positions = _tile_scores(i, q_parts, k_ref, st, score_precision, operands)
+        scores, positions = _tile_scores(i, q_parts, k_refs, st, score_precision, operands)
         if bottom:
             merged = positions[None, :] < n_rows[:, None]
         else:
@@ -168,41 +170,45 @@ def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
     write_merged(state, out_refs, bottom)
 
 
-def _specs(st: LayerStatic, q, k_rot, v, width: int):
+def _specs(st: LayerStatic, q, k_parts, v, width: int):
     bq = st.block_queries
     gt, kp = q.shape[3], q.shape[4]
-    Np = k_rot.shape[2]
+    Np = k_parts[0].shape[2]
     queries = lambda *tail: pl.BlockSpec((None, bq, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
     head = lambda d: pl.BlockSpec((None, None, Np, d), lambda b, i, h: (b, h, 0, 0))
     vp = v.shape[-1] if v is not None else None
-    return dict(q=queries(gt, kp), n=queries(1), keys=queries(width), tau=queries(1), k=head(kp), v=head(vp),
+    return dict(q=queries(gt, kp), n=queries(1), keys=queries(width), tau=queries(1), k=[head(kp)] * len(k_parts),
+                v=head(vp),
                 vec=queries(gt), mat=queries(gt, vp))
 
 
-def _check(st: LayerStatic, q, k_rot, width: int):
-    if q.shape[1] % st.block_queries or k_rot.shape[2] % st.tile or width % st.tile:
-        raise ValueError(f"queries {q.shape[1]} / nodes {k_rot.shape[2]} and width {width} must be multiples "
+def _check(st: LayerStatic, q, k_parts, width: int, expected_parts: tuple):
+    if not isinstance(k_parts, tuple) or len(k_parts) not in expected_parts:
+        raise TypeError(f"keys must be a tuple of {expected_parts} array(s) from key_operands(rotate_keys(...))")
+    if q.shape[1] % st.block_queries or k_parts[0].shape[2] % st.tile or width % st.tile:
+        raise ValueError(f"queries {q.shape[1]} / nodes {k_parts[0].shape[2]} and width {width} must be multiples "
                          f"of block_queries {st.block_queries} / tile {st.tile}")
-    if q.dtype != jnp.float32 or k_rot.dtype != jnp.float32:
-        raise TypeError("q and k_rot must be rotated float32 (rotate_queries / rotate_keys)")
+    if q.dtype != jnp.float32:
+        raise TypeError("q must be rotated float32 (rotate_queries)")
 
 
 @functools.partial(jax.jit, static_argnames=("width", "st", "interpret"))
 def top_importance_keys_pallas(q_rot, n, k_rot, width: int, st: LayerStatic, interpret=False):
     """Packed importance keys `[B, Q, H_kv, width]` of the top layer, `st.block_queries`
-    queries per program. `q_rot = rotate_queries(q, n, ...)`, `k_rot = rotate_keys(...)`."""
-    _check(st, q_rot, k_rot, width)
+    queries per program. `q_rot = rotate_queries(q, n, ...)`, `k_rot =
+    key_operands(rotate_keys(...), st.precision, st.importance_operands, split)`."""
+    _check(st, q_rot, k_rot, width, (1, key_parts(st.precision, st.importance_operands)))
     B, Q, H_kv = q_rot.shape[:3]
     sp = _specs(st, q_rot, k_rot, None, width)
     return pl.pallas_call(
         functools.partial(_top_keys_kernel, st=st),
         grid=(B, Q // st.block_queries, H_kv),
-        in_specs=[sp["q"], sp["n"], sp["k"]],
+        in_specs=[sp["q"], sp["n"], *sp["k"]],
         out_specs=sp["keys"],
         out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.int32),
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
-    )(q_rot, n, k_rot)
+    )(q_rot, n, *k_rot)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype"))
@@ -210,16 +216,17 @@ def top_merge_pallas(q_rot, n, keys, tau, k_rot, v, state, st: LayerStatic, inte
                      out_dtype=jnp.float32):
     """With `keys [B, Q, H_kv, width], tau`: the state after merging the top layer's
     candidates not kept. With `keys=None` (`L = 1`): the normalised output
-    `[B, Q, H_kv, Gt, Vp]` in `out_dtype`. `v` padded like `k_rot` (`pad_nodes`)."""
+    `[B, Q, H_kv, Gt, Vp]` in `out_dtype`. `v` padded like `k_rot` (`pad_nodes`), `k_rot =
+    key_operands(rotate_keys(...), merge precision, st.merge_operands)`."""
     bottom = keys is None
     width = st.tile if bottom else keys.shape[-1]
-    _check(st, q_rot, k_rot, width)
+    _check(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gt, _ = q_rot.shape
     vp = v.shape[-1]
     sp = _specs(st, q_rot, k_rot, v, width)
     in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
-    in_specs += [sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
-    args = (q_rot, n) + (() if bottom else (keys, tau)) + (k_rot, v) + tuple(state)
+    in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
+    args = (q_rot, n) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v,) + tuple(state)
     out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gt, vp), bottom, out_dtype)
     out = pl.pallas_call(
         functools.partial(_top_merge_kernel, st=st, bottom=bottom),

@@ -20,9 +20,11 @@ from pallas_kernels.layer_forward import (
     LayerStatic,
     importance_keys_pallas,
     importance_keys_twin,
+    BF16X3,
+    key_operands,
     merge_pallas,
     merge_twin,
-    rotate_child_offset,
+    rotate_phases,
     select_top_k_layer_pallas,
     select_top_k_layer_twin,
 )
@@ -71,11 +73,12 @@ def test_top_k_kernel_equals_twin(rng, M):
     assert np.all((got >= 0).sum(axis=1) == k)
 
 
-def _layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_queries=1):
+def _layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_queries=1,
+                  block_sizes=BlockSizes()):
     """Random but consistent inputs of one upper layer: ascending parent lists and `n`,
     one per block of `block_queries` queries (which share them)."""
     r = config.compression_rate
-    tile, _, P, Mp = layout(config, BlockSizes())
+    span, tile, P, Mp = layout(config, block_sizes)
     gp, kp, vp = 16, 32, 32
     B, H_kv = 2, 2
     N = N or r * (config.top_k + 5)
@@ -91,7 +94,7 @@ def _layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_que
     layer_v = pad_axis(jnp.asarray(rng.standard_normal((B, H_kv, N, V)).astype(dtype)), -1, vp)
     cos, sin = rope_table(Mp, K, config.rope_base)
     cos, sin = pad_axis(jnp.asarray(cos), -1, kp // 2), pad_axis(jnp.asarray(sin), -1, kp // 2)
-    st = LayerStatic(r=r, tile=tile, group=G, alpha=config.score_scale(K), importance=config.importance,
+    st = LayerStatic(r=r, tile=tile, span=span, group=G, alpha=config.score_scale(K), importance=config.importance,
                      strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
                      precision=jax.lax.Precision.HIGHEST, block_queries=block_queries)
     m0 = jnp.asarray(rng.standard_normal((B, Q, H_kv, gp)).astype(np.float32))
@@ -110,15 +113,29 @@ LAYER_CONFIGS = [
 
 
 @pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
-@pytest.mark.parametrize("G, block_queries", [(1, 1), (3, 1), (2, 4)])
-def test_layer_kernels_equal_twins(rng, config, G, block_queries):
-    a = _layer_inputs(rng, config, G=G, K=24, V=20, block_queries=block_queries)
+@pytest.mark.parametrize("G, block_queries, block_sizes", [
+    (1, 1, BlockSizes()), (3, 1, BlockSizes(span=16, tile=32)), (2, 4, BlockSizes(span=32, tile=64))], ids=str)
+def test_layer_kernels_equal_twins(rng, config, G, block_queries, block_sizes):
+    a = _layer_inputs(rng, config, G=G, K=24, V=20, block_queries=block_queries, block_sizes=block_sizes)
     st = a["st"]
-    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st, True)
-    k_rot = rotate_child_offset(a["layer_k"], a["cos"], a["sin"], st.r)
+    phases = rotate_phases(a["layer_k"], a["cos"], a["sin"], st)
+    k_rot = key_operands(phases, st.precision)
+    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], k_rot, a["cos"], a["sin"], st, True)
     keys_twin = importance_keys_twin(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st)
     # The exact selection is checked via the same keys below.
     _assert_same_keys(keys, keys_twin, st.log_n)
+    # 3xTF32 products (bf16 inputs' default) read the keys split into hi and lo.
+    st_high = dataclasses.replace(st, precision=jax.lax.Precision.HIGH)
+    k_high = key_operands(phases, st_high.precision)
+    assert len(k_high) == 2
+    keys_high = importance_keys_pallas(a["q"], a["parents"], a["n"], k_high, a["cos"], a["sin"], st_high, True)
+    _assert_same_keys(keys_high, keys_twin, st.log_n)
+    # ... or as bfloat16 pairs (BF16X3, ~4e-6 relative).
+    st_x3 = dataclasses.replace(st_high, importance_operands=BF16X3)
+    k_x3 = key_operands(phases, st_x3.precision, BF16X3)
+    assert len(k_x3) == 2 and k_x3[0].dtype == jnp.bfloat16
+    keys_x3 = importance_keys_pallas(a["q"], a["parents"], a["n"], k_x3, a["cos"], a["sin"], st_x3, True)
+    _assert_same_keys(keys_x3, keys_twin, st.log_n)
 
     per_query = lambda x: jnp.repeat(x, block_queries, axis=1)
     nxt, tau = select_top_k_layer_pallas(keys, per_query(a["parents"]), per_query(a["n"]), st, True)
@@ -128,8 +145,8 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries):
 
     args = (a["q"], a["parents"], a["n"], keys, tau, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
     with_rotated = lambda args, k: args[:5] + (k,) + args[6:]
-    # The kernel rotates the query per slot (relative RoPE), the twin each key by its
-    # position: scores differ by ~1e-7 relative, and U, a sum of many signed terms,
+    # The kernel rotates the query once per span (relative RoPE), the twin each key by
+    # its position: scores differ by ~1e-7 relative, and U, a sum of many signed terms,
     # can cancel to ~1e-2 (seen: 1.07e-5 absolute on 0.0195), hence atol 5e-5 there.
     for got, want in zip(merge_pallas(*with_rotated(args, k_rot), interpret=True), merge_twin(*args)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
@@ -141,7 +158,7 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries):
     # bfloat16 dot operands and keys stored rotated in bfloat16 (the default for bf16
     # inputs): output precision only.
     st_bf16 = dataclasses.replace(st, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
-    k_bf16 = rotate_child_offset(a["layer_k"], a["cos"], a["sin"], st.r, jnp.bfloat16)
+    k_bf16 = key_operands(phases, st_bf16.merge_precision, "bfloat16")
     o = merge_pallas(*with_rotated(bottom, k_bf16)[:-1], st_bf16, interpret=True)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
     assert not np.allclose(np.asarray(o), np.asarray(o_t), rtol=1e-6, atol=1e-6)  # it did round
@@ -178,10 +195,20 @@ def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
     top_tile = min(top_tile, Mp)
     st_top = dataclasses.replace(st, block_queries=block_queries, tile=top_tile)
     q_rot = rotate_queries(q, n, a["cos"], a["sin"])
-    k_rot = rotate_keys(layer_k, a["cos"], a["sin"], top_tile)
+    rotated = rotate_keys(layer_k, a["cos"], a["sin"], top_tile)
+    k_rot = key_operands(rotated, st.precision)
 
     keys = top_importance_keys_pallas(q_rot, n, k_rot, Mp, st_top, interpret=True)
-    _assert_same_keys(keys, importance_keys_twin(q, parents, n, layer_k, a["cos"], a["sin"], st), st.log_n)
+    keys_twin = importance_keys_twin(q, parents, n, layer_k, a["cos"], a["sin"], st)
+    _assert_same_keys(keys, keys_twin, st.log_n)
+    st_high = dataclasses.replace(st_top, precision=jax.lax.Precision.HIGH)
+    keys_high = top_importance_keys_pallas(q_rot, n, key_operands(rotated, st_high.precision), Mp, st_high,
+                                           interpret=True)
+    _assert_same_keys(keys_high, keys_twin, st.log_n)
+    st_x3 = dataclasses.replace(st_high, importance_operands=BF16X3)
+    keys_x3 = top_importance_keys_pallas(q_rot, n, key_operands(rotated, st_high.precision, BF16X3), Mp, st_x3,
+                                         interpret=True)
+    _assert_same_keys(keys_x3, keys_twin, st.log_n)
 
     _, tau = select_top_k_layer_twin(keys, parents, n, st)
     state = tuple(x[:, :, :, :gt] for x in a["state"])
@@ -194,7 +221,8 @@ def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
     o_t = merge_twin(q, parents, n, None, None, layer_k, layer_v, a["cos"], a["sin"], state, st)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
     st_bf16 = dataclasses.replace(st_top, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
-    o = top_merge_pallas(q_rot, n, None, None, k_rot, pad_nodes(layer_v, top_tile), state, st_bf16, interpret=True)
+    k_bf16 = key_operands(rotated, st_bf16.merge_precision, "bfloat16")
+    o = top_merge_pallas(q_rot, n, None, None, k_bf16, pad_nodes(layer_v, top_tile), state, st_bf16, interpret=True)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
 
 
