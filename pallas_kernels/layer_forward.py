@@ -446,9 +446,11 @@ def _full_width_inputs(q, cos, sin):
     return (q, rotate_half(q)), (full_width(cos), full_width(sin))
 
 
-def _check_parts(k_parts, expected: int):
-    if not isinstance(k_parts, tuple) or len(k_parts) != expected:
-        raise TypeError(f"keys must be a tuple of {expected} array(s) from key_operands, got {type(k_parts)}")
+def check_key_parts(k_parts, expected: tuple):
+    """`k_parts` must be what `key_operands` gives: a tuple of one of the `expected` lengths."""
+    if not isinstance(k_parts, tuple) or len(k_parts) not in expected:
+        raise TypeError(f"keys must be a tuple of {' or '.join(map(str, expected))} array(s) from key_operands, "
+                        f"got {type(k_parts).__name__}")
 
 
 def _params(st: LayerStatic, warps=None):
@@ -467,7 +469,7 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
     layer's keys from `rotate_phases`, as `key_operands(..., st.precision,
     st.importance_operands)`. Holds `B * Q * H_kv * Gp * Mp` float32 scores meanwhile.
     """
-    _check_parts(k_phases, key_parts(st.precision, st.importance_operands))
+    check_key_parts(k_phases, (key_parts(st.precision, st.importance_operands),))
     B, Q, H_kv, gp = q.shape[:4]
     Mp = cos.shape[0]
     sp = _block_specs(st, q, parents, k_phases, None, cos)
@@ -519,7 +521,7 @@ def merge_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, state, s
     kept. Bottom layer (`keys=None`): the normalised output `[B, Q, H_kv, Gp, Vp]`.
     `parents, n` one row per block of `st.block_queries` queries, as for the keys;
     `k_phases` as `key_operands(rotate_phases(...), merge precision, st.merge_operands)`."""
-    _check_parts(k_phases, key_parts(merge_score_precision(st), st.merge_operands))
+    check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gp, _ = q.shape
     vp = layer_v.shape[-1]
     sp = _block_specs(st, q, parents, k_phases, layer_v, cos)

@@ -43,6 +43,7 @@ from pallas_kernels.layer_forward import (
     _online_max_sum,
     _pack,
     _write_tiles,
+    check_key_parts,
     dot_rows,
     fold_merged,
     importance_shift,
@@ -183,8 +184,7 @@ def _specs(st: LayerStatic, q, k_parts, v, width: int):
 
 
 def _check(st: LayerStatic, q, k_parts, width: int, expected_parts: tuple):
-    if not isinstance(k_parts, tuple) or len(k_parts) not in expected_parts:
-        raise TypeError(f"keys must be a tuple of {expected_parts} array(s) from key_operands(rotate_keys(...))")
+    check_key_parts(k_parts, expected_parts)
     if q.shape[1] % st.block_queries or k_parts[0].shape[2] % st.tile or width % st.tile:
         raise ValueError(f"queries {q.shape[1]} / nodes {k_parts[0].shape[2]} and width {width} must be multiples "
                          f"of block_queries {st.block_queries} / tile {st.tile}")
