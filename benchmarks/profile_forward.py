@@ -11,6 +11,7 @@ are scaled by the number of chunks. Also prints the counted floor per query.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from pallas_kernels.forward import (
 from pallas_kernels.layer_forward import (
     importance_keys_pallas,
     merge_pallas,
+    merge_scored_pallas,
     select_top_k_layer_pallas,
 )
 from pallas_kernels.top_layer import (
@@ -54,6 +56,7 @@ def main(argv=None):
     p.add_argument("--merge-warps", type=int, default=BlockSizes.merge_num_warps, help="per-query merges")
     p.add_argument("--merge-operands", default="auto", help="auto, float32, or a dtype name")
     p.add_argument("--importance-operands", default="auto", help="auto, float32 (3xTF32), bf16x3 or a dtype name")
+    p.add_argument("--merge-variants", action="store_true", help="time merge variants below the top too")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip = args.interpret
@@ -114,19 +117,36 @@ def main(argv=None):
         n = candidate_count(parents, t, st.r, l)
         mean_n = float(jnp.mean(n))
         if l > 0:
-            keys_call = jax.jit(lambda *a: importance_keys_pallas(*a, st, ip))
+            keys_call = jax.jit(lambda *a: importance_keys_pallas(*a, st, ip, return_scores=True))
             kargs = (q_rows, parents, n, kl, prep.cos, prep.sin)
-            rows.append((f"layer {l} importance keys (1 query/program, 2 score passes, mean n={mean_n:.0f})",
-                         median_ms(keys_call, kargs, args.iters), chunks))
-            keys = keys_call(*kargs)
+            rows.append((f"layer {l} importance keys (1 query/program, 1 score pass, scores stored, "
+                         f"mean n={mean_n:.0f})", median_ms(keys_call, kargs, args.iters), chunks))
+            keys, scores = keys_call(*kargs)
             select_call = jax.jit(lambda *a: select_top_k_layer_pallas(*a, st, ip))
             rows.append((f"layer {l} shared top-K (31-step search + compaction)",
                          median_ms(select_call, (keys, parents, n), args.iters), chunks))
             nxt, tau = select_call(keys, parents, n)
-            merge_call = jax.jit(lambda *a: merge_pallas(*a, st, ip))
-            margs = (q_rows, parents, n, keys, tau, kl_rot, vl, prep.cos, prep.sin, state)
-            rows.append((f"layer {l} merge (1 query/program, 1 score pass + values)",
+            st_scored = dataclasses.replace(st, merge_num_warps=bs.scored_merge_num_warps)
+            merge_call = jax.jit(lambda *a: merge_scored_pallas(*a, st_scored, ip))
+            margs = (scores, parents, n, keys, tau, vl, state)
+            rows.append((f"layer {l} merge (1 query/program, stored scores + values, {bs.scored_merge_num_warps} warps)",
                          median_ms(merge_call, margs, args.iters), chunks))
+            if args.merge_variants:
+                # Same-run comparison: re-gathering and re-scoring the keys (the old
+                # path; merge keys rebuilt from the importance halves) and variants.
+                kl_merge = ((kl[0].astype(jnp.float32) + kl[1].astype(jnp.float32)).astype(st.merge_operands),)
+                old_call = jax.jit(lambda *a: merge_pallas(*a, st, ip))
+                oargs = (q_rows, parents, n, keys, tau, kl_merge, vl, prep.cos, prep.sin, state)
+                rows.append((f"  variant: layer {l} merge re-scoring the keys", median_ms(old_call, oargs, args.iters),
+                             chunks))
+                for warps, tile, mask_rows in [(2, 64, True), (4, 64, False), (8, 64, True), (4, 128, True),
+                                               (8, 128, True), (4, 32, True)]:
+                    if Mp % tile:
+                        continue
+                    stv = dataclasses.replace(st, merge_num_warps=warps, tile=tile)
+                    call = jax.jit(lambda *a, stv=stv, mr=mask_rows: merge_scored_pallas(*a, stv, ip, mr))
+                    rows.append((f"  variant: stored scores, {warps} warps, tile {tile}, rows masked {mask_rows}",
+                                 median_ms(call, margs, args.iters), chunks))
             state = merge_call(*margs)
             parents = nxt[..., :P]
         else:
@@ -137,13 +157,17 @@ def main(argv=None):
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
     whole = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs, ip, None, operands, imp_ops)[0])
     whole_ms = median_ms(whole, (q, k, v), args.iters)
+    if args.merge_variants:
+        bs_keys = dataclasses.replace(bs, merge_from_scores=False)
+        again = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs_keys, ip, None, operands, imp_ops)[0])
+        rows.append(("  variant: end to end, merges re-scoring the keys", median_ms(again, (q, k, v), args.iters), 1))
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: T={T} top_k={args.top_k} "
           f"layers={config.layer_sizes(T)} B={B} H={H} H_kv={H_KV} K=V={K} bf16, score dots {st.precision}, "
           f"span {st.span}, tile {st.tile} (top: {st_top.tile}), warps {st.num_warps}/{st.merge_num_warps}, merge operands {st.merge_operands}, importance operands {st.importance_operands}, {chunks} chunks of {Qc} positions")
     print("| stage | per chunk ms | chunks | total ms |\n|---|---|---|---|")
     total = 0.0
     for name, ms, times in rows:
-        total += ms * times
+        total += 0.0 if name.startswith("  variant") else ms * times
         print(f"| {name} | {ms:.2f} | {times} | {ms * times:.1f} |")
     print(f"| sum | | | {total:.1f} |\n| end to end (one call) | | | {whole_ms:.1f} |\n"
           f"| dense cuDNN (whole attention) | | | {dense_ms:.1f} |")

@@ -37,6 +37,7 @@ from pallas_kernels.layer_forward import (
     importance_keys_pallas,
     key_operands,
     merge_pallas,
+    merge_scored_pallas,
     merge_score_precision,
     rotate_phases,
     select_top_k_layer_pallas,
@@ -76,6 +77,11 @@ class BlockSizes:
     num_warps: int = 2
     merge_num_warps: int = 2
     num_stages: int = 2
+    # Merges above the bottom read the scores their importance pass stored
+    # (`merge_scored_pallas`) instead of gathering and scoring the keys again; False is
+    # the earlier path, kept to compare the two in `benchmarks/profile_forward.py`.
+    merge_from_scores: bool = True
+    scored_merge_num_warps: int = 4
     # Per-chunk buffers (see `chunk_size`). H200, T=131072, top_k=64: 2 GiB (18 chunks)
     # 167 ms end to end, 1 GiB (36 chunks) 171 ms.
     chunk_budget_bytes: int = 2 << 30
@@ -155,7 +161,8 @@ class Prepared:
 
     # [(importance keys, merge keys, V_l [B, H_kv, N_l, Vp]), ...], bottom first, the top
     # layer left out. The keys: `key_operands` of `rotate_phases(K_l)` for the dots that
-    # read them (the bottom layer only merges: no importance keys, None).
+    # read them: the bottom layer only merges (no importance keys: None), the layers
+    # above it merge from their stored scores (no merge keys: None).
     layers: list
     top_k_imp: tuple  # key_operands of the top layer's keys rotated by position, tile-padded
     top_k_merge: tuple  # the same for the merge dots (often the same arrays)
@@ -217,8 +224,12 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         return same, merge
 
     top_k_imp, top_k_merge = operands_of(rotate_keys(layers[-1][0], cos, sin, top_tile), split=False)
-    # Below the top: the keys in span/r rotated copies (the bottom layer only merges).
-    layers = [operands_of(rotate_phases(kl, cos, sin, st), l > 0) + (vl,)
+    # Below the top: the keys in span/r rotated copies, for the importance products of
+    # the layers that select (their merges reuse the stored scores) and for the bottom
+    # layer's merge.
+    merges_keys = lambda l: l == 0 or not block_sizes.merge_from_scores
+    layers = [(key_operands(rotate_phases(kl, cos, sin, st), *imp_spec) if l > 0 else None,
+               key_operands(rotate_phases(kl, cos, sin, st), *merge_spec) if merges_keys(l) else None, vl)
               for l, (kl, vl) in enumerate(layers[:-1])]
     # Layers below the top that select (L >= 3) store their scores per chunk.
     score_rows = next_power_of_two(G, 16) if len(config.layer_sizes(T)) >= 3 else 0
@@ -292,10 +303,16 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
             kl, kl_rot, vl = prep.layers[l]
             n = candidate_count(parents, t, st.r, l)
             if l > 0:
-                keys = importance_keys_pallas(q_rows, parents, n, kl, prep.cos, prep.sin, st, interpret)
+                # The merge reads the scores the importance pass stored, not the keys.
+                keys, scores = importance_keys_pallas(q_rows, parents, n, kl, prep.cos, prep.sin, st, interpret,
+                                                      return_scores=True)
                 next_parents, tau = select_top_k_layer_pallas(keys, parents, n, st, interpret)
-                state = merge_pallas(q_rows, parents, n, keys, tau, kl_rot, vl, prep.cos, prep.sin, state, st,
-                                     interpret)
+                if block_sizes.merge_from_scores:
+                    st_scored = dataclasses.replace(st, merge_num_warps=block_sizes.scored_merge_num_warps)
+                    state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
+                else:
+                    state = merge_pallas(q_rows, parents, n, keys, tau, kl_rot, vl, prep.cos, prep.sin, state, st,
+                                         interpret)
                 parents = next_parents[..., :P]
                 selections.append(parents[..., : config.top_k])
             else:

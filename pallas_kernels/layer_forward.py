@@ -1,6 +1,8 @@
 """Per-layer htree kernels (SPEC 2): candidate scores, importance keys, shared top-K and
 the online-softmax merge, one program per `(b, t, h_kv)`, looping over tiles of the
-candidate buffer. Each has a pure-JAX twin below with the same contract.
+candidate buffer. Each has a pure-JAX twin below with the same contract. A layer that
+selects stores its candidates' scores in the importance pass and merges from them
+(`merge_scored_pallas`); the bottom layer scores its keys in the merge (`merge_pallas`).
 
 Layouts (all padded by the wrapper in `pallas_kernels/forward.py`):
   q        `[B, Q, H_kv, Gp, Kp]`   un-rotated, halves padded apart (`pad_rope_halves`)
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.rope import apply_rope
 from pallas_kernels.common import compiler_params
@@ -317,7 +320,8 @@ def _write_tiles(keys_ref, num_tiles, write_keys, st: LayerStatic):
 
 def _scores_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic):
     """One pass over the candidates: their scores, stored (`[BQ, Gp, Mp]`, only the
-    first `ceil(n / tile)` tiles written), and each row's importance shift. Storing
+    real heads' rows of the first `ceil(n / tile)` tiles written), and each row's
+    importance shift. Storing
     them (G floats per candidate) costs far less than gathering and scoring the keys
     again (a key row is K values, in two parts), which a second pass would."""
     *k_refs, cf_ref, sf_ref, s_ref, shift_ref = refs
@@ -330,10 +334,14 @@ def _scores_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic):
     # R, the normaliser set: valid positions, less the rightmost one when strict.
     last_in_norm = n - 1 if st.strict_causal else n
 
+    # Only the real heads' rows are stored: the padding rows are never read.
+    store_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[None, :, None], (bq, gp, st.span))
+
     def score_tile(i, carry):
         units = _tile_units(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, st.precision, st.importance_operands)
         for u, (scores, _, positions, _) in enumerate(units):
-            s_ref[:, :, pl.ds(i * st.tile + u * st.span, st.span)] = scores.reshape(bq, gp, st.span)
+            plgpu.store(s_ref.at[:, :, pl.ds(i * st.tile + u * st.span, st.span)], scores.reshape(bq, gp, st.span),
+                        mask=store_rows)
             in_norm = positions < last_in_norm
             carry = _online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
         return carry
@@ -347,7 +355,7 @@ def keys_from_scores(scores, shift, n, st: LayerStatic):
     """Packed importance keys `[B, Q, H_kv, Mp]` (SPEC 2.3) from stored scores `[B, Q,
     H_kv, Gp, Mp]` (read only where valid) and the rows' shifts `[B, Q, H_kv, Gp]`, per
     query `n [B, Q, H_kv, 1]`: one fused XLA pass over the scores."""
-    # Only the real heads' rows are read (padding rows hold scores of zero queries).
+    # Only the real heads' rows were stored.
     scores, shift = scores[..., : st.group, :], shift[..., : st.group]
     Mp = scores.shape[-1]
     positions = jnp.arange(Mp, dtype=jnp.int32)
@@ -423,6 +431,39 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     write_merged(state, out_refs, bottom)
 
 
+def _merge_scored_kernel(scores_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m_ref, s_ref, u_ref, *out_refs,
+                         st: LayerStatic, mask_rows: bool):
+    """Online-softmax merge of the candidates not kept, from the scores the importance
+    pass stored (real heads' rows; padding rows read as 0, the score of a zero query):
+    no key is gathered or scored again, so a candidate costs its value row and `G`
+    floats instead of its key row too."""
+    bq, gp, _ = scores_ref.shape
+    rows = bq * gp
+    n = n_ref[0]
+    tau = tau_ref[...]  # [BQ, 1]
+    real_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[None, :, None], (bq, gp, st.tile))
+    child = jnp.arange(st.r, dtype=jnp.int32)
+
+    def merge_tile(i, carry):
+        p0 = i * st.tile
+        positions = p0 + jnp.arange(st.tile, dtype=jnp.int32)
+        valid = positions < n
+        parents = par_ref[pl.ds(p0 // st.r, st.tile // st.r)]
+        nodes = jnp.where(valid, (parents[:, None] * st.r + child[None, :]).reshape(st.tile), 0)
+        if mask_rows:
+            scores = plgpu.load(scores_ref.at[:, :, pl.ds(p0, st.tile)], mask=real_rows, other=0.0)
+        else:
+            scores = scores_ref[:, :, pl.ds(p0, st.tile)]
+        kept = keys_ref[:, pl.ds(p0, st.tile)] >= tau  # [BQ, tile]
+        merged = jnp.broadcast_to((valid[None, :] & ~kept)[:, None, :], (bq, gp, st.tile)).reshape(rows, st.tile)
+        block = (jnp.where(merged, scores.reshape(rows, st.tile), NEG_INF), v_ref[nodes, :])
+        return fold_merged(carry, [block], merge_score_precision(st), st.merge_operands)
+
+    num_tiles = (n + st.tile - 1) // st.tile
+    state = lax.fori_loop(0, num_tiles, merge_tile, read_state(m_ref, s_ref, u_ref))
+    write_merged(state, out_refs, bottom=False)
+
+
 def _block_specs(st: LayerStatic, q, parents, k_phases: tuple, layer_v, cos):
     """BlockSpecs for a grid `(B, Q / BQ, H_kv)`: per-query arrays in blocks of BQ
     queries, per-block arrays (parents, n: one row per block), whole layers and tables."""
@@ -459,10 +500,13 @@ def _params(st: LayerStatic, warps=None):
     return compiler_params(warps, st.num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, interpret=False):
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores"))
+def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, interpret=False,
+                           return_scores=False):
     """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position: the
-    scores kernel, then `keys_from_scores`.
+    scores kernel, then `keys_from_scores`. With `return_scores`, `(keys, scores)`:
+    the scores `[B, Q, H_kv, Gp, Mp]` float32 (scaled by alpha; only the real heads'
+    rows of the valid tiles are written) for `merge_scored_pallas`.
 
     `q [B, Q, H_kv, Gp, Kp]`; `parents [B, Q/BQ, H_kv, P]` and `n [B, Q/BQ, H_kv, 1]`
     one row per block of `BQ = st.block_queries` queries that share them; `k_phases` the
@@ -484,7 +528,8 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
         compiler_params=_params(st),
         interpret=interpret,
     )(*queries, parents, n, *k_phases, *tables)
-    return keys_from_scores(scores, shift, _per_query(n, st), st)
+    keys = keys_from_scores(scores, shift, _per_query(n, st), st)
+    return (keys, scores) if return_scores else keys
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
@@ -541,6 +586,31 @@ def merge_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, state, s
         interpret=interpret,
     )(*args)
     return out if bottom else tuple(out)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "mask_rows"))
+def merge_scored_pallas(scores, parents, n, keys, tau, layer_v, state, st: LayerStatic, interpret=False,
+                        mask_rows=True):
+    """Upper layer: the state after merging the candidates not kept, with the `scores`
+    stored by `importance_keys_pallas(..., return_scores=True)` (which then need no
+    keys here). `parents, n` one row per block of `st.block_queries` queries."""
+    B, Q, H_kv, gp, Mp = scores.shape
+    vp = layer_v.shape[-1]
+    if Mp % st.tile or st.tile % st.r:
+        raise ValueError(f"candidate width {Mp} must be a multiple of the tile {st.tile}, itself of r={st.r}")
+    q_like = jax.ShapeDtypeStruct((B, Q, H_kv, gp, 1), jnp.float32)
+    sp = _block_specs(st, q_like, parents, (), layer_v, jax.ShapeDtypeStruct((Mp, 1), jnp.float32))
+    out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gp, vp), False, jnp.float32)
+    return tuple(pl.pallas_call(
+        functools.partial(_merge_scored_kernel, st=st, mask_rows=mask_rows),
+        grid=(B, Q // st.block_queries, H_kv),
+        in_specs=[sp["scores"], sp["parents"], sp["n"], sp["keys"], sp["tau"], sp["v"], sp["vec"], sp["vec"],
+                  sp["mat"]],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=_params(st, st.merge_num_warps),
+        interpret=interpret,
+    )(scores, parents, n, keys, tau, layer_v, *state))
 
 
 # ---------------------------------------------------------------------------------------
@@ -615,5 +685,23 @@ def merge_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, state, st: 
     m, S, U = merge(tuple(flat(x) for x in state), flat(scores), flat(values), flat(merged))
     if keys is None:
         return (U / S[..., None]).reshape(B, Q, H_kv, gp, -1).astype(out_dtype)
+    shape = (B, Q, H_kv)
+    return m.reshape(shape + (gp,)), S.reshape(shape + (gp,)), U.reshape(shape + U.shape[-2:])
+
+
+def merge_scored_twin(scores, parents, n, keys, tau, layer_v, state, st: LayerStatic):
+    """Twin of `merge_scored_pallas`: the reference's `merge` on the given scores (rows
+    past the real heads as 0, as the kernel reads them)."""
+    from htree_jax.reference import merge
+
+    B, Q, H_kv, gp, Mp = scores.shape
+    parents, n = _per_query(parents, st), _per_query(n, st)
+    positions = jnp.arange(Mp, dtype=jnp.int32)
+    nodes = parents[..., positions // st.r] * st.r + positions % st.r
+    valid = positions < n
+    scores = jnp.where(jnp.arange(gp)[:, None] < st.group, scores, 0.0)
+    flat = lambda x: x.reshape((B * Q * H_kv,) + x.shape[3:])
+    values = _gather(layer_v, jnp.where(valid, nodes, 0)).astype(jnp.float32)
+    m, S, U = merge(tuple(flat(x) for x in state), flat(scores), flat(values), flat(valid & (keys < tau)))
     shape = (B, Q, H_kv)
     return m.reshape(shape + (gp,)), S.reshape(shape + (gp,)), U.reshape(shape + U.shape[-2:])

@@ -23,6 +23,8 @@ from pallas_kernels.layer_forward import (
     BF16X3,
     key_operands,
     merge_pallas,
+    merge_scored_pallas,
+    merge_scored_twin,
     merge_twin,
     rotate_phases,
     select_top_k_layer_pallas,
@@ -151,6 +153,17 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries, block_sizes):
     for got, want in zip(merge_pallas(*with_rotated(args, k_rot), interpret=True), merge_twin(*args)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
 
+    # The merge from the scores the importance pass stored (what the forward runs above
+    # the bottom): against the twin on the same scores, and against scoring afresh.
+    _, scores = importance_keys_pallas(a["q"], a["parents"], a["n"], k_rot, a["cos"], a["sin"], st, True,
+                                       return_scores=True)
+    scored = merge_scored_pallas(scores, a["parents"], a["n"], keys, tau, a["layer_v"], a["state"], st, True)
+    scored_twin = merge_scored_twin(scores, a["parents"], a["n"], keys, tau, a["layer_v"], a["state"], st)
+    for got, same, want in zip(scored, scored_twin, merge_twin(*args)):
+        # Same scores, another summation order (U cancels, as above).
+        np.testing.assert_allclose(np.asarray(got), np.asarray(same), rtol=1e-5, atol=3e-5)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
+
     bottom = args[:3] + (None, None) + args[5:]
     o = merge_pallas(*with_rotated(bottom, k_rot), interpret=True)
     o_t = merge_twin(*bottom)
@@ -247,6 +260,21 @@ def test_pallas_backend_equals_reference_and_oracle(rng, r, top_k, T, G, importa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
     assert_matches_oracle(q, k, v, config, backend="pallas_interpret")
+
+
+def test_pallas_merge_from_scores_equals_rescoring(rng):
+    """The forward's merges above the bottom (from stored scores) against the earlier
+    path that gathers and scores the keys again (`BlockSizes.merge_from_scores=False`)."""
+    from pallas_kernels.forward import htree_forward_pallas
+
+    config = HTreeConfig(compression_rate=4, top_k=4, importance="shared_max")
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, 4, 2, 32, 32))
+    assert config.num_layers(150) >= 3
+    o, sel = htree_forward_pallas(q, k, v, config, BlockSizes(), True)
+    o_keys, sel_keys = htree_forward_pallas(q, k, v, config, BlockSizes(merge_from_scores=False), True)
+    for a, b in zip(sel, sel_keys):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_keys), rtol=1e-5, atol=1e-5)
 
 
 def test_pallas_backend_bfloat16(rng):
