@@ -46,15 +46,20 @@ def _pallas_forward(q, k, v, config, interpret):
 
 
 def _pallas_forward_fwd(q, k, v, config, interpret):
-    return _pallas_forward(q, k, v, config, interpret), None
+    from pallas_kernels.forward import htree_forward_pallas
+
+    # Saved for the backward: inputs, output and the rows' log-sum-exp (O(T)); the
+    # selections are recomputed there by the same kernels.
+    o, selected, lse = htree_forward_pallas(q, k, v, config, interpret=interpret, return_lse=True)
+    return (o, selected), (q, k, v, o, lse)
 
 
 def _pallas_forward_bwd(config, interpret, residuals, cotangents):
-    # pallas_call has no transpose rule; without this, jax.grad fails deep inside JAX.
-    raise NotImplementedError(
-        "gradients through backend='pallas' are not implemented yet; differentiate with "
-        "backend='reference' (plain autodiff, selection treated as constant)"
-    )
+    from pallas_kernels.backward import htree_backward_pallas
+
+    q, k, v, o, lse = residuals
+    do, _ = cotangents  # the selections are integers: no cotangent
+    return htree_backward_pallas(q, k, v, o, lse, do, config, interpret=interpret)
 
 
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)

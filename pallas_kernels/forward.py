@@ -178,7 +178,10 @@ class Prepared:
 
 
 def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool, precision,
-            merge_operands="auto", importance_operands="auto") -> Prepared:
+            merge_operands="auto", importance_operands="auto", for_backward: bool = False) -> Prepared:
+    """The padded tree, keys as the products read them, tables and queries. With
+    `for_backward`, every layer below the top keeps merge keys (the backward scores
+    every merged candidate again)."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
@@ -227,7 +230,7 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     # Below the top: the keys in span/r rotated copies, for the importance products of
     # the layers that select (their merges reuse the stored scores) and for the bottom
     # layer's merge.
-    merges_keys = lambda l: l == 0 or not block_sizes.merge_from_scores
+    merges_keys = lambda l: l == 0 or not block_sizes.merge_from_scores or for_backward
     layers = [(key_operands(rotate_phases(kl, cos, sin, st), *imp_spec) if l > 0 else None,
                key_operands(rotate_phases(kl, cos, sin, st), *merge_spec) if merges_keys(l) else None, vl)
               for l, (kl, vl) in enumerate(layers[:-1])]
@@ -253,9 +256,10 @@ def candidate_count(parents, t, r: int, layer: int):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precision", "merge_operands",
-                                             "importance_operands"))
+                                             "importance_operands", "return_lse"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                         interpret: bool = False, precision=None, merge_operands="auto", importance_operands="auto"):
+                         interpret: bool = False, precision=None, merge_operands="auto", importance_operands="auto",
+                         return_lse: bool = False):
     """htree attention with Pallas kernels. Inputs validated by the caller.
 
     `precision` of the in-kernel score dots; `None` means `default_precision(q.dtype)`
@@ -264,7 +268,9 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
     `precision` sets float32 operands for both unless they are named).
     `merge_operands`: "auto", None (float32) or a dtype name; `importance_operands`:
     "auto", None (float32 at `precision`, 3xTF32 for `HIGH`), `BF16X3` or a dtype name.
-    Returns `(o [B, T, H, V] in q.dtype, selections)` like the JAX reference.
+    Returns `(o [B, T, H, V] in q.dtype, selections)` like the JAX reference; with
+    `return_lse`, also the log-sum-exp of every row's merged scores `[B, T, H]` float32
+    (what the backward needs besides `o`).
     """
     B, T, H, _ = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
@@ -286,9 +292,9 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
         n_top = jnp.broadcast_to(t // st.r ** (L - 1) + 1, (B, Qc, H_kv, 1))
         q_top = rotate_queries(pad_axis(qc, 3, gt), n_top, prep.cos, prep.sin)
         if L == 1:
-            o = top_merge_pallas(q_top, n_top, None, None, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
-                                 interpret, out_dtype=q.dtype)
-            return o[:, :, :, :G], []
+            o, lse = top_merge_pallas(q_top, n_top, None, None, prep.top_k_merge, prep.top_v, empty_state(gt),
+                                      st_top, interpret, out_dtype=q.dtype, return_lse=True)
+            return o[:, :, :, :G], lse[..., :G], []
         keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_imp, Mp, prep.st_top_keys, interpret)
         parents = top_layer_parents(t, prep, L, (B, Qc, H_kv, P))
         next_parents, tau = select_top_k_layer_pallas(keys, parents, n_top, st, interpret)
@@ -316,14 +322,17 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
                 parents = next_parents[..., :P]
                 selections.append(parents[..., : config.top_k])
             else:
-                o = merge_pallas(q_rows, parents, n, None, None, kl_rot, vl, prep.cos, prep.sin, state, st,
-                                 interpret, out_dtype=q.dtype)
-        return o[:, :, :, :G], selections
+                o, lse = merge_pallas(q_rows, parents, n, None, None, kl_rot, vl, prep.cos, prep.sin, state, st,
+                                      interpret, out_dtype=q.dtype, return_lse=True)
+        return o[:, :, :, :G], lse[..., :G], selections
 
-    o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
+    o, lse, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, Qc, H_kv, G, vp] -> [B, T, H, V]
     o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H_kv, G, vp)[:, :T, :, :, :V]
     sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T] for s in sels]
+    if return_lse:
+        lse = jnp.moveaxis(lse, 0, 1).reshape(B, num_chunks * Qc, H_kv * G)[:, :T]
+        return o.reshape(B, T, H, V), sels, lse
     return o.reshape(B, T, H, V), sels
 
 

@@ -287,12 +287,15 @@ def read_state(m_ref, s_ref, u_ref):
 
 
 def write_merged(state, out_refs, bottom: bool):
-    """The bottom layer writes the normalised output (`out_refs = (o_ref,)`), the others
-    the state `(m_out, s_out, u_out)` (`[BQ, G]`, `[BQ, G]`, `[BQ, G, Vp]`)."""
+    """The bottom layer writes the normalised output (`out_refs = (o_ref,)`, or `(o_ref,
+    lse_ref)`), the others the state `(m_out, s_out, u_out)` (`[BQ, G]`, `[BQ, G]`,
+    `[BQ, G, Vp]`)."""
     m, total, acc = state
     if bottom:
-        (o_ref,) = out_refs
+        o_ref, *lse_ref = out_refs
         o_ref[...] = (acc / total[:, None]).reshape(o_ref.shape).astype(o_ref.dtype)
+        if lse_ref:  # the log-sum-exp of each row's merged scores, for the backward
+            lse_ref[0][...] = (m + jnp.log(total)).reshape(lse_ref[0].shape)
     else:
         m_out, s_out, u_out = out_refs
         m_out[...] = m.reshape(m_out.shape)
@@ -550,20 +553,23 @@ def select_top_k_layer_pallas(keys, parents, n, st: LayerStatic, interpret=False
     )(keys, parents, n)
 
 
-def merge_outputs(specs, shape, bottom: bool, out_dtype):
+def merge_outputs(specs, shape, bottom: bool, out_dtype, return_lse: bool = False):
     """`(out_specs, out_shape)` of a merge launch: the normalised output `[B, Q, H_kv,
-    rows, Vp]` at the bottom, else the float32 state `(m, S, U)`."""
-    if bottom:
-        return specs["mat"], jax.ShapeDtypeStruct(shape, out_dtype)
+    rows, Vp]` at the bottom (and its rows' log-sum-exp, float32, with `return_lse`),
+    else the float32 state `(m, S, U)`."""
     vec = jax.ShapeDtypeStruct(shape[:-1], jnp.float32)
+    if bottom:
+        o = jax.ShapeDtypeStruct(shape, out_dtype)
+        return ([specs["mat"], specs["vec"]], [o, vec]) if return_lse else (specs["mat"], o)
     return [specs["vec"], specs["vec"], specs["mat"]], [vec, vec, jax.ShapeDtypeStruct(shape, jnp.float32)]
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype", "return_lse"))
 def merge_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, state, st: LayerStatic,
-                 interpret=False, out_dtype=jnp.float32):
+                 interpret=False, out_dtype=jnp.float32, return_lse=False):
     """Upper layer (`keys`, `tau` given): the state after merging the candidates not
-    kept. Bottom layer (`keys=None`): the normalised output `[B, Q, H_kv, Gp, Vp]`.
+    kept. Bottom layer (`keys=None`): the normalised output `[B, Q, H_kv, Gp, Vp]`
+    (with `return_lse`, `(o, lse [B, Q, H_kv, Gp])`).
     `parents, n` one row per block of `st.block_queries` queries, as for the keys;
     `k_phases` as `key_operands(rotate_phases(...), merge precision, st.merge_operands)`."""
     check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
@@ -575,7 +581,7 @@ def merge_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, state, s
     in_specs = [sp["q"], sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [*sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"]]
     args = queries + (parents, n) + (() if bottom else (keys, tau)) + tuple(k_phases) + (layer_v,) + tables + tuple(state)
-    out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gp, vp), bottom, out_dtype)
+    out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gp, vp), bottom, out_dtype, return_lse)
     out = pl.pallas_call(
         functools.partial(_merge_kernel, st=st, bottom=bottom),
         grid=(B, Q // st.block_queries, H_kv),

@@ -211,12 +211,12 @@ def top_importance_keys_pallas(q_rot, n, k_rot, width: int, st: LayerStatic, int
     )(q_rot, n, *k_rot)
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype", "return_lse"))
 def top_merge_pallas(q_rot, n, keys, tau, k_rot, v, state, st: LayerStatic, interpret=False,
-                     out_dtype=jnp.float32):
+                     out_dtype=jnp.float32, return_lse=False):
     """With `keys [B, Q, H_kv, width], tau`: the state after merging the top layer's
     candidates not kept. With `keys=None` (`L = 1`): the normalised output
-    `[B, Q, H_kv, Gt, Vp]` in `out_dtype`. `v` padded like `k_rot` (`pad_nodes`), `k_rot =
+    `[B, Q, H_kv, Gt, Vp]` in `out_dtype` (and its rows' log-sum-exp with `return_lse`). `v` padded like `k_rot` (`pad_nodes`), `k_rot =
     key_operands(rotate_keys(...), merge precision, st.merge_operands)`."""
     bottom = keys is None
     width = st.tile if bottom else keys.shape[-1]
@@ -227,7 +227,7 @@ def top_merge_pallas(q_rot, n, keys, tau, k_rot, v, state, st: LayerStatic, inte
     in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
     args = (q_rot, n) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v,) + tuple(state)
-    out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gt, vp), bottom, out_dtype)
+    out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gt, vp), bottom, out_dtype, return_lse)
     out = pl.pallas_call(
         functools.partial(_top_merge_kernel, st=st, bottom=bottom),
         grid=(B, Q // st.block_queries, H_kv),

@@ -1,0 +1,67 @@
+"""Forward+backward benchmark (GPU): htree (Pallas) vs dense cuDNN attention.
+
+    python benchmarks/bench_backward.py [--sizes 8192,32768,131072] [--long ""] [--top-k 512,64]
+
+Times `jax.grad` (w.r.t. q, k, v) of `sum(o * w)` for each, same configs as the forward
+benchmark (B=1, H=32, H_kv=4, K=V=128, bfloat16): medians after one warm-up, the ratio
+`dense_ms / htree_ms` (> 1: htree faster) and XLA's planned peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from htree_jax import HTreeConfig, htree_attention
+from htree_jax.bench import B, H, H_KV, K, V, dense_fn, inputs, median_ms, planned_gb
+
+
+def grad_fn(forward):
+    def loss(q, k, v, w):
+        return jnp.sum(forward(q, k, v).astype(jnp.float32) * w)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default="8192,32768,131072")
+    p.add_argument("--long", default="")
+    p.add_argument("--top-k", default="512,64")
+    p.add_argument("--iters", type=int, default=3)
+    args = p.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        raise ValueError("the backward benchmark needs a CUDA GPU")
+    parse = lambda s: [int(x) for x in s.split(",") if x]
+    print(f"# {datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, B={B} H={H} "
+          f"H_kv={H_KV} K=V={K} bfloat16; forward+backward; command: python benchmarks/bench_backward.py "
+          f"{' '.join(sys.argv[1:] if argv is None else argv)}", flush=True)
+    lines = ["| T | top_k | layers | htree fwd+bwd ms | dense cuDNN fwd+bwd ms | dense/htree | htree GB | dense GB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for top_k in parse(args.top_k):
+        config = HTreeConfig(top_k=top_k)
+        htree = grad_fn(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
+        dense = grad_fn(dense_fn(config))
+        for T in parse(args.sizes) + parse(args.long):
+            q, k, v = inputs(T)
+            w = jax.random.normal(jax.random.key(1), (B, T, H, V), jnp.float32)
+            h_ms, h_gb = median_ms(htree, (q, k, v, w), args.iters), planned_gb(htree, (q, k, v, w))
+            try:
+                d_ms, d_gb = median_ms(dense, (q, k, v, w), args.iters), planned_gb(dense, (q, k, v, w))
+                ratio = f"{d_ms / h_ms:.3f}"
+            except Exception as e:  # noqa: BLE001 - report, e.g. out of memory
+                d_ms = d_gb = float("nan")
+                ratio = "-"
+                print(f"dense T={T}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            lines.append(f"| {T} | {top_k} | {', '.join(map(str, config.layer_sizes(T)))} | {h_ms:.1f} | "
+                         f"{d_ms:.1f} | {ratio} | {h_gb:.2f} | {d_gb:.2f} |")
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The Pallas backward of htree attention (SPEC 5): `htree_backward_pallas`.
+
+Selections are recomputed, chunk by chunk, with the forward's own kernels (importance
+keys and shared top-K: the same launches on the same inputs, so the same selections);
+nothing per candidate is saved between the passes. The forward saves `o` and the rows'
+log-sum-exp `lse`; `delta = rowsum(do * o)`. Then per chunk, top layer first, each
+layer's backward kernel (`layer_backward.py`) gives its `dq` share and adds its `dk`,
+`dv` into per-layer float32 accumulators; after the last chunk those are rotated back
+and pushed down the tree: a node's gradient is shared equally by its children (mean
+pooling), so layer `l` receives `grad_{l+1}[j // r] / children(j // r)`.
+
+Memory beyond the forward's: the accumulators, float32, `(span/r) * N_l + Mp` key rows
+and `N_l + Mp` value rows per layer below the top (`N_top` each on the top layer), per
+`(b, h_kv)`: O(T) per (batch, kv head); plus the chunk's `dq` and selection buffers.
+
+Not bitwise deterministic on a GPU: `dk`, `dv` are sums of float32 atomic adds (see
+`layer_backward.py`); `dq` is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from htree_jax.config import HTreeConfig
+from htree_jax.rope import apply_rope
+from pallas_kernels.common import next_power_of_two, pad_axis
+from pallas_kernels.forward import (
+    BlockSizes,
+    candidate_count,
+    prepare,
+    top_layer_parents,
+)
+from pallas_kernels.layer_backward import (
+    gradient_buffers,
+    layer_backward_pallas,
+    phase_gradient,
+    top_backward_pallas,
+)
+from pallas_kernels.layer_forward import importance_keys_pallas, select_top_k_layer_pallas
+from pallas_kernels.top_layer import rotate_queries, top_importance_keys_pallas
+
+
+def unpad_rope_halves(x, K: int):
+    """Inverse of `pad_rope_halves`: `[..., 2*half]` -> `[..., K]`."""
+    half = x.shape[-1] // 2
+    return jnp.concatenate([x[..., : K // 2], x[..., half: half + K // 2]], axis=-1)
+
+
+def push_down(grad_parent, N: int, r: int):
+    """A parent layer's gradient `[B, H_kv, ceil(N/r), D]` shared equally by each
+    parent's children: `[B, H_kv, N, D]` (the transpose of mean pooling)."""
+    parents = grad_parent.shape[2]
+    children = jnp.minimum(r, N - r * jnp.arange(parents)).astype(jnp.float32)
+    return jnp.repeat(grad_parent / children[:, None], r, axis=2)[:, :, :N]
+
+
+def _per_chunk(x, Qc: int, num_chunks: int):
+    """`[B, T, ...]` padded along T to `num_chunks * Qc`."""
+    return pad_axis(x, 1, num_chunks * Qc)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
+def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
+                          interpret: bool = False):
+    """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
+    v`. `o [B, T, H, V]` and `lse [B, T, H]` from `htree_forward_pallas(...,
+    return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller."""
+    B, T, H, K = q.shape
+    H_kv, V = k.shape[2], v.shape[-1]
+    G = H // H_kv
+    prep = prepare(q, k, v, config, block_sizes, interpret, None, for_backward=True)
+    st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
+    num_chunks = prep.q4.shape[1] // Qc
+    Mp, kp, vp = prep.cos.shape[0], prep.q4.shape[-1], prep.top_v.shape[-1]
+    gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
+    sizes = config.layer_sizes(T)
+    # The top layer's backward holds q, do and dq for 128 rows: one pipeline stage fits
+    # in shared memory at K = V = 128 (two asked 233472 B of 232448 on an H200).
+    st_top = dataclasses.replace(st_top, num_stages=1)
+
+    rows = lambda x: x.reshape((B, T, H_kv, G) + x.shape[3:])
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    lse4, delta4 = (_per_chunk(rows(x.astype(jnp.float32)), Qc, num_chunks) for x in (lse, delta))
+    do4 = _per_chunk(pad_axis(rows(do.astype(jnp.float32)), -1, vp), Qc, num_chunks)
+
+    top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
+    layer_acc = [gradient_buffers(B, H_kv, sizes[l], kp, vp, st, Mp) for l in range(L - 1)]
+
+    def chunk(carry, c):
+        top_acc, layer_acc = carry
+        layer_acc = list(layer_acc)
+        sl = lambda x: lax.dynamic_slice_in_dim(x, c * Qc, Qc, axis=1)
+        qc, lse_c, delta_c, do_c = sl(prep.q4), sl(lse4), sl(delta4), sl(do4)
+        t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
+        n_top = jnp.broadcast_to(t // st.r ** (L - 1) + 1, (B, Qc, H_kv, 1))
+        q_top = rotate_queries(pad_axis(qc, 3, gt), n_top, prep.cos, prep.sin)
+        stats = lambda g: (pad_axis(lse_c, 3, g), pad_axis(do_c, 3, g), pad_axis(delta_c, 3, g))
+        if L == 1:
+            keys = tau = None
+        else:
+            keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_imp, Mp, prep.st_top_keys, interpret)
+            parents = top_layer_parents(t, prep, L, (B, Qc, H_kv, P))
+            next_parents, tau = select_top_k_layer_pallas(keys, parents, n_top, st, interpret)
+        dq_rot, top_acc = top_backward_pallas(q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt),
+                                              top_acc, st_top, interpret)
+        position = n_top - 1
+        dq = apply_rope(dq_rot, prep.cos[position], -prep.sin[position])[:, :, :, :G]
+        if L > 1:
+            parents = next_parents[..., :P]
+            q_rows = pad_axis(qc, 3, gp)
+            for l in reversed(range(L - 1)):
+                k_imp, k_merge, vl = prep.layers[l]
+                n = candidate_count(parents, t, st.r, l)
+                keys = tau = None
+                if l > 0:
+                    keys = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, st, interpret)
+                    next_parents, tau = select_top_k_layer_pallas(keys, parents, n, st, interpret)
+                dq_l, layer_acc[l] = layer_backward_pallas(q_rows, parents, n, keys, tau, k_merge, vl, prep.cos,
+                                                           prep.sin, *stats(gp), layer_acc[l], st, interpret)
+                dq = dq + dq_l[:, :, :, :G]
+                if l > 0:
+                    parents = next_parents[..., :P]
+        return (top_acc, tuple(layer_acc)), dq
+
+    (top_acc, layer_acc), dq = lax.scan(chunk, (top_acc, tuple(layer_acc)), jnp.arange(num_chunks, dtype=jnp.int32))
+
+    # Rotate the key gradients back, then push them down the tree to the tokens.
+    N_top = sizes[-1]
+    dk_tree = apply_rope(top_acc[0][:, :, :N_top], prep.cos[:N_top], -prep.sin[:N_top])
+    dv_tree = top_acc[1][:, :, :N_top]
+    for l in reversed(range(L - 1)):
+        dk_l = phase_gradient(layer_acc[l][0], sizes[l], prep.cos, prep.sin, st)
+        dk_tree = dk_l + push_down(dk_tree, sizes[l], st.r)
+        dv_tree = layer_acc[l][1][:, :, : sizes[l]] + push_down(dv_tree, sizes[l], st.r)
+
+    dq = jnp.moveaxis(dq, 0, 1).reshape(B, num_chunks * Qc, H_kv, G, kp)[:, :T]
+    dq = unpad_rope_halves(dq, K).reshape(B, T, H, K)
+    dk = unpad_rope_halves(jnp.swapaxes(dk_tree, 1, 2), K)
+    dv = jnp.swapaxes(dv_tree, 1, 2)[..., :V]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+__all__ = ["htree_backward_pallas", "push_down", "unpad_rope_halves"]

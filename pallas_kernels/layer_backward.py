@@ -1,0 +1,314 @@
+"""Backward kernels of one htree layer (SPEC 5: selection constant), beside their twin.
+
+With the forward's per-row log-sum-exp `lse` (over every merged node of every layer)
+and `delta = rowsum(do * o)`, a merged candidate `j` of row `i` has weight
+`p = exp(s - lse)` and `ds = p * (do . v_j - delta)`; then `dv_j += p * do`,
+`dk_j += alpha * ds * rope(q)` (rotated back to the key's frame) and
+`dq += alpha * ds * rope(k_j)` (rotated back to the query's frame).
+
+- Per-query layers (below the top, `layer_backward_pallas`): one program per `(b, t,
+  h_kv)` walks the candidates like `merge_pallas`. `dq` stays in registers; `dk`, `dv`
+  are added with float32 atomics into per-layer accumulators (`dk` in the layout of
+  `rotate_phases`, rotated back once at the end by `phase_gradient`). Candidates that
+  are not valid add zeros to scratch rows past the layer (every lane has its own
+  target: interpret mode runs an atomic add as a gather, add and scatter).
+- The top layer (`top_backward_pallas`): blocks of queries like `top_merge_pallas`;
+  one atomic add of a `[tile, K]` block per block of `BQ` queries.
+
+Atomic float32 additions land in whatever order the GPU runs them: `dk`, `dv` are not
+bitwise deterministic on a GPU (the rounding differs run to run, ~1e-7 relative);
+interpret mode runs the programs in order. `dq` is deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from htree_jax.rope import apply_rope
+from pallas_kernels.common import compiler_params
+from pallas_kernels.layer_forward import (
+    LayerStatic,
+    _block_specs,
+    _full_width_inputs,
+    _gather,
+    _per_query,
+    _twin_scores,
+    check_key_parts,
+    key_parts,
+    merge_score_precision,
+    split_rows,
+    dot_rows,
+)
+
+
+def _product(a, b, contract, precision, operands):
+    """`a, b` contracted over `contract = (i, j)` in float32: in the `operands` dtype
+    (bf16/f16 inputs, as flash attention's backward) or float32 at `precision`."""
+    dims = ((contract[:1], contract[1:]), ((), ()))
+    if operands is not None:
+        return lax.dot_general(a.astype(operands), b.astype(operands), dims, preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST if precision == lax.Precision.HIGHEST else lax.Precision.DEFAULT
+    return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
+                           preferred_element_type=jnp.float32, precision=precision)
+
+
+def _whole(parts):
+    """The key tile from its `key_operands` parts (`hi + lo` for 3xTF32)."""
+    return parts[0] if len(parts) == 1 else parts[0].astype(jnp.float32) + parts[1].astype(jnp.float32)
+
+
+def _grads_of_block(q_parts, k_parts, values, do, lse, delta, merged, st: LayerStatic):
+    """One block of candidates: `(p, ds, scores)`; `merged [rows, n]` already excludes
+    padding rows."""
+    precision, operands = merge_score_precision(st), st.merge_operands
+    scores = st.alpha * dot_rows(q_parts, k_parts, precision, operands)
+    p = jnp.where(merged, jnp.exp(scores - lse[:, None]), 0.0)
+    dp = _product(do, values, (1, 1), precision, operands)  # [rows, n]
+    return p, p * (dp - delta[:, None])
+
+
+def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
+    precision, operands = merge_score_precision(st), st.merge_operands
+    parts = key_parts(precision, operands)
+    q_ref, qh_ref, par_ref, n_ref, *refs = refs
+    if not bottom:
+        keys_ref, tau_ref, *refs = refs
+    k_refs = refs[:parts]
+    (v_ref, cf_ref, sf_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref) = refs[parts:]
+    bq, gp, kp = q_ref.shape
+    rows, half, vp = bq * gp, kp // 2, do_ref.shape[-1]
+    r, span = st.r, st.span
+    versions = span // r
+    N = k_refs[0].shape[0] // versions
+    n = n_ref[0]
+    q = q_ref[...].astype(jnp.float32).reshape(rows, kp)
+    q_half = qh_ref[...].astype(jnp.float32).reshape(rows, kp)
+    real = jnp.arange(rows, dtype=jnp.int32) % gp < st.group
+    lse = jnp.where(real, lse_ref[...].reshape(rows), 0.0)
+    delta = delta_ref[...].reshape(rows)
+    do = do_ref[...].astype(jnp.float32).reshape(rows, vp)
+    if not bottom:
+        tau = tau_ref[...]  # [BQ, 1]
+    child = jnp.arange(r, dtype=jnp.int32)
+    copy = (jnp.arange(span, dtype=jnp.int32) // r) * N
+    k_cols = jnp.arange(kp, dtype=jnp.int32)[None, :]
+    v_cols = jnp.arange(vp, dtype=jnp.int32)[None, :]
+
+    def unit(p0, carry):
+        dq_lo, dq_hi = carry
+        parents = par_ref[pl.ds(p0 // r, versions)]
+        positions = p0 + jnp.arange(span, dtype=jnp.int32)
+        valid = positions < n
+        nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(span), 0)
+        k_parts = tuple(k_ref[nodes + copy, :] for k_ref in k_refs)
+        angle = jnp.maximum(n - 1 - p0, 0)
+        c, s = cf_ref[pl.ds(angle, 1), :], sf_ref[pl.ds(angle, 1), :]
+        q_rot = q * c + q_half * s
+        if bottom:
+            merged_q = jnp.broadcast_to(valid[None, :], (bq, span))
+        else:
+            merged_q = valid[None, :] & (keys_ref[:, pl.ds(p0, span)] < tau)
+        merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gp, span)).reshape(rows, span) & real[:, None]
+        values = v_ref[nodes, :]
+        p, ds = _grads_of_block(split_rows(q_rot, precision, operands), k_parts, values, do, lse, delta, merged, st)
+        ds = st.alpha * ds
+        # dq in the query's frame: the product with each half of the keys, rotated back
+        # by `angle` elementwise (no in-kernel rotate_half of a computed value).
+        k_lo = _whole(tuple(k_ref[nodes + copy, pl.ds(0, half)] for k_ref in k_refs))
+        k_hi = _whole(tuple(k_ref[nodes + copy, pl.ds(half, half)] for k_ref in k_refs))
+        g_lo, g_hi = (_product(ds, x, (1, 0), precision, operands) for x in (k_lo, k_hi))
+        c_h, s_h = cf_ref[pl.ds(angle, 1), pl.ds(0, half)], sf_ref[pl.ds(angle, 1), pl.ds(0, half)]
+        dq_lo = dq_lo + g_lo * c_h + g_hi * s_h
+        dq_hi = dq_hi + g_hi * c_h - g_lo * s_h
+        # dk (in the rotated copy's frame) and dv, by atomic adds; invalid lanes add
+        # zeros to their own scratch rows past the layer.
+        dk = jnp.where(valid[:, None], _product(ds, q_rot, (0, 0), precision, operands), 0.0)
+        dv = jnp.where(valid[:, None], _product(p, do, (0, 0), precision, operands), 0.0)
+        k_target = jnp.where(valid, nodes + copy, versions * N + positions)
+        v_target = jnp.where(valid, nodes, N + positions)
+        plgpu.atomic_add(dk_ref, (jnp.broadcast_to(k_target[:, None], (span, kp)),
+                                  jnp.broadcast_to(k_cols, (span, kp))), dk)
+        plgpu.atomic_add(dv_ref, (jnp.broadcast_to(v_target[:, None], (span, vp)),
+                                  jnp.broadcast_to(v_cols, (span, vp))), dv)
+        return dq_lo, dq_hi
+
+    def tile(i, carry):
+        for u in range(st.tile // span):
+            carry = unit(i * st.tile + u * span, carry)
+        return carry
+
+    zeros = jnp.zeros((rows, half), jnp.float32)
+    dq_lo, dq_hi = lax.fori_loop(0, (n + st.tile - 1) // st.tile, tile, (zeros, zeros))
+    dq_ref[:, :, pl.ds(0, half)] = dq_lo.reshape(bq, gp, half)
+    dq_ref[:, :, pl.ds(half, half)] = dq_hi.reshape(bq, gp, half)
+
+
+def gradient_buffers(B, H_kv, N: int, kp: int, vp: int, st: LayerStatic, Mp: int):
+    """Zeroed float32 accumulators of a per-query layer: `dk` in the `rotate_phases`
+    layout `[B, H_kv, (span/r)*N + Mp, Kp]` and `dv [B, H_kv, N + Mp, Vp]` (the last `Mp`
+    rows: scratch targets of invalid candidates)."""
+    versions = st.span // st.r
+    return (jnp.zeros((B, H_kv, versions * N + Mp, kp), jnp.float32),
+            jnp.zeros((B, H_kv, N + Mp, vp), jnp.float32))
+
+
+def phase_gradient(dk_acc, N: int, cos, sin, st: LayerStatic):
+    """`dk [B, H_kv, N, Kp]` of the layer's keys from the accumulator of
+    `layer_backward_pallas`: copy `m` of node `j` was rotated by `m*r + j mod r`."""
+    versions = st.span // st.r
+    B, H_kv, _, kp = dk_acc.shape
+    copies = dk_acc[:, :, : versions * N].reshape(B, H_kv, versions, N, kp)
+    angle = (jnp.arange(versions) * st.r)[:, None] + jnp.arange(N) % st.r  # [versions, N]
+    return jnp.sum(apply_rope(copies, cos[angle], -sin[angle]), axis=2)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def layer_backward_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, lse, do, delta, accumulators,
+                          st: LayerStatic, interpret=False):
+    """Gradients from one per-query layer's merged candidates (the bottom with
+    `keys=None`). `q` and the layer inputs as for `merge_pallas` (`k_phases` its merge
+    operands); `lse, delta [B, Q, H_kv, Gp]` float32 and `do [B, Q, H_kv, Gp, Vp]`;
+    `accumulators` from `gradient_buffers` (or a previous call), updated in place.
+    Returns `(dq [B, Q, H_kv, Gp, Kp] float32 (un-rotated), accumulators)`."""
+    check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
+    B, Q, H_kv, gp, kp = q.shape
+    vp = layer_v.shape[-1]
+    bottom = keys is None
+    sp = _block_specs(st, q, parents, k_phases, layer_v, cos)
+    queries, tables = _full_width_inputs(q, cos, sin)
+    dk_acc, dv_acc = accumulators
+    acc = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda b, i, h: (b, h, 0, 0))
+    in_specs = [sp["q"], sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
+    in_specs += [*sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"], acc(dk_acc),
+                 acc(dv_acc)]
+    args = queries + (parents, n) + (() if bottom else (keys, tau)) + tuple(k_phases) + (layer_v,) + tables
+    args += (lse, delta, do, dk_acc, dv_acc)
+    dq, dk_acc, dv_acc = pl.pallas_call(
+        functools.partial(_layer_backward_kernel, st=st, bottom=bottom),
+        grid=(B, Q // st.block_queries, H_kv),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, st.block_queries, None, gp, kp), lambda b, i, h: (b, i, h, 0, 0)),
+                   acc(dk_acc), acc(dv_acc)],
+        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, gp, kp), jnp.float32),
+                   jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
+        input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
+        compiler_params=compiler_params(st.merge_num_warps or st.num_warps, st.num_stages),
+        interpret=interpret,
+    )(*args)
+    return dq, (dk_acc, dv_acc)
+
+
+def _top_backward_kernel(*refs, st: LayerStatic, bottom: bool):
+    """The top layer for a block of `BQ` queries (rows `b*Gt + g`), queries rotated by
+    their own `n - 1`, keys by their position (`top_merge_pallas`'s layouts): `dq` in
+    the rotated frame, `dk` (rotated frame) and `dv` added per node tile."""
+    precision, operands = merge_score_precision(st), st.merge_operands
+    parts = key_parts(precision, operands)
+    q_ref, n_ref, *refs = refs
+    if not bottom:
+        keys_ref, tau_ref, *refs = refs
+    k_refs = refs[:parts]
+    (v_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref) = refs[parts:]
+    bq, gt, kp = q_ref.shape
+    rows, vp, tile = bq * gt, do_ref.shape[-1], st.tile
+    q = q_ref[...].reshape(rows, kp)
+    n_q = n_ref[...].reshape(bq)
+    n_rows = jnp.broadcast_to(n_q[:, None], (bq, gt)).reshape(rows)
+    real = jnp.arange(rows, dtype=jnp.int32) % gt < st.group
+    lse = jnp.where(real, lse_ref[...].reshape(rows), 0.0)
+    delta = delta_ref[...].reshape(rows)
+    do = do_ref[...].astype(jnp.float32).reshape(rows, vp)
+    q_parts = split_rows(q, precision, operands)
+    if not bottom:
+        tau = tau_ref[...]  # [BQ, 1]
+
+    def body(i, dq):
+        start = i * tile
+        positions = start + jnp.arange(tile, dtype=jnp.int32)
+        k_parts = tuple(k_ref[pl.ds(start, tile), :] for k_ref in k_refs)
+        if bottom:
+            merged = positions[None, :] < n_rows[:, None]
+        else:
+            kept = keys_ref[:, pl.ds(start, tile)] >= tau
+            merged_q = (positions[None, :] < n_q[:, None]) & ~kept
+            merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gt, tile)).reshape(rows, tile)
+        merged = merged & real[:, None]
+        values = v_ref[pl.ds(start, tile), :]
+        p, ds = _grads_of_block(q_parts, k_parts, values, do, lse, delta, merged, st)
+        ds = st.alpha * ds
+        dq = dq + _product(ds, _whole(k_parts), (1, 0), precision, operands)
+        # Rows past a query's n carry p = ds = 0: whole tiles are added.
+        plgpu.atomic_add(dk_ref, (pl.ds(start, tile), slice(None)), _product(ds, q, (0, 0), precision, operands))
+        plgpu.atomic_add(dv_ref, (pl.ds(start, tile), slice(None)), _product(p, do, (0, 0), precision, operands))
+        return dq
+
+    dq = lax.fori_loop(0, (jnp.max(n_q) + tile - 1) // tile, body, jnp.zeros((rows, kp), jnp.float32))
+    dq_ref[...] = dq.reshape(dq_ref.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def top_backward_pallas(q_rot, n, keys, tau, k_rot, v, lse, do, delta, accumulators, st: LayerStatic,
+                        interpret=False):
+    """Gradients from the top layer's merged candidates (all valid ones with
+    `keys=None`, `L = 1`), inputs as for `top_merge_pallas`; `lse, delta [B, Q, H_kv, Gt]`,
+    `do [B, Q, H_kv, Gt, Vp]`; `accumulators = (dk, dv)` float32 shaped like `k_rot`
+    (`[B, H_kv, Np, Kp]`) and `v`. Returns `(dq_rot, accumulators)`: `dq_rot` in the
+    rotated queries' frame (`rotate_queries`), `dk` in the rotated keys' frame
+    (`rotate_keys`); the caller rotates both back."""
+    from pallas_kernels.top_layer import _check, _specs
+
+    bottom = keys is None
+    width = st.tile if bottom else keys.shape[-1]
+    _check(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
+    B, Q, H_kv, gt, kp = q_rot.shape
+    sp = _specs(st, q_rot, k_rot, v, width)
+    dk_acc, dv_acc = accumulators
+    acc = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda b, i, h: (b, h, 0, 0))
+    in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
+    in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"], acc(dk_acc), acc(dv_acc)]
+    args = (q_rot, n) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v, lse, delta, do, dk_acc, dv_acc)
+    dq, dk_acc, dv_acc = pl.pallas_call(
+        functools.partial(_top_backward_kernel, st=st, bottom=bottom),
+        grid=(B, Q // st.block_queries, H_kv),
+        in_specs=in_specs,
+        out_specs=[sp["q"], acc(dk_acc), acc(dv_acc)],
+        out_shape=[jax.ShapeDtypeStruct(q_rot.shape, jnp.float32),
+                   jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
+        input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
+        compiler_params=compiler_params(st.num_warps, st.num_stages),
+        interpret=interpret,
+    )(*args)
+    return dq, (dk_acc, dv_acc)
+
+
+# ---------------------------------------------------------------------------------------
+# The twin: autodiff of the layer's share of the output with `lse` held constant.
+
+
+def layer_backward_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, lse, do, delta, st: LayerStatic):
+    """Twin of `layer_backward_pallas` (`layer_k` un-rotated): `(dq, dk [B, H_kv, N, Kp],
+    dv [B, H_kv, N, Vp])` as the gradient of `sum p * (do . v - delta)` over the merged
+    candidates, `p = exp(s - lse)` with `lse`, `delta` constant (float32, exact)."""
+
+    def share(q, layer_k, layer_v):
+        scores, valid, nodes, _, _ = _twin_scores(q, parents, n, layer_k, cos, sin, st)
+        merged = valid if keys is None else valid & (keys < tau)
+        gp = q.shape[3]
+        merged = merged[..., None, :] & (jnp.arange(gp) < st.group)[:, None]
+        p = jnp.where(merged, jnp.exp(scores - jnp.where(merged, lse[..., None], 0.0)), 0.0)
+        values = _gather(layer_v, jnp.where(valid, nodes, 0)).astype(jnp.float32)
+        dp = jnp.einsum("bqhgv,bqhmv->bqhgm", do, values, precision=lax.Precision.HIGHEST)
+        return jnp.sum(p * (dp - delta[..., None]))
+
+    return jax.grad(share, argnums=(0, 1, 2))(q.astype(jnp.float32), layer_k.astype(jnp.float32),
+                                                layer_v.astype(jnp.float32))
+
+
+__all__ = ["gradient_buffers", "layer_backward_pallas", "layer_backward_twin", "phase_gradient",
+           "top_backward_pallas"]

@@ -1,0 +1,184 @@
+"""Pallas backward kernels (interpret mode) against their autodiff twins, and the Pallas
+backend's gradients against the JAX reference's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig
+from pallas_kernels.forward import BlockSizes
+from pallas_kernels.layer_backward import (
+    gradient_buffers,
+    layer_backward_pallas,
+    layer_backward_twin,
+    phase_gradient,
+)
+from pallas_kernels.layer_forward import (
+    importance_keys_pallas,
+    key_operands,
+    rotate_phases,
+    select_top_k_layer_pallas,
+)
+from tests.test_pallas_kernels import LAYER_CONFIGS, _layer_inputs
+
+
+def _row_stats(rng, shape, vp):
+    """`lse, delta [.., Gp]` and `do [.., Gp, Vp]` like a forward's (lse around the
+    scores' scale so that the weights are O(1))."""
+    lse = jnp.asarray(rng.standard_normal(shape).astype(np.float32) + 2.0)
+    delta = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
+    do = jnp.asarray(rng.standard_normal(shape + (vp,)).astype(np.float32))
+    return lse, delta, do
+
+
+@pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
+@pytest.mark.parametrize("G, block_sizes", [(1, BlockSizes()), (3, BlockSizes(span=16, tile=32))], ids=str)
+def test_layer_backward_equals_twin(rng, config, G, block_sizes):
+    a = _layer_inputs(rng, config, G=G, K=24, V=20, block_sizes=block_sizes)
+    st = a["st"]
+    B, Q, H_kv, gp, kp = a["q"].shape
+    N, vp = a["layer_k"].shape[2], a["layer_v"].shape[-1]
+    Mp = a["cos"].shape[0]
+    lse, delta, do = _row_stats(rng, (B, Q, H_kv, gp), vp)
+    phases = key_operands(rotate_phases(a["layer_k"], a["cos"], a["sin"], st), st.precision)
+    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], phases, a["cos"], a["sin"], st, True)
+    _, tau = select_top_k_layer_pallas(keys, a["parents"], a["n"], st, True)
+    for k_, t_ in [(keys, tau), (None, None)]:
+        acc = gradient_buffers(B, H_kv, N, kp, vp, st, Mp)
+        dq, (dk_acc, dv_acc) = layer_backward_pallas(a["q"], a["parents"], a["n"], k_, t_, phases, a["layer_v"],
+                                                     a["cos"], a["sin"], lse, do, delta, acc, st, True)
+        dk = phase_gradient(dk_acc, N, a["cos"], a["sin"], st)
+        want = layer_backward_twin(a["q"], a["parents"], a["n"], k_, t_, a["layer_k"], a["layer_v"], a["cos"],
+                                   a["sin"], lse, do, delta, st)
+        for got, ref in zip((dq, dk, dv_acc[:, :, :N]), want):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+        assert float(jnp.max(jnp.abs(want[1]))) > 0 and float(jnp.max(jnp.abs(want[0]))) > 0
+
+
+@pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
+@pytest.mark.parametrize("G, block_queries, top_tile", [(1, 16, 16), (3, 4, 32), (8, 2, 16)])
+def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
+    """The top layer's block kernel against the per-query twin with virtual parents;
+    every query of a block has its own `n`."""
+    from htree_jax.rope import apply_rope
+    from pallas_kernels.layer_backward import top_backward_pallas
+    from pallas_kernels.top_layer import (pad_nodes, rotate_keys, rotate_queries, top_importance_keys_pallas,
+                                          virtual_parents)
+    from pallas_kernels.layer_forward import select_top_k_layer_twin
+
+    a = _layer_inputs(rng, config, G=G, K=24, V=20, Q=16)
+    r, st = config.compression_rate, a["st"]
+    Mp = a["cos"].shape[0]
+    N = min(a["layer_k"].shape[2], Mp)
+    layer_k, layer_v = a["layer_k"][:, :, :N], a["layer_v"][:, :, :N]
+    n = jnp.asarray(rng.integers(1, N + 1, size=a["n"].shape[:3] + (1,)).astype(np.int32))
+    n = n.at[0, :3].set(1).at[1, 3].set(N)
+    parents = virtual_parents(n, r, Mp // r)
+    gt = 1 << (G - 1).bit_length()
+    q = a["q"][:, :, :, :gt]
+    top_tile = min(top_tile, Mp)
+    st_top = dataclasses.replace(st, block_queries=block_queries, tile=top_tile)
+    q_rot = rotate_queries(q, n, a["cos"], a["sin"])
+    k_rot = key_operands(rotate_keys(layer_k, a["cos"], a["sin"], top_tile), st.precision)
+    v = pad_nodes(layer_v, top_tile)
+    keys = top_importance_keys_pallas(q_rot, n, k_rot, Mp, st_top, interpret=True)
+    _, tau = select_top_k_layer_twin(keys, parents, n, st)
+    lse, delta, do = _row_stats(rng, q.shape[:4], v.shape[-1])
+    for k_, t_ in [(keys, tau), (None, None)]:
+        acc = (jnp.zeros(k_rot[0].shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        dq_rot, (dk_acc, dv_acc) = top_backward_pallas(q_rot, n, k_, t_, k_rot, v, lse, do, delta, acc, st_top,
+                                                       interpret=True)
+        position = n - 1
+        dq = apply_rope(dq_rot, a["cos"][position], -a["sin"][position])
+        dk = apply_rope(dk_acc[:, :, :N], a["cos"][:N], -a["sin"][:N])
+        want = layer_backward_twin(q, parents, n, k_, t_, layer_k, layer_v, a["cos"], a["sin"], lse, do, delta, st)
+        for got, ref in zip((dq, dk, dv_acc[:, :, :N]), want):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+        assert not np.any(np.asarray(dv_acc[:, :, N:]))  # padding nodes get nothing
+
+
+GRADIENT_CASES = [
+    # (B, T, r, top_k, G, importance, strict_causal): 1, 2 and 3+ layer trees
+    (2, 12, 4, 4, 2, "softmax", True),
+    (1, 150, 4, 4, 1, "softmax", True),
+    (1, 150, 4, 4, 4, "shared_max", False),
+    (2, 200, 8, 8, 2, "softmax", False),
+    (1, 77, 2, 4, 2, "shared_max", True),
+]
+
+
+def _loss_grads(q, k, v, config, backend, weights):
+    from htree_jax import htree_attention
+
+    loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=backend).astype(jnp.float32) * weights)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+@pytest.mark.parametrize("B, T, r, top_k, G, importance, strict_causal", GRADIENT_CASES)
+def test_pallas_gradients_equal_reference(rng, B, T, r, top_k, G, importance, strict_causal):
+    from tests.conftest import random_qkv
+
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, 2 * G, 2, 40, 36))  # padded dims inside
+    weights = jnp.asarray(rng.standard_normal((B, T, 2 * G, 36)).astype(np.float32))
+    got = _loss_grads(q, k, v, config, "pallas_interpret", weights)
+    want = _loss_grads(q, k, v, config, "reference", weights)
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+
+def test_pallas_gradients_bfloat16(rng):
+    """bfloat16 inputs: products in bfloat16 with float32 accumulation, as flash
+    attention's backward; within bf16 tolerance of the float32 reference's gradients."""
+    import ml_dtypes
+
+    from tests.conftest import random_qkv
+
+    config = HTreeConfig(compression_rate=16, top_k=4)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 300, 4, 2, 32, 32, dtype=ml_dtypes.bfloat16))
+    weights = jnp.asarray(rng.standard_normal((1, 300, 4, 32)).astype(np.float32))
+    got = _loss_grads(q, k, v, config, "pallas_interpret", weights)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = _loss_grads(*f32, config, "reference", weights)
+    # What bfloat16 costs the reference itself (bf16 output, so bf16 `delta`, and bf16
+    # gradients): the Pallas gradients may be no worse than twice that.
+    ref_bf16 = _loss_grads(q, k, v, config, "reference", weights)
+    rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b) / jnp.linalg.norm(b))
+    for name, a, b, c in zip("qkv", got, want, ref_bf16):
+        assert a.dtype == jnp.bfloat16, name
+        assert rel(a, b) < max(2 * rel(c, b), 1e-2) and rel(a, b) < 0.1, (name, rel(a, b), rel(c, b))
+
+
+def test_pallas_grad_of_a_small_model_jits_without_nan(rng):
+    """`jax.jit(jax.grad(loss))` of a Flax-free model (projections, htree, output), for
+    T = 1 and a multi-layer T: finite gradients."""
+    from htree_jax import htree_attention
+
+    config = HTreeConfig(compression_rate=4, top_k=2)
+    D, H, H_kv, K = 16, 4, 2, 32
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = dict(wq=jax.random.normal(keys[0], (D, H * K)) * 0.3, wk=jax.random.normal(keys[1], (D, H_kv * K)) * 0.3,
+                  wv=jax.random.normal(keys[2], (D, H_kv * K)) * 0.3, wo=jax.random.normal(keys[3], (H * K, D)) * 0.1)
+
+    def loss(params, x):
+        B, T, _ = x.shape
+        q = (x @ params["wq"]).reshape(B, T, H, K)
+        k = (x @ params["wk"]).reshape(B, T, H_kv, K)
+        v = (x @ params["wv"]).reshape(B, T, H_kv, K)
+        o = htree_attention(q, k, v, config, backend="pallas_interpret").reshape(B, T, H * K)
+        return jnp.mean((o @ params["wo"] - x) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss))
+    for T in (1, 40):
+        x = jnp.asarray(rng.standard_normal((2, T, D)).astype(np.float32))
+        value, grads = step(params, x)
+        assert np.isfinite(float(value))
+        for g in jax.tree_util.tree_leaves(grads):
+            assert np.all(np.isfinite(np.asarray(g))) and float(jnp.max(jnp.abs(g))) > 0
