@@ -41,6 +41,7 @@ from pallas_kernels.layer_forward import (
     _twin_scores,
     check_key_parts,
     key_parts,
+    layer_refs,
     merge_score_precision,
     split_rows,
     dot_rows,
@@ -75,12 +76,8 @@ def _grads_of_block(q_parts, k_parts, values, do, lse, delta, merged, st: LayerS
 
 def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
     precision, operands = merge_score_precision(st), st.merge_operands
-    parts = key_parts(precision, operands)
-    q_ref, qh_ref, par_ref, n_ref, *refs = refs
-    if not bottom:
-        keys_ref, tau_ref, *refs = refs
-    k_refs = refs[:parts]
-    (v_ref, cf_ref, sf_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref) = refs[parts:]
+    (q_ref, qh_ref, par_ref, n_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 4, st, bottom)
+    v_ref, cf_ref, sf_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref = rest
     bq, gp, kp = q_ref.shape
     rows, half, vp = bq * gp, kp // 2, do_ref.shape[-1]
     r, span = st.r, st.span
@@ -209,12 +206,8 @@ def _top_backward_kernel(*refs, st: LayerStatic, bottom: bool):
     their own `n - 1`, keys by their position (`top_merge_pallas`'s layouts): `dq` in
     the rotated frame, `dk` (rotated frame) and `dv` added per node tile."""
     precision, operands = merge_score_precision(st), st.merge_operands
-    parts = key_parts(precision, operands)
-    q_ref, n_ref, *refs = refs
-    if not bottom:
-        keys_ref, tau_ref, *refs = refs
-    k_refs = refs[:parts]
-    (v_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref) = refs[parts:]
+    (q_ref, n_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 2, st, bottom)
+    v_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref = rest
     bq, gt, kp = q_ref.shape
     rows, vp, tile = bq * gt, do_ref.shape[-1], st.tile
     q = q_ref[...].reshape(rows, kp)

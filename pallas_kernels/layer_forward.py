@@ -400,14 +400,23 @@ def merge_score_precision(st: LayerStatic):
     return st.precision if st.merge_precision is None else st.merge_precision
 
 
+def layer_refs(refs, leading: int, st: LayerStatic, bottom: bool):
+    """Splits a merge-shaped kernel's refs: `(leading refs, keys_ref, tau_ref, k_refs,
+    rest)`; `keys_ref, tau_ref` are None at the bottom (every valid candidate merges),
+    `k_refs` the merge keys' `key_operands` parts."""
+    head, refs = refs[:leading], refs[leading:]
+    keys_ref = tau_ref = None
+    if not bottom:
+        (keys_ref, tau_ref), refs = refs[:2], refs[2:]
+    parts = key_parts(merge_score_precision(st), st.merge_operands)
+    return head, keys_ref, tau_ref, refs[:parts], refs[parts:]
+
+
 def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     """Online-softmax merge of the candidates not kept (all of them at the bottom)."""
     score_precision, operands = merge_score_precision(st), st.merge_operands
-    parts = key_parts(score_precision, operands)
-    q_ref, qh_ref, par_ref, n_ref, *refs = refs
-    if not bottom:
-        keys_ref, tau_ref, *refs = refs
-    k_refs, (v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref, *out_refs) = refs[:parts], refs[parts:]
+    (q_ref, qh_ref, par_ref, n_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 4, st, bottom)
+    v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref, *out_refs = rest
     bq, gp, _ = q_ref.shape
     rows = bq * gp
     n = n_ref[0]

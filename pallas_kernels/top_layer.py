@@ -48,6 +48,7 @@ from pallas_kernels.layer_forward import (
     fold_merged,
     importance_shift,
     key_parts,
+    layer_refs,
     merge_outputs,
     merge_score_precision,
     read_state,
@@ -142,11 +143,8 @@ def _top_keys_kernel(q_ref, n_ref, *refs, st: LayerStatic):
 def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
     """Online-softmax merge of the candidates not kept (all valid ones at the bottom)."""
     score_precision, operands = merge_score_precision(st), st.merge_operands
-    parts = key_parts(score_precision, operands)
-    q_ref, n_ref, *refs = refs
-    if not bottom:
-        keys_ref, tau_ref, *refs = refs
-    k_refs, (v_ref, m_ref, s_ref, u_ref, *out_refs) = refs[:parts], refs[parts:]
+    (q_ref, n_ref), keys_ref, tau_ref, k_refs, (v_ref, m_ref, s_ref, u_ref, *out_refs) = layer_refs(
+        refs, 2, st, bottom)
     bq, gt, _ = q_ref.shape
     rows = bq * gt
     q, n_q = _block_rows(q_ref, n_ref)

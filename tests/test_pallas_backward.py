@@ -67,20 +67,12 @@ def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
     every query of a block has its own `n`."""
     from htree_jax.rope import apply_rope
     from pallas_kernels.layer_backward import top_backward_pallas
-    from pallas_kernels.top_layer import (pad_nodes, rotate_keys, rotate_queries, top_importance_keys_pallas,
-                                          virtual_parents)
     from pallas_kernels.layer_forward import select_top_k_layer_twin
+    from pallas_kernels.top_layer import pad_nodes, rotate_keys, rotate_queries, top_importance_keys_pallas
+    from tests.test_pallas_kernels import top_layer_inputs
 
-    a = _layer_inputs(rng, config, G=G, K=24, V=20, Q=16)
-    r, st = config.compression_rate, a["st"]
-    Mp = a["cos"].shape[0]
-    N = min(a["layer_k"].shape[2], Mp)
-    layer_k, layer_v = a["layer_k"][:, :, :N], a["layer_v"][:, :, :N]
-    n = jnp.asarray(rng.integers(1, N + 1, size=a["n"].shape[:3] + (1,)).astype(np.int32))
-    n = n.at[0, :3].set(1).at[1, 3].set(N)
-    parents = virtual_parents(n, r, Mp // r)
-    gt = 1 << (G - 1).bit_length()
-    q = a["q"][:, :, :, :gt]
+    a, layer_k, layer_v, n, parents, q = top_layer_inputs(rng, config, G)
+    st, Mp, N = a["st"], a["cos"].shape[0], layer_k.shape[2]
     top_tile = min(top_tile, Mp)
     st_top = dataclasses.replace(st, block_queries=block_queries, tile=top_tile)
     q_rot = rotate_queries(q, n, a["cos"], a["sin"])
@@ -97,8 +89,9 @@ def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
         dq = apply_rope(dq_rot, a["cos"][position], -a["sin"][position])
         dk = apply_rope(dk_acc[:, :, :N], a["cos"][:N], -a["sin"][:N])
         want = layer_backward_twin(q, parents, n, k_, t_, layer_k, layer_v, a["cos"], a["sin"], lse, do, delta, st)
+        # Sums of signed terms in another order (as in the merge tests): atol 5e-5.
         for got, ref in zip((dq, dk, dv_acc[:, :, :N]), want):
-            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=5e-5)
         assert not np.any(np.asarray(dv_acc[:, :, N:]))  # padding nodes get nothing
 
 

@@ -189,22 +189,28 @@ def _assert_same_keys(got, want, log_n):
     np.testing.assert_allclose(imp_p, imp_t, rtol=2e-3)  # one bucket of 10 mantissa bits
 
 
+def top_layer_inputs(rng, config, G):
+    """`_layer_inputs` cut to a top layer (`N <= Mp` nodes, virtual parents): `(a, layer_k,
+    layer_v, n, parents, q)`, every query with its own `n`, `q` with `next_power_of_two(G)`
+    rows."""
+    a = _layer_inputs(rng, config, G=G, K=24, V=20, Q=16)
+    Mp = a["cos"].shape[0]
+    N = min(a["layer_k"].shape[2], Mp)
+    n = jnp.asarray(rng.integers(1, N + 1, size=a["n"].shape[:3] + (1,)).astype(np.int32))
+    n = n.at[0, :3].set(1).at[1, 3].set(N)  # a lone candidate (rightmost only), and all of them
+    n = jnp.broadcast_to(n[:, :, :1], n.shape) if G == 3 else n  # heads of a query share n
+    parents = virtual_parents(n, config.compression_rate, Mp // config.compression_rate)
+    q = a["q"][:, :, :, : 1 << (G - 1).bit_length()]
+    return a, a["layer_k"][:, :, :N], a["layer_v"][:, :, :N], n, parents, q
+
+
 @pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
 @pytest.mark.parametrize("G, block_queries, top_tile", [(1, 16, 16), (3, 4, 32), (8, 2, 16)])
 def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
     """The top layer's block kernels against the per-query twins with virtual parents;
     every query of a block has its own `n` (as at L = 1, or blocks across top nodes)."""
-    a = _layer_inputs(rng, config, G=G, K=24, V=20, Q=16)
-    r, st = config.compression_rate, a["st"]
-    Mp = a["cos"].shape[0]
-    N = min(a["layer_k"].shape[2], Mp)
-    layer_k, layer_v = a["layer_k"][:, :, :N], a["layer_v"][:, :, :N]
-    n = jnp.asarray(rng.integers(1, N + 1, size=a["n"].shape[:3] + (1,)).astype(np.int32))
-    n = n.at[0, :3].set(1).at[1, 3].set(N)  # a lone candidate (rightmost only), and all of them
-    n = jnp.broadcast_to(n[:, :, :1], n.shape) if G == 3 else n  # heads of a query share n
-    parents = virtual_parents(n, r, Mp // r)
-    gt = 1 << (G - 1).bit_length()
-    q = a["q"][:, :, :, :gt]
+    a, layer_k, layer_v, n, parents, q = top_layer_inputs(rng, config, G)
+    st, Mp = a["st"], a["cos"].shape[0]
     top_tile = min(top_tile, Mp)
     st_top = dataclasses.replace(st, block_queries=block_queries, tile=top_tile)
     q_rot = rotate_queries(q, n, a["cos"], a["sin"])
@@ -224,7 +230,7 @@ def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
     _assert_same_keys(keys_x3, keys_twin, st.log_n)
 
     _, tau = select_top_k_layer_twin(keys, parents, n, st)
-    state = tuple(x[:, :, :, :gt] for x in a["state"])
+    state = tuple(x[:, :, :, : q.shape[3]] for x in a["state"])
     got = top_merge_pallas(q_rot, n, keys, tau, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
     want = merge_twin(q, parents, n, keys, tau, layer_k, layer_v, a["cos"], a["sin"], state, st)
     for x, y in zip(got, want):
