@@ -55,8 +55,11 @@ def test_layer_backward_equals_twin(rng, config, G, block_sizes):
         dk = phase_gradient(dk_acc, N, a["cos"], a["sin"], st)
         want = layer_backward_twin(a["q"], a["parents"], a["n"], k_, t_, a["layer_k"], a["layer_v"], a["cos"],
                                    a["sin"], lse, do, delta, st)
+        # Sums of signed terms in another order: the error scales with the largest
+        # gradient (CI: 4.1e-5 on an entry of 0.08 where the largest was 17).
         for got, ref in zip((dq, dk, dv_acc[:, :, :N]), want):
-            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+            scale = float(np.max(np.abs(np.asarray(ref))))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=max(5e-5, 1e-5 * scale))
         assert float(jnp.max(jnp.abs(want[1]))) > 0 and float(jnp.max(jnp.abs(want[0]))) > 0
 
 
@@ -89,9 +92,11 @@ def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
         dq = apply_rope(dq_rot, a["cos"][position], -a["sin"][position])
         dk = apply_rope(dk_acc[:, :, :N], a["cos"][:N], -a["sin"][:N])
         want = layer_backward_twin(q, parents, n, k_, t_, layer_k, layer_v, a["cos"], a["sin"], lse, do, delta, st)
-        # Sums of signed terms in another order (as in the merge tests): atol 5e-5.
+        # Sums of signed terms in another order: the error scales with the largest
+        # gradient (CI: 4.1e-5 on an entry of 0.08 where the largest was 17).
         for got, ref in zip((dq, dk, dv_acc[:, :, :N]), want):
-            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=5e-5)
+            scale = float(np.max(np.abs(np.asarray(ref))))
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=max(5e-5, 1e-5 * scale))
         assert not np.any(np.asarray(dv_acc[:, :, N:]))  # padding nodes get nothing
 
 
