@@ -29,12 +29,7 @@ from jax import lax
 from htree_jax.config import HTreeConfig
 from htree_jax.rope import apply_rope
 from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import (
-    BlockSizes,
-    candidate_count,
-    prepare,
-    top_layer_parents,
-)
+from pallas_kernels.forward import BlockSizes, candidate_count, chunk_queries, prepare
 from pallas_kernels.layer_backward import (
     gradient_buffers,
     layer_backward_pallas,
@@ -42,7 +37,6 @@ from pallas_kernels.layer_backward import (
     top_backward_pallas,
 )
 from pallas_kernels.layer_forward import importance_keys_pallas, select_top_k_layer_pallas
-from pallas_kernels.top_layer import rotate_queries, top_importance_keys_pallas
 
 
 def unpad_rope_halves(x, K: int):
@@ -95,23 +89,14 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
         top_acc, layer_acc = carry
         layer_acc = list(layer_acc)
         sl = lambda x: lax.dynamic_slice_in_dim(x, c * Qc, Qc, axis=1)
-        qc, lse_c, delta_c, do_c = sl(prep.q4), sl(lse4), sl(delta4), sl(do4)
-        t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
-        n_top = jnp.broadcast_to(t // st.r ** (L - 1) + 1, (B, Qc, H_kv, 1))
-        q_top = rotate_queries(pad_axis(qc, 3, gt), n_top, prep.cos, prep.sin)
+        lse_c, delta_c, do_c = sl(lse4), sl(delta4), sl(do4)
+        qc, t, n_top, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret)
         stats = lambda g: (pad_axis(lse_c, 3, g), pad_axis(do_c, 3, g), pad_axis(delta_c, 3, g))
-        if L == 1:
-            keys = tau = None
-        else:
-            keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_imp, Mp, prep.st_top_keys, interpret)
-            parents = top_layer_parents(t, prep, L, (B, Qc, H_kv, P))
-            next_parents, tau = select_top_k_layer_pallas(keys, parents, n_top, st, interpret)
         dq_rot, top_acc = top_backward_pallas(q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt),
                                               top_acc, st_top, interpret)
         position = n_top - 1
         dq = apply_rope(dq_rot, prep.cos[position], -prep.sin[position])[:, :, :, :G]
         if L > 1:
-            parents = next_parents[..., :P]
             q_rows = pad_axis(qc, 3, gp)
             for l in reversed(range(L - 1)):
                 k_imp, k_merge, vl = prep.layers[l]

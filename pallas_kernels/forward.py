@@ -219,21 +219,19 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     imp_spec = (st.precision, st.importance_operands)
     merge_spec = (merge_score_precision(st), st.merge_operands)
 
-    def operands_of(rotated, with_importance=True, split=True):
-        merge = key_operands(rotated, *merge_spec)
-        if not with_importance:
-            return None, merge
-        same = key_operands(rotated, *imp_spec, split=split) if imp_spec != merge_spec else merge
-        return same, merge
-
-    top_k_imp, top_k_merge = operands_of(rotate_keys(layers[-1][0], cos, sin, top_tile), split=False)
+    top_rotated = rotate_keys(layers[-1][0], cos, sin, top_tile)
+    top_k_merge = key_operands(top_rotated, *merge_spec)
+    top_k_imp = key_operands(top_rotated, *imp_spec, split=False) if imp_spec != merge_spec else top_k_merge
     # Below the top: the keys in span/r rotated copies, for the importance products of
     # the layers that select (their merges reuse the stored scores) and for the bottom
     # layer's merge.
     merges_keys = lambda l: l == 0 or not block_sizes.merge_from_scores or for_backward
-    layers = [(key_operands(rotate_phases(kl, cos, sin, st), *imp_spec) if l > 0 else None,
-               key_operands(rotate_phases(kl, cos, sin, st), *merge_spec) if merges_keys(l) else None, vl)
-              for l, (kl, vl) in enumerate(layers[:-1])]
+    lower = []
+    for l, (kl, vl) in enumerate(layers[:-1]):
+        phases = rotate_phases(kl, cos, sin, st)
+        lower.append((key_operands(phases, *imp_spec) if l > 0 else None,
+                      key_operands(phases, *merge_spec) if merges_keys(l) else None, vl))
+    layers = lower
     # Layers below the top that select (L >= 3) store their scores per chunk.
     score_rows = next_power_of_two(G, 16) if len(config.layer_sizes(T)) >= 3 else 0
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows) // bq) * bq
@@ -247,6 +245,27 @@ def top_layer_parents(t, prep: Prepared, num_layers: int, shape):
     r = prep.st.r
     slot = jnp.arange(prep.parents_width, dtype=jnp.int32)
     return jnp.broadcast_to(jnp.where(slot <= t // r ** (num_layers - 1) // r, slot, -1), shape)
+
+
+def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool):
+    """Chunk `c`'s queries and top layer, shared by the forward and the backward:
+    `(qc [B, Qc, H_kv, G, Kp], t [1, Qc, 1, 1], n_top, q_top, top)`. `n_top [B, Qc,
+    H_kv, 1]`: the top layer's candidates are the nodes `[0, n)`, `n = i*_{L-1} + 1`
+    (SPEC 2.1); `q_top` each query rotated by its `n - 1`, `Gt` rows. `top`: `(keys, tau,
+    parents of the layer below)` from the top layer's importance keys and shared top-K,
+    or `(None, None, None)` when the top layer is the bottom one (`L = 1`)."""
+    st, Qc = prep.st, prep.chunk
+    B, _, H_kv, G, _ = prep.q4.shape
+    qc = lax.dynamic_slice_in_dim(prep.q4, c * Qc, Qc, axis=1)
+    t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
+    n_top = jnp.broadcast_to(t // st.r ** (num_layers - 1) + 1, (B, Qc, H_kv, 1))
+    q_top = rotate_queries(pad_axis(qc, 3, next_power_of_two(G)), n_top, prep.cos, prep.sin)
+    if num_layers == 1:
+        return qc, t, n_top, q_top, (None, None, None)
+    keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_imp, prep.cos.shape[0], prep.st_top_keys, interpret)
+    parents = top_layer_parents(t, prep, num_layers, (B, Qc, H_kv, prep.parents_width))
+    next_parents, tau = select_top_k_layer_pallas(keys, parents, n_top, st, interpret)
+    return qc, t, n_top, q_top, (keys, tau, next_parents[..., : prep.parents_width])
 
 
 def candidate_count(parents, t, r: int, layer: int):
@@ -278,7 +297,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
     prep = prepare(q, k, v, config, block_sizes, interpret, precision, merge_operands, importance_operands)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
-    vp, Mp = prep.top_v.shape[-1], prep.cos.shape[0]
+    vp = prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
 
     def empty_state(rows):
@@ -286,23 +305,15 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
                 jnp.zeros((B, Qc, H_kv, rows, vp), jnp.float32))
 
     def chunk(c):
-        qc = lax.dynamic_slice_in_dim(prep.q4, c * Qc, Qc, axis=1)
-        t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
-        # Top layer: candidates are the nodes [0, n), n = i*_{L-1} + 1 (SPEC 2.1).
-        n_top = jnp.broadcast_to(t // st.r ** (L - 1) + 1, (B, Qc, H_kv, 1))
-        q_top = rotate_queries(pad_axis(qc, 3, gt), n_top, prep.cos, prep.sin)
+        qc, t, n_top, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret)
         if L == 1:
             o, lse = top_merge_pallas(q_top, n_top, None, None, prep.top_k_merge, prep.top_v, empty_state(gt),
                                       st_top, interpret, out_dtype=q.dtype, return_lse=True)
             return o[:, :, :, :G], lse[..., :G], []
-        keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_imp, Mp, prep.st_top_keys, interpret)
-        parents = top_layer_parents(t, prep, L, (B, Qc, H_kv, P))
-        next_parents, tau = select_top_k_layer_pallas(keys, parents, n_top, st, interpret)
         state = top_merge_pallas(q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
                                  interpret)
         # The layers below: one query per program, its G heads padded to >= 16 rows.
         state = tuple(pad_axis(x, 3, gp) for x in state)
-        parents = next_parents[..., :P]
         selections = [parents[..., : config.top_k]]
         q_rows = pad_axis(qc, 3, gp)
         for l in reversed(range(L - 1)):

@@ -35,17 +35,17 @@ from pallas_kernels.common import compiler_params
 from pallas_kernels.layer_forward import (
     LayerStatic,
     _block_specs,
-    _full_width_inputs,
     _gather,
-    _per_query,
     _twin_scores,
     check_key_parts,
+    dot_rows,
     key_parts,
     layer_refs,
     merge_score_precision,
+    per_head_spec,
     split_rows,
-    dot_rows,
 )
+from pallas_kernels.top_layer import _check, _specs
 
 
 def _product(a, b, contract, precision, operands):
@@ -64,28 +64,29 @@ def _whole(parts):
     return parts[0] if len(parts) == 1 else parts[0].astype(jnp.float32) + parts[1].astype(jnp.float32)
 
 
-def _grads_of_block(q_parts, k_parts, values, do, lse, delta, merged, st: LayerStatic):
-    """One block of candidates: `(p, ds, scores)`; `merged [rows, n]` already excludes
-    padding rows."""
-    precision, operands = merge_score_precision(st), st.merge_operands
-    scores = st.alpha * dot_rows(q_parts, k_parts, precision, operands)
+def _grads_of_block(scores, values, do, lse, delta, merged, st: LayerStatic):
+    """One block of candidates, `scores [rows, n]` (scaled): `(p, alpha * ds)`;
+    `merged [rows, n]` already excludes padding rows."""
     p = jnp.where(merged, jnp.exp(scores - lse[:, None]), 0.0)
-    dp = _product(do, values, (1, 1), precision, operands)  # [rows, n]
-    return p, p * (dp - delta[:, None])
+    dp = _product(do, values, (1, 1), merge_score_precision(st), st.merge_operands)  # [rows, n]
+    return p, st.alpha * p * (dp - delta[:, None])
 
 
 def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
+    """One query per program. RoPE works on half-width columns (`x = [lo, hi]`, the
+    rotation pairs `lo[i]` with `hi[i]`), so the query is rotated, and `dq` rotated
+    back, elementwise on halves: keys and `dk` are read and added as two halves."""
     precision, operands = merge_score_precision(st), st.merge_operands
-    (q_ref, qh_ref, par_ref, n_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 4, st, bottom)
-    v_ref, cf_ref, sf_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref = rest
+    (q_ref, par_ref, n_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 3, st, bottom)
+    v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref = rest
     bq, gp, kp = q_ref.shape
     rows, half, vp = bq * gp, kp // 2, do_ref.shape[-1]
     r, span = st.r, st.span
     versions = span // r
     N = k_refs[0].shape[0] // versions
     n = n_ref[0]
-    q = q_ref[...].astype(jnp.float32).reshape(rows, kp)
-    q_half = qh_ref[...].astype(jnp.float32).reshape(rows, kp)
+    q_lo = q_ref[:, :, pl.ds(0, half)].astype(jnp.float32).reshape(rows, half)
+    q_hi = q_ref[:, :, pl.ds(half, half)].astype(jnp.float32).reshape(rows, half)
     real = jnp.arange(rows, dtype=jnp.int32) % gp < st.group
     lse = jnp.where(real, lse_ref[...].reshape(rows), 0.0)
     delta = delta_ref[...].reshape(rows)
@@ -94,8 +95,10 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
         tau = tau_ref[...]  # [BQ, 1]
     child = jnp.arange(r, dtype=jnp.int32)
     copy = (jnp.arange(span, dtype=jnp.int32) // r) * N
-    k_cols = jnp.arange(kp, dtype=jnp.int32)[None, :]
+    cols = jnp.arange(half, dtype=jnp.int32)[None, :]
     v_cols = jnp.arange(vp, dtype=jnp.int32)[None, :]
+    add = lambda ref, target, col, x: plgpu.atomic_add(
+        ref, (jnp.broadcast_to(target[:, None], x.shape), jnp.broadcast_to(col, x.shape)), x)
 
     def unit(p0, carry):
         dq_lo, dq_hi = carry
@@ -103,36 +106,30 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
         positions = p0 + jnp.arange(span, dtype=jnp.int32)
         valid = positions < n
         nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(span), 0)
-        k_parts = tuple(k_ref[nodes + copy, :] for k_ref in k_refs)
+        k_lo = tuple(k_ref[nodes + copy, pl.ds(0, half)] for k_ref in k_refs)
+        k_hi = tuple(k_ref[nodes + copy, pl.ds(half, half)] for k_ref in k_refs)
         angle = jnp.maximum(n - 1 - p0, 0)
-        c, s = cf_ref[pl.ds(angle, 1), :], sf_ref[pl.ds(angle, 1), :]
-        q_rot = q * c + q_half * s
+        c, s = cos_ref[pl.ds(angle, 1), :], sin_ref[pl.ds(angle, 1), :]
+        qr_lo, qr_hi = q_lo * c - q_hi * s, q_hi * c + q_lo * s  # the query rotated by `angle`
+        scores = st.alpha * (dot_rows(split_rows(qr_lo, precision, operands), k_lo, precision, operands)
+                             + dot_rows(split_rows(qr_hi, precision, operands), k_hi, precision, operands))
         if bottom:
             merged_q = jnp.broadcast_to(valid[None, :], (bq, span))
         else:
             merged_q = valid[None, :] & (keys_ref[:, pl.ds(p0, span)] < tau)
         merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gp, span)).reshape(rows, span) & real[:, None]
-        values = v_ref[nodes, :]
-        p, ds = _grads_of_block(split_rows(q_rot, precision, operands), k_parts, values, do, lse, delta, merged, st)
-        ds = st.alpha * ds
-        # dq in the query's frame: the product with each half of the keys, rotated back
-        # by `angle` elementwise (no in-kernel rotate_half of a computed value).
-        k_lo = _whole(tuple(k_ref[nodes + copy, pl.ds(0, half)] for k_ref in k_refs))
-        k_hi = _whole(tuple(k_ref[nodes + copy, pl.ds(half, half)] for k_ref in k_refs))
-        g_lo, g_hi = (_product(ds, x, (1, 0), precision, operands) for x in (k_lo, k_hi))
-        c_h, s_h = cf_ref[pl.ds(angle, 1), pl.ds(0, half)], sf_ref[pl.ds(angle, 1), pl.ds(0, half)]
-        dq_lo = dq_lo + g_lo * c_h + g_hi * s_h
-        dq_hi = dq_hi + g_hi * c_h - g_lo * s_h
+        p, ds = _grads_of_block(scores, v_ref[nodes, :], do, lse, delta, merged, st)
+        # dq, rotated back by `angle` into the query's frame.
+        g_lo, g_hi = (_product(ds, _whole(x), (1, 0), precision, operands) for x in (k_lo, k_hi))
+        dq_lo = dq_lo + g_lo * c + g_hi * s
+        dq_hi = dq_hi + g_hi * c - g_lo * s
         # dk (in the rotated copy's frame) and dv, by atomic adds; invalid lanes add
         # zeros to their own scratch rows past the layer.
-        dk = jnp.where(valid[:, None], _product(ds, q_rot, (0, 0), precision, operands), 0.0)
-        dv = jnp.where(valid[:, None], _product(p, do, (0, 0), precision, operands), 0.0)
         k_target = jnp.where(valid, nodes + copy, versions * N + positions)
         v_target = jnp.where(valid, nodes, N + positions)
-        plgpu.atomic_add(dk_ref, (jnp.broadcast_to(k_target[:, None], (span, kp)),
-                                  jnp.broadcast_to(k_cols, (span, kp))), dk)
-        plgpu.atomic_add(dv_ref, (jnp.broadcast_to(v_target[:, None], (span, vp)),
-                                  jnp.broadcast_to(v_cols, (span, vp))), dv)
+        for col, qr in ((cols, qr_lo), (cols + half, qr_hi)):
+            add(dk_ref, k_target, col, jnp.where(valid[:, None], _product(ds, qr, (0, 0), precision, operands), 0.0))
+        add(dv_ref, v_target, v_cols, jnp.where(valid[:, None], _product(p, do, (0, 0), precision, operands), 0.0))
         return dq_lo, dq_hi
 
     def tile(i, carry):
@@ -175,23 +172,21 @@ def layer_backward_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin,
     Returns `(dq [B, Q, H_kv, Gp, Kp] float32 (un-rotated), accumulators)`."""
     check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gp, kp = q.shape
-    vp = layer_v.shape[-1]
     bottom = keys is None
-    sp = _block_specs(st, q, parents, k_phases, layer_v, cos)
-    queries, tables = _full_width_inputs(q, cos, sin)
+    sp = _block_specs(st, gp, kp, cos.shape[0], parents, k_phases, layer_v)
     dk_acc, dv_acc = accumulators
-    acc = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda b, i, h: (b, h, 0, 0))
-    in_specs = [sp["q"], sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
-    in_specs += [*sp["k"], sp["v"], sp["table"], sp["table"], sp["vec"], sp["vec"], sp["mat"], acc(dk_acc),
-                 acc(dv_acc)]
-    args = queries + (parents, n) + (() if bottom else (keys, tau)) + tuple(k_phases) + (layer_v,) + tables
+    table = pl.BlockSpec(cos.shape, lambda b, i, h: (0, 0))  # half width: the kernel works on halves
+    in_specs = [sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
+    in_specs += [*sp["k"], sp["v"], table, table, sp["vec"], sp["vec"], sp["mat"], per_head_spec(dk_acc),
+                 per_head_spec(dv_acc)]
+    args = (q, parents, n) + (() if bottom else (keys, tau)) + tuple(k_phases) + (layer_v, cos, sin)
     args += (lse, delta, do, dk_acc, dv_acc)
     dq, dk_acc, dv_acc = pl.pallas_call(
         functools.partial(_layer_backward_kernel, st=st, bottom=bottom),
         grid=(B, Q // st.block_queries, H_kv),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, st.block_queries, None, gp, kp), lambda b, i, h: (b, i, h, 0, 0)),
-                   acc(dk_acc), acc(dv_acc)],
+                   per_head_spec(dk_acc), per_head_spec(dv_acc)],
         out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, gp, kp), jnp.float32),
                    jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
         input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
@@ -233,8 +228,8 @@ def _top_backward_kernel(*refs, st: LayerStatic, bottom: bool):
             merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gt, tile)).reshape(rows, tile)
         merged = merged & real[:, None]
         values = v_ref[pl.ds(start, tile), :]
-        p, ds = _grads_of_block(q_parts, k_parts, values, do, lse, delta, merged, st)
-        ds = st.alpha * ds
+        scores = st.alpha * dot_rows(q_parts, k_parts, precision, operands)
+        p, ds = _grads_of_block(scores, values, do, lse, delta, merged, st)
         dq = dq + _product(ds, _whole(k_parts), (1, 0), precision, operands)
         # Rows past a query's n carry p = ds = 0: whole tiles are added.
         plgpu.atomic_add(dk_ref, (pl.ds(start, tile), slice(None)), _product(ds, q, (0, 0), precision, operands))
@@ -254,23 +249,20 @@ def top_backward_pallas(q_rot, n, keys, tau, k_rot, v, lse, do, delta, accumulat
     (`[B, H_kv, Np, Kp]`) and `v`. Returns `(dq_rot, accumulators)`: `dq_rot` in the
     rotated queries' frame (`rotate_queries`), `dk` in the rotated keys' frame
     (`rotate_keys`); the caller rotates both back."""
-    from pallas_kernels.top_layer import _check, _specs
-
     bottom = keys is None
     width = st.tile if bottom else keys.shape[-1]
     _check(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gt, kp = q_rot.shape
     sp = _specs(st, q_rot, k_rot, v, width)
     dk_acc, dv_acc = accumulators
-    acc = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda b, i, h: (b, h, 0, 0))
     in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
-    in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"], acc(dk_acc), acc(dv_acc)]
+    in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"], per_head_spec(dk_acc), per_head_spec(dv_acc)]
     args = (q_rot, n) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v, lse, delta, do, dk_acc, dv_acc)
     dq, dk_acc, dv_acc = pl.pallas_call(
         functools.partial(_top_backward_kernel, st=st, bottom=bottom),
         grid=(B, Q // st.block_queries, H_kv),
         in_specs=in_specs,
-        out_specs=[sp["q"], acc(dk_acc), acc(dv_acc)],
+        out_specs=[sp["q"], per_head_spec(dk_acc), per_head_spec(dv_acc)],
         out_shape=[jax.ShapeDtypeStruct(q_rot.shape, jnp.float32),
                    jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
         input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},

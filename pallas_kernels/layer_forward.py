@@ -444,7 +444,7 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
 
 
 def _merge_scored_kernel(scores_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m_ref, s_ref, u_ref, *out_refs,
-                         st: LayerStatic, mask_rows: bool):
+                         st: LayerStatic):
     """Online-softmax merge of the candidates not kept, from the scores the importance
     pass stored (real heads' rows; padding rows read as 0, the score of a zero query):
     no key is gathered or scored again, so a candidate costs its value row and `G`
@@ -462,10 +462,7 @@ def _merge_scored_kernel(scores_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m
         valid = positions < n
         parents = par_ref[pl.ds(p0 // st.r, st.tile // st.r)]
         nodes = jnp.where(valid, (parents[:, None] * st.r + child[None, :]).reshape(st.tile), 0)
-        if mask_rows:
-            scores = plgpu.load(scores_ref.at[:, :, pl.ds(p0, st.tile)], mask=real_rows, other=0.0)
-        else:
-            scores = scores_ref[:, :, pl.ds(p0, st.tile)]
+        scores = plgpu.load(scores_ref.at[:, :, pl.ds(p0, st.tile)], mask=real_rows, other=0.0)
         kept = keys_ref[:, pl.ds(p0, st.tile)] >= tau  # [BQ, tile]
         merged = jnp.broadcast_to((valid[None, :] & ~kept)[:, None, :], (bq, gp, st.tile)).reshape(rows, st.tile)
         block = (jnp.where(merged, scores.reshape(rows, st.tile), NEG_INF), v_ref[nodes, :])
@@ -476,20 +473,25 @@ def _merge_scored_kernel(scores_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m
     write_merged(state, out_refs, bottom=False)
 
 
-def _block_specs(st: LayerStatic, q, parents, k_phases: tuple, layer_v, cos):
+def per_head_spec(x):
+    """A whole `[B, H_kv, rows, D]` array, one `(b, h)` slice per program of a grid
+    `(B, Q / BQ, H_kv)` (a layer's keys or values, a gradient accumulator)."""
+    return pl.BlockSpec((None, None) + x.shape[2:], lambda b, i, h: (b, h, 0, 0))
+
+
+def _block_specs(st: LayerStatic, gp: int, kp: int, Mp: int, parents, k_phases: tuple, layer_v):
     """BlockSpecs for a grid `(B, Q / BQ, H_kv)`: per-query arrays in blocks of BQ
-    queries, per-block arrays (parents, n: one row per block), whole layers and tables."""
+    queries (`gp` rows, `kp` wide queries, `Mp` candidates), per-block arrays (parents,
+    n: one row per block), whole layers and tables."""
     bq = st.block_queries
-    _, _, _, gp, kp = q.shape
     queries = lambda *tail: pl.BlockSpec((None, bq, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
     block = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
-    head = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda b, i, h: (b, h, 0, 0))
-    table = pl.BlockSpec((cos.shape[0], kp), lambda b, i, h: (0, 0))  # full_width
-    specs = dict(q=queries(gp, kp), parents=block(parents.shape[-1]), n=block(1), keys=queries(cos.shape[0]),
-                 tau=queries(1), k=[head(x) for x in k_phases], table=table, vec=queries(gp),
-                 scores=queries(gp, cos.shape[0]))
+    table = pl.BlockSpec((Mp, kp), lambda b, i, h: (0, 0))  # full_width
+    specs = dict(q=queries(gp, kp), parents=block(parents.shape[-1]), n=block(1), keys=queries(Mp),
+                 tau=queries(1), k=[per_head_spec(x) for x in k_phases], table=table, vec=queries(gp),
+                 scores=queries(gp, Mp))
     if layer_v is not None:
-        specs.update(v=head(layer_v), mat=queries(gp, layer_v.shape[-1]))
+        specs.update(v=per_head_spec(layer_v), mat=queries(gp, layer_v.shape[-1]))
     return specs
 
 
@@ -528,7 +530,7 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
     check_key_parts(k_phases, (key_parts(st.precision, st.importance_operands),))
     B, Q, H_kv, gp = q.shape[:4]
     Mp = cos.shape[0]
-    sp = _block_specs(st, q, parents, k_phases, None, cos)
+    sp = _block_specs(st, gp, q.shape[-1], Mp, parents, k_phases, None)
     queries, tables = _full_width_inputs(q, cos, sin)
     scores, shift = pl.pallas_call(
         functools.partial(_scores_kernel, st=st),
@@ -584,7 +586,7 @@ def merge_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, state, s
     check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gp, _ = q.shape
     vp = layer_v.shape[-1]
-    sp = _block_specs(st, q, parents, k_phases, layer_v, cos)
+    sp = _block_specs(st, gp, q.shape[-1], cos.shape[0], parents, k_phases, layer_v)
     bottom = keys is None
     queries, tables = _full_width_inputs(q, cos, sin)
     in_specs = [sp["q"], sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
@@ -603,9 +605,8 @@ def merge_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, state, s
     return out if bottom else tuple(out)
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret", "mask_rows"))
-def merge_scored_pallas(scores, parents, n, keys, tau, layer_v, state, st: LayerStatic, interpret=False,
-                        mask_rows=True):
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def merge_scored_pallas(scores, parents, n, keys, tau, layer_v, state, st: LayerStatic, interpret=False):
     """Upper layer: the state after merging the candidates not kept, with the `scores`
     stored by `importance_keys_pallas(..., return_scores=True)` (which then need no
     keys here). `parents, n` one row per block of `st.block_queries` queries."""
@@ -613,11 +614,10 @@ def merge_scored_pallas(scores, parents, n, keys, tau, layer_v, state, st: Layer
     vp = layer_v.shape[-1]
     if Mp % st.tile or st.tile % st.r:
         raise ValueError(f"candidate width {Mp} must be a multiple of the tile {st.tile}, itself of r={st.r}")
-    q_like = jax.ShapeDtypeStruct((B, Q, H_kv, gp, 1), jnp.float32)
-    sp = _block_specs(st, q_like, parents, (), layer_v, jax.ShapeDtypeStruct((Mp, 1), jnp.float32))
+    sp = _block_specs(st, gp, 1, Mp, parents, (), layer_v)
     out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gp, vp), False, jnp.float32)
     return tuple(pl.pallas_call(
-        functools.partial(_merge_scored_kernel, st=st, mask_rows=mask_rows),
+        functools.partial(_merge_scored_kernel, st=st),
         grid=(B, Q // st.block_queries, H_kv),
         in_specs=[sp["scores"], sp["parents"], sp["n"], sp["keys"], sp["tau"], sp["v"], sp["vec"], sp["vec"],
                   sp["mat"]],
