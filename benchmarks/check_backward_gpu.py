@@ -5,7 +5,8 @@
 For each T, float32 and bfloat16 inputs (B=1, H=8, H_kv=2, K=V=64): the gradients of
 `sum(o * w)` (w fixed random) by `backend="pallas"` and by `backend="reference"`
 on the same inputs. Prints the share of parent lists the two forwards agree on and, per q, k, v,
-the relative error (Frobenius) of the Pallas gradients. A flipped near-tie selection
+the relative error (Frobenius) of the Pallas gradients, and whether two runs give the
+same bits (they must: the backward is deterministic). A flipped near-tie selection
 changes that query's gradient by O(1), so float32 is judged where selections agree
 (the rows of dq), and overall with a bound that scales with the disagreement.
 """
@@ -24,8 +25,13 @@ from htree_jax import HTreeConfig, htree_attention
 
 
 def grads(q, k, v, w, config, backend):
-    loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=backend).astype(jnp.float32) * w)
+    def loss(q, k, v):
+        return jnp.sum(htree_attention(q, k, v, config, backend=backend).astype(jnp.float32) * w)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def bitwise_same(a, b):
+    return all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
 
 
 def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0):
@@ -35,6 +41,7 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0):
     t0 = time.perf_counter()
     got = jax.block_until_ready(grads(q, k, v, w, config, "pallas"))
     t_first = time.perf_counter() - t0
+    same = bitwise_same(got, grads(q, k, v, w, config, "pallas"))  # deterministic: the same bits
     # The reference on the same inputs: with bfloat16 ones its tree nodes are rounded to
     # bfloat16 as the kernels' are (on float32 copies of them they are not, which alone
     # changes a third of the selections); its gradients then come out in bfloat16.
@@ -56,9 +63,11 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0):
         ok = finite and share >= 0.99 and dq_agree < 1e-4 and max(errs.values()) < 1e-4 + flipped
     else:
         ok = finite and dq_agree < 3e-2 and max(errs.values()) < 3e-2 + flipped
+    ok = ok and same
     print(f"T={T:6d} top_k={config.top_k} {jnp.dtype(dtype).name:8s} layers={config.layer_sizes(T)} "
           f"queries with all selections equal {share:.5f}; rel err dq (those queries) {dq_agree:.2e}, "
-          f"dq {errs['q']:.2e} dk {errs['k']:.2e} dv {errs['v']:.2e}; first call {t_first:.1f}s "
+          f"dq {errs['q']:.2e} dk {errs['k']:.2e} dv {errs['v']:.2e}; first call {t_first:.1f}s; "
+          f"a second run bitwise equal: {same} "
           f"{'OK' if ok else 'FAIL'}", flush=True)
     return ok
 

@@ -104,6 +104,13 @@ def htree_attention(
 
       interpret: with `backend="pallas"`, run the kernels in interpret mode.
 
+    Gradients (`jax.grad`, every backend) treat the selections as constants (SPEC 5):
+    they flow through the scores and values of the merged nodes and down the pooling.
+    The Pallas backend's are bitwise deterministic (no atomics: key and value gradients
+    are summed per tree node in a fixed order). The reference differentiates by XLA
+    autodiff; on a GPU its gathers' transposes are scatter-adds, reproducible only under
+    XLA's `--xla_gpu_deterministic_ops=true`.
+
     Returns:
       `o [B, T, H, V]` in the input dtype, or `(o, selected)` with `return_selected`.
     """

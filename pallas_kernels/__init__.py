@@ -5,8 +5,9 @@
 - `layer_forward`: per-layer kernels (importance keys, shared top-K, online-softmax
   merge), each beside a pure-JAX twin with the same contract.
 - `forward`: their composition, `htree_forward_pallas`.
-- `layer_backward`: per-layer backward kernels (dq in registers; dk, dv by float32
-  atomic adds), beside an autodiff twin; `backward`: `htree_backward_pallas`
+- `layer_backward`: per-layer `dq` kernels (one program per query, in registers),
+  beside an autodiff twin; `node_backward`: their transpose, `dk`/`dv` by node from an
+  inverse index (no atomics, bitwise deterministic); `backward`: `htree_backward_pallas`
   (selections recomputed, gradients pushed down the tree).
 
 Every kernel runs with `interpret=True` on any platform; CI tests them that way.

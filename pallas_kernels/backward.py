@@ -4,17 +4,21 @@ Selections are recomputed, chunk by chunk, with the forward's own kernels (impor
 keys and shared top-K: the same launches on the same inputs, so the same selections);
 nothing per candidate is saved between the passes. The forward saves `o` and the rows'
 log-sum-exp `lse`; `delta = rowsum(do * o)`. Then per chunk, top layer first, each
-layer's backward kernel (`layer_backward.py`) gives its `dq` share and adds its `dk`,
-`dv` into per-layer float32 accumulators; after the last chunk those are rotated back
+layer's `dq` kernel (`layer_backward.py`: one program per query, or per block of
+queries on the top layer, summing in registers) and its `dk`, `dv` kernel
+(`node_backward.py`: one program per block of nodes, visiting in a fixed order the
+queries that merged them, found through an inverse index of the chunk's parent lists)
+add into per-layer float32 accumulators; after the last chunk those are rotated back
 and pushed down the tree: a node's gradient is shared equally by its children (mean
 pooling), so layer `l` receives `grad_{l+1}[j // r] / children(j // r)`.
 
-Memory beyond the forward's: the accumulators, float32, `(span/r) * N_l + Mp` key rows
-and `N_l + Mp` value rows per layer below the top (`N_top` each on the top layer), per
-`(b, h_kv)`: O(T) per (batch, kv head); plus the chunk's `dq` and selection buffers.
+Deterministic: no atomics, every sum in a fixed order, so the gradients are bitwise
+the same run to run (checked on an H200, `benchmarks/check_backward_gpu.py`).
 
-Not bitwise deterministic on a GPU: `dk`, `dv` are sums of float32 atomic adds (see
-`layer_backward.py`); `dq` is.
+Memory beyond the forward's, per `(b, h_kv)`, O(T): the float32 accumulators (a layer's
+keys and values, rounded up to 16 rows; the top layer's tile-padded). Per chunk of `Qc`
+queries: `dq`, the selections, and the inverse index, five int32 arrays of `Qc * P *
+max(1, r/16)` entries (plus the sort's own buffers).
 """
 
 from __future__ import annotations
@@ -30,13 +34,16 @@ from htree_jax.config import HTreeConfig
 from htree_jax.rope import apply_rope
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import BlockSizes, candidate_count, chunk_queries, prepare
-from pallas_kernels.layer_backward import (
-    gradient_buffers,
-    layer_backward_pallas,
-    phase_gradient,
-    top_backward_pallas,
-)
+from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
 from pallas_kernels.layer_forward import importance_keys_pallas, select_top_k_layer_pallas
+from pallas_kernels.node_backward import (
+    UNIT,
+    layer_node_grads_pallas,
+    node_buffers,
+    node_gradient,
+    node_index,
+    top_node_grads_pallas,
+)
 
 
 def unpad_rope_halves(x, K: int):
@@ -63,14 +70,15 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                           interpret: bool = False):
     """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
     v`. `o [B, T, H, V]` and `lse [B, T, H]` from `htree_forward_pallas(...,
-    return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller."""
+    return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller.
+    Bitwise deterministic."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
     prep = prepare(q, k, v, config, block_sizes, interpret, None, for_backward=True)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
-    Mp, kp, vp = prep.cos.shape[0], prep.q4.shape[-1], prep.top_v.shape[-1]
+    kp, vp = prep.q4.shape[-1], prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
     sizes = config.layer_sizes(T)
     # The top layer's backward holds q, do and dq for 128 rows: one pipeline stage fits
@@ -83,7 +91,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     do4 = _per_chunk(pad_axis(rows(do.astype(jnp.float32)), -1, vp), Qc, num_chunks)
 
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
-    layer_acc = [gradient_buffers(B, H_kv, sizes[l], kp, vp, st, Mp) for l in range(L - 1)]
+    layer_acc = [node_buffers(B, H_kv, sizes[l], kp, vp) for l in range(L - 1)]
 
     def chunk(carry, c):
         top_acc, layer_acc = carry
@@ -92,8 +100,9 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
         lse_c, delta_c, do_c = sl(lse4), sl(delta4), sl(do4)
         qc, t, n_top, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret)
         stats = lambda g: (pad_axis(lse_c, 3, g), pad_axis(do_c, 3, g), pad_axis(delta_c, 3, g))
-        dq_rot, top_acc = top_backward_pallas(q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt),
-                                              top_acc, st_top, interpret)
+        top_args = (q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt))
+        dq_rot = top_backward_pallas(*top_args, st_top, interpret)
+        top_acc = top_node_grads_pallas(*top_args, top_acc, st_top, interpret)
         position = n_top - 1
         dq = apply_rope(dq_rot, prep.cos[position], -prep.sin[position])[:, :, :, :G]
         if L > 1:
@@ -105,8 +114,11 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                 if l > 0:
                     keys = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, st, interpret)
                     next_parents, tau = select_top_k_layer_pallas(keys, parents, n, st, interpret)
-                dq_l, layer_acc[l] = layer_backward_pallas(q_rows, parents, n, keys, tau, k_merge, vl, prep.cos,
-                                                           prep.sin, *stats(gp), layer_acc[l], st, interpret)
+                layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
+                dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st, interpret)
+                index = node_index(parents, n, st.r, -(-sizes[l] // UNIT))
+                layer_acc[l] = layer_node_grads_pallas(pad_axis(qc, 3, gt), *layer_args, *stats(gt), index,
+                                                       layer_acc[l], st, interpret)
                 dq = dq + dq_l[:, :, :, :G]
                 if l > 0:
                     parents = next_parents[..., :P]
@@ -119,7 +131,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     dk_tree = apply_rope(top_acc[0][:, :, :N_top], prep.cos[:N_top], -prep.sin[:N_top])
     dv_tree = top_acc[1][:, :, :N_top]
     for l in reversed(range(L - 1)):
-        dk_l = phase_gradient(layer_acc[l][0], sizes[l], prep.cos, prep.sin, st)
+        dk_l = node_gradient(layer_acc[l][0], sizes[l], prep.cos, prep.sin, st.r)
         dk_tree = dk_l + push_down(dk_tree, sizes[l], st.r)
         dv_tree = layer_acc[l][1][:, :, : sizes[l]] + push_down(dv_tree, sizes[l], st.r)
 

@@ -1,23 +1,22 @@
-"""Backward kernels of one htree layer (SPEC 5: selection constant), beside their twin.
+"""Backward kernels of one htree layer (SPEC 5: selection constant): `dq`, beside the twin.
 
 With the forward's per-row log-sum-exp `lse` (over every merged node of every layer)
 and `delta = rowsum(do * o)`, a merged candidate `j` of row `i` has weight
-`p = exp(s - lse)` and `ds = p * (do . v_j - delta)`; then `dv_j += p * do`,
-`dk_j += alpha * ds * rope(q)` (rotated back to the key's frame) and
-`dq += alpha * ds * rope(k_j)` (rotated back to the query's frame).
+`p = exp(s - lse)` and `ds = p * (do . v_j - delta)`; then `dq += alpha * ds * rope(k_j)`
+(rotated back to the query's frame), and the node's `dk_j += alpha * ds * rope(q)`,
+`dv_j += p * do`.
 
-- Per-query layers (below the top, `layer_backward_pallas`): one program per `(b, t,
-  h_kv)` walks the candidates like `merge_pallas`. `dq` stays in registers; `dk`, `dv`
-  are added with float32 atomics into per-layer accumulators (`dk` in the layout of
-  `rotate_phases`, rotated back once at the end by `phase_gradient`). Candidates that
-  are not valid add zeros to scratch rows past the layer (every lane has its own
-  target: interpret mode runs an atomic add as a gather, add and scatter).
-- The top layer (`top_backward_pallas`): blocks of queries like `top_merge_pallas`;
-  one atomic add of a `[tile, K]` block per block of `BQ` queries.
+Here each query's program sums its `dq` in registers:
+- per-query layers (below the top, `layer_backward_pallas`): one program per `(b, t,
+  h_kv)` walks the candidates like `merge_pallas`;
+- the top layer (`top_backward_pallas`): blocks of queries like `top_merge_pallas`.
+`dk`, `dv` are summed per node by the transposed kernels of `node_backward.py` (each
+program owns a block of nodes), so the backward is deterministic and issues no atomics.
+An earlier version added `dk`, `dv` from these programs with float32 atomics: on an
+H200 at T=131072 that backward ran 7.6 s (top_k=512) and 1.7 s (top_k=64), against
+1.14 s and 0.41 s by node (benchmarks/RESULTS.md).
 
-Atomic float32 additions land in whatever order the GPU runs them: `dk`, `dv` are not
-bitwise deterministic on a GPU (the rounding differs run to run, ~1e-7 relative);
-interpret mode runs the programs in order. `dq` is deterministic.
+`layer_backward_twin` (autodiff of the layer's share of the output) gives all three.
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-from htree_jax.rope import apply_rope
 from pallas_kernels.common import compiler_params
 from pallas_kernels.layer_forward import (
     LayerStatic,
@@ -42,7 +39,6 @@ from pallas_kernels.layer_forward import (
     key_parts,
     layer_refs,
     merge_score_precision,
-    per_head_spec,
     split_rows,
 )
 from pallas_kernels.top_layer import _check, _specs
@@ -75,10 +71,10 @@ def _grads_of_block(scores, values, do, lse, delta, merged, st: LayerStatic):
 def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
     """One query per program. RoPE works on half-width columns (`x = [lo, hi]`, the
     rotation pairs `lo[i]` with `hi[i]`), so the query is rotated, and `dq` rotated
-    back, elementwise on halves: keys and `dk` are read and added as two halves."""
+    back, elementwise on halves: keys are read as two halves."""
     precision, operands = merge_score_precision(st), st.merge_operands
     (q_ref, par_ref, n_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 3, st, bottom)
-    v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref = rest
+    v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref, dq_ref = rest
     bq, gp, kp = q_ref.shape
     rows, half, vp = bq * gp, kp // 2, do_ref.shape[-1]
     r, span = st.r, st.span
@@ -95,10 +91,6 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
         tau = tau_ref[...]  # [BQ, 1]
     child = jnp.arange(r, dtype=jnp.int32)
     copy = (jnp.arange(span, dtype=jnp.int32) // r) * N
-    cols = jnp.arange(half, dtype=jnp.int32)[None, :]
-    v_cols = jnp.arange(vp, dtype=jnp.int32)[None, :]
-    add = lambda ref, target, col, x: plgpu.atomic_add(
-        ref, (jnp.broadcast_to(target[:, None], x.shape), jnp.broadcast_to(col, x.shape)), x)
 
     def unit(p0, carry):
         dq_lo, dq_hi = carry
@@ -118,18 +110,11 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
         else:
             merged_q = valid[None, :] & (keys_ref[:, pl.ds(p0, span)] < tau)
         merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gp, span)).reshape(rows, span) & real[:, None]
-        p, ds = _grads_of_block(scores, v_ref[nodes, :], do, lse, delta, merged, st)
+        _, ds = _grads_of_block(scores, v_ref[nodes, :], do, lse, delta, merged, st)
         # dq, rotated back by `angle` into the query's frame.
         g_lo, g_hi = (_product(ds, _whole(x), (1, 0), precision, operands) for x in (k_lo, k_hi))
         dq_lo = dq_lo + g_lo * c + g_hi * s
         dq_hi = dq_hi + g_hi * c - g_lo * s
-        # dk (in the rotated copy's frame) and dv, by atomic adds; invalid lanes add
-        # zeros to their own scratch rows past the layer.
-        k_target = jnp.where(valid, nodes + copy, versions * N + positions)
-        v_target = jnp.where(valid, nodes, N + positions)
-        for col, qr in ((cols, qr_lo), (cols + half, qr_hi)):
-            add(dk_ref, k_target, col, jnp.where(valid[:, None], _product(ds, qr, (0, 0), precision, operands), 0.0))
-        add(dv_ref, v_target, v_cols, jnp.where(valid[:, None], _product(p, do, (0, 0), precision, operands), 0.0))
         return dq_lo, dq_hi
 
     def tile(i, carry):
@@ -143,66 +128,39 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
     dq_ref[:, :, pl.ds(half, half)] = dq_hi.reshape(bq, gp, half)
 
 
-def gradient_buffers(B, H_kv, N: int, kp: int, vp: int, st: LayerStatic, Mp: int):
-    """Zeroed float32 accumulators of a per-query layer: `dk` in the `rotate_phases`
-    layout `[B, H_kv, (span/r)*N + Mp, Kp]` and `dv [B, H_kv, N + Mp, Vp]` (the last `Mp`
-    rows: scratch targets of invalid candidates)."""
-    versions = st.span // st.r
-    return (jnp.zeros((B, H_kv, versions * N + Mp, kp), jnp.float32),
-            jnp.zeros((B, H_kv, N + Mp, vp), jnp.float32))
-
-
-def phase_gradient(dk_acc, N: int, cos, sin, st: LayerStatic):
-    """`dk [B, H_kv, N, Kp]` of the layer's keys from the accumulator of
-    `layer_backward_pallas`: copy `m` of node `j` was rotated by `m*r + j mod r`."""
-    versions = st.span // st.r
-    B, H_kv, _, kp = dk_acc.shape
-    copies = dk_acc[:, :, : versions * N].reshape(B, H_kv, versions, N, kp)
-    angle = (jnp.arange(versions) * st.r)[:, None] + jnp.arange(N) % st.r  # [versions, N]
-    return jnp.sum(apply_rope(copies, cos[angle], -sin[angle]), axis=2)
-
-
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def layer_backward_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, lse, do, delta, accumulators,
-                          st: LayerStatic, interpret=False):
-    """Gradients from one per-query layer's merged candidates (the bottom with
-    `keys=None`). `q` and the layer inputs as for `merge_pallas` (`k_phases` its merge
-    operands); `lse, delta [B, Q, H_kv, Gp]` float32 and `do [B, Q, H_kv, Gp, Vp]`;
-    `accumulators` from `gradient_buffers` (or a previous call), updated in place.
-    Returns `(dq [B, Q, H_kv, Gp, Kp] float32 (un-rotated), accumulators)`."""
+def layer_backward_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, lse, do, delta, st: LayerStatic,
+                          interpret=False):
+    """`dq [B, Q, H_kv, Gp, Kp]` float32 (un-rotated) from one per-query layer's merged
+    candidates (the bottom with `keys=None`). `q` and the layer inputs as for
+    `merge_pallas` (`k_phases` its merge operands); `lse, delta [B, Q, H_kv, Gp]` float32
+    and `do [B, Q, H_kv, Gp, Vp]`."""
     check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gp, kp = q.shape
     bottom = keys is None
     sp = _block_specs(st, gp, kp, cos.shape[0], parents, k_phases, layer_v)
-    dk_acc, dv_acc = accumulators
     table = pl.BlockSpec(cos.shape, lambda b, i, h: (0, 0))  # half width: the kernel works on halves
     in_specs = [sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
-    in_specs += [*sp["k"], sp["v"], table, table, sp["vec"], sp["vec"], sp["mat"], per_head_spec(dk_acc),
-                 per_head_spec(dv_acc)]
-    args = (q, parents, n) + (() if bottom else (keys, tau)) + tuple(k_phases) + (layer_v, cos, sin)
-    args += (lse, delta, do, dk_acc, dv_acc)
-    dq, dk_acc, dv_acc = pl.pallas_call(
+    in_specs += [*sp["k"], sp["v"], table, table, sp["vec"], sp["vec"], sp["mat"]]
+    args = (q, parents, n) + (() if bottom else (keys, tau)) + tuple(k_phases) + (layer_v, cos, sin, lse, delta, do)
+    return pl.pallas_call(
         functools.partial(_layer_backward_kernel, st=st, bottom=bottom),
         grid=(B, Q // st.block_queries, H_kv),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, st.block_queries, None, gp, kp), lambda b, i, h: (b, i, h, 0, 0)),
-                   per_head_spec(dk_acc), per_head_spec(dv_acc)],
-        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, gp, kp), jnp.float32),
-                   jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
-        input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
+        out_specs=pl.BlockSpec((None, st.block_queries, None, gp, kp), lambda b, i, h: (b, i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, gp, kp), jnp.float32),
         compiler_params=compiler_params(st.merge_num_warps or st.num_warps, st.num_stages),
         interpret=interpret,
     )(*args)
-    return dq, (dk_acc, dv_acc)
 
 
 def _top_backward_kernel(*refs, st: LayerStatic, bottom: bool):
     """The top layer for a block of `BQ` queries (rows `b*Gt + g`), queries rotated by
     their own `n - 1`, keys by their position (`top_merge_pallas`'s layouts): `dq` in
-    the rotated frame, `dk` (rotated frame) and `dv` added per node tile."""
+    the rotated frame."""
     precision, operands = merge_score_precision(st), st.merge_operands
     (q_ref, n_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 2, st, bottom)
-    v_ref, lse_ref, delta_ref, do_ref, _, _, dq_ref, dk_ref, dv_ref = rest
+    v_ref, lse_ref, delta_ref, do_ref, dq_ref = rest
     bq, gt, kp = q_ref.shape
     rows, vp, tile = bq * gt, do_ref.shape[-1], st.tile
     q = q_ref[...].reshape(rows, kp)
@@ -229,11 +187,8 @@ def _top_backward_kernel(*refs, st: LayerStatic, bottom: bool):
         merged = merged & real[:, None]
         values = v_ref[pl.ds(start, tile), :]
         scores = st.alpha * dot_rows(q_parts, k_parts, precision, operands)
-        p, ds = _grads_of_block(scores, values, do, lse, delta, merged, st)
+        _, ds = _grads_of_block(scores, values, do, lse, delta, merged, st)
         dq = dq + _product(ds, _whole(k_parts), (1, 0), precision, operands)
-        # Rows past a query's n carry p = ds = 0: whole tiles are added.
-        plgpu.atomic_add(dk_ref, (pl.ds(start, tile), slice(None)), _product(ds, q, (0, 0), precision, operands))
-        plgpu.atomic_add(dv_ref, (pl.ds(start, tile), slice(None)), _product(p, do, (0, 0), precision, operands))
         return dq
 
     dq = lax.fori_loop(0, (jnp.max(n_q) + tile - 1) // tile, body, jnp.zeros((rows, kp), jnp.float32))
@@ -241,35 +196,27 @@ def _top_backward_kernel(*refs, st: LayerStatic, bottom: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def top_backward_pallas(q_rot, n, keys, tau, k_rot, v, lse, do, delta, accumulators, st: LayerStatic,
-                        interpret=False):
-    """Gradients from the top layer's merged candidates (all valid ones with
-    `keys=None`, `L = 1`), inputs as for `top_merge_pallas`; `lse, delta [B, Q, H_kv, Gt]`,
-    `do [B, Q, H_kv, Gt, Vp]`; `accumulators = (dk, dv)` float32 shaped like `k_rot`
-    (`[B, H_kv, Np, Kp]`) and `v`. Returns `(dq_rot, accumulators)`: `dq_rot` in the
-    rotated queries' frame (`rotate_queries`), `dk` in the rotated keys' frame
-    (`rotate_keys`); the caller rotates both back."""
+def top_backward_pallas(q_rot, n, keys, tau, k_rot, v, lse, do, delta, st: LayerStatic, interpret=False):
+    """`dq_rot` from the top layer's merged candidates (all valid ones with `keys=None`,
+    `L = 1`), in the rotated queries' frame (`rotate_queries`; the caller rotates it
+    back); inputs as for `top_merge_pallas`, `lse, delta [B, Q, H_kv, Gt]`, `do [B, Q,
+    H_kv, Gt, Vp]`."""
     bottom = keys is None
     width = st.tile if bottom else keys.shape[-1]
     _check(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
-    B, Q, H_kv, gt, kp = q_rot.shape
     sp = _specs(st, q_rot, k_rot, v, width)
-    dk_acc, dv_acc = accumulators
     in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
-    in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"], per_head_spec(dk_acc), per_head_spec(dv_acc)]
-    args = (q_rot, n) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v, lse, delta, do, dk_acc, dv_acc)
-    dq, dk_acc, dv_acc = pl.pallas_call(
+    in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
+    args = (q_rot, n) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v, lse, delta, do)
+    return pl.pallas_call(
         functools.partial(_top_backward_kernel, st=st, bottom=bottom),
-        grid=(B, Q // st.block_queries, H_kv),
+        grid=(q_rot.shape[0], q_rot.shape[1] // st.block_queries, q_rot.shape[2]),
         in_specs=in_specs,
-        out_specs=[sp["q"], per_head_spec(dk_acc), per_head_spec(dv_acc)],
-        out_shape=[jax.ShapeDtypeStruct(q_rot.shape, jnp.float32),
-                   jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
-        input_output_aliases={len(args) - 2: 1, len(args) - 1: 2},
+        out_specs=sp["q"],
+        out_shape=jax.ShapeDtypeStruct(q_rot.shape, jnp.float32),
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
     )(*args)
-    return dq, (dk_acc, dv_acc)
 
 
 # ---------------------------------------------------------------------------------------
@@ -295,5 +242,4 @@ def layer_backward_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, ls
                                                 layer_v.astype(jnp.float32))
 
 
-__all__ = ["gradient_buffers", "layer_backward_pallas", "layer_backward_twin", "phase_gradient",
-           "top_backward_pallas"]
+__all__ = ["layer_backward_pallas", "layer_backward_twin", "top_backward_pallas"]

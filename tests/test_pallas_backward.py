@@ -11,19 +11,16 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig
+from pallas_kernels.common import next_power_of_two
 from pallas_kernels.forward import BlockSizes
-from pallas_kernels.layer_backward import (
-    gradient_buffers,
-    layer_backward_pallas,
-    layer_backward_twin,
-    phase_gradient,
-)
+from pallas_kernels.layer_backward import layer_backward_pallas, layer_backward_twin
 from pallas_kernels.layer_forward import (
     importance_keys_pallas,
     key_operands,
     rotate_phases,
     select_top_k_layer_pallas,
 )
+from pallas_kernels.node_backward import UNIT, layer_node_grads_pallas, node_buffers, node_gradient, node_index
 from tests.test_pallas_kernels import LAYER_CONFIGS, _layer_inputs
 
 
@@ -36,31 +33,57 @@ def _row_stats(rng, shape, vp):
     return lse, delta, do
 
 
-@pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
-@pytest.mark.parametrize("G, block_sizes", [(1, BlockSizes()), (3, BlockSizes(span=16, tile=32))], ids=str)
-def test_layer_backward_equals_twin(rng, config, G, block_sizes):
+def _assert_gradients_close(got, want, atol=5e-5):
+    """Sums of signed terms in another order: the error scales with the largest
+    gradient (CI: 4.1e-5 on an entry of 0.08 where the largest was 17). `atol`: the
+    floor (more where the sums were added to accumulators of order 1 and taken back
+    out, which rounds them to float32 steps of those)."""
+    for g, w in zip(got, want):
+        scale = float(np.max(np.abs(np.asarray(w))))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=max(atol, 1e-5 * scale))
+
+
+# r = 32: a parent's children span two units of the node kernels.
+NODE_CONFIGS = LAYER_CONFIGS + [HTreeConfig(compression_rate=32, top_k=4)]
+
+
+@pytest.mark.parametrize("config", NODE_CONFIGS, ids=str)
+@pytest.mark.parametrize("G, block_sizes, entries_per_step", [(1, BlockSizes(), None),
+                                                             (3, BlockSizes(span=16, tile=32), 4)], ids=str)
+def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_step):
+    """The layer's gradients against the twin: `dq` from the per-query kernel, `dk`, `dv`
+    from the node kernel (per unit of nodes, through the inverse index)."""
     a = _layer_inputs(rng, config, G=G, K=24, V=20, block_sizes=block_sizes)
     st = a["st"]
     B, Q, H_kv, gp, kp = a["q"].shape
     N, vp = a["layer_k"].shape[2], a["layer_v"].shape[-1]
-    Mp = a["cos"].shape[0]
     lse, delta, do = _row_stats(rng, (B, Q, H_kv, gp), vp)
     phases = key_operands(rotate_phases(a["layer_k"], a["cos"], a["sin"], st), st.precision)
     keys = importance_keys_pallas(a["q"], a["parents"], a["n"], phases, a["cos"], a["sin"], st, True)
     _, tau = select_top_k_layer_pallas(keys, a["parents"], a["n"], st, True)
+    gt = next_power_of_two(G)
+    index = node_index(a["parents"], a["n"], st.r, -(-N // UNIT))
     for k_, t_ in [(keys, tau), (None, None)]:
-        acc = gradient_buffers(B, H_kv, N, kp, vp, st, Mp)
-        dq, (dk_acc, dv_acc) = layer_backward_pallas(a["q"], a["parents"], a["n"], k_, t_, phases, a["layer_v"],
-                                                     a["cos"], a["sin"], lse, do, delta, acc, st, True)
-        dk = phase_gradient(dk_acc, N, a["cos"], a["sin"], st)
+        dq = layer_backward_pallas(a["q"], a["parents"], a["n"], k_, t_, phases, a["layer_v"], a["cos"], a["sin"],
+                                   lse, do, delta, st, True)
+        # The node kernel adds to what the accumulators hold (earlier chunks' sums).
+        before = _random_accumulators(rng, node_buffers(B, H_kv, N, kp, vp))
+        dk_acc, dv_acc = layer_node_grads_pallas(
+            a["q"][:, :, :, :gt], a["parents"], a["n"], k_, t_, phases, a["layer_v"], a["cos"], a["sin"],
+            lse[..., :gt], do[..., :gt, :], delta[..., :gt], index, before, st, True, entries_per_step)
+        dk_acc, dv_acc = dk_acc - before[0], dv_acc - before[1]
         want = layer_backward_twin(a["q"], a["parents"], a["n"], k_, t_, a["layer_k"], a["layer_v"], a["cos"],
                                    a["sin"], lse, do, delta, st)
-        # Sums of signed terms in another order: the error scales with the largest
-        # gradient (CI: 4.1e-5 on an entry of 0.08 where the largest was 17).
-        for got, ref in zip((dq, dk, dv_acc[:, :, :N]), want):
-            scale = float(np.max(np.abs(np.asarray(ref))))
-            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=max(5e-5, 1e-5 * scale))
+        dk = node_gradient(dk_acc, N, a["cos"], a["sin"], st.r)
+        _assert_gradients_close((dq, dk, dv_acc[:, :, :N]), want, atol=1e-5 * 8)
         assert float(jnp.max(jnp.abs(want[1]))) > 0 and float(jnp.max(jnp.abs(want[0]))) > 0
+        assert not np.any(np.asarray(dk_acc[:, :, N:])) and not np.any(np.asarray(dv_acc[:, :, N:]))
+
+
+def _random_accumulators(rng, zeros):
+    """Accumulators holding earlier sums: values of order 1 (exactly representable
+    differences after adding gradients of order 1, to within float32 rounding)."""
+    return tuple(jnp.asarray(rng.integers(-4, 5, size=x.shape).astype(np.float32)) for x in zeros)
 
 
 @pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
@@ -70,6 +93,7 @@ def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
     every query of a block has its own `n`."""
     from htree_jax.rope import apply_rope
     from pallas_kernels.layer_backward import top_backward_pallas
+    from pallas_kernels.node_backward import top_node_grads_pallas
     from pallas_kernels.layer_forward import select_top_k_layer_twin
     from pallas_kernels.top_layer import pad_nodes, rotate_keys, rotate_queries, top_importance_keys_pallas
     from tests.test_pallas_kernels import top_layer_inputs
@@ -85,18 +109,16 @@ def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
     _, tau = select_top_k_layer_twin(keys, parents, n, st)
     lse, delta, do = _row_stats(rng, q.shape[:4], v.shape[-1])
     for k_, t_ in [(keys, tau), (None, None)]:
-        acc = (jnp.zeros(k_rot[0].shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-        dq_rot, (dk_acc, dv_acc) = top_backward_pallas(q_rot, n, k_, t_, k_rot, v, lse, do, delta, acc, st_top,
-                                                       interpret=True)
+        dq_rot = top_backward_pallas(q_rot, n, k_, t_, k_rot, v, lse, do, delta, st_top, interpret=True)
+        before = _random_accumulators(rng, (k_rot[0], v))
+        dk_acc, dv_acc = top_node_grads_pallas(q_rot, n, k_, t_, k_rot, v, lse, do, delta, before, st_top,
+                                               interpret=True)
+        dk_acc, dv_acc = dk_acc - before[0], dv_acc - before[1]
         position = n - 1
         dq = apply_rope(dq_rot, a["cos"][position], -a["sin"][position])
         dk = apply_rope(dk_acc[:, :, :N], a["cos"][:N], -a["sin"][:N])
         want = layer_backward_twin(q, parents, n, k_, t_, layer_k, layer_v, a["cos"], a["sin"], lse, do, delta, st)
-        # Sums of signed terms in another order: the error scales with the largest
-        # gradient (CI: 4.1e-5 on an entry of 0.08 where the largest was 17).
-        for got, ref in zip((dq, dk, dv_acc[:, :, :N]), want):
-            scale = float(np.max(np.abs(np.asarray(ref))))
-            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=max(5e-5, 1e-5 * scale))
+        _assert_gradients_close((dq, dk, dv_acc[:, :, :N]), want, atol=1e-5 * 8)
         assert not np.any(np.asarray(dv_acc[:, :, N:]))  # padding nodes get nothing
 
 
@@ -113,7 +135,9 @@ GRADIENT_CASES = [
 def _loss_grads(q, k, v, config, backend, weights):
     from htree_jax import htree_attention
 
-    loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=backend).astype(jnp.float32) * weights)
+    def loss(q, k, v):
+        return jnp.sum(htree_attention(q, k, v, config, backend=backend).astype(jnp.float32) * weights)
+
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
 

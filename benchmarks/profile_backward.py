@@ -1,0 +1,114 @@
+"""Where the Pallas backward's time goes, per launch, at one size (GPU).
+
+    python -m benchmarks.profile_backward --T 131072 --top-k 512
+
+Times (median of `--iters` after a warm-up) every launch of the backward for one chunk
+of query positions in the middle of the sequence, scaled by the number of chunks: the
+selections recomputed (top layer, then each layer that selects), each layer's `dq`
+kernel, the inverse index and the node kernel (`dk`, `dv`). Then the whole backward
+and the forward, for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from htree_jax import HTreeConfig
+from htree_jax.bench import H_KV, B, H, V, inputs, median_ms
+from pallas_kernels.backward import htree_backward_pallas
+from pallas_kernels.common import next_power_of_two, pad_axis
+from pallas_kernels.forward import BlockSizes, candidate_count, chunk_queries, htree_forward_pallas, prepare
+from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
+from pallas_kernels.layer_forward import importance_keys_pallas, select_top_k_layer_pallas
+from pallas_kernels.node_backward import (
+    UNIT,
+    layer_node_grads_pallas,
+    node_buffers,
+    node_index,
+    top_node_grads_pallas,
+)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--T", type=int, default=131072)
+    p.add_argument("--top-k", type=int, default=512)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--node-variants", default="", help="also time the node kernel at entries:warps, e.g. 32:4,8:2")
+    p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
+    args = p.parse_args(argv)
+    ip, T, config = args.interpret, args.T, HTreeConfig(top_k=args.top_k)
+    q, k, v = inputs(T)
+    bs = BlockSizes()
+    prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None, for_backward=True))(q, k, v)
+    st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers) + 1
+    st_top = dataclasses.replace(prep.st_top, num_stages=1)  # as the backward runs it
+    G = H // H_KV
+    gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
+    chunks = prep.q4.shape[1] // Qc
+    c = jnp.int32(chunks // 2)
+    vp, kp = prep.top_v.shape[-1], prep.q4.shape[-1]
+    sizes = config.layer_sizes(T)
+    key = jax.random.split(jax.random.key(3), 3)
+    lse = jax.random.normal(key[0], (B, Qc, H_KV, gp), jnp.float32) + 8.0
+    delta = jax.random.normal(key[1], (B, Qc, H_KV, gp), jnp.float32)
+    do = jax.random.normal(key[2], (B, Qc, H_KV, gp, vp), jnp.float32)
+    stats = lambda g: (lse[..., :g], do[..., :g, :], delta[..., :g])
+    rows = []
+
+    def timed(name, fn, *a):
+        rows.append((name, median_ms(jax.jit(fn), a, args.iters), chunks))
+        return jax.jit(fn)(*a)
+
+    print(f"T={T} top_k={args.top_k} layers={sizes} chunk {Qc} x {chunks}", flush=True)
+    qc, t, n_top, q_top, (keys, tau, parents) = timed(
+        "chunk set-up + top layer importance and top-K (recomputed)", lambda: chunk_queries(prep, c, T, L, ip))
+    top = (q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt))
+    top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
+    timed("top: dq kernel", lambda *a: top_backward_pallas(*a, st_top, ip), *top)
+    timed("top: node kernel (dk, dv)", lambda *a: top_node_grads_pallas(*a, top_acc, st_top, ip), *top)
+    if L > 1:
+        q_rows = pad_axis(qc, 3, gp)
+        for l in reversed(range(L - 1)):
+            _, k_merge, vl = prep.layers[l]
+            n = candidate_count(parents, t, st.r, l)
+            keys = tau = None
+            if l > 0:
+                keys = timed(f"layer {l}: importance keys (recomputed)",
+                             lambda *a: importance_keys_pallas(*a, st, ip), q_rows, parents, n, prep.layers[l][0],
+                             prep.cos, prep.sin)
+                nxt, tau = timed(f"layer {l}: top-K (recomputed)", lambda *a: select_top_k_layer_pallas(*a, st, ip),
+                                 keys, parents, n)
+            la = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
+            timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, *stats(gp), st, ip), *la)
+            units = -(-sizes[l] // UNIT)
+            index = timed(f"layer {l}: inverse index (sort)", lambda p_, n_: node_index(p_, n_, st.r, units),
+                          parents, n)
+            nacc = node_buffers(B, H_KV, sizes[l], kp, vp)
+            timed(f"layer {l}: node kernel (dk, dv)",
+                  lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st, ip), *la)
+            for variant in filter(None, args.node_variants.split(",")):
+                e, w = (int(x) for x in variant.split(":"))
+                timed(f"  variant: layer {l} node kernel, {e} pairs/step, {w} warps",
+                      lambda *a, e=e, w=w: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc,
+                                                                   st, ip, e, w), *la)
+            if l > 0:
+                parents = nxt[..., :P]
+    for name, ms, times in rows:
+        print(f"| {name} | {ms:.2f} | x{times} = {ms * times:.1f} ms |", flush=True)
+
+    o, _, lse_all = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, interpret=ip, return_lse=True))(
+        q, k, v)
+    dout = jax.random.normal(key[0], (B, T, H, V), q.dtype)
+    fwd = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, interpret=ip)[0])
+    print(f"| whole forward | {median_ms(fwd, (q, k, v), args.iters):.1f} ms |", flush=True)
+    bwd = jax.jit(lambda *a: htree_backward_pallas(*a, config, interpret=ip))
+    print(f"| whole backward | {median_ms(bwd, (q, k, v, o, lse_all, dout), args.iters):.1f} ms |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""Key and value gradients by node (SPEC 5), deterministic: the transpose of the
+per-query kernels of `layer_backward.py`, which give `dq`.
+
+Each program owns a block of nodes and visits, in a fixed order, every query that merged
+one of them, summing in registers; it then adds the block's sum to the accumulator,
+which no other program of the launch touches. Chunks of queries follow each other in
+order. So `dk`, `dv` are bitwise the same run to run, and no atomic is issued (adding
+them with float32 atomics from the per-query programs instead ran 4-7x slower on an
+H200, benchmarks/RESULTS.md).
+
+- Layers below the top (`layer_node_grads_pallas`): a program per `UNIT = 16`
+  consecutive nodes (a dot's least width). Which queries merged them comes from an
+  inverse index of the chunk's parent lists (`node_index`: a stable sort of the
+  `(query, slot)` pairs by the unit their parent's children lie in, with each pair's
+  rotation and candidate positions precomputed, so the kernel's loads depend on no
+  other load but the index's). A pair `(t, s)` with parent `P` puts child `c` of `P` at
+  candidate position `s*r + c`; the unit's keys are read once, rotated by `c` (copy 0
+  of `rotate_phases`), and each pair's query is rotated by `n_t - 1 - s*r` (RoPE is
+  relative), so `dk` comes out in the frame of copy 0, rotated back once at the end
+  (`node_gradient`).
+- The top layer (`top_node_grads_pallas`): flash attention's `dk`/`dv` loop: a program
+  per tile of nodes walks the chunk's queries in blocks, skipping the leading blocks
+  whose queries all see fewer nodes than the tile's first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from htree_jax.rope import apply_rope
+from pallas_kernels.common import compiler_params
+from pallas_kernels.layer_backward import _grads_of_block, _product
+from pallas_kernels.layer_forward import (
+    LayerStatic,
+    check_key_parts,
+    dot_rows,
+    key_parts,
+    merge_score_precision,
+    split_rows,
+)
+
+UNIT = 16  # nodes per program below the top layer
+
+
+def units_per_pair(r: int) -> int:
+    """Units covered by one parent's children: `r / 16`, or 1 when `r <= 16` (then
+    `16 / r` parents share a unit)."""
+    return max(1, r // UNIT)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["query", "angle", "offset", "span", "bounds"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class NodeIndex:
+    """Which `(query, slot)` pairs merged a child in each unit of `UNIT` nodes, one
+    chunk's worth, with what the node kernel needs of each pair precomputed (so that
+    its loads depend on no other load but these). Per `(b, h)`, entries `[E]` sorted by
+    unit, then by query and slot; unit `u`'s are `bounds[u, 0] : bounds[u, 1]`."""
+
+    query: jax.Array  # [B, H_kv, E] int32: the pair's query t (row in the chunk)
+    angle: jax.Array  # [B, H_kv, E]: n_t - 1 - slot*r, the query's rotation
+    offset: jax.Array  # [B, H_kv, E]: candidate position of the unit's first node
+    span: jax.Array  # [B, H_kv, E]: lo + 32 * hi, the unit's nodes [lo, hi) this pair merges
+    bounds: jax.Array  # [B, H_kv, units, 2]
+
+
+def node_index(parents, n, r: int, num_units: int) -> NodeIndex:
+    """The inverse index of one chunk's parent lists `parents [B, Q, H_kv, P]` (int32,
+    ascending, `-1` padded; `n [B, Q, H_kv, 1]` valid candidates): a stable sort of the
+    `(query, slot, j)` triples by the unit the `j`-th `UNIT` of the slot's children lie
+    in (`j < units_per_pair(r)`)."""
+    B, Q, H_kv, P = parents.shape
+    U = units_per_pair(r)
+    slot = jnp.arange(P, dtype=jnp.int32)
+    used = (parents >= 0) & (slot * r < n)
+    unit = ((jnp.maximum(parents, 0) * r) // UNIT)[..., None] + jnp.arange(U, dtype=jnp.int32)
+    unit = jnp.where(used[..., None], unit, num_units)  # unused pairs sort past the end
+    per_head = lambda x: jnp.moveaxis(x, 2, 1).reshape(B, H_kv, -1)
+    unit = per_head(unit)
+    ids = jnp.broadcast_to(jnp.arange(Q * P * U, dtype=jnp.int32), unit.shape)
+    unit, entries = lax.sort((unit, ids), dimension=-1, num_keys=1, is_stable=True)
+    edges = jnp.arange(num_units + 1, dtype=jnp.int32)
+    starts = jax.vmap(jax.vmap(lambda x: jnp.searchsorted(x, edges, side="left")))(unit).astype(jnp.int32)
+    bounds = jnp.stack([starts[..., :-1], starts[..., 1:]], axis=-1)
+
+    pair = entries // U
+    t, s = pair // P, pair % P
+    parent = jnp.take_along_axis(per_head(parents), pair, axis=-1)
+    n_t = jnp.take_along_axis(per_head(n), t, axis=-1)
+    first_node = unit * UNIT  # node i of the unit is first_node + i
+    offset = s * r - parent * r + first_node  # child c = node - parent*r sits at s*r + c
+    lo = jnp.clip(parent * r - first_node, 0, UNIT)
+    hi = jnp.clip(jnp.minimum(parent * r + r - first_node, n_t - offset), 0, UNIT)
+    hi = jnp.where(unit < num_units, jnp.maximum(hi, lo), lo)
+    angle = jnp.maximum(n_t - 1 - s * r, 0)
+    return NodeIndex(t, angle, offset, lo + 32 * hi, bounds)
+
+
+def node_buffers(B, H_kv, N: int, kp: int, vp: int):
+    """Zeroed float32 accumulators of `layer_node_grads_pallas`: `dk [B, H_kv, Nu, Kp]`
+    (copy 0's frame) and `dv [B, H_kv, Nu, Vp]`, `Nu` = N rounded up to whole units."""
+    Nu = -(-N // UNIT) * UNIT
+    return jnp.zeros((B, H_kv, Nu, kp), jnp.float32), jnp.zeros((B, H_kv, Nu, vp), jnp.float32)
+
+
+def node_gradient(dk_acc, N: int, cos, sin, r: int):
+    """`dk [B, H_kv, N, Kp]` from `layer_node_grads_pallas`'s accumulator: node `j` was
+    read rotated by `j mod r`."""
+    angle = jnp.arange(N) % r
+    return apply_rope(dk_acc[:, :, :N], cos[angle], -sin[angle])
+
+
+def _per_row(x, gt: int):
+    """`[E, ...]` per entry -> `[E * gt, ...]`, repeated for each of its query's rows."""
+    return jnp.broadcast_to(x[:, None], (x.shape[0], gt) + x.shape[1:]).reshape((x.shape[0] * gt,) + x.shape[1:])
+
+
+def _layer_node_kernel(*refs, st: LayerStatic, bottom: bool, entries_per_step: int, gt: int):
+    """One unit of `UNIT` nodes; its entries in steps of `entries_per_step` pairs
+    (`entries_per_step * gt` rows). Per-query arrays are flattened per `(b, h)`: row
+    `t*gt + g` of `q, lse, delta, do`, `t*Mp + p` of `keys`."""
+    precision, operands = merge_score_precision(st), st.merge_operands
+    bounds_ref, query_ref, angle_ref, offset_ref, span_ref, q_ref, *refs = refs
+    keys_ref = tau_ref = None
+    if not bottom:
+        keys_ref, tau_ref, *refs = refs
+    parts = key_parts(precision, operands)
+    k_refs, refs = refs[:parts], refs[parts:]
+    v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref, dk_in, dv_in, dk_out, dv_out = refs
+    E = entries_per_step
+    half, vp = q_ref.shape[-1] // 2, do_ref.shape[-1]
+    Mp, N = cos_ref.shape[0], v_ref.shape[0]
+    rows = E * gt
+    begin, end = bounds_ref[0], bounds_ref[1]
+    nodes = pl.program_id(2) * UNIT + jnp.arange(UNIT, dtype=jnp.int32)
+    at = jnp.minimum(nodes, N - 1)
+    k_lo = tuple(k_ref[at, pl.ds(0, half)] for k_ref in k_refs)  # copy 0: node j rotated by j mod r
+    k_hi = tuple(k_ref[at, pl.ds(half, half)] for k_ref in k_refs)
+    values = v_ref[at, :]
+    node = jnp.arange(UNIT, dtype=jnp.int32)[None, :]
+    head = jnp.arange(gt, dtype=jnp.int32)
+    real = head[None, :] < st.group  # [1, gt]: rows past G are padding
+
+    def step(i, carry):
+        dk_lo, dk_hi, dv = carry
+        e = jnp.minimum(begin + i * E + jnp.arange(E, dtype=jnp.int32), end - 1)
+        ok = (begin + i * E + jnp.arange(E, dtype=jnp.int32) < end)[:, None]
+        t, angle, offset, span = query_ref[e], angle_ref[e], offset_ref[e], span_ref[e]
+        row = (t[:, None] * gt + head[None, :]).reshape(rows)
+        # The pair's query rotated by n_t - 1 - slot*r; with the key rotated by its
+        # child c that puts them s*r + c apart, the candidate position.
+        c, s = _per_row(cos_ref[angle, :], gt), _per_row(sin_ref[angle, :], gt)
+        q_lo = q_ref[row, pl.ds(0, half)].astype(jnp.float32)
+        q_hi = q_ref[row, pl.ds(half, half)].astype(jnp.float32)
+        qr_lo, qr_hi = q_lo * c - q_hi * s, q_hi * c + q_lo * s
+        scores = st.alpha * (dot_rows(split_rows(qr_lo, precision, operands), k_lo, precision, operands)
+                             + dot_rows(split_rows(qr_hi, precision, operands), k_hi, precision, operands))
+        merged = ok & (node >= (span % 32)[:, None]) & (node < (span // 32)[:, None])  # [E, UNIT]
+        if not bottom:
+            position = jnp.clip(offset[:, None] + node, 0, Mp - 1)
+            merged = merged & (keys_ref[t[:, None] * Mp + position] < tau_ref[t][:, None])
+        merged = (merged[:, None, :] & real[:, :, None]).reshape(rows, UNIT)
+        do = do_ref[row, :]
+        p, ds = _grads_of_block(scores, values, do, lse_ref[row], delta_ref[row], merged, st)
+        return (dk_lo + _product(ds, qr_lo, (0, 0), precision, operands),
+                dk_hi + _product(ds, qr_hi, (0, 0), precision, operands),
+                dv + _product(p, do, (0, 0), precision, operands))
+
+    zeros = lambda d: jnp.zeros((UNIT, d), jnp.float32)
+    dk_lo, dk_hi, dv = lax.fori_loop(0, (end - begin + E - 1) // E, step, (zeros(half), zeros(half), zeros(vp)))
+    dk_out[:, pl.ds(0, half)] = dk_in[:, pl.ds(0, half)] + dk_lo
+    dk_out[:, pl.ds(half, half)] = dk_in[:, pl.ds(half, half)] + dk_hi
+    dv_out[...] = dv_in[...] + dv
+
+
+def _per_head(x):
+    """`[B, Q, H_kv, ...]` -> `[B, H_kv, Q * ...]`: one flat run per `(b, h)`."""
+    x = jnp.moveaxis(x, 2, 1)
+    return x.reshape(x.shape[:2] + (-1,))
+
+
+def _per_head_rows(x):
+    """`[B, Q, H_kv, Gt, D]` -> `[B, H_kv, Q * Gt, D]`."""
+    x = jnp.moveaxis(x, 2, 1)
+    return x.reshape(x.shape[:2] + (-1, x.shape[-1]))
+
+
+def _whole(x):
+    """BlockSpec: the whole `(b, h)` slice of `[B, H_kv, ...]` for a grid `(B, H_kv, units)`."""
+    return pl.BlockSpec((None, None) + x.shape[2:], lambda b, h, u: (b, h) + (0,) * (x.ndim - 2))
+
+
+def _unit_rows(x):
+    """BlockSpec: program `u`'s `UNIT` rows of `[B, H_kv, R, D]`."""
+    return pl.BlockSpec((None, None, UNIT, x.shape[-1]), lambda b, h, u: (b, h, u, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "entries_per_step", "num_warps"))
+def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, lse, do, delta,
+                            index: NodeIndex, accumulators, st: LayerStatic, interpret=False, entries_per_step=None,
+                            num_warps=None):
+    """`dk`, `dv` of one layer below the top (the bottom with `keys=None`) added to
+    `accumulators` (`node_buffers`), deterministically.
+
+    `q [B, Q, H_kv, Gt, Kp]` un-rotated, halves padded apart; `keys, tau, k_phases,
+    layer_v, cos, sin` as for `merge_pallas`; `lse, delta [B, Q, H_kv, Gt]`, `do [B, Q,
+    H_kv, Gt, Vp]` float32; `index = node_index(parents, n, r, units)` (`parents`, `n`
+    are read through it). `entries_per_step`: pairs per step (default: 64 rows)."""
+    del parents, n  # read through the index
+    check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
+    B, Q, H_kv, gt, kp = q.shape
+    bottom = keys is None
+    dk_acc, dv_acc = accumulators
+    num_units = index.bounds.shape[2]
+    if dk_acc.shape[2] != num_units * UNIT:
+        raise ValueError(f"accumulators hold {dk_acc.shape[2]} rows, the index {num_units} units of {UNIT}")
+    # 64 rows per step at 2 warps: H200, T=131072, top_k=512, bottom layer per chunk of
+    # 8192 queries: 27 ms; 128 rows at 2 warps 957 ms (spilled), at 4 warps 50 ms.
+    E = entries_per_step or max(1, 64 // gt)
+    if st.merge_operands is not None:
+        do = do.astype(st.merge_operands)  # the products read it so: half the bytes gathered
+    args = [index.bounds, index.query, index.angle, index.offset, index.span, _per_head_rows(q)]
+    if not bottom:
+        args += [_per_head(keys), _per_head(tau)]
+    args += list(k_phases) + [layer_v]
+    in_specs = [pl.BlockSpec((None, None, None, 2), lambda b, h, u: (b, h, u, 0))]
+    in_specs += [_whole(x) for x in args[1:]]
+    table = pl.BlockSpec(cos.shape, lambda b, h, u: (0, 0))
+    rows = [_per_head(lse), _per_head(delta), _per_head_rows(do)]
+    in_specs += [table, table] + [_whole(x) for x in rows] + [_unit_rows(dk_acc), _unit_rows(dv_acc)]
+    args += [cos, sin, *rows, dk_acc, dv_acc]
+    dk_acc, dv_acc = pl.pallas_call(
+        functools.partial(_layer_node_kernel, st=st, bottom=bottom, entries_per_step=E, gt=gt),
+        # Units innermost: programs that run together read the same head's queries.
+        grid=(B, H_kv, num_units),
+        in_specs=in_specs,
+        out_specs=[_unit_rows(dk_acc), _unit_rows(dv_acc)],
+        out_shape=[jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
+        input_output_aliases={len(args) - 2: 0, len(args) - 1: 1},
+        compiler_params=compiler_params(num_warps or st.merge_num_warps or st.num_warps, st.num_stages),
+        interpret=interpret,
+    )(*args)
+    return dk_acc, dv_acc
+
+
+def _top_node_kernel(*refs, st: LayerStatic, bottom: bool):
+    """One tile of the top layer's nodes against the chunk's queries, `BQ` per step,
+    from block `first` on (the blocks before it see none of the tile)."""
+    precision, operands = merge_score_precision(st), st.merge_operands
+    first_ref, q_ref, n_ref, *refs = refs
+    keys_ref = tau_ref = None
+    if not bottom:
+        keys_ref, tau_ref, *refs = refs
+    parts = key_parts(precision, operands)
+    k_refs, refs = refs[:parts], refs[parts:]
+    v_ref, lse_ref, delta_ref, do_ref, dk_in, dv_in, dk_out, dv_out = refs
+    Q, gt, kp = q_ref.shape
+    bq, tile, vp = st.block_queries, st.tile, do_ref.shape[-1]
+    rows = bq * gt
+    start = pl.program_id(1) * tile
+    positions = start + jnp.arange(tile, dtype=jnp.int32)
+    k_parts = tuple(k_ref[pl.ds(start, tile), :] for k_ref in k_refs)
+    values = v_ref[pl.ds(start, tile), :]
+    real = (jnp.arange(rows, dtype=jnp.int32) % gt < st.group)[:, None]
+
+    def step(i, carry):
+        dk, dv = carry
+        block = pl.ds(i * bq, bq)
+        q = q_ref[block, :, :].reshape(rows, kp)
+        n_q = n_ref[block, :]  # [BQ, 1]
+        merged = positions[None, :] < n_q
+        if not bottom:
+            merged = merged & (keys_ref[block, pl.ds(start, tile)] < tau_ref[block, :])
+        merged = jnp.broadcast_to(merged[:, None, :], (bq, gt, tile)).reshape(rows, tile) & real
+        do = do_ref[block, :, :].reshape(rows, vp)
+        lse = jnp.where(real[:, 0], lse_ref[block, :].reshape(rows), 0.0)
+        scores = st.alpha * dot_rows(split_rows(q, precision, operands), k_parts, precision, operands)
+        p, ds = _grads_of_block(scores, values, do, lse, delta_ref[block, :].reshape(rows), merged, st)
+        return dk + _product(ds, q, (0, 0), precision, operands), dv + _product(p, do, (0, 0), precision, operands)
+
+    init = (jnp.zeros((tile, kp), jnp.float32), jnp.zeros((tile, vp), jnp.float32))
+    dk, dv = lax.fori_loop(first_ref[0], Q // bq, step, init)
+    dk_out[...] = dk_in[...] + dk
+    dv_out[...] = dv_in[...] + dv
+
+
+def leading_blocks(n, block_queries: int, tile: int, num_tiles: int):
+    """`[B, H_kv, num_tiles, 1]`: per node tile, how many leading blocks of queries see
+    none of it (every query of them and of the blocks before has `n <= tile start`)."""
+    B, Q, H_kv, _ = n.shape
+    block_max = jnp.max(jnp.moveaxis(n[..., 0], 2, 1).reshape(B, H_kv, Q // block_queries, block_queries), axis=-1)
+    reach = lax.cummax(block_max, axis=2)  # [B, H_kv, blocks]
+    starts = jnp.arange(num_tiles, dtype=jnp.int32) * tile
+    return jnp.sum(reach[:, :, None, :] <= starts[:, None], axis=-1, dtype=jnp.int32)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def top_node_grads_pallas(q_rot, n, keys, tau, k_rot, v, lse, do, delta, accumulators, st: LayerStatic,
+                          interpret=False):
+    """`dk`, `dv` of the top layer (all valid candidates with `keys=None`) added to
+    `accumulators` (float32, shaped like `k_rot [B, H_kv, Np, Kp]` and `v`),
+    deterministically; inputs as for `top_backward_pallas`. `dk` in the rotated keys'
+    frame (`rotate_keys`)."""
+    check_key_parts(k_rot, (key_parts(merge_score_precision(st), st.merge_operands),))
+    B, Q, H_kv, gt, kp = q_rot.shape
+    tile, bq = st.tile, st.block_queries
+    Np = k_rot[0].shape[2]
+    if Q % bq or Np % tile:
+        raise ValueError(f"queries {Q} / nodes {Np} must be multiples of block_queries {bq} / tile {tile}")
+    bottom = keys is None
+    dk_acc, dv_acc = accumulators
+    chunk = lambda *tail: pl.BlockSpec((None, Q, None) + tail, lambda b, j, h: (b, 0, h) + (0,) * len(tail))
+    nodes = lambda x: pl.BlockSpec((None, None, tile, x.shape[-1]), lambda b, j, h: (b, h, j, 0))
+    whole_nodes = lambda x: pl.BlockSpec((None, None, Np, x.shape[-1]), lambda b, j, h: (b, h, 0, 0))
+    first = leading_blocks(n, bq, tile, Np // tile)
+    args = [first, q_rot, n] + ([] if bottom else [keys, tau]) + list(k_rot) + [v, lse, delta, do, dk_acc, dv_acc]
+    in_specs = [pl.BlockSpec((None, None, None, 1), lambda b, j, h: (b, h, j, 0)), chunk(gt, kp), chunk(1)]
+    in_specs += [] if bottom else [chunk(keys.shape[-1]), chunk(1)]
+    in_specs += [whole_nodes(x) for x in k_rot] + [whole_nodes(v), chunk(gt), chunk(gt), chunk(gt, do.shape[-1])]
+    in_specs += [nodes(dk_acc), nodes(dv_acc)]
+    dk_acc, dv_acc = pl.pallas_call(
+        functools.partial(_top_node_kernel, st=st, bottom=bottom),
+        grid=(B, Np // tile, H_kv),
+        in_specs=in_specs,
+        out_specs=[nodes(dk_acc), nodes(dv_acc)],
+        out_shape=[jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
+        input_output_aliases={len(args) - 2: 0, len(args) - 1: 1},
+        compiler_params=compiler_params(st.num_warps, st.num_stages),
+        interpret=interpret,
+    )(*args)
+    return dk_acc, dv_acc
+
+
+__all__ = ["UNIT", "NodeIndex", "layer_node_grads_pallas", "leading_blocks", "node_buffers", "node_gradient",
+           "node_index",
+           "top_node_grads_pallas", "units_per_pair"]
