@@ -1,12 +1,16 @@
 """htree-jax: hierarchical sparse (htree) attention for JAX and Flax.
 
-Public API: `HTreeConfig`, `build_tree`, `htree_attention`.
+Public API: `HTreeConfig`, `build_tree`, `htree_attention`, the Flax NNX module
+`HTreeAttention` (linen twin: `htree_jax.linen.HTreeAttention`), and `attention_fn` for
+`nnx.MultiHeadAttention` / `nn.MultiHeadDotProductAttention`.
 """
 
 from htree_jax.attention import htree_attention
 from htree_jax.config import HTreeConfig
+from htree_jax.flax_attention import attention_fn
+from htree_jax.module import HTreeAttention
 from htree_jax.tree import build_tree
 
 __version__ = "0.1.0"
 
-__all__ = ["HTreeConfig", "build_tree", "htree_attention", "__version__"]
+__all__ = ["HTreeAttention", "HTreeConfig", "attention_fn", "build_tree", "htree_attention", "__version__"]

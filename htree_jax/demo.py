@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from htree_jax.reference import candidate_count
+from htree_jax.introspect import candidates_per_query
 
 # Outputs within this of the float64 oracle count as agreement (values are O(1)).
 AGREEMENT_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
@@ -43,21 +43,6 @@ def _positive(args, *names):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise DemoError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-
-
-def candidates_per_query(selected, config, seq_len):
-    """Candidates each query scores, summed over layers: `[B, T, H_kv]`, from the
-    selections (SPEC 2.1: `n = (n_P - 1) * r + c* + 1`)."""
-    r, L = config.compression_rate, config.num_layers(seq_len)
-    t = np.arange(seq_len)[None, :, None]
-    num_parents = t // r ** (L - 1) // r + 1  # virtual parents of the top layer
-    total = 0
-    for depth, l in enumerate(reversed(range(L))):
-        n = candidate_count(num_parents, t, r, l)
-        total = total + n
-        if l > 0:
-            num_parents = (np.asarray(selected[depth]) >= 0).sum(axis=-1)
-    return total
 
 
 def _median_ms(fn, repeats):

@@ -1,0 +1,203 @@
+"""`attention_fn`: htree attention behind Flax's `attention_fn` hook, and the checks the
+Flax modules share (causal masks, dropout, the keyword arguments Flax passes).
+
+`nnx.MultiHeadAttention(..., attention_fn=htree_jax.attention_fn(config))` and
+`nn.MultiHeadDotProductAttention(..., attention_fn=...)` call it with projected
+`q [batch..., T, H, K]`, `k, v [batch..., T, H_kv, D]` and keyword arguments; htree is
+causal self-attention with RoPE inside, so what those arguments may ask is narrow:
+causal masking (a causal `mask`, or `is_causal=True`), no dropout, no sown weights.
+Everything else is refused by name before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from htree_jax.attention import BACKENDS, htree_attention
+from htree_jax.config import HTreeConfig
+from htree_jax.validation import check_config
+
+CAUSAL_ONLY = (
+    "htree attention is causal by construction (SPEC 2: each query walks the tree of "
+    "the tokens before it)"
+)
+
+
+def _is_traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _raise_not_causal(ok) -> None:
+    if not bool(ok):
+        raise ValueError(
+            f"mask: {CAUSAL_ONLY}; the mask passed under jit is not the causal mask "
+            "(True exactly where key position <= query position)"
+        )
+
+
+def check_causal_mask(mask, *, batch_shape, num_heads: int, seq_len: int, is_causal: bool = False,
+                      check_values: bool = True) -> None:
+    """Refuses any attention mask that would make the attention other than causal.
+
+    `mask` (Flax's convention: `True` or nonzero = attend; `make_causal_mask` gives
+    float32 ones and zeros) must broadcast to
+    `[*batch_shape, num_heads, T, T]`. Without `is_causal` it must equal the causal mask
+    (`key <= query`); with `is_causal=True` (Flax ANDs the two) it must be `True` on and
+    below the diagonal. `None` needs `is_causal=True`. A concrete mask is checked here;
+    a traced one (under `jit`) is checked on the device and reported through a host
+    callback, so the error surfaces when the result is computed (`check_values=False`
+    skips that check: the caller vouches for the mask)."""
+    if mask is None:
+        if not is_causal:
+            raise ValueError(
+                f"mask: {CAUSAL_ONLY}, and no mask with is_causal=False asks for full "
+                "(bidirectional) attention. Pass is_causal=True (nnx.MultiHeadAttention) or "
+                "a causal mask (mask=nnx.make_causal_mask(x) / nn.make_causal_mask(x))"
+            )
+        return
+    shape = tuple(getattr(mask, "shape", ()))
+    want = (*batch_shape, num_heads, seq_len, seq_len)
+    if len(shape) < 2 or len(shape) > len(want):
+        raise ValueError(f"mask must broadcast to [batch..., H, T, T] = {list(want)}, got shape {list(shape)}")
+    try:
+        np.broadcast_shapes(shape, want)
+    except ValueError:
+        raise ValueError(
+            f"mask must broadcast to [batch..., H, T, T] = {list(want)}, got shape {list(shape)}"
+        ) from None
+    if shape[-2:] != (seq_len, seq_len):
+        raise ValueError(
+            f"mask: {CAUSAL_ONLY}; its last two axes must be [T, T] = [{seq_len}, {seq_len}], "
+            f"got shape {list(shape)}"
+        )
+    if not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.number)):
+        raise TypeError(f"mask must be boolean or numeric (nonzero = attend), got dtype {np.dtype(mask.dtype).name}")
+    if _is_traced(mask):
+        if check_values:
+            mask = mask.astype(bool)
+            causal = jnp.tril(jnp.ones((seq_len, seq_len), bool))
+            effective = mask & causal if is_causal else mask
+            jax.debug.callback(_raise_not_causal, jnp.all(effective == causal))
+        return
+    values = np.asarray(mask).astype(bool)
+    causal = np.tril(np.ones((seq_len, seq_len), bool))
+    effective = values & causal if is_causal else values
+    if not np.all(effective == causal):
+        rule = "True on and below the diagonal" if is_causal else "True exactly where key position <= query position"
+        raise ValueError(f"mask: {CAUSAL_ONLY}; only the causal mask is supported ({rule})")
+
+
+def check_no_dropout(dropout_rate) -> None:
+    if dropout_rate is None:
+        return
+    if not isinstance(dropout_rate, (int, float)) or isinstance(dropout_rate, bool) or dropout_rate < 0:
+        raise ValueError(f"dropout_rate must be a number >= 0, got {dropout_rate!r}")
+    if dropout_rate > 0:
+        raise ValueError(
+            f"dropout_rate: dropout on htree attention weights is not supported (got "
+            f"{dropout_rate}); the merged nodes' weights never exist as a matrix. Set "
+            "dropout_rate=0 (dropout elsewhere in the model is unaffected)"
+        )
+
+
+def check_backend(backend) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def attend(q, k, v, config, backend, interpret):
+    """`htree_attention` on `[batch..., T, heads, dim]` projections (any number of
+    leading batch axes)."""
+    batch_shape = q.shape[:-3]
+    flat = lambda x: x.reshape((-1,) + x.shape[-3:])
+    o = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, interpret=interpret)
+    return o.reshape(batch_shape + o.shape[1:])
+
+
+def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", interpret: bool = False,
+                 check_mask: bool = True):
+    """htree attention with the `attention_fn` contract of `nnx.MultiHeadAttention` and
+    `nn.MultiHeadDotProductAttention`, so an existing Flax model switches with one argument:
+
+        nnx.MultiHeadAttention(num_heads, d, ..., attention_fn=htree_jax.attention_fn(config))
+        y = mha(x, is_causal=True)            # or mask=nnx.make_causal_mask(x[..., 0])
+
+    The returned function takes the projected `query [batch..., T, H, K]`, `key
+    [batch..., T, H_kv, K]`, `value [batch..., T, H_kv, V]` (un-rotated: RoPE is applied
+    inside htree, so the model must not rotate them) and returns `[batch..., T, H, V]`.
+    Keyword arguments, checked before any kernel runs:
+      mask: a causal boolean mask broadcasting to `[batch..., H, T, T]`, or `None` with
+        `is_causal=True`; anything else is refused (see `check_causal_mask`; a mask traced
+        under `jit` is verified on the device unless `check_mask=False`).
+      dropout_rate: must be 0 (`dropout_rng`, `broadcast_dropout`, `deterministic` are
+        then irrelevant and accepted).
+      dtype: if given, q, k, v are cast to it (float32, bfloat16 or float16).
+      precision, force_fp32_for_softmax: accepted; htree's dots accumulate in float32 and
+        its softmax is float32 whatever they say.
+      module: must be `None` (`sow_weights=True` asks for dense attention weights, which
+        htree never forms).
+      qk_attn_weights_einsum, attn_weights_value_einsum: must be `None`.
+
+    `config`: the `HTreeConfig` (static); `backend`, `interpret`: as in `htree_attention`.
+    """
+    config = check_config(config)
+    check_backend(backend)
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool, got {interpret!r}")
+
+    def htree_attention_fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout: bool = True,
+        dropout_rng=None,
+        dropout_rate: float = 0.0,
+        deterministic: bool = False,
+        dtype=None,
+        precision=None,
+        module=None,
+        is_causal: bool = False,
+        force_fp32_for_softmax: bool = False,
+        qk_attn_weights_einsum=None,
+        attn_weights_value_einsum=None,
+    ):
+        if bias is not None:
+            raise ValueError("bias: an additive attention bias is not supported by htree attention")
+        check_no_dropout(dropout_rate)
+        if module is not None:
+            raise ValueError(
+                "module / sow_weights=True: htree attention never forms the dense attention "
+                "weights, so there is nothing to sow; call without sow_weights"
+            )
+        if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+            raise ValueError(
+                "qk_attn_weights_einsum / attn_weights_value_einsum: custom einsums are not "
+                "supported by htree attention"
+            )
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if getattr(x, "ndim", 0) < 3:
+                raise ValueError(f"{name} must have shape [batch..., T, heads, dim], got {getattr(x, 'shape', x)!r}")
+        if query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3]:
+            raise ValueError(
+                f"query, key and value must share their batch axes, got {query.shape}, "
+                f"{key.shape}, {value.shape}"
+            )
+        if query.shape[-3] != key.shape[-3]:
+            raise ValueError(
+                f"query and key must have the same length T (self-attention over the whole "
+                f"sequence), got {query.shape[-3]} and {key.shape[-3]}; token-by-token decoding "
+                "with a cache needs htree's own decode path, not a dense KV cache"
+            )
+        batch_shape, (T, H) = query.shape[:-3], query.shape[-3:-1]
+        check_causal_mask(mask, batch_shape=batch_shape, num_heads=H, seq_len=T, is_causal=is_causal,
+                          check_values=check_mask)
+        if dtype is not None:
+            query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+        return attend(query, key, value, config, backend, interpret)
+
+    return htree_attention_fn

@@ -1,0 +1,285 @@
+"""The Flax modules and `attention_fn` (issue 5): equal to `htree_attention` on their own
+projections, nnx == linen from the same weights, `nnx.MultiHeadAttention` with
+`attention_fn` == `HTreeAttention`, jit / nnx.jit / nnx.grad / optax, clear errors."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import htree_jax
+from htree_jax import HTreeAttention, HTreeConfig, attention_fn, htree_attention
+from htree_jax import linen as htree_linen
+
+# (num_heads, num_kv_heads, in_features, head_dim, config, T): multi-layer trees at small T.
+CASES = [
+    (4, 2, 32, None, HTreeConfig(compression_rate=4, top_k=4), 150),  # 3 layers
+    (4, 4, 24, 6, HTreeConfig(compression_rate=2, top_k=8, importance="shared_max"), 100),  # 4 layers
+    (6, 2, 48, 16, HTreeConfig(compression_rate=8, top_k=2), 90),  # 2 layers
+    (2, 1, 16, None, HTreeConfig(), 33),  # 1 layer: exact attention
+]
+
+
+def _inputs(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _linen_params(module: HTreeAttention):
+    """The nnx module's weights in the linen twin's layout (the same arrays)."""
+    state = nnx.state(module, nnx.Param)
+    return {"params": {name: {leaf: state[name][leaf][...] for leaf in state[name]}
+                       for name in ("query", "key", "value", "out")}}
+
+
+@pytest.mark.parametrize("H, H_kv, D_in, D, config, T", CASES)
+def test_nnx_module_equals_htree_attention_on_its_projections(H, H_kv, D_in, D, config, T):
+    assert config.num_layers(T) == {150: 3, 100: 4, 90: 2, 33: 1}[T]
+    m = HTreeAttention(H, D_in, num_kv_heads=H_kv, head_dim=D, config=config, use_bias=True,
+                       bias_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(T))
+    x = _inputs(T, (2, T, D_in))
+    q, k, v = m.query(x), m.key(x), m.value(x)
+    assert q.shape == (2, T, H, D or D_in // H) and k.shape == (2, T, H_kv, D or D_in // H)
+    want = m.out(htree_attention(q, k, v, config, backend="reference"))
+    got = m(x)
+    assert got.shape == (2, T, D_in)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("H, H_kv, D_in, D, config, T", CASES[:3])
+def test_linen_twin_equals_nnx_from_the_same_weights(H, H_kv, D_in, D, config, T):
+    m = HTreeAttention(H, D_in, num_kv_heads=H_kv, head_dim=D, out_features=12, config=config,
+                       rngs=nnx.Rngs(1))
+    x = _inputs(2, (2, T, D_in))
+    twin = htree_linen.HTreeAttention(H, D_in, num_kv_heads=H_kv, head_dim=D, out_features=12, config=config)
+    params = twin.init(jax.random.key(0), x)
+    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, _linen_params(m))
+    got = twin.apply(_linen_params(m), x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(m(x)), rtol=1e-6, atol=1e-6)
+    # and under jit, with the causal mask passed explicitly
+    mask = nn.make_causal_mask(x[..., 0])
+    got_jit = jax.jit(lambda p, x: twin.apply(p, x, mask=mask))(_linen_params(m), x)
+    np.testing.assert_allclose(np.asarray(got_jit), np.asarray(got), rtol=1e-6, atol=1e-6)
+
+
+def test_extra_batch_axes_and_bfloat16():
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    m = HTreeAttention(4, 32, num_kv_heads=2, config=config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = _inputs(3, (2, 3, 70, 32), jnp.bfloat16)
+    y = m(x)
+    assert y.shape == (2, 3, 70, 32) and y.dtype == jnp.bfloat16
+    flat = m(x.reshape(6, 70, 32)).reshape(2, 3, 70, 32)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(flat, np.float32))
+
+
+def test_jit_nnx_jit_grad_and_an_optax_step():
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    m = HTreeAttention(4, 32, num_kv_heads=2, config=config, rngs=nnx.Rngs(0))
+    x = _inputs(4, (2, 80, 32))
+    target = _inputs(5, (2, 80, 32))
+    eager = m(x)
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, x: m(x))(m, x)), np.asarray(eager), rtol=1e-5, atol=1e-6)
+    graphdef, state = nnx.split(m)
+    pure = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    np.testing.assert_allclose(np.asarray(pure(state, x)), np.asarray(eager), rtol=1e-5, atol=1e-6)
+
+    def loss_fn(m):
+        return jnp.mean((m(x) - target) ** 2)
+
+    grads = nnx.grad(loss_fn)(m)
+    for name in ("query", "key", "value", "out"):
+        g = np.asarray(grads[name]["kernel"][...])
+        assert np.all(np.isfinite(g)) and np.abs(g).max() > 0, name
+
+    optimizer = nnx.Optimizer(m, optax.adam(3e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(m, optimizer):
+        loss, grads = nnx.value_and_grad(loss_fn)(m)
+        optimizer.update(m, grads)
+        return loss
+
+    losses = [float(train_step(m, optimizer)) for _ in range(8)]
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+@pytest.mark.parametrize("H, H_kv, D_in, D, config, T", CASES[:3])
+def test_nnx_multihead_attention_with_attention_fn_equals_module(H, H_kv, D_in, D, config, T):
+    m = HTreeAttention(H, D_in, num_kv_heads=H_kv, head_dim=D, config=config, use_bias=True,
+                       bias_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(2))
+    mha = nnx.MultiHeadAttention(H, D_in, qkv_features=H * (D or D_in // H), num_kv_heads=H_kv,
+                                 attention_fn=attention_fn(config), decode=False, rngs=nnx.Rngs(3))
+    nnx.update(mha, nnx.state(m, nnx.Param))
+    x = _inputs(6, (2, T, D_in))
+    want = np.asarray(m(x))
+    np.testing.assert_array_equal(np.asarray(mha(x, is_causal=True)), want)
+    np.testing.assert_array_equal(np.asarray(mha(x, mask=nnx.make_causal_mask(x[..., 0]))), want)
+    jitted = nnx.jit(lambda mha, x: mha(x, mask=nnx.make_causal_mask(x[..., 0])))
+    np.testing.assert_allclose(np.asarray(jitted(mha, x)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_linen_multihead_attention_with_attention_fn_equals_linen_module():
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    x = _inputs(7, (2, 150, 32))
+    mha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, use_bias=False,
+                                          attention_fn=attention_fn(config))
+    mask = nn.make_causal_mask(x[..., 0])
+    params = mha.init(jax.random.key(0), x, x, mask=mask)
+    twin = htree_linen.HTreeAttention(4, 32, config=config)
+    want = twin.apply(params, x)
+    got = jax.jit(lambda p, x: mha.apply(p, x, x, mask=nn.make_causal_mask(x[..., 0])))(params, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_pallas_backend_in_the_module_matches_the_reference():
+    """The module on the Pallas kernels (interpreted here), forward and gradients."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    kw = dict(num_kv_heads=2, head_dim=32, config=config)
+    ref = HTreeAttention(4, 32, backend="reference", rngs=nnx.Rngs(0), **kw)
+    pal = HTreeAttention(4, 32, backend="pallas_interpret", rngs=nnx.Rngs(0), **kw)
+    x = _inputs(8, (1, 70, 32))
+    np.testing.assert_allclose(np.asarray(pal(x)), np.asarray(ref(x)), rtol=2e-5, atol=2e-5)
+    loss = lambda m: jnp.sum(jnp.sin(m(x)))
+    g_ref, g_pal = nnx.grad(loss)(ref), nnx.grad(loss)(pal)
+    for name in ("query", "key", "value", "out"):
+        want, got = np.asarray(g_ref[name]["kernel"][...]), np.asarray(g_pal[name]["kernel"][...])
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+def _module(**kw):
+    args = dict(num_heads=4, in_features=32, num_kv_heads=2, config=HTreeConfig(compression_rate=4, top_k=4))
+    args.update(kw)
+    return HTreeAttention(args.pop("num_heads"), args.pop("in_features"), rngs=nnx.Rngs(0), **args)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_kv_heads=3), "num_heads must be a multiple of num_kv_heads"),
+    (dict(in_features=30), "in_features must be divisible by num_heads"),
+    (dict(head_dim=7), "head_dim must be even"),
+    (dict(num_heads=0), "num_heads must be a positive int"),
+    (dict(out_features=-1), "out_features must be a positive int"),
+    (dict(backend="cuda"), "backend must be one of"),
+    (dict(config={"top_k": 4}), "config must be an HTreeConfig"),
+])
+def test_constructor_errors(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _module(**kwargs)
+
+
+def test_linen_constructor_errors_at_init():
+    x = jnp.zeros((1, 8, 32))
+    with pytest.raises(ValueError, match="num_heads must be a multiple of num_kv_heads"):
+        htree_linen.HTreeAttention(4, 32, num_kv_heads=3).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="inputs: last axis must be in_features=32"):
+        htree_linen.HTreeAttention(4, 32).init(jax.random.key(0), jnp.zeros((1, 8, 16)))
+
+
+def test_call_errors():
+    m = _module()
+    x = _inputs(0, (2, 20, 32))
+    with pytest.raises(ValueError, match="inputs: last axis must be in_features=32"):
+        m(x[..., :16])
+    full = jnp.ones((2, 1, 20, 20), bool)
+    with pytest.raises(ValueError, match="only the causal mask is supported"):
+        m(x, mask=full)
+    padding = nnx.make_causal_mask(x[..., 0]) * (jnp.arange(20) < 15)
+    with pytest.raises(ValueError, match="only the causal mask is supported"):
+        m(x, mask=padding)
+    with pytest.raises(ValueError, match=r"mask must broadcast to \[batch..., H, T, T\]"):
+        m(x, mask=jnp.ones((3, 1, 20, 20), bool))
+    with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match="the mask passed under jit is not the causal mask"):
+        jax.block_until_ready(nnx.jit(lambda m, x, mask: m(x, mask=mask))(m, x, full))
+
+
+def _mha(**kw):
+    return nnx.MultiHeadAttention(4, 32, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0),
+                                  attention_fn=attention_fn(HTreeConfig(compression_rate=4, top_k=4)), **kw)
+
+
+def test_attention_fn_errors():
+    x = _inputs(0, (2, 20, 32))
+    with pytest.raises(ValueError, match="Pass is_causal=True"):
+        _mha()(x)  # no mask, is_causal=False: bidirectional attention asked
+    with pytest.raises(ValueError, match="dropout on htree attention weights is not supported"):
+        _mha(dropout_rate=0.1)(x, is_causal=True, deterministic=False)
+    with pytest.raises(ValueError, match="nothing to sow"):
+        _mha()(x, is_causal=True, sow_weights=True)
+    # is_causal=True ANDs the mask with the causal one: a padding mask still changes it
+    padding = jnp.broadcast_to(jnp.arange(20) < 15, (2, 1, 20, 20))
+    with pytest.raises(ValueError, match="True on and below the diagonal"):
+        _mha()(x, is_causal=True, mask=padding)
+    # ... while an all-True mask with is_causal=True is causal attention
+    np.testing.assert_array_equal(np.asarray(_mha()(x, is_causal=True, mask=jnp.ones((20, 20), bool)[None, None])),
+                                  np.asarray(_mha()(x, is_causal=True)))
+    fn = attention_fn(HTreeConfig(compression_rate=4, top_k=4))
+    q = _inputs(1, (2, 20, 4, 8))
+    kv = _inputs(2, (2, 20, 2, 8))
+    with pytest.raises(ValueError, match="same length T"):
+        fn(q[:, :1], kv, kv, is_causal=True)
+    with pytest.raises(ValueError, match="bias"):
+        fn(q, kv, kv, bias=jnp.zeros((20, 20)), is_causal=True)
+    with pytest.raises(ValueError, match="must be a positive multiple of H_kv"):
+        fn(q[:, :, :3], kv, kv, is_causal=True)
+    with pytest.raises(TypeError, match="config must be an HTreeConfig"):
+        attention_fn("default")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        attention_fn(backend="triton")
+    assert htree_jax.attention_fn is attention_fn
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_module_on_the_gpu_kernels_matches_the_reference(dtype):
+    """On a GPU, backend="auto" runs the compiled Pallas kernels (K=64 is in their range).
+    Outputs equal the reference's wherever the two chose the same nodes (near-ties of the
+    packed importance may flip a few selections: README, "Backends"); the parameter
+    gradients, sums over every query, agree to a tolerance that leaves room for those."""
+    from htree_jax.attention import resolve_backend
+
+    assert resolve_backend("auto") == "pallas"
+    config = HTreeConfig(compression_rate=8, top_k=16)  # 2048 -> 256 -> 32: 3 layers
+    kw = dict(num_kv_heads=2, head_dim=64, config=config, dtype=dtype)
+    fast = HTreeAttention(8, 256, backend="auto", rngs=nnx.Rngs(0), **kw)
+    ref = HTreeAttention(8, 256, backend="reference", rngs=nnx.Rngs(0), **kw)
+    x = _inputs(9, (2, 2048, 256), dtype)
+    assert config.num_layers(2048) == 3
+    q, k, v = ref.query(x), ref.key(x), ref.value(x)
+    o_fast, sel_fast = htree_attention(q, k, v, config, backend="pallas", return_selected=True)
+    o_ref, sel_ref = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    same = np.ones(q.shape[:2] + (2,), bool)  # [B, T, H_kv]
+    for a, b in zip(sel_fast, sel_ref):
+        same &= np.all(np.asarray(a) == np.asarray(b), axis=-1)
+    assert same.mean() > 0.99, same.mean()
+    rows = np.repeat(same, 4, axis=-1)  # query heads of each kv head
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    y_fast, y_ref = (np.asarray(o, np.float32)[rows] for o in (o_fast, o_ref))
+    np.testing.assert_allclose(y_fast, y_ref, atol=tol * np.abs(y_ref).max())
+
+    loss = lambda m: jnp.sum(jnp.sin(m(x).astype(jnp.float32)))
+    step = nnx.jit(lambda m: nnx.grad(loss)(m))
+    g_fast, g_ref = step(fast), step(ref)
+    for name in ("query", "key", "value", "out"):
+        want = np.asarray(g_ref[name]["kernel"][...], np.float32)
+        got = np.asarray(g_fast[name]["kernel"][...], np.float32)
+        assert np.all(np.isfinite(got)), name
+        np.testing.assert_allclose(got, want, atol=(50 * tol) * np.abs(want).max(), err_msg=name)
+
+
+def test_readme_flax_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Flax"):]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(snippet, scope)
+    assert scope["y"].shape == (2, 1024, 512)

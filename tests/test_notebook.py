@@ -1,0 +1,35 @@
+"""`notebooks/explore_htree.ipynb` runs end to end (small sizes, CPU) and is committed
+without outputs."""
+
+from __future__ import annotations
+
+import pathlib
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "explore_htree.ipynb"
+
+
+def test_notebook_is_committed_without_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, "clear the notebook's outputs"
+
+
+def test_notebook_executes(monkeypatch):
+    for name, value in {"HTREE_NB_T": "300", "HTREE_NB_R": "4", "HTREE_NB_TOP_K": "4",
+                        "HTREE_NB_SIZES": "64,256,1024", "HTREE_NB_REPEATS": "1",
+                        "HTREE_NB_BACKEND": "auto", "MPLBACKEND": "Agg"}.items():
+        monkeypatch.setenv(name, value)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client.execute()
+    text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                     for out in cell.outputs if out.get("output_type") == "stream")
+    assert "layer sizes (300, 75, 19, 5)" in text
+    assert "max |htree - dense|" in text and "dense/htree" in text
+    errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.get("output_type") == "error"]
+    assert not errors, errors
