@@ -40,27 +40,55 @@ class HTreeAttention(nn.Module):
     precision: Any = None
     backend: str = "auto"
     interpret: bool = False
+    decode: bool = False
 
-    def setup(self):
+    def _checked(self):
         dims = module_dims(self.num_heads, self.in_features, self.num_kv_heads, self.head_dim,
                            self.out_features)
         check_config(self.config)
         check_backend(self.backend)
         if not isinstance(self.interpret, bool):
             raise TypeError(f"interpret must be a bool, got {self.interpret!r}")
-        self.dims = dims
-        dense = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=self.use_bias,
-                     kernel_init=self.kernel_init, bias_init=self.bias_init, precision=self.precision)
-        self.query = nn.DenseGeneral((dims.num_heads, dims.head_dim), **dense)
-        self.key = nn.DenseGeneral((dims.num_kv_heads, dims.head_dim), **dense)
-        self.value = nn.DenseGeneral((dims.num_kv_heads, dims.head_dim), **dense)
-        self.out = nn.DenseGeneral(dims.out_features, axis=(-2, -1), **dense)
+        return dims
 
-    def __call__(self, inputs, mask=None):
-        """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`."""
-        check_inputs(inputs, self.dims)
+    def _dense(self, features, name, axis=-1):
+        return nn.DenseGeneral(features, axis=axis, dtype=self.dtype, param_dtype=self.param_dtype,
+                               use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
+                               precision=self.precision, name=name)
+
+    @nn.compact
+    def __call__(self, inputs, mask=None, decode: bool | None = None):
+        """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`.
+
+        Decoding, as in `nn.MultiHeadDotProductAttention`: `init` with `decode=True` on
+        inputs `[B, max_len, in_features]` makes the `cache` collection (an empty
+        `HTreeCache` for `max_len` tokens); `apply(..., decode=True, mutable=["cache"])`
+        then appends `inputs [B, S, in_features]` and attends with them (the JAX reference
+        walk on every backend)."""
+        dims = self._checked()
+        check_inputs(inputs, dims)
+        decode = self.decode if decode is None else decode
+        q = self._dense((dims.num_heads, dims.head_dim), "query")(inputs)
+        k = self._dense((dims.num_kv_heads, dims.head_dim), "key")(inputs)
+        v = self._dense((dims.num_kv_heads, dims.head_dim), "value")(inputs)
+        out = self._dense(dims.out_features, "out", axis=(-2, -1))
+        config = check_config(self.config)
+        if decode:
+            from htree_jax.decode import init_cache, prefill
+
+            if mask is not None:
+                raise ValueError("mask must be None with decode=True: the new tokens attend causally to the cache")
+            if inputs.ndim != 3:
+                raise ValueError(
+                    f"inputs must have shape [B, S, in_features] with decode=True, got {list(inputs.shape)}")
+            initialized = self.has_variable("cache", "tree")
+            B, S = inputs.shape[:2]
+            tree = self.variable("cache", "tree", lambda: init_cache(
+                B, S, dims.num_kv_heads, dims.head_dim, dims.head_dim, config, k.dtype))
+            if initialized:
+                o, tree.value = prefill(q, k, v, tree.value, config)
+                return out(o)
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]
-        check_causal_mask(mask, batch_shape=batch_shape, num_heads=self.dims.num_heads, seq_len=T,
+        check_causal_mask(mask, batch_shape=batch_shape, num_heads=dims.num_heads, seq_len=T,
                           is_causal=mask is None)
-        q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
-        return self.out(attend(q, k, v, check_config(self.config), self.backend, self.interpret))
+        return out(attend(q, k, v, config, self.backend, self.interpret))

@@ -120,6 +120,7 @@ class HTreeAttention(nnx.Module):
         precision=None,
         backend: str = "auto",
         interpret: bool = False,
+        decode: bool = False,
         rngs: nnx.Rngs,
     ):
         dims = module_dims(num_heads, in_features, num_kv_heads, head_dim, out_features)
@@ -128,6 +129,11 @@ class HTreeAttention(nnx.Module):
         if not isinstance(interpret, bool):
             raise TypeError(f"interpret must be a bool, got {interpret!r}")
         self.interpret = interpret
+        if not isinstance(decode, bool):
+            raise TypeError(f"decode must be a bool, got {decode!r}")
+        self.decode = decode
+        self.param_dtype = param_dtype
+        self.cache = nnx.data(None)
         self.dims = dims
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.in_features, self.out_features = dims.in_features, dims.out_features
@@ -140,9 +146,29 @@ class HTreeAttention(nnx.Module):
         self.out = nnx.LinearGeneral((dims.num_heads, dims.head_dim), dims.out_features, axis=(-2, -1),
                                      **linear)
 
-    def __call__(self, inputs, *, mask=None):
-        """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`."""
+    def init_cache(self, batch_size: int, max_len: int, dtype=None):
+        """Makes an empty decode cache (`htree_jax.init_cache`) for `batch_size` rows of up
+        to `max_len` tokens, in `dtype` (default: the module's `dtype`, else `param_dtype`:
+        the projections' dtype). Then `module(x, decode=True)` appends `x [B, S, in_features]`
+        (a prompt, or one token) and attends with it."""
+        from htree_jax.decode import init_cache
+
+        dtype = dtype or self.dtype or self.param_dtype
+        self.cache = nnx.Cache(init_cache(batch_size, max_len, self.num_kv_heads, self.head_dim,
+                                          self.head_dim, self.config, dtype))
+
+    def __call__(self, inputs, *, mask=None, decode: bool | None = None):
+        """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`.
+
+        With `decode=True` (or the constructor's `decode`), `inputs [B, S, in_features]`
+        are the next `S` tokens: they are appended to the cache made by `init_cache` and
+        attend to everything before them; the result equals the full-sequence output at
+        those positions. Decoding runs the JAX reference walk on every backend (a Pallas
+        decode kernel is not built yet)."""
         check_inputs(inputs, self.dims)
+        decode = self.decode if decode is None else decode
+        if decode:
+            return self._decode(inputs, mask)
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=self.num_heads, seq_len=T,
                           is_causal=mask is None)
@@ -150,3 +176,16 @@ class HTreeAttention(nnx.Module):
         o = attend(q, k, v, self.config, self.backend, self.interpret)
         return self.out(o)
 
+    def _decode(self, inputs, mask):
+        from htree_jax.decode import prefill
+
+        if self.cache is None:
+            raise ValueError("decode=True needs a cache: call init_cache(batch_size, max_len) first")
+        if mask is not None:
+            raise ValueError("mask must be None with decode=True: the new tokens attend causally to the cache")
+        if inputs.ndim != 3:
+            raise ValueError(f"inputs must have shape [B, S, in_features] with decode=True, got {list(inputs.shape)}")
+        q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
+        o, cache = prefill(q, k, v, self.cache.get_value(), self.config)
+        self.cache.set_value(cache)
+        return self.out(o)

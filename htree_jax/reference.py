@@ -119,11 +119,14 @@ def merge(state, scores, values, merged):
     return m_new, S, U
 
 
-def _walk_one_head(q, t, layers, config: HTreeConfig, alpha):
+def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True):
     """All layers for one `(b, h_kv)` and a chunk of positions.
 
     `q [C, G, K]`, `t [C]` int32, `layers [(K_l [N_l, K], V_l [N_l, V]), ...]` bottom
-    first. Returns `o [C, G, V]` float32 and the selected node lists of layers
+    first, the keys rotated by child offset (`rotate_by_child_offset`), or as stored
+    with `keys_rotated=False` (then the gathered candidates are rotated, the same
+    float32 arithmetic: what decoding does, rather than rotate a whole cache per step).
+    Returns `o [C, G, V]` float32 and the selected node lists of layers
     `L-1 .. 1`, each `[C, top_k]` int32.
     """
     r, k_top, M = config.compression_rate, config.top_k, config.max_candidates
@@ -137,6 +140,9 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha):
     # and c = node mod r. So each layer's keys are rotated once by their child offset
     # and each query once per parent slot, instead of rotating M gathered keys per query.
     slot_offset = jnp.arange(k_top, dtype=jnp.int32) * r  # [k_top]
+    if not keys_rotated:
+        table = rope_table(r, K, float(config.rope_base))
+        child_cos, child_sin = (jnp.asarray(a[np.arange(M) % r]) for a in table)
 
     top_parents = jnp.arange(k_top, dtype=jnp.int32)
     last_top_parent = t // (r ** (L - 1)) // r
@@ -155,7 +161,10 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha):
         nodes = parents[:, slot] * r + child[None, :]  # [C, M]
         valid = p[None, :] < n[:, None]
         safe_nodes = jnp.where(valid, nodes, 0)
-        keys_by_slot = K_l[safe_nodes].reshape(C, k_top, r, K)  # pre-rotated by child offset
+        gathered = K_l[safe_nodes]  # [C, M, K]
+        if not keys_rotated:
+            gathered = apply_rope(gathered.astype(jnp.float32), child_cos, child_sin)
+        keys_by_slot = gathered.reshape(C, k_top, r, K)  # rotated by child offset
         rel = (n - 1)[:, None] - slot_offset[None, :]  # [C, k_top], may be negative
         sign = jnp.where(rel < 0, -1.0, 1.0)[..., None, None]
         q_rot = apply_rope(q[:, None], cos[jnp.abs(rel)][:, :, None], sign * sin[jnp.abs(rel)][:, :, None])
@@ -195,35 +204,46 @@ def rotate_by_child_offset(layer_keys, config: HTreeConfig):
 
 @functools.partial(jax.jit, static_argnames=("config", "query_chunk"))
 def _forward(q, k, v, config: HTreeConfig, query_chunk: int):
-    B, T, H, K = q.shape
-    H_kv = k.shape[2]
-    G = H // H_kv
-    alpha = config.score_scale(K)
     layers = build_tree(k, v, config)
     layers = [(rotate_by_child_offset(kl, config), vl) for kl, vl in layers]
+    return attend_tree(q, layers, jnp.arange(q.shape[1], dtype=jnp.int32), config, query_chunk)
+
+
+def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True):
+    """Queries `q [B, S, H, K]` at token positions `positions [S]` (int32, may be traced)
+    walk the tree `layers` (bottom first, `[B, N_l, H_kv, *]`; keys as `_walk_one_head`
+    takes them). Returns `(o [B, S, H, V] in q.dtype, selections)`.
+
+    The tree may hold more tokens than `positions` reach (a decode cache sized for
+    `max_len`): by strict causality (SPEC 3) nothing after a query changes its output."""
+    B, S, H, K = q.shape
+    H_kv = layers[0][0].shape[2]
+    G = H // H_kv
+    alpha = config.score_scale(K)
     C = query_chunk
-    num_chunks = -(-T // C)
-    q5 = q.reshape(B, T, H_kv, G, K)
-    if num_chunks * C != T:
-        q5 = jnp.pad(q5, ((0, 0), (0, num_chunks * C - T), (0, 0), (0, 0), (0, 0)))
+    num_chunks = -(-S // C)
+    q5 = q.reshape(B, S, H_kv, G, K)
+    padded = jnp.concatenate([positions, jnp.broadcast_to(positions[-1], (num_chunks * C - S,))])
+    if num_chunks * C != S:
+        q5 = jnp.pad(q5, ((0, 0), (0, num_chunks * C - S), (0, 0), (0, 0), (0, 0)))
 
     # vmap over batch (axis 0 of everything) then kv heads (axis 2 of q5, the layers).
     per_head = jax.vmap(
-        lambda qh, t, lay: _walk_one_head(qh, t, lay, config, alpha), in_axes=(1, None, 1)
+        lambda qh, t, lay: _walk_one_head(qh, t, lay, config, alpha, keys_rotated), in_axes=(1, None, 1)
     )
     per_batch = jax.vmap(per_head, in_axes=(0, None, 0))
 
     def chunk(i):
         qc = lax.dynamic_slice_in_dim(q5, i * C, C, axis=1)  # [B, C, H_kv, G, K]
-        t = jnp.minimum(i * C + jnp.arange(C, dtype=jnp.int32), T - 1)
+        t = lax.dynamic_slice_in_dim(padded, i * C, C)
         return per_batch(qc, t, layers)  # o [B, H_kv, C, G, V], sels [B, H_kv, C, k_top]
 
     # Rematerialised under autodiff: the backward keeps only each chunk's inputs, not its
     # [chunk, M, K] gathers, so gradient memory is bounded by the same chunking.
     o, sels = lax.map(jax.checkpoint(chunk), jnp.arange(num_chunks, dtype=jnp.int32))
-    # o: [chunks, B, H_kv, C, G, V] -> [B, T, H, V]
-    o = jnp.transpose(o, (1, 0, 3, 2, 4, 5)).reshape(B, num_chunks * C, H, -1)[:, :T]
-    sels = [jnp.transpose(s, (1, 0, 3, 2, 4)).reshape(B, num_chunks * C, H_kv, -1)[:, :T] for s in sels]
+    # o: [chunks, B, H_kv, C, G, V] -> [B, S, H, V]
+    o = jnp.transpose(o, (1, 0, 3, 2, 4, 5)).reshape(B, num_chunks * C, H, -1)[:, :S]
+    sels = [jnp.transpose(s, (1, 0, 3, 2, 4)).reshape(B, num_chunks * C, H_kv, -1)[:, :S] for s in sels]
     return o.astype(q.dtype), sels
 
 

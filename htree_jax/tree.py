@@ -21,11 +21,20 @@ def child_counts(num_children: int, compression_rate: int) -> np.ndarray:
     return counts
 
 
+def child_reciprocals(compression_rate: int) -> np.ndarray:
+    """`1 / c` in float32 for `c = 1 .. r`: a mean is the float32 sum of the children times
+    the reciprocal of their count. A multiplication by a fixed constant is rounded the
+    same way everywhere, where a division is not (XLA on the CPU turns `x / 3` into
+    `x * (1/3)` in some programs and not in others), and the decode cache
+    (`htree_jax.decode`) must reproduce these means bit for bit."""
+    return (1.0 / np.arange(1, compression_rate + 1)).astype(np.float32)
+
+
 def pool_layer(x, compression_rate: int):
     """One step up the tree: the mean of each node's existing children.
 
     `x [B, N, H_kv, D]` (any float dtype) -> `[B, ceil(N/r), H_kv, D]` in `x.dtype`,
-    summed and divided in float32 (SPEC: computed in float32 from the stored layer
+    summed child by child in float32 and scaled by `child_reciprocals` (SPEC: computed in float32 from the stored layer
     below, stored in the input dtype).
     """
     B, N, H, D = x.shape
@@ -36,8 +45,14 @@ def pool_layer(x, compression_rate: int):
     pad = num_parents * r - N
     if pad:
         x32 = jnp.pad(x32, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    sums = x32.reshape(B, num_parents, r, H, D).sum(axis=2)
-    means = sums / jnp.asarray(counts, jnp.float32)[None, :, None, None]
+    children = x32.reshape(B, num_parents, r, H, D)
+    # Summed child by child, in order: the incremental tree of decoding
+    # (`htree_jax.decode`) and the Pallas pool kernel add in this same order, so all
+    # three give bitwise the same means.
+    sums = children[:, :, 0]
+    for c in range(1, r):
+        sums = sums + children[:, :, c]
+    means = sums * jnp.asarray(child_reciprocals(r)[counts - 1])[None, :, None, None]
     return round_to_storage(means, x.dtype)
 
 

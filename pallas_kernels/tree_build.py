@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from htree_jax.tree import round_to_storage
+from htree_jax.tree import child_reciprocals, round_to_storage
 from pallas_kernels.common import compiler_params
 
 
@@ -29,15 +29,21 @@ def _pool_kernel(x_ref, o_ref, *, num_children: int, r: int, block: int):
         exists = rows < num_children
         x = x_ref[jnp.minimum(rows, num_children - 1), :].astype(jnp.float32)
         acc += jnp.where(exists[:, None], x, 0.0)
-    count = jnp.clip(num_children - parents * r, 1, r).astype(jnp.float32)
-    o_ref[...] = acc / count[:, None]
+    count = jnp.clip(num_children - parents * r, 1, r)
+    # times the float32 constant 1/count, as `pool_layer` does (a division here would
+    # be Triton's approximate one)
+    reciprocal = jnp.zeros(count.shape, jnp.float32)
+    for c, value in enumerate(child_reciprocals(r), start=1):
+        reciprocal = jnp.where(count == c, float(value), reciprocal)
+    o_ref[...] = acc * reciprocal[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("r", "block_sizes", "interpret"))
 def pool_layer_pallas(x, r: int, block_sizes: PoolBlockSizes = PoolBlockSizes(), interpret: bool = False):
     """`x [B, H_kv, N, D]` (D a power of two) -> `[B, H_kv, ceil(N/r), D]` in x.dtype.
 
-    Sums in float32 and divides by the number of existing children (ragged last node).
+    Sums in float32, child by child, and scales by the reciprocal of the number of
+    existing children (ragged last node), as `pool_layer` does.
     The kernel writes float32 and XLA rounds to the stored dtype: the rounding must be
     XLA's round-to-nearest-even so that tree nodes, and so selections, match the
     reference bit for bit in bfloat16.

@@ -283,3 +283,44 @@ def test_readme_flax_example_runs():
     scope: dict = {}
     exec(snippet, scope)
     assert scope["y"].shape == (2, 1024, 512)
+
+
+# ---- decoding ---------------------------------------------------------------------------
+
+
+def test_nnx_decode_reproduces_the_full_sequence():
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    m = HTreeAttention(4, 32, num_kv_heads=2, config=config, rngs=nnx.Rngs(0))
+    x = _inputs(11, (2, 45, 32))
+    full = m(x)
+    m.init_cache(2, 64)  # 64 -> 16: one layer more than... the same 2 layers as T=45 here
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    outs = [m(x[:, :7], decode=True)]  # a prompt
+    outs += [step(m, x[:, t:t + 1]) for t in range(7, 45)]
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), rtol=1e-5, atol=1e-5)
+    assert int(m.cache.get_value().length) == 45
+    with pytest.raises(ValueError, match="cache overflow"):
+        m(jnp.zeros((2, 20, 32)), decode=True)
+    m2 = HTreeAttention(4, 32, num_kv_heads=2, config=config, decode=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="call init_cache"):
+        m2(x[:, :1])
+    m2.init_cache(2, 8)
+    with pytest.raises(ValueError, match="mask must be None with decode=True"):
+        m2(x[:, :1], mask=jnp.ones((1, 1), bool))
+
+
+def test_linen_decode_reproduces_the_full_sequence():
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    model = htree_linen.HTreeAttention(4, 32, num_kv_heads=2, config=config)
+    x = _inputs(12, (2, 40, 32))
+    params = model.init(jax.random.key(0), x)
+    full = model.apply(params, x)
+    variables = model.init(jax.random.key(0), jnp.zeros((2, 50, 32)), decode=True)  # cache for 50
+    cache = variables["cache"]
+    outs = []
+    for start, stop in [(0, 1), (1, 9)] + [(t, t + 1) for t in range(9, 40)]:
+        o, mutated = model.apply({"params": params["params"], "cache": cache}, x[:, start:stop], decode=True,
+                                 mutable=["cache"])
+        cache = mutated["cache"]
+        outs.append(o)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), rtol=1e-5, atol=1e-5)

@@ -202,5 +202,9 @@ def test_pallas_grad_of_a_small_model_jits_without_nan(rng):
         x = jnp.asarray(rng.standard_normal((2, T, D)).astype(np.float32))
         value, grads = step(params, x)
         assert np.isfinite(float(value))
-        for g in jax.tree_util.tree_leaves(grads):
-            assert np.all(np.isfinite(np.asarray(g))) and float(jnp.max(jnp.abs(g))) > 0
+        for name, g in grads.items():
+            assert np.all(np.isfinite(np.asarray(g))), (T, name)
+            # At T = 1 the one key gets weight 1 whatever its score: the gradients of wq
+            # and wk are zero in exact arithmetic (rounding may leave a trace, or not).
+            if T > 1 or name in ("wv", "wo"):
+                assert float(jnp.max(jnp.abs(g))) > 0, (T, name)

@@ -51,10 +51,8 @@ def test_pool_kernel_equals_twin(rng, r, N, dtype):
     got = pool_layer_pallas(x, r, interpret=True)
     want = pool_layer_twin(x, r)
     assert got.dtype == x.dtype and got.shape == want.shape == (2, 3, -(-N // r), 32)
-    # float32 sums in another order: last-bit differences, which after rounding to a
-    # narrower dtype can become one unit in its last place.
-    ulp = {np.float32: 1e-6, ml_dtypes.bfloat16: 2**-7, np.float16: 2**-10}[dtype]
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=ulp, atol=ulp)
+    # the same float32 sums in the same order, times the same reciprocals: bit for bit
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("M", [16, 64, 256])

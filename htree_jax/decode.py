@@ -1,0 +1,257 @@
+"""Incremental decoding (SPEC 3, strict causality): a KV cache holding the whole tree,
+updated in place as tokens arrive, and htree attention for the new queries over it.
+
+    cache = init_cache(B, max_len, H_kv, K, V, config, jnp.bfloat16)
+    o, cache = prefill(q, k, v, cache, config)             # a prompt [B, S, ...] in one call
+    o_t, cache = decode_step(q_t, k_t, v_t, cache, config)  # then one token per call
+
+The tree has the layers of `config.layer_sizes(max_len)` from the start (static shapes).
+With `strict_causal=True` (the default) that changes no output: a query's output does
+not depend on tokens after it, nor on the number of layers (SPEC 3), so decoding token
+by token reproduces `htree_attention` on the full sequence, position by position.
+
+Appending `S` tokens rewrites, per layer `l >= 1`, only the nodes whose children
+changed (at most `(S - 1) // r**l + 2`), each the mean of its existing children read
+back from the layer below: `r` stored children, summed in order in float32 and scaled by
+the reciprocal of their count, exactly as `build_tree` does, so the cache's tree equals `build_tree`
+of the prefix bit for bit, ragged last nodes included. A decode step costs
+`O(r * L)` row reads for the tree and `O(L * top_k * r)` for the attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from htree_jax.config import HTreeConfig
+from htree_jax.reference import attend_tree, default_query_chunk
+from htree_jax.tree import child_reciprocals, round_to_storage
+from htree_jax.validation import check_config, check_dtype
+
+DECODE_BACKENDS = ("auto", "reference")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "length"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class HTreeCache:
+    """The decode cache: the tree of every token so far, in buffers sized for `max_len`.
+
+    keys:   per layer `l` (bottom first) `[B, N_l, H_kv, K]`, `N_l = config.layer_sizes(max_len)[l]`,
+            in the cache dtype; nodes not yet reached are zero.
+    values: per layer `[B, N_l, H_kv, V]`.
+    length: int32 scalar, the tokens appended so far (the same for every batch row).
+    """
+
+    keys: tuple
+    values: tuple
+    length: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def dtype(self):
+        return self.keys[0].dtype
+
+
+def _positive_int(name, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
+        raise ValueError(f"{name} must be a positive int, got {x!r}")
+    return int(x)
+
+
+def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_dim: int,
+               config: HTreeConfig | None = None, dtype=jnp.float32) -> HTreeCache:
+    """An empty cache for up to `max_len` tokens (the layers of `config.layer_sizes(max_len)`)."""
+    config = check_decode_config(config)
+    B = _positive_int("batch_size", batch_size)
+    T = _positive_int("max_len", max_len)
+    H_kv = _positive_int("num_kv_heads", num_kv_heads)
+    K = _positive_int("k_dim", k_dim)
+    V = _positive_int("v_dim", v_dim)
+    if K % 2:
+        raise ValueError(f"k_dim must be even (htree applies rotate-half RoPE), got {K}")
+    check_dtype("dtype", np.dtype(dtype))
+    sizes = config.layer_sizes(T)
+    keys = tuple(jnp.zeros((B, n, H_kv, K), dtype) for n in sizes)
+    values = tuple(jnp.zeros((B, n, H_kv, V), dtype) for n in sizes)
+    return HTreeCache(keys, values, jnp.zeros((), jnp.int32))
+
+
+def check_cache(cache, config: HTreeConfig) -> None:
+    if not isinstance(cache, HTreeCache):
+        raise TypeError(f"cache must be an HTreeCache (from init_cache), got {type(cache).__name__}")
+    sizes = config.layer_sizes(cache.max_len)
+    got = tuple(k.shape[1] for k in cache.keys)
+    if got != sizes:
+        raise ValueError(
+            f"cache: its layers {got} are not those of config for max_len={cache.max_len} {sizes}; "
+            "use the config the cache was made with"
+        )
+
+
+def _check_tokens(cache: HTreeCache, q, k, v, step: bool):
+    """Shapes and dtypes of the new tokens against the cache; returns `S` (tokens added)."""
+    B, H_kv = cache.batch_size, cache.num_kv_heads
+    K, V = cache.keys[0].shape[-1], cache.values[0].shape[-1]
+    axis = "" if step else "S, "
+    want = {"q": f"[B, {axis}H, K] = [{B}, {axis}H, {K}]",
+            "k": f"[B, {axis}H_kv, K] = [{B}, {axis}{H_kv}, {K}]",
+            "v": f"[B, {axis}H_kv, V] = [{B}, {axis}{H_kv}, {V}]"}
+    rank = 3 if step else 4
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        shape = tuple(getattr(x, "shape", ()))
+        if len(shape) != rank:
+            raise ValueError(f"{name} must have shape {want[name]}, got {list(shape)}")
+    S = 1 if step else q.shape[1]
+    if S == 0:
+        raise ValueError("prefill needs at least one token (axis 1 of q, k, v), got 0")
+    qs, ks, vs = (x.shape if not step else x.shape[:1] + (1,) + x.shape[1:] for x in (q, k, v))
+    if ks != (B, S, H_kv, K):
+        raise ValueError(f"k must have shape {want['k']} (the cache's), got {list(k.shape)}")
+    if vs != (B, S, H_kv, V):
+        raise ValueError(f"v must have shape {want['v']} (the cache's), got {list(v.shape)}")
+    if qs[0] != B or qs[1] != S or qs[3] != K:
+        raise ValueError(f"q must have shape {want['q']}, got {list(q.shape)}")
+    if qs[2] == 0 or qs[2] % H_kv:
+        raise ValueError(f"query heads H must be a positive multiple of H_kv = {H_kv}, got H = {qs[2]}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if np.dtype(x.dtype) != np.dtype(cache.dtype):
+            raise TypeError(f"{name} must have the cache's dtype {np.dtype(cache.dtype).name}, got {np.dtype(x.dtype).name}")
+    return S
+
+
+def _raise_overflow(length, added, max_len):
+    if int(length) + int(added) > int(max_len):
+        raise ValueError(
+            f"cache overflow: appending {int(added)} token(s) to a cache holding {int(length)} of "
+            f"max_len={int(max_len)}; make the cache with a larger max_len"
+        )
+
+
+def _check_room(cache: HTreeCache, S: int, check_length: bool = True) -> None:
+    """Refuses appending past `max_len`: at once when the length is concrete, else on the
+    device (a host callback raises when the result is computed; `check_length=False`
+    skips that one). Out-of-range writes are dropped either way, so an overflow never
+    corrupts the cache."""
+    if S > cache.max_len:
+        _raise_overflow(0, S, cache.max_len)
+    if isinstance(cache.length, jax.core.Tracer):
+        if not check_length:
+            return
+        jax.debug.callback(_raise_overflow, cache.length, S, cache.max_len)
+    else:
+        _raise_overflow(cache.length, S, cache.max_len)
+
+
+def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig) -> HTreeCache:
+    """Appends `k [B, S, H_kv, K]`, `v [B, S, H_kv, V]` (validated by the caller) and
+    updates the tree above them."""
+    S = k.shape[1]
+    r = config.compression_rate
+    start = cache.length
+    end = start + S  # tokens after the append
+    keys, values = list(cache.keys), list(cache.values)
+    positions = start + jnp.arange(S, dtype=jnp.int32)
+    keys[0] = keys[0].at[:, positions].set(k, mode="drop")
+    values[0] = values[0].at[:, positions].set(v, mode="drop")
+    for l in range(1, len(keys)):
+        N_l = keys[l].shape[1]
+        width = min(N_l, (S - 1) // r**l + 2)  # nodes whose children changed, at most
+        first = start // r**l
+        nodes = first + jnp.arange(width, dtype=jnp.int32)  # [W]
+        existing_below = (end + r ** (l - 1) - 1) // r ** (l - 1)  # children that exist
+        children = nodes[:, None] * r + jnp.arange(r, dtype=jnp.int32)[None, :]  # [W, r]
+        exists = children < existing_below
+        count = jnp.sum(exists, axis=1)  # [W]
+        reciprocal = jnp.asarray(child_reciprocals(r))[jnp.maximum(count, 1) - 1]
+        for layer in (keys, values):
+            rows = layer[l - 1][:, jnp.minimum(children, layer[l - 1].shape[1] - 1)].astype(jnp.float32)
+            rows = jnp.where(exists[None, :, :, None, None], rows, 0.0)  # [B, W, r, H, D]
+            sums = rows[:, :, 0]
+            for c in range(1, r):
+                sums = sums + rows[:, :, c]
+            means = sums * reciprocal[None, :, None, None]
+            means = jnp.where((count > 0)[None, :, None, None], means, 0.0)
+            # nodes past the layer's end are dropped (their index is out of range)
+            layer[l] = layer[l].at[:, nodes].set(round_to_storage(means, layer[l].dtype), mode="drop")
+    return HTreeCache(tuple(keys), tuple(values), (end).astype(jnp.int32))
+
+
+def check_decode_config(config) -> HTreeConfig:
+    config = check_config(config)
+    if not config.strict_causal:
+        raise ValueError(
+            "config.strict_causal must be True for decoding: with False a query's selection "
+            "depends on tokens after it (SPEC 2.3), so no cache of the past can reproduce the "
+            "full-sequence output"
+        )
+    return config
+
+
+def _resolve(backend) -> str:
+    if backend not in DECODE_BACKENDS:
+        raise ValueError(f"backend must be one of {DECODE_BACKENDS} for decoding, got {backend!r}")
+    return "reference"
+
+
+def _attend(q, cache: HTreeCache, positions, config: HTreeConfig):
+    B, S, H, K = q.shape
+    H_kv, V = cache.num_kv_heads, cache.values[0].shape[-1]
+    chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))
+    layers = list(zip(cache.keys, cache.values))
+    return attend_tree(q, layers, positions, config, chunk, keys_rotated=False)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "return_selected"), donate_argnames=("cache",))
+def _prefill(q, k, v, cache, config, return_selected):
+    positions = cache.length + jnp.arange(q.shape[1], dtype=jnp.int32)
+    cache = append_to_cache(cache, k, v, config)
+    o, selected = _attend(q, cache, positions, config)
+    return (o, cache, selected) if return_selected else (o, cache)
+
+
+def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto",
+            return_selected: bool = False, check_length: bool = True):
+    """Appends `S` tokens (`q [B, S, H, K]`, `k [B, S, H_kv, K]`, `v [B, S, H_kv, V]`,
+    un-rotated, the cache's dtype) and attends with their queries at positions
+    `length .. length + S - 1`. Returns `(o [B, S, H, V], cache)` (and the selections,
+    as `htree_attention` returns them, with `return_selected=True`). Works at any cache
+    length (a prompt into an empty cache, or a chunk after earlier ones); jittable; the
+    cache argument is donated (do not reuse it). `backend`: `"auto"` or `"reference"`
+    (the jittable JAX walk, on every platform). Appending past `max_len` raises; under
+    `jit` the length is checked on the device through a host callback, which
+    `check_length=False` leaves out (the caller then guarantees the room)."""
+    config = check_decode_config(config)
+    _resolve(backend)
+    check_cache(cache, config)
+    S = _check_tokens(cache, q, k, v, step=False)
+    _check_room(cache, S, check_length)
+    return _prefill(q, k, v, cache, config, return_selected)
+
+
+def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto",
+                check_length: bool = True):
+    """One token per batch row: `q_t [B, H, K]`, `k_t [B, H_kv, K]`, `v_t [B, H_kv, V]`.
+    Returns `(o_t [B, H, V], cache)`; equals `htree_attention` on the whole sequence at
+    that position (strict causality). `backend`, `check_length`: as in `prefill`."""
+    config = check_decode_config(config)
+    _resolve(backend)
+    check_cache(cache, config)
+    _check_tokens(cache, q_t, k_t, v_t, step=True)
+    _check_room(cache, 1, check_length)
+    o, cache = _prefill(q_t[:, None], k_t[:, None], v_t[:, None], cache, config, False)
+    return o[:, 0], cache

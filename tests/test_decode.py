@@ -1,0 +1,171 @@
+"""Incremental decoding (issue 6): the cache's tree equals `build_tree` of the prefix at
+every step, and prefill + token-by-token decoding reproduces the full-sequence output
+and selections at every position (strict causality, SPEC 3)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, build_tree, htree_attention
+from htree_jax.decode import decode_step, init_cache, prefill
+from tests.conftest import random_qkv
+
+# (compression_rate, top_k, importance, T, max_len, prompt): the sequence's tree and the
+# cache's (sized for max_len) have 2-4 layers, not always as many.
+CASES = [
+    (4, 4, "softmax", 70, 100, 0),  # T: 70 -> 18 -> 5; cache: 100 -> 25 -> 7
+    (4, 4, "shared_max", 70, 300, 1),  # cache: 300 -> 75 -> 19 -> 5 (one layer more than T's)
+    (2, 4, "softmax", 40, 40, 9),  # 40 -> 20 -> 10: 3 layers each
+    (8, 2, "shared_max", 60, 200, 17),  # T: 60 -> 8; cache: 200 -> 25 -> 4
+    (2, 2, "softmax", 30, 64, 4),  # T: 30 -> 15 -> 8 -> 4; cache: 64 -> 32 -> 16 -> 8 -> 4
+]
+
+
+@pytest.mark.parametrize("r, top_k, importance, T, max_len, prompt", CASES)
+def test_decoding_reproduces_the_full_sequence(r, top_k, importance, T, max_len, prompt, rng):
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance)
+    assert 2 <= config.num_layers(T) <= 4 and config.num_layers(max_len) <= 5
+    B, H, H_kv, K, V = 2, 4, 2, 8, 6
+    # NumPy slices: eager jnp indexing would compile a new slice for every t
+    q, k, v = random_qkv(rng, B, T, H, H_kv, K, V)
+    full, full_sel = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    cache = init_cache(B, max_len, H_kv, K, V, config)
+    outputs, selections, positions = [], [], []
+    if prompt:
+        o, cache, sel = prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache, config, return_selected=True)
+        outputs.append(o)
+        selections.append(sel)
+        positions += list(range(prompt))
+    for t in range(prompt, T):
+        if t % 2:  # decode_step (no selections returned)
+            o, cache = decode_step(q[:, t], k[:, t], v[:, t], cache, config)
+            outputs.append(o[:, None])
+        else:  # the same walk through prefill of one token, with its selections
+            o, cache, sel = prefill(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache, config, return_selected=True)
+            outputs.append(o)
+            selections.append(sel)
+            positions.append(t)
+        assert int(cache.length) == t + 1
+        assert_tree_is_build_tree(cache, k[:, :t + 1], v[:, :t + 1], config)
+    got = jnp.concatenate(outputs, axis=1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-5)
+    # The cache's tree may have more layers than T's: those above select every candidate,
+    # so the lowest L(T) - 1 selections must be the full run's, exactly.
+    num = len(full_sel)
+    for depth in range(num):
+        step_sel = jnp.concatenate([s[len(s) - num + depth] for s in selections], axis=1)
+        np.testing.assert_array_equal(np.asarray(step_sel), np.asarray(full_sel[depth])[:, positions])
+
+
+def numpy_tree(x, num_layers: int, r: int):
+    """The tree of SPEC 1 in NumPy, float32 sums child by child (the order `build_tree`
+    uses), each layer rounded to the stored dtype: `num_layers` layers, bottom first."""
+    layers = [np.asarray(x)]
+    for _ in range(1, num_layers):
+        below = layers[-1].astype(np.float32)
+        N = below.shape[1]
+        P = -(-N // r)
+        padded = np.zeros((below.shape[0], P * r) + below.shape[2:], np.float32)
+        padded[:, :N] = below
+        children = padded.reshape((below.shape[0], P, r) + below.shape[2:])
+        sums = children[:, :, 0]
+        for c in range(1, r):
+            sums = sums + children[:, :, c]
+        counts = np.minimum(N - np.arange(P) * r, r)
+        reciprocal = (1.0 / counts).astype(np.float32)  # as build_tree: sum * (1/count)
+        layers.append((sums * reciprocal[None, :, None, None]).astype(layers[0].dtype))
+    return layers
+
+
+def assert_tree_is_build_tree(cache, k, v, config):
+    """Every layer of the cache equals the prefix's tree (NumPy, and `build_tree` for the
+    layers it has), bit for bit: nodes up to the rightmost; the rest still zero."""
+    n, r, L = k.shape[1], config.compression_rate, len(cache.keys)
+    for name, x, stored in (("keys", k, cache.keys), ("values", v, cache.values)):
+        want = numpy_tree(x, L, r)
+        for l in range(L):
+            N = want[l].shape[1]
+            got = np.asarray(stored[l])
+            np.testing.assert_array_equal(got[:, :N], want[l], err_msg=f"{name} layer {l}, n={n}")
+            assert not np.any(got[:, N:]), f"{name} layer {l}: nodes past the prefix must be zero"
+
+
+def test_numpy_tree_is_build_tree(rng):
+    for dtype in (np.float32, jnp.bfloat16):
+        k = jnp.asarray(rng.standard_normal((2, 75, 2, 8)), dtype)
+        config = HTreeConfig(compression_rate=4, top_k=4)
+        for l, (kl, _) in enumerate(build_tree(k, k, config)):
+            np.testing.assert_array_equal(np.asarray(kl), numpy_tree(k, config.num_layers(75), 4)[l])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_narrow_dtypes_tree_and_output(dtype, rng):
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    B, T, H, H_kv, K, V = 1, 50, 4, 2, 8, 8
+    q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, B, T, H, H_kv, K, V))
+    full = htree_attention(q, k, v, config, backend="reference")
+    cache = init_cache(B, 64, H_kv, K, V, config, dtype)
+    o1, cache = prefill(q[:, :20], k[:, :20], v[:, :20], cache, config)
+    o2, cache = prefill(q[:, 20:], k[:, 20:], v[:, 20:], cache, config)  # a second chunk
+    assert o1.dtype == dtype
+    assert_tree_is_build_tree(cache, k, v, config)
+    got = jnp.concatenate([o1, o2], axis=1).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_decode_step_under_jit_with_a_donated_cache(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    B, T, H, H_kv, K, V = 2, 40, 2, 1, 8, 8
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, H, H_kv, K, V))
+    full = htree_attention(q, k, v, config, backend="reference")
+    step = jax.jit(lambda q, k, v, c: decode_step(q, k, v, c, config), donate_argnums=3)
+    cache = init_cache(B, T, H_kv, K, V, config)
+    outs = []
+    for t in range(T):
+        o, cache = step(q[:, t], k[:, t], v[:, t], cache)
+        outs.append(o)
+    np.testing.assert_allclose(np.asarray(jnp.stack(outs, 1)), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+def test_errors(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    B, H, H_kv, K, V = 1, 2, 1, 8, 8
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 6, H, H_kv, K, V))
+    cache = init_cache(B, 5, H_kv, K, V, config)
+    with pytest.raises(ValueError, match="cache overflow: appending 6 token"):
+        prefill(q, k, v, cache, config)
+    o, cache = prefill(q[:, :5], k[:, :5], v[:, :5], cache, config)
+    with pytest.raises(ValueError, match="cache overflow: appending 1 token.*holding 5 of max_len=5"):
+        decode_step(q[:, 5], k[:, 5], v[:, 5], cache, config)
+    traced = jax.jit(lambda c: decode_step(q[:, 5], k[:, 5], v[:, 5], c, config)[0])
+    with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match="cache overflow"):
+        jax.block_until_ready(traced(cache))
+
+    cache = init_cache(B, 16, H_kv, K, V, config)
+    with pytest.raises(ValueError, match=r"k must have shape \[B, S, H_kv, K\] = \[1, S, 1, 8\]"):
+        prefill(q, jnp.concatenate([k, k], 2), v, cache, config)
+    with pytest.raises(ValueError, match="q must have shape"):
+        decode_step(q, k[:, 0], v[:, 0], cache, config)
+    with pytest.raises(ValueError, match="v must have shape"):
+        decode_step(q[:, 0], k[:, 0], v[:, 0, :, :4], cache, config)
+    with pytest.raises(ValueError, match="multiple of H_kv"):
+        prefill(jnp.zeros((1, 6, 0, K)), k, v, cache, config)
+    with pytest.raises(TypeError, match="must have the cache's dtype float32"):
+        prefill(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), cache, config)
+    with pytest.raises(ValueError, match="at least one token"):
+        prefill(q[:, :0], k[:, :0], v[:, :0], cache, config)
+    with pytest.raises(ValueError, match="use the config the cache was made with"):
+        prefill(q, k, v, cache, HTreeConfig(compression_rate=2, top_k=2))
+    with pytest.raises(ValueError, match="strict_causal must be True for decoding"):
+        init_cache(B, 16, H_kv, K, V, HTreeConfig(strict_causal=False))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        prefill(q, k, v, cache, config, backend="cuda")
+    with pytest.raises(ValueError, match="max_len must be a positive int"):
+        init_cache(B, 0, H_kv, K, V, config)
+    with pytest.raises(ValueError, match="k_dim must be even"):
+        init_cache(B, 8, H_kv, 7, V, config)
+    with pytest.raises(TypeError, match="cache must be an HTreeCache"):
+        prefill(q, k, v, {"keys": ()}, config)
