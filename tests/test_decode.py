@@ -16,9 +16,8 @@ from tests.conftest import random_qkv
 # (compression_rate, top_k, importance, T, max_len, prompt): the sequence's tree and the
 # cache's (sized for max_len) have 2-4 layers, not always as many.
 CASES = [
-    (4, 4, "softmax", 70, 100, 0),  # T: 70 -> 18 -> 5; cache: 100 -> 25 -> 7
-    (4, 4, "shared_max", 70, 300, 1),  # cache: 300 -> 75 -> 19 -> 5 (one layer more than T's)
-    (2, 4, "softmax", 40, 40, 9),  # 40 -> 20 -> 10: 3 layers each
+    (4, 4, "shared_max", 70, 300, 0),  # T: 70 -> 18 -> 5; cache: 300 -> 75 -> 19 -> 5
+    (2, 4, "softmax", 40, 40, 1),  # 40 -> 20 -> 10: 3 layers each
     (8, 2, "shared_max", 60, 200, 17),  # T: 60 -> 8; cache: 200 -> 25 -> 4
     (2, 2, "softmax", 30, 64, 4),  # T: 30 -> 15 -> 8 -> 4; cache: 64 -> 32 -> 16 -> 8 -> 4
 ]
@@ -169,3 +168,16 @@ def test_errors(rng):
         init_cache(B, 8, H_kv, 7, V, config)
     with pytest.raises(TypeError, match="cache must be an HTreeCache"):
         prefill(q, k, v, {"keys": ()}, config)
+
+
+def test_readme_decoding_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Incremental decoding"):]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(snippet, scope)
+    assert scope["o"].shape == (1, 40, 4, 16) and scope["o_t"].shape == (1, 4, 16)
+    assert int(scope["cache"].length) == 41

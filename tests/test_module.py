@@ -50,7 +50,7 @@ def test_nnx_module_equals_htree_attention_on_its_projections(H, H_kv, D_in, D, 
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("H, H_kv, D_in, D, config, T", CASES[:3])
+@pytest.mark.parametrize("H, H_kv, D_in, D, config, T", CASES[:2])
 def test_linen_twin_equals_nnx_from_the_same_weights(H, H_kv, D_in, D, config, T):
     m = HTreeAttention(H, D_in, num_kv_heads=H_kv, head_dim=D, out_features=12, config=config,
                        rngs=nnx.Rngs(1))
@@ -107,7 +107,7 @@ def test_jit_nnx_jit_grad_and_an_optax_step():
     assert losses[-1] < 0.9 * losses[0], losses
 
 
-@pytest.mark.parametrize("H, H_kv, D_in, D, config, T", CASES[:3])
+@pytest.mark.parametrize("H, H_kv, D_in, D, config, T", CASES[::2])
 def test_nnx_multihead_attention_with_attention_fn_equals_module(H, H_kv, D_in, D, config, T):
     m = HTreeAttention(H, D_in, num_kv_heads=H_kv, head_dim=D, config=config, use_bias=True,
                        bias_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(2))
@@ -141,7 +141,7 @@ def test_pallas_backend_in_the_module_matches_the_reference():
     kw = dict(num_kv_heads=2, head_dim=32, config=config)
     ref = HTreeAttention(4, 32, backend="reference", rngs=nnx.Rngs(0), **kw)
     pal = HTreeAttention(4, 32, backend="pallas_interpret", rngs=nnx.Rngs(0), **kw)
-    x = _inputs(8, (1, 70, 32))
+    x = _inputs(8, (1, 40, 32))  # 40 -> 10: two layers
     np.testing.assert_allclose(np.asarray(pal(x)), np.asarray(ref(x)), rtol=2e-5, atol=2e-5)
     loss = lambda m: jnp.sum(jnp.sin(m(x)))
     g_ref, g_pal = nnx.grad(loss)(ref), nnx.grad(loss)(pal)
