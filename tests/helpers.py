@@ -50,3 +50,15 @@ def softmax_over_leaves(q_group, k_layers, v_layers, leaves, config):
     s = np.stack(scores, axis=1)  # [G, leaves]
     w = np.exp(s - s.max(axis=1, keepdims=True))
     return (w @ np.stack(values)) / w.sum(axis=1, keepdims=True)
+
+
+def run_readme_snippet(heading: str) -> dict:
+    """Executes the first ```python block after `heading` in README.md; returns its scope."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index(heading):]
+    scope: dict = {}
+    exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), scope)
+    return scope

@@ -12,6 +12,7 @@ import pytest
 from htree_jax import HTreeConfig, build_tree, htree_attention
 from htree_jax.decode import decode_step, init_cache, prefill
 from tests.conftest import random_qkv
+from tests.helpers import run_readme_snippet
 
 # (compression_rate, top_k, importance, T, max_len, prompt): the sequence's tree and the
 # cache's (sized for max_len) have 2-4 layers, not always as many.
@@ -171,13 +172,6 @@ def test_errors(rng):
 
 
 def test_readme_decoding_example_runs():
-    import pathlib
-    import re
-
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Incremental decoding"):]
-    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    scope: dict = {}
-    exec(snippet, scope)
+    scope = run_readme_snippet("## Incremental decoding")
     assert scope["o"].shape == (1, 40, 4, 16) and scope["o_t"].shape == (1, 4, 16)
     assert int(scope["cache"].length) == 41

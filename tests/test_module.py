@@ -15,6 +15,7 @@ from flax import nnx
 import htree_jax
 from htree_jax import HTreeAttention, HTreeConfig, attention_fn, htree_attention
 from htree_jax import linen as htree_linen
+from tests.helpers import run_readme_snippet
 
 # (num_heads, num_kv_heads, in_features, head_dim, config, T): multi-layer trees at small T.
 CASES = [
@@ -274,14 +275,7 @@ def test_module_on_the_gpu_kernels_matches_the_reference(dtype):
 
 
 def test_readme_flax_example_runs():
-    import pathlib
-    import re
-
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Flax"):]
-    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    scope: dict = {}
-    exec(snippet, scope)
+    scope = run_readme_snippet("## Flax")
     assert scope["y"].shape == (2, 1024, 512)
 
 
