@@ -2,11 +2,13 @@
 decode attention over the same context.
 
     python benchmarks/bench_decode.py [--contexts 32768,131072,524288] [--batches 1,8] [--top-k 512,64]
+                                      [--backends pallas,reference]
 
 B rows, H=32, H_kv=4, K=V=128, bfloat16. Each side runs `--steps` consecutive jitted
 steps with its cache donated (updated in place), one new token per row per step, the
 context growing from `ctx - steps`; the figure is the median over `--repeats` of the
-per-step mean. htree: `decode_step` (tree update + walk). Dense: write the token into a
+per-step mean. htree: `decode_step` (tree update + walk), per `--backends` (the Pallas
+decode kernels, the JAX reference walk). Dense: write the token into a
 `[B, ctx, H_kv, K]` cache and `jax.nn.dot_product_attention` of the one query over the
 valid keys (cuDNN where it takes the shapes, else XLA). The htree cache is filled by
 `build_tree` of random keys (a prefill of 512K tokens with the reference walk would take
@@ -44,7 +46,7 @@ def per_step_ms(step, state, steps: int, repeats: int):
     return statistics.median(times), state
 
 
-def htree_case(B, ctx, config, steps, repeats, check_length):
+def htree_case(B, ctx, config, steps, repeats, check_length, backend):
     key = jax.random.key(0)
     k = jax.random.normal(key, (B, ctx, H_KV, K), DTYPE)
     v = jax.random.normal(jax.random.key(1), (B, ctx, H_KV, V), DTYPE)
@@ -55,7 +57,7 @@ def htree_case(B, ctx, config, steps, repeats, check_length):
     q_t = jax.random.normal(jax.random.key(2), (B, H, K), DTYPE)
     k_t = jax.random.normal(jax.random.key(3), (B, H_KV, K), DTYPE)
     v_t = jax.random.normal(jax.random.key(4), (B, H_KV, V), DTYPE)
-    fn = jax.jit(lambda c: decode_step(q_t, k_t, v_t, c, config, check_length=check_length), donate_argnums=0)
+    fn = jax.jit(lambda c: decode_step(q_t, k_t, v_t, c, config, backend=backend, check_length=check_length), donate_argnums=0)
 
     def step(i, c):
         return fn(c)[1]
@@ -101,6 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", default="32768,131072,524288")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--top-k", default="512,64")
+    p.add_argument("--backends", default="pallas,reference")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-length-check", action="store_true", help="decode_step(check_length=False)")
@@ -111,16 +114,20 @@ def main(argv=None) -> int:
     print(f"# {datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, H={H} H_kv={H_KV} "
           f"K=V={K} bfloat16; per-token decode; command: python benchmarks/bench_decode.py "
           f"{' '.join(sys.argv[1:] if argv is None else argv)}", flush=True)
-    lines = ["| context | B | top_k | layers | htree ms/token | dense ms/token | dense | dense/htree |",
-             "|---|---|---|---|---|---|---|---|"]
+    backends = [b for b in args.backends.split(",") if b]
+    lines = ["| context | B | top_k | layers | " + " | ".join(f"htree {b} ms" for b in backends)
+             + " | dense ms | dense | " + " | ".join(f"dense/{b}" for b in backends) + " |",
+             "|---" * (6 + 2 * len(backends)) + "|"]
     for B in parse(args.batches):
         for ctx in parse(args.contexts):
             d_ms, impl = dense_case(B, ctx, args.steps, args.repeats)
             for top_k in parse(args.top_k):
                 config = HTreeConfig(top_k=top_k)
-                h_ms = htree_case(B, ctx, config, args.steps, args.repeats, not args.no_length_check)
+                h_ms = [htree_case(B, ctx, config, args.steps, args.repeats, not args.no_length_check, b)
+                        for b in backends]
                 lines.append(f"| {ctx} | {B} | {top_k} | {', '.join(map(str, config.layer_sizes(ctx)))} | "
-                             f"{h_ms:.3f} | {d_ms:.3f} | {impl} | {d_ms / h_ms:.2f} |")
+                             + " | ".join(f"{x:.3f}" for x in h_ms) + f" | {d_ms:.3f} | {impl} | "
+                             + " | ".join(f"{d_ms / x:.2f}" for x in h_ms) + " |")
                 print(lines[-1], flush=True)
     print("\n".join(lines))
     return 0

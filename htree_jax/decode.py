@@ -32,7 +32,8 @@ from htree_jax.reference import attend_tree, default_query_chunk
 from htree_jax.tree import child_reciprocals, round_to_storage
 from htree_jax.validation import check_config, check_dtype
 
-DECODE_BACKENDS = ("auto", "reference")
+# "auto": the Pallas decode kernels on a GPU when they support the dims, else the reference.
+DECODE_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "length"], meta_fields=[])
@@ -202,13 +203,42 @@ def check_decode_config(config) -> HTreeConfig:
     return config
 
 
-def _resolve(backend) -> str:
+def _resolve(backend, cache: HTreeCache, num_heads: int) -> str:
+    """The concrete decode backend: "reference", "pallas" or "pallas_interpret"."""
+    from pallas_kernels.decode import check_pallas_decode_dims
+
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"backend must be one of {DECODE_BACKENDS} for decoding, got {backend!r}")
-    return "reference"
+    dims = (cache.keys[0].shape[-1], cache.values[0].shape[-1], num_heads // cache.num_kv_heads)
+    if backend == "auto":
+        if jax.default_backend() != "gpu":
+            return "reference"
+        try:
+            check_pallas_decode_dims(*dims)
+        except ValueError:
+            return "reference"
+        return "pallas"
+    if backend == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(
+            "backend 'pallas' needs a CUDA GPU (Triton lowering); on "
+            f"{jax.default_backend()!r} use backend='pallas_interpret' to run the same kernels interpreted"
+        )
+    if backend != "reference":
+        check_pallas_decode_dims(*dims)
+    return backend
 
 
-def _attend(q, cache: HTreeCache, positions, config: HTreeConfig):
+def decode_backend(backend: str, interpret: bool = False) -> str:
+    """The decode backend named by a module's `(backend, interpret)` pair."""
+    return "pallas_interpret" if backend == "pallas" and interpret else backend
+
+
+def _attend(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
+    if impl != "reference":
+        from pallas_kernels.decode import attend_cache_pallas
+
+        return attend_cache_pallas(q, cache.keys, cache.values, positions, config,
+                                   interpret=impl == "pallas_interpret")
     B, S, H, K = q.shape
     H_kv, V = cache.num_kv_heads, cache.values[0].shape[-1]
     chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))
@@ -216,11 +246,11 @@ def _attend(q, cache: HTreeCache, positions, config: HTreeConfig):
     return attend_tree(q, layers, positions, config, chunk, keys_rotated=False)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "return_selected"), donate_argnames=("cache",))
-def _prefill(q, k, v, cache, config, return_selected):
+@functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl"), donate_argnames=("cache",))
+def _prefill(q, k, v, cache, config, return_selected, impl):
     positions = cache.length + jnp.arange(q.shape[1], dtype=jnp.int32)
     cache = append_to_cache(cache, k, v, config)
-    o, selected = _attend(q, cache, positions, config)
+    o, selected = _attend(q, cache, positions, config, impl)
     return (o, cache, selected) if return_selected else (o, cache)
 
 
@@ -231,16 +261,19 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, ba
     `length .. length + S - 1`. Returns `(o [B, S, H, V], cache)` (and the selections,
     as `htree_attention` returns them, with `return_selected=True`). Works at any cache
     length (a prompt into an empty cache, or a chunk after earlier ones); jittable; the
-    cache argument is donated (do not reuse it). `backend`: `"auto"` or `"reference"`
-    (the jittable JAX walk, on every platform). Appending past `max_len` raises; under
+    cache argument is donated (do not reuse it). `backend`: `"reference"` (the jittable
+    JAX walk, every platform), `"pallas"` (the Pallas decode kernels,
+    `pallas_kernels/decode.py`: CUDA GPUs, K and V in 32/64/128/256, at most 16 query
+    heads per kv head), `"pallas_interpret"` (the same kernels interpreted, any
+    platform) or `"auto"` (`"pallas"` on a GPU where the dims allow, else `"reference"`). Appending past `max_len` raises; under
     `jit` the length is checked on the device through a host callback, which
     `check_length=False` leaves out (the caller then guarantees the room)."""
     config = check_decode_config(config)
-    _resolve(backend)
     check_cache(cache, config)
     S = _check_tokens(cache, q, k, v, step=False)
+    impl = _resolve(backend, cache, q.shape[2])
     _check_room(cache, S, check_length)
-    return _prefill(q, k, v, cache, config, return_selected)
+    return _prefill(q, k, v, cache, config, return_selected, impl)
 
 
 def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto",
@@ -249,9 +282,9 @@ def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = N
     Returns `(o_t [B, H, V], cache)`; equals `htree_attention` on the whole sequence at
     that position (strict causality). `backend`, `check_length`: as in `prefill`."""
     config = check_decode_config(config)
-    _resolve(backend)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
+    impl = _resolve(backend, cache, q_t.shape[1])
     _check_room(cache, 1, check_length)
-    o, cache = _prefill(q_t[:, None], k_t[:, None], v_t[:, None], cache, config, False)
+    o, cache = _prefill(q_t[:, None], k_t[:, None], v_t[:, None], cache, config, False, impl)
     return o[:, 0], cache

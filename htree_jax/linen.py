@@ -63,8 +63,8 @@ class HTreeAttention(nn.Module):
         Decoding, as in `nn.MultiHeadDotProductAttention`: `init` with `decode=True` on
         inputs `[B, max_len, in_features]` makes the `cache` collection (an empty
         `HTreeCache` for `max_len` tokens); `apply(..., decode=True, mutable=["cache"])`
-        then appends `inputs [B, S, in_features]` and attends with them (the JAX reference
-        walk on every backend)."""
+        then appends `inputs [B, S, in_features]` and attends with them (with the module's
+        backend, as `htree_jax.prefill` takes it)."""
         dims = self._checked()
         check_inputs(inputs, dims)
         decode = self.decode if decode is None else decode
@@ -74,7 +74,7 @@ class HTreeAttention(nn.Module):
         out = self._dense(dims.out_features, "out", axis=(-2, -1))
         config = check_config(self.config)
         if decode:
-            from htree_jax.decode import init_cache, prefill
+            from htree_jax.decode import decode_backend, init_cache, prefill
 
             if mask is not None:
                 raise ValueError("mask must be None with decode=True: the new tokens attend causally to the cache")
@@ -86,7 +86,8 @@ class HTreeAttention(nn.Module):
             tree = self.variable("cache", "tree", lambda: init_cache(
                 B, S, dims.num_kv_heads, dims.head_dim, dims.head_dim, config, k.dtype))
             if initialized:
-                o, tree.value = prefill(q, k, v, tree.value, config)
+                o, tree.value = prefill(q, k, v, tree.value, config,
+                                        backend=decode_backend(self.backend, self.interpret))
                 return out(o)
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=dims.num_heads, seq_len=T,

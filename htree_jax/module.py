@@ -163,8 +163,8 @@ class HTreeAttention(nnx.Module):
         With `decode=True` (or the constructor's `decode`), `inputs [B, S, in_features]`
         are the next `S` tokens: they are appended to the cache made by `init_cache` and
         attend to everything before them; the result equals the full-sequence output at
-        those positions. Decoding runs the JAX reference walk on every backend (a Pallas
-        decode kernel is not built yet)."""
+        those positions, with the module's backend (`"auto"`: the Pallas decode kernels on
+        a GPU where the head dims allow, else the JAX reference walk)."""
         check_inputs(inputs, self.dims)
         decode = self.decode if decode is None else decode
         if decode:
@@ -177,7 +177,7 @@ class HTreeAttention(nnx.Module):
         return self.out(o)
 
     def _decode(self, inputs, mask):
-        from htree_jax.decode import prefill
+        from htree_jax.decode import decode_backend, prefill
 
         if self.cache is None:
             raise ValueError("decode=True needs a cache: call init_cache(batch_size, max_len) first")
@@ -186,6 +186,7 @@ class HTreeAttention(nnx.Module):
         if inputs.ndim != 3:
             raise ValueError(f"inputs must have shape [B, S, in_features] with decode=True, got {list(inputs.shape)}")
         q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
-        o, cache = prefill(q, k, v, self.cache.get_value(), self.config)
+        o, cache = prefill(q, k, v, self.cache.get_value(), self.config,
+                           backend=decode_backend(self.backend, self.interpret))
         self.cache.set_value(cache)
         return self.out(o)

@@ -9,6 +9,9 @@
   beside an autodiff twin; `node_backward`: their transpose, `dk`/`dv` by node from an
   inverse index (no atomics, bitwise deterministic); `backward`: `htree_backward_pallas`
   (selections recomputed, gradients pushed down the tree).
+- `decode`: decoding over a `htree_jax.HTreeCache` (keys gathered as stored and rotated in
+  the kernel, candidates split over programs), `attend_cache_pallas`; its twin is the JAX
+  reference walk `htree_jax.reference.attend_tree(..., keys_rotated=False)`.
 
 Every kernel runs with `interpret=True` on any platform; CI tests them that way.
 """

@@ -303,6 +303,36 @@ def test_nnx_decode_reproduces_the_full_sequence():
         m2(x[:, :1], mask=jnp.ones((1, 1), bool))
 
 
+def test_nnx_decode_with_the_pallas_backend_interpreted():
+    """`backend="pallas", interpret=True`: decoding runs the Pallas decode kernels."""
+    config = HTreeConfig(compression_rate=4, top_k=4)  # 20 -> 5: 2 layers
+    kw = dict(num_kv_heads=2, head_dim=32, config=config)
+    m = HTreeAttention(4, 32, backend="pallas", interpret=True, rngs=nnx.Rngs(0), **kw)
+    ref = HTreeAttention(4, 32, backend="reference", rngs=nnx.Rngs(0), **kw)
+    x = _inputs(12, (2, 20, 32))
+    full = ref(x)
+    m.init_cache(2, 20)
+    outs = [m(x[:, :18], decode=True)] + [m(x[:, t:t + 1], decode=True) for t in (18, 19)]
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_module_decode_on_the_gpu_kernels_matches_the_full_sequence():
+    """On a GPU, decoding with backend="auto" runs the compiled Pallas decode kernels."""
+    config = HTreeConfig(compression_rate=8, top_k=16)  # 512 -> 64 -> 8: 3 layers
+    kw = dict(num_kv_heads=2, head_dim=64, config=config)
+    m = HTreeAttention(8, 256, backend="auto", rngs=nnx.Rngs(0), **kw)
+    ref = HTreeAttention(8, 256, backend="reference", rngs=nnx.Rngs(0), **kw)
+    x = _inputs(13, (2, 512, 256))
+    full = np.asarray(ref(x))
+    m.init_cache(2, 512)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    outs = [m(x[:, :500], decode=True)] + [step(m, x[:, t:t + 1]) for t in range(500, 512)]
+    got = np.asarray(jnp.concatenate(outs, 1))
+    np.testing.assert_allclose(got, full, atol=1e-4 * np.abs(full).max())
+
+
 def test_linen_decode_reproduces_the_full_sequence():
     config = HTreeConfig(compression_rate=4, top_k=4)
     model = htree_linen.HTreeAttention(4, 32, num_kv_heads=2, config=config)

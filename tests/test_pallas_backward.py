@@ -21,7 +21,7 @@ from pallas_kernels.layer_forward import (
     select_top_k_layer_pallas,
 )
 from pallas_kernels.node_backward import UNIT, layer_node_grads_pallas, node_buffers, node_gradient, node_index
-from tests.test_pallas_kernels import LAYER_CONFIGS, _layer_inputs
+from tests.test_pallas_kernels import LAYER_CONFIGS, _layer_inputs, paired
 
 
 def _row_stats(rng, shape, vp):
@@ -47,9 +47,8 @@ def _assert_gradients_close(got, want, atol=5e-5):
 NODE_CONFIGS = LAYER_CONFIGS + [HTreeConfig(compression_rate=32, top_k=4)]
 
 
-@pytest.mark.parametrize("config", NODE_CONFIGS, ids=str)
-@pytest.mark.parametrize("G, block_sizes, entries_per_step", [(1, BlockSizes(), None),
-                                                             (3, BlockSizes(span=16, tile=32), 4)], ids=str)
+@pytest.mark.parametrize("config, G, block_sizes, entries_per_step", paired(NODE_CONFIGS, [
+    (1, BlockSizes(), None), (3, BlockSizes(span=16, tile=32), 4)]), ids=str)
 def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_step):
     """The layer's gradients against the twin: `dq` from the per-query kernel, `dk`, `dv`
     from the node kernel (per unit of nodes, through the inverse index)."""
@@ -86,8 +85,8 @@ def _random_accumulators(rng, zeros):
     return tuple(jnp.asarray(rng.integers(-4, 5, size=x.shape).astype(np.float32)) for x in zeros)
 
 
-@pytest.mark.parametrize("config", LAYER_CONFIGS, ids=str)
-@pytest.mark.parametrize("G, block_queries, top_tile", [(1, 16, 16), (3, 4, 32), (8, 2, 16)])
+@pytest.mark.parametrize("config, G, block_queries, top_tile",
+                         paired(LAYER_CONFIGS, [(1, 16, 16), (3, 4, 32), (8, 2, 16)]), ids=str)
 def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
     """The top layer's block kernel against the per-query twin with virtual parents;
     every query of a block has its own `n`."""

@@ -1,0 +1,377 @@
+"""Pallas decode kernels: a few new queries walk a decode cache's tree (SPEC 2).
+
+The full-sequence kernels (`layer_forward.py`) read each layer's keys in `span / r`
+rotated copies made for the whole layer (`rotate_phases`), which for a decode step would
+be `O(T)` work per token. Here the keys are read as the cache stores them (`[B, N, H_kv,
+K]`, un-rotated, the layout `htree_jax.decode.HTreeCache` keeps) and rotated in the
+kernel after the gather: candidate position `p` of a product over `[p0, p0 + span)`
+is rotated by `p - p0`, the query once by `n - 1 - p0` (SPEC 2.2 is relative), the
+same arithmetic `rotate_phases` does ahead of time, so the scores are those of the
+full-sequence kernels.
+
+A decode step has few queries (`B * H_kv` of them, 4 at `B = 1`), so each query's
+candidate buffer is split over `splits` programs (grid `(B, Q, H_kv, splits)`), as
+flash-decoding splits the keys, and the per-split partial results are combined in XLA:
+
+  per layer that selects (top down):
+    `_scores_kernel`   scores of the split's candidates, stored, and the split's
+                       running (max, sum) over the normaliser set R
+    XLA                the rows' importance shift, packed keys (`keys_from_scores`)
+    `select_top_k_layer_pallas` (shared with the forward): the kept nodes, `tau`
+    `_merge_kernel`    the split's merged candidates (stored scores, gathered values)
+                       folded into a partial softmax state (m, S, U)
+  bottom layer: `_merge_kernel` scoring its keys, every valid candidate merged;
+  the partial states fold into the running one in XLA, and the output is U / S.
+
+Layouts (the wrapper pads heads and candidates):
+  q        `[B, Q, H_kv, Gp, K]`  float32, un-rotated, `Gp = max(16, next_pow2(G))` rows
+  parents  `[B, Q, H_kv, Mp / r]` int32 ascending, `-1` padded
+  n        `[B, Q, H_kv, 1]` int32 valid candidates (SPEC 2.1)
+  layer    keys `[B, N, H_kv, K]`, values `[B, N, H_kv, V]` (the cache's, any N)
+  cos, sin `[Mp, K/2]` float32  RoPE at `0 .. Mp - 1` (exactly rounded)
+  scores   `[B, Q, H_kv, Gp, Mp]` float32 (real heads' rows of valid spans written)
+  partial  m, S `[B, Q, H_kv, splits, Gp]`, U `[B, Q, H_kv, splits, Gp, V]` float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from htree_jax.config import HTreeConfig
+from htree_jax.rope import rope_table
+from pallas_kernels.common import compiler_params, next_power_of_two, pad_axis
+from pallas_kernels.forward import (
+    MAX_GROUP,
+    candidate_count,
+    default_importance_operands,
+    default_merge_operands,
+    default_merge_precision,
+    default_precision,
+)
+from pallas_kernels.layer_forward import (
+    NEG_INF,
+    LayerStatic,
+    _dot_t,
+    _online_max_sum,
+    fold_merged,
+    importance_shift,
+    keys_from_scores,
+    merge_score_precision,
+    select_top_k_layer_pallas,
+)
+
+# Power-of-two widths only: a gathered row is one load, and every load is a power of two.
+DECODE_DIMS = (32, 64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    # Candidates per score product (one query rotation); raised to >= 16 and >= r.
+    span: int = 64
+    # Programs to aim for per launch: a query's candidates are split until
+    # B * Q * H_kv * splits reaches this (at most Mp / span splits).
+    target_programs: int = 512
+    num_warps: int = 4
+    # Scores and packed keys of a chunk of queries (prefill) stay under this.
+    chunk_budget_bytes: int = 256 << 20
+
+
+def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int) -> None:
+    """The Pallas decode kernels' limits (checked before any launch)."""
+    if head_dim not in DECODE_DIMS:
+        raise ValueError(f"Pallas decoding supports head dim K in {DECODE_DIMS}, got K = {head_dim}")
+    if value_dim not in DECODE_DIMS:
+        raise ValueError(f"Pallas decoding supports value dim V in {DECODE_DIMS}, got V = {value_dim}")
+    if group > MAX_GROUP:
+        raise ValueError(f"Pallas decoding supports at most {MAX_GROUP} query heads per kv head, got {group}")
+
+
+def _span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision, operands):
+    """Scores `[Gp, span]` of candidate positions `[p0, p0 + span)` (`p0` a multiple of
+    the span), their validity, positions and nodes. Keys are gathered un-rotated and
+    rotated here by `p - p0`; the query by `n - 1 - p0`."""
+    r, span = st.r, st.span
+    half = q_lo.shape[-1]
+    parents = par_ref[pl.ds(p0 // r, span // r)]
+    child = jnp.arange(r, dtype=jnp.int32)
+    positions = p0 + jnp.arange(span, dtype=jnp.int32)
+    valid = positions < n
+    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(span), 0)
+    k_lo = k_ref[nodes, pl.ds(0, half)].astype(jnp.float32)
+    k_hi = k_ref[nodes, pl.ds(half, half)].astype(jnp.float32)
+    kc, ks = cos_ref[pl.ds(0, span), :], sin_ref[pl.ds(0, span), :]
+    k_lo, k_hi = k_lo * kc - k_hi * ks, k_lo * ks + k_hi * kc
+    angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked by the caller
+    c, s = cos_ref[pl.ds(angle, 1), :], sin_ref[pl.ds(angle, 1), :]
+    r_lo, r_hi = q_lo * c - q_hi * s, q_lo * s + q_hi * c
+    scores = _dot_t(r_lo, (k_lo,), precision, operands) + _dot_t(r_hi, (k_hi,), precision, operands)
+    return st.alpha * scores, valid, positions, nodes
+
+
+def _split_spans(n, st: LayerStatic):
+    """`(start, count)`: the first position of this program's split and how many of its
+    spans hold valid candidates."""
+    start = pl.program_id(3) * st.tile
+    count = jnp.clip((n - start + st.span - 1) // st.span, 0, st.tile // st.span)
+    return start, count
+
+
+def _query_halves(q_ref):
+    half = q_ref.shape[-1] // 2
+    return q_ref[:, pl.ds(0, half)].astype(jnp.float32), q_ref[:, pl.ds(half, half)].astype(jnp.float32)
+
+
+def _scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, s_ref, m_ref, t_ref, *, st: LayerStatic):
+    """One split of a selecting layer: its candidates' scores (stored, real heads' rows)
+    and its rows' running max and sum of `exp` over R (SPEC 2.3)."""
+    gp = q_ref.shape[0]
+    n = n_ref[0]
+    q_lo, q_hi = _query_halves(q_ref)
+    start, count = _split_spans(n, st)
+    last_in_norm = n - 1 if st.strict_causal else n
+    real_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[:, None], (gp, st.span))
+
+    def score_span(j, carry):
+        scores, _, positions, _ = _span_scores(start + j * st.span, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n,
+                                               st, st.precision, st.importance_operands)
+        plgpu.store(s_ref.at[:, pl.ds(j * st.span, st.span)], scores, mask=real_rows)
+        return _online_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
+
+    init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    m, total = lax.fori_loop(0, count, score_span, init)
+    m_ref[...] = m
+    t_ref[...] = total
+
+
+def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
+    """One split's merged candidates folded into a partial state `(m, S, U)`: at the
+    bottom every valid candidate, scored here; above it those not kept (`key < tau`),
+    from the scores `_scores_kernel` stored (padding rows read as 0)."""
+    if bottom:
+        q_ref, par_ref, n_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref = refs
+        gp = q_ref.shape[0]
+        q_lo, q_hi = _query_halves(q_ref)
+    else:
+        sc_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m_ref, s_ref, u_ref = refs
+        gp = sc_ref.shape[0]
+        tau = tau_ref[0]
+        real_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[:, None], (gp, st.span))
+    precision, operands = merge_score_precision(st), st.merge_operands
+    n = n_ref[0]
+    start, count = _split_spans(n, st)
+    r, span = st.r, st.span
+    child = jnp.arange(r, dtype=jnp.int32)
+
+    def merge_span(j, carry):
+        p0 = start + j * span
+        if bottom:
+            scores, merged, _, nodes = _span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st,
+                                                    precision, operands)
+        else:
+            positions = p0 + jnp.arange(span, dtype=jnp.int32)
+            valid = positions < n
+            parents = par_ref[pl.ds(p0 // r, span // r)]
+            nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(span), 0)
+            scores = plgpu.load(sc_ref.at[:, pl.ds(j * span, span)], mask=real_rows, other=0.0)
+            merged = valid & (keys_ref[pl.ds(j * span, span)] < tau)
+        block = (jnp.where(merged[None, :], scores, NEG_INF), v_ref[nodes, :])
+        return fold_merged(carry, [block], precision, operands)
+
+    init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),
+            jnp.zeros((gp, v_ref.shape[-1]), jnp.float32))
+    m, total, acc = lax.fori_loop(0, count, merge_span, init)
+    m_ref[...] = m
+    s_ref[...] = total
+    u_ref[...] = acc
+
+
+def _specs(gp: int, K: int, V: int, Mp: int, st: LayerStatic, layer_n: int):
+    """BlockSpecs of a grid `(B, Q, H_kv, splits)`."""
+    W = st.tile
+    query = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h, s: (b, i, h) + (0,) * len(tail))
+    split = lambda *tail: pl.BlockSpec((None, None, None) + tail[:-1] + (W,),
+                                       lambda b, i, h, s: (b, i, h) + (0,) * (len(tail) - 1) + (s,))
+    partial = lambda *tail: pl.BlockSpec((None, None, None, None) + tail,
+                                         lambda b, i, h, s: (b, i, h, s) + (0,) * len(tail))
+    layer = lambda D: pl.BlockSpec((None, layer_n, None, D), lambda b, i, h, s: (b, 0, h, 0))
+    table = pl.BlockSpec((Mp, K // 2), lambda b, i, h, s: (0, 0))
+    return dict(q=query(gp, K), parents=query(Mp // st.r), n=query(1), tau=query(1), keys=split(Mp),
+                scores=split(gp, Mp), k=layer(K), v=layer(V), table=table, vec=partial(gp), mat=partial(gp, V))
+
+
+def _partial_shapes(B, Q, H_kv, splits, gp, V=None):
+    vec = jax.ShapeDtypeStruct((B, Q, H_kv, splits, gp), jnp.float32)
+    return [vec, vec] if V is None else [vec, vec, jax.ShapeDtypeStruct((B, Q, H_kv, splits, gp, V), jnp.float32)]
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def decode_scores_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, interpret: bool = False):
+    """`(scores [B, Q, H_kv, Gp, Mp], m, total [B, Q, H_kv, splits, Gp])` of a selecting
+    layer: the stored scores and each split's running max / sum over R."""
+    B, Q, H_kv, gp, K = q.shape
+    Mp = cos.shape[0]
+    splits = Mp // st.tile
+    sp = _specs(gp, K, 0, Mp, st, layer_k.shape[1])
+    return pl.pallas_call(
+        functools.partial(_scores_kernel, st=st),
+        grid=(B, Q, H_kv, splits),
+        in_specs=[sp["q"], sp["parents"], sp["n"], sp["k"], sp["table"], sp["table"]],
+        out_specs=[sp["scores"], sp["vec"], sp["vec"]],
+        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, gp, Mp), jnp.float32)] + _partial_shapes(B, Q, H_kv, splits, gp),
+        compiler_params=compiler_params(st.num_warps, 1),
+        interpret=interpret,
+    )(q, parents, n, layer_k, cos, sin)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, cos, sin, st: LayerStatic,
+                        interpret: bool = False):
+    """Partial states `(m, S [B, Q, H_kv, splits, Gp], U [..., Gp, V])` of a layer's
+    merged candidates. Bottom layer (`keys=None`): `q_or_scores` is the queries
+    `[B, Q, H_kv, Gp, K]` and every valid candidate merges; above it, the scores from
+    `decode_scores_pallas` and the candidates with `keys < tau` merge."""
+    bottom = keys is None
+    B, Q, H_kv, gp = q_or_scores.shape[:4]
+    V, Mp = layer_v.shape[-1], parents.shape[-1] * st.r
+    splits = Mp // st.tile
+    K = layer_k.shape[-1] if bottom else 2
+    sp = _specs(gp, K, V, Mp, st, layer_v.shape[1])
+    if bottom:
+        in_specs = [sp["q"], sp["parents"], sp["n"], sp["k"], sp["v"], sp["table"], sp["table"]]
+        args = (q_or_scores, parents, n, layer_k, layer_v, cos, sin)
+    else:
+        in_specs = [sp["scores"], sp["parents"], sp["n"], sp["keys"], sp["tau"], sp["v"]]
+        args = (q_or_scores, parents, n, keys, tau, layer_v)
+    return tuple(pl.pallas_call(
+        functools.partial(_merge_kernel, st=st, bottom=bottom),
+        grid=(B, Q, H_kv, splits),
+        in_specs=in_specs,
+        out_specs=[sp["vec"], sp["vec"], sp["mat"]],
+        out_shape=_partial_shapes(B, Q, H_kv, splits, gp, V),
+        compiler_params=compiler_params(st.num_warps, 1),
+        interpret=interpret,
+    )(*args))
+
+
+def combine_max_sum(m, total):
+    """Per-split running `(max, sum of exp)` `[..., splits, rows]` -> the rows' `(max, sum)`."""
+    m_all = jnp.max(m, axis=-2)
+    m_safe = jnp.where(m_all == NEG_INF, 0.0, m_all)
+    return m_all, jnp.sum(total * jnp.exp(m - m_safe[..., None, :]), axis=-2)
+
+
+def fold_partials(state, partials):
+    """The running state `(m, S [..., rows], U [..., rows, V])` with a layer's per-split
+    partial states (`[..., splits, rows(, V)]`) folded in (SPEC 2.4: one softmax)."""
+    m, S, U = state
+    pm, pS, pU = partials
+    m_new = jnp.maximum(m, jnp.max(pm, axis=-2))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    decay = jnp.exp(m - m_safe)
+    w = jnp.exp(pm - m_safe[..., None, :])  # [..., splits, rows]; 0 for empty splits
+    S = S * decay + jnp.sum(pS * w, axis=-2)
+    U = U * decay[..., None] + jnp.sum(pU * w[..., None], axis=-3)
+    return m_new, S, U
+
+
+def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H_kv: int,
+                   block_sizes: DecodeBlockSizes):
+    """`(LayerStatic, Mp)`: the span, the split width (`tile`) and the score precision
+    (those of the full-sequence forward for the cache dtype)."""
+    r, M = config.compression_rate, config.max_candidates
+    span = max(16, r, min(next_power_of_two(block_sizes.span), M))
+    Mp = max(M, span)
+    want = max(1, block_sizes.target_programs // max(1, B * Q * H_kv))
+    splits = min(next_power_of_two(want), Mp // span)
+    return LayerStatic(
+        r=r, tile=Mp // splits, span=span, group=G, alpha=config.score_scale(K), importance=config.importance,
+        strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
+        precision=default_precision(dtype), merge_precision=default_merge_precision(dtype),
+        importance_operands=default_importance_operands(dtype), merge_operands=default_merge_operands(dtype),
+        num_warps=block_sizes.num_warps,
+    ), Mp
+
+
+def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos, sin, interpret: bool):
+    """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [Q]`.
+    Returns `(o [B, Q, H_kv, Gp, V] float32, selections)`."""
+    r, L = config.compression_rate, len(keys)
+    B, Q, H_kv, gp, _ = q.shape
+    V = values[0].shape[-1]
+    P = Mp // r
+    t = t[None, :, None, None]
+    slot = jnp.arange(P, dtype=jnp.int32)
+    # The top layer's virtual parents: 0 .. floor(i*_{L-1} / r).
+    parents = jnp.broadcast_to(jnp.where(slot <= t // r ** (L - 1) // r, slot, -1), (B, Q, H_kv, P))
+    state = (jnp.full((B, Q, H_kv, gp), NEG_INF, jnp.float32), jnp.zeros((B, Q, H_kv, gp), jnp.float32),
+             jnp.zeros((B, Q, H_kv, gp, V), jnp.float32))
+    selections = []
+    for l in reversed(range(L)):
+        n = candidate_count(parents, t, r, l)
+        if l == 0:
+            partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, st, interpret)
+        else:
+            scores, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret)
+            m, total = combine_max_sum(m, total)
+            real_head = jnp.arange(B * Q * H_kv * gp, dtype=jnp.int32) % gp < st.group
+            shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
+            packed = keys_from_scores(scores, shift.reshape(m.shape), n, st)
+            next_parents, tau = select_top_k_layer_pallas(packed, parents, n, st, interpret)
+            partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, st, interpret)
+            parents = next_parents[..., :P]
+            selections.append(parents[..., : config.top_k])
+        state = fold_partials(state, partials)
+    _, S, U = state
+    return U / S[..., None], selections
+
+
+def query_chunk(config: HTreeConfig, B: int, S: int, H_kv: int, gp: int, Mp: int, block_sizes: DecodeBlockSizes):
+    """Query positions per launch: the stored scores and packed keys of a chunk
+    (`B * Qc * H_kv * Mp * (4 * Gp + 12)` bytes) within the budget."""
+    per_query = B * H_kv * Mp * (4 * gp + 12)
+    return int(max(1, min(S, block_sizes.chunk_budget_bytes // per_query)))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
+def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
+                        block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False):
+    """htree attention of queries `q [B, S, H, K]` (un-rotated) at token positions
+    `positions [S]` (int32, may be traced) over a decode cache's tree: `keys`, `values`
+    the per-layer `[B, N_l, H_kv, K]`, `[B, N_l, H_kv, V]` (bottom first, un-rotated).
+    The twin of `htree_jax.reference.attend_tree(..., keys_rotated=False)`: returns
+    `(o [B, S, H, V] in q.dtype, selections)`, selections top first, `[B, S, H_kv,
+    top_k]`. Dims as `check_pallas_decode_dims` allows (checked by the caller)."""
+    B, S, H, K = q.shape
+    H_kv, V = keys[0].shape[2], values[0].shape[-1]
+    G = H // H_kv
+    gp = next_power_of_two(G, 16)
+    Mp0 = max(config.max_candidates, 16)
+    C = query_chunk(config, B, S, H_kv, gp, Mp0, block_sizes)
+    st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, block_sizes)
+    cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base)))
+    num_chunks = -(-S // C)
+    q5 = pad_axis(q.reshape(B, S, H_kv, G, K).astype(jnp.float32), 3, gp)
+    q5 = pad_axis(q5, 1, num_chunks * C)
+    padded = jnp.concatenate([positions, jnp.broadcast_to(positions[-1], (num_chunks * C - S,))])
+
+    def chunk(i):
+        qc = lax.dynamic_slice_in_dim(q5, i * C, C, axis=1)
+        t = lax.dynamic_slice_in_dim(padded, i * C, C)
+        return _walk(qc, t, keys, values, config, st, Mp, cos, sin, interpret)
+
+    o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
+    # o: [chunks, B, C, H_kv, Gp, V] -> [B, S, H, V]
+    o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * C, H_kv, gp, V)[:, :S, :, :G]
+    sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * C, H_kv, -1)[:, :S] for s in sels]
+    return o.reshape(B, S, H, V).astype(q.dtype), sels
+
+
+__all__ = ["DecodeBlockSizes", "attend_cache_pallas", "check_pallas_decode_dims", "decode_merge_pallas",
+           "decode_scores_pallas", "fold_partials"]
