@@ -20,9 +20,8 @@ def _oracle_loss(q, k, v, w, config):
     return float(np.sum(o * w)), sel
 
 
-@pytest.mark.parametrize("importance", ["softmax", "shared_max"])
-@pytest.mark.parametrize("r, top_k, T", [(2, 2, 20), (4, 2, 40)])
-def test_reference_gradients_match_oracle_finite_differences(rng, importance, r, top_k, T):
+@pytest.mark.parametrize("r, top_k, T, importance", [(2, 2, 20, "softmax"), (4, 2, 40, "shared_max")])
+def test_reference_gradients_match_oracle_finite_differences(rng, r, top_k, T, importance):
     config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance)
     assert config.num_layers(T) >= 3
     q, k, v = random_qkv(rng, 1, T, 4, 2, 8, 4, dtype=np.float64)

@@ -42,7 +42,7 @@ def assert_matches_oracle(q, k, v, config, rtol=1e-5, atol=1e-5, backend="refere
     return fragile
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     B=st.sampled_from([1, 2]),
     T=st.integers(1, 300),

@@ -124,10 +124,8 @@ def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
 GRADIENT_CASES = [
     # (B, T, r, top_k, G, importance, strict_causal): 1, 2 and 3+ layer trees
     (2, 12, 4, 4, 2, "softmax", True),
-    (1, 150, 4, 4, 1, "softmax", True),
-    (1, 150, 4, 4, 4, "shared_max", False),
     (2, 200, 8, 8, 2, "softmax", False),
-    (1, 77, 2, 4, 2, "shared_max", True),
+    (1, 77, 2, 4, 2, "shared_max", True),  # 77 -> 39 -> 20 -> 10: 4 layers
 ]
 
 

@@ -109,8 +109,8 @@ def test_group_shares_selection_so_other_heads_matter(rng):
     assert any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(sel, sel2))
 
 
-@pytest.mark.parametrize("r, top_k, T", MULTI_LAYER_CASES)
-@pytest.mark.parametrize("importance", ["softmax", "shared_max"])
+@pytest.mark.parametrize("r, top_k, T, importance",
+                         [case + (mode,) for case, mode in zip(MULTI_LAYER_CASES, ["softmax", "shared_max"] * 2)])
 def test_strict_causality(rng, r, top_k, T, importance):
     """strict_causal=True: o[:t+1] ignores k, v after t; a prefix run (fewer layers)
     gives the same outputs and selections."""
