@@ -192,8 +192,9 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     u_ref[...] = acc
 
 
-def _specs(gp: int, K: int, V: int, Mp: int, st: LayerStatic, layer_n: int):
-    """BlockSpecs of a grid `(B, Q, H_kv, splits)`."""
+def _specs(gp: int, Mp: int, st: LayerStatic, layer_n: int, K: int | None = None, V: int | None = None):
+    """BlockSpecs of a grid `(B, Q, H_kv, splits)`; those of the keys, queries and RoPE
+    tables need `K`, those of the values and states `V`."""
     W = st.tile
     query = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h, s: (b, i, h) + (0,) * len(tail))
     split = lambda *tail: pl.BlockSpec((None, None, None) + tail[:-1] + (W,),
@@ -201,9 +202,13 @@ def _specs(gp: int, K: int, V: int, Mp: int, st: LayerStatic, layer_n: int):
     partial = lambda *tail: pl.BlockSpec((None, None, None, None) + tail,
                                          lambda b, i, h, s: (b, i, h, s) + (0,) * len(tail))
     layer = lambda D: pl.BlockSpec((None, layer_n, None, D), lambda b, i, h, s: (b, 0, h, 0))
-    table = pl.BlockSpec((Mp, K // 2), lambda b, i, h, s: (0, 0))
-    return dict(q=query(gp, K), parents=query(Mp // st.r), n=query(1), tau=query(1), keys=split(Mp),
-                scores=split(gp, Mp), k=layer(K), v=layer(V), table=table, vec=partial(gp), mat=partial(gp, V))
+    specs = dict(parents=query(Mp // st.r), n=query(1), tau=query(1), keys=split(Mp), scores=split(gp, Mp),
+                 vec=partial(gp))
+    if K is not None:
+        specs.update(q=query(gp, K), k=layer(K), table=pl.BlockSpec((Mp, K // 2), lambda b, i, h, s: (0, 0)))
+    if V is not None:
+        specs.update(v=layer(V), mat=partial(gp, V))
+    return specs
 
 
 def _partial_shapes(B, Q, H_kv, splits, gp, V=None):
@@ -218,7 +223,7 @@ def decode_scores_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, inte
     B, Q, H_kv, gp, K = q.shape
     Mp = cos.shape[0]
     splits = Mp // st.tile
-    sp = _specs(gp, K, 0, Mp, st, layer_k.shape[1])
+    sp = _specs(gp, Mp, st, layer_k.shape[1], K=K)
     return pl.pallas_call(
         functools.partial(_scores_kernel, st=st),
         grid=(B, Q, H_kv, splits),
@@ -241,8 +246,7 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
     B, Q, H_kv, gp = q_or_scores.shape[:4]
     V, Mp = layer_v.shape[-1], parents.shape[-1] * st.r
     splits = Mp // st.tile
-    K = layer_k.shape[-1] if bottom else 2
-    sp = _specs(gp, K, V, Mp, st, layer_v.shape[1])
+    sp = _specs(gp, Mp, st, layer_v.shape[1], K=layer_k.shape[-1] if bottom else None, V=V)
     if bottom:
         in_specs = [sp["q"], sp["parents"], sp["n"], sp["k"], sp["v"], sp["table"], sp["table"]]
         args = (q_or_scores, parents, n, layer_k, layer_v, cos, sin)
@@ -352,7 +356,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     H_kv, V = keys[0].shape[2], values[0].shape[-1]
     G = H // H_kv
     gp = next_power_of_two(G, 16)
-    Mp0 = max(config.max_candidates, 16)
+    Mp0 = max(config.max_candidates, 16)  # the width decode_statics pads to (span >= 16, r <= M)
     C = query_chunk(config, B, S, H_kv, gp, Mp0, block_sizes)
     st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, block_sizes)
     cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base)))
