@@ -258,3 +258,26 @@ def test_pallas_decode_compiled_matches_reference_on_gpu(dtype, rng):
     assert same.mean() >= 0.99
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(o_p)[same], np.asarray(o_r)[same], rtol=tol, atol=tol)
+
+
+def test_pallas_attend_cache_in_chunks_equals_the_reference_walk(rng):
+    """`attend_cache_pallas` against its twin, the reference walk over the same cache,
+    with the queries in several chunks (the last one padded), as a long prefill runs."""
+    from htree_jax.reference import attend_tree
+    from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, query_chunk
+
+    config = HTreeConfig(compression_rate=4, top_k=4, importance="shared_max")
+    B, S, H, H_kv, K, V = 2, 40, 4, 1, 32, 64  # G = 4
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, S, H, H_kv, K, V))
+    cache = init_cache(B, 100, H_kv, K, V, config)  # 100 -> 25 -> 7: 3 layers
+    _, cache = prefill(q, k, v, cache, config, backend="reference")
+    positions = jnp.arange(S, dtype=jnp.int32)
+    per_query = B * H_kv * 16 * (4 * 16 + 12)  # Mp = 16 candidates, 16 rows
+    blocks = DecodeBlockSizes(chunk_budget_bytes=7 * per_query)
+    assert query_chunk(config, B, S, H_kv, 16, 16, blocks) == 7  # 6 chunks, the last padded
+    o, sel = attend_cache_pallas(q, cache.keys, cache.values, positions, config, blocks, interpret=True)
+    o_ref, sel_ref = attend_tree(q, list(zip(cache.keys, cache.values)), positions, config, 8, keys_rotated=False)
+    assert len(sel) == len(sel_ref) == 2
+    for a, b in zip(sel, sel_ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
