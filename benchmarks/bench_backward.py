@@ -10,14 +10,13 @@ benchmark (B=1, H=32, H_kv=4, K=V=128, bfloat16): medians after one warm-up, the
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 
 import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.bench import B, H, H_KV, K, V, dense_fn, inputs, median_ms, planned_gb
+from htree_jax.bench import B, H, H_KV, K, V, dense_fn, gpu_header, inputs, int_list, median_ms, planned_gb
 
 
 def grad_fn(forward):
@@ -33,12 +32,10 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", default="512,64")
     p.add_argument("--iters", type=int, default=3)
     args = p.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        raise ValueError("the backward benchmark needs a CUDA GPU")
-    parse = lambda s: [int(x) for x in s.split(",") if x]
-    print(f"# {datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, B={B} H={H} "
-          f"H_kv={H_KV} K=V={K} bfloat16; forward+backward; command: python benchmarks/bench_backward.py "
-          f"{' '.join(sys.argv[1:] if argv is None else argv)}", flush=True)
+    print(gpu_header("backward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16; forward+backward",
+                     f"python benchmarks/bench_backward.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
+          flush=True)
+    parse = int_list
     lines = ["| T | top_k | layers | htree fwd+bwd ms | dense cuDNN fwd+bwd ms | dense/htree | htree GB | dense GB |",
              "|---|---|---|---|---|---|---|---|"]
     for top_k in parse(args.top_k):

@@ -18,7 +18,6 @@ long); with `strict_causal` the nodes past the current length change nothing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeCache, HTreeConfig, build_tree, decode_step
+from htree_jax.bench import gpu_header, int_list
 
 H, H_KV, K, V = 32, 4, 128, 128
 DTYPE = jnp.bfloat16
@@ -108,12 +108,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-length-check", action="store_true", help="decode_step(check_length=False)")
     args = p.parse_args(argv)
-    if jax.default_backend() != "gpu":
-        raise ValueError("the decode benchmark needs a CUDA GPU")
-    parse = lambda s: [int(x) for x in s.split(",") if x]
-    print(f"# {datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, H={H} H_kv={H_KV} "
-          f"K=V={K} bfloat16; per-token decode; command: python benchmarks/bench_decode.py "
-          f"{' '.join(sys.argv[1:] if argv is None else argv)}", flush=True)
+    print(gpu_header("decode", f"H={H} H_kv={H_KV} K=V={K} bfloat16; per-token decode",
+                     f"python benchmarks/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
+          flush=True)
+    parse = int_list
     backends = [b for b in args.backends.split(",") if b]
     lines = ["| context | B | top_k | layers | " + " | ".join(f"htree {b} ms" for b in backends)
              + " | dense ms | dense | " + " | ".join(f"dense/{b}" for b in backends) + " |",

@@ -27,6 +27,19 @@ from pallas_kernels.forward import htree_forward_pallas
 B, H, H_KV, K, V = 1, 32, 4, 128, 128
 
 
+def int_list(text: str) -> list[int]:
+    """A size flag, `"8192,32768"` -> `[8192, 32768]`."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def gpu_header(benchmark: str, setting: str, command: str) -> str:
+    """The first line a benchmark prints (date, device, jax, its setting, the command that
+    reproduces it); refuses to run off a GPU, where there is nothing to time against."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"the {benchmark} benchmark needs a CUDA GPU (it times cuDNN and the Pallas kernels)")
+    return f"# {datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, {setting}; command: {command}"
+
+
 def median_ms(fn, args, iters):
     jax.block_until_ready(fn(*args))
     times = []
@@ -108,13 +121,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args, argv=()) -> int:
-    if jax.default_backend() != "gpu":
-        raise ValueError("the forward benchmark needs a CUDA GPU (it times cuDNN and the Pallas kernels)")
-    parse = lambda s: [int(x) for x in s.split(",") if x]
-    dev = jax.devices()[0]
-    print(f"# {datetime.date.today()} {dev.device_kind}, jax {jax.__version__}, B={B} H={H} H_kv={H_KV} "
-          f"K=V={K} bfloat16; command: python -m htree_jax bench {' '.join(argv)}")
-    rows = run(parse(args.sizes), parse(args.long), parse(args.top_k), args.iters, args.reference_max_t)
+    print(gpu_header("forward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16",
+                     f"python -m htree_jax bench {' '.join(argv)}"))
+    rows = run(int_list(args.sizes), int_list(args.long), int_list(args.top_k), args.iters, args.reference_max_t)
     print(table(rows))
     return 0
 

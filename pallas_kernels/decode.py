@@ -60,6 +60,7 @@ from pallas_kernels.layer_forward import (
     LayerStatic,
     _dot_t,
     _online_max_sum,
+    candidate_nodes,
     fold_merged,
     importance_shift,
     keys_from_scores,
@@ -99,11 +100,7 @@ def _span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerS
     rotated here by `p - p0`; the query by `n - 1 - p0`."""
     r, span = st.r, st.span
     half = q_lo.shape[-1]
-    parents = par_ref[pl.ds(p0 // r, span // r)]
-    child = jnp.arange(r, dtype=jnp.int32)
-    positions = p0 + jnp.arange(span, dtype=jnp.int32)
-    valid = positions < n
-    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(span), 0)
+    positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
     k_lo = k_ref[nodes, pl.ds(0, half)].astype(jnp.float32)
     k_hi = k_ref[nodes, pl.ds(half, half)].astype(jnp.float32)
     kc, ks = cos_ref[pl.ds(0, span), :], sin_ref[pl.ds(0, span), :]
@@ -166,8 +163,7 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
     precision, operands = merge_score_precision(st), st.merge_operands
     n = n_ref[0]
     start, count = _split_spans(n, st)
-    r, span = st.r, st.span
-    child = jnp.arange(r, dtype=jnp.int32)
+    span = st.span
 
     def merge_span(j, carry):
         p0 = start + j * span
@@ -175,10 +171,7 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
             scores, merged, _, nodes = _span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st,
                                                     precision, operands)
         else:
-            positions = p0 + jnp.arange(span, dtype=jnp.int32)
-            valid = positions < n
-            parents = par_ref[pl.ds(p0 // r, span // r)]
-            nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(span), 0)
+            _, valid, nodes = candidate_nodes(par_ref, p0, span, n, st.r)
             scores = plgpu.load(sc_ref.at[:, pl.ds(j * span, span)], mask=real_rows, other=0.0)
             merged = valid & (keys_ref[pl.ds(j * span, span)] < tau)
         block = (jnp.where(merged[None, :], scores, NEG_INF), v_ref[nodes, :])
@@ -285,13 +278,20 @@ def fold_partials(state, partials):
     return m_new, S, U
 
 
+def candidate_layout(config: HTreeConfig, block_sizes: DecodeBlockSizes):
+    """`(span, Mp)`: candidates per score product (>= 16, a dot's least, and >= r) and
+    the candidate buffer's padded width (`M`, or the span where `M` is smaller)."""
+    M = config.max_candidates
+    span = max(16, config.compression_rate, min(next_power_of_two(block_sizes.span), M))
+    return span, max(M, span)
+
+
 def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H_kv: int,
                    block_sizes: DecodeBlockSizes):
     """`(LayerStatic, Mp)`: the span, the split width (`tile`) and the score precision
     (those of the full-sequence forward for the cache dtype)."""
-    r, M = config.compression_rate, config.max_candidates
-    span = max(16, r, min(next_power_of_two(block_sizes.span), M))
-    Mp = max(M, span)
+    r = config.compression_rate
+    span, Mp = candidate_layout(config, block_sizes)
     want = max(1, block_sizes.target_programs // max(1, B * Q * H_kv))
     splits = min(next_power_of_two(want), Mp // span)
     return LayerStatic(
@@ -316,6 +316,7 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
     parents = jnp.broadcast_to(jnp.where(slot <= t // r ** (L - 1) // r, slot, -1), (B, Q, H_kv, P))
     state = (jnp.full((B, Q, H_kv, gp), NEG_INF, jnp.float32), jnp.zeros((B, Q, H_kv, gp), jnp.float32),
              jnp.zeros((B, Q, H_kv, gp, V), jnp.float32))
+    real_head = jnp.arange(B * Q * H_kv * gp, dtype=jnp.int32) % gp < st.group  # rows flattened
     selections = []
     for l in reversed(range(L)):
         n = candidate_count(parents, t, r, l)
@@ -324,7 +325,6 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
         else:
             scores, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret)
             m, total = combine_max_sum(m, total)
-            real_head = jnp.arange(B * Q * H_kv * gp, dtype=jnp.int32) % gp < st.group
             shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
             packed = keys_from_scores(scores, shift.reshape(m.shape), n, st)
             next_parents, tau = select_top_k_layer_pallas(packed, parents, n, st, interpret)
@@ -356,8 +356,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     H_kv, V = keys[0].shape[2], values[0].shape[-1]
     G = H // H_kv
     gp = next_power_of_two(G, 16)
-    Mp0 = max(config.max_candidates, 16)  # the width decode_statics pads to (span >= 16, r <= M)
-    C = query_chunk(config, B, S, H_kv, gp, Mp0, block_sizes)
+    C = query_chunk(config, B, S, H_kv, gp, candidate_layout(config, block_sizes)[1], block_sizes)
     st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, block_sizes)
     cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base)))
     num_chunks = -(-S // C)

@@ -32,6 +32,7 @@ from pallas_kernels.common import compiler_params
 from pallas_kernels.layer_forward import (
     LayerStatic,
     _block_specs,
+    candidate_nodes,
     _gather,
     _twin_scores,
     check_key_parts,
@@ -89,15 +90,11 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
     do = do_ref[...].astype(jnp.float32).reshape(rows, vp)
     if not bottom:
         tau = tau_ref[...]  # [BQ, 1]
-    child = jnp.arange(r, dtype=jnp.int32)
     copy = (jnp.arange(span, dtype=jnp.int32) // r) * N
 
     def unit(p0, carry):
         dq_lo, dq_hi = carry
-        parents = par_ref[pl.ds(p0 // r, versions)]
-        positions = p0 + jnp.arange(span, dtype=jnp.int32)
-        valid = positions < n
-        nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(span), 0)
+        positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
         k_lo = tuple(k_ref[nodes + copy, pl.ds(0, half)] for k_ref in k_refs)
         k_hi = tuple(k_ref[nodes + copy, pl.ds(half, half)] for k_ref in k_refs)
         angle = jnp.maximum(n - 1 - p0, 0)

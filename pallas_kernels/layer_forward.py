@@ -201,6 +201,18 @@ def full_width(table):
     return jnp.concatenate([table, table], axis=-1)
 
 
+def candidate_nodes(par_ref, p0, width: int, n, r: int):
+    """Candidate positions `[p0, p0 + width)` (`p0` a multiple of `r`): `(positions,
+    valid, nodes)`, position `p = s*r + c` holding node `parents[s]*r + c`, node 0 where
+    invalid (a safe row to gather)."""
+    parents = par_ref[pl.ds(p0 // r, width // r)]
+    positions = p0 + jnp.arange(width, dtype=jnp.int32)
+    valid = positions < n
+    child = jnp.arange(r, dtype=jnp.int32)
+    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(width), 0)
+    return positions, valid, nodes
+
+
 def _unit_scores(p0, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
     """Scores of the candidate positions `[p0, p0 + span)`: `(scores [rows, span],
     valid, positions, nodes)`, `p0` a multiple of the span.
@@ -214,11 +226,7 @@ def _unit_scores(p0, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStati
     versions = span // r
     N = k_refs[0].shape[0] // versions
     q, q_half = q_parts  # [rows, Kp] float32: the query and rotate_half(query)
-    parents = par_ref[pl.ds(p0 // r, versions)]
-    child = jnp.arange(r, dtype=jnp.int32)
-    positions = p0 + jnp.arange(span, dtype=jnp.int32)
-    valid = positions < n
-    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(span), 0)
+    positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
     copy = (jnp.arange(span, dtype=jnp.int32) // r) * N
     keys = tuple(k_ref[nodes + copy, :] for k_ref in k_refs)
     angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked later
@@ -454,14 +462,10 @@ def _merge_scored_kernel(scores_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m
     n = n_ref[0]
     tau = tau_ref[...]  # [BQ, 1]
     real_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[None, :, None], (bq, gp, st.tile))
-    child = jnp.arange(st.r, dtype=jnp.int32)
 
     def merge_tile(i, carry):
         p0 = i * st.tile
-        positions = p0 + jnp.arange(st.tile, dtype=jnp.int32)
-        valid = positions < n
-        parents = par_ref[pl.ds(p0 // st.r, st.tile // st.r)]
-        nodes = jnp.where(valid, (parents[:, None] * st.r + child[None, :]).reshape(st.tile), 0)
+        _, valid, nodes = candidate_nodes(par_ref, p0, st.tile, n, st.r)
         scores = plgpu.load(scores_ref.at[:, :, pl.ds(p0, st.tile)], mask=real_rows, other=0.0)
         kept = keys_ref[:, pl.ds(p0, st.tile)] >= tau  # [BQ, tile]
         merged = jnp.broadcast_to((valid[None, :] & ~kept)[:, None, :], (bq, gp, st.tile)).reshape(rows, st.tile)
