@@ -10,6 +10,7 @@ Prints one line per case and exits non-zero on a failure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -22,6 +23,7 @@ from htree_jax.reference import htree_attention_reference
 from jax import lax
 
 from pallas_kernels.forward import htree_forward_pallas
+from pallas_kernels.precision import Precisions
 from reference_numpy import htree_attention_numpy
 
 # "auto": the backend's own defaults (bf16x3 importance, bf16-operand merges for bf16 inputs).
@@ -35,8 +37,12 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0, precision=None
     k = jnp.asarray(rng.standard_normal((B, T, H_kv, K)), dtype)
     v = jnp.asarray(rng.standard_normal((B, T, H_kv, V)), dtype)
     t0 = time.perf_counter()
-    o, sel = jax.block_until_ready(htree_forward_pallas(q, k, v, config, precision=precision,
-                                                        importance_operands=importance_operands))
+    # `precision` None: the backend's defaults, else every dot at it with float32
+    # operands; `importance_operands` (bf16 inputs) overrides the importance dots'.
+    precisions = Precisions.for_dtype(dtype) if precision is None else Precisions.uniform(precision)
+    if importance_operands != "auto":
+        precisions = dataclasses.replace(precisions, importance_operands=importance_operands)
+    o, sel = jax.block_until_ready(htree_forward_pallas(q, k, v, config, precisions=precisions))
     t_pallas = time.perf_counter() - t0
     ro, rsel = jax.block_until_ready(htree_attention_reference(q, k, v, config))
     same = [float(np.mean(np.all(np.asarray(a) == np.asarray(b), axis=-1))) for a, b in zip(sel, rsel)]

@@ -21,9 +21,11 @@ from htree_jax import HTreeConfig
 from htree_jax.bench import H_KV, B, H, V, inputs, median_ms
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import BlockSizes, candidate_count, chunk_queries, htree_forward_pallas, prepare
+from pallas_kernels.forward import BlockSizes, chunk_queries, htree_forward_pallas, prepare, valid_candidates
+from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
-from pallas_kernels.layer_forward import importance_keys_pallas, select_top_k_layer_pallas
+from pallas_kernels.precision import Precisions
+from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.node_backward import (
     UNIT,
     layer_node_grads_pallas,
@@ -44,8 +46,9 @@ def main(argv=None):
     ip, T, config = args.interpret, args.T, HTreeConfig(top_k=args.top_k)
     q, k, v = inputs(T)
     bs = BlockSizes()
-    prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None, for_backward=True))(q, k, v)
+    prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, Precisions.for_dtype(q.dtype)))(q, k, v)
     st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers) + 1
+    st_mid = dataclasses.replace(st, scores_as_importance=True)  # as the backward runs the middle layers
     st_top = dataclasses.replace(prep.st_top, num_stages=1)  # as the backward runs it
     G = H // H_KV
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
@@ -74,28 +77,29 @@ def main(argv=None):
     if L > 1:
         q_rows = pad_axis(qc, 3, gp)
         for l in reversed(range(L - 1)):
-            _, k_merge, vl = prep.layers[l]
-            n = candidate_count(parents, t, st.r, l)
+            k_imp, k_merge, vl = prep.layers[l]
+            n = valid_candidates(parents, t, l, prep)
             keys = tau = None
             if l > 0:
                 keys = timed(f"layer {l}: importance keys (recomputed)",
                              lambda *a: importance_keys_pallas(*a, st, ip), q_rows, parents, n, prep.layers[l][0],
                              prep.cos, prep.sin)
-                nxt, tau = timed(f"layer {l}: top-K (recomputed)", lambda *a: select_top_k_layer_pallas(*a, st, ip),
+                nxt, tau = timed(f"layer {l}: top-K (recomputed)", lambda *a: select_top_k_pallas(*a, st, ip),
                                  keys, parents, n)
-            la = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
-            timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, *stats(gp), st, ip), *la)
+            st_l = st_mid if l > 0 else st
+            la = (parents, n, keys, tau, k_imp if l > 0 else k_merge, vl, prep.cos, prep.sin)
+            timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, *stats(gp), st_l, ip), *la)
             units = -(-sizes[l] // UNIT)
             index = timed(f"layer {l}: inverse index (sort)", lambda p_, n_: node_index(p_, n_, st.r, units),
                           parents, n)
             nacc = node_buffers(B, H_KV, sizes[l], kp, vp)
             timed(f"layer {l}: node kernel (dk, dv)",
-                  lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st, ip), *la)
+                  lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st_l, ip), *la)
             for variant in filter(None, args.node_variants.split(",")):
                 e, w = (int(x) for x in variant.split(":"))
                 timed(f"  variant: layer {l} node kernel, {e} pairs/step, {w} warps",
                       lambda *a, e=e, w=w: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc,
-                                                                   st, ip, e, w), *la)
+                                                                   st_l, ip, e, w), *la)
             if l > 0:
                 parents = nxt[..., :P]
     for name, ms, times in rows:

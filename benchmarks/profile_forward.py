@@ -18,25 +18,27 @@ import jax.numpy as jnp
 
 from htree_jax import HTreeConfig
 from htree_jax.bench import H_KV, B, H, K, dense_fn, inputs, median_ms
+from htree_jax.reference import top_layer_parents
 from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import (
-    BlockSizes,
-    candidate_count,
-    htree_forward_pallas,
-    prepare,
-    top_layer_parents,
-)
-from pallas_kernels.layer_forward import (
-    importance_keys_pallas,
-    merge_pallas,
-    merge_scored_pallas,
-    select_top_k_layer_pallas,
-)
-from pallas_kernels.top_layer import (
-    rotate_queries,
-    top_importance_keys_pallas,
-    top_merge_pallas,
-)
+from pallas_kernels.forward import BlockSizes, htree_forward_pallas, prepare, valid_candidates
+from pallas_kernels.importance import importance_keys_pallas
+from pallas_kernels.merge import merge_pallas, merge_scored_pallas
+from pallas_kernels.precision import Precisions
+from pallas_kernels.rope import rotate_queries
+from pallas_kernels.top_k import select_top_k_pallas
+from pallas_kernels.top_layer import top_importance_keys_pallas, top_merge_pallas
+
+
+def precisions_from(merge_operands: str, importance_operands: str, dtype) -> Precisions:
+    """The backend's defaults for `dtype`, with the operands named on the command line
+    ("auto": the default; "float32": float32 operands, 3xTF32 for the importance dots)."""
+    chosen = Precisions.for_dtype(dtype)
+    if merge_operands != "auto":
+        chosen = dataclasses.replace(chosen, merge_operands=None if merge_operands == "float32" else merge_operands)
+    if importance_operands != "auto":
+        chosen = dataclasses.replace(chosen, importance_operands=None if importance_operands == "float32"
+                                     else importance_operands)
+    return chosen
 
 
 def main(argv=None):
@@ -56,7 +58,7 @@ def main(argv=None):
     p.add_argument("--merge-warps", type=int, default=BlockSizes.merge_num_warps, help="per-query merges")
     p.add_argument("--merge-operands", default="auto", help="auto, float32, or a dtype name")
     p.add_argument("--importance-operands", default="auto", help="auto, float32 (3xTF32), bf16x3 or a dtype name")
-    p.add_argument("--merge-variants", action="store_true", help="time merge variants below the top too")
+    p.add_argument("--merge-variants", action="store_true", help="time warp/tile variants of the scored merge too")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip = args.interpret
@@ -66,9 +68,8 @@ def main(argv=None):
                     top_keys_tile=args.top_keys_tile, chunk_budget_bytes=int(args.chunk_gb * 2**30), top_keys_stages=args.top_keys_stages,
                     num_warps=args.warps,
                     merge_num_warps=args.merge_warps)
-    operands = None if args.merge_operands == "float32" else args.merge_operands
-    imp_ops = None if args.importance_operands == "float32" else args.importance_operands
-    prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, None, operands, imp_ops))
+    precisions = precisions_from(args.merge_operands, args.importance_operands, q.dtype)
+    prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, precisions))
     tree_ms = median_ms(prep_fn, (q, k, v), args.iters)
     prep = prep_fn(q, k, v)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
@@ -100,8 +101,8 @@ def main(argv=None):
         rows.append((f"layer {L - 1} (top) importance keys ({kblk}, 2 score passes, mean n={mean_n:.0f})",
                      median_ms(keys_call, kargs, args.iters), chunks))
         keys = keys_call(*kargs)
-        parents = top_layer_parents(t, prep, L, (B, Qc, H_KV, P))
-        select_call = jax.jit(lambda *a: select_top_k_layer_pallas(*a, st, ip))
+        parents = jnp.broadcast_to(top_layer_parents(t[..., 0], st.r, L, P), (B, Qc, H_KV, P))
+        select_call = jax.jit(lambda *a: select_top_k_pallas(*a, st, ip))
         rows.append((f"layer {L - 1} shared top-K (31-step search + compaction)",
                      median_ms(select_call, (keys, parents, n_top), args.iters), chunks))
         nxt, tau = select_call(keys, parents, n_top)
@@ -114,7 +115,7 @@ def main(argv=None):
         q_rows = pad_axis(qc, 3, gp)
     for l in reversed(range(L - 1)):
         kl, kl_rot, vl = prep.layers[l]
-        n = candidate_count(parents, t, st.r, l)
+        n = valid_candidates(parents, t, l, prep)
         mean_n = float(jnp.mean(n))
         if l > 0:
             keys_call = jax.jit(lambda *a: importance_keys_pallas(*a, st, ip, return_scores=True))
@@ -122,7 +123,7 @@ def main(argv=None):
             rows.append((f"layer {l} importance keys (1 query/program, 1 score pass, scores stored, "
                          f"mean n={mean_n:.0f})", median_ms(keys_call, kargs, args.iters), chunks))
             keys, scores = keys_call(*kargs)
-            select_call = jax.jit(lambda *a: select_top_k_layer_pallas(*a, st, ip))
+            select_call = jax.jit(lambda *a: select_top_k_pallas(*a, st, ip))
             rows.append((f"layer {l} shared top-K (31-step search + compaction)",
                          median_ms(select_call, (keys, parents, n), args.iters), chunks))
             nxt, tau = select_call(keys, parents, n)
@@ -132,13 +133,6 @@ def main(argv=None):
             rows.append((f"layer {l} merge (1 query/program, stored scores + values, {bs.scored_merge_num_warps} warps)",
                          median_ms(merge_call, margs, args.iters), chunks))
             if args.merge_variants:
-                # Same-run comparison: re-gathering and re-scoring the keys (the old
-                # path; merge keys rebuilt from the importance halves) and variants.
-                kl_merge = ((kl[0].astype(jnp.float32) + kl[1].astype(jnp.float32)).astype(st.merge_operands),)
-                old_call = jax.jit(lambda *a: merge_pallas(*a, st, ip))
-                oargs = (q_rows, parents, n, keys, tau, kl_merge, vl, prep.cos, prep.sin, state)
-                rows.append((f"  variant: layer {l} merge re-scoring the keys", median_ms(old_call, oargs, args.iters),
-                             chunks))
                 for warps, tile in [(2, 64), (8, 64), (4, 128), (8, 128), (4, 32)]:
                     if Mp % tile:
                         continue
@@ -150,16 +144,12 @@ def main(argv=None):
             parents = nxt[..., :P]
         else:
             bottom = jax.jit(lambda *a: merge_pallas(*a, st, ip, out_dtype=q.dtype))
-            bargs = (q_rows, parents, n, None, None, kl_rot, vl, prep.cos, prep.sin, state)
+            bargs = (q_rows, parents, n, kl_rot, vl, prep.cos, prep.sin, state)
             rows.append((f"layer 0 merge + normalise (1 query/program, 1 score pass + values, mean n={mean_n:.0f})",
                          median_ms(bottom, bargs, args.iters), chunks))
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
-    whole = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs, ip, None, operands, imp_ops)[0])
+    whole = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs, ip, precisions)[0])
     whole_ms = median_ms(whole, (q, k, v), args.iters)
-    if args.merge_variants:
-        bs_keys = dataclasses.replace(bs, merge_from_scores=False)
-        again = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs_keys, ip, None, operands, imp_ops)[0])
-        rows.append(("  variant: end to end, merges re-scoring the keys", median_ms(again, (q, k, v), args.iters), 1))
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: T={T} top_k={args.top_k} "
           f"layers={config.layer_sizes(T)} B={B} H={H} H_kv={H_KV} K=V={K} bf16, score dots {st.precision}, "
           f"span {st.span}, tile {st.tile} (top: {st_top.tile}), warps {st.num_warps}/{st.merge_num_warps}, merge operands {st.merge_operands}, importance operands {st.importance_operands}, {chunks} chunks of {Qc} positions")

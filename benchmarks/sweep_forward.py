@@ -14,6 +14,7 @@ from jax import lax
 from htree_jax.bench import dense_fn, inputs, median_ms
 from htree_jax import HTreeConfig
 from pallas_kernels.forward import BlockSizes, htree_forward_pallas
+from pallas_kernels.precision import Precisions
 
 
 def main(argv=None):
@@ -23,14 +24,16 @@ def main(argv=None):
     p.add_argument("--tiles", default="32,64,128")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--precisions", default="default,high,highest")
+    p.add_argument("--precisions", default="auto,high,highest",
+                   help="auto: the backend's defaults; else every dot at that precision, float32 operands")
     args = p.parse_args(argv)
     config = HTreeConfig(top_k=args.top_k)
     x = inputs(args.T)
     dense = median_ms(dense_fn(config), x, args.iters)
     print(f"# {jax.devices()[0].device_kind} T={args.T} top_k={args.top_k} layers={config.layer_sizes(args.T)} "
           f"dense cuDNN {dense:.2f} ms", flush=True)
-    known = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "default": lax.Precision.DEFAULT}
+    known = {"auto": None, "highest": Precisions.uniform(lax.Precision.HIGHEST),
+             "high": Precisions.uniform(lax.Precision.HIGH), "default": Precisions.uniform(lax.Precision.DEFAULT)}
     precisions = {name: known[name] for name in args.precisions.split(",")}
     for tile, warps, (pname, prec) in itertools.product(
         [int(t) for t in args.tiles.split(",")], [int(w) for w in args.warps.split(",")], precisions.items()

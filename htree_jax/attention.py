@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax.config import HTreeConfig
+from htree_jax.non_finite import first_non_finite, poison_rows, zero_non_finite
 from htree_jax.reference import htree_attention_reference
 from htree_jax.validation import check_config, check_qkv
 
@@ -18,17 +19,19 @@ BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 def resolve_backend(backend: str, interpret: bool = False, dims=None) -> str:
     """The concrete backend that `backend` (and `interpret`) name on this platform;
-    `dims` (from `check_qkv`) lets "auto" check the Pallas kernels' limits."""
+    `dims` (from `check_qkv`) lets "auto" check the Pallas kernels' limits.
+
+    `interpret=True` asks for the Pallas kernels interpreted: with "auto" or "pallas" it
+    gives "pallas_interpret" (on every platform); "reference" has no kernels to
+    interpret, so it is refused there rather than ignored."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be a bool, got {interpret!r}")
+    if check_interpret(backend, interpret):
+        return "pallas_interpret"
     if backend == "auto":
         if jax.default_backend() == "gpu" and (dims is None or _pallas_supports(dims)):
             return "pallas"
         return "reference"
-    if backend == "pallas" and interpret:
-        return "pallas_interpret"
     if backend == "pallas" and jax.default_backend() != "gpu":
         raise ValueError(
             "backend 'pallas' needs a CUDA GPU (Triton lowering); on "
@@ -36,6 +39,17 @@ def resolve_backend(backend: str, interpret: bool = False, dims=None) -> str:
             "to run the same kernels interpreted"
         )
     return backend
+
+
+def check_interpret(backend: str, interpret) -> bool:
+    """`interpret` must be a bool, and True only with a backend that has Pallas kernels
+    to interpret ("auto", "pallas", "pallas_interpret"); returns it."""
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool, got {interpret!r}")
+    if interpret and backend == "reference":
+        raise ValueError("interpret=True runs the Pallas kernels interpreted; backend='reference' has none "
+                         "(use backend='pallas_interpret', or interpret=False)")
+    return interpret
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -102,7 +116,12 @@ def htree_attention(
         `L - 1` int32 arrays `[B, T, H_kv, top_k]`, ascending, `-1` padded (empty
         when `T <= top_k * compression_rate`, where htree is exact attention).
 
-      interpret: with `backend="pallas"`, run the kernels in interpret mode.
+      interpret: run the Pallas kernels in interpret mode (with `backend="auto"` or
+        `"pallas"`: the same as `"pallas_interpret"`); refused with `"reference"`.
+
+    Non-finite inputs (SPEC 10): a NaN or infinity in `k` or `v` at position `p` changes
+    no output before `p`; every output row of that kv head's group from `p` on is NaN,
+    as in dense causal attention (`htree_jax/non_finite.py`).
 
     Gradients (`jax.grad`, every backend) treat the selections as constants (SPEC 5):
     they flow through the scores and values of the merged nodes and down the pooling.
@@ -119,12 +138,23 @@ def htree_attention(
     impl = resolve_backend(backend, interpret, dims)
     if not isinstance(return_selected, bool):
         raise TypeError(f"return_selected must be a bool, got {return_selected!r}")
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    if impl == "reference":
-        o, selected = htree_attention_reference(q, k, v, config)
-    else:
+    if impl != "reference":
         from pallas_kernels.forward import check_pallas_dims
 
         check_pallas_dims(dims)
-        o, selected = _pallas_forward(q, k, v, config, impl == "pallas_interpret")
+    o, selected = _attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), config, impl)
     return (o, selected) if return_selected else o
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl"))
+def _attend(q, k, v, config: HTreeConfig, impl: str):
+    """The chosen backend on inputs whose non-finite `k`, `v` entries were zeroed, then
+    NaN from the first such position on (SPEC 10, `htree_jax.non_finite`)."""
+    positions = jnp.arange(q.shape[1], dtype=jnp.int32)
+    first = first_non_finite(k, v, positions)
+    k, v = zero_non_finite(k), zero_non_finite(v)
+    if impl == "reference":
+        o, selected = htree_attention_reference(q, k, v, config)
+    else:
+        o, selected = _pallas_forward(q, k, v, config, impl == "pallas_interpret")
+    return poison_rows(o, positions, first, k.shape[2]), selected

@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+
+import numpy as np
 
 IMPORTANCE_MODES = ("softmax", "shared_max")
+# SPEC 2.3: the rightmost candidate's importance, above every possible importance (<= G).
+FORCED_IMPORTANCE = 1e6
 
 
 def _is_power_of_two(x: int) -> bool:
     return x >= 1 and (x & (x - 1)) == 0
+
+
+def _is_int(x) -> bool:
+    """Python and NumPy integers; not bools (a `True` top_k is a mistake, not a 1)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,22 +56,23 @@ class HTreeConfig:
     strict_causal: bool = True
 
     def __post_init__(self):
+        # NumPy scalars are numbers too (`np.int64(4)`, `np.float32(1e4)`); each field is
+        # stored as the plain Python type, so equal configs hash equally under `jax.jit`.
         r, k = self.compression_rate, self.top_k
-        if isinstance(r, bool) or not isinstance(r, int) or r < 2 or not _is_power_of_two(r):
+        if not _is_int(r) or r < 2 or not _is_power_of_two(int(r)):
             raise ValueError(f"compression_rate must be a power of two >= 2, got {r!r}")
-        if isinstance(k, bool) or not isinstance(k, int) or not _is_power_of_two(k):
+        if not _is_int(k) or not _is_power_of_two(int(k)):
             raise ValueError(f"top_k must be a positive power of two, got {k!r}")
         base = self.rope_base
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not (
-            math.isfinite(base) and base > 0
-        ):
+        if not _is_real(base) or not (math.isfinite(base) and base > 0):
             raise ValueError(f"rope_base must be a positive finite number, got {base!r}")
         if self.scale is not None:
             s = self.scale
-            if isinstance(s, bool) or not isinstance(s, (int, float)) or not (
-                math.isfinite(s) and s > 0
-            ):
+            if not _is_real(s) or not (math.isfinite(s) and s > 0):
                 raise ValueError(f"scale must be None or a positive finite number, got {s!r}")
+        for name, value in (("compression_rate", int(r)), ("top_k", int(k)), ("rope_base", float(base)),
+                            ("scale", None if self.scale is None else float(self.scale))):
+            object.__setattr__(self, name, value)
         if self.importance not in IMPORTANCE_MODES:
             raise ValueError(
                 f"importance must be one of {IMPORTANCE_MODES}, got {self.importance!r}"

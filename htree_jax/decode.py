@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax.config import HTreeConfig
+from htree_jax.non_finite import first_non_finite, poison_rows, zero_non_finite
 from htree_jax.reference import attend_tree, default_query_chunk
 from htree_jax.tree import child_reciprocals, round_to_storage
 from htree_jax.validation import check_config, check_dtype
@@ -36,7 +37,8 @@ from htree_jax.validation import check_config, check_dtype
 DECODE_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "length"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "length", "first_non_finite"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class HTreeCache:
     """The decode cache: the tree of every token so far, in buffers sized for `max_len`.
@@ -45,11 +47,15 @@ class HTreeCache:
             in the cache dtype; nodes not yet reached are zero.
     values: per layer `[B, N_l, H_kv, V]`.
     length: int32 scalar, the tokens appended so far (the same for every batch row).
+    first_non_finite: int32 `[B, H_kv]`, the first position whose appended `k` or `v`
+            held a NaN or infinity (stored as 0), the int32 maximum while none did. Every
+            output from that position on is NaN (SPEC 10, `htree_jax.non_finite`).
     """
 
     keys: tuple
     values: tuple
     length: jax.Array
+    first_non_finite: jax.Array
 
     @property
     def max_len(self) -> int:
@@ -89,12 +95,21 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
     sizes = config.layer_sizes(T)
     keys = tuple(jnp.zeros((B, n, H_kv, K), dtype) for n in sizes)
     values = tuple(jnp.zeros((B, n, H_kv, V), dtype) for n in sizes)
-    return HTreeCache(keys, values, jnp.zeros((), jnp.int32))
+    never = jnp.full((B, H_kv), jnp.iinfo(jnp.int32).max, jnp.int32)
+    return HTreeCache(keys, values, jnp.zeros((), jnp.int32), never)
 
 
 def check_cache(cache, config: HTreeConfig) -> None:
     if not isinstance(cache, HTreeCache):
         raise TypeError(f"cache must be an HTreeCache (from init_cache), got {type(cache).__name__}")
+    deleted = [x for x in jax.tree_util.tree_leaves(cache)
+               if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()]
+    if deleted:
+        raise ValueError(
+            "cache: its buffers were donated to an earlier prefill/decode_step call (which updates the "
+            "cache in place) and are gone; pass the cache that call returned: "
+            "`o, cache = decode_step(q_t, k_t, v_t, cache, config)`"
+        )
     sizes = config.layer_sizes(cache.max_len)
     got = tuple(k.shape[1] for k in cache.keys)
     if got != sizes:
@@ -189,7 +204,7 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig) -> HTreeCache:
             means = jnp.where((count > 0)[None, :, None, None], means, 0.0)
             # nodes past the layer's end are dropped (their index is out of range)
             layer[l] = layer[l].at[:, nodes].set(round_to_storage(means, layer[l].dtype), mode="drop")
-    return HTreeCache(tuple(keys), tuple(values), (end).astype(jnp.int32))
+    return HTreeCache(tuple(keys), tuple(values), (end).astype(jnp.int32), cache.first_non_finite)
 
 
 def check_decode_config(config) -> HTreeConfig:
@@ -229,8 +244,12 @@ def _resolve(backend, cache: HTreeCache, num_heads: int) -> str:
 
 
 def decode_backend(backend: str, interpret: bool = False) -> str:
-    """The decode backend named by a module's `(backend, interpret)` pair."""
-    return "pallas_interpret" if backend == "pallas" and interpret else backend
+    """The decode backend named by a module's `(backend, interpret)` pair, by the rule of
+    `htree_jax.attention.resolve_backend`: `interpret=True` means the Pallas kernels
+    interpreted, and is refused with "reference"."""
+    from htree_jax.attention import check_interpret
+
+    return "pallas_interpret" if check_interpret(backend, interpret) else backend
 
 
 def _attend(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
@@ -249,8 +268,13 @@ def _attend(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
 @functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl"), donate_argnames=("cache",))
 def _prefill(q, k, v, cache, config, return_selected, impl):
     positions = cache.length + jnp.arange(q.shape[1], dtype=jnp.int32)
-    cache = append_to_cache(cache, k, v, config)
+    # SPEC 10, as `htree_attention` does it: non-finite k, v are stored as 0 and every
+    # output from their first position on is NaN.
+    first = jnp.minimum(cache.first_non_finite, first_non_finite(k, v, positions))
+    cache = append_to_cache(dataclasses.replace(cache, first_non_finite=first), zero_non_finite(k),
+                            zero_non_finite(v), config)
     o, selected = _attend(q, cache, positions, config, impl)
+    o = poison_rows(o, positions, first, cache.num_kv_heads)
     return (o, cache, selected) if return_selected else (o, cache)
 
 
@@ -261,7 +285,8 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, ba
     `length .. length + S - 1`. Returns `(o [B, S, H, V], cache)` (and the selections,
     as `htree_attention` returns them, with `return_selected=True`). Works at any cache
     length (a prompt into an empty cache, or a chunk after earlier ones); jittable; the
-    cache argument is donated (do not reuse it). `backend`: `"reference"` (the jittable
+    cache argument is donated: use the returned one (a donated cache passed again is
+    refused with an error that says so). `backend`: `"reference"` (the jittable
     JAX walk, every platform), `"pallas"` (the Pallas decode kernels,
     `pallas_kernels/decode.py`: CUDA GPUs, K and V in 32/64/128/256, at most 16 query
     heads per kv head), `"pallas_interpret"` (the same kernels interpreted, any

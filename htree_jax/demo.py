@@ -45,6 +45,25 @@ def _positive(args, *names):
             raise DemoError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def oracle_agreement(o, selected, ref, ref_selected, fragile, tol):
+    """Does htree's output agree with the oracle's on sampled queries? `o [B, P, H, V]`
+    and `selected` (per layer `[B, P, H_kv, top_k]`) at the sampled positions, `ref`,
+    `ref_selected`, `fragile [B, P, H_kv]` from `htree_attention_numpy`.
+
+    A query may select differently, and then differ in output, only where the oracle
+    flags a near-tie (`fragile`): that waiver covers that query's heads and nothing
+    else. Returns `(agree, same [B, P, H_kv], err)`, `err` the largest output error over
+    the queries not waived."""
+    same = np.ones(fragile.shape, bool)
+    for got, want in zip(selected, ref_selected):
+        same &= (np.asarray(got) == want).all(axis=-1)
+    G = o.shape[2] // fragile.shape[2]
+    robust_heads = np.repeat(~fragile, G, axis=2)  # [B, P, H]
+    diff = np.abs(np.asarray(o, np.float64) - ref)[robust_heads]
+    err = float(diff.max()) if diff.size else 0.0
+    return bool(np.all(same | fragile)) and err <= tol, same, err
+
+
 def _median_ms(fn, repeats):
     fn()  # warm-up: compilation
     times = []
@@ -115,17 +134,14 @@ def run_demo(args) -> int:
             np.asarray(q), np.asarray(k), np.asarray(v), config, return_selected=True,
             query_positions=positions, return_fragile=True,
         )
-        same = np.ones((B, len(positions), H_kv), bool)
-        for got, want in zip(selected, ref_sel):
-            same &= (np.asarray(got)[:, positions] == want).all(axis=-1)
-        err = np.abs(o[:, positions].astype(np.float64) - ref).max()
         tol = AGREEMENT_TOL[dtype.name]
-        # A mismatch is only excusable where the oracle flags a near-tie (fragile).
-        agree = bool(np.all(same | fragile)) and (err <= tol or bool(np.any(fragile)))
+        agree, same, err = oracle_agreement(o[:, positions], [np.asarray(x)[:, positions] for x in selected], ref,
+                                            ref_sel, fragile, tol)
         print(
             f"oracle   float64 NumPy oracle at {len(positions)} positions x {B * H_kv} (batch, kv-head): "
-            f"selections identical for {same.sum()}/{same.size} ({fragile.sum()} near-ties), "
-            f"max |o - oracle| = {err:.2e} (tolerance {tol:.0e}): {'AGREES' if agree else 'DISAGREES'}"
+            f"selections identical for {same.sum()}/{same.size}, near-ties {fragile.sum()} (waived for those "
+            f"queries only); max |o - oracle| over the other queries = {err:.2e} (tolerance {tol:.0e}): "
+            f"{'AGREES' if agree else 'DISAGREES'}"
         )
 
     htree_ms = _median_ms(lambda: jax.block_until_ready(run(q, k, v)), args.repeats)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax.attention import BACKENDS, htree_attention
+from htree_jax.attention import BACKENDS, check_interpret, htree_attention
 from htree_jax.config import HTreeConfig
 from htree_jax.validation import check_config
 
@@ -102,9 +102,12 @@ def check_no_dropout(dropout_rate) -> None:
         )
 
 
-def check_backend(backend) -> str:
+def check_backend(backend, interpret=False) -> str:
+    """`backend` one of `BACKENDS`, and `interpret` a bool that is True only with a
+    backend that has Pallas kernels (`htree_jax.attention.check_interpret`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_interpret(backend, interpret)
     return backend
 
 
@@ -144,9 +147,7 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", in
     `config`: the `HTreeConfig` (static); `backend`, `interpret`: as in `htree_attention`.
     """
     config = check_config(config)
-    check_backend(backend)
-    if not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be a bool, got {interpret!r}")
+    check_backend(backend, interpret)
 
     def htree_attention_fn(
         query,

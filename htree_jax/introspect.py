@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from htree_jax.reference import candidate_count
+from htree_jax.reference import candidate_count, num_top_parents
 
 
 def candidates_per_query(selected, config, seq_len):
@@ -13,7 +13,7 @@ def candidates_per_query(selected, config, seq_len):
     selections (SPEC 2.1: `n = (n_P - 1) * r + c* + 1`)."""
     r, L = config.compression_rate, config.num_layers(seq_len)
     t = np.arange(seq_len)[None, :, None]
-    num_parents = t // r ** (L - 1) // r + 1  # virtual parents of the top layer
+    num_parents = num_top_parents(t, r, L)
     total = 0
     for depth, l in enumerate(reversed(range(L))):
         n = candidate_count(num_parents, t, r, l)

@@ -46,9 +46,7 @@ class HTreeAttention(nn.Module):
         dims = module_dims(self.num_heads, self.in_features, self.num_kv_heads, self.head_dim,
                            self.out_features)
         check_config(self.config)
-        check_backend(self.backend)
-        if not isinstance(self.interpret, bool):
-            raise TypeError(f"interpret must be a bool, got {self.interpret!r}")
+        check_backend(self.backend, self.interpret)
         return dims
 
     def _dense(self, features, name, axis=-1):

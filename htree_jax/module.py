@@ -125,9 +125,7 @@ class HTreeAttention(nnx.Module):
     ):
         dims = module_dims(num_heads, in_features, num_kv_heads, head_dim, out_features)
         self.config = check_config(config)
-        self.backend = check_backend(backend)
-        if not isinstance(interpret, bool):
-            raise TypeError(f"interpret must be a bool, got {interpret!r}")
+        self.backend = check_backend(backend, interpret)
         self.interpret = interpret
         if not isinstance(decode, bool):
             raise TypeError(f"decode must be a bool, got {decode!r}")

@@ -17,11 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from htree_jax.config import HTreeConfig
+from htree_jax.config import FORCED_IMPORTANCE, HTreeConfig
 from htree_jax.rope import apply_rope, rope_table
 from htree_jax.tree import build_tree
 
-FORCED_IMPORTANCE = 1e6  # SPEC 2.3: above every possible importance (<= G)
 # Small chunks stay cache-resident: 64 MiB ran 2.1x faster than 1 GiB on 2 CPU cores.
 DEFAULT_CHUNK_BUDGET_BYTES = 64 << 20
 
@@ -45,15 +44,68 @@ def default_query_chunk(config, batch, seq_len, num_kv_heads, group, head_dim, v
     return int(max(1, min(seq_len, budget_bytes // per_query)))
 
 
-def pack_importance(importance, positions, log_n):
-    """SPEC 2.3 stable order: float32 bits, low `log_n` bits replaced by `~p`, as int32.
+# ---------------------------------------------------------------------------------------
+# SPEC 2, one function per step. The kernels (`pallas_kernels/`) import the plain
+# arithmetic ones; the float64 oracle (`reference_numpy/`) has its own, under the same names.
 
-    Keys compare as integers (order-preserving for importance >= 0, and immune to
-    denormal flushing); ties in the kept high bits go to the smaller position.
+
+def num_top_parents(t, r: int, num_layers: int):
+    """SPEC 2: the top layer's virtual parents are `0 .. floor(i*_{L-1} / r)`: this many.
+    Plain arithmetic (Python, NumPy or JAX integers)."""
+    return t // r ** (num_layers - 1) // r + 1
+
+
+def top_layer_parents(t, r: int, num_layers: int, width: int):
+    """The top layer's virtual parents as a padded list: `t [...]` int -> `[..., width]`
+    int32, slot `s` holding node `s` while `s < num_top_parents(t)`, `-1` after."""
+    slot = jnp.arange(width, dtype=jnp.int32)
+    return jnp.where(slot < num_top_parents(jnp.asarray(t)[..., None], r, num_layers), slot, -1).astype(jnp.int32)
+
+
+def num_parents(parents):
+    """Length of each padded parent list `[..., P]` (`-1` padded): `[..., 1]`."""
+    return jnp.sum(parents >= 0, axis=-1, keepdims=True, dtype=jnp.int32)
+
+
+def candidate_count(parent_count, t, r: int, layer: int):
+    """SPEC 2.1: valid candidates `n = (n_P - 1) * r + c* + 1`, with `c* = (t // r^l) mod r`
+    and `n_P = parent_count`.
+
+    Plain arithmetic, so it serves NumPy and JAX arrays alike (any broadcastable shapes).
     """
-    mask = (1 << log_n) - 1
-    bits = lax.bitcast_convert_type(importance.astype(jnp.float32), jnp.int32)
-    return (bits & ~mask) | (mask - positions)
+    return (parent_count - 1) * r + (t // r**layer) % r + 1
+
+
+def candidate_nodes(parents, positions, r: int):
+    """SPEC 2.1: buffer position `p = s*r + c` holds node `parents[s]*r + c`.
+    `parents [..., P]`, `positions [M]` -> `[..., M]` (garbage where the slot is `-1`:
+    the caller masks positions `>= n`)."""
+    return parents[..., positions // r] * r + positions % r
+
+
+def rotate_relative(x, rel, cos, sin):
+    """SPEC 2.2 by a signed relative angle: `rope(x, rel)` for `rel` of any sign, from
+    tables of non-negative positions (`rope(x, -a)` rotates by `cos a, -sin a`).
+    `x [..., K]`, `rel` broadcastable to `x[..., 0]`."""
+    sign = jnp.where(rel < 0, -1.0, 1.0)[..., None]
+    angle = jnp.abs(rel)
+    return apply_rope(x, cos[angle], sign * sin[angle])
+
+
+def scores(q, keys_by_slot, n, alpha, cos, sin, r: int):
+    """SPEC 2.2: `s[g, p] = alpha * <rope(q, n-1), rope(K[j(p)], p)>`.
+
+    RoPE is relative: `<rope(q, n-1), rope(k, s*r + c)> = <rope(q, n-1-s*r), rope(k, c)>`,
+    so the keys come rotated by their child offset `c` (`rotate_by_child_offset`, once per
+    layer) and each query is rotated once per parent slot instead of rotating `M`
+    gathered keys. `q [C, G, K]` float32, `keys_by_slot [C, P, r, K]`, `n [C]` ->
+    `[C, G, P * r]` float32.
+    """
+    C, P = keys_by_slot.shape[:2]
+    rel = (n - 1)[:, None] - jnp.arange(P, dtype=jnp.int32)[None, :] * r  # [C, P], may be negative
+    q_rot = rotate_relative(q[:, None], rel[..., None], cos, sin)  # [C, P, G, K]
+    s = jnp.einsum("qsgk,qsck->qgsc", q_rot, keys_by_slot, precision=lax.Precision.HIGHEST)
+    return alpha * s.reshape(C, q.shape[1], -1)
 
 
 def importance(scores, in_norm, mode):
@@ -76,12 +128,20 @@ def importance(scores, in_norm, mode):
     return jnp.where(has_norm, imp, 0.0)
 
 
-def candidate_count(num_parents, t, r: int, layer: int):
-    """SPEC 2.1: valid candidates `n = (n_P - 1) * r + c* + 1`, with `c* = (t // r^l) mod r`.
+def pack_importance(importance, positions, log_n: int):
+    """SPEC 2.3 stable order: float32 bits, low `log_n` bits replaced by `~p`, as int32.
 
-    Plain arithmetic, so it serves NumPy and JAX arrays alike (any broadcastable shapes).
+    Keys compare as integers (order-preserving for importance >= 0, and immune to
+    denormal flushing); ties in the kept high bits go to the smaller position. A NaN
+    importance (scores that overflowed, SPEC 10) packs as 0: its bits would compare above
+    the forced rightmost node's and push the node holding `t` out of the selection.
+    Plain `lax` bit operations, so the kernels use it as it is.
     """
-    return (num_parents - 1) * r + (t // r**layer) % r + 1
+    mask = (1 << log_n) - 1
+    importance = importance.astype(jnp.float32)
+    importance = jnp.where(jnp.isnan(importance), 0.0, importance)
+    bits = lax.bitcast_convert_type(importance, jnp.int32)
+    return (bits & ~mask) | (mask - positions)
 
 
 def select_top_k(importance_keys, valid, nodes, top_k, max_candidates):
@@ -103,10 +163,12 @@ def select_top_k(importance_keys, valid, nodes, top_k, max_candidates):
 
 
 def merge(state, scores, values, merged):
-    """Online-softmax fold of the merged candidates into `(m, S, U)`.
+    """SPEC 2.4: online-softmax fold of the merged candidates into `(m, S, U)`.
 
     `state`: `m, S [C, G]`, `U [C, G, V]`; `scores [C, G, M]`; `values [C, M, V]`;
-    `merged [C, M]`. A layer with nothing merged leaves the state as it is.
+    `merged [C, M]`. A layer with nothing merged leaves the state as it is. Values of
+    candidates not merged are zeroed before the product: a weight of 0 times a NaN or
+    infinite value would still be NaN (SPEC 10).
     """
     m, S, U = state
     s_m = jnp.where(merged[:, None, :], scores, -jnp.inf)
@@ -115,12 +177,19 @@ def merge(state, scores, values, merged):
     w = jnp.exp(s_m - m_safe[..., None])
     decay = jnp.exp(m - m_safe)
     S = S * decay + jnp.sum(w, axis=-1)
+    values = jnp.where(merged[..., None], values, 0.0)
     U = U * decay[..., None] + jnp.einsum("cgm,cmv->cgv", w, values, precision=lax.Precision.HIGHEST)
     return m_new, S, U
 
 
+def normalize(state):
+    """The output `o = U / S` of a softmax state `(m, S [..., G], U [..., G, V])`."""
+    _, S, U = state
+    return U / S[..., None]
+
+
 def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True):
-    """All layers for one `(b, h_kv)` and a chunk of positions.
+    """All layers for one `(b, h_kv)` and a chunk of positions (SPEC 2, top down).
 
     `q [C, G, K]`, `t [C]` int32, `layers [(K_l [N_l, K], V_l [N_l, V]), ...]` bottom
     first, the keys rotated by child offset (`rotate_by_child_offset`), or as stored
@@ -135,19 +204,10 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     Vd = layers[0][1].shape[-1]
     cos, sin = (jnp.asarray(a) for a in rope_table(M, K, float(config.rope_base)))
     p = jnp.arange(M, dtype=jnp.int32)
-    slot, child = p // r, p % r
-    # RoPE is relative: <rope(q, n-1), rope(k, s*r + c)> = <rope(q, n-1-s*r), rope(k, c)>,
-    # and c = node mod r. So each layer's keys are rotated once by their child offset
-    # and each query once per parent slot, instead of rotating M gathered keys per query.
-    slot_offset = jnp.arange(k_top, dtype=jnp.int32) * r  # [k_top]
     if not keys_rotated:
-        table = rope_table(r, K, float(config.rope_base))
-        child_cos, child_sin = (jnp.asarray(a[np.arange(M) % r]) for a in table)
+        child_cos, child_sin = (jnp.asarray(a[np.arange(M) % r]) for a in rope_table(r, K, float(config.rope_base)))
 
-    top_parents = jnp.arange(k_top, dtype=jnp.int32)
-    last_top_parent = t // (r ** (L - 1)) // r
-    parents = jnp.where(top_parents[None, :] <= last_top_parent[:, None], top_parents[None, :], -1)
-
+    parents = top_layer_parents(t, r, L, k_top)
     state = (
         jnp.full((C, G), -jnp.inf, jnp.float32),
         jnp.zeros((C, G), jnp.float32),
@@ -157,25 +217,19 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     selections = []
     for l in reversed(range(L)):
         K_l, V_l = layers[l]
-        n = candidate_count(jnp.sum(parents >= 0, axis=-1), t, r, l)  # [C]
-        nodes = parents[:, slot] * r + child[None, :]  # [C, M]
+        n = candidate_count(num_parents(parents)[:, 0], t, r, l)  # [C]
+        nodes = candidate_nodes(parents, p, r)  # [C, M]
         valid = p[None, :] < n[:, None]
         safe_nodes = jnp.where(valid, nodes, 0)
         gathered = K_l[safe_nodes]  # [C, M, K]
         if not keys_rotated:
             gathered = apply_rope(gathered.astype(jnp.float32), child_cos, child_sin)
-        keys_by_slot = gathered.reshape(C, k_top, r, K)  # rotated by child offset
-        rel = (n - 1)[:, None] - slot_offset[None, :]  # [C, k_top], may be negative
-        sign = jnp.where(rel < 0, -1.0, 1.0)[..., None, None]
-        q_rot = apply_rope(q[:, None], cos[jnp.abs(rel)][:, :, None], sign * sin[jnp.abs(rel)][:, :, None])
-        scores = alpha * jnp.einsum(
-            "qsgk,qsck->qgsc", q_rot, keys_by_slot, precision=lax.Precision.HIGHEST
-        ).reshape(C, G, M)
+        s = scores(q, gathered.reshape(C, k_top, r, K), n, alpha, cos, sin, r)
         if l > 0:
             rightmost = p[None, :] == (n - 1)[:, None]
             in_norm = valid & ~rightmost if config.strict_causal else valid
             # Selection is a discrete choice: no gradient flows through it.
-            imp = importance(lax.stop_gradient(scores), in_norm, config.importance)
+            imp = importance(lax.stop_gradient(s), in_norm, config.importance)
             imp = jnp.where(rightmost, FORCED_IMPORTANCE, imp)
             keys = pack_importance(imp, p[None, :], config.log_n)
             selected, parents = select_top_k(keys, valid, nodes, k_top, M)
@@ -184,9 +238,8 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
         else:
             merged = valid
         values = V_l[safe_nodes].astype(jnp.float32)
-        state = merge(state, scores, values, merged)
-    _, S, U = state
-    return U / S[..., None], selections
+        state = merge(state, s, values, merged)
+    return normalize(state), selections
 
 
 def rotate_by_child_offset(layer_keys, config: HTreeConfig):

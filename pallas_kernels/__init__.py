@@ -1,16 +1,22 @@
 """Pallas (Triton lowering) kernels for htree attention on NVIDIA GPUs.
 
-- `tree_build`: mean pooling, one layer up per launch.
-- `top_k`: the sort-free top-K building block (bitwise threshold search + compaction).
-- `layer_forward`: per-layer kernels (importance keys, shared top-K, online-softmax
-  merge), each beside a pure-JAX twin with the same contract.
-- `forward`: their composition, `htree_forward_pallas`.
-- `layer_backward`: per-layer `dq` kernels (one program per query, in registers),
-  beside an autodiff twin; `node_backward`: their transpose, `dk`/`dv` by node from an
-  inverse index (no atomics, bitwise deterministic); `backward`: `htree_backward_pallas`
-  (selections recomputed, gradients pushed down the tree).
-- `decode`: decoding over a `htree_jax.HTreeCache` (keys gathered as stored and rotated in
-  the kernel, candidates split over programs), `attend_cache_pallas`; its twin is the JAX
+Building blocks, one SPEC step each, every kernel beside its pure-JAX twin:
+- `precision`: the dots' operand precision (3xTF32, `BF16X3`, input-dtype operands), `Precisions`.
+- `rope`: RoPE tables and the layers' keys rotated in the layouts the kernels read.
+- `common`: `LayerStatic` (a launch's static parameters), padding, candidate geometry, BlockSpecs.
+- `tree_build`: mean pooling, one layer up per launch (SPEC 1).
+- `importance`: candidate scores and packed importance keys below the top (SPEC 2.2-2.3).
+- `top_k`: the sort-free shared top-K (bitwise threshold search + compaction, SPEC 2.3).
+- `merge`: the online-softmax merge below the top and the bottom's normalisation (SPEC 2.4).
+- `top_layer`: the top layer's importance and merge over blocks of queries, flash-attention shaped.
+- `layer_backward`: `dq` per query (in registers); `node_backward`: `dk`, `dv` per node from
+  an inverse index (no atomics, bitwise deterministic).
+
+Compositions of those, nothing else:
+- `forward`: `htree_forward_pallas` (`BlockSizes`, chunks of queries).
+- `backward`: `htree_backward_pallas` (selections recomputed, gradients pushed down the tree).
+- `decode`: `attend_cache_pallas`, decoding over a `htree_jax.HTreeCache` (keys gathered as
+  stored and rotated in the kernel, candidates split over programs); its twin is the JAX
   reference walk `htree_jax.reference.attend_tree(..., keys_rotated=False)`.
 
 Every kernel runs with `interpret=True` on any platform; CI tests them that way.

@@ -2,7 +2,9 @@
 
 Selections are recomputed, chunk by chunk, with the forward's own kernels (importance
 keys and shared top-K: the same launches on the same inputs, so the same selections);
-nothing per candidate is saved between the passes. The forward saves `o` and the rows'
+nothing per candidate is saved between the passes. Each layer's scores are recomputed
+with the dots the forward merged it with: the merge dots on the top and bottom layers,
+the importance dots between them (whose stored scores the forward merged). The forward saves `o` and the rows'
 log-sum-exp `lse`; `delta = rowsum(do * o)`. Then per chunk, top layer first, each
 layer's `dq` kernel (`layer_backward.py`: one program per query, or per block of
 queries on the top layer, summing in registers) and its `dk`, `dv` kernel
@@ -32,10 +34,10 @@ from jax import lax
 
 from htree_jax.config import HTreeConfig
 from htree_jax.rope import apply_rope
-from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import BlockSizes, candidate_count, chunk_queries, prepare
+from pallas_kernels.common import next_power_of_two, pad_axis, unpad_rope_halves
+from pallas_kernels.forward import BlockSizes, chunk_queries, prepare, valid_candidates
+from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
-from pallas_kernels.layer_forward import importance_keys_pallas, select_top_k_layer_pallas
 from pallas_kernels.node_backward import (
     UNIT,
     layer_node_grads_pallas,
@@ -44,12 +46,8 @@ from pallas_kernels.node_backward import (
     node_index,
     top_node_grads_pallas,
 )
-
-
-def unpad_rope_halves(x, K: int):
-    """Inverse of `pad_rope_halves`: `[..., 2*half]` -> `[..., K]`."""
-    half = x.shape[-1] // 2
-    return jnp.concatenate([x[..., : K // 2], x[..., half: half + K // 2]], axis=-1)
+from pallas_kernels.precision import Precisions
+from pallas_kernels.top_k import select_top_k_pallas
 
 
 def push_down(grad_parent, N: int, r: int):
@@ -75,8 +73,12 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
-    prep = prepare(q, k, v, config, block_sizes, interpret, None, for_backward=True)
+    prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype))
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
+    # Between the top and the bottom the forward merged from the importance pass's scores:
+    # score those layers again with the same dots and keys, so that p = exp(s - lse) uses
+    # the scores that lse summed (bfloat16 merge operands here would mix two precisions).
+    st_mid = dataclasses.replace(st, scores_as_importance=True)
     num_chunks = prep.q4.shape[1] // Qc
     kp, vp = prep.q4.shape[-1], prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
@@ -109,16 +111,17 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
             q_rows = pad_axis(qc, 3, gp)
             for l in reversed(range(L - 1)):
                 k_imp, k_merge, vl = prep.layers[l]
-                n = candidate_count(parents, t, st.r, l)
+                n = valid_candidates(parents, t, l, prep)
                 keys = tau = None
                 if l > 0:
                     keys = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, st, interpret)
-                    next_parents, tau = select_top_k_layer_pallas(keys, parents, n, st, interpret)
-                layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
-                dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st, interpret)
+                    next_parents, tau = select_top_k_pallas(keys, parents, n, st, interpret)
+                st_l, k_scores = (st_mid, k_imp) if l > 0 else (st, k_merge)
+                layer_args = (parents, n, keys, tau, k_scores, vl, prep.cos, prep.sin)
+                dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st_l, interpret)
                 index = node_index(parents, n, st.r, -(-sizes[l] // UNIT))
                 layer_acc[l] = layer_node_grads_pallas(pad_axis(qc, 3, gt), *layer_args, *stats(gt), index,
-                                                       layer_acc[l], st, interpret)
+                                                       layer_acc[l], st_l, interpret)
                 dq = dq + dq_l[:, :, :, :G]
                 if l > 0:
                     parents = next_parents[..., :P]
@@ -142,4 +145,4 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-__all__ = ["htree_backward_pallas", "push_down", "unpad_rope_halves"]
+__all__ = ["htree_backward_pallas", "push_down"]

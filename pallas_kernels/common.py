@@ -1,9 +1,79 @@
-"""Shared pieces of the Pallas (Triton lowering) kernels."""
+"""What every kernel shares: the static parameters of a launch (`LayerStatic`), the
+candidate buffer's geometry inside a kernel, padding, and BlockSpecs.
+
+Every kernel uses the Triton lowering (`compiler_params`); every load and store is a
+power of two wide, so head dims are padded here (RoPE halves apart) and sliced back by
+the compositions (`forward.py`, `backward.py`, `decode.py`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.precision import key_parts
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStatic:
+    """Everything static about one layer launch."""
+
+    r: int
+    tile: int  # candidates per inner step: a multiple of `span`
+    group: int  # real heads per group G (rows >= G are padding)
+    alpha: float
+    importance: str
+    strict_causal: bool
+    log_n: int
+    top_k: int
+    precision: lax.Precision | None
+    num_warps: int = 4
+    num_stages: int = 2
+    # Candidates per score product below the top layer, all scored with one rotation of
+    # the query (`rotate_phases`): a power of two, a multiple of r, >= 16 (a dot's least).
+    span: int = 16
+    # Operand dtype of the importance dots: None (float32 at `precision`), `BF16X3`
+    # (float32-grade from bfloat16 pairs) or a dtype name.
+    importance_operands: str | None = None
+    # Queries per program. Per-query kernels: they must share parents and n; the top
+    # layer's kernels (`top_layer.py`): each query has its own n.
+    block_queries: int = 1
+    # Score dots of the merge passes. Their scores only weigh values in the output
+    # softmax (selection is decided by the keys kernel), so bf16/f16 inputs need
+    # only output precision here. None: same as `precision`.
+    merge_precision: lax.Precision | None = None
+    # Warps of the merge kernels (None: num_warps). With 16 rows and 64 keys per
+    # product, 2 warps ran a bottom merge fastest (H200 probe: 338 ms vs 407 at 4).
+    merge_num_warps: int | None = None
+    # Operand dtype of the merge dots ("bfloat16"/"float16", float32 accumulation), as
+    # flash attention does for such inputs; None: float32 operands at merge_precision.
+    merge_operands: str | None = None
+    # Merge-shaped kernels score with the merge dots (`merge_precision`, `merge_operands`)
+    # unless this is set: then with the importance dots, on the keys as `key_operands`
+    # prepares them for those. The backward sets it for the layers between the top and
+    # the bottom, which the forward merges from the importance pass's stored scores, so
+    # that `p = exp(s - lse)` uses the scores the forward's `lse` summed.
+    scores_as_importance: bool = False
+
+
+
+def merge_score_precision(st: LayerStatic):
+    """The merge dots' precision: `st.merge_precision`, or `st.precision` when unset."""
+    return st.precision if st.merge_precision is None else st.merge_precision
+
+
+def score_spec(st: LayerStatic):
+    """`(precision, operands)` of a merge-shaped kernel's score dots (see
+    `LayerStatic.scores_as_importance`); its other products take the merge dots'."""
+    if st.scores_as_importance:
+        return st.precision, st.importance_operands
+    return merge_score_precision(st), st.merge_operands
 
 
 def next_power_of_two(x: int, minimum: int = 1) -> int:
@@ -32,3 +102,75 @@ def pad_rope_halves(x, half: int):
     k2 = x.shape[-1] // 2
     lo, hi = x[..., :k2], x[..., k2:]
     return jnp.concatenate([pad_axis(lo, -1, half), pad_axis(hi, -1, half)], axis=-1)
+
+
+
+def unpad_rope_halves(x, K: int):
+    """Inverse of `pad_rope_halves`: `[..., 2*half]` -> `[..., K]`."""
+    half = x.shape[-1] // 2
+    return jnp.concatenate([x[..., : K // 2], x[..., half: half + K // 2]], axis=-1)
+
+
+
+def pad_nodes(layer, tile: int):
+    """Zero rows up to the next multiple of `tile` (`[B, H_kv, N, D]`)."""
+    return pad_axis(layer, 2, -(-layer.shape[2] // tile) * tile)
+
+
+
+def candidate_nodes(par_ref, p0, width: int, n, r: int):
+    """Candidate positions `[p0, p0 + width)` (`p0` a multiple of `r`): `(positions,
+    valid, nodes)`, position `p = s*r + c` holding node `parents[s]*r + c`, node 0 where
+    invalid (a safe row to gather)."""
+    parents = par_ref[pl.ds(p0 // r, width // r)]
+    positions = p0 + jnp.arange(width, dtype=jnp.int32)
+    valid = positions < n
+    child = jnp.arange(r, dtype=jnp.int32)
+    nodes = jnp.where(valid, (parents[:, None] * r + child[None, :]).reshape(width), 0)
+    return positions, valid, nodes
+
+
+def layer_refs(refs, leading: int, st: LayerStatic, bottom: bool):
+    """Splits a merge-shaped kernel's refs: `(leading refs, keys_ref, tau_ref, k_refs,
+    rest)`; `keys_ref, tau_ref` are None at the bottom (every valid candidate merges),
+    `k_refs` the score keys' `key_operands` parts (`score_spec`)."""
+    head, refs = refs[:leading], refs[leading:]
+    keys_ref = tau_ref = None
+    if not bottom:
+        (keys_ref, tau_ref), refs = refs[:2], refs[2:]
+    parts = key_parts(*score_spec(st))
+    return head, keys_ref, tau_ref, refs[:parts], refs[parts:]
+
+
+def per_head_spec(x):
+    """A whole `[B, H_kv, rows, D]` array, one `(b, h)` slice per program of a grid
+    `(B, Q / BQ, H_kv)` (a layer's keys or values, a gradient accumulator)."""
+    return pl.BlockSpec((None, None) + x.shape[2:], lambda b, i, h: (b, h, 0, 0))
+
+
+def block_specs(st: LayerStatic, gp: int, kp: int, Mp: int, parents, k_phases: tuple, layer_v):
+    """BlockSpecs for a grid `(B, Q / BQ, H_kv)`: per-query arrays in blocks of BQ
+    queries (`gp` rows, `kp` wide queries, `Mp` candidates), per-block arrays (parents,
+    n: one row per block), whole layers and tables."""
+    bq = st.block_queries
+    queries = lambda *tail: pl.BlockSpec((None, bq, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
+    block = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
+    table = pl.BlockSpec((Mp, kp), lambda b, i, h: (0, 0))  # full_width
+    specs = dict(q=queries(gp, kp), parents=block(parents.shape[-1]), n=block(1), keys=queries(Mp),
+                 tau=queries(1), k=[per_head_spec(x) for x in k_phases], table=table, vec=queries(gp),
+                 scores=queries(gp, Mp))
+    if layer_v is not None:
+        specs.update(v=per_head_spec(layer_v), mat=queries(gp, layer_v.shape[-1]))
+    return specs
+
+
+def layer_params(st: LayerStatic, warps=None):
+    warps = st.num_warps if warps is None else warps
+    warps = warps if st.block_queries == 1 else max(warps, 8)
+    return compiler_params(warps, st.num_stages)
+
+
+def per_query(x, st: LayerStatic):
+    """Block-level rows (parents, n) repeated for each query of the block."""
+    return jnp.repeat(x, st.block_queries, axis=1)
+

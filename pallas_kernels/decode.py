@@ -1,6 +1,6 @@
 """Pallas decode kernels: a few new queries walk a decode cache's tree (SPEC 2).
 
-The full-sequence kernels (`layer_forward.py`) read each layer's keys in `span / r`
+The full-sequence kernels (`importance.py`, `merge.py`) read each layer's keys in `span / r`
 rotated copies made for the whole layer (`rotate_phases`), which for a decode step would
 be `O(T)` work per token. Here the keys are read as the cache stores them (`[B, N, H_kv,
 K]`, un-rotated, the layout `htree_jax.decode.HTreeCache` keeps) and rotated in the
@@ -17,7 +17,7 @@ flash-decoding splits the keys, and the per-split partial results are combined i
     `_scores_kernel`   scores of the split's candidates, stored, and the split's
                        running (max, sum) over the normaliser set R
     XLA                the rows' importance shift, packed keys (`keys_from_scores`)
-    `select_top_k_layer_pallas` (shared with the forward): the kept nodes, `tau`
+    `top_k.select_top_k_pallas` (shared with the forward): the kept nodes, `tau`
     `_merge_kernel`    the split's merged candidates (stored scores, gathered values)
                        folded into a partial softmax state (m, S, U)
   bottom layer: `_merge_kernel` scoring its keys, every valid candidate merged;
@@ -45,28 +45,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.config import HTreeConfig
+from htree_jax.reference import candidate_count, num_parents, top_layer_parents
 from htree_jax.rope import rope_table
-from pallas_kernels.common import compiler_params, next_power_of_two, pad_axis
-from pallas_kernels.forward import (
-    MAX_GROUP,
-    candidate_count,
-    default_importance_operands,
-    default_merge_operands,
-    default_merge_precision,
-    default_precision,
-)
-from pallas_kernels.layer_forward import (
-    NEG_INF,
-    LayerStatic,
-    _dot_t,
-    _online_max_sum,
-    candidate_nodes,
-    fold_merged,
-    importance_shift,
-    keys_from_scores,
-    merge_score_precision,
-    select_top_k_layer_pallas,
-)
+from pallas_kernels.common import NEG_INF, LayerStatic, candidate_nodes, compiler_params, merge_score_precision
+from pallas_kernels.common import next_power_of_two, pad_axis
+from pallas_kernels.forward import MAX_GROUP
+from pallas_kernels.importance import importance_shift, keys_from_scores, online_max_sum
+from pallas_kernels.merge import fold_merged
+from pallas_kernels.precision import Precisions, score_dot
+from pallas_kernels.top_k import select_top_k_pallas
 
 # Power-of-two widths only: a gathered row is one load, and every load is a power of two.
 DECODE_DIMS = (32, 64, 128, 256)
@@ -108,7 +95,7 @@ def _span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerS
     angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked by the caller
     c, s = cos_ref[pl.ds(angle, 1), :], sin_ref[pl.ds(angle, 1), :]
     r_lo, r_hi = q_lo * c - q_hi * s, q_lo * s + q_hi * c
-    scores = _dot_t(r_lo, (k_lo,), precision, operands) + _dot_t(r_hi, (k_hi,), precision, operands)
+    scores = score_dot(r_lo, (k_lo,), precision, operands) + score_dot(r_hi, (k_hi,), precision, operands)
     return st.alpha * scores, valid, positions, nodes
 
 
@@ -139,7 +126,7 @@ def _scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, s_ref, m_ref,
         scores, _, positions, _ = _span_scores(start + j * st.span, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n,
                                                st, st.precision, st.importance_operands)
         plgpu.store(s_ref.at[:, pl.ds(j * st.span, st.span)], scores, mask=real_rows)
-        return _online_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
+        return online_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
 
     init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
     m, total = lax.fori_loop(0, count, score_span, init)
@@ -294,11 +281,12 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
     span, Mp = candidate_layout(config, block_sizes)
     want = max(1, block_sizes.target_programs // max(1, B * Q * H_kv))
     splits = min(next_power_of_two(want), Mp // span)
+    precisions = Precisions.for_dtype(dtype)
     return LayerStatic(
         r=r, tile=Mp // splits, span=span, group=G, alpha=config.score_scale(K), importance=config.importance,
         strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
-        precision=default_precision(dtype), merge_precision=default_merge_precision(dtype),
-        importance_operands=default_importance_operands(dtype), merge_operands=default_merge_operands(dtype),
+        precision=precisions.scores, merge_precision=precisions.merge,
+        importance_operands=precisions.importance_operands, merge_operands=precisions.merge_operands,
         num_warps=block_sizes.num_warps,
     ), Mp
 
@@ -310,16 +298,14 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
     B, Q, H_kv, gp, _ = q.shape
     V = values[0].shape[-1]
     P = Mp // r
+    parents = jnp.broadcast_to(top_layer_parents(t[None, :, None], r, L, P), (B, Q, H_kv, P))
     t = t[None, :, None, None]
-    slot = jnp.arange(P, dtype=jnp.int32)
-    # The top layer's virtual parents: 0 .. floor(i*_{L-1} / r).
-    parents = jnp.broadcast_to(jnp.where(slot <= t // r ** (L - 1) // r, slot, -1), (B, Q, H_kv, P))
     state = (jnp.full((B, Q, H_kv, gp), NEG_INF, jnp.float32), jnp.zeros((B, Q, H_kv, gp), jnp.float32),
              jnp.zeros((B, Q, H_kv, gp, V), jnp.float32))
     real_head = jnp.arange(B * Q * H_kv * gp, dtype=jnp.int32) % gp < st.group  # rows flattened
     selections = []
     for l in reversed(range(L)):
-        n = candidate_count(parents, t, r, l)
+        n = candidate_count(num_parents(parents), t, r, l).astype(jnp.int32)
         if l == 0:
             partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, st, interpret)
         else:
@@ -327,7 +313,7 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
             m, total = combine_max_sum(m, total)
             shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
             packed = keys_from_scores(scores, shift.reshape(m.shape), n, st)
-            next_parents, tau = select_top_k_layer_pallas(packed, parents, n, st, interpret)
+            next_parents, tau = select_top_k_pallas(packed, parents, n, st, interpret)
             partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, st, interpret)
             parents = next_parents[..., :P]
             selections.append(parents[..., : config.top_k])

@@ -2,13 +2,14 @@
 kernel, the per-query top-K kernel and the merge kernel (the bottom layer: merge and
 normalise only), over chunks of query positions. The top layer, where neighbouring
 queries share every candidate, runs flash-attention-shaped kernels over blocks of
-queries (`pallas_kernels/top_layer.py`); the layers below, where each query has its
-own parents, one program per query (`pallas_kernels/layer_forward.py`).
+queries (`top_layer.py`); the layers below, where each query has its own parents, one
+program per query (`importance.py`, `top_k.py`, `merge.py`).
 
 Device memory beyond inputs, tree and output: the rotated copies of the tree's keys
-(the top layer once in float32; each lower layer in `span / r` copies, `rotate_phases`,
-as the merge dots read them, and the upper ones also as the importance dots read them
-when that differs: two bfloat16 or float32 parts, `key_operands`); per chunk of `Qc` positions the packed keys and next-parent
+(the top layer once in float32, and as the merge and importance dots read it; each lower
+layer in `span / r` copies, `rotate_phases`, as the dots that read them take them, the
+bottom's merge dots and the other layers' importance dots: one bfloat16 array or two
+bfloat16 / float32 parts, `key_operands`); per chunk of `Qc` positions the packed keys and next-parent
 buffers (`2 * B * Qc * H_kv * Mp` int32), the scores of a layer below the top that
 selects (`B * Qc * H_kv * Gp * Mp` float32, `Gp = max(16, G)`, only when `L >= 3`),
 the queries padded and rotated for the top layer (`B * Qc * H_kv * Gt * Kp` float32)
@@ -28,27 +29,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from htree_jax.config import HTreeConfig
-from htree_jax.reference import candidate_count as reference_candidate_count
-from htree_jax.rope import rope_table
-from pallas_kernels.common import next_power_of_two, pad_axis, pad_rope_halves
-from pallas_kernels.layer_forward import (
-    BF16X3,
-    LayerStatic,
-    importance_keys_pallas,
-    key_operands,
-    merge_pallas,
-    merge_scored_pallas,
-    merge_score_precision,
-    rotate_phases,
-    select_top_k_layer_pallas,
-)
-from pallas_kernels.top_layer import (
-    pad_nodes,
-    rotate_keys,
-    rotate_queries,
-    top_importance_keys_pallas,
-    top_merge_pallas,
-)
+from htree_jax.reference import candidate_count, num_parents, top_layer_parents
+from pallas_kernels.common import LayerStatic, next_power_of_two, pad_axis, pad_nodes, pad_rope_halves
+from pallas_kernels.importance import importance_keys_pallas
+from pallas_kernels.merge import merge_pallas, merge_scored_pallas
+from pallas_kernels.precision import Precisions, key_operands
+from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases, rotate_queries
+from pallas_kernels.top_k import select_top_k_pallas
+from pallas_kernels.top_layer import top_importance_keys_pallas, top_merge_pallas
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 
 MIN_DIM, MAX_DIM, MAX_GROUP = 32, 256, 16
@@ -78,9 +66,8 @@ class BlockSizes:
     merge_num_warps: int = 2
     num_stages: int = 2
     # Merges above the bottom read the scores their importance pass stored
-    # (`merge_scored_pallas`) instead of gathering and scoring the keys again; False is
-    # the earlier path, kept to compare the two in `benchmarks/profile_forward.py`.
-    merge_from_scores: bool = True
+    # (`merge_scored_pallas`): H200, T=131072, top_k=64, 4 warps 34 ms, 2 warps 59 ms
+    # (re-gathering and scoring the keys instead: 54 ms; benchmarks/RESULTS.md).
     scored_merge_num_warps: int = 4
     # Per-chunk buffers (see `chunk_size`). H200, T=131072, top_k=64: 2 GiB (18 chunks)
     # 167 ms end to end, 1 GiB (36 chunks) 171 ms.
@@ -120,38 +107,6 @@ def chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows=0):
     return int(limit)
 
 
-def default_precision(dtype):
-    """Score dots that decide selections: exact float32 for float32 inputs (they must
-    match the reference to 1e-4); 3xTF32 (`HIGH`, see `layer_forward._dot_t`) for
-    bfloat16/float16 inputs: scores to ~1e-6, 7x faster than exact dots on an H200."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.HIGH
-
-
-def default_merge_precision(dtype):
-    """Score dots of the merge passes, which only weigh values in the output: exact for
-    float32 inputs, TF32 (~5e-4, below bfloat16's own 4e-3) for bfloat16/float16."""
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
-def default_importance_operands(dtype):
-    """bfloat16/float16 inputs: the importance dots (which decide selections) in `BF16X3`,
-    float32-grade (~4e-6 relative, against ~1e-6 for 3xTF32 and 4e-3 for plain bfloat16)
-    at bfloat16 tensor-core rate, reading half the bytes of 3xTF32's split keys. H200,
-    T=32768, against the float32 reference: parent lists identical 0.9988 (softmax) /
-    0.9968 (shared_max), 0.9997 / 0.9994 with 3xTF32, 0.61 with plain bfloat16; at
-    T=131072 the forward ran 465 ms vs 528 ms with 3xTF32. float32 inputs: None (the
-    dots at `default_precision`, exact float32)."""
-    return BF16X3 if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
-
-
-def default_merge_operands(dtype):
-    """bfloat16/float16 inputs: the merge dots take operands in the input dtype (the
-    rotated query and keys and the softmax weights rounded to it, float32 accumulation),
-    as flash attention does; the merges do not select, so this only touches the output,
-    at the input dtype's own precision. float32 inputs: float32 operands."""
-    return jnp.dtype(dtype).name if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
-
-
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4"],
                    meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk"])
@@ -161,8 +116,9 @@ class Prepared:
 
     # [(importance keys, merge keys, V_l [B, H_kv, N_l, Vp]), ...], bottom first, the top
     # layer left out. The keys: `key_operands` of `rotate_phases(K_l)` for the dots that
-    # read them: the bottom layer only merges (no importance keys: None), the layers
-    # above it merge from their stored scores (no merge keys: None).
+    # read them. The bottom layer only merges (no importance keys: None); the layers
+    # above it merge from their stored scores (no merge keys: None), and the backward
+    # scores them again with the importance dots (`LayerStatic.scores_as_importance`).
     layers: list
     top_k_imp: tuple  # key_operands of the top layer's keys rotated by position, tile-padded
     top_k_merge: tuple  # the same for the merge dots (often the same arrays)
@@ -177,11 +133,9 @@ class Prepared:
     chunk: int  # Qc, a multiple of st_top.block_queries
 
 
-def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool, precision,
-            merge_operands="auto", importance_operands="auto", for_backward: bool = False) -> Prepared:
-    """The padded tree, keys as the products read them, tables and queries. With
-    `for_backward`, every layer below the top keeps merge keys (the backward scores
-    every merged candidate again)."""
+def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool,
+            precisions: Precisions) -> Prepared:
+    """The padded tree, keys as the products read them, tables and queries."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
@@ -192,20 +146,15 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     st = LayerStatic(
         r=r, tile=tile, span=span, group=G, alpha=config.score_scale(K), importance=config.importance,
         strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
-        precision=default_precision(q.dtype) if precision is None else precision,
-        merge_precision=default_merge_precision(q.dtype) if precision is None else precision,
-        merge_operands=(default_merge_operands(q.dtype) if precision is None else None)
-        if merge_operands == "auto" else merge_operands,
-        importance_operands=(default_importance_operands(q.dtype) if precision is None else None)
-        if importance_operands == "auto" else importance_operands,
+        precision=precisions.scores, importance_operands=precisions.importance_operands,
+        merge_precision=precisions.merge, merge_operands=precisions.merge_operands,
         num_warps=block_sizes.num_warps, merge_num_warps=block_sizes.merge_num_warps,
         num_stages=block_sizes.num_stages,
     )
     layers = [(jnp.swapaxes(pad_rope_halves(k, half), 1, 2), jnp.swapaxes(pad_axis(v, -1, vp), 1, 2))]
     for _ in config.layer_sizes(T)[1:]:
         layers.append(tuple(pool_layer_pallas(x, r, PoolBlockSizes(), interpret) for x in layers[-1]))
-    cos_np, sin_np = rope_table(Mp, K, float(config.rope_base))
-    cos, sin = (pad_axis(jnp.asarray(a), -1, half) for a in (cos_np, sin_np))
+    cos, sin = padded_rope_table(Mp, K, config.rope_base, half)
     # Top layer: rows = queries x next_power_of_two(G) heads, at least 16 (a dot's minimum).
     gt = next_power_of_two(G)
     bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
@@ -216,8 +165,8 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     top_v = pad_nodes(layers[-1][1], top_tile)
     # The keys as the products read them: rotated, then split for 3xTF32 or cast to the
     # operand dtype, once per layer (one array when both dots take the same operands).
-    imp_spec = (st.precision, st.importance_operands)
-    merge_spec = (merge_score_precision(st), st.merge_operands)
+    imp_spec = (precisions.scores, precisions.importance_operands)
+    merge_spec = (precisions.merge, precisions.merge_operands)
 
     top_rotated = rotate_keys(layers[-1][0], cos, sin, top_tile)
     top_k_merge = key_operands(top_rotated, *merge_spec)
@@ -225,26 +174,22 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     # Below the top: the keys in span/r rotated copies, for the importance products of
     # the layers that select (their merges reuse the stored scores) and for the bottom
     # layer's merge.
-    merges_keys = lambda l: l == 0 or not block_sizes.merge_from_scores or for_backward
     lower = []
     for l, (kl, vl) in enumerate(layers[:-1]):
         phases = rotate_phases(kl, cos, sin, st)
         lower.append((key_operands(phases, *imp_spec) if l > 0 else None,
-                      key_operands(phases, *merge_spec) if merges_keys(l) else None, vl))
-    layers = lower
+                      key_operands(phases, *merge_spec) if l == 0 else None, vl))
     # Layers below the top that select (L >= 3) store their scores per chunk.
     score_rows = next_power_of_two(G, 16) if len(config.layer_sizes(T)) >= 3 else 0
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows) // bq) * bq
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
-    return Prepared(layers, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc)
+    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc)
 
 
-def top_layer_parents(t, prep: Prepared, num_layers: int, shape):
-    """Virtual parents of the top layer, `0 .. floor(i*_{L-1} / r)`, `-1` padded."""
-    r = prep.st.r
-    slot = jnp.arange(prep.parents_width, dtype=jnp.int32)
-    return jnp.broadcast_to(jnp.where(slot <= t // r ** (num_layers - 1) // r, slot, -1), shape)
+def valid_candidates(parents, t, layer: int, prep: Prepared):
+    """`n` per query (SPEC 2.1), `[B, Q, H_kv, 1]` int32, from padded parent lists."""
+    return candidate_count(num_parents(parents), t, prep.st.r, layer).astype(jnp.int32)
 
 
 def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool):
@@ -263,39 +208,28 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool):
     if num_layers == 1:
         return qc, t, n_top, q_top, (None, None, None)
     keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_imp, prep.cos.shape[0], prep.st_top_keys, interpret)
-    parents = top_layer_parents(t, prep, num_layers, (B, Qc, H_kv, prep.parents_width))
-    next_parents, tau = select_top_k_layer_pallas(keys, parents, n_top, st, interpret)
+    parents = jnp.broadcast_to(top_layer_parents(t[..., 0], st.r, num_layers, prep.parents_width),
+                               (B, Qc, H_kv, prep.parents_width))
+    next_parents, tau = select_top_k_pallas(keys, parents, n_top, st, interpret)
     return qc, t, n_top, q_top, (keys, tau, next_parents[..., : prep.parents_width])
 
 
-def candidate_count(parents, t, r: int, layer: int):
-    """Valid candidates per query, `[B, Q, H_kv, 1]` int32 (the reference's rule)."""
-    num_parents = jnp.sum(parents >= 0, axis=-1, keepdims=True)
-    return reference_candidate_count(num_parents, t, r, layer).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precision", "merge_operands",
-                                             "importance_operands", "return_lse"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                         interpret: bool = False, precision=None, merge_operands="auto", importance_operands="auto",
-                         return_lse: bool = False):
+                         interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False):
     """htree attention with Pallas kernels. Inputs validated by the caller.
 
-    `precision` of the in-kernel score dots; `None` means `default_precision(q.dtype)`
-    with `default_importance_operands` for the importance keys and
-    `default_merge_precision` / `default_merge_operands` for the merges (an explicit
-    `precision` sets float32 operands for both unless they are named).
-    `merge_operands`: "auto", None (float32) or a dtype name; `importance_operands`:
-    "auto", None (float32 at `precision`, 3xTF32 for `HIGH`), `BF16X3` or a dtype name.
-    Returns `(o [B, T, H, V] in q.dtype, selections)` like the JAX reference; with
-    `return_lse`, also the log-sum-exp of every row's merged scores `[B, T, H]` float32
-    (what the backward needs besides `o`).
+    `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
+    `htree_attention` runs). Returns `(o [B, T, H, V] in q.dtype, selections)` like the
+    JAX reference; with `return_lse`, also the log-sum-exp of every row's merged scores
+    `[B, T, H]` float32 (what the backward needs besides `o`).
     """
     B, T, H, _ = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
-    prep = prepare(q, k, v, config, block_sizes, interpret, precision, merge_operands, importance_operands)
+    prep = prepare(q, k, v, config, block_sizes, interpret, precisions or Precisions.for_dtype(q.dtype))
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
+    st_scored = dataclasses.replace(st, merge_num_warps=block_sizes.scored_merge_num_warps)
     num_chunks = prep.q4.shape[1] // Qc
     vp = prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
@@ -316,25 +250,19 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
         state = tuple(pad_axis(x, 3, gp) for x in state)
         selections = [parents[..., : config.top_k]]
         q_rows = pad_axis(qc, 3, gp)
-        for l in reversed(range(L - 1)):
-            kl, kl_rot, vl = prep.layers[l]
-            n = candidate_count(parents, t, st.r, l)
-            if l > 0:
-                # The merge reads the scores the importance pass stored, not the keys.
-                keys, scores = importance_keys_pallas(q_rows, parents, n, kl, prep.cos, prep.sin, st, interpret,
-                                                      return_scores=True)
-                next_parents, tau = select_top_k_layer_pallas(keys, parents, n, st, interpret)
-                if block_sizes.merge_from_scores:
-                    st_scored = dataclasses.replace(st, merge_num_warps=block_sizes.scored_merge_num_warps)
-                    state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
-                else:
-                    state = merge_pallas(q_rows, parents, n, keys, tau, kl_rot, vl, prep.cos, prep.sin, state, st,
-                                         interpret)
-                parents = next_parents[..., :P]
-                selections.append(parents[..., : config.top_k])
-            else:
-                o, lse = merge_pallas(q_rows, parents, n, None, None, kl_rot, vl, prep.cos, prep.sin, state, st,
-                                      interpret, out_dtype=q.dtype, return_lse=True)
+        for l in reversed(range(1, L - 1)):
+            k_imp, _, vl = prep.layers[l]
+            n = valid_candidates(parents, t, l, prep)
+            # The merge reads the scores the importance pass stored, not the keys.
+            keys, scores = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, st, interpret,
+                                                  return_scores=True)
+            next_parents, tau = select_top_k_pallas(keys, parents, n, st, interpret)
+            state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
+            parents = next_parents[..., :P]
+            selections.append(parents[..., : config.top_k])
+        _, k_merge, v0 = prep.layers[0]
+        o, lse = merge_pallas(q_rows, parents, valid_candidates(parents, t, 0, prep), k_merge, v0, prep.cos,
+                              prep.sin, state, st, interpret, out_dtype=q.dtype, return_lse=True)
         return o[:, :, :, :G], lse[..., :G], selections
 
     o, lse, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
@@ -347,4 +275,5 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
     return o.reshape(B, T, H, V), sels
 
 
-__all__ = ["BlockSizes", "Prepared", "check_pallas_dims", "htree_forward_pallas", "prepare"]
+__all__ = ["BlockSizes", "Prepared", "check_pallas_dims", "chunk_queries", "htree_forward_pallas", "prepare",
+           "valid_candidates"]

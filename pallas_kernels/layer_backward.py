@@ -28,44 +28,25 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import compiler_params
-from pallas_kernels.layer_forward import (
+from pallas_kernels.common import (
     LayerStatic,
-    _block_specs,
+    block_specs,
     candidate_nodes,
-    _gather,
-    _twin_scores,
-    check_key_parts,
-    dot_rows,
-    key_parts,
+    compiler_params,
     layer_refs,
     merge_score_precision,
-    split_rows,
+    score_spec,
 )
-from pallas_kernels.top_layer import _check, _specs
+from pallas_kernels.importance import gather_nodes, scores_twin
+from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
+from pallas_kernels.top_layer import check_top_inputs, top_specs
 
 
-def _product(a, b, contract, precision, operands):
-    """`a, b` contracted over `contract = (i, j)` in float32: in the `operands` dtype
-    (bf16/f16 inputs, as flash attention's backward) or float32 at `precision`."""
-    dims = ((contract[:1], contract[1:]), ((), ()))
-    if operands is not None:
-        return lax.dot_general(a.astype(operands), b.astype(operands), dims, preferred_element_type=jnp.float32)
-    precision = lax.Precision.HIGHEST if precision == lax.Precision.HIGHEST else lax.Precision.DEFAULT
-    return lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
-                           preferred_element_type=jnp.float32, precision=precision)
-
-
-def _whole(parts):
-    """The key tile from its `key_operands` parts (`hi + lo` for 3xTF32)."""
-    return parts[0] if len(parts) == 1 else parts[0].astype(jnp.float32) + parts[1].astype(jnp.float32)
-
-
-def _grads_of_block(scores, values, do, lse, delta, merged, st: LayerStatic):
+def grads_of_block(scores, values, do, lse, delta, merged, st: LayerStatic):
     """One block of candidates, `scores [rows, n]` (scaled): `(p, alpha * ds)`;
     `merged [rows, n]` already excludes padding rows."""
     p = jnp.where(merged, jnp.exp(scores - lse[:, None]), 0.0)
-    dp = _product(do, values, (1, 1), merge_score_precision(st), st.merge_operands)  # [rows, n]
+    dp = product(do, values, (1, 1), merge_score_precision(st), st.merge_operands)  # [rows, n]
     return p, st.alpha * p * (dp - delta[:, None])
 
 
@@ -73,7 +54,8 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
     """One query per program. RoPE works on half-width columns (`x = [lo, hi]`, the
     rotation pairs `lo[i]` with `hi[i]`), so the query is rotated, and `dq` rotated
     back, elementwise on halves: keys are read as two halves."""
-    precision, operands = merge_score_precision(st), st.merge_operands
+    precision, operands = merge_score_precision(st), st.merge_operands  # the products'
+    score_precision, score_operands = score_spec(st)
     (q_ref, par_ref, n_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 3, st, bottom)
     v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref, dq_ref = rest
     bq, gp, kp = q_ref.shape
@@ -100,16 +82,17 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
         angle = jnp.maximum(n - 1 - p0, 0)
         c, s = cos_ref[pl.ds(angle, 1), :], sin_ref[pl.ds(angle, 1), :]
         qr_lo, qr_hi = q_lo * c - q_hi * s, q_hi * c + q_lo * s  # the query rotated by `angle`
-        scores = st.alpha * (dot_rows(split_rows(qr_lo, precision, operands), k_lo, precision, operands)
-                             + dot_rows(split_rows(qr_hi, precision, operands), k_hi, precision, operands))
+        scores = st.alpha * (
+            dot_rows(split_rows(qr_lo, score_precision, score_operands), k_lo, score_precision, score_operands)
+            + dot_rows(split_rows(qr_hi, score_precision, score_operands), k_hi, score_precision, score_operands))
         if bottom:
             merged_q = jnp.broadcast_to(valid[None, :], (bq, span))
         else:
             merged_q = valid[None, :] & (keys_ref[:, pl.ds(p0, span)] < tau)
         merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gp, span)).reshape(rows, span) & real[:, None]
-        _, ds = _grads_of_block(scores, v_ref[nodes, :], do, lse, delta, merged, st)
+        _, ds = grads_of_block(scores, v_ref[nodes, :], do, lse, delta, merged, st)
         # dq, rotated back by `angle` into the query's frame.
-        g_lo, g_hi = (_product(ds, _whole(x), (1, 0), precision, operands) for x in (k_lo, k_hi))
+        g_lo, g_hi = (product(ds, whole_keys(x), (1, 0), precision, operands) for x in (k_lo, k_hi))
         dq_lo = dq_lo + g_lo * c + g_hi * s
         dq_hi = dq_hi + g_hi * c - g_lo * s
         return dq_lo, dq_hi
@@ -130,12 +113,13 @@ def layer_backward_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin,
                           interpret=False):
     """`dq [B, Q, H_kv, Gp, Kp]` float32 (un-rotated) from one per-query layer's merged
     candidates (the bottom with `keys=None`). `q` and the layer inputs as for
-    `merge_pallas` (`k_phases` its merge operands); `lse, delta [B, Q, H_kv, Gp]` float32
-    and `do [B, Q, H_kv, Gp, Vp]`."""
-    check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
+    `merge_pallas` (`k_phases` the operands of the score dots, `common.score_spec`); `lse,
+    delta [B, Q, H_kv, Gp]` float32 and `do [B, Q, H_kv, Gp, Vp]`. Above the bottom the
+    merged candidates are those with `keys < tau`."""
+    check_key_parts(k_phases, (key_parts(*score_spec(st)),))
     B, Q, H_kv, gp, kp = q.shape
     bottom = keys is None
-    sp = _block_specs(st, gp, kp, cos.shape[0], parents, k_phases, layer_v)
+    sp = block_specs(st, gp, kp, cos.shape[0], parents, k_phases, layer_v)
     table = pl.BlockSpec(cos.shape, lambda b, i, h: (0, 0))  # half width: the kernel works on halves
     in_specs = [sp["q"], sp["parents"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [*sp["k"], sp["v"], table, table, sp["vec"], sp["vec"], sp["mat"]]
@@ -184,8 +168,8 @@ def _top_backward_kernel(*refs, st: LayerStatic, bottom: bool):
         merged = merged & real[:, None]
         values = v_ref[pl.ds(start, tile), :]
         scores = st.alpha * dot_rows(q_parts, k_parts, precision, operands)
-        _, ds = _grads_of_block(scores, values, do, lse, delta, merged, st)
-        dq = dq + _product(ds, _whole(k_parts), (1, 0), precision, operands)
+        _, ds = grads_of_block(scores, values, do, lse, delta, merged, st)
+        dq = dq + product(ds, whole_keys(k_parts), (1, 0), precision, operands)
         return dq
 
     dq = lax.fori_loop(0, (jnp.max(n_q) + tile - 1) // tile, body, jnp.zeros((rows, kp), jnp.float32))
@@ -200,8 +184,8 @@ def top_backward_pallas(q_rot, n, keys, tau, k_rot, v, lse, do, delta, st: Layer
     H_kv, Gt, Vp]`."""
     bottom = keys is None
     width = st.tile if bottom else keys.shape[-1]
-    _check(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
-    sp = _specs(st, q_rot, k_rot, v, width)
+    check_top_inputs(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
+    sp = top_specs(st, q_rot, k_rot, v, width)
     in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
     args = (q_rot, n) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v, lse, delta, do)
@@ -226,12 +210,12 @@ def layer_backward_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, ls
     candidates, `p = exp(s - lse)` with `lse`, `delta` constant (float32, exact)."""
 
     def share(q, layer_k, layer_v):
-        scores, valid, nodes, _, _ = _twin_scores(q, parents, n, layer_k, cos, sin, st)
+        scores, valid, nodes, _, _ = scores_twin(q, parents, n, layer_k, cos, sin, st)
         merged = valid if keys is None else valid & (keys < tau)
         gp = q.shape[3]
         merged = merged[..., None, :] & (jnp.arange(gp) < st.group)[:, None]
         p = jnp.where(merged, jnp.exp(scores - jnp.where(merged, lse[..., None], 0.0)), 0.0)
-        values = _gather(layer_v, jnp.where(valid, nodes, 0)).astype(jnp.float32)
+        values = gather_nodes(layer_v, jnp.where(valid, nodes, 0)).astype(jnp.float32)
         dp = jnp.einsum("bqhgv,bqhmv->bqhgm", do, values, precision=lax.Precision.HIGHEST)
         return jnp.sum(p * (dp - delta[..., None]))
 
@@ -239,4 +223,4 @@ def layer_backward_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, ls
                                                 layer_v.astype(jnp.float32))
 
 
-__all__ = ["layer_backward_pallas", "layer_backward_twin", "top_backward_pallas"]
+__all__ = ["grads_of_block", "layer_backward_pallas", "layer_backward_twin", "top_backward_pallas"]

@@ -34,16 +34,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from htree_jax.rope import apply_rope
-from pallas_kernels.common import compiler_params
-from pallas_kernels.layer_backward import _grads_of_block, _product
-from pallas_kernels.layer_forward import (
-    LayerStatic,
-    check_key_parts,
-    dot_rows,
-    key_parts,
-    merge_score_precision,
-    split_rows,
-)
+from pallas_kernels.common import LayerStatic, compiler_params, merge_score_precision, score_spec
+from pallas_kernels.layer_backward import grads_of_block
+from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows
 
 UNIT = 16  # nodes per program below the top layer
 
@@ -125,12 +118,13 @@ def _layer_node_kernel(*refs, st: LayerStatic, bottom: bool, entries_per_step: i
     """One unit of `UNIT` nodes; its entries in steps of `entries_per_step` pairs
     (`entries_per_step * gt` rows). Per-query arrays are flattened per `(b, h)`: row
     `t*gt + g` of `q, lse, delta, do`, `t*Mp + p` of `keys`."""
-    precision, operands = merge_score_precision(st), st.merge_operands
+    precision, operands = merge_score_precision(st), st.merge_operands  # the products'
+    score_precision, score_operands = score_spec(st)
     bounds_ref, query_ref, angle_ref, offset_ref, span_ref, q_ref, *refs = refs
     keys_ref = tau_ref = None
     if not bottom:
         keys_ref, tau_ref, *refs = refs
-    parts = key_parts(precision, operands)
+    parts = key_parts(score_precision, score_operands)
     k_refs, refs = refs[:parts], refs[parts:]
     v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref, dk_in, dv_in, dk_out, dv_out = refs
     E = entries_per_step
@@ -159,18 +153,19 @@ def _layer_node_kernel(*refs, st: LayerStatic, bottom: bool, entries_per_step: i
         q_lo = q_ref[row, pl.ds(0, half)].astype(jnp.float32)
         q_hi = q_ref[row, pl.ds(half, half)].astype(jnp.float32)
         qr_lo, qr_hi = q_lo * c - q_hi * s, q_hi * c + q_lo * s
-        scores = st.alpha * (dot_rows(split_rows(qr_lo, precision, operands), k_lo, precision, operands)
-                             + dot_rows(split_rows(qr_hi, precision, operands), k_hi, precision, operands))
+        scores = st.alpha * (
+            dot_rows(split_rows(qr_lo, score_precision, score_operands), k_lo, score_precision, score_operands)
+            + dot_rows(split_rows(qr_hi, score_precision, score_operands), k_hi, score_precision, score_operands))
         merged = ok & (node >= (span % 32)[:, None]) & (node < (span // 32)[:, None])  # [E, UNIT]
         if not bottom:
             position = jnp.clip(offset[:, None] + node, 0, Mp - 1)
             merged = merged & (keys_ref[t[:, None] * Mp + position] < tau_ref[t][:, None])
         merged = (merged[:, None, :] & real[:, :, None]).reshape(rows, UNIT)
         do = do_ref[row, :]
-        p, ds = _grads_of_block(scores, values, do, lse_ref[row], delta_ref[row], merged, st)
-        return (dk_lo + _product(ds, qr_lo, (0, 0), precision, operands),
-                dk_hi + _product(ds, qr_hi, (0, 0), precision, operands),
-                dv + _product(p, do, (0, 0), precision, operands))
+        p, ds = grads_of_block(scores, values, do, lse_ref[row], delta_ref[row], merged, st)
+        return (dk_lo + product(ds, qr_lo, (0, 0), precision, operands),
+                dk_hi + product(ds, qr_hi, (0, 0), precision, operands),
+                dv + product(p, do, (0, 0), precision, operands))
 
     zeros = lambda d: jnp.zeros((UNIT, d), jnp.float32)
     dk_lo, dk_hi, dv = lax.fori_loop(0, (end - begin + E - 1) // E, step, (zeros(half), zeros(half), zeros(vp)))
@@ -191,7 +186,7 @@ def _per_head_rows(x):
     return x.reshape(x.shape[:2] + (-1, x.shape[-1]))
 
 
-def _whole(x):
+def _whole_slice(x):
     """BlockSpec: the whole `(b, h)` slice of `[B, H_kv, ...]` for a grid `(B, H_kv, units)`."""
     return pl.BlockSpec((None, None) + x.shape[2:], lambda b, h, u: (b, h) + (0,) * (x.ndim - 2))
 
@@ -209,11 +204,11 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
     `accumulators` (`node_buffers`), deterministically.
 
     `q [B, Q, H_kv, Gt, Kp]` un-rotated, halves padded apart; `keys, tau, k_phases,
-    layer_v, cos, sin` as for `merge_pallas`; `lse, delta [B, Q, H_kv, Gt]`, `do [B, Q,
+    layer_v, cos, sin` as for `layer_backward_pallas`; `lse, delta [B, Q, H_kv, Gt]`, `do [B, Q,
     H_kv, Gt, Vp]` float32; `index = node_index(parents, n, r, units)` (`parents`, `n`
     are read through it). `entries_per_step`: pairs per step (default: 64 rows)."""
     del parents, n  # read through the index
-    check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
+    check_key_parts(k_phases, (key_parts(*score_spec(st)),))
     B, Q, H_kv, gt, kp = q.shape
     bottom = keys is None
     dk_acc, dv_acc = accumulators
@@ -230,10 +225,10 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
         args += [_per_head(keys), _per_head(tau)]
     args += list(k_phases) + [layer_v]
     in_specs = [pl.BlockSpec((None, None, None, 2), lambda b, h, u: (b, h, u, 0))]
-    in_specs += [_whole(x) for x in args[1:]]
+    in_specs += [_whole_slice(x) for x in args[1:]]
     table = pl.BlockSpec(cos.shape, lambda b, h, u: (0, 0))
     rows = [_per_head(lse), _per_head(delta), _per_head_rows(do)]
-    in_specs += [table, table] + [_whole(x) for x in rows] + [_unit_rows(dk_acc), _unit_rows(dv_acc)]
+    in_specs += [table, table] + [_whole_slice(x) for x in rows] + [_unit_rows(dk_acc), _unit_rows(dv_acc)]
     args += [cos, sin, *rows, dk_acc, dv_acc]
     dk_acc, dv_acc = pl.pallas_call(
         functools.partial(_layer_node_kernel, st=st, bottom=bottom, entries_per_step=E, gt=gt),
@@ -281,8 +276,8 @@ def _top_node_kernel(*refs, st: LayerStatic, bottom: bool):
         do = do_ref[block, :, :].reshape(rows, vp)
         lse = jnp.where(real[:, 0], lse_ref[block, :].reshape(rows), 0.0)
         scores = st.alpha * dot_rows(split_rows(q, precision, operands), k_parts, precision, operands)
-        p, ds = _grads_of_block(scores, values, do, lse, delta_ref[block, :].reshape(rows), merged, st)
-        return dk + _product(ds, q, (0, 0), precision, operands), dv + _product(p, do, (0, 0), precision, operands)
+        p, ds = grads_of_block(scores, values, do, lse, delta_ref[block, :].reshape(rows), merged, st)
+        return dk + product(ds, q, (0, 0), precision, operands), dv + product(p, do, (0, 0), precision, operands)
 
     init = (jnp.zeros((tile, kp), jnp.float32), jnp.zeros((tile, vp), jnp.float32))
     dk, dv = lax.fori_loop(first_ref[0], Q // bq, step, init)

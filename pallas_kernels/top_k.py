@@ -1,4 +1,6 @@
-"""Sort-free top-K over packed importance keys (SPEC 2.3), usable inside any kernel.
+"""SPEC 2.3's shared top-K in a kernel, sort-free: one program per `(b, t, h_kv)` keeps
+the `min(top_k, n)` largest packed keys and writes the kept nodes ascending (the next
+layer's parents); the twin is `select_top_k_twin` (`lax.top_k` and a sort).
 
 `jnp.sort` and `lax.top_k` do not lower to Triton, so the K-th largest key is found by a
 31-step bitwise threshold search (keys are distinct non-negative int32, invalid ones
@@ -13,9 +15,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import compiler_params
+from htree_jax.reference import candidate_nodes
+from pallas_kernels.common import LayerStatic, compiler_params
 
 
 def kth_largest_key(keys, k):
@@ -38,36 +42,48 @@ def compaction_targets(selected, k):
     return jnp.where(selected, rank, k + positions - (rank + 1))
 
 
-def _select_kernel(keys_ref, k_ref, out_ref):
+
+def _select_kernel(keys_ref, par_ref, n_ref, next_ref, tau_ref, *, st: LayerStatic):
+    """Shared top-K of one query: the kept nodes (ascending, the next layer's parents)
+    and `tau`, the smallest kept key (kept <=> valid and key >= tau)."""
     keys = keys_ref[...]
-    k = k_ref[0]
-    selected = keys >= kth_largest_key(keys, k)
+    kept = jnp.minimum(st.top_k, n_ref[0])
+    tau = kth_largest_key(keys, kept)
+    selected = keys >= tau
     positions = jnp.arange(keys.shape[0], dtype=jnp.int32)
-    out_ref[compaction_targets(selected, k)] = jnp.where(selected, positions, -1)
+    nodes = par_ref[positions // st.r] * st.r + positions % st.r
+    # Ascending positions give ascending nodes.
+    next_ref[compaction_targets(selected, kept)] = jnp.where(selected, nodes, -1)
+    tau_ref[...] = jnp.full((1,), tau, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def select_top_k_pallas(keys, k, interpret: bool = False):
-    """`keys [P, M]` int32 (M a power of two), `k [P]` int32 in `[1, #valid]` ->
-    `[P, M]`: the selected positions ascending in the first `k` slots, `-1` after."""
-    P, M = keys.shape
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def select_top_k_pallas(keys, parents, n, st: LayerStatic, interpret=False):
+    """Per query: `(next_parents [B, Q, H_kv, Mp], tau [B, Q, H_kv, 1])`, the kept nodes
+    ascending in the first `min(top_k, n)` slots and `-1` after. `parents, n` per query."""
+    B, Q, H_kv, Mp = keys.shape
+    spec = lambda w: pl.BlockSpec((None, None, None, w), lambda b, i, h: (b, i, h, 0))
     return pl.pallas_call(
-        _select_kernel,
-        grid=(P,),
-        in_specs=[pl.BlockSpec((None, M), lambda i: (i, 0)), pl.BlockSpec((None, 1), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((None, M), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((P, M), jnp.int32),
-        compiler_params=compiler_params(4, 1),
+        functools.partial(_select_kernel, st=st),
+        grid=(B, Q, H_kv),
+        in_specs=[spec(Mp), spec(parents.shape[-1]), spec(1)],
+        out_specs=[spec(Mp), spec(1)],
+        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, Mp), jnp.int32),
+                   jax.ShapeDtypeStruct((B, Q, H_kv, 1), jnp.int32)],
+        compiler_params=compiler_params(st.num_warps, 1),
         interpret=interpret,
-    )(keys, k[:, None].astype(jnp.int32))
+    )(keys, parents, n)
 
 
-def select_top_k_twin(keys, k):
-    """Pure-JAX twin of `select_top_k_pallas` with `lax.top_k` and a sort."""
-    P, M = keys.shape
-    top, _ = jax.lax.top_k(keys, M)  # all keys, descending
-    kth = jnp.take_along_axis(top, (k - 1)[:, None], axis=1)
-    selected = keys >= kth
-    positions = jnp.where(selected, jnp.arange(M, dtype=jnp.int32)[None, :], M)
-    positions = jnp.sort(positions, axis=1)
-    return jnp.where(positions < M, positions, -1)
+def select_top_k_twin(keys, parents, n, st: LayerStatic):
+    """Twin of `select_top_k_pallas` (`parents, n` per query) with `lax.top_k`."""
+    Mp = keys.shape[-1]
+    positions = jnp.arange(Mp, dtype=jnp.int32)
+    nodes = candidate_nodes(parents, positions, st.r)
+    kept = jnp.minimum(st.top_k, n)
+    top, _ = lax.top_k(keys, Mp)
+    tau = jnp.take_along_axis(top, kept - 1, axis=-1)
+    order = jnp.sort(jnp.where(keys >= tau, positions, Mp), axis=-1)
+    next_parents = jnp.where(order < Mp, jnp.take_along_axis(nodes, jnp.minimum(order, Mp - 1), -1), -1)
+    return next_parents, tau
+

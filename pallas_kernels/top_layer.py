@@ -5,24 +5,24 @@ node `p` itself and the valid candidates of query `t` are the contiguous nodes
 `[0, n)`, `n = floor(t / r^(L-1)) + 1`. Two consequences make this layer a dense,
 block-causal attention instead of a gather:
 - the key at position `p` is rotated by `p`, the same for every query, so the layer's
-  keys are rotated once (`rotate_keys`, float32) and read as contiguous tiles;
+  keys are rotated once (`rope.rotate_keys`, float32) and read as contiguous tiles;
 - neighbouring queries differ only in `n`, so one program serves a block of `BQ`
   queries (`BQ * Gt` rows, `Gt = next_power_of_two(G)`), each row masked by its own `n`
-  (its query is rotated by its own `n - 1` beforehand, `rotate_queries`). One key tile
+  (its query is rotated by its own `n - 1` beforehand, `rope.rotate_queries`). One key tile
   feeds one `[BQ*Gt, K] x [K, tile]` product; no gathers, no RoPE tables in the kernel.
 With `L = 1` (`T <= M`) the top layer is the bottom one and `top_merge_pallas(...,
 keys=None)` is causal softmax attention with RoPE at absolute positions.
 
 Layouts (padded by the wrapper in `pallas_kernels/forward.py`):
-  q_rot    `[B, Q, H_kv, Gt, Kp]` float32, `rotate_queries` (each query by its `n - 1`)
+  q_rot    `[B, Q, H_kv, Gt, Kp]` float32, `rope.rotate_queries` (each query by its `n - 1`)
   n        `[B, Q, H_kv, 1]` int32  valid candidates per query
-  k_rot    `[B, H_kv, Np, Kp]` float32, `rotate_keys` of the layer (`Np` a multiple of the tile)
-  v        `[B, H_kv, Np, Vp]` stored dtype, zero rows past the layer (`pad_nodes`)
+  k_rot    `[B, H_kv, Np, Kp]` float32, `rope.rotate_keys` of the layer (`Np` a multiple of the tile)
+  v        `[B, H_kv, Np, Vp]` stored dtype, zero rows past the layer (`common.pad_nodes`)
   keys     `[B, Q, H_kv, width]` int32 packed importance, `-1` where invalid
   state    m, S `[B, Q, H_kv, Gt]`, U `[B, Q, H_kv, Gt, Vp]` float32
 
-The pure-JAX twins are `layer_forward.importance_keys_twin` / `merge_twin` with the
-virtual parents (`virtual_parents`); the tests compare the two.
+The pure-JAX twins are `importance.importance_keys_twin` / `merge.merge_twin` with the
+virtual parents (`htree_jax.reference.top_layer_parents`); the tests compare the two.
 """
 
 from __future__ import annotations
@@ -34,54 +34,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from htree_jax.rope import apply_rope
-from pallas_kernels.common import compiler_params, pad_axis
-from pallas_kernels.layer_forward import (
-    FORCED_IMPORTANCE,
-    NEG_INF,
-    LayerStatic,
-    _online_max_sum,
-    _pack,
-    _write_tiles,
-    check_key_parts,
-    dot_rows,
-    fold_merged,
-    importance_shift,
-    key_parts,
-    layer_refs,
-    merge_outputs,
-    merge_score_precision,
-    read_state,
-    split_rows,
-    write_merged,
-)
-
-
-def rotate_keys(layer_k, cos, sin, tile: int):
-    """`rope(K[j], j)` in float32 for every node `j` of a layer (`[B, H_kv, N, Kp]` ->
-    `[B, H_kv, Np, Kp]`, zero rows up to `Np`, the next multiple of `tile`). The same
-    products as rotating a gathered key tile in the per-query kernels."""
-    N = layer_k.shape[2]
-    return pad_nodes(apply_rope(layer_k.astype(jnp.float32), cos[:N], sin[:N]), tile)
-
-
-def pad_nodes(layer, tile: int):
-    """Zero rows up to the next multiple of `tile` (`[B, H_kv, N, D]`)."""
-    return pad_axis(layer, 2, -(-layer.shape[2] // tile) * tile)
-
-
-def virtual_parents(n, r: int, width: int):
-    """The top layer's parents as the twins take them: slot `s` holds node `s`, valid
-    while `s * r < n` (`n [B, Q, H_kv, 1]` -> `[B, Q, H_kv, width]`, `-1` padded)."""
-    slot = jnp.arange(width, dtype=jnp.int32)
-    return jnp.where(slot * r < n, slot, -1)
-
-
-def rotate_queries(q, n, cos, sin):
-    """Each query rotated by its own `n - 1` in float32 (`q [B, Q, H_kv, Gt, Kp]`,
-    `n [B, Q, H_kv, 1]`): the whole top layer is then plain dot products."""
-    position = n - 1  # [B, Q, H_kv, 1]: one row of the tables per query, for all its heads
-    return apply_rope(q.astype(jnp.float32), cos[position], sin[position])
+from htree_jax.config import FORCED_IMPORTANCE
+from htree_jax.reference import pack_importance
+from pallas_kernels.common import NEG_INF, LayerStatic, compiler_params, layer_refs, merge_score_precision
+from pallas_kernels.importance import importance_shift, online_max_sum, write_key_tiles
+from pallas_kernels.merge import fold_merged, merge_outputs, read_state, write_merged
+from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, split_rows
 
 
 def _block_rows(q_ref, n_ref):
@@ -119,7 +77,7 @@ def _top_keys_kernel(q_ref, n_ref, *refs, st: LayerStatic):
     def norm_stats(i, carry):
         scores, positions = _tile_scores(i, q_parts, k_refs, st, st.precision, st.importance_operands)
         in_norm = positions[None, :] < norm_end[:, None]
-        return _online_max_sum(*carry, jnp.where(in_norm, scores, NEG_INF))
+        return online_max_sum(*carry, jnp.where(in_norm, scores, NEG_INF))
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
@@ -134,10 +92,10 @@ def _top_keys_kernel(q_ref, n_ref, *refs, st: LayerStatic):
         imp = jnp.where(has_norm[:, None], imp, 0.0)
         imp = jnp.where(positions[None, :] == n_q[:, None] - 1, FORCED_IMPORTANCE, imp)
         valid = positions[None, :] < n_q[:, None]
-        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid, _pack(imp, positions, st), -1)
+        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid, pack_importance(imp, positions, st.log_n), -1)
         return carry
 
-    _write_tiles(keys_ref, num_tiles, write_keys, st)
+    write_key_tiles(keys_ref, num_tiles, write_keys, st)
 
 
 def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
@@ -169,7 +127,7 @@ def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
     write_merged(state, out_refs, bottom)
 
 
-def _specs(st: LayerStatic, q, k_parts, v, width: int):
+def top_specs(st: LayerStatic, q, k_parts, v, width: int):
     bq = st.block_queries
     gt, kp = q.shape[3], q.shape[4]
     Np = k_parts[0].shape[2]
@@ -181,7 +139,7 @@ def _specs(st: LayerStatic, q, k_parts, v, width: int):
                 vec=queries(gt), mat=queries(gt, vp))
 
 
-def _check(st: LayerStatic, q, k_parts, width: int, expected_parts: tuple):
+def check_top_inputs(st: LayerStatic, q, k_parts, width: int, expected_parts: tuple):
     check_key_parts(k_parts, expected_parts)
     if q.shape[1] % st.block_queries or k_parts[0].shape[2] % st.tile or width % st.tile:
         raise ValueError(f"queries {q.shape[1]} / nodes {k_parts[0].shape[2]} and width {width} must be multiples "
@@ -195,9 +153,9 @@ def top_importance_keys_pallas(q_rot, n, k_rot, width: int, st: LayerStatic, int
     """Packed importance keys `[B, Q, H_kv, width]` of the top layer, `st.block_queries`
     queries per program. `q_rot = rotate_queries(q, n, ...)`, `k_rot =
     key_operands(rotate_keys(...), st.precision, st.importance_operands, split)`."""
-    _check(st, q_rot, k_rot, width, (1, key_parts(st.precision, st.importance_operands)))
+    check_top_inputs(st, q_rot, k_rot, width, (1, key_parts(st.precision, st.importance_operands)))
     B, Q, H_kv = q_rot.shape[:3]
-    sp = _specs(st, q_rot, k_rot, None, width)
+    sp = top_specs(st, q_rot, k_rot, None, width)
     return pl.pallas_call(
         functools.partial(_top_keys_kernel, st=st),
         grid=(B, Q // st.block_queries, H_kv),
@@ -218,10 +176,10 @@ def top_merge_pallas(q_rot, n, keys, tau, k_rot, v, state, st: LayerStatic, inte
     key_operands(rotate_keys(...), merge precision, st.merge_operands)`."""
     bottom = keys is None
     width = st.tile if bottom else keys.shape[-1]
-    _check(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
+    check_top_inputs(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gt, _ = q_rot.shape
     vp = v.shape[-1]
-    sp = _specs(st, q_rot, k_rot, v, width)
+    sp = top_specs(st, q_rot, k_rot, v, width)
     in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
     args = (q_rot, n) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v,) + tuple(state)
@@ -238,5 +196,4 @@ def top_merge_pallas(q_rot, n, keys, tau, k_rot, v, state, st: LayerStatic, inte
     return out if bottom else tuple(out)
 
 
-__all__ = ["pad_nodes", "rotate_keys", "rotate_queries", "top_importance_keys_pallas", "top_merge_pallas",
-           "virtual_parents"]
+__all__ = ["top_importance_keys_pallas", "top_merge_pallas"]

@@ -12,9 +12,9 @@ import dataclasses
 
 import numpy as np
 
-from htree_jax.config import HTreeConfig
+from htree_jax.config import FORCED_IMPORTANCE, HTreeConfig
+from htree_jax.reference import candidate_count, num_top_parents
 
-FORCED_IMPORTANCE = np.float32(1e6)
 # Relative perturbation of the importance under which `fragile` checks a selection.
 # float32 implementations compute importance to ~1e-6 relative (measured: no float32
 # selection differed from the oracle outside this band in 21600 random queries).
@@ -53,9 +53,11 @@ def rope(x, positions, base):
     return np.concatenate([lo * cos - hi * sin, lo * sin + hi * cos], axis=-1)
 
 
-def pack_keys(importance_f32, positions, log_n):
-    """SPEC 2.3: float32 bits with the low `log_n` bits replaced by `~p` (int64 keys)."""
+def pack_importance(importance_f32, positions, log_n):
+    """SPEC 2.3: float32 bits with the low `log_n` bits replaced by `~p` (int64 keys); a
+    NaN importance packs as 0 (SPEC 10: the rightmost node must stay selected)."""
     mask = (1 << log_n) - 1
+    importance_f32 = np.where(np.isnan(importance_f32), np.float32(0), np.asarray(importance_f32, np.float32))
     bits = np.asarray(importance_f32, np.float32).view(np.int32).astype(np.int64)
     return (bits & ~mask) | (mask - np.asarray(positions, np.int64))
 
@@ -103,12 +105,11 @@ def trace_query(q_group, layers, t, config: HTreeConfig, alpha):
     m = np.full(G, -np.inf)
     S = np.zeros(G)
     U = np.zeros((G, Vd))
-    parents = np.arange(t // r ** (L - 1) // r + 1)  # virtual parents of the top layer
+    parents = np.arange(num_top_parents(t, r, L))  # virtual parents of the top layer
     traces = []
     for l in reversed(range(L)):
         K_l, V_l = layers[l]
-        c_star = (t // r**l) % r
-        n = (len(parents) - 1) * r + c_star + 1
+        n = int(candidate_count(len(parents), t, r, l))
         pos = np.arange(n)
         nodes = parents[pos // r] * r + pos % r
         q_rot = rope(q_group, np.full(1, n - 1), config.rope_base)
@@ -119,8 +120,8 @@ def trace_query(q_group, layers, t, config: HTreeConfig, alpha):
             in_norm = pos < n - 1 if config.strict_causal else np.ones(n, bool)
             imp64 = importance(s, in_norm, config.importance)
             imp = imp64.astype(np.float32)
-            imp[n - 1] = FORCED_IMPORTANCE
-            keys = pack_keys(imp, pos, config.log_n)
+            imp[n - 1] = np.float32(FORCED_IMPORTANCE)
+            keys = pack_importance(imp, pos, config.log_n)
             chosen = np.argsort(-keys, kind="stable")[: min(k_top, n)]
             is_sel = np.zeros(n, bool)
             is_sel[chosen] = True
@@ -128,9 +129,9 @@ def trace_query(q_group, layers, t, config: HTreeConfig, alpha):
             if n > k_top:
                 lo = imp64 * (1 - FRAGILE_RTOL)
                 hi = imp64 * (1 + FRAGILE_RTOL)
-                lo[n - 1] = hi[n - 1] = FORCED_IMPORTANCE
-                weakest_kept = pack_keys(lo.astype(np.float32), pos, config.log_n)[is_sel].min()
-                strongest_dropped = pack_keys(hi.astype(np.float32), pos, config.log_n)[~is_sel].max()
+                lo[n - 1] = hi[n - 1] = np.float32(FORCED_IMPORTANCE)
+                weakest_kept = pack_importance(lo.astype(np.float32), pos, config.log_n)[is_sel].min()
+                strongest_dropped = pack_importance(hi.astype(np.float32), pos, config.log_n)[~is_sel].max()
                 fragile = bool(strongest_dropped > weakest_kept)
             selected = nodes[is_sel]  # ascending: nodes increase with buffer position
         else:

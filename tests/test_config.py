@@ -62,3 +62,17 @@ def test_invalid_config_raises(kwargs, match):
 def test_layer_sizes_rejects_bad_length(bad):
     with pytest.raises(ValueError, match="seq_len must be a positive int"):
         HTreeConfig().layer_sizes(bad)
+
+
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
+    import numpy as np
+
+    c = HTreeConfig(compression_rate=np.int32(4), top_k=np.int64(4), rope_base=np.float32(500.0),
+                    scale=np.float64(0.25))
+    assert c == HTreeConfig(compression_rate=4, top_k=4, rope_base=500.0, scale=0.25)
+    assert hash(c) == hash(HTreeConfig(compression_rate=4, top_k=4, rope_base=500.0, scale=0.25))
+    assert type(c.top_k) is int and type(c.compression_rate) is int and type(c.rope_base) is float
+    with pytest.raises(ValueError, match="top_k must be a positive power of two"):
+        HTreeConfig(top_k=np.int64(6))
+    with pytest.raises(ValueError, match="top_k"):
+        HTreeConfig(top_k=np.bool_(True))

@@ -130,6 +130,22 @@ def test_decode_step_under_jit_with_a_donated_cache(rng):
     np.testing.assert_allclose(np.asarray(jnp.stack(outs, 1)), np.asarray(full), rtol=1e-5, atol=1e-5)
 
 
+def test_reusing_a_donated_cache_says_so(rng):
+    """prefill/decode_step update the cache in place (it is donated): passing the old one
+    again is refused with an error that names the donation and the fix."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 8, 2, 1, 8, 8))
+    cache = init_cache(1, 16, 1, 8, 8, config)
+    _, new_cache = prefill(q, k, v, cache, config, backend="reference")
+    assert any(x.is_deleted() for x in jax.tree_util.tree_leaves(cache))  # donated
+    with pytest.raises(ValueError, match="donated to an earlier prefill/decode_step.*pass the cache that call returned"):
+        decode_step(q[:, 0], k[:, 0], v[:, 0], cache, config, backend="reference")
+    with pytest.raises(ValueError, match="donated"):
+        prefill(q, k, v, cache, config, backend="reference")
+    o, _ = decode_step(q[:, 0], k[:, 0], v[:, 0], new_cache, config, backend="reference")
+    assert np.all(np.isfinite(np.asarray(o)))
+
+
 def test_errors(rng):
     config = HTreeConfig(compression_rate=4, top_k=4)
     B, H, H_kv, K, V = 1, 2, 1, 8, 8

@@ -20,7 +20,7 @@ def test_notebook_is_committed_without_outputs():
 
 def test_notebook_executes(monkeypatch):
     for name, value in {"HTREE_NB_T": "300", "HTREE_NB_R": "4", "HTREE_NB_TOP_K": "4",
-                        "HTREE_NB_SIZES": "64,256,1024", "HTREE_NB_REPEATS": "1",
+                        "HTREE_NB_SIZES": "", "HTREE_NB_REPEATS": "1",
                         "HTREE_NB_BACKEND": "auto", "MPLBACKEND": "Agg"}.items():
         monkeypatch.setenv(name, value)
     nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -30,6 +30,8 @@ def test_notebook_executes(monkeypatch):
     text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                      for out in cell.outputs if out.get("output_type") == "stream")
     assert "layer sizes (300, 75, 19, 5)" in text
-    assert "max |htree - dense|" in text and "dense/htree" in text
+    # The timing sweep is skipped here (CI's CPU times say nothing); its code runs on a GPU
+    # through benchmarks/run_notebook_cells.py.
+    assert "max |htree - dense|" in text and "timing sweep skipped" in text
     errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.get("output_type") == "error"]
     assert not errors, errors

@@ -42,21 +42,22 @@ def assert_matches_oracle(q, k, v, config, rtol=1e-5, atol=1e-5, backend="refere
     return fragile
 
 
+# A few fixed shapes `(B, T, H_kv, G, K, V)` (T = 1, odd sizes, up to 5+ layers at T=300),
+# so that examples share compiled programs; configs, modes and data vary freely.
+HYPOTHESIS_SHAPES = [(1, 1, 1, 1, 4, 2), (2, 37, 3, 2, 18, 5), (1, 150, 2, 4, 32, 16), (2, 300, 1, 1, 10, 16)]
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    B=st.sampled_from([1, 2]),
-    T=st.integers(1, 300),
-    H_kv=st.sampled_from([1, 2, 3]),
-    G=st.sampled_from([1, 2, 4]),
-    K=st.sampled_from(list(range(4, 33, 2))),
-    V=st.integers(2, 16),
+    shape=st.sampled_from(HYPOTHESIS_SHAPES),
     r=st.sampled_from([2, 4, 8]),
     top_k=st.sampled_from([2, 4, 8]),
     importance=st.sampled_from(["softmax", "shared_max"]),
     strict_causal=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_reference_matches_oracle_hypothesis(B, T, H_kv, G, K, V, r, top_k, importance, strict_causal, seed):
+def test_reference_matches_oracle_hypothesis(shape, r, top_k, importance, strict_causal, seed):
+    B, T, H_kv, G, K, V = shape
     config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal)
     q, k, v = random_qkv(np.random.default_rng(seed), B, T, G * H_kv, H_kv, K, V)
     assert_matches_oracle(q, k, v, config)

@@ -14,12 +14,10 @@ from htree_jax import HTreeConfig
 from pallas_kernels.common import next_power_of_two
 from pallas_kernels.forward import BlockSizes
 from pallas_kernels.layer_backward import layer_backward_pallas, layer_backward_twin
-from pallas_kernels.layer_forward import (
-    importance_keys_pallas,
-    key_operands,
-    rotate_phases,
-    select_top_k_layer_pallas,
-)
+from pallas_kernels.importance import importance_keys_pallas
+from pallas_kernels.precision import key_operands
+from pallas_kernels.rope import rotate_phases
+from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.node_backward import UNIT, layer_node_grads_pallas, node_buffers, node_gradient, node_index
 from tests.test_pallas_kernels import LAYER_CONFIGS, _layer_inputs, paired
 
@@ -59,7 +57,7 @@ def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_ste
     lse, delta, do = _row_stats(rng, (B, Q, H_kv, gp), vp)
     phases = key_operands(rotate_phases(a["layer_k"], a["cos"], a["sin"], st), st.precision)
     keys = importance_keys_pallas(a["q"], a["parents"], a["n"], phases, a["cos"], a["sin"], st, True)
-    _, tau = select_top_k_layer_pallas(keys, a["parents"], a["n"], st, True)
+    _, tau = select_top_k_pallas(keys, a["parents"], a["n"], st, True)
     gt = next_power_of_two(G)
     index = node_index(a["parents"], a["n"], st.r, -(-N // UNIT))
     for k_, t_ in [(keys, tau), (None, None)]:
@@ -93,8 +91,10 @@ def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
     from htree_jax.rope import apply_rope
     from pallas_kernels.layer_backward import top_backward_pallas
     from pallas_kernels.node_backward import top_node_grads_pallas
-    from pallas_kernels.layer_forward import select_top_k_layer_twin
-    from pallas_kernels.top_layer import pad_nodes, rotate_keys, rotate_queries, top_importance_keys_pallas
+    from pallas_kernels.common import pad_nodes
+    from pallas_kernels.rope import rotate_keys, rotate_queries
+    from pallas_kernels.top_k import select_top_k_twin
+    from pallas_kernels.top_layer import top_importance_keys_pallas
     from tests.test_pallas_kernels import top_layer_inputs
 
     a, layer_k, layer_v, n, parents, q = top_layer_inputs(rng, config, G)
@@ -105,7 +105,7 @@ def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
     k_rot = key_operands(rotate_keys(layer_k, a["cos"], a["sin"], top_tile), st.precision)
     v = pad_nodes(layer_v, top_tile)
     keys = top_importance_keys_pallas(q_rot, n, k_rot, Mp, st_top, interpret=True)
-    _, tau = select_top_k_layer_twin(keys, parents, n, st)
+    _, tau = select_top_k_twin(keys, parents, n, st)
     lse, delta, do = _row_stats(rng, q.shape[:4], v.shape[-1])
     for k_, t_ in [(keys, tau), (None, None)]:
         dq_rot = top_backward_pallas(q_rot, n, k_, t_, k_rot, v, lse, do, delta, st_top, interpret=True)
@@ -153,16 +153,19 @@ def test_pallas_gradients_equal_reference(rng, B, T, r, top_k, G, importance, st
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
 
 
-def test_pallas_gradients_bfloat16(rng):
+@pytest.mark.parametrize("r, top_k, T", [(16, 4, 300), (4, 4, 150)])  # 2 and 3 layers
+def test_pallas_gradients_bfloat16(rng, r, top_k, T):
     """bfloat16 inputs: products in bfloat16 with float32 accumulation, as flash
-    attention's backward; within bf16 tolerance of the float32 reference's gradients."""
+    attention's backward; within bf16 tolerance of the float32 reference's gradients.
+    The 3-layer tree has a layer the forward merges from its importance scores."""
     import ml_dtypes
 
     from tests.conftest import random_qkv
 
-    config = HTreeConfig(compression_rate=16, top_k=4)
-    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 300, 4, 2, 32, 32, dtype=ml_dtypes.bfloat16))
-    weights = jnp.asarray(rng.standard_normal((1, 300, 4, 32)).astype(np.float32))
+    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    assert config.num_layers(T) == (2 if r == 16 else 3)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, T, 4, 2, 32, 32, dtype=ml_dtypes.bfloat16))
+    weights = jnp.asarray(rng.standard_normal((1, T, 4, 32)).astype(np.float32))
     got = _loss_grads(q, k, v, config, "pallas_interpret", weights)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     want = _loss_grads(*f32, config, "reference", weights)
@@ -173,6 +176,42 @@ def test_pallas_gradients_bfloat16(rng):
     for name, a, b, c in zip("qkv", got, want, ref_bf16):
         assert a.dtype == jnp.bfloat16, name
         assert rel(a, b) < max(2 * rel(c, b), 1e-2) and rel(a, b) < 0.1, (name, rel(a, b), rel(c, b))
+
+
+def test_middle_layer_backward_scores_as_the_forward_merged(rng):
+    """bfloat16 inputs, a layer between the top and the bottom: the forward merges it from
+    the importance pass's stored scores (BF16X3, float32-grade), so the backward must score
+    it with the same dots (`scores_as_importance`): `p = exp(s - lse)` then uses the
+    scores `lse` summed. Scoring it with bfloat16 merge operands instead (the earlier
+    backward) mixes two precisions: at scores of ~10, its `dq` misses by several times the
+    error the bfloat16 products alone leave."""
+    from pallas_kernels.precision import BF16X3
+
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    a = _layer_inputs(rng, config, G=2, K=24, V=20)
+    q, layer_k = 3.0 * a["q"], 3.0 * a["layer_k"]  # scores of ~10: bf16 operands err by ~3e-2
+    st = dataclasses.replace(a["st"], precision=jax.lax.Precision.HIGH, importance_operands=BF16X3,
+                             merge_precision=jax.lax.Precision.DEFAULT, merge_operands="bfloat16")
+    phases = rotate_phases(layer_k, a["cos"], a["sin"], st)
+    k_imp, k_merge = key_operands(phases, st.precision, BF16X3), key_operands(phases, st.merge_precision, "bfloat16")
+    args = (a["parents"], a["n"])
+    keys, scores = importance_keys_pallas(q, *args, k_imp, a["cos"], a["sin"], st, True, return_scores=True)
+    _, tau = select_top_k_pallas(keys, *args, st, True)
+    # The rows' log-sum-exp of this layer's merged candidates, from the stored scores.
+    Mp = scores.shape[-1]
+    merged = (jnp.arange(Mp) < a["n"]) & (keys < tau)  # [B, Q, H_kv, Mp]
+    lse = jax.nn.logsumexp(jnp.where(merged[..., None, :], scores, -jnp.inf), axis=-1)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    _, delta, do = _row_stats(rng, lse.shape, a["layer_v"].shape[-1])
+    want = layer_backward_twin(q, *args, keys, tau, layer_k, a["layer_v"], a["cos"], a["sin"], lse, do, delta, st)[0]
+    real = (slice(None),) * 3 + (slice(0, 2),)
+    rel = lambda x: float(jnp.linalg.norm((x - want)[real]) / jnp.linalg.norm(want[real]))
+    same = layer_backward_pallas(q, *args, keys, tau, k_imp, a["layer_v"], a["cos"], a["sin"], lse, do, delta,
+                                 dataclasses.replace(st, scores_as_importance=True), True)
+    mixed = layer_backward_pallas(q, *args, keys, tau, k_merge, a["layer_v"], a["cos"], a["sin"], lse, do, delta,
+                                  st, True)
+    assert rel(same) < 1e-2, rel(same)
+    assert rel(mixed) > 3 * rel(same), (rel(mixed), rel(same))
 
 
 def test_pallas_grad_of_a_small_model_jits_without_nan(rng):

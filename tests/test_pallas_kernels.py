@@ -13,32 +13,15 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.rope import rope_table
-from pallas_kernels.common import pad_axis, pad_rope_halves
+from htree_jax.reference import top_layer_parents
+from pallas_kernels.common import LayerStatic, pad_axis, pad_nodes, pad_rope_halves
 from pallas_kernels.forward import BlockSizes, layout
-from pallas_kernels.layer_forward import (
-    LayerStatic,
-    importance_keys_pallas,
-    importance_keys_twin,
-    BF16X3,
-    key_operands,
-    merge_pallas,
-    merge_scored_pallas,
-    merge_scored_twin,
-    merge_twin,
-    rotate_phases,
-    select_top_k_layer_pallas,
-    select_top_k_layer_twin,
-)
+from pallas_kernels.importance import importance_keys_pallas, importance_keys_twin
+from pallas_kernels.merge import merge_pallas, merge_scored_pallas, merge_scored_twin, merge_twin
+from pallas_kernels.precision import BF16X3, key_operands
+from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases, rotate_queries
 from pallas_kernels.top_k import select_top_k_pallas, select_top_k_twin
-from pallas_kernels.top_layer import (
-    pad_nodes,
-    rotate_keys,
-    rotate_queries,
-    top_importance_keys_pallas,
-    top_merge_pallas,
-    virtual_parents,
-)
+from pallas_kernels.top_layer import top_importance_keys_pallas, top_merge_pallas
 from pallas_kernels.tree_build import pool_layer_pallas, pool_layer_twin
 from tests.conftest import random_qkv
 from tests.test_oracle_agreement import assert_matches_oracle
@@ -55,22 +38,33 @@ def test_pool_kernel_equals_twin(rng, r, N, dtype):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("M", [16, 64, 256])
-def test_top_k_kernel_equals_twin(rng, M):
-    P = 24
-    log_n = M.bit_length() - 1
-    imp = rng.random((P, M)).astype(np.float32)
-    imp[:4] = 0.0  # ties: all equal, broken by position
-    imp[4:8] = np.round(imp[4:8], 1)  # many equal values
+@pytest.mark.parametrize("r, top_k", [(4, 4), (2, 8), (16, 16)])
+def test_top_k_kernel_equals_twin(rng, r, top_k):
+    """The shared top-K kernel on packed keys with ties (equal importance, broken by
+    position) and every count of valid candidates, against `lax.top_k` and a sort."""
+    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    M, log_n = config.max_candidates, config.log_n
+    B, Q, H_kv = 2, 12, 1
+    imp = rng.random((B, Q, H_kv, M)).astype(np.float32)
+    imp[:, :3] = 0.0  # ties: all equal, broken by position
+    imp[:, 3:6] = np.round(imp[:, 3:6], 1)  # many equal values
     mask = (1 << log_n) - 1
     keys = (imp.view(np.int32) & ~mask) | (mask - np.arange(M, dtype=np.int32))
-    num_valid = rng.integers(1, M + 1, size=P)
-    keys = np.where(np.arange(M)[None, :] < num_valid[:, None], keys, -1).astype(np.int32)
-    k = np.minimum(rng.integers(1, M + 1, size=P), num_valid).astype(np.int32)
-    got = np.asarray(select_top_k_pallas(jnp.asarray(keys), jnp.asarray(k), interpret=True))
-    want = np.asarray(select_top_k_twin(jnp.asarray(keys), jnp.asarray(k)))
-    np.testing.assert_array_equal(got, want)
-    assert np.all((got >= 0).sum(axis=1) == k)
+    parents = np.full((B, Q, H_kv, M // r), -1, np.int32)
+    n = np.zeros((B, Q, H_kv, 1), np.int32)
+    for idx in np.ndindex(B, Q, H_kv):
+        count = rng.integers(1, M // r + 1)
+        parents[idx][:count] = np.sort(rng.choice(4 * M // r, size=count, replace=False))
+        n[idx] = (count - 1) * r + rng.integers(0, r) + 1
+    keys = np.where(np.arange(M) < n, keys, -1).astype(np.int32)
+    st = LayerStatic(r=r, tile=M, group=1, alpha=1.0, importance="softmax", strict_causal=True, log_n=log_n,
+                     top_k=top_k, precision=jax.lax.Precision.HIGHEST)
+    args = (jnp.asarray(keys), jnp.asarray(parents), jnp.asarray(n))
+    got_next, got_tau = select_top_k_pallas(*args, st, interpret=True)
+    want_next, want_tau = select_top_k_twin(*args, st)
+    np.testing.assert_array_equal(np.asarray(got_tau), np.asarray(want_tau))
+    np.testing.assert_array_equal(np.asarray(got_next)[..., :top_k], np.asarray(want_next)[..., :top_k])
+    assert np.all((np.asarray(got_next) >= 0).sum(axis=-1) == np.minimum(top_k, n[..., 0]))
 
 
 def _layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_queries=1,
@@ -92,8 +86,7 @@ def _layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_que
     q = pad_axis(pad_rope_halves(jnp.asarray(rng.standard_normal((B, Q, H_kv, G, K)).astype(dtype)), kp // 2), 3, gp)
     layer_k = pad_rope_halves(jnp.asarray(rng.standard_normal((B, H_kv, N, K)).astype(dtype)), kp // 2)
     layer_v = pad_axis(jnp.asarray(rng.standard_normal((B, H_kv, N, V)).astype(dtype)), -1, vp)
-    cos, sin = rope_table(Mp, K, config.rope_base)
-    cos, sin = pad_axis(jnp.asarray(cos), -1, kp // 2), pad_axis(jnp.asarray(sin), -1, kp // 2)
+    cos, sin = padded_rope_table(Mp, K, config.rope_base, kp // 2)
     st = LayerStatic(r=r, tile=tile, span=span, group=G, alpha=config.score_scale(K), importance=config.importance,
                      strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
                      precision=jax.lax.Precision.HIGHEST, block_queries=block_queries)
@@ -144,39 +137,38 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries, block_sizes):
     _assert_same_keys(keys_x3, keys_twin, st.log_n)
 
     per_query = lambda x: jnp.repeat(x, block_queries, axis=1)
-    nxt, tau = select_top_k_layer_pallas(keys, per_query(a["parents"]), per_query(a["n"]), st, True)
-    nxt_t, tau_t = select_top_k_layer_twin(keys, per_query(a["parents"]), per_query(a["n"]), st)
+    nxt, tau = select_top_k_pallas(keys, per_query(a["parents"]), per_query(a["n"]), st, True)
+    nxt_t, tau_t = select_top_k_twin(keys, per_query(a["parents"]), per_query(a["n"]), st)
     np.testing.assert_array_equal(np.asarray(tau), np.asarray(tau_t))
     np.testing.assert_array_equal(np.asarray(nxt)[..., : st.top_k], np.asarray(nxt_t)[..., : st.top_k])
 
     args = (a["q"], a["parents"], a["n"], keys, tau, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
-    with_rotated = lambda args, k: args[:5] + (k,) + args[6:]
-    # The kernel rotates the query once per span (relative RoPE), the twin each key by
-    # its position: scores differ by ~1e-7 relative, and U, a sum of many signed terms,
-    # can cancel to ~1e-2 (seen: 1.07e-5 absolute on 0.0195), hence atol 5e-5 there.
-    for got, want in zip(merge_pallas(*with_rotated(args, k_rot), interpret=True), merge_twin(*args)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
-
     # The merge from the scores the importance pass stored (what the forward runs above
     # the bottom): against the twin on the same scores, and against scoring afresh.
     _, scores = importance_keys_pallas(a["q"], a["parents"], a["n"], k_rot, a["cos"], a["sin"], st, True,
                                        return_scores=True)
     scored = merge_scored_pallas(scores, a["parents"], a["n"], keys, tau, a["layer_v"], a["state"], st, True)
     scored_twin = merge_scored_twin(scores, a["parents"], a["n"], keys, tau, a["layer_v"], a["state"], st)
+    # The kernel rotates the query once per span (relative RoPE), the twin each key by
+    # its position: scores differ by ~1e-7 relative, and U, a sum of many signed terms,
+    # can cancel to ~1e-2 (seen: 1.07e-5 absolute on 0.0195), hence atol 5e-5 there.
     for got, same, want in zip(scored, scored_twin, merge_twin(*args)):
         # Same scores, another summation order (U cancels, as above).
         np.testing.assert_allclose(np.asarray(got), np.asarray(same), rtol=1e-5, atol=3e-5)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
 
-    bottom = args[:3] + (None, None) + args[5:]
-    o = merge_pallas(*with_rotated(bottom, k_rot), interpret=True)
+    # The bottom layer: every valid candidate merged, scored in the kernel, normalised.
+    bottom = (a["q"], a["parents"], a["n"], None, None, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
+    o = merge_pallas(a["q"], a["parents"], a["n"], k_rot, a["layer_v"], a["cos"], a["sin"], a["state"], st,
+                     interpret=True)
     o_t = merge_twin(*bottom)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
     # bfloat16 dot operands and keys stored rotated in bfloat16 (the default for bf16
     # inputs): output precision only.
     st_bf16 = dataclasses.replace(st, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
     k_bf16 = key_operands(phases, st_bf16.merge_precision, "bfloat16")
-    o = merge_pallas(*with_rotated(bottom, k_bf16)[:-1], st_bf16, interpret=True)
+    o = merge_pallas(a["q"], a["parents"], a["n"], k_bf16, a["layer_v"], a["cos"], a["sin"], a["state"], st_bf16,
+                     interpret=True)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
     assert not np.allclose(np.asarray(o), np.asarray(o_t), rtol=1e-6, atol=1e-6)  # it did round
 
@@ -203,7 +195,8 @@ def top_layer_inputs(rng, config, G):
     n = jnp.asarray(rng.integers(1, N + 1, size=a["n"].shape[:3] + (1,)).astype(np.int32))
     n = n.at[0, :3].set(1).at[1, 3].set(N)  # a lone candidate (rightmost only), and all of them
     n = jnp.broadcast_to(n[:, :, :1], n.shape) if G == 3 else n  # heads of a query share n
-    parents = virtual_parents(n, config.compression_rate, Mp // config.compression_rate)
+    # The top layer's virtual parents of a query with n candidates (t = n - 1 at L = 1).
+    parents = top_layer_parents(n[..., 0] - 1, config.compression_rate, 1, Mp // config.compression_rate)
     q = a["q"][:, :, :, : 1 << (G - 1).bit_length()]
     return a, a["layer_k"][:, :, :N], a["layer_v"][:, :, :N], n, parents, q
 
@@ -233,7 +226,7 @@ def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
                                          interpret=True)
     _assert_same_keys(keys_x3, keys_twin, st.log_n)
 
-    _, tau = select_top_k_layer_twin(keys, parents, n, st)
+    _, tau = select_top_k_twin(keys, parents, n, st)
     state = tuple(x[:, :, :, : q.shape[3]] for x in a["state"])
     got = top_merge_pallas(q_rot, n, keys, tau, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
     want = merge_twin(q, parents, n, keys, tau, layer_k, layer_v, a["cos"], a["sin"], state, st)
@@ -269,21 +262,6 @@ def test_pallas_backend_equals_reference_and_oracle(rng, r, top_k, T, G, importa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
     assert_matches_oracle(q, k, v, config, backend="pallas_interpret")
-
-
-def test_pallas_merge_from_scores_equals_rescoring(rng):
-    """The forward's merges above the bottom (from stored scores) against the earlier
-    path that gathers and scores the keys again (`BlockSizes.merge_from_scores=False`)."""
-    from pallas_kernels.forward import htree_forward_pallas
-
-    config = HTreeConfig(compression_rate=4, top_k=4, importance="shared_max")
-    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, 4, 2, 32, 32))
-    assert config.num_layers(150) >= 3
-    o, sel = htree_forward_pallas(q, k, v, config, BlockSizes(), True)
-    o_keys, sel_keys = htree_forward_pallas(q, k, v, config, BlockSizes(merge_from_scores=False), True)
-    for a, b in zip(sel, sel_keys):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_allclose(np.asarray(o), np.asarray(o_keys), rtol=1e-5, atol=1e-5)
 
 
 def test_pallas_backend_bfloat16(rng):

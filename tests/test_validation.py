@@ -54,6 +54,8 @@ def test_bad_config_backend_and_flags():
         htree_attention(q, k, v, backend="cuda")
     with pytest.raises(TypeError, match="interpret must be a bool"):
         htree_attention(q, k, v, backend="pallas", interpret="yes")
+    with pytest.raises(ValueError, match="backend='reference' has none"):
+        htree_attention(q, k, v, backend="reference", interpret=True)
     with pytest.raises(TypeError, match="return_selected must be a bool"):
         htree_attention(q, k, v, return_selected="yes")
     with pytest.raises(ValueError, match="query_chunk must be a positive int"):
@@ -82,3 +84,21 @@ def test_auto_backend_choice(monkeypatch):
     assert attention.resolve_backend("auto", dims=dims) == "pallas"
     # Shapes the kernels do not support fall back to the reference rather than failing.
     assert attention.resolve_backend("auto", dims=check_qkv(*arrays(K=8, V=4))) == "reference"
+    # interpret=True asks for the kernels interpreted, whatever the platform.
+    assert attention.resolve_backend("auto", interpret=True, dims=dims) == "pallas_interpret"
+    assert attention.resolve_backend("pallas", interpret=True, dims=dims) == "pallas_interpret"
+    with pytest.raises(ValueError, match="backend='reference' has none"):
+        attention.resolve_backend("reference", interpret=True, dims=dims)
+
+
+def test_interpret_with_auto_runs_the_interpreted_kernels(monkeypatch):
+    """`backend="auto", interpret=True` runs the Pallas kernels interpreted (not the
+    reference, and not compiled kernels on a GPU)."""
+    import pallas_kernels.forward as fwd
+
+    calls = []
+    real = fwd.htree_forward_pallas
+    monkeypatch.setattr(fwd, "htree_forward_pallas", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    q, k, v = arrays(K=32, V=32)
+    htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend="auto", interpret=True)
+    assert calls and calls[0]["interpret"] is True

@@ -1,0 +1,227 @@
+"""SPEC 2.2-2.3 in a kernel: the candidates' scores and packed importance keys of a
+layer below the top, one program per `(b, t, h_kv)` walking its candidate buffer in
+tiles; the pure-JAX twin is `importance_keys_twin`.
+
+The scores kernel stores every candidate's scores (`G` floats each) and each row's
+running max and sum over the normaliser set R; `keys_from_scores` (one fused XLA pass)
+turns them into packed keys. The merge of the same layer then reads the stored scores
+(`merge.merge_scored_pallas`) instead of gathering and scoring the keys again.
+
+Layouts (padded by `forward.prepare`):
+  q        `[B, Q, H_kv, Gp, Kp]`  un-rotated, halves padded apart (`pad_rope_halves`)
+  parents  `[B, Q/BQ, H_kv, P]` int32  ascending, `-1` padded; `P * r = Mp`; one row per
+           block of BQ queries that share them (the forward uses BQ = 1 here)
+  n        `[B, Q/BQ, H_kv, 1]` int32  valid candidates (SPEC 2.1)
+  k_phases the layer's keys in `span/r` rotated copies (`rope.rotate_phases`), as
+           `precision.key_operands` prepares them for the importance dots
+  cos, sin `[Mp, Kp/2]` float32  RoPE at candidate positions (`rope.padded_rope_table`)
+  keys     `[B, Q, H_kv, Mp]` int32 packed importance, `-1` where invalid
+  scores   `[B, Q, H_kv, Gp, Mp]` float32 (real heads' rows of valid tiles written)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from htree_jax.config import FORCED_IMPORTANCE
+from htree_jax.reference import candidate_nodes as nodes_of_positions
+from htree_jax.reference import importance, pack_importance
+from htree_jax.rope import apply_rope
+from pallas_kernels.common import NEG_INF, LayerStatic, block_specs, candidate_nodes, layer_params, per_query
+from pallas_kernels.precision import check_key_parts, key_parts, score_dot
+from pallas_kernels.rope import full_width_inputs
+
+
+def score_span(p0, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
+    """Scores of the candidate positions `[p0, p0 + span)`: `(scores [rows, span],
+    valid, positions, nodes)`, `p0` a multiple of the span.
+
+    Position `p = s*r + c` holds node `parents[s]*r + c`; `k_refs` (`key_operands`)
+    hold the layer's keys in `span / r` rotated copies (`rotate_phases`), so every key
+    row goes from memory straight into the product, already rotated by `p - p0`, and
+    the query is rotated once, by `n - 1 - p0`.
+    """
+    r, span = st.r, st.span
+    versions = span // r
+    N = k_refs[0].shape[0] // versions
+    q, q_half = q_parts  # [rows, Kp] float32: the query and rotate_half(query)
+    positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
+    copy = (jnp.arange(span, dtype=jnp.int32) // r) * N
+    keys = tuple(k_ref[nodes + copy, :] for k_ref in k_refs)
+    angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked later
+    c, s = cf_ref[pl.ds(angle, 1), :], sf_ref[pl.ds(angle, 1), :]
+    scores = score_dot(q * c + q_half * s, keys, precision, operands)
+    return st.alpha * scores, valid, positions, nodes
+
+
+def score_tile(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
+    """`score_span` of every span of candidate tile `i` (unrolled: their loads are
+    issued together)."""
+    return [score_span(i * st.tile + u * st.span, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, precision,
+                         operands)
+            for u in range(st.tile // st.span)]
+
+
+def query_rows(q_ref, qh_ref):
+    bq, gp, kp = q_ref.shape
+    return (q_ref[...].astype(jnp.float32).reshape(bq * gp, kp), qh_ref[...].astype(jnp.float32).reshape(bq * gp, kp))
+
+
+def online_max_sum(m, total, scores):
+    """Fold `scores [R, tile]` (-inf where excluded) into a running max and sum."""
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    total = total * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(scores - m_safe[:, None]), axis=1)
+    return m_new, total
+
+
+def importance_shift(m, total, real_head, group_rows: int, importance: str):
+    """Per row, what the importance subtracts from scores (SPEC 2.3): the row's LSE over
+    R (`softmax`), or the max over the real heads of its query's group (`shared_max`);
+    0 where R is empty. `m, total [rows]` from `online_max_sum`, rows grouped by query
+    in blocks of `group_rows`."""
+    if importance == "softmax":
+        return jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)
+    queries = m.shape[0] // group_rows
+    group_max = jnp.max(jnp.where(real_head, m, NEG_INF).reshape(queries, group_rows), axis=1)
+    shift = jnp.broadcast_to(group_max[:, None], (queries, group_rows)).reshape(m.shape[0])
+    return jnp.where(shift == NEG_INF, 0.0, shift)
+
+
+def write_key_tiles(keys_ref, num_tiles, write_keys, st: LayerStatic):
+    """Runs `write_keys` over the first `num_tiles` tiles and marks the rest invalid."""
+
+    def write_invalid(i, carry):
+        keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.full((keys_ref.shape[0], st.tile), -1, jnp.int32)
+        return carry
+
+    # Loops that only store carry nothing (a constant carry does not lower to Triton).
+    lax.fori_loop(0, num_tiles, write_keys, ())
+    lax.fori_loop(num_tiles, keys_ref.shape[1] // st.tile, write_invalid, ())
+
+
+def _scores_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic):
+    """One pass over the candidates: their scores, stored (`[BQ, Gp, Mp]`, only the
+    real heads' rows of the first `ceil(n / tile)` tiles written), and each row's
+    importance shift. Storing
+    them (G floats per candidate) costs far less than gathering and scoring the keys
+    again (a key row is K values, in two parts), which a second pass would."""
+    *k_refs, cf_ref, sf_ref, s_ref, shift_ref = refs
+    bq, gp, _ = q_ref.shape
+    rows = bq * gp
+    n = n_ref[0]
+    q_parts = query_rows(q_ref, qh_ref)
+    num_tiles = (n + st.tile - 1) // st.tile
+    real_head = jnp.arange(rows, dtype=jnp.int32) % gp < st.group
+    # R, the normaliser set: valid positions, less the rightmost one when strict.
+    last_in_norm = n - 1 if st.strict_causal else n
+
+    # Only the real heads' rows are stored: the padding rows are never read.
+    store_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[None, :, None], (bq, gp, st.span))
+
+    def scores_of_tile(i, carry):
+        units = score_tile(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, st.precision, st.importance_operands)
+        for u, (scores, _, positions, _) in enumerate(units):
+            plgpu.store(s_ref.at[:, :, pl.ds(i * st.tile + u * st.span, st.span)], scores.reshape(bq, gp, st.span),
+                        mask=store_rows)
+            in_norm = positions < last_in_norm
+            carry = online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
+        return carry
+
+    init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    m, total = lax.fori_loop(0, num_tiles, scores_of_tile, init)
+    shift_ref[...] = importance_shift(m, total, real_head, gp, st.importance).reshape(shift_ref.shape)
+
+
+def keys_from_scores(scores, shift, n, st: LayerStatic):
+    """Packed importance keys `[B, Q, H_kv, Mp]` (SPEC 2.3) from stored scores `[B, Q,
+    H_kv, Gp, Mp]` (read only where valid) and the rows' shifts `[B, Q, H_kv, Gp]`, per
+    query `n [B, Q, H_kv, 1]`: one fused XLA pass over the scores."""
+    # Only the real heads' rows were stored.
+    scores, shift = scores[..., : st.group, :], shift[..., : st.group]
+    Mp = scores.shape[-1]
+    positions = jnp.arange(Mp, dtype=jnp.int32)
+    valid = positions < n  # [B, Q, H_kv, Mp]
+    weights = jnp.where(valid[..., None, :], jnp.exp(scores - shift[..., None]), 0.0)
+    imp = jnp.sum(weights, axis=-2)
+    has_norm = (n - 1 if st.strict_causal else n) > 0
+    imp = jnp.where(has_norm, imp, 0.0)
+    imp = jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp)
+    return jnp.where(valid, pack_importance(imp, positions, st.log_n), -1)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores"))
+def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, interpret=False,
+                           return_scores=False):
+    """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position: the
+    scores kernel, then `keys_from_scores`. With `return_scores`, `(keys, scores)`:
+    the scores `[B, Q, H_kv, Gp, Mp]` float32 (scaled by alpha; only the real heads'
+    rows of the valid tiles are written) for `merge_scored_pallas`.
+
+    `q [B, Q, H_kv, Gp, Kp]`; `parents [B, Q/BQ, H_kv, P]` and `n [B, Q/BQ, H_kv, 1]`
+    one row per block of `BQ = st.block_queries` queries that share them; `k_phases` the
+    layer's keys from `rotate_phases`, as `key_operands(..., st.precision,
+    st.importance_operands)`. Holds `B * Q * H_kv * Gp * Mp` float32 scores meanwhile.
+    """
+    check_key_parts(k_phases, (key_parts(st.precision, st.importance_operands),))
+    B, Q, H_kv, gp = q.shape[:4]
+    Mp = cos.shape[0]
+    sp = block_specs(st, gp, q.shape[-1], Mp, parents, k_phases, None)
+    queries, tables = full_width_inputs(q, cos, sin)
+    scores, shift = pl.pallas_call(
+        functools.partial(_scores_kernel, st=st),
+        grid=(B, Q // st.block_queries, H_kv),
+        in_specs=[sp["q"], sp["q"], sp["parents"], sp["n"], *sp["k"], sp["table"], sp["table"]],
+        out_specs=[sp["scores"], sp["vec"]],
+        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, gp, Mp), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32)],
+        compiler_params=layer_params(st),
+        interpret=interpret,
+    )(*queries, parents, n, *k_phases, *tables)
+    keys = keys_from_scores(scores, shift, per_query(n, st), st)
+    return (keys, scores) if return_scores else keys
+
+
+
+# ---------------------------------------------------------------------------------------
+# Pure-JAX twins, written with the reference's SPEC steps.
+
+
+def gather_nodes(layer, idx):
+    """`layer [B, H_kv, N, D]`, `idx [B, Q, H_kv, M]` -> `[B, Q, H_kv, M, D]`."""
+    per_head = jax.vmap(lambda lh, ih: lh[ih], in_axes=(0, 1), out_axes=1)
+    return jax.vmap(per_head)(layer, idx)
+
+
+def scores_twin(q, parents, n, layer_k, cos, sin, st: LayerStatic):
+    """`[B, Q, H_kv, Gp, Mp]` scores, valid `[B, Q, H_kv, Mp]`, nodes, positions."""
+    parents, n = per_query(parents, st), per_query(n, st)
+    Mp = cos.shape[0]
+    positions = jnp.arange(Mp, dtype=jnp.int32)
+    nodes = nodes_of_positions(parents, positions, st.r)
+    valid = positions < n
+    gathered = gather_nodes(layer_k, jnp.where(valid, nodes, 0)).astype(jnp.float32)
+    k_rot = apply_rope(gathered, cos, sin)
+    qpos = n - 1  # [B, Q, H_kv, 1]
+    q_rot = apply_rope(q.astype(jnp.float32), cos[qpos], sin[qpos])
+    scores = st.alpha * jnp.einsum("bqhgk,bqhmk->bqhgm", q_rot, k_rot, precision=lax.Precision.HIGHEST)
+    return scores, valid, nodes, positions, n
+
+
+def importance_keys_twin(q, parents, n, layer_k, cos, sin, st: LayerStatic):
+    B, Q, H_kv, gp, _ = q.shape
+    scores, valid, _, positions, n = scores_twin(q, parents, n, layer_k, cos, sin, st)
+    flat = lambda x: x.reshape((B * Q * H_kv,) + x.shape[3:])
+    rightmost = positions == n - 1
+    in_norm = valid & ~rightmost if st.strict_causal else valid
+    imp = importance(flat(scores)[:, : st.group], flat(in_norm), st.importance)
+    imp = jnp.where(flat(rightmost), FORCED_IMPORTANCE, imp)
+    keys = jnp.where(flat(valid), pack_importance(imp, positions[None], st.log_n), -1)
+    return keys.reshape(B, Q, H_kv, -1)
+
