@@ -19,10 +19,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from htree_jax import HTreeConfig
+from htree_jax import HTreeConfig, htree_attention
 from htree_jax.reference import htree_attention_reference
 from htree_jax.rope import rope_absolute
-from pallas_kernels.forward import htree_forward_pallas
 
 B, H, H_KV, K, V = 1, 32, 4, 128, 128
 
@@ -79,7 +78,8 @@ def run(sizes, long_sizes, top_ks, iters, reference_max_t):
     rows = []
     for top_k in top_ks:
         config = HTreeConfig(top_k=top_k)
-        htree = jax.jit(lambda q, k, v, c=config: htree_forward_pallas(q, k, v, c)[0])
+        # The public entry point, as users call it (input checks, the non-finite guard).
+        htree = jax.jit(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
         ref = jax.jit(lambda q, k, v, c=config: htree_attention_reference(q, k, v, c)[0])
         dense = dense_fn(config)
         for T in sizes + long_sizes:
