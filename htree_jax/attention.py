@@ -12,32 +12,57 @@ from htree_jax.non_finite import first_non_finite, poison_rows, zero_non_finite
 from htree_jax.reference import htree_attention_reference
 from htree_jax.validation import check_config, check_qkv
 
-# "auto": the Pallas kernels on a GPU (faster than the reference at every size measured
-# on an H200, benchmarks/RESULTS.md) when they support the shapes, else the reference.
+# "auto": the Pallas kernels on a GPU where they support the shapes, else the reference
+# (`pick_backend`).
 BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
 def resolve_backend(backend: str, interpret: bool = False, dims=None) -> str:
-    """The concrete backend that `backend` (and `interpret`) name on this platform;
-    `dims` (from `check_qkv`) lets "auto" check the Pallas kernels' limits.
-
-    `interpret=True` asks for the Pallas kernels interpreted: with "auto" or "pallas" it
-    gives "pallas_interpret" (on every platform); "reference" has no kernels to
-    interpret, so it is refused there rather than ignored."""
+    """The concrete backend that `backend` (and `interpret`) name on this platform for
+    `htree_attention`; `dims` (from `check_qkv`) are checked against the Pallas kernels'
+    limits (`pick_backend`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if check_interpret(backend, interpret):
+
+    def check_dims():
+        if dims is not None:
+            from pallas_kernels.forward import check_pallas_dims
+
+            check_pallas_dims(dims)
+
+    return pick_backend(backend, interpret, check_dims)
+
+
+def pick_backend(backend: str, interpret: bool, check_dims) -> str:
+    """The rule shared by `htree_attention` and decoding: "reference", "pallas" or
+    "pallas_interpret" for a valid `backend` name. `check_dims()` raises a ValueError
+    where the kernels do not support the shapes.
+
+    "auto" is the Pallas kernels on a GPU where they support the shapes (faster than
+    the reference at every size measured, benchmarks/RESULTS.md), else the reference.
+    `interpret=True` asks for the Pallas kernels interpreted: with "auto" or "pallas" it
+    gives "pallas_interpret" (on every platform); "reference" has no kernels to
+    interpret, so it is refused there rather than ignored. "pallas" off a GPU is refused
+    with a pointer to "pallas_interpret"."""
+    if check_interpret(backend, interpret) or backend == "pallas_interpret":
+        check_dims()
         return "pallas_interpret"
     if backend == "auto":
-        if jax.default_backend() == "gpu" and (dims is None or _pallas_supports(dims)):
-            return "pallas"
-        return "reference"
-    if backend == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(
-            "backend 'pallas' needs a CUDA GPU (Triton lowering); on "
-            f"{jax.default_backend()!r} use backend='pallas_interpret' (or interpret=True) "
-            "to run the same kernels interpreted"
-        )
+        if jax.default_backend() != "gpu":
+            return "reference"
+        try:
+            check_dims()
+        except ValueError:
+            return "reference"
+        return "pallas"
+    if backend == "pallas":
+        if jax.default_backend() != "gpu":
+            raise ValueError(
+                "backend 'pallas' needs a CUDA GPU (Triton lowering); on "
+                f"{jax.default_backend()!r} use backend='pallas_interpret' (or interpret=True) "
+                "to run the same kernels interpreted"
+            )
+        check_dims()
     return backend
 
 
@@ -77,16 +102,6 @@ def _pallas_forward_bwd(config, interpret, residuals, cotangents):
 
 
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
-
-
-def _pallas_supports(dims) -> bool:
-    from pallas_kernels.forward import check_pallas_dims
-
-    try:
-        check_pallas_dims(dims)
-    except ValueError:
-        return False
-    return True
 
 
 def htree_attention(
@@ -138,10 +153,6 @@ def htree_attention(
     impl = resolve_backend(backend, interpret, dims)
     if not isinstance(return_selected, bool):
         raise TypeError(f"return_selected must be a bool, got {return_selected!r}")
-    if impl != "reference":
-        from pallas_kernels.forward import check_pallas_dims
-
-        check_pallas_dims(dims)
     o, selected = _attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), config, impl)
     return (o, selected) if return_selected else o
 

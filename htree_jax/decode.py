@@ -219,28 +219,15 @@ def check_decode_config(config) -> HTreeConfig:
 
 
 def _resolve(backend, cache: HTreeCache, num_heads: int) -> str:
-    """The concrete decode backend: "reference", "pallas" or "pallas_interpret"."""
+    """The concrete decode backend: "reference", "pallas" or "pallas_interpret", by
+    `htree_jax.attention.pick_backend`'s rule and the decode kernels' limits."""
+    from htree_jax.attention import pick_backend
     from pallas_kernels.decode import check_pallas_decode_dims
 
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"backend must be one of {DECODE_BACKENDS} for decoding, got {backend!r}")
     dims = (cache.keys[0].shape[-1], cache.values[0].shape[-1], num_heads // cache.num_kv_heads)
-    if backend == "auto":
-        if jax.default_backend() != "gpu":
-            return "reference"
-        try:
-            check_pallas_decode_dims(*dims)
-        except ValueError:
-            return "reference"
-        return "pallas"
-    if backend == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(
-            "backend 'pallas' needs a CUDA GPU (Triton lowering); on "
-            f"{jax.default_backend()!r} use backend='pallas_interpret' to run the same kernels interpreted"
-        )
-    if backend != "reference":
-        check_pallas_decode_dims(*dims)
-    return backend
+    return pick_backend(backend, False, lambda: check_pallas_decode_dims(*dims))
 
 
 def decode_backend(backend: str, interpret: bool = False) -> str:

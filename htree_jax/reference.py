@@ -256,7 +256,7 @@ def rotate_by_child_offset(layer_keys, config: HTreeConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "query_chunk"))
-def _forward(q, k, v, config: HTreeConfig, query_chunk: int):
+def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int):
     layers = build_tree(k, v, config)
     layers = [(rotate_by_child_offset(kl, config), vl) for kl, vl in layers]
     return attend_tree(q, layers, jnp.arange(q.shape[1], dtype=jnp.int32), config, query_chunk)
@@ -321,4 +321,4 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
         query_chunk = default_query_chunk(config, B, T, H_kv, H // H_kv, K, Vd)
     elif isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
         raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
-    return _forward(q, k, v, config, min(query_chunk, T))
+    return reference_forward(q, k, v, config, min(query_chunk, T))

@@ -64,11 +64,12 @@ def score_tile(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStatic, 
     """`score_span` of every span of candidate tile `i` (unrolled: their loads are
     issued together)."""
     return [score_span(i * st.tile + u * st.span, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, precision,
-                         operands)
+                       operands)
             for u in range(st.tile // st.span)]
 
 
 def query_rows(q_ref, qh_ref):
+    """A block's queries and `rotate_half` of them as `[BQ*Gp, Kp]` float32 rows."""
     bq, gp, kp = q_ref.shape
     return (q_ref[...].astype(jnp.float32).reshape(bq * gp, kp), qh_ref[...].astype(jnp.float32).reshape(bq * gp, kp))
 

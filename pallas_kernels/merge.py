@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.reference import candidate_nodes as nodes_of_positions
-from htree_jax.reference import merge
+from htree_jax.reference import merge, normalize
 from pallas_kernels.common import (
     NEG_INF,
     LayerStatic,
@@ -190,14 +190,15 @@ def merge_scored_pallas(scores, parents, n, keys, tau, layer_v, state, st: Layer
     )(scores, parents, n, keys, tau, layer_v, *state))
 
 
-
 # ---------------------------------------------------------------------------------------
 # Pure-JAX twins, written with the reference's `merge`.
 
 
 def merge_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, state, st: LayerStatic,
                out_dtype=jnp.float32):
-    """Twin of `merge_pallas`, written with the reference's `merge`."""
+    """Twin of `merge_pallas` (`keys=None`: every valid candidate, then normalised) and of
+    the top layer's `top_merge_pallas` (with `keys, tau`: the candidates not kept, the
+    state), written with the reference's `merge` and `normalize`."""
     B, Q, H_kv, gp, _ = q.shape
     scores, valid, nodes, _, _ = scores_twin(q, parents, n, layer_k, cos, sin, st)
     flat = lambda x: x.reshape((B * Q * H_kv,) + x.shape[3:])
@@ -205,7 +206,7 @@ def merge_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, state, st: 
     values = gather_nodes(layer_v, jnp.where(valid, nodes, 0)).astype(jnp.float32)
     m, S, U = merge(tuple(flat(x) for x in state), flat(scores), flat(values), flat(merged))
     if keys is None:
-        return (U / S[..., None]).reshape(B, Q, H_kv, gp, -1).astype(out_dtype)
+        return normalize((m, S, U)).reshape(B, Q, H_kv, gp, -1).astype(out_dtype)
     shape = (B, Q, H_kv)
     return m.reshape(shape + (gp,)), S.reshape(shape + (gp,)), U.reshape(shape + U.shape[-2:])
 

@@ -15,7 +15,7 @@ import numpy as np
 from htree_jax import HTreeConfig
 from htree_jax.reference import (
     DEFAULT_CHUNK_BUDGET_BYTES,
-    _forward,
+    reference_forward,
     attend_tree,
     default_query_chunk,
     rotate_by_child_offset,
@@ -31,7 +31,7 @@ def test_default_config_t16384_planned_memory_is_bounded():
     assert config.layer_sizes(T) == (16384, 1024)
     chunk = default_query_chunk(config, B, T, H_KV, H // H_KV, K, V)
     shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((B, T, H, K), (B, T, H_KV, K), (B, T, H_KV, V))]
-    plan = _forward.lower(*shapes, config=config, query_chunk=chunk).compile().memory_analysis()
+    plan = reference_forward.lower(*shapes, config=config, query_chunk=chunk).compile().memory_analysis()
     if plan is None:  # a platform without a compiled-memory report
         raise AssertionError("no memory_analysis on this platform")
     # Beyond inputs (48 MiB) and outputs (o 32 MiB, selections 64 MiB): the tree and its

@@ -19,7 +19,7 @@ from pallas_kernels.precision import key_operands
 from pallas_kernels.rope import rotate_phases
 from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.node_backward import UNIT, layer_node_grads_pallas, node_buffers, node_gradient, node_index
-from tests.test_pallas_kernels import LAYER_CONFIGS, _layer_inputs, paired
+from tests.test_pallas_kernels import LAYER_CONFIGS, layer_inputs, paired
 
 
 def _row_stats(rng, shape, vp):
@@ -50,7 +50,7 @@ NODE_CONFIGS = LAYER_CONFIGS + [HTreeConfig(compression_rate=32, top_k=4)]
 def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_step):
     """The layer's gradients against the twin: `dq` from the per-query kernel, `dk`, `dv`
     from the node kernel (per unit of nodes, through the inverse index)."""
-    a = _layer_inputs(rng, config, G=G, K=24, V=20, block_sizes=block_sizes)
+    a = layer_inputs(rng, config, G=G, K=24, V=20, block_sizes=block_sizes)
     st = a["st"]
     B, Q, H_kv, gp, kp = a["q"].shape
     N, vp = a["layer_k"].shape[2], a["layer_v"].shape[-1]
@@ -188,7 +188,7 @@ def test_middle_layer_backward_scores_as_the_forward_merged(rng):
     from pallas_kernels.precision import BF16X3
 
     config = HTreeConfig(compression_rate=4, top_k=4)
-    a = _layer_inputs(rng, config, G=2, K=24, V=20)
+    a = layer_inputs(rng, config, G=2, K=24, V=20)
     q, layer_k = 3.0 * a["q"], 3.0 * a["layer_k"]  # scores of ~10: bf16 operands err by ~3e-2
     st = dataclasses.replace(a["st"], precision=jax.lax.Precision.HIGH, importance_operands=BF16X3,
                              merge_precision=jax.lax.Precision.DEFAULT, merge_operands="bfloat16")

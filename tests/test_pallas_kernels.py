@@ -67,7 +67,7 @@ def test_top_k_kernel_equals_twin(rng, r, top_k):
     assert np.all((np.asarray(got_next) >= 0).sum(axis=-1) == np.minimum(top_k, n[..., 0]))
 
 
-def _layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_queries=1,
+def layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_queries=1,
                   block_sizes=BlockSizes()):
     """Random but consistent inputs of one upper layer: ascending parent lists and `n`,
     one per block of `block_queries` queries (which share them)."""
@@ -115,7 +115,7 @@ def paired(configs, variants):
 @pytest.mark.parametrize("config, G, block_queries, block_sizes", paired(LAYER_CONFIGS, [
     (1, 1, BlockSizes()), (3, 1, BlockSizes(span=16, tile=32)), (2, 4, BlockSizes(span=32, tile=64))]), ids=str)
 def test_layer_kernels_equal_twins(rng, config, G, block_queries, block_sizes):
-    a = _layer_inputs(rng, config, G=G, K=24, V=20, block_queries=block_queries, block_sizes=block_sizes)
+    a = layer_inputs(rng, config, G=G, K=24, V=20, block_queries=block_queries, block_sizes=block_sizes)
     st = a["st"]
     phases = rotate_phases(a["layer_k"], a["cos"], a["sin"], st)
     k_rot = key_operands(phases, st.precision)
@@ -186,10 +186,10 @@ def _assert_same_keys(got, want, log_n):
 
 
 def top_layer_inputs(rng, config, G):
-    """`_layer_inputs` cut to a top layer (`N <= Mp` nodes, virtual parents): `(a, layer_k,
+    """`layer_inputs` cut to a top layer (`N <= Mp` nodes, virtual parents): `(a, layer_k,
     layer_v, n, parents, q)`, every query with its own `n`, `q` with `next_power_of_two(G)`
     rows."""
-    a = _layer_inputs(rng, config, G=G, K=24, V=20, Q=16)
+    a = layer_inputs(rng, config, G=G, K=24, V=20, Q=16)
     Mp = a["cos"].shape[0]
     N = min(a["layer_k"].shape[2], Mp)
     n = jnp.asarray(rng.integers(1, N + 1, size=a["n"].shape[:3] + (1,)).astype(np.int32))

@@ -41,7 +41,7 @@ def test_bad_input_raises_before_work(monkeypatch, name, make, exc, match):
     def must_not_run(*a, **k):
         raise AssertionError("validation let bad input reach the computation")
 
-    monkeypatch.setattr(reference, "_forward", must_not_run)
+    monkeypatch.setattr(reference, "reference_forward", must_not_run)
     with pytest.raises(exc, match=match):
         htree_attention(*make(), HTreeConfig(compression_rate=2, top_k=2))
 
