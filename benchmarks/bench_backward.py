@@ -1,6 +1,6 @@
 """Forward+backward benchmark (GPU): htree (Pallas) vs dense cuDNN attention.
 
-    python benchmarks/bench_backward.py [--sizes 8192,32768,131072] [--long ""] [--top-k 512,64]
+    python benchmarks/bench_backward.py [--sizes 8192,32768,131072] [--long ""] [--top-k 512,64] [--inputs both]
 
 Times `jax.grad` (w.r.t. q, k, v) of `sum(o * w)` for each, same configs as the forward
 benchmark (B=1, H=32, H_kv=4, K=V=128, bfloat16): medians after one warm-up, the ratio
@@ -16,7 +16,21 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.bench import B, H, H_KV, K, V, dense_fn, gpu_header, inputs, int_list, median_ms, planned_gb
+from htree_jax.bench import (
+    B,
+    H,
+    H_KV,
+    INPUTS,
+    K,
+    V,
+    dense_fn,
+    gpu_header,
+    input_kinds,
+    inputs_setting,
+    int_list,
+    median_ms,
+    planned_gb,
+)
 
 
 def grad_fn(forward):
@@ -31,19 +45,21 @@ def main(argv=None) -> int:
     p.add_argument("--long", default="")
     p.add_argument("--top-k", default="512,64")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--inputs", default="random", help="random, correlated (htree_jax.bench.correlated_inputs) or both")
     args = p.parse_args(argv)
-    print(gpu_header("backward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16; forward+backward",
+    kinds = input_kinds(args.inputs)
+    print(gpu_header("backward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}; forward+backward",
                      f"python benchmarks/bench_backward.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
           flush=True)
     parse = int_list
-    lines = ["| T | top_k | layers | htree fwd+bwd ms | dense cuDNN fwd+bwd ms | dense/htree | htree GB | dense GB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for top_k in parse(args.top_k):
+    lines = ["| inputs | T | top_k | layers | htree fwd+bwd ms | dense cuDNN fwd+bwd ms | dense/htree | htree GB | "
+             "dense GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for kind, top_k in [(kind, top_k) for kind in kinds for top_k in parse(args.top_k)]:
         config = HTreeConfig(top_k=top_k)
         htree = grad_fn(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
         dense = grad_fn(dense_fn(config))
         for T in parse(args.sizes) + parse(args.long):
-            q, k, v = inputs(T)
+            q, k, v = INPUTS[kind](T)
             w = jax.random.normal(jax.random.key(1), (B, T, H, V), jnp.float32)
             h_ms, h_gb = median_ms(htree, (q, k, v, w), args.iters), planned_gb(htree, (q, k, v, w))
             try:
@@ -53,7 +69,7 @@ def main(argv=None) -> int:
                 d_ms = d_gb = float("nan")
                 ratio = "-"
                 print(f"dense T={T}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            lines.append(f"| {T} | {top_k} | {', '.join(map(str, config.layer_sizes(T)))} | {h_ms:.1f} | "
+            lines.append(f"| {kind} | {T} | {top_k} | {', '.join(map(str, config.layer_sizes(T)))} | {h_ms:.1f} | "
                          f"{d_ms:.1f} | {ratio} | {h_gb:.2f} | {d_gb:.2f} |")
             print(lines[-1], flush=True)
     print("\n".join(lines))

@@ -58,11 +58,91 @@ def planned_gb(fn, args):
 
 
 def inputs(T, seed=0):
+    """Random inputs: q, k, v independent standard normal, bfloat16 `[B, T, heads, 128]`."""
     ks = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(ks[0], (B, T, H, K), jnp.bfloat16)
     k = jax.random.normal(ks[1], (B, T, H_KV, K), jnp.bfloat16)
     v = jax.random.normal(ks[2], (B, T, H_KV, V), jnp.bfloat16)
     return q, k, v
+
+
+# `correlated_inputs`' defaults, printed in the benchmarks' headers.
+CORRELATION = 0.999
+NOISE = 0.5
+
+
+def correlated_inputs(T, seed=0, rho: float = CORRELATION, noise: float = NOISE, dtype=jnp.bfloat16,
+                      shape=None):
+    """Inputs whose neighbouring queries attend alike, as in trained models (the premise of
+    NSA's blockwise selection and of MoBA): a latent AR(1) process `z_t = rho * z_{t-1} +
+    sqrt(1 - rho^2) * e_t` (unit variance, `K` features, `e_t` standard normal) shared by
+    q and k, `q = z + noise * n_q`, `k = z + noise * n_k` with independent standard normal
+    `n` per head, and `v` standard normal. `shape`: `(B, T, H, H_kv, K, V)`, by default the
+    benchmarks' `(1, T, 32, 4, 128, 128)`. Returns `q, k, v` in `dtype`.
+
+    With `rho = 0.999` the latent forgets over ~1000 tokens: at T=131072 a block of 16
+    consecutive queries needs about a ninth of the bottom layer's per-query gathers
+    (`parent_overlap`, benchmarks/RESULTS.md)."""
+    B_, T_, H_, H_kv, K_, V_ = shape or (B, T, H, H_KV, K, V)
+    keys = jax.random.split(jax.random.key(seed), 5)
+    z0 = jax.random.normal(keys[0], (B_, 1, K_), jnp.float32)
+    steps = jnp.sqrt(1.0 - rho**2) * jax.random.normal(keys[1], (B_, T_ - 1, K_), jnp.float32)
+    # z_t = rho * z_{t-1} + step_t as a parallel scan of affine maps (a, b): x -> a * x + b.
+    a = jnp.full((1, T_ - 1, 1), rho, jnp.float32)
+    compose = lambda f, g: (f[0] * g[0], g[0] * f[1] + g[1])
+    _, b = jax.lax.associative_scan(compose, (jnp.broadcast_to(a, steps.shape), steps), axis=1)
+    powers = jnp.cumprod(jnp.broadcast_to(a, (1, T_ - 1, 1)), axis=1)
+    z = jnp.concatenate([z0, powers * z0 + b], axis=1)  # [B, T, K]
+    q = z[:, :, None] + noise * jax.random.normal(keys[2], (B_, T_, H_, K_), jnp.float32)
+    k = z[:, :, None] + noise * jax.random.normal(keys[3], (B_, T_, H_kv, K_), jnp.float32)
+    v = jax.random.normal(keys[4], (B_, T_, H_kv, V_), jnp.float32)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+INPUTS = {"random": inputs, "correlated": correlated_inputs}
+
+
+def input_kinds(choice: str) -> list[str]:
+    """`--inputs random|correlated|both` -> the generators' names."""
+    if choice not in ("random", "correlated", "both"):
+        raise ValueError(f"--inputs must be random, correlated or both, got {choice!r}")
+    return ["random", "correlated"] if choice == "both" else [choice]
+
+
+def inputs_setting(kinds) -> str:
+    """What the header says of the inputs."""
+    text = ", ".join(kinds)
+    if "correlated" in kinds:
+        text += f" (correlated: latent AR(1) rho={CORRELATION}, q = z + {NOISE}*noise, k = z + {NOISE}*noise, v random)"
+    return f"inputs {text}"
+
+
+OVERLAP_BLOCKS = (4, 16, 64)
+
+
+def parent_overlap(selected, block: int, kv_head: int = 0):
+    """How alike neighbouring queries select: for blocks of `block` consecutive queries
+    in the second half of the sequence (one kv head, batch row 0), the size of the union
+    of their parent lists `selected [B, T, H_kv, top_k]` (`-1` padded) as a fraction of
+    `block * top_k`, averaged over the blocks. 1: disjoint lists; `1 / block`: equal."""
+    sel = selected[0, :, kv_head]  # [T, top_k]
+    T, top_k = sel.shape
+    half = sel[T // 2:][: (T - T // 2) // block * block]
+    rows = jnp.sort(half.reshape(-1, block * top_k), axis=-1)
+    distinct = (rows >= 0) & jnp.concatenate([jnp.ones_like(rows[:, :1], bool), rows[:, 1:] != rows[:, :-1]], -1)
+    return float(jnp.mean(jnp.sum(distinct, axis=-1) / (block * top_k)))
+
+
+def overlap_row(kind: str, config, T: int, selected) -> str:
+    """A markdown row of the overlap table: per selecting layer (the parents of layer
+    `l`, top first), the union fraction at each of `OVERLAP_BLOCKS`."""
+    L = config.num_layers(T)
+    cells = []
+    for depth, sel in enumerate(selected):
+        layer = L - 2 - depth
+        fractions = " / ".join(f"{parent_overlap(sel, b):.2f}" for b in OVERLAP_BLOCKS)
+        cells.append(f"parents of layer {layer}{' (bottom)' if layer == 0 else ''}: {fractions}")
+    return f"| {kind} | {T} | {config.top_k} | {'; '.join(cells) or '- (one layer)'} |"
 
 
 def dense_fn(config):
@@ -74,39 +154,44 @@ def dense_fn(config):
     return jax.jit(f)
 
 
-def run(sizes, long_sizes, top_ks, iters, reference_max_t):
-    rows = []
-    for top_k in top_ks:
-        config = HTreeConfig(top_k=top_k)
-        # The public entry point, as users call it (input checks, the non-finite guard).
-        htree = jax.jit(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
-        ref = jax.jit(lambda q, k, v, c=config: htree_attention_reference(q, k, v, c)[0])
-        dense = dense_fn(config)
-        for T in sizes + long_sizes:
-            args = inputs(T)
-            row = dict(T=T, top_k=top_k, layers=config.layer_sizes(T))
-            row["htree_ms"] = median_ms(htree, args, iters)
-            row["htree_gb"] = planned_gb(htree, args)
-            row["ref_ms"] = median_ms(ref, args, max(1, iters // 3)) if T <= reference_max_t else None
-            try:
-                row["dense_ms"] = median_ms(dense, args, iters)
-                row["dense_gb"] = planned_gb(dense, args)
-            except Exception as e:  # noqa: BLE001 - report, e.g. out of memory
-                row["dense_ms"], row["dense_gb"] = None, None
-                print(f"dense T={T}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            rows.append(row)
-            print(row, flush=True)
-    return rows
+def run(sizes, long_sizes, top_ks, iters, reference_max_t, kinds=("random",)):
+    rows, overlaps = [], []
+    for kind in kinds:
+        for top_k in top_ks:
+            config = HTreeConfig(top_k=top_k)
+            # The public entry point, as users call it (input checks, the non-finite guard).
+            htree = jax.jit(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
+            ref = jax.jit(lambda q, k, v, c=config: htree_attention_reference(q, k, v, c)[0])
+            dense = dense_fn(config)
+            for T in sizes + long_sizes:
+                args = INPUTS[kind](T)
+                row = dict(inputs=kind, T=T, top_k=top_k, layers=config.layer_sizes(T))
+                row["htree_ms"] = median_ms(htree, args, iters)
+                row["htree_gb"] = planned_gb(htree, args)
+                row["ref_ms"] = median_ms(ref, args, max(1, iters // 3)) if T <= reference_max_t else None
+                try:
+                    row["dense_ms"] = median_ms(dense, args, iters)
+                    row["dense_gb"] = planned_gb(dense, args)
+                except Exception as e:  # noqa: BLE001 - report, e.g. out of memory
+                    row["dense_ms"], row["dense_gb"] = None, None
+                    print(f"dense T={T}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                rows.append(row)
+                print(row, flush=True)
+                _, selected = jax.jit(lambda q, k, v, c=config: htree_attention(
+                    q, k, v, c, backend="pallas", return_selected=True))(*args)
+                overlaps.append(overlap_row(kind, config, T, selected))
+                del selected
+    return rows, overlaps
 
 
 def table(rows):
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
-    lines = ["| T | top_k | layers | htree pallas ms | reference ms | dense cuDNN ms | dense/htree | htree GB | dense GB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| inputs | T | top_k | layers | htree pallas ms | reference ms | dense cuDNN ms | dense/htree | htree GB | "
+             "dense GB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = None if r["dense_ms"] is None else r["dense_ms"] / r["htree_ms"]
         lines.append(
-            f"| {r['T']} | {r['top_k']} | {', '.join(map(str, r['layers']))} | {r['htree_ms']:.1f} | "
+            f"| {r['inputs']} | {r['T']} | {r['top_k']} | {', '.join(map(str, r['layers']))} | {r['htree_ms']:.1f} | "
             f"{fmt(r['ref_ms'], '.1f')} | {fmt(r['dense_ms'], '.1f')} | {fmt(ratio, '.3f')} | "
             f"{r['htree_gb']:.2f} | {fmt(r['dense_gb'], '.2f')} |")
     return "\n".join(lines)
@@ -118,13 +203,24 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", default="512,64")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--reference-max-t", type=int, default=32768)
+    p.add_argument("--inputs", default="random", help="random, correlated (`correlated_inputs`) or both")
+
+
+def overlap_table(overlaps) -> str:
+    blocks = " / ".join(f"Bq={b}" for b in OVERLAP_BLOCKS)
+    return "\n".join([f"Union of the parent lists of Bq consecutive queries / (Bq * top_k), second half of the "
+                      f"sequence, kv head 0 ({blocks}):", "| inputs | T | top_k | overlap |", "|---|---|---|---|"]
+                     + list(overlaps))
 
 
 def run_bench(args, argv=()) -> int:
-    print(gpu_header("forward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16",
+    kinds = input_kinds(args.inputs)
+    print(gpu_header("forward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}",
                      f"python -m htree_jax bench {' '.join(argv)}"))
-    rows = run(int_list(args.sizes), int_list(args.long), int_list(args.top_k), args.iters, args.reference_max_t)
+    rows, overlaps = run(int_list(args.sizes), int_list(args.long), int_list(args.top_k), args.iters,
+                         args.reference_max_t, kinds)
     print(table(rows))
+    print(overlap_table(overlaps))
     return 0
 
 

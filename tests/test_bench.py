@@ -1,0 +1,54 @@
+"""The benchmarks' input generators and overlap measure (they run on the CPU too; the
+timing itself needs a GPU, `benchmarks/RESULTS.md`)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, htree_attention
+from htree_jax.bench import correlated_inputs, input_kinds, overlap_row, parent_overlap
+
+
+def test_correlated_inputs_are_an_ar1_latent_shared_by_q_and_k():
+    B, T, H, H_kv, K, V = 2, 4096, 4, 2, 64, 32
+    rho, noise = 0.99, 0.5
+    q, k, v = correlated_inputs(T, seed=3, rho=rho, noise=noise, dtype=jnp.float32, shape=(B, T, H, H_kv, K, V))
+    assert q.shape == (B, T, H, K) and k.shape == (B, T, H_kv, K) and v.shape == (B, T, H_kv, V)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    # Per feature: var(q) = 1 + noise^2; q and k share the latent: cov = 1 at lag 0, rho^d
+    # at lag d (averaged over batch, positions and features).
+    np.testing.assert_allclose(q.var(), 1 + noise**2, rtol=0.1)
+    cov = lambda a, b: float(np.mean(a * b))
+    np.testing.assert_allclose(cov(q[:, :, 0], k[:, :, 0]), 1.0, rtol=0.15)
+    np.testing.assert_allclose(cov(q[:, 50:, 0], k[:, :-50, 0]), rho**50, rtol=0.2)
+    # Every head carries the same latent plus its own noise: the difference is noise alone.
+    np.testing.assert_allclose(np.var(q[:, :, 0] - k[:, :, 1]), 2 * noise**2, rtol=0.1)
+    # Features are independent latents (averaged over 63 feature pairs: an AR(1) with
+    # rho = 0.99 gives only ~40 effective samples per pair).
+    assert abs(cov(q[:, :, 0, :-1], q[:, :, 0, 1:])) < 0.1
+    assert abs(cov(v[:, 1:], v[:, :-1])) < 0.05  # values carry no structure
+    # The default is the benchmarks' shape and bfloat16.
+    assert correlated_inputs(16)[0].dtype == jnp.bfloat16
+
+
+def test_parent_overlap_counts_the_union_of_neighbouring_lists():
+    T, top_k, block = 64, 4, 4
+    equal = np.broadcast_to(np.arange(top_k), (1, T, 1, top_k))
+    assert parent_overlap(jnp.asarray(equal), block) == pytest.approx(1 / block)
+    disjoint = (np.arange(T)[:, None] * top_k + np.arange(top_k))[None, :, None, :]
+    assert parent_overlap(jnp.asarray(disjoint), block) == pytest.approx(1.0)
+    padded = np.where(np.arange(top_k) < 2, disjoint, -1)  # -1 entries are not parents
+    assert parent_overlap(jnp.asarray(padded), block) == pytest.approx(0.5)
+
+
+def test_overlap_row_on_real_selections(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    q, k, v = correlated_inputs(150, shape=(1, 150, 4, 2, 16, 16), dtype=jnp.float32)
+    _, selected = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    row = overlap_row("correlated", config, 150, selected)
+    assert row.startswith("| correlated | 150 | 4 | parents of layer 1: ")
+    assert "parents of layer 0 (bottom): " in row
+    with pytest.raises(ValueError, match="--inputs must be random, correlated or both"):
+        input_kinds("gaussian")
