@@ -53,16 +53,18 @@ def test_non_finite_k_or_v_leaves_earlier_outputs_alone(rng, backend, r, top_k, 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
 def test_non_finite_through_the_decode_cache(rng, backend):
-    """A prompt with a NaN in row 0 at `p`: row 0 equals its clean outputs before `p`,
-    NaN from `p` on, also for every token decoded after it; row 1 is untouched."""
+    """A prompt with a NaN in row 0's values at `p`: row 0 equals its clean outputs before
+    `p`, NaN from `p` on, also for every token decoded after it; row 1 is untouched.
+    (`p` is the last child of a layer-1 node, which is the rightmost candidate, kept and
+    never merged, of the queries just before `p`: a weight of 0 times NaN broke them.)"""
     config = HTreeConfig(compression_rate=4, top_k=4)
     B, S, H, H_kv, K = 2, 40, 4, 2, 32
     q, k, v = random_qkv(rng, B, S + 3, H, H_kv, K, K)
     p = 23
-    k_bad = np.array(k)
-    k_bad[0, p, 1, 3] = np.nan
+    v_bad = np.array(v)
+    v_bad[0, p, 1, 3] = np.nan
 
-    def run(k):
+    def run(v):
         cache = init_cache(B, 64, H_kv, K, K, config)
         o, cache = prefill(q[:, :S], k[:, :S], v[:, :S], cache, config, backend=backend)
         steps = []
@@ -71,7 +73,7 @@ def test_non_finite_through_the_decode_cache(rng, backend):
             steps.append(o_t)
         return np.concatenate([np.asarray(o), np.stack(steps, axis=1)], axis=1)
 
-    clean, bad = run(k), run(k_bad)
+    clean, bad = run(v), run(v_bad)
     np.testing.assert_array_equal(bad[0, :p], clean[0, :p])
     assert np.all(np.isnan(bad[0, p:, 2:4])) and np.all(np.isfinite(bad[0, :, :2]))
     np.testing.assert_array_equal(bad[1], clean[1])
