@@ -17,8 +17,6 @@ long); with `strict_causal` the nodes past the current length change nothing.
 
 from __future__ import annotations
 
-import dataclasses
-
 import argparse
 import statistics
 import sys
@@ -27,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from htree_jax import HTreeConfig, build_tree, decode_step, init_cache
+from htree_jax import HTreeCache, HTreeConfig, build_tree, decode_step
 from htree_jax.bench import gpu_header, int_list
 
 H, H_KV, K, V = 32, 4, 128, 128
@@ -55,8 +53,7 @@ def htree_case(B, ctx, config, steps, repeats, check_length, backend):
     layers = build_tree(k, v, config)
     del k, v
     start = ctx - (repeats + 1) * steps - 1
-    cache = dataclasses.replace(init_cache(B, 1, H_KV, K, V, config, DTYPE), keys=tuple(kl for kl, _ in layers),
-                                values=tuple(vl for _, vl in layers), length=jnp.asarray(start, jnp.int32))
+    cache = HTreeCache(tuple(kl for kl, _ in layers), tuple(vl for _, vl in layers), jnp.asarray(start, jnp.int32))
     q_t = jax.random.normal(jax.random.key(2), (B, H, K), DTYPE)
     k_t = jax.random.normal(jax.random.key(3), (B, H_KV, K), DTYPE)
     v_t = jax.random.normal(jax.random.key(4), (B, H_KV, V), DTYPE)

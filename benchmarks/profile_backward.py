@@ -46,9 +46,9 @@ def main(argv=None):
     ip, T, config = args.interpret, args.T, HTreeConfig(top_k=args.top_k)
     q, k, v = inputs(T)
     bs = BlockSizes()
-    prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, Precisions.for_dtype(q.dtype)))(q, k, v)
+    prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, Precisions.for_dtype(q.dtype),
+                                           for_backward=True))(q, k, v)
     st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers) + 1
-    st_mid = dataclasses.replace(st, scores_as_importance=True)  # as the backward runs the middle layers
     st_top = dataclasses.replace(prep.st_top, num_stages=1)  # as the backward runs it
     G = H // H_KV
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
@@ -77,7 +77,7 @@ def main(argv=None):
     if L > 1:
         q_rows = pad_axis(qc, 3, gp)
         for l in reversed(range(L - 1)):
-            k_imp, k_merge, vl = prep.layers[l]
+            _, k_merge, vl = prep.layers[l]
             n = valid_candidates(parents, t, l, prep)
             keys = tau = None
             if l > 0:
@@ -86,20 +86,19 @@ def main(argv=None):
                              prep.cos, prep.sin)
                 nxt, tau = timed(f"layer {l}: top-K (recomputed)", lambda *a: select_top_k_pallas(*a, st, ip),
                                  keys, parents, n)
-            st_l = st_mid if l > 0 else st
-            la = (parents, n, keys, tau, k_imp if l > 0 else k_merge, vl, prep.cos, prep.sin)
-            timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, *stats(gp), st_l, ip), *la)
+            la = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
+            timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, *stats(gp), st, ip), *la)
             units = -(-sizes[l] // UNIT)
             index = timed(f"layer {l}: inverse index (sort)", lambda p_, n_: node_index(p_, n_, st.r, units),
                           parents, n)
             nacc = node_buffers(B, H_KV, sizes[l], kp, vp)
             timed(f"layer {l}: node kernel (dk, dv)",
-                  lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st_l, ip), *la)
+                  lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st, ip), *la)
             for variant in filter(None, args.node_variants.split(",")):
                 e, w = (int(x) for x in variant.split(":"))
                 timed(f"  variant: layer {l} node kernel, {e} pairs/step, {w} warps",
                       lambda *a, e=e, w=w: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc,
-                                                                   st_l, ip, e, w), *la)
+                                                                   st, ip, e, w), *la)
             if l > 0:
                 parents = nxt[..., :P]
     for name, ms, times in rows:

@@ -79,26 +79,47 @@ def check_interpret(backend: str, interpret) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _pallas_forward(q, k, v, config, interpret):
+    o, selected, _, _ = _guarded_pallas_forward(q, k, v, config, interpret)
+    return o, selected
+
+
+def _guarded_pallas_forward(q, k, v, config, interpret):
+    """The Pallas forward under SPEC 10's guard (`htree_jax.non_finite`), inside the
+    `custom_vjp`: the zeroed `k`, `v` feed the forward's own padded copies and the NaN
+    rows its output's last copy, so no extra input or output buffer lives for the
+    backward (outside it, the guarded output and the saved one were two buffers, and so
+    were the cotangent and its masked copy: +2 GB planned at T=131072 on an H200)."""
     from pallas_kernels.forward import htree_forward_pallas
 
-    return htree_forward_pallas(q, k, v, config, interpret=interpret)
+    positions = jnp.arange(q.shape[1], dtype=jnp.int32)
+    first = first_non_finite(k, v, positions)
+    o, selected, lse = htree_forward_pallas(q, zero_non_finite(k), zero_non_finite(v), config,
+                                            interpret=interpret, return_lse=True)
+    return poison_rows(o, positions, first, k.shape[2]), selected, lse, first
 
 
 def _pallas_forward_fwd(q, k, v, config, interpret):
-    from pallas_kernels.forward import htree_forward_pallas
-
-    # Saved for the backward: inputs, output and the rows' log-sum-exp (O(T)); the
-    # selections are recomputed there by the same kernels.
-    o, selected, lse = htree_forward_pallas(q, k, v, config, interpret=interpret, return_lse=True)
-    return (o, selected), (q, k, v, o, lse)
+    # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)) and the first
+    # non-finite positions; the selections are recomputed there by the same kernels.
+    o, selected, lse, first = _guarded_pallas_forward(q, k, v, config, interpret)
+    return (o, selected), (q, k, v, o, lse, first)
 
 
 def _pallas_forward_bwd(config, interpret, residuals, cotangents):
     from pallas_kernels.backward import htree_backward_pallas
 
-    q, k, v, o, lse = residuals
+    q, k, v, o, lse, first = residuals
     do, _ = cotangents  # the selections are integers: no cotangent
-    return htree_backward_pallas(q, k, v, o, lse, do, config, interpret=interpret)
+    # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
+    # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
+    positions = jnp.arange(q.shape[1], dtype=jnp.int32)
+    poisoned = jnp.isnan(poison_rows(jnp.zeros(o.shape[:3] + (1,), jnp.float32), positions, first, k.shape[2]))
+    do, o = jnp.where(poisoned, 0, do), jnp.where(poisoned, 0, o)
+    dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, do, config,
+                                       interpret=interpret)
+    dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
+    dv = jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
+    return dq, dk, dv
 
 
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
@@ -159,13 +180,11 @@ def htree_attention(
 
 @functools.partial(jax.jit, static_argnames=("config", "impl"))
 def _attend(q, k, v, config: HTreeConfig, impl: str):
-    """The chosen backend on inputs whose non-finite `k`, `v` entries were zeroed, then
-    NaN from the first such position on (SPEC 10, `htree_jax.non_finite`)."""
+    """The chosen backend under SPEC 10's guard (`htree_jax.non_finite`): non-finite `k`,
+    `v` entries zeroed, outputs NaN from the first such position on."""
+    if impl != "reference":
+        return _pallas_forward(q, k, v, config, impl == "pallas_interpret")
     positions = jnp.arange(q.shape[1], dtype=jnp.int32)
     first = first_non_finite(k, v, positions)
-    k, v = zero_non_finite(k), zero_non_finite(v)
-    if impl == "reference":
-        o, selected = htree_attention_reference(q, k, v, config)
-    else:
-        o, selected = _pallas_forward(q, k, v, config, impl == "pallas_interpret")
+    o, selected = htree_attention_reference(q, zero_non_finite(k), zero_non_finite(v), config)
     return poison_rows(o, positions, first, k.shape[2]), selected

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax.config import HTreeConfig
-from htree_jax.non_finite import first_non_finite, poison_rows, zero_non_finite
 from htree_jax.reference import attend_tree, default_query_chunk
 from htree_jax.tree import child_reciprocals, round_to_storage
 from htree_jax.validation import check_config, check_dtype
@@ -37,8 +36,7 @@ from htree_jax.validation import check_config, check_dtype
 DECODE_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "length", "first_non_finite"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "length"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class HTreeCache:
     """The decode cache: the tree of every token so far, in buffers sized for `max_len`.
@@ -47,15 +45,16 @@ class HTreeCache:
             in the cache dtype; nodes not yet reached are zero.
     values: per layer `[B, N_l, H_kv, V]`.
     length: int32 scalar, the tokens appended so far (the same for every batch row).
-    first_non_finite: int32 `[B, H_kv]`, the first position whose appended `k` or `v`
-            held a NaN or infinity (stored as 0), the int32 maximum while none did. Every
-            output from that position on is NaN (SPEC 10, `htree_jax.non_finite`).
+
+    A NaN or infinity appended at position `p` stays in the tree (SPEC 10): no output
+    before `p` reads it (every merge zeroes the values it does not merge, and the node
+    holding `p` is, before `p`, a rightmost candidate: kept, and left out of the
+    normaliser), and every output from `p` on does, as in dense attention.
     """
 
     keys: tuple
     values: tuple
     length: jax.Array
-    first_non_finite: jax.Array
 
     @property
     def max_len(self) -> int:
@@ -95,8 +94,7 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
     sizes = config.layer_sizes(T)
     keys = tuple(jnp.zeros((B, n, H_kv, K), dtype) for n in sizes)
     values = tuple(jnp.zeros((B, n, H_kv, V), dtype) for n in sizes)
-    never = jnp.full((B, H_kv), jnp.iinfo(jnp.int32).max, jnp.int32)
-    return HTreeCache(keys, values, jnp.zeros((), jnp.int32), never)
+    return HTreeCache(keys, values, jnp.zeros((), jnp.int32))
 
 
 def check_cache(cache, config: HTreeConfig) -> None:
@@ -204,7 +202,7 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig) -> HTreeCache:
             means = jnp.where((count > 0)[None, :, None, None], means, 0.0)
             # nodes past the layer's end are dropped (their index is out of range)
             layer[l] = layer[l].at[:, nodes].set(round_to_storage(means, layer[l].dtype), mode="drop")
-    return HTreeCache(tuple(keys), tuple(values), (end).astype(jnp.int32), cache.first_non_finite)
+    return HTreeCache(tuple(keys), tuple(values), (end).astype(jnp.int32))
 
 
 def check_decode_config(config) -> HTreeConfig:
@@ -255,13 +253,8 @@ def _attend(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
 @functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl"), donate_argnames=("cache",))
 def _prefill(q, k, v, cache, config, return_selected, impl):
     positions = cache.length + jnp.arange(q.shape[1], dtype=jnp.int32)
-    # SPEC 10, as `htree_attention` does it: non-finite k, v are stored as 0 and every
-    # output from their first position on is NaN.
-    first = jnp.minimum(cache.first_non_finite, first_non_finite(k, v, positions))
-    cache = append_to_cache(dataclasses.replace(cache, first_non_finite=first), zero_non_finite(k),
-                            zero_non_finite(v), config)
+    cache = append_to_cache(cache, k, v, config)
     o, selected = _attend(q, cache, positions, config, impl)
-    o = poison_rows(o, positions, first, cache.num_kv_heads)
     return (o, cache, selected) if return_selected else (o, cache)
 
 

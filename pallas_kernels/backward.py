@@ -2,9 +2,12 @@
 
 Selections are recomputed, chunk by chunk, with the forward's own kernels (importance
 keys and shared top-K: the same launches on the same inputs, so the same selections);
-nothing per candidate is saved between the passes. Each layer's scores are recomputed
-with the dots the forward merged it with: the merge dots on the top and bottom layers,
-the importance dots between them (whose stored scores the forward merged). The forward saves `o` and the rows'
+nothing per candidate is saved between the passes. Every layer's scores are recomputed
+with the merge dots (bfloat16 operands for bfloat16 inputs). Between the top and the
+bottom the forward merged from the importance pass's float32-grade scores (`BF16X3`),
+so there `p = exp(s - lse)` mixes the two: a bfloat16-level difference, bounded by
+`tests/test_pallas_backward.py` (scoring those layers with `BF16X3` here made the whole
+backward 5.5x slower on an H200 at T=131072, top_k=64: benchmarks/RESULTS.md). The forward saves `o` and the rows'
 log-sum-exp `lse`; `delta = rowsum(do * o)`. Then per chunk, top layer first, each
 layer's `dq` kernel (`layer_backward.py`: one program per query, or per block of
 queries on the top layer, summing in registers) and its `dk`, `dv` kernel
@@ -73,12 +76,8 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
-    prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype))
+    prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), for_backward=True)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
-    # Between the top and the bottom the forward merged from the importance pass's scores:
-    # score those layers again with the same dots and keys, so that p = exp(s - lse) uses
-    # the scores that lse summed (bfloat16 merge operands here would mix two precisions).
-    st_mid = dataclasses.replace(st, scores_as_importance=True)
     num_chunks = prep.q4.shape[1] // Qc
     kp, vp = prep.q4.shape[-1], prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
@@ -116,12 +115,11 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                 if l > 0:
                     keys = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, st, interpret)
                     next_parents, tau = select_top_k_pallas(keys, parents, n, st, interpret)
-                st_l, k_scores = (st_mid, k_imp) if l > 0 else (st, k_merge)
-                layer_args = (parents, n, keys, tau, k_scores, vl, prep.cos, prep.sin)
-                dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st_l, interpret)
+                layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
+                dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st, interpret)
                 index = node_index(parents, n, st.r, -(-sizes[l] // UNIT))
                 layer_acc[l] = layer_node_grads_pallas(pad_axis(qc, 3, gt), *layer_args, *stats(gt), index,
-                                                       layer_acc[l], st_l, interpret)
+                                                       layer_acc[l], st, interpret)
                 dq = dq + dq_l[:, :, :, :G]
                 if l > 0:
                     parents = next_parents[..., :P]

@@ -54,26 +54,12 @@ class LayerStatic:
     # Operand dtype of the merge dots ("bfloat16"/"float16", float32 accumulation), as
     # flash attention does for such inputs; None: float32 operands at merge_precision.
     merge_operands: str | None = None
-    # Merge-shaped kernels score with the merge dots (`merge_precision`, `merge_operands`)
-    # unless this is set: then with the importance dots, on the keys as `key_operands`
-    # prepares them for those. The backward sets it for the layers between the top and
-    # the bottom, which the forward merges from the importance pass's stored scores, so
-    # that `p = exp(s - lse)` uses the scores the forward's `lse` summed.
-    scores_as_importance: bool = False
 
 
 
 def merge_score_precision(st: LayerStatic):
     """The merge dots' precision: `st.merge_precision`, or `st.precision` when unset."""
     return st.precision if st.merge_precision is None else st.merge_precision
-
-
-def score_spec(st: LayerStatic):
-    """`(precision, operands)` of a merge-shaped kernel's score dots (see
-    `LayerStatic.scores_as_importance`); its other products take the merge dots'."""
-    if st.scores_as_importance:
-        return st.precision, st.importance_operands
-    return merge_score_precision(st), st.merge_operands
 
 
 def next_power_of_two(x: int, minimum: int = 1) -> int:
@@ -133,12 +119,12 @@ def candidate_nodes(par_ref, p0, width: int, n, r: int):
 def layer_refs(refs, leading: int, st: LayerStatic, bottom: bool):
     """Splits a merge-shaped kernel's refs: `(leading refs, keys_ref, tau_ref, k_refs,
     rest)`; `keys_ref, tau_ref` are None at the bottom (every valid candidate merges),
-    `k_refs` the score keys' `key_operands` parts (`score_spec`)."""
+    `k_refs` the merge keys' `key_operands` parts."""
     head, refs = refs[:leading], refs[leading:]
     keys_ref = tau_ref = None
     if not bottom:
         (keys_ref, tau_ref), refs = refs[:2], refs[2:]
-    parts = key_parts(*score_spec(st))
+    parts = key_parts(merge_score_precision(st), st.merge_operands)
     return head, keys_ref, tau_ref, refs[:parts], refs[parts:]
 
 

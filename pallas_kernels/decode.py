@@ -161,7 +161,10 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
             _, valid, nodes = candidate_nodes(par_ref, p0, span, n, st.r)
             scores = plgpu.load(sc_ref.at[:, pl.ds(j * span, span)], mask=real_rows, other=0.0)
             merged = valid & (keys_ref[pl.ds(j * span, span)] < tau)
-        block = (jnp.where(merged[None, :], scores, NEG_INF), v_ref[nodes, :])
+        # Values not merged are zeroed: a weight of 0 times a NaN value would still be
+        # NaN (SPEC 10; the kept rightmost node holds tokens after the query).
+        values = jnp.where(merged[:, None], v_ref[nodes, :], 0)
+        block = (jnp.where(merged[None, :], scores, NEG_INF), values)
         return fold_merged(carry, [block], precision, operands)
 
     init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),

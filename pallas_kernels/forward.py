@@ -117,8 +117,8 @@ class Prepared:
     # [(importance keys, merge keys, V_l [B, H_kv, N_l, Vp]), ...], bottom first, the top
     # layer left out. The keys: `key_operands` of `rotate_phases(K_l)` for the dots that
     # read them. The bottom layer only merges (no importance keys: None); the layers
-    # above it merge from their stored scores (no merge keys: None), and the backward
-    # scores them again with the importance dots (`LayerStatic.scores_as_importance`).
+    # above it merge from their stored scores (no merge keys: None, except for the
+    # backward, which scores them again with the merge dots).
     layers: list
     top_k_imp: tuple  # key_operands of the top layer's keys rotated by position, tile-padded
     top_k_merge: tuple  # the same for the merge dots (often the same arrays)
@@ -134,8 +134,10 @@ class Prepared:
 
 
 def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool,
-            precisions: Precisions) -> Prepared:
-    """The padded tree, keys as the products read them, tables and queries."""
+            precisions: Precisions, for_backward: bool = False) -> Prepared:
+    """The padded tree, keys as the products read them, tables and queries. With
+    `for_backward`, every layer below the top keeps merge keys: the backward scores every
+    merged candidate again with the merge dots."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
@@ -173,12 +175,12 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     top_k_imp = key_operands(top_rotated, *imp_spec, split=False) if imp_spec != merge_spec else top_k_merge
     # Below the top: the keys in span/r rotated copies, for the importance products of
     # the layers that select (their merges reuse the stored scores) and for the bottom
-    # layer's merge.
+    # layer's merge (every layer's, for the backward).
     lower = []
     for l, (kl, vl) in enumerate(layers[:-1]):
         phases = rotate_phases(kl, cos, sin, st)
         lower.append((key_operands(phases, *imp_spec) if l > 0 else None,
-                      key_operands(phases, *merge_spec) if l == 0 else None, vl))
+                      key_operands(phases, *merge_spec) if l == 0 or for_backward else None, vl))
     # Layers below the top that select (L >= 3) store their scores per chunk.
     score_rows = next_power_of_two(G, 16) if len(config.layer_sizes(T)) >= 3 else 0
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows) // bq) * bq

@@ -35,7 +35,6 @@ from pallas_kernels.common import (
     compiler_params,
     layer_refs,
     merge_score_precision,
-    score_spec,
 )
 from pallas_kernels.importance import gather_nodes, scores_twin
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
@@ -54,8 +53,7 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
     """One query per program. RoPE works on half-width columns (`x = [lo, hi]`, the
     rotation pairs `lo[i]` with `hi[i]`), so the query is rotated, and `dq` rotated
     back, elementwise on halves: keys are read as two halves."""
-    precision, operands = merge_score_precision(st), st.merge_operands  # the products'
-    score_precision, score_operands = score_spec(st)
+    precision, operands = merge_score_precision(st), st.merge_operands
     (q_ref, par_ref, n_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 3, st, bottom)
     v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref, dq_ref = rest
     bq, gp, kp = q_ref.shape
@@ -82,9 +80,8 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
         angle = jnp.maximum(n - 1 - p0, 0)
         c, s = cos_ref[pl.ds(angle, 1), :], sin_ref[pl.ds(angle, 1), :]
         qr_lo, qr_hi = q_lo * c - q_hi * s, q_hi * c + q_lo * s  # the query rotated by `angle`
-        scores = st.alpha * (
-            dot_rows(split_rows(qr_lo, score_precision, score_operands), k_lo, score_precision, score_operands)
-            + dot_rows(split_rows(qr_hi, score_precision, score_operands), k_hi, score_precision, score_operands))
+        scores = st.alpha * (dot_rows(split_rows(qr_lo, precision, operands), k_lo, precision, operands)
+                             + dot_rows(split_rows(qr_hi, precision, operands), k_hi, precision, operands))
         if bottom:
             merged_q = jnp.broadcast_to(valid[None, :], (bq, span))
         else:
@@ -113,10 +110,10 @@ def layer_backward_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin,
                           interpret=False):
     """`dq [B, Q, H_kv, Gp, Kp]` float32 (un-rotated) from one per-query layer's merged
     candidates (the bottom with `keys=None`). `q` and the layer inputs as for
-    `merge_pallas` (`k_phases` the operands of the score dots, `common.score_spec`); `lse,
-    delta [B, Q, H_kv, Gp]` float32 and `do [B, Q, H_kv, Gp, Vp]`. Above the bottom the
-    merged candidates are those with `keys < tau`."""
-    check_key_parts(k_phases, (key_parts(*score_spec(st)),))
+    `merge_pallas` (`k_phases` its merge operands); `lse, delta [B, Q, H_kv, Gp]` float32
+    and `do [B, Q, H_kv, Gp, Vp]`. Above the bottom the merged candidates are those with
+    `keys < tau`."""
+    check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gp, kp = q.shape
     bottom = keys is None
     sp = block_specs(st, gp, kp, cos.shape[0], parents, k_phases, layer_v)

@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from htree_jax.rope import apply_rope
-from pallas_kernels.common import LayerStatic, compiler_params, merge_score_precision, score_spec
+from pallas_kernels.common import LayerStatic, compiler_params, merge_score_precision
 from pallas_kernels.layer_backward import grads_of_block
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows
 
@@ -118,13 +118,12 @@ def _layer_node_kernel(*refs, st: LayerStatic, bottom: bool, entries_per_step: i
     """One unit of `UNIT` nodes; its entries in steps of `entries_per_step` pairs
     (`entries_per_step * gt` rows). Per-query arrays are flattened per `(b, h)`: row
     `t*gt + g` of `q, lse, delta, do`, `t*Mp + p` of `keys`."""
-    precision, operands = merge_score_precision(st), st.merge_operands  # the products'
-    score_precision, score_operands = score_spec(st)
+    precision, operands = merge_score_precision(st), st.merge_operands
     bounds_ref, query_ref, angle_ref, offset_ref, span_ref, q_ref, *refs = refs
     keys_ref = tau_ref = None
     if not bottom:
         keys_ref, tau_ref, *refs = refs
-    parts = key_parts(score_precision, score_operands)
+    parts = key_parts(precision, operands)
     k_refs, refs = refs[:parts], refs[parts:]
     v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref, dk_in, dv_in, dk_out, dv_out = refs
     E = entries_per_step
@@ -153,9 +152,8 @@ def _layer_node_kernel(*refs, st: LayerStatic, bottom: bool, entries_per_step: i
         q_lo = q_ref[row, pl.ds(0, half)].astype(jnp.float32)
         q_hi = q_ref[row, pl.ds(half, half)].astype(jnp.float32)
         qr_lo, qr_hi = q_lo * c - q_hi * s, q_hi * c + q_lo * s
-        scores = st.alpha * (
-            dot_rows(split_rows(qr_lo, score_precision, score_operands), k_lo, score_precision, score_operands)
-            + dot_rows(split_rows(qr_hi, score_precision, score_operands), k_hi, score_precision, score_operands))
+        scores = st.alpha * (dot_rows(split_rows(qr_lo, precision, operands), k_lo, precision, operands)
+                             + dot_rows(split_rows(qr_hi, precision, operands), k_hi, precision, operands))
         merged = ok & (node >= (span % 32)[:, None]) & (node < (span // 32)[:, None])  # [E, UNIT]
         if not bottom:
             position = jnp.clip(offset[:, None] + node, 0, Mp - 1)
@@ -208,7 +206,7 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
     H_kv, Gt, Vp]` float32; `index = node_index(parents, n, r, units)` (`parents`, `n`
     are read through it). `entries_per_step`: pairs per step (default: 64 rows)."""
     del parents, n  # read through the index
-    check_key_parts(k_phases, (key_parts(*score_spec(st)),))
+    check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gt, kp = q.shape
     bottom = keys is None
     dk_acc, dv_acc = accumulators

@@ -52,9 +52,27 @@ def test_non_finite_k_or_v_leaves_earlier_outputs_alone(rng, backend, r, top_k, 
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
+def test_gradients_of_earlier_outputs_ignore_a_non_finite_token(rng, backend):
+    """A loss over the outputs before `p` has the same gradients (bitwise) with a NaN or
+    infinity at `p` as without: finite, and zero for the bad entries themselves."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    T, p = 150, 97
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, T, 4, 2, 32, 32))
+    w = jnp.asarray(rng.standard_normal((1, p, 4, 32)).astype(np.float32))
+    loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=backend)[:, :p] * w)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    clean = grads(q, k, v)
+    bad = grads(q, k.at[0, p, 1, 5].set(jnp.nan), v.at[0, p, 0, 2].set(jnp.inf))
+    for name, got, want in zip("qkv", bad, clean):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    assert np.all(np.isfinite(np.asarray(bad[0]))) and float(jnp.max(jnp.abs(bad[1]))) > 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
 def test_non_finite_through_the_decode_cache(rng, backend):
     """A prompt with a NaN in row 0's values at `p`: row 0 equals its clean outputs before
-    `p`, NaN from `p` on, also for every token decoded after it; row 1 is untouched.
+    `p`, NaN in that value feature from `p` on, also for every token decoded after it;
+    row 1 is untouched.
     (`p` is the last child of a layer-1 node, which is the rightmost candidate, kept and
     never merged, of the queries just before `p`: a weight of 0 times NaN broke them.)"""
     config = HTreeConfig(compression_rate=4, top_k=4)
@@ -75,7 +93,8 @@ def test_non_finite_through_the_decode_cache(rng, backend):
 
     clean, bad = run(v), run(v_bad)
     np.testing.assert_array_equal(bad[0, :p], clean[0, :p])
-    assert np.all(np.isnan(bad[0, p:, 2:4])) and np.all(np.isfinite(bad[0, :, :2]))
+    # From p on the NaN reaches that feature of the group's outputs, as in dense attention.
+    assert np.all(np.isnan(bad[0, p:, 2:4, 3])) and np.all(np.isfinite(bad[0, :, :2]))
     np.testing.assert_array_equal(bad[1], clean[1])
 
 
@@ -111,6 +130,7 @@ def test_non_finite_on_gpu_compiled(rng, dtype):
         o_bad = htree_attention(*cast(q, k_bad, v_bad), config, backend="pallas")
         assert_causal_under_non_finite(o_clean, o_bad, p, i % H_kv, G)
     k_bad, v_bad = _with_bad_token(k, v, "v", np.nan, 3000, kv_head=0)
-    prefilled = [prefill(*cast(q, kk, vv), init_cache(1, T, H_kv, 64, 64, config, dtype), config, backend="pallas")[0]
-                 for kk, vv in ((k, v), (k_bad, v_bad))]
-    assert_causal_under_non_finite(*prefilled, 3000, 0, G)
+    clean, bad = (np.asarray(prefill(*cast(q, kk, vv), init_cache(1, T, H_kv, 64, 64, config, dtype), config,
+                                     backend="pallas")[0], np.float32) for kk, vv in ((k, v), (k_bad, v_bad)))
+    np.testing.assert_array_equal(bad[:, :3000], clean[:, :3000])
+    assert np.all(np.isnan(bad[:, 3000:, :G, 1])) and np.all(np.isfinite(bad[:, :, G:]))
