@@ -113,10 +113,9 @@ def _pallas_forward_bwd(config, interpret, residuals, cotangents):
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
     # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
     positions = jnp.arange(q.shape[1], dtype=jnp.int32)
-    poisoned = jnp.isnan(poison_rows(jnp.zeros(o.shape[:3] + (1,), jnp.float32), positions, first, k.shape[2]))
-    do, o = jnp.where(poisoned, 0, do), jnp.where(poisoned, 0, o)
+    dead = jnp.isnan(poison_rows(jnp.zeros(o.shape[:3] + (1,), jnp.float32), positions, first, k.shape[2]))[..., 0]
     dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, do, config,
-                                       interpret=interpret)
+                                       interpret=interpret, dead_rows=dead)
     dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
     dv = jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
     return dq, dk, dv

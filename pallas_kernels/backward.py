@@ -68,10 +68,13 @@ def _per_chunk(x, Qc: int, num_chunks: int):
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
 def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                          interpret: bool = False):
+                          interpret: bool = False, dead_rows=None):
     """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
     v`. `o [B, T, H, V]` and `lse [B, T, H]` from `htree_forward_pallas(...,
     return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller.
+    `dead_rows [B, T, H]` bool (optional): rows whose output is a constant (SPEC 10's NaN
+    rows), taken as having no cotangent; applied inside the copies of `do` and `o` the
+    backward makes anyway (masked copies made before the call cost 2 GB at T=131072).
     Bitwise deterministic."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
@@ -87,9 +90,11 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     st_top = dataclasses.replace(st_top, num_stages=1)
 
     rows = lambda x: x.reshape((B, T, H_kv, G) + x.shape[3:])
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    live = (lambda x: x) if dead_rows is None else (lambda x: jnp.where(dead_rows[..., None], 0.0, x))
+    do32 = live(do.astype(jnp.float32))
+    delta = jnp.sum(do32 * live(o.astype(jnp.float32)), axis=-1)
     lse4, delta4 = (_per_chunk(rows(x.astype(jnp.float32)), Qc, num_chunks) for x in (lse, delta))
-    do4 = _per_chunk(pad_axis(rows(do.astype(jnp.float32)), -1, vp), Qc, num_chunks)
+    do4 = _per_chunk(pad_axis(rows(do32), -1, vp), Qc, num_chunks)
 
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
     layer_acc = [node_buffers(B, H_kv, sizes[l], kp, vp) for l in range(L - 1)]
