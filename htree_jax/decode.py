@@ -241,8 +241,10 @@ def _attend(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
     if impl != "reference":
         from pallas_kernels.decode import attend_cache_pallas
 
+        # One new token is the newest in the cache: nothing after it can be NaN, so the
+        # decode kernels need not zero the values it does not merge (SPEC 10).
         return attend_cache_pallas(q, cache.keys, cache.values, positions, config,
-                                   interpret=impl == "pallas_interpret")
+                                   interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1)
     B, S, H, K = q.shape
     H_kv, V = cache.num_kv_heads, cache.values[0].shape[-1]
     chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))

@@ -90,11 +90,15 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     st_top = dataclasses.replace(st_top, num_stages=1)
 
     rows = lambda x: x.reshape((B, T, H_kv, G) + x.shape[3:])
-    live = (lambda x: x) if dead_rows is None else (lambda x: jnp.where(dead_rows[..., None], 0.0, x))
-    do32 = live(do.astype(jnp.float32))
-    delta = jnp.sum(do32 * live(o.astype(jnp.float32)), axis=-1)
-    lse4, delta4 = (_per_chunk(rows(x.astype(jnp.float32)), Qc, num_chunks) for x in (lse, delta))
+    do32 = do.astype(jnp.float32)
+    if dead_rows is not None:
+        do32 = jnp.where(dead_rows[..., None], 0.0, do32)
+        o = jnp.where(dead_rows[..., None], 0, o)
+    # `do4`, the padded float32 copy the chunks slice, is the one copy of `do` made; delta
+    # reads it back rather than share a second one (2 GB at T=131072).
     do4 = _per_chunk(pad_axis(rows(do32), -1, vp), Qc, num_chunks)
+    delta = jnp.sum(do4[:, :T, ..., : o.shape[-1]] * rows(o.astype(jnp.float32)), axis=-1)  # [B, T, H_kv, G]
+    lse4, delta4 = (_per_chunk(x, Qc, num_chunks) for x in (rows(lse.astype(jnp.float32)), delta))
 
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
     layer_acc = [node_buffers(B, H_kv, sizes[l], kp, vp) for l in range(L - 1)]

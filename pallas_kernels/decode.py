@@ -134,7 +134,7 @@ def _scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, s_ref, m_ref,
     t_ref[...] = total
 
 
-def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
+def _merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: bool):
     """One split's merged candidates folded into a partial state `(m, S, U)`: at the
     bottom every valid candidate, scored here; above it those not kept (`key < tau`),
     from the scores `_scores_kernel` stored (padding rows read as 0)."""
@@ -161,9 +161,13 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool):
             _, valid, nodes = candidate_nodes(par_ref, p0, span, n, st.r)
             scores = plgpu.load(sc_ref.at[:, pl.ds(j * span, span)], mask=real_rows, other=0.0)
             merged = valid & (keys_ref[pl.ds(j * span, span)] < tau)
-        # Values not merged are zeroed: a weight of 0 times a NaN value would still be
-        # NaN (SPEC 10; the kept rightmost node holds tokens after the query).
-        values = jnp.where(merged[:, None], v_ref[nodes, :], 0)
+        values = v_ref[nodes, :]
+        if zero_unmerged:
+            # A weight of 0 times a NaN value is still NaN (SPEC 10): where a query may
+            # precede appended tokens, the values it does not merge are zeroed. Only then:
+            # the select puts the tile through registers before the product (H200: +12 us
+            # a decode step).
+            values = jnp.where(merged[:, None], values, 0)
         block = (jnp.where(merged[None, :], scores, NEG_INF), values)
         return fold_merged(carry, [block], precision, operands)
 
@@ -218,9 +222,9 @@ def decode_scores_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, inte
     )(q, parents, n, layer_k, cos, sin)
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "zero_unmerged"))
 def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, cos, sin, st: LayerStatic,
-                        interpret: bool = False):
+                        interpret: bool = False, zero_unmerged: bool = True):
     """Partial states `(m, S [B, Q, H_kv, splits, Gp], U [..., Gp, V])` of a layer's
     merged candidates. Bottom layer (`keys=None`): `q_or_scores` is the queries
     `[B, Q, H_kv, Gp, K]` and every valid candidate merges; above it, the scores from
@@ -237,7 +241,7 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
         in_specs = [sp["scores"], sp["parents"], sp["n"], sp["keys"], sp["tau"], sp["v"]]
         args = (q_or_scores, parents, n, keys, tau, layer_v)
     return tuple(pl.pallas_call(
-        functools.partial(_merge_kernel, st=st, bottom=bottom),
+        functools.partial(_merge_kernel, st=st, bottom=bottom, zero_unmerged=zero_unmerged),
         grid=(B, Q, H_kv, splits),
         in_specs=in_specs,
         out_specs=[sp["vec"], sp["vec"], sp["mat"]],
@@ -294,7 +298,8 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
     ), Mp
 
 
-def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos, sin, interpret: bool):
+def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos, sin, interpret: bool,
+          zero_unmerged: bool = True):
     """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [Q]`.
     Returns `(o [B, Q, H_kv, Gp, V] float32, selections)`."""
     r, L = config.compression_rate, len(keys)
@@ -310,14 +315,16 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
     for l in reversed(range(L)):
         n = candidate_count(num_parents(parents), t, r, l).astype(jnp.int32)
         if l == 0:
-            partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, st, interpret)
+            partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, st, interpret,
+                                           zero_unmerged)
         else:
             scores, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret)
             m, total = combine_max_sum(m, total)
             shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
             packed = keys_from_scores(scores, shift.reshape(m.shape), n, st)
             next_parents, tau = select_top_k_pallas(packed, parents, n, st, interpret)
-            partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, st, interpret)
+            partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, st, interpret,
+                                           zero_unmerged)
             parents = next_parents[..., :P]
             selections.append(parents[..., : config.top_k])
         state = fold_partials(state, partials)
@@ -332,15 +339,20 @@ def query_chunk(config: HTreeConfig, B: int, S: int, H_kv: int, gp: int, Mp: int
     return int(max(1, min(S, block_sizes.chunk_budget_bytes // per_query)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "zero_unmerged"))
 def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
-                        block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False):
+                        block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
+                        zero_unmerged: bool = True):
     """htree attention of queries `q [B, S, H, K]` (un-rotated) at token positions
     `positions [S]` (int32, may be traced) over a decode cache's tree: `keys`, `values`
     the per-layer `[B, N_l, H_kv, K]`, `[B, N_l, H_kv, V]` (bottom first, un-rotated).
     The twin of `htree_jax.reference.attend_tree(..., keys_rotated=False)`: returns
     `(o [B, S, H, V] in q.dtype, selections)`, selections top first, `[B, S, H_kv,
-    top_k]`. Dims as `check_pallas_decode_dims` allows (checked by the caller)."""
+    top_k]`. Dims as `check_pallas_decode_dims` allows (checked by the caller).
+    `zero_unmerged=False` skips zeroing the values a query does not merge, which only
+    matters (SPEC 10: a NaN value times a weight of 0) where the cache holds tokens
+    after a query: safe only when every query is the newest token, as in a one-token
+    decode step."""
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], values[0].shape[-1]
     G = H // H_kv
@@ -356,7 +368,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     def chunk(i):
         qc = lax.dynamic_slice_in_dim(q5, i * C, C, axis=1)
         t = lax.dynamic_slice_in_dim(padded, i * C, C)
-        return _walk(qc, t, keys, values, config, st, Mp, cos, sin, interpret)
+        return _walk(qc, t, keys, values, config, st, Mp, cos, sin, interpret, zero_unmerged)
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, C, H_kv, Gp, V] -> [B, S, H, V]
