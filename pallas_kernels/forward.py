@@ -44,33 +44,37 @@ MIN_DIM, MAX_DIM, MAX_GROUP = 32, 256, 16
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    # Below the top layer: candidates per score product, all scored with one rotation
-    # of the query (the layer's keys are kept in span/r rotated copies, at most 16;
-    # raised to >= 16 and >= r), and candidates per inner step (a multiple of it).
+    """Tiling and launch parameters of the forward (and the backward, which shares them).
+    Each default is the fastest of an H200 sweep at T=131072 (bf16, H=32, H_kv=4, K=V=128);
+    the sweeps' figures are in benchmarks/RESULTS.md, under the date given."""
+
+    # Below the top layer: candidates per score product, all scored with one rotation of
+    # the query (the keys are kept in span/r rotated copies: a query rotation per slot
+    # costs more than the gathers, 2026-11-22 (later)); candidates per inner step.
     span: int = 64
     tile: int = 64
     # Top layer: rows (queries x heads) per program and candidates per step. All queries
-    # share the top layer's candidates, so one key tile serves `top_rows` rows.
+    # share the top layer's candidates, so one key tile serves `top_rows` rows; 256 rows
+    # overflow shared memory (2026-11-22, top-layer sweep).
     top_rows: int = 128
     top_tile: int = 64
     top_num_warps: int = 8
-    # The top layer's importance kernel (H200, T=131072, 3xTF32 split in the kernel:
-    # tile 64 / 2 stages 199 ms; with keys split in memory, two tiles per step: tile 64 /
-    # 2 stages out of shared memory, 64 / 1 stage 215 ms, 32 / 2 stages 260 ms).
+    # The top layer's importance kernel is bound by its products, not its loads: the
+    # 3xTF32 split done in the kernel and two pipeline stages beat keys pre-split in
+    # memory, which fit one stage only (2026-11-22 (later)).
     top_keys_tile: int = 64
     top_keys_stages: int = 2
-    # Per-query kernels below the top (importance; merges). H200, T=131072, bf16 inputs:
-    # importance (top_k=64, layer 1) 114 ms at 2 warps, 135 at 4, 217 at 8; the bottom
-    # merge with span 64 at 2 warps (probe: 338 ms vs 407 at 4, 2506 at 1).
+    # Per-query kernels below the top (importance; merges): 16-row products of gathered
+    # tiles keep 2 warps busiest (4 and 8 were slower, 1 far slower; 2026-11-22 (later)).
     num_warps: int = 2
     merge_num_warps: int = 2
     num_stages: int = 2
     # Merges above the bottom read the scores their importance pass stored
-    # (`merge_scored_pallas`): H200, T=131072, top_k=64, 4 warps 34 ms, 2 warps 59 ms
-    # (re-gathering and scoring the keys instead: 54 ms; benchmarks/RESULTS.md).
+    # (`merge_scored_pallas`), no key gathers: with less per candidate to load, 4 warps
+    # hide the latency best (2026-11-22 (session 4)).
     scored_merge_num_warps: int = 4
-    # Per-chunk buffers (see `chunk_size`). H200, T=131072, top_k=64: 2 GiB (18 chunks)
-    # 167 ms end to end, 1 GiB (36 chunks) 171 ms.
+    # Per-chunk buffers (see `chunk_size`): fewer, larger chunks launch less (2 GiB ran
+    # 2% faster than 1 GiB end to end, 2026-11-22 (session 4)), within `Qc * Mp <= T * top_k`.
     chunk_budget_bytes: int = 2 << 30
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from htree_jax.reference import num_top_parents
 from reference_numpy.htree_numpy import rope
 
 
@@ -16,7 +17,7 @@ def leaf_set(t, selected_for_query, config, seq_len):
     r = config.compression_rate
     L = config.num_layers(seq_len)
     assert len(selected_for_query) == L - 1
-    parents = np.arange(t // r ** (L - 1) // r + 1)
+    parents = np.arange(num_top_parents(t, r, L))
     leaves = []
     for depth, l in enumerate(reversed(range(L))):
         c_star = (t // r**l) % r
