@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax.config import HTreeConfig
-from htree_jax.non_finite import first_non_finite, poison_rows, zero_non_finite
+from htree_jax.non_finite import dead_rows, first_non_finite, poison_rows, zero_non_finite
 from htree_jax.reference import htree_attention_reference
 from htree_jax.validation import check_config, check_qkv
 
@@ -95,7 +95,7 @@ def _guarded_pallas_forward(q, k, v, config, interpret):
     first = first_non_finite(k, v, positions)
     o, selected, lse = htree_forward_pallas(q, zero_non_finite(k), zero_non_finite(v), config,
                                             interpret=interpret, return_lse=True)
-    return poison_rows(o, positions, first, k.shape[2]), selected, lse, first
+    return poison_rows(o, positions, first), selected, lse, first
 
 
 def _pallas_forward_fwd(q, k, v, config, interpret):
@@ -113,9 +113,8 @@ def _pallas_forward_bwd(config, interpret, residuals, cotangents):
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
     # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
     positions = jnp.arange(q.shape[1], dtype=jnp.int32)
-    dead = jnp.isnan(poison_rows(jnp.zeros(o.shape[:3] + (1,), jnp.float32), positions, first, k.shape[2]))[..., 0]
     dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, do, config,
-                                       interpret=interpret, dead_rows=dead)
+                                       interpret=interpret, dead_rows=dead_rows(positions, first, q.shape[2]))
     dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
     dv = jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
     return dq, dk, dv
@@ -186,4 +185,4 @@ def _attend(q, k, v, config: HTreeConfig, impl: str):
     positions = jnp.arange(q.shape[1], dtype=jnp.int32)
     first = first_non_finite(k, v, positions)
     o, selected = htree_attention_reference(q, zero_non_finite(k), zero_non_finite(v), config)
-    return poison_rows(o, positions, first, k.shape[2]), selected
+    return poison_rows(o, positions, first), selected

@@ -1,18 +1,20 @@
 """SPEC 10: a NaN or infinity at position `p` of `k` or `v` changes no output at `t < p`.
 
-Every backend gets this the same way, around the attention rather than inside each
-kernel: the non-finite entries of `k` and `v` are replaced by 0 before the tree is built,
-and every output row at or after the first position that held one (per batch row and kv
-head) is set to NaN afterwards.
+Full-sequence attention (`htree_attention`, every backend, forward and gradients): the
+non-finite entries of `k` and `v` are replaced by 0 before the tree is built, and every
+output row at or after the first position that held one (per batch row and kv head) is
+set to NaN afterwards, as dense causal attention gives: every later query weighs the bad
+token. Why around the kernels, not inside them: a product `w @ values` with `w = 0` and
+a NaN value is NaN, and the top layer's block kernels serve queries on both sides of `p`
+with one product (rows `t < p` must ignore a value row that rows `t >= p` merge), which
+no mask on the value tile can fix. With finite inputs the replacement is the identity,
+and by strict causality (SPEC 3) the outputs before `p` do not depend on the replaced
+values. The Pallas backend applies it inside its `custom_vjp`, fused into copies it makes
+anyway (H200: no measurable time, no extra memory; benchmarks/RESULTS.md).
 
-Why not inside the kernels: a product `w @ values` with `w = 0` and a NaN value is NaN,
-and the top layer's block kernels serve queries on both sides of `p` with one product
-(rows `t < p` must ignore the value row that rows `t >= p` merge), which masking cannot
-fix without a per-row test in every step. With finite inputs the replacement is the
-identity, so nothing changes; by strict causality (SPEC 3) the outputs at `t < p` do not
-depend on the replaced values; and the rows `t >= p` read NaN, as they would in dense
-causal attention, where every later query weighs the bad token. The cost is one pass
-over `k`, `v` (the first position) and a select fused into the output's last copy.
+Decoding does without: its kernels serve one query per program, so zeroing the values a
+query does not merge is exact (`htree_jax.reference.merge`, the decode merge kernel), and
+the NaN stays in the cache's tree, reaching later outputs as in dense attention.
 """
 
 from __future__ import annotations
@@ -34,10 +36,14 @@ def zero_non_finite(x):
     return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
 
 
-def poison_rows(o, positions, first, num_kv_heads: int):
-    """`o [B, S, H, V]` with NaN in every row whose position `positions[s]` is at or after
-    `first[b, h // G]` (`first_non_finite`), `G = H / H_kv`."""
-    B, S, H, _ = o.shape
-    first_per_head = jnp.repeat(first, H // num_kv_heads, axis=1)  # [B, H]
-    poisoned = positions[None, :, None] >= first_per_head[:, None, :]  # [B, S, H]
-    return jnp.where(poisoned[..., None], jnp.asarray(jnp.nan, o.dtype), o)
+def dead_rows(positions, first, num_heads: int):
+    """`[B, S, H]` bool: the rows whose position `positions[s]` is at or after
+    `first[b, h // G]` (`first_non_finite`, `[B, H_kv]`), `G = H / H_kv`."""
+    first_per_head = jnp.repeat(first, num_heads // first.shape[1], axis=1)  # [B, H]
+    return positions[None, :, None] >= first_per_head[:, None, :]
+
+
+def poison_rows(o, positions, first):
+    """`o [B, S, H, V]` with NaN in every `dead_rows` row."""
+    dead = dead_rows(positions, first, o.shape[2])
+    return jnp.where(dead[..., None], jnp.asarray(jnp.nan, o.dtype), o)
