@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig
-from htree_jax.bench import H_KV, B, H, V, inputs, median_ms
+from htree_jax.bench import H_KV, INPUTS, B, H, V, median_ms
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import BlockSizes, chunk_queries, htree_forward_pallas, prepare, valid_candidates
@@ -41,10 +41,12 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--node-variants", default="", help="also time the node kernel at entries:warps, e.g. 32:4,8:2")
+    p.add_argument("--inputs", default="random", choices=sorted(INPUTS),
+                   help="random, or correlated (htree_jax.bench.correlated_inputs)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip, T, config = args.interpret, args.T, HTreeConfig(top_k=args.top_k)
-    q, k, v = inputs(T)
+    q, k, v = INPUTS[args.inputs](T)
     bs = BlockSizes()
     prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, Precisions.for_dtype(q.dtype),
                                            for_backward=True))(q, k, v)
@@ -67,7 +69,7 @@ def main(argv=None):
         rows.append((name, median_ms(jax.jit(fn), a, args.iters), chunks))
         return jax.jit(fn)(*a)
 
-    print(f"T={T} top_k={args.top_k} layers={sizes} chunk {Qc} x {chunks}", flush=True)
+    print(f"{args.inputs} inputs, T={T} top_k={args.top_k} layers={sizes} chunk {Qc} x {chunks}", flush=True)
     qc, t, n_top, q_top, (keys, tau, parents) = timed(
         "chunk set-up + top layer importance and top-K (recomputed)", lambda: chunk_queries(prep, c, T, L, ip))
     top = (q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig
-from htree_jax.bench import H_KV, B, H, K, dense_fn, inputs, median_ms
+from htree_jax.bench import H_KV, INPUTS, B, H, K, dense_fn, median_ms
 from htree_jax.reference import top_layer_parents
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import BlockSizes, htree_forward_pallas, prepare, valid_candidates
@@ -59,11 +59,13 @@ def main(argv=None):
     p.add_argument("--merge-operands", default="auto", help="auto, float32, or a dtype name")
     p.add_argument("--importance-operands", default="auto", help="auto, float32 (3xTF32), bf16x3 or a dtype name")
     p.add_argument("--merge-variants", action="store_true", help="time warp/tile variants of the scored merge too")
+    p.add_argument("--inputs", default="random", choices=sorted(INPUTS),
+                   help="random, or correlated (htree_jax.bench.correlated_inputs)")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip = args.interpret
     T, config = args.T, HTreeConfig(top_k=args.top_k)
-    q, k, v = inputs(T)
+    q, k, v = INPUTS[args.inputs](T)
     bs = BlockSizes(span=args.span, tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, top_num_warps=args.top_warps,
                     top_keys_tile=args.top_keys_tile, chunk_budget_bytes=int(args.chunk_gb * 2**30), top_keys_stages=args.top_keys_stages,
                     num_warps=args.warps,
@@ -150,7 +152,7 @@ def main(argv=None):
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
     whole = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs, ip, precisions)[0])
     whole_ms = median_ms(whole, (q, k, v), args.iters)
-    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: T={T} top_k={args.top_k} "
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: {args.inputs} inputs, T={T} top_k={args.top_k} "
           f"layers={config.layer_sizes(T)} B={B} H={H} H_kv={H_KV} K=V={K} bf16, score dots {st.precision}, "
           f"span {st.span}, tile {st.tile} (top: {st_top.tile}), warps {st.num_warps}/{st.merge_num_warps}, merge operands {st.merge_operands}, importance operands {st.importance_operands}, {chunks} chunks of {Qc} positions")
     print("| stage | per chunk ms | chunks | total ms |\n|---|---|---|---|")
