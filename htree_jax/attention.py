@@ -86,9 +86,8 @@ def _pallas_forward(q, k, v, config, interpret):
 def _guarded_pallas_forward(q, k, v, config, interpret):
     """The Pallas forward under SPEC 10's guard (`htree_jax.non_finite`), inside the
     `custom_vjp`: the zeroed `k`, `v` feed the forward's own padded copies and the NaN
-    rows its output's last copy, so no extra input or output buffer lives for the
-    backward (outside it, the guarded output and the saved one were two buffers, and so
-    were the cotangent and its masked copy: +2 GB planned at T=131072 on an H200)."""
+    rows its output's last copy, and the output the backward saves is the one returned,
+    so the guard adds no input- or output-sized buffer for the backward to keep."""
     from pallas_kernels.forward import htree_forward_pallas
 
     positions = jnp.arange(q.shape[1], dtype=jnp.int32)

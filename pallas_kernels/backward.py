@@ -74,7 +74,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller.
     `dead_rows [B, T, H]` bool (optional): rows whose output is a constant (SPEC 10's NaN
     rows), taken as having no cotangent; applied inside the copies of `do` and `o` the
-    backward makes anyway (masked copies made before the call cost 2 GB at T=131072).
+    backward makes anyway, not as masked copies of its own.
     Bitwise deterministic."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
@@ -95,7 +95,8 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
         do32 = jnp.where(dead_rows[..., None], 0.0, do32)
         o = jnp.where(dead_rows[..., None], 0, o)
     # `do4`, the padded float32 copy the chunks slice, is the one copy of `do` made; delta
-    # reads it back rather than share a second one (2 GB at T=131072).
+    # reads it back rather than share a second one (float32 `do` is 2 GiB at T=131072,
+    # H=32, V=128).
     do4 = _per_chunk(pad_axis(rows(do32), -1, vp), Qc, num_chunks)
     delta = jnp.sum(do4[:, :T, ..., : o.shape[-1]] * rows(o.astype(jnp.float32)), axis=-1)  # [B, T, H_kv, G]
     lse4, delta4 = (_per_chunk(x, Qc, num_chunks) for x in (rows(lse.astype(jnp.float32)), delta))
