@@ -22,7 +22,7 @@ from htree_jax import HTreeConfig
 from htree_jax.reference import htree_attention_reference
 from jax import lax
 
-from pallas_kernels.forward import htree_forward_pallas
+from pallas_kernels.forward import BlockSizes, htree_forward_pallas
 from pallas_kernels.precision import Precisions
 from reference_numpy import htree_attention_numpy
 
@@ -31,7 +31,8 @@ PRECISIONS = {"auto": None, "default": lax.Precision.DEFAULT, "high": lax.Precis
               "highest": lax.Precision.HIGHEST}
 
 
-def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0, precision=None, importance_operands="auto"):
+def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0, precision=None, importance_operands="auto",
+          block_sizes=BlockSizes()):
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((B, T, H, K)), dtype)
     k = jnp.asarray(rng.standard_normal((B, T, H_kv, K)), dtype)
@@ -42,7 +43,8 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0, precision=None
     precisions = Precisions.for_dtype(dtype) if precision is None else Precisions.uniform(precision)
     if importance_operands != "auto":
         precisions = dataclasses.replace(precisions, importance_operands=importance_operands)
-    o, sel = jax.block_until_ready(htree_forward_pallas(q, k, v, config, precisions=precisions))
+    o, sel = jax.block_until_ready(htree_forward_pallas(q, k, v, config, block_sizes,
+                                                                       precisions=precisions))
     t_pallas = time.perf_counter() - t0
     ro, rsel = jax.block_until_ready(htree_attention_reference(q, k, v, config))
     same = [float(np.mean(np.all(np.asarray(a) == np.asarray(b), axis=-1))) for a, b in zip(sel, rsel)]
@@ -76,8 +78,11 @@ def main(argv=None):
     p.add_argument("--importance-operands", default="auto",
                    help="bfloat16 inputs: operands of the importance dots: auto (the backend's default), "
                         "float32 (3xTF32), bf16x3, or a dtype name")
+    p.add_argument("--union-limit", type=float, default=BlockSizes.union_limit,
+                   help="the bottom's query blocks: 0 forces the per-query path, 1 the union path on every block")
     args = p.parse_args(argv)
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    block_sizes = BlockSizes(union_limit=args.union_limit)
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, union limit {args.union_limit}", flush=True)
     ok = True
     for T in [int(s) for s in args.sizes.split(",")]:
         for mode in ["softmax", "shared_max"]:
@@ -86,7 +91,7 @@ def main(argv=None):
                 imp = args.importance_operands if dtype == jnp.bfloat16 else "auto"
                 imp = None if imp == "float32" else imp
                 same, rel, worst, secs, frag, rel_all = check(T, dtype, config, precision=PRECISIONS[prec],
-                                                              importance_operands=imp)
+                                                              importance_operands=imp, block_sizes=block_sizes)
                 # Selections must match on >= 99.9% of parent lists (near-ties may flip);
                 # outputs are compared where every layer's selection matches.
                 good = rel <= rel_tol and min(same, default=1.0) >= (0.999 if dtype == jnp.float32 else 0.99)

@@ -38,6 +38,7 @@ from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases, r
 from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.top_layer import top_importance_keys_pallas, top_merge_pallas
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
+from pallas_kernels.union import block_union, union_members, union_merge_pallas
 
 MIN_DIM, MAX_DIM, MAX_GROUP = 32, 256, 16
 
@@ -73,6 +74,17 @@ class BlockSizes:
     # (`merge_scored_pallas`), no key gathers: with less per candidate to load, 4 warps
     # hide the latency best (2026-11-22 (session 4)).
     scored_merge_num_warps: int = 4
+    # The bottom merge over query blocks (`union.py`): `union_queries` consecutive queries
+    # walk the union of their parent lists when it holds at most `union_limit` of their
+    # `union_queries * P` parent slots (its static buffer), else the per-query path.
+    # Off by default (`union_limit=0`; `1` sends every block through it, as tests do):
+    # on an H200 at T=131072 (correlated inputs, union 0.10-0.19 of the slots) it ran
+    # 1.6-2.2x slower than the per-query path, whose gathers the L2 already shares
+    # (2026-11-23, benchmarks/RESULTS.md). The other three are that sweep's fastest.
+    union_queries: int = 8
+    union_limit: float = 0.0
+    union_num_warps: int = 4
+    union_step: int = 4  # union nodes folded per step (their loads issued together)
     # Per-chunk buffers (see `chunk_size`): fewer, larger chunks launch less (2 GiB ran
     # 2% faster than 1 GiB end to end, 2026-11-22 (session 4)), within `Qc * Mp <= T * top_k`.
     chunk_budget_bytes: int = 2 << 30
@@ -102,18 +114,29 @@ def layout(config: HTreeConfig, block_sizes: BlockSizes):
     return span, tile, P, P * r
 
 
-def chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows=0):
+def union_width(block_sizes: BlockSizes, P: int) -> int:
+    """Parents a query block's union buffer holds (`union.block_union`), a power of two;
+    0 when the union path is off (`union_limit <= 0` or blocks of one query)."""
+    bq = block_sizes.union_queries
+    if block_sizes.union_limit <= 0 or bq <= 1:
+        return 0
+    return min(next_power_of_two(bq * P), next_power_of_two(max(1.0, block_sizes.union_limit * bq * P)))
+
+
+def chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows=0, union_bytes=0):
     """Query positions per chunk: the per-chunk buffers (packed keys and next parents,
-    int32, and `score_rows` float32 scores per candidate where a layer below the top
-    selects) within `chunk_budget_bytes`, and `Qc * Mp <= T * top_k`."""
-    per_query = (8 + 4 * score_rows) * B * H_kv * Mp
+    int32, `score_rows` float32 scores per candidate where a layer below the top
+    selects, and `union_bytes` per (query, kv head) for the bottom's query blocks)
+    within `chunk_budget_bytes`, and `Qc * Mp <= T * top_k`."""
+    per_query = (8 + 4 * score_rows) * B * H_kv * Mp + union_bytes * B * H_kv
     limit = max(1, min(block_sizes.chunk_budget_bytes // per_query, T // config.compression_rate, T))
     return int(limit)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4"],
-                   meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk"])
+                   meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk", "union_width",
+                                "union_queries", "union_step", "st_union"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
@@ -134,7 +157,11 @@ class Prepared:
     st_top: LayerStatic  # the top layer: `block_queries` queries per program
     st_top_keys: LayerStatic  # its importance kernel (its own tile and pipeline depth)
     parents_width: int  # P
-    chunk: int  # Qc, a multiple of st_top.block_queries
+    chunk: int  # Qc, a multiple of st_top.block_queries and of union_queries
+    union_width: int  # parents per query block's union buffer; 0: the union path is off
+    union_queries: int  # queries per block of the bottom's union path
+    union_step: int  # union nodes per step
+    st_union: LayerStatic  # the union kernel's launch
 
 
 def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool,
@@ -187,10 +214,17 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
                       key_operands(phases, *merge_spec) if l == 0 or for_backward else None, vl))
     # Layers below the top that select (L >= 3) store their scores per chunk.
     score_rows = next_power_of_two(G, 16) if len(config.layer_sizes(T)) >= 3 else 0
-    Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows) // bq) * bq
+    # The bottom's query blocks (L >= 2): the slots `[BQ, width]` per block, the sorted
+    # parent lists and their payloads (`block_union`'s temporaries), int32.
+    width = union_width(block_sizes, P) if len(config.layer_sizes(T)) >= 2 else 0
+    union_bytes = 4 * (width + 4 * P) if width else 0
+    multiple = max(bq, block_sizes.union_queries if width else 1)
+    Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows, union_bytes) // multiple) * multiple
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
-    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc)
+    st_union = dataclasses.replace(st, num_warps=block_sizes.union_num_warps)
+    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc, width,
+                    block_sizes.union_queries, block_sizes.union_step, st_union)
 
 
 def valid_candidates(parents, t, layer: int, prep: Prepared):
@@ -220,6 +254,23 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool):
     return qc, t, n_top, q_top, (keys, tau, next_parents[..., : prep.parents_width])
 
 
+def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: int, interpret: bool, out_dtype):
+    """The bottom layer of a chunk: `(o, lse)` `[B, Qc, H_kv, Gp, Vp]`, `[B, Qc, H_kv, Gp]`.
+    Blocks of `union_queries` queries whose parents' union fits the buffer go through
+    `union_merge_pallas`, the other queries through the per-query `merge_pallas`
+    (writing into the same outputs)."""
+    _, k_merge, v0 = prep.layers[0]
+    n = valid_candidates(parents, t, 0, prep)
+    args = (q_rows, parents, n, k_merge, v0, prep.cos, prep.sin, state, prep.st, interpret)
+    if not prep.union_width:
+        return merge_pallas(*args, out_dtype=out_dtype, return_lse=True)
+    union, size, slots = block_union(parents, prep.union_queries, prep.union_width, num_parent_nodes)
+    prior = union_merge_pallas(q_rows, union, size, slots, n, k_merge, v0, prep.cos, prep.sin, state, prep.st_union,
+                               prep.union_step, interpret, out_dtype=out_dtype, return_lse=True)
+    skip = union_members(size, prep.union_width, prep.union_queries)
+    return merge_pallas(*args, out_dtype=out_dtype, return_lse=True, skip=skip, prior=prior)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False):
@@ -239,6 +290,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
     num_chunks = prep.q4.shape[1] // Qc
     vp = prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
+    layer_sizes = config.layer_sizes(T)
 
     def empty_state(rows):
         return (jnp.full((B, Qc, H_kv, rows), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_kv, rows), jnp.float32),
@@ -266,9 +318,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
             state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
             parents = next_parents[..., :P]
             selections.append(parents[..., : config.top_k])
-        _, k_merge, v0 = prep.layers[0]
-        o, lse = merge_pallas(q_rows, parents, valid_candidates(parents, t, 0, prep), k_merge, v0, prep.cos,
-                              prep.sin, state, st, interpret, out_dtype=q.dtype, return_lse=True)
+        o, lse = bottom_merge(prep, q_rows, parents, t, state, layer_sizes[1], interpret, q.dtype)
         return o[:, :, :, :G], lse[..., :G], selections
 
     o, lse, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
