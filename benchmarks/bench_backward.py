@@ -33,10 +33,35 @@ from htree_jax.bench import (
 )
 
 
-def grad_fn(forward):
+def grad_fn(forward, cotangent: str = "weights"):
+    """`weights`: `jax.grad` of `sum(o * w)`, `w` float32; `bf16`: the vjp of `o` with a
+    bfloat16 cotangent passed in (what a training step sends through attention)."""
+    if cotangent == "bf16":
+        def step(q, k, v, do):
+            return jax.vjp(forward, q, k, v)[1](do)
+        return jax.jit(step)
+
     def loss(q, k, v, w):
         return jnp.sum(forward(q, k, v).astype(jnp.float32) * w)
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def kernels_fn(config, save_selections: bool):
+    """The Pallas forward then backward, called directly (no SPEC 10 guard), the
+    backward given the forward's selections or recomputing them."""
+    from pallas_kernels.backward import htree_backward_pallas
+    from pallas_kernels.forward import htree_forward_pallas
+
+    def step(q, k, v, do):
+        o, selected, lse = htree_forward_pallas(q, k, v, config, return_lse=True)
+        return htree_backward_pallas(q, k, v, o, lse, do, config, selections=selected if save_selections else None)
+    return jax.jit(step)
+
+
+def peak_gib():
+    """The device's peak memory in use so far in this process, GiB."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", float("nan")) / 2**30
 
 
 def main(argv=None) -> int:
@@ -46,23 +71,35 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", default="512,64")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--inputs", default="random", help="random, correlated (htree_jax.bench.correlated_inputs) or both")
+    p.add_argument("--cotangent", default="weights", choices=["weights", "bf16"],
+                   help="weights: grad of sum(o * w), w float32; bf16: vjp with a bfloat16 cotangent argument")
+    p.add_argument("--no-dense", action="store_true", help="htree only (e.g. T=1M, where dense takes a minute)")
+    p.add_argument("--selections", action="store_true",
+                   help="also time the kernels alone, the backward given / recomputing the forward's selections")
     args = p.parse_args(argv)
     kinds = input_kinds(args.inputs)
     print(gpu_header("backward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}; forward+backward",
                      f"python benchmarks/bench_backward.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
           flush=True)
     parse = int_list
-    lines = ["| inputs | T | top_k | layers | htree fwd+bwd ms | dense cuDNN fwd+bwd ms | dense/htree | htree GB | "
-             "dense GB |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"cotangent: {args.cotangent}",
+             "| inputs | T | top_k | layers | htree fwd+bwd ms | dense cuDNN fwd+bwd ms | dense/htree | htree GB | "
+             "dense GB | device peak GiB so far |", "|---|---|---|---|---|---|---|---|---|---|"]
     for kind, top_k in [(kind, top_k) for kind in kinds for top_k in parse(args.top_k)]:
         config = HTreeConfig(top_k=top_k)
-        htree = grad_fn(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
-        dense = grad_fn(dense_fn(config))
+        htree = grad_fn(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"), args.cotangent)
+        dense = grad_fn(dense_fn(config), args.cotangent)
         for T in parse(args.sizes) + parse(args.long):
             q, k, v = INPUTS[kind](T)
-            w = jax.random.normal(jax.random.key(1), (B, T, H, V), jnp.float32)
+            if args.cotangent == "bf16":
+                w = jax.random.normal(jax.random.key(1), (B, T, H, V), jnp.bfloat16)
+            else:
+                w = jax.random.normal(jax.random.key(1), (B, T, H, V), jnp.float32)
             h_ms, h_gb = median_ms(htree, (q, k, v, w), args.iters), planned_gb(htree, (q, k, v, w))
+            peak = peak_gib()
             try:
+                if args.no_dense:
+                    raise RuntimeError("--no-dense")
                 d_ms, d_gb = median_ms(dense, (q, k, v, w), args.iters), planned_gb(dense, (q, k, v, w))
                 ratio = f"{d_ms / h_ms:.3f}"
             except Exception as e:  # noqa: BLE001 - report, e.g. out of memory
@@ -70,8 +107,16 @@ def main(argv=None) -> int:
                 ratio = "-"
                 print(f"dense T={T}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             lines.append(f"| {kind} | {T} | {top_k} | {', '.join(map(str, config.layer_sizes(T)))} | {h_ms:.1f} | "
-                         f"{d_ms:.1f} | {ratio} | {h_gb:.2f} | {d_gb:.2f} |")
+                         f"{d_ms:.1f} | {ratio} | {h_gb:.2f} | {d_gb:.2f} | {peak:.1f} |")
             print(lines[-1], flush=True)
+            if args.selections:
+                do = w.astype(q.dtype)
+                for save in (True, False):
+                    fn = kernels_fn(config, save)
+                    ms, gb = median_ms(fn, (q, k, v, do), args.iters), planned_gb(fn, (q, k, v, do))
+                    lines.append(f"| {kind} | {T} | {top_k} | kernels only, selections "
+                                 f"{'saved' if save else 'recomputed'} | {ms:.1f} | | | {gb:.2f} | | |")
+                    print(lines[-1], flush=True)
     print("\n".join(lines))
     return 0
 

@@ -98,22 +98,27 @@ def _guarded_pallas_forward(q, k, v, config, interpret):
 
 
 def _pallas_forward_fwd(q, k, v, config, interpret):
-    # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)) and the first
-    # non-finite positions; the selections are recomputed there by the same kernels.
+    # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)), the first
+    # non-finite positions and the selections (`BlockSizes.save_selections`; else they
+    # are recomputed there by the same kernels).
+    from pallas_kernels.forward import BlockSizes
+
     o, selected, lse, first = _guarded_pallas_forward(q, k, v, config, interpret)
-    return (o, selected), (q, k, v, o, lse, first)
+    saved = selected if BlockSizes().save_selections else None
+    return (o, selected), (q, k, v, o, lse, first, saved)
 
 
 def _pallas_forward_bwd(config, interpret, residuals, cotangents):
     from pallas_kernels.backward import htree_backward_pallas
 
-    q, k, v, o, lse, first = residuals
+    q, k, v, o, lse, first, saved = residuals
     do, _ = cotangents  # the selections are integers: no cotangent
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
     # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
     positions = jnp.arange(q.shape[1], dtype=jnp.int32)
     dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, do, config,
-                                       interpret=interpret, dead_rows=dead_rows(positions, first, q.shape[2]))
+                                       interpret=interpret, dead_rows=dead_rows(positions, first, q.shape[2]),
+                                       selections=saved)
     dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
     dv = jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
     return dq, dk, dv

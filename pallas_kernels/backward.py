@@ -1,9 +1,15 @@
 """The Pallas backward of htree attention (SPEC 5): `htree_backward_pallas`.
 
-Selections are recomputed, chunk by chunk, with the forward's own kernels (importance
-keys and shared top-K: the same launches on the same inputs, so the same selections);
-nothing per candidate is saved between the passes. Every layer's scores are recomputed
-with the merge dots (bfloat16 operands for bfloat16 inputs). Between the top and the
+The selections are the forward's (`selections=`, what `htree_attention` passes: the
+forward returns them anyway, `(L-1) * B*T*H_kv*top_k` int32 kept between the passes); the
+candidates each layer kept are marked from them (`kept_keys`). Without them they are
+recomputed, chunk by chunk, with the forward's own kernels (importance keys and shared
+top-K: the same launches on the same inputs, so the same selections and the same
+gradient bits). On an H200 at T=131072 the saved selections made forward+backward 8%
+(top_k=512) and 10% (top_k=64) faster for 0.8 / 0.07 GB more planned memory
+(benchmarks/RESULTS.md). Nothing per candidate is saved between the passes.
+
+Every layer's scores are recomputed with the merge dots (bfloat16 operands for bfloat16 inputs). Between the top and the
 bottom the forward merged from the importance pass's float32-grade scores (`BF16X3`),
 so there `p = exp(s - lse)` mixes the two: a bfloat16-level difference, bounded by
 `tests/test_pallas_backward.py` (scoring those layers with `BF16X3` here made the whole
@@ -23,7 +29,17 @@ the same run to run (checked on an H200, `benchmarks/check_backward_gpu.py`).
 Memory beyond the forward's, per `(b, h_kv)`, O(T): the float32 accumulators (a layer's
 keys and values, rounded up to 16 rows; the top layer's tile-padded). Per chunk of `Qc`
 queries: `dq`, the selections, and the inverse index, five int32 arrays of `Qc * P *
-max(1, r/16)` entries (plus the sort's own buffers).
+max(1, r/16)` entries (plus the sort's own buffers). `do` is read in its own dtype and
+masked chunk by chunk, and each chunk's `dq` is finished in q's dtype: no float32 copy
+of either exists. What lives at the peak of one training step's attention, T=1M,
+top_k=64, B=1, H=32, H_kv=4, K=V=128, bfloat16 (XLA's plan on an H100,
+`benchmarks/memory_plan.py`; device peak 46.4 GiB measured): arguments 18 GiB (q, k, v,
+the cotangent), outputs 10 GiB (dq, dk, dv), temporaries 18.4 GiB (XLA reuses a
+buffer once its value is dead, the saved output's among them): dq's chunks 8 GiB, the bottom's keys in `span/r`
+= 4 rotated copies 4 GiB, the bottom's float32 dk/dv accumulators 4 GiB, the saved
+selections 1 GiB per layer, a chunk's stored scores 1 GiB (twice), the guard's zeroed
+k or v (1 GiB each) and their finiteness masks (0.5 GiB each). With chunks that tile T (`forward.dividing_chunk`)
+nothing is padded to `chunks * Qc` positions.
 """
 
 from __future__ import annotations
@@ -66,15 +82,43 @@ def _per_chunk(x, Qc: int, num_chunks: int):
     return pad_axis(x, 1, num_chunks * Qc)
 
 
+def pad_nodes_list(selected, width: int):
+    """Node lists `[..., top_k]` (`-1` padded) padded with `-1` to `width`."""
+    return jnp.pad(selected, [(0, 0)] * (selected.ndim - 1) + [(0, width - selected.shape[-1])], constant_values=-1)
+
+
+def kept_keys(parents, selected, width: int, r: int):
+    """Keys `[B, Q, H_kv, width]` int32 marking the candidates a layer kept, for the
+    kernels' `keys < tau` test with `tau = 1`: 1 at the buffer position of each node of
+    `selected [B, Q, H_kv, top_k]` (ascending, `-1` padded), 0 elsewhere. A node
+    `j = parents[s]*r + c` sits at `s*r + c`; `parents=None`: the top layer, position = node."""
+    if parents is None:
+        positions = selected
+    else:
+        ordered = jnp.where(parents >= 0, parents, jnp.iinfo(jnp.int32).max)  # `-1` padding sorts last
+        search = jax.vmap(lambda row, x: jnp.searchsorted(row, x).astype(jnp.int32))
+        flat = lambda x: x.reshape(-1, x.shape[-1])
+        slots = search(flat(ordered), flat(selected // r)).reshape(selected.shape)
+        positions = slots * r + selected % r
+    positions = jnp.where(selected >= 0, positions, width)  # out of range: dropped
+
+    def mark(row):
+        return jnp.zeros((width,), jnp.int32).at[row].set(1, mode="drop")
+
+    return jax.vmap(mark)(positions.reshape(-1, positions.shape[-1])).reshape(selected.shape[:-1] + (width,))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
 def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                          interpret: bool = False, dead_rows=None):
+                          interpret: bool = False, dead_rows=None, selections=None):
     """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
     v`. `o [B, T, H, V]` and `lse [B, T, H]` from `htree_forward_pallas(...,
     return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller.
     `dead_rows [B, T, H]` bool (optional): rows whose output is a constant (SPEC 10's NaN
     rows), taken as having no cotangent; applied inside the copies of `do` and `o` the
     backward makes anyway, not as masked copies of its own.
+    `selections`: the forward's (its second output, top layer first); the kept nodes
+    are then read from them instead of running the importance and top-K kernels again.
     Bitwise deterministic."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
@@ -90,16 +134,19 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     st_top = dataclasses.replace(st_top, num_stages=1)
 
     rows = lambda x: x.reshape((B, T, H_kv, G) + x.shape[3:])
-    do32 = do.astype(jnp.float32)
-    if dead_rows is not None:
-        do32 = jnp.where(dead_rows[..., None], 0.0, do32)
-        o = jnp.where(dead_rows[..., None], 0, o)
-    # `do4`, the padded float32 copy the chunks slice, is the one copy of `do` made; delta
-    # reads it back rather than share a second one (float32 `do` is 2 GiB at T=131072,
-    # H=32, V=128).
-    do4 = _per_chunk(pad_axis(rows(do32), -1, vp), Qc, num_chunks)
-    delta = jnp.sum(do4[:, :T, ..., : o.shape[-1]] * rows(o.astype(jnp.float32)), axis=-1)  # [B, T, H_kv, G]
+    # `do` stays in its dtype and is masked chunk by chunk: no full-size copy of it is
+    # made unless V or T need padding (a float32 copy was 16 GiB at T=1M, H=32, V=128;
+    # the kernels read it in float32 or round it to the dots' operand dtype, so the
+    # gradients are bitwise those of a float32 copy).
+    dead = None if dead_rows is None else rows(dead_rows)
+    do_live = do if dead is None else jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
+    o_live = o if dead is None else jnp.where(dead_rows[..., None], jnp.zeros((), o.dtype), o)
+    delta = jnp.sum(rows(do_live.astype(jnp.float32)) * rows(o_live.astype(jnp.float32)), axis=-1)  # [B, T, H_kv, G]
+    do4 = _per_chunk(pad_axis(rows(do), -1, vp), Qc, num_chunks)
+    dead4 = None if dead is None else _per_chunk(dead, Qc, num_chunks)
     lse4, delta4 = (_per_chunk(x, Qc, num_chunks) for x in (rows(lse.astype(jnp.float32)), delta))
+    saved = None if selections is None else [_per_chunk(x, Qc, num_chunks) for x in selections]
+    Mp = prep.cos.shape[0]
 
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
     layer_acc = [node_buffers(B, H_kv, sizes[l], kp, vp) for l in range(L - 1)]
@@ -109,7 +156,13 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
         layer_acc = list(layer_acc)
         sl = lambda x: lax.dynamic_slice_in_dim(x, c * Qc, Qc, axis=1)
         lse_c, delta_c, do_c = sl(lse4), sl(delta4), sl(do4)
-        qc, t, n_top, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret)
+        if dead4 is not None:
+            do_c = jnp.where(sl(dead4)[..., None], jnp.zeros((), do_c.dtype), do_c)
+        qc, t, n_top, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret, select=saved is None)
+        kept = None if saved is None else [sl(x) for x in saved]  # kept[d]: the nodes layer L-1-d kept
+        if kept is not None and L > 1:
+            keys, tau = kept_keys(None, kept[0], Mp, st.r), jnp.ones(n_top.shape, jnp.int32)
+            parents = pad_nodes_list(kept[0], P)
         stats = lambda g: (pad_axis(lse_c, 3, g), pad_axis(do_c, 3, g), pad_axis(delta_c, 3, g))
         top_args = (q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt))
         dq_rot = top_backward_pallas(*top_args, st_top, interpret)
@@ -122,7 +175,10 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                 k_imp, k_merge, vl = prep.layers[l]
                 n = valid_candidates(parents, t, l, prep)
                 keys = tau = None
-                if l > 0:
+                if l > 0 and kept is not None:
+                    keys, tau = kept_keys(parents, kept[L - 1 - l], Mp, st.r), jnp.ones(n.shape, jnp.int32)
+                    next_parents = pad_nodes_list(kept[L - 1 - l], P)
+                elif l > 0:
                     keys = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, st, interpret)
                     next_parents, tau = select_top_k_pallas(keys, parents, n, st, interpret)
                 layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
@@ -133,7 +189,9 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                 dq = dq + dq_l[:, :, :, :G]
                 if l > 0:
                     parents = next_parents[..., :P]
-        return (top_acc, tuple(layer_acc)), dq
+        # Each query's dq is whole within its chunk: finished (unpadded, in q's dtype)
+        # here, the stacked chunks are half the float32 ones (8 vs 16 GiB at T=1M).
+        return (top_acc, tuple(layer_acc)), unpad_rope_halves(dq, K).astype(q.dtype)
 
     (top_acc, layer_acc), dq = lax.scan(chunk, (top_acc, tuple(layer_acc)), jnp.arange(num_chunks, dtype=jnp.int32))
 
@@ -146,11 +204,10 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
         dk_tree = dk_l + push_down(dk_tree, sizes[l], st.r)
         dv_tree = layer_acc[l][1][:, :, : sizes[l]] + push_down(dv_tree, sizes[l], st.r)
 
-    dq = jnp.moveaxis(dq, 0, 1).reshape(B, num_chunks * Qc, H_kv, G, kp)[:, :T]
-    dq = unpad_rope_halves(dq, K).reshape(B, T, H, K)
+    dq = jnp.moveaxis(dq, 0, 1).reshape(B, num_chunks * Qc, H, K)[:, :T]
     dk = unpad_rope_halves(jnp.swapaxes(dk_tree, 1, 2), K)
     dv = jnp.swapaxes(dv_tree, 1, 2)[..., :V]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 __all__ = ["htree_backward_pallas", "push_down"]

@@ -86,6 +86,8 @@ def pad_rope_halves(x, half: int):
     """`[..., K]` -> `[..., 2*half]` as `[x_lo, 0, x_hi, 0]`: rotate-half pairs dim `i`
     with `i + K/2`, so each half is padded on its own and the pairs stay aligned."""
     k2 = x.shape[-1] // 2
+    if x.shape[-1] == 2 * half:  # nothing to pad: no copy
+        return x
     lo, hi = x[..., :k2], x[..., k2:]
     return jnp.concatenate([pad_axis(lo, -1, half), pad_axis(hi, -1, half)], axis=-1)
 
@@ -94,6 +96,8 @@ def pad_rope_halves(x, half: int):
 def unpad_rope_halves(x, K: int):
     """Inverse of `pad_rope_halves`: `[..., 2*half]` -> `[..., K]`."""
     half = x.shape[-1] // 2
+    if x.shape[-1] == K:
+        return x
     return jnp.concatenate([x[..., : K // 2], x[..., half: half + K // 2]], axis=-1)
 
 

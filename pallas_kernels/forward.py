@@ -85,6 +85,9 @@ class BlockSizes:
     union_limit: float = 0.0
     union_num_warps: int = 4
     union_step: int = 4  # union nodes folded per step (their loads issued together)
+    # The backward takes the forward's selections (`(L-1) * B*T*H_kv*top_k` int32 kept
+    # between the passes) instead of running the importance and top-K kernels again.
+    save_selections: bool = True
     # Per-chunk buffers (see `chunk_size`): fewer, larger chunks launch less (2 GiB ran
     # 2% faster than 1 GiB end to end, 2026-11-22 (session 4)), within `Qc * Mp <= T * top_k`.
     chunk_budget_bytes: int = 2 << 30
@@ -131,6 +134,18 @@ def chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows=0, union_bytes=0)
     per_query = (8 + 4 * score_rows) * B * H_kv * Mp + union_bytes * B * H_kv
     limit = max(1, min(block_sizes.chunk_budget_bytes // per_query, T // config.compression_rate, T))
     return int(limit)
+
+
+def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
+    """The largest multiple of `multiple` in `[Qc/2, Qc]` that divides `T`, else `Qc`.
+    With chunks that tile T exactly nothing is padded to `chunks * Qc` positions: no
+    padded copy of q (forward and backward), of the cotangent, of dq or of the output
+    (8 GiB each in bfloat16 at T=1M, H=32, K=128). Used where such a copy outweighs the
+    chunk budget; smaller chunks launch more (2 GiB chunks ran 2% faster than 1 GiB)."""
+    for size in range(Qc - Qc % multiple, Qc // 2 - 1, -multiple):
+        if size > 0 and T % size == 0:
+            return size
+    return Qc
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -220,6 +235,8 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     union_bytes = 4 * (width + 4 * P) if width else 0
     multiple = max(bq, block_sizes.union_queries if width else 1)
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows, union_bytes) // multiple) * multiple
+    if q.size * q.dtype.itemsize >= block_sizes.chunk_budget_bytes:
+        Qc = dividing_chunk(T, Qc, multiple)
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
     st_union = dataclasses.replace(st, num_warps=block_sizes.union_num_warps)
@@ -232,20 +249,21 @@ def valid_candidates(parents, t, layer: int, prep: Prepared):
     return candidate_count(num_parents(parents), t, prep.st.r, layer).astype(jnp.int32)
 
 
-def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool):
+def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, select: bool = True):
     """Chunk `c`'s queries and top layer, shared by the forward and the backward:
     `(qc [B, Qc, H_kv, G, Kp], t [1, Qc, 1, 1], n_top, q_top, top)`. `n_top [B, Qc,
     H_kv, 1]`: the top layer's candidates are the nodes `[0, n)`, `n = i*_{L-1} + 1`
     (SPEC 2.1); `q_top` each query rotated by its `n - 1`, `Gt` rows. `top`: `(keys, tau,
     parents of the layer below)` from the top layer's importance keys and shared top-K,
-    or `(None, None, None)` when the top layer is the bottom one (`L = 1`)."""
+    or `(None, None, None)` when the top layer is the bottom one (`L = 1`) or without
+    `select` (the backward, given the forward's selections)."""
     st, Qc = prep.st, prep.chunk
     B, _, H_kv, G, _ = prep.q4.shape
     qc = lax.dynamic_slice_in_dim(prep.q4, c * Qc, Qc, axis=1)
     t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
     n_top = jnp.broadcast_to(t // st.r ** (num_layers - 1) + 1, (B, Qc, H_kv, 1))
     q_top = rotate_queries(pad_axis(qc, 3, next_power_of_two(G)), n_top, prep.cos, prep.sin)
-    if num_layers == 1:
+    if num_layers == 1 or not select:
         return qc, t, n_top, q_top, (None, None, None)
     keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_imp, prep.cos.shape[0], prep.st_top_keys, interpret)
     parents = jnp.broadcast_to(top_layer_parents(t[..., 0], st.r, num_layers, prep.parents_width),

@@ -240,3 +240,40 @@ def test_pallas_grad_of_a_small_model_jits_without_nan(rng):
             # and wk are zero in exact arithmetic (rounding may leave a trace, or not).
             if T > 1 or name in ("wv", "wo"):
                 assert float(jnp.max(jnp.abs(g))) > 0, (T, name)
+
+
+@pytest.mark.parametrize("B, T, r, top_k, G, dtype", [(2, 200, 8, 8, 2, np.float32), (1, 150, 4, 4, 2, np.float32),
+                                                      (1, 77, 2, 4, 3, "bfloat16")])
+def test_backward_with_saved_selections_equals_recomputing_them_bitwise(rng, B, T, r, top_k, G, dtype):
+    """The backward given the forward's selections (`BlockSizes.save_selections`, what
+    `htree_attention` runs) marks the same merged candidates as the one that runs the
+    importance and top-K kernels again: bitwise the same gradients (2- to 5-layer trees,
+    several chunks, non-finite rows masked)."""
+    from pallas_kernels.backward import htree_backward_pallas
+    from pallas_kernels.forward import htree_forward_pallas
+    from tests.conftest import random_qkv
+
+    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    assert config.num_layers(T) >= 2
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, 2 * G, 2, 32, 32))
+    if dtype == "bfloat16":
+        q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    small = BlockSizes(chunk_budget_bytes=1 << 16)  # several chunks
+    o, sel, lse = htree_forward_pallas(q, k, v, config, small, interpret=True, return_lse=True)
+    do = jnp.asarray(rng.standard_normal(o.shape).astype(np.float32)).astype(o.dtype)
+    dead = jnp.zeros(o.shape[:3], bool).at[:, T // 3].set(True)
+    run = lambda s: htree_backward_pallas(q, k, v, o, lse, do, config, small, interpret=True, dead_rows=dead,
+                                          selections=s)
+    for a, b in zip(run(sel), run(None)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_kept_keys_mark_the_selected_positions():
+    from pallas_kernels.backward import kept_keys
+
+    parents = jnp.asarray([[[[2, 5, 9, -1]]]], jnp.int32)  # [1, 1, 1, P], r = 4
+    selected = jnp.asarray([[[[9, 21, 38, -1]]]], jnp.int32)  # nodes 2*4+1, 5*4+1, 9*4+2
+    keys = np.asarray(kept_keys(parents, selected, 16, 4))[0, 0, 0]
+    assert keys.tolist() == [0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    top = np.asarray(kept_keys(None, jnp.asarray([[[[0, 3, -1]]]], jnp.int32), 8, 4))[0, 0, 0]
+    assert top.tolist() == [1, 0, 0, 1, 0, 0, 0, 0]
