@@ -18,12 +18,14 @@ long); with `strict_causal` the nodes past the current length change nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from htree_jax import HTreeCache, HTreeConfig, build_tree, decode_step
 from htree_jax.bench import gpu_header, int_list
@@ -46,23 +48,60 @@ def per_step_ms(step, state, steps: int, repeats: int):
     return statistics.median(times), state
 
 
-def htree_case(B, ctx, config, steps, repeats, check_length, backend):
-    key = jax.random.key(0)
-    k = jax.random.normal(key, (B, ctx, H_KV, K), DTYPE)
+def filled_cache(B, ctx, config, lengths):
+    """A cache whose tree is `build_tree` of `ctx` random tokens per row, each row at its
+    `lengths[b]` (with `strict_causal`, the nodes past a row's length change nothing)."""
+    k = jax.random.normal(jax.random.key(0), (B, ctx, H_KV, K), DTYPE)
     v = jax.random.normal(jax.random.key(1), (B, ctx, H_KV, V), DTYPE)
     layers = build_tree(k, v, config)
-    del k, v
-    start = ctx - (repeats + 1) * steps - 1
-    cache = HTreeCache(tuple(kl for kl, _ in layers), tuple(vl for _, vl in layers), jnp.asarray(start, jnp.int32))
+    return HTreeCache(tuple(kl for kl, _ in layers), tuple(vl for _, vl in layers), jnp.asarray(lengths, jnp.int32))
+
+
+def start_lengths(B, ctx, steps, repeats, spread: bool):
+    """Every row at `ctx - (repeats + 1) * steps - 1`, or (`spread`) uniform in
+    `[ctx / 8, that]` (a fixed seed)."""
+    top = ctx - (repeats + 1) * steps - 1
+    if not spread:
+        return np.full((B,), top, np.int32)
+    return np.random.default_rng(0).integers(ctx // 8, top + 1, size=B).astype(np.int32)
+
+
+def htree_case(B, ctx, config, steps, repeats, backend, spread=False):
+    """`decode_step` under `jax.jit` with the cache donated."""
+    cache = filled_cache(B, ctx, config, start_lengths(B, ctx, steps, repeats, spread))
     q_t = jax.random.normal(jax.random.key(2), (B, H, K), DTYPE)
     k_t = jax.random.normal(jax.random.key(3), (B, H_KV, K), DTYPE)
     v_t = jax.random.normal(jax.random.key(4), (B, H_KV, V), DTYPE)
-    fn = jax.jit(lambda c: decode_step(q_t, k_t, v_t, c, config, backend=backend, check_length=check_length), donate_argnums=0)
+    fn = jax.jit(lambda c: decode_step(q_t, k_t, v_t, c, config, backend=backend), donate_argnums=0)
 
     def step(i, c):
         return fn(c)[1]
-
     ms, _ = per_step_ms(step, cache, steps, repeats)
+    return ms
+
+
+def module_case(B, ctx, config, steps, repeats, backend):
+    """The same step through `HTreeAttention(decode=True)` (projections included,
+    in_features = H * K), the functional nnx way: `nnx.split` once, a jitted step over
+    the module's state (donated), `nnx.merge` inside."""
+    from flax import nnx
+
+    from htree_jax import HTreeAttention
+
+    m = HTreeAttention(H, H * K, num_kv_heads=H_KV, head_dim=K, config=config, backend=backend, decode=True,
+                       dtype=DTYPE, param_dtype=DTYPE, rngs=nnx.Rngs(0))
+    m.init_cache(B, ctx)
+    m.cache.set_value(filled_cache(B, ctx, config, start_lengths(B, ctx, steps, repeats, False)))
+    graphdef, state = nnx.split(m)
+    x = jax.random.normal(jax.random.key(5), (B, 1, H * K), DTYPE)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def fn(carry):
+        module = nnx.merge(graphdef, carry[0])
+        y = module(x)  # returned: an output nobody reads would be compiled away
+        return nnx.state(module), y
+
+    ms, _ = per_step_ms(lambda i, c: fn(c), (state, jnp.zeros((B, 1, H * K), DTYPE)), steps, repeats)
     return ms
 
 
@@ -106,23 +145,31 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="pallas,reference")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-length-check", action="store_true", help="decode_step(check_length=False)")
+    p.add_argument("--no-module", action="store_true", help="skip the HTreeAttention(decode=True) column")
+    p.add_argument("--spread", action="store_true",
+                   help="also rows at lengths uniform in [ctx/8, ctx] (the pallas backend, batches > 1)")
     args = p.parse_args(argv)
     print(gpu_header("decode", f"H={H} H_kv={H_KV} K=V={K} bfloat16; per-token decode",
                      f"python benchmarks/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
           flush=True)
     parse = int_list
     backends = [b for b in args.backends.split(",") if b]
-    lines = ["| context | B | top_k | layers | " + " | ".join(f"htree {b} ms" for b in backends)
-             + " | dense ms | dense | " + " | ".join(f"dense/{b}" for b in backends) + " |",
-             "|---" * (6 + 2 * len(backends)) + "|"]
+    extra = ([] if args.no_module else ["module pallas"]) + (["pallas, spread lengths"] if args.spread else [])
+    columns = [f"htree {b} ms" for b in backends] + [f"htree {e} ms" for e in extra]
+    lines = ["| context | B | top_k | layers | " + " | ".join(columns) + " | dense ms | dense | "
+             + " | ".join(f"dense/{c.split(' ms')[0].removeprefix('htree ')}" for c in columns) + " |",
+             "|---" * (6 + 2 * len(columns)) + "|"]
     for B in parse(args.batches):
         for ctx in parse(args.contexts):
             d_ms, impl = dense_case(B, ctx, args.steps, args.repeats)
             for top_k in parse(args.top_k):
                 config = HTreeConfig(top_k=top_k)
-                h_ms = [htree_case(B, ctx, config, args.steps, args.repeats, not args.no_length_check, b)
-                        for b in backends]
+                h_ms = [htree_case(B, ctx, config, args.steps, args.repeats, b) for b in backends]
+                if not args.no_module:
+                    h_ms.append(module_case(B, ctx, config, args.steps, args.repeats, "pallas"))
+                if args.spread:
+                    h_ms.append(htree_case(B, ctx, config, args.steps, args.repeats, "pallas", spread=True)
+                                if B > 1 else float("nan"))
                 lines.append(f"| {ctx} | {B} | {top_k} | {', '.join(map(str, config.layer_sizes(ctx)))} | "
                              + " | ".join(f"{x:.3f}" for x in h_ms) + f" | {d_ms:.3f} | {impl} | "
                              + " | ".join(f"{d_ms / x:.2f}" for x in h_ms) + " |")

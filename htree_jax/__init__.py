@@ -8,7 +8,7 @@ Public API: `HTreeConfig`, `build_tree`, `htree_attention`, the Flax NNX module
 
 from htree_jax.attention import htree_attention
 from htree_jax.config import HTreeConfig
-from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill
+from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill, reset_rows
 from htree_jax.flax_attention import attention_fn
 from htree_jax.module import HTreeAttention
 from htree_jax.tree import build_tree
@@ -17,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HTreeAttention", "HTreeCache", "HTreeConfig", "attention_fn", "build_tree", "decode_step",
-    "htree_attention", "init_cache", "prefill", "__version__",
+    "htree_attention", "init_cache", "prefill", "reset_rows", "__version__",
 ]

@@ -2,8 +2,15 @@
 updated in place as tokens arrive, and htree attention for the new queries over it.
 
     cache = init_cache(B, max_len, H_kv, K, V, config, jnp.bfloat16)
-    o, cache = prefill(q, k, v, cache, config)             # a prompt [B, S, ...] in one call
-    o_t, cache = decode_step(q_t, k_t, v_t, cache, config)  # then one token per call
+    o, cache = prefill(q, k, v, cache, config, lengths=prompt_lengths)  # right-padded prompts [B, S, ...]
+    o_t, cache = decode_step(q_t, k_t, v_t, cache, config)  # then one token per row per call
+    cache = reset_rows(cache, finished)                     # rows that start a new sequence
+
+Every row is its own sequence with its own length (SPEC 9, `cache.lengths [B]`): a batch
+of prompts of different lengths, and rows reused as sequences finish (continuous
+batching). No step does a host callback or a host sync under `jit`; an append past
+`max_len` raises when the lengths are concrete (an eager call), and under `jit` gives
+that row NaN outputs and leaves its cache rows as they were.
 
 The tree has the layers of `config.layer_sizes(max_len)` from the start (static shapes).
 With `strict_causal=True` (the default) that changes no output: a query's output does
@@ -36,15 +43,15 @@ from htree_jax.validation import check_config, check_dtype
 DECODE_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "length"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class HTreeCache:
-    """The decode cache: the tree of every token so far, in buffers sized for `max_len`.
+    """The decode cache: the tree of every row's tokens so far, in buffers sized for `max_len`.
 
-    keys:   per layer `l` (bottom first) `[B, N_l, H_kv, K]`, `N_l = config.layer_sizes(max_len)[l]`,
-            in the cache dtype; nodes not yet reached are zero.
-    values: per layer `[B, N_l, H_kv, V]`.
-    length: int32 scalar, the tokens appended so far (the same for every batch row).
+    keys:    per layer `l` (bottom first) `[B, N_l, H_kv, K]`, `N_l = config.layer_sizes(max_len)[l]`,
+             in the cache dtype; nodes not yet reached are zero.
+    values:  per layer `[B, N_l, H_kv, V]`.
+    lengths: int32 `[B]`, the tokens each row holds (rows are independent sequences).
 
     A NaN or infinity appended at position `p` stays in the tree (SPEC 10): no output
     before `p` reads it (every merge zeroes the values it does not merge, and the node
@@ -54,7 +61,7 @@ class HTreeCache:
 
     keys: tuple
     values: tuple
-    length: jax.Array
+    lengths: jax.Array
 
     @property
     def max_len(self) -> int:
@@ -94,7 +101,7 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
     sizes = config.layer_sizes(T)
     keys = tuple(jnp.zeros((B, n, H_kv, K), dtype) for n in sizes)
     values = tuple(jnp.zeros((B, n, H_kv, V), dtype) for n in sizes)
-    return HTreeCache(keys, values, jnp.zeros((), jnp.int32))
+    return HTreeCache(keys, values, jnp.zeros((B,), jnp.int32))
 
 
 def check_cache(cache, config: HTreeConfig) -> None:
@@ -108,6 +115,10 @@ def check_cache(cache, config: HTreeConfig) -> None:
             "cache in place) and are gone; pass the cache that call returned: "
             "`o, cache = decode_step(q_t, k_t, v_t, cache, config)`"
         )
+    lengths = cache.lengths
+    if getattr(lengths, "shape", None) != (cache.batch_size,) or np.dtype(lengths.dtype) != np.int32:
+        raise ValueError(f"cache.lengths must be int32 [B] = [{cache.batch_size}], got "
+                         f"{getattr(lengths, 'dtype', type(lengths).__name__)} {list(getattr(lengths, 'shape', ()))}")
     sizes = config.layer_sizes(cache.max_len)
     got = tuple(k.shape[1] for k in cache.keys)
     if got != sizes:
@@ -148,61 +159,102 @@ def _check_tokens(cache: HTreeCache, q, k, v, step: bool):
     return S
 
 
-def _raise_overflow(length, added, max_len):
-    if int(length) + int(added) > int(max_len):
+def _concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_lengths(lengths, batch_size: int, S: int, max_len: int):
+    """`prefill`'s `lengths` (`None`: every row `S`): int `[B]`, each in `[0, S]`. Returns
+    them as int32. Checked on the host when concrete (an eager call)."""
+    if lengths is None:
+        return jnp.full((batch_size,), S, jnp.int32)
+    if not hasattr(lengths, "shape"):
+        lengths = np.asarray(lengths)
+    if lengths.shape != (batch_size,) or not np.issubdtype(np.dtype(lengths.dtype), np.integer):
+        raise ValueError(f"lengths must be an int array of shape [B] = [{batch_size}] (each row's prompt length), "
+                         f"got {np.dtype(lengths.dtype).name} {list(lengths.shape)}")
+    if _concrete(lengths):
+        values = np.asarray(lengths)
+        if np.any(values < 0) or np.any(values > S):
+            raise ValueError(f"lengths must be in [0, S] = [0, {S}] (the prompts are right-padded to S tokens), "
+                             f"got {values.tolist()}")
+    return jnp.asarray(lengths, jnp.int32)
+
+
+def _check_room(cache: HTreeCache, added) -> None:
+    """SPEC 9: no row grows past `max_len`. Raised here when the lengths are concrete (an
+    eager call); under `jit` the step itself gives an overflowing row NaN outputs and
+    leaves its cache rows as they were (no host callback, no sync)."""
+    if not (_concrete(cache.lengths) and _concrete(added)):
+        return
+    have, add = np.asarray(cache.lengths), np.asarray(added)
+    over = np.nonzero(have + add > cache.max_len)[0]
+    if over.size:
+        b = int(over[0])
         raise ValueError(
-            f"cache overflow: appending {int(added)} token(s) to a cache holding {int(length)} of "
-            f"max_len={int(max_len)}; make the cache with a larger max_len"
+            f"cache overflow: appending {int(add[b])} token(s) to row {b} holding {int(have[b])} of "
+            f"max_len={cache.max_len} ({over.size} row(s) would overflow); make the cache with a larger max_len, "
+            "or start those rows anew with reset_rows"
         )
 
 
-def _check_room(cache: HTreeCache, S: int, check_length: bool = True) -> None:
-    """Refuses appending past `max_len`: at once when the length is concrete, else on the
-    device (a host callback raises when the result is computed; `check_length=False`
-    skips that one). Out-of-range writes are dropped either way, so an overflow never
-    corrupts the cache."""
-    if S > cache.max_len:
-        _raise_overflow(0, S, cache.max_len)
-    if isinstance(cache.length, jax.core.Tracer):
-        if not check_length:
-            return
-        jax.debug.callback(_raise_overflow, cache.length, S, cache.max_len)
-    else:
-        _raise_overflow(cache.length, S, cache.max_len)
+def reset_rows(cache: HTreeCache, rows) -> HTreeCache:
+    """The cache with the rows where `rows [B]` (bool) is True emptied: their length is
+    0 and their tree zero, so their next tokens start a new sequence while the other
+    rows go on (a continuous-batching server reuses a finished row). Jittable."""
+    rows = jnp.asarray(rows)
+    if rows.shape != (cache.batch_size,) or rows.dtype != jnp.bool_:
+        raise ValueError(f"rows must be a bool array of shape [B] = [{cache.batch_size}], got "
+                         f"{np.dtype(rows.dtype).name} {list(rows.shape)}")
+    clear = lambda x: jnp.where(rows[:, None, None, None], jnp.zeros((), x.dtype), x)
+    return HTreeCache(tuple(map(clear, cache.keys)), tuple(map(clear, cache.values)),
+                      jnp.where(rows, 0, cache.lengths).astype(jnp.int32))
 
 
-def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig) -> HTreeCache:
-    """Appends `k [B, S, H_kv, K]`, `v [B, S, H_kv, V]` (validated by the caller) and
-    updates the tree above them."""
-    S = k.shape[1]
-    r = config.compression_rate
-    start = cache.length
-    end = start + S  # tokens after the append
-    keys, values = list(cache.keys), list(cache.values)
-    positions = start + jnp.arange(S, dtype=jnp.int32)
-    keys[0] = keys[0].at[:, positions].set(k, mode="drop")
-    values[0] = values[0].at[:, positions].set(v, mode="drop")
+def _append_row(keys, values, start, k, v, count, r: int):
+    """One row: appends the first `count` of `k [S, H_kv, K]`, `v [S, H_kv, V]` at
+    `start` and updates the tree above them (layers `[N_l, H_kv, D]`). `count = 0`
+    changes nothing (the nodes it rewrites get their own values back)."""
+    S = k.shape[0]
+    end = start + count  # tokens after the append
+    keys, values = list(keys), list(values)
+    s = jnp.arange(S, dtype=jnp.int32)
+    positions = jnp.where(s < count, start + s, keys[0].shape[0])  # past the layer: dropped
+    keys[0] = keys[0].at[positions].set(k, mode="drop")
+    values[0] = values[0].at[positions].set(v, mode="drop")
     for l in range(1, len(keys)):
-        N_l = keys[l].shape[1]
+        N_l = keys[l].shape[0]
         width = min(N_l, (S - 1) // r**l + 2)  # nodes whose children changed, at most
         first = start // r**l
         nodes = first + jnp.arange(width, dtype=jnp.int32)  # [W]
         existing_below = (end + r ** (l - 1) - 1) // r ** (l - 1)  # children that exist
         children = nodes[:, None] * r + jnp.arange(r, dtype=jnp.int32)[None, :]  # [W, r]
         exists = children < existing_below
-        count = jnp.sum(exists, axis=1)  # [W]
-        reciprocal = jnp.asarray(child_reciprocals(r))[jnp.maximum(count, 1) - 1]
+        count_children = jnp.sum(exists, axis=1)  # [W]
+        reciprocal = jnp.asarray(child_reciprocals(r))[jnp.maximum(count_children, 1) - 1]
         for layer in (keys, values):
-            rows = layer[l - 1][:, jnp.minimum(children, layer[l - 1].shape[1] - 1)].astype(jnp.float32)
-            rows = jnp.where(exists[None, :, :, None, None], rows, 0.0)  # [B, W, r, H, D]
-            sums = rows[:, :, 0]
+            rows = layer[l - 1][jnp.minimum(children, layer[l - 1].shape[0] - 1)].astype(jnp.float32)
+            rows = jnp.where(exists[:, :, None, None], rows, 0.0)  # [W, r, H, D]
+            sums = rows[:, 0]
             for c in range(1, r):
-                sums = sums + rows[:, :, c]
-            means = sums * reciprocal[None, :, None, None]
-            means = jnp.where((count > 0)[None, :, None, None], means, 0.0)
+                sums = sums + rows[:, c]
+            means = sums * reciprocal[:, None, None]
+            means = jnp.where((count_children > 0)[:, None, None], means, 0.0)
             # nodes past the layer's end are dropped (their index is out of range)
-            layer[l] = layer[l].at[:, nodes].set(round_to_storage(means, layer[l].dtype), mode="drop")
-    return HTreeCache(tuple(keys), tuple(values), (end).astype(jnp.int32))
+            layer[l] = layer[l].at[nodes].set(round_to_storage(means, layer[l].dtype), mode="drop")
+    return tuple(keys), tuple(values)
+
+
+def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None) -> HTreeCache:
+    """Appends, per row `b`, the first `counts[b]` tokens (`None`: all `S`) of `k [B, S,
+    H_kv, K]`, `v [B, S, H_kv, V]` (validated by the caller) at that row's length, and
+    updates the tree above them. Bit for bit the tree `build_tree` makes of each row's
+    tokens."""
+    B, S = k.shape[:2]
+    counts = jnp.full((B,), S, jnp.int32) if counts is None else counts
+    append = jax.vmap(functools.partial(_append_row, r=config.compression_rate))
+    keys, values = append(cache.keys, cache.values, cache.lengths, k, v, counts)
+    return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32))
 
 
 def check_decode_config(config) -> HTreeConfig:
@@ -253,45 +305,63 @@ def _attend(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl"), donate_argnames=("cache",))
-def _prefill(q, k, v, cache, config, return_selected, impl):
-    positions = cache.length + jnp.arange(q.shape[1], dtype=jnp.int32)
-    cache = append_to_cache(cache, k, v, config)
+def _prefill(q, k, v, cache, counts, config, return_selected, impl):
+    """Rows append `counts [B]` tokens; a row that would overflow appends none and answers
+    NaN (SPEC 9); outputs at a row's padding positions (`s >= counts[b]`) are 0."""
+    B, S = q.shape[:2]
+    fits = cache.lengths + counts <= cache.max_len  # [B]
+    counts = jnp.where(fits, counts, 0)
+    s = jnp.arange(S, dtype=jnp.int32)
+    real = s[None, :] < counts[:, None]  # [B, S]
+    # Padding positions attend as the row's last real token would (a valid position).
+    positions = cache.lengths[:, None] + jnp.minimum(s[None, :], jnp.maximum(counts[:, None] - 1, 0))
+    positions = jnp.minimum(positions, cache.max_len - 1)
+    cache = append_to_cache(cache, k, v, config, counts)
     o, selected = _attend(q, cache, positions, config, impl)
+    answer = jnp.where(fits, 0.0, jnp.nan).astype(o.dtype)  # padding: 0; a row that overflows: NaN
+    o = jnp.where((real & fits[:, None])[..., None, None], o, answer[:, None, None, None])
+    selected = [jnp.where(real[..., None, None], x, -1) for x in selected]
     return (o, cache, selected) if return_selected else (o, cache)
 
 
-def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto",
-            return_selected: bool = False, check_length: bool = True):
-    """Appends `S` tokens (`q [B, S, H, K]`, `k [B, S, H_kv, K]`, `v [B, S, H_kv, V]`,
-    un-rotated, the cache's dtype) and attends with their queries at positions
-    `length .. length + S - 1`. Returns `(o [B, S, H, V], cache)` (and the selections,
-    as `htree_attention` returns them, with `return_selected=True`). Works at any cache
-    length (a prompt into an empty cache, or a chunk after earlier ones); jittable; the
+def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, lengths=None, backend: str = "auto",
+            return_selected: bool = False):
+    """Appends up to `S` tokens per row (`q [B, S, H, K]`, `k [B, S, H_kv, K]`, `v [B, S,
+    H_kv, V]`, un-rotated, the cache's dtype), row `b` its first `lengths[b]` (`lengths`
+    int `[B]`, right-padded prompts; `None`: all `S`), at that row's own length, and
+    attends with their queries. Returns `(o [B, S, H, V], cache)` (and the selections,
+    as `htree_attention` returns them, with `return_selected=True`); row `b`'s outputs
+    at `s < lengths[b]` equal its full-sequence output at those positions, the padding
+    positions give 0 (selections `-1`).
+
+    A row that would grow past `max_len` raises `ValueError` when the lengths are
+    concrete (an eager call); under `jit` it appends nothing and its outputs are NaN
+    (SPEC 9), with no host callback or sync. Works at any cache length; jittable; the
     cache argument is donated: use the returned one (a donated cache passed again is
-    refused with an error that says so). `backend`: `"reference"` (the jittable
-    JAX walk, every platform), `"pallas"` (the Pallas decode kernels,
+    refused with an error that says so). `backend`: `"reference"` (the jittable JAX
+    walk, every platform), `"pallas"` (the Pallas decode kernels,
     `pallas_kernels/decode.py`: CUDA GPUs, K and V in 32/64/128/256, at most 16 query
     heads per kv head), `"pallas_interpret"` (the same kernels interpreted, any
-    platform) or `"auto"` (`"pallas"` on a GPU where the dims allow, else `"reference"`). Appending past `max_len` raises; under
-    `jit` the length is checked on the device through a host callback, which
-    `check_length=False` leaves out (the caller then guarantees the room)."""
+    platform) or `"auto"` (`"pallas"` on a GPU where the dims allow, else `"reference"`)."""
     config = check_decode_config(config)
     check_cache(cache, config)
     S = _check_tokens(cache, q, k, v, step=False)
+    counts = check_lengths(lengths, cache.batch_size, S, cache.max_len)
     impl = _resolve(backend, cache, q.shape[2])
-    _check_room(cache, S, check_length)
-    return _prefill(q, k, v, cache, config, return_selected, impl)
+    _check_room(cache, counts)
+    return _prefill(q, k, v, cache, counts, config, return_selected, impl)
 
 
-def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto",
-                check_length: bool = True):
-    """One token per batch row: `q_t [B, H, K]`, `k_t [B, H_kv, K]`, `v_t [B, H_kv, V]`.
-    Returns `(o_t [B, H, V], cache)`; equals `htree_attention` on the whole sequence at
-    that position (strict causality). `backend`, `check_length`: as in `prefill`."""
+def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto"):
+    """One token per batch row, at that row's own length: `q_t [B, H, K]`, `k_t [B, H_kv,
+    K]`, `v_t [B, H_kv, V]`. Returns `(o_t [B, H, V], cache)`; each row equals
+    `htree_attention` on its own whole sequence at that position (strict causality).
+    `backend` and the overflow rule as in `prefill`."""
     config = check_decode_config(config)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
     impl = _resolve(backend, cache, q_t.shape[1])
-    _check_room(cache, 1, check_length)
-    o, cache = _prefill(q_t[:, None], k_t[:, None], v_t[:, None], cache, config, False, impl)
+    counts = jnp.ones((cache.batch_size,), jnp.int32)
+    _check_room(cache, np.ones((cache.batch_size,), np.int32))
+    o, cache = _prefill(q_t[:, None], k_t[:, None], v_t[:, None], cache, counts, config, False, impl)
     return o[:, 0], cache

@@ -55,14 +55,15 @@ class HTreeAttention(nn.Module):
                                precision=self.precision, name=name)
 
     @nn.compact
-    def __call__(self, inputs, mask=None, decode: bool | None = None):
+    def __call__(self, inputs, mask=None, decode: bool | None = None, lengths=None):
         """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`.
 
         Decoding, as in `nn.MultiHeadDotProductAttention`: `init` with `decode=True` on
         inputs `[B, max_len, in_features]` makes the `cache` collection (an empty
         `HTreeCache` for `max_len` tokens); `apply(..., decode=True, mutable=["cache"])`
         then appends `inputs [B, S, in_features]` and attends with them (with the module's
-        backend, as `htree_jax.prefill` takes it)."""
+        backend, as `htree_jax.prefill` takes it; `lengths` int `[B]`: the tokens each row
+        appends, as `prefill` takes them)."""
         dims = self._checked()
         check_inputs(inputs, dims)
         decode = self.decode if decode is None else decode
@@ -84,7 +85,7 @@ class HTreeAttention(nn.Module):
             tree = self.variable("cache", "tree", lambda: init_cache(
                 B, S, dims.num_kv_heads, dims.head_dim, dims.head_dim, config, k.dtype))
             if initialized:
-                o, tree.value = prefill(q, k, v, tree.value, config,
+                o, tree.value = prefill(q, k, v, tree.value, config, lengths=lengths,
                                         backend=decode_backend(self.backend, self.interpret))
                 return out(o)
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]

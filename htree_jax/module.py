@@ -155,18 +155,22 @@ class HTreeAttention(nnx.Module):
         self.cache = nnx.Cache(init_cache(batch_size, max_len, self.num_kv_heads, self.head_dim,
                                           self.head_dim, self.config, dtype))
 
-    def __call__(self, inputs, *, mask=None, decode: bool | None = None):
+    def __call__(self, inputs, *, mask=None, decode: bool | None = None, lengths=None):
         """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`.
 
         With `decode=True` (or the constructor's `decode`), `inputs [B, S, in_features]`
         are the next `S` tokens: they are appended to the cache made by `init_cache` and
         attend to everything before them; the result equals the full-sequence output at
         those positions, with the module's backend (`"auto"`: the Pallas decode kernels on
-        a GPU where the head dims allow, else the JAX reference walk)."""
+        a GPU where the head dims allow, else the JAX reference walk). Every cache row is
+        its own sequence: `lengths` (int `[B]`) says how many of the `S` tokens each row
+        appends (right-padded prompts of different lengths; `None`: all `S`); the
+        padding positions' outputs are those of zero attention outputs. Rows restart
+        with `htree_jax.reset_rows` on `self.cache`."""
         check_inputs(inputs, self.dims)
         decode = self.decode if decode is None else decode
         if decode:
-            return self._decode(inputs, mask)
+            return self._decode(inputs, mask, lengths)
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=self.num_heads, seq_len=T,
                           is_causal=mask is None)
@@ -174,7 +178,7 @@ class HTreeAttention(nnx.Module):
         o = attend(q, k, v, self.config, self.backend, self.interpret)
         return self.out(o)
 
-    def _decode(self, inputs, mask):
+    def _decode(self, inputs, mask, lengths):
         from htree_jax.decode import decode_backend, prefill
 
         if self.cache is None:
@@ -184,7 +188,7 @@ class HTreeAttention(nnx.Module):
         if inputs.ndim != 3:
             raise ValueError(f"inputs must have shape [B, S, in_features] with decode=True, got {list(inputs.shape)}")
         q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
-        o, cache = prefill(q, k, v, self.cache.get_value(), self.config,
+        o, cache = prefill(q, k, v, self.cache.get_value(), self.config, lengths=lengths,
                            backend=decode_backend(self.backend, self.interpret))
         self.cache.set_value(cache)
         return self.out(o)

@@ -263,8 +263,8 @@ def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int):
 
 
 def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True):
-    """Queries `q [B, S, H, K]` at token positions `positions [S]` (int32, may be traced)
-    walk the tree `layers` (bottom first, `[B, N_l, H_kv, *]`; keys as `_walk_one_head`
+    """Queries `q [B, S, H, K]` at token positions `positions [S]`, or `[B, S]` per batch
+    row (int32, may be traced), walk the tree `layers` (bottom first, `[B, N_l, H_kv, *]`; keys as `_walk_one_head`
     takes them). Returns `(o [B, S, H, V] in q.dtype, selections)`.
 
     The tree may hold more tokens than `positions` reach (a decode cache sized for
@@ -276,7 +276,9 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
     C = query_chunk
     num_chunks = -(-S // C)
     q5 = q.reshape(B, S, H_kv, G, K)
-    padded = jnp.concatenate([positions, jnp.broadcast_to(positions[-1], (num_chunks * C - S,))])
+    per_row = positions.ndim == 2
+    tail = jnp.broadcast_to(positions[..., -1:], positions.shape[:-1] + (num_chunks * C - S,))
+    padded = jnp.concatenate([positions, tail], axis=-1)
     if num_chunks * C != S:
         q5 = jnp.pad(q5, ((0, 0), (0, num_chunks * C - S), (0, 0), (0, 0), (0, 0)))
 
@@ -284,11 +286,11 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
     per_head = jax.vmap(
         lambda qh, t, lay: _walk_one_head(qh, t, lay, config, alpha, keys_rotated), in_axes=(1, None, 1)
     )
-    per_batch = jax.vmap(per_head, in_axes=(0, None, 0))
+    per_batch = jax.vmap(per_head, in_axes=(0, 0 if per_row else None, 0))
 
     def chunk(i):
         qc = lax.dynamic_slice_in_dim(q5, i * C, C, axis=1)  # [B, C, H_kv, G, K]
-        t = lax.dynamic_slice_in_dim(padded, i * C, C)
+        t = lax.dynamic_slice_in_dim(padded, i * C, C, axis=padded.ndim - 1)
         return per_batch(qc, t, layers)  # o [B, H_kv, C, G, V], sels [B, H_kv, C, k_top]
 
     # Rematerialised under autodiff: the backward keeps only each chunk's inputs, not its

@@ -300,14 +300,14 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
 
 def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos, sin, interpret: bool,
           zero_unmerged: bool = True):
-    """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [Q]`.
-    Returns `(o [B, Q, H_kv, Gp, V] float32, selections)`."""
+    """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [B, Q]`
+    (each batch row its own). Returns `(o [B, Q, H_kv, Gp, V] float32, selections)`."""
     r, L = config.compression_rate, len(keys)
     B, Q, H_kv, gp, _ = q.shape
     V = values[0].shape[-1]
     P = Mp // r
-    parents = jnp.broadcast_to(top_layer_parents(t[None, :, None], r, L, P), (B, Q, H_kv, P))
-    t = t[None, :, None, None]
+    parents = jnp.broadcast_to(top_layer_parents(t[:, :, None], r, L, P), (B, Q, H_kv, P))
+    t = t[:, :, None, None]
     state = (jnp.full((B, Q, H_kv, gp), NEG_INF, jnp.float32), jnp.zeros((B, Q, H_kv, gp), jnp.float32),
              jnp.zeros((B, Q, H_kv, gp, V), jnp.float32))
     real_head = jnp.arange(B * Q * H_kv * gp, dtype=jnp.int32) % gp < st.group  # rows flattened
@@ -344,7 +344,8 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
                         block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
                         zero_unmerged: bool = True):
     """htree attention of queries `q [B, S, H, K]` (un-rotated) at token positions
-    `positions [S]` (int32, may be traced) over a decode cache's tree: `keys`, `values`
+    `positions [S]`, or `[B, S]` per batch row (int32, may be traced; each row's
+    candidates and work from its own positions), over a decode cache's tree: `keys`, `values`
     the per-layer `[B, N_l, H_kv, K]`, `[B, N_l, H_kv, V]` (bottom first, un-rotated).
     The twin of `htree_jax.reference.attend_tree(..., keys_rotated=False)`: returns
     `(o [B, S, H, V] in q.dtype, selections)`, selections top first, `[B, S, H_kv,
@@ -363,11 +364,12 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     num_chunks = -(-S // C)
     q5 = pad_axis(q.reshape(B, S, H_kv, G, K).astype(jnp.float32), 3, gp)
     q5 = pad_axis(q5, 1, num_chunks * C)
-    padded = jnp.concatenate([positions, jnp.broadcast_to(positions[-1], (num_chunks * C - S,))])
+    positions = jnp.broadcast_to(positions, (B, S))
+    padded = jnp.concatenate([positions, jnp.broadcast_to(positions[:, -1:], (B, num_chunks * C - S))], axis=1)
 
     def chunk(i):
         qc = lax.dynamic_slice_in_dim(q5, i * C, C, axis=1)
-        t = lax.dynamic_slice_in_dim(padded, i * C, C)
+        t = lax.dynamic_slice_in_dim(padded, i * C, C, axis=1)
         return _walk(qc, t, keys, values, config, st, Mp, cos, sin, interpret, zero_unmerged)
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))

@@ -4,13 +4,15 @@ and selections at every position (strict causality, SPEC 3)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, build_tree, htree_attention
-from htree_jax.decode import decode_step, init_cache, prefill
+from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill, reset_rows
 from tests.conftest import random_qkv
 from tests.helpers import run_readme_snippet
 
@@ -48,7 +50,7 @@ def test_decoding_reproduces_the_full_sequence(r, top_k, importance, T, max_len,
             outputs.append(o)
             selections.append(sel)
             positions.append(t)
-        assert int(cache.length) == t + 1
+        assert np.asarray(cache.lengths).tolist() == [t + 1] * B
         assert_tree_is_build_tree(cache, k[:, :t + 1], v[:, :t + 1], config)
     got = jnp.concatenate(outputs, axis=1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-5)
@@ -156,9 +158,13 @@ def test_errors(rng):
     o, cache = prefill(q[:, :5], k[:, :5], v[:, :5], cache, config)
     with pytest.raises(ValueError, match="cache overflow: appending 1 token.*holding 5 of max_len=5"):
         decode_step(q[:, 5], k[:, 5], v[:, 5], cache, config)
-    traced = jax.jit(lambda c: decode_step(q[:, 5], k[:, 5], v[:, 5], c, config)[0])
-    with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match="cache overflow"):
-        jax.block_until_ready(traced(cache))
+    # Under jit: no error, no callback; the row that would overflow answers NaN and its
+    # cache rows stay as they were (SPEC 9).
+    traced = jax.jit(lambda c: decode_step(q[:, 5], k[:, 5], v[:, 5], c, config))
+    o_over, after = traced(cache)
+    assert np.all(np.isnan(np.asarray(o_over)))
+    for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     cache = init_cache(B, 16, H_kv, K, V, config)
     with pytest.raises(ValueError, match=r"k must have shape \[B, S, H_kv, K\] = \[1, S, 1, 8\]"):
@@ -195,7 +201,9 @@ def test_errors(rng):
 def test_readme_decoding_example_runs():
     scope = run_readme_snippet("## Incremental decoding")
     assert scope["o"].shape == (1, 40, 4, 16) and scope["o_t"].shape == (1, 4, 16)
-    assert int(scope["cache"].length) == 41
+    assert np.asarray(scope["cache"].lengths).tolist() == [41]
+    assert np.asarray(scope["rows"].lengths).tolist() == [1, 0, 41]
+    assert np.all(np.asarray(scope["o3"])[0] == 0) and np.all(np.isfinite(np.asarray(scope["o3_t"])))
 
 
 # (compression_rate, top_k, importance, T, max_len, prompt): 2-4 layers in the cache.
@@ -297,3 +305,116 @@ def test_pallas_attend_cache_in_chunks_equals_the_reference_walk(rng):
     for a, b in zip(sel, sel_ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
+
+
+# ---- per-row lengths (SPEC 9) -------------------------------------------------------------
+
+
+def _own_sequence(q, k, v, config, b, tokens):
+    """Row `b`'s full-sequence output `[T, H, V]` and selections over `tokens` (indices)."""
+    o, sel = htree_attention(q[b:b + 1, tokens], k[b:b + 1, tokens], v[b:b + 1, tokens], config,
+                             backend="reference", return_selected=True)
+    return np.asarray(o[0]), [np.asarray(s[0]) for s in sel]
+
+
+ON_GPU = pytest.param("pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu",
+                                                                             reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas_interpret", ON_GPU])
+def test_ragged_rows_equal_their_own_full_sequences(rng, backend):
+    """Prompts of 0, 17 and 40 tokens (right-padded to 40), then 10 steps per row: every
+    row equals, position by position, its own full-sequence output, with identical
+    selections (a 3-layer tree). Compiled (`pallas` on a GPU): float32 at 1e-4."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    tol = 1e-4 if backend == "pallas" else 1e-5
+    B, H, H_kv, K, V = 3, 4, 2, 32, 32
+    prompts, steps, S = np.array([0, 17, 40]), 10, 40
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, S + steps, H, H_kv, K, V))
+    # Row b's sequence: its prompt, then the step tokens (positions S.. of the inputs).
+    want = [_own_sequence(q, k, v, config, b, np.r_[np.arange(prompts[b]), np.arange(S, S + steps)])
+            for b in range(B)]
+    cache = init_cache(B, 128, H_kv, K, V, config)
+    assert config.num_layers(128) >= 3
+    o, cache, sel = prefill(q[:, :S], k[:, :S], v[:, :S], cache, config, lengths=jnp.asarray(prompts),
+                            backend=backend, return_selected=True)
+    for b in range(B):
+        n = prompts[b]
+        np.testing.assert_allclose(np.asarray(o[b, :n]), want[b][0][:n], rtol=tol, atol=tol)
+        assert np.all(np.asarray(o[b, n:]) == 0)  # padding positions
+        # The cache's tree may have more layers than the row's: the lowest ones must match.
+        for got, ref in zip(sel[len(sel) - len(want[b][1]):], want[b][1]):
+            np.testing.assert_array_equal(np.asarray(got[b, :n]), ref[:n])
+        assert all(np.all(np.asarray(got[b, n:]) == -1) for got in sel)
+    step = jax.jit(lambda q, k, v, c: decode_step(q, k, v, c, config, backend=backend), donate_argnums=3)
+    for i in range(steps):
+        o_t, cache = step(q[:, S + i], k[:, S + i], v[:, S + i], cache)
+        for b in range(B):
+            np.testing.assert_allclose(np.asarray(o_t[b]), want[b][0][prompts[b] + i], rtol=tol, atol=tol)
+    assert np.asarray(cache.lengths).tolist() == (prompts + steps).tolist()
+
+
+def test_reset_row_restarts_while_its_neighbours_continue(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    B, H, H_kv, K, V = 2, 2, 1, 8, 8
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 30, H, H_kv, K, V))
+    cache = init_cache(B, 32, H_kv, K, V, config)
+    _, cache = prefill(q[:, :20], k[:, :20], v[:, :20], cache, config)
+    cache = jax.jit(reset_rows)(cache, jnp.asarray([True, False]))
+    assert np.asarray(cache.lengths).tolist() == [0, 20]
+    o, cache = prefill(q[:, 20:30], k[:, 20:30], v[:, 20:30], cache, config)
+    # Row 0 is a new sequence of the 10 tokens 20..29; row 1 goes on to 30 tokens.
+    new = htree_attention(q[:1, 20:30], k[:1, 20:30], v[:1, 20:30], config, backend="reference")
+    old = htree_attention(q[1:, :30], k[1:, :30], v[1:, :30], config, backend="reference")
+    np.testing.assert_allclose(np.asarray(o[0]), np.asarray(new[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o[1]), np.asarray(old[0, 20:30]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"rows must be a bool array of shape \[B\] = \[2\]"):
+        reset_rows(cache, jnp.asarray([1, 0]))
+
+
+def test_overflow_of_one_row_under_jit_is_nan_for_that_row_only(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    B, H, H_kv, K, V = 2, 2, 1, 8, 8
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 9, H, H_kv, K, V))
+    cache = init_cache(B, 8, H_kv, K, V, config)
+    _, cache = prefill(q[:, :8], k[:, :8], v[:, :8], cache, config, lengths=jnp.asarray([8, 5]))
+    with pytest.raises(ValueError, match="cache overflow: appending 1 token.*row 0 holding 8 of max_len=8"):
+        decode_step(q[:, 8], k[:, 8], v[:, 8], cache, config)
+    o, after = jax.jit(lambda c: decode_step(q[:, 8], k[:, 8], v[:, 8], c, config))(cache)
+    assert np.all(np.isnan(np.asarray(o[0]))) and np.all(np.isfinite(np.asarray(o[1])))
+    assert np.asarray(after.lengths).tolist() == [8, 6]
+    np.testing.assert_array_equal(np.asarray(after.keys[0][0]), np.asarray(cache.keys[0][0]))
+
+
+def test_jitted_default_step_has_no_callback(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, 3, 2, 1, 32, 32))
+    cache = init_cache(2, 16, 1, 32, 32, config)
+    for backend in ("reference", "pallas_interpret"):
+        step = jaxpr_text(lambda c: decode_step(q[:, 0], k[:, 0], v[:, 0], c, config, backend=backend), cache)
+        fill = jaxpr_text(lambda c: prefill(q, k, v, c, config, lengths=jnp.asarray([3, 1]), backend=backend), cache)
+        for text in (step, fill):
+            assert not re.findall(r"\w*callback\w*|debug_print", text)
+
+
+def jaxpr_text(fn, *args):
+    return str(jax.make_jaxpr(jax.jit(fn))(*args))
+
+
+def test_bad_lengths_are_refused(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, 6, 2, 1, 8, 8))
+    cache = init_cache(2, 16, 1, 8, 8, config)
+    with pytest.raises(ValueError, match=r"lengths must be an int array of shape \[B\] = \[2\]"):
+        prefill(q, k, v, cache, config, lengths=jnp.asarray([3]))
+    with pytest.raises(ValueError, match=r"lengths must be an int array"):
+        prefill(q, k, v, cache, config, lengths=jnp.asarray([3.0, 1.0]))
+    with pytest.raises(ValueError, match=r"lengths must be in \[0, S\] = \[0, 6\]"):
+        prefill(q, k, v, cache, config, lengths=jnp.asarray([-1, 2]))
+    with pytest.raises(ValueError, match=r"lengths must be in \[0, S\] = \[0, 6\]"):
+        prefill(q, k, v, cache, config, lengths=jnp.asarray([7, 2]))
+    small = init_cache(2, 4, 1, 8, 8, config)
+    with pytest.raises(ValueError, match="cache overflow: appending 5 token.*row 0"):
+        prefill(q, k, v, small, config, lengths=jnp.asarray([5, 2]))
+    with pytest.raises(ValueError, match=r"cache.lengths must be int32 \[B\] = \[2\]"):
+        prefill(q, k, v, HTreeCache(cache.keys, cache.values, jnp.zeros((), jnp.int32)), config)

@@ -292,7 +292,7 @@ def test_nnx_decode_reproduces_the_full_sequence():
     outs = [m(x[:, :7], decode=True)]  # a prompt
     outs += [step(m, x[:, t:t + 1]) for t in range(7, 45)]
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), rtol=1e-5, atol=1e-5)
-    assert int(m.cache.get_value().length) == 45
+    assert np.asarray(m.cache.get_value().lengths).tolist() == [45] * m.cache.get_value().batch_size
     with pytest.raises(ValueError, match="cache overflow"):
         m(jnp.zeros((2, 20, 32)), decode=True)
     m2 = HTreeAttention(4, 32, num_kv_heads=2, config=config, decode=True, rngs=nnx.Rngs(0))
