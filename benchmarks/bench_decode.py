@@ -80,10 +80,7 @@ def htree_case(B, ctx, config, steps, repeats, backend, spread=False):
     return ms
 
 
-def module_case(B, ctx, config, steps, repeats, backend):
-    """The same step through `HTreeAttention(decode=True)` (projections included,
-    in_features = H * K), the functional nnx way: `nnx.split` once, a jitted step over
-    the module's state (donated), `nnx.merge` inside."""
+def decode_module(B, ctx, config, backend):
     from flax import nnx
 
     from htree_jax import HTreeAttention
@@ -91,6 +88,16 @@ def module_case(B, ctx, config, steps, repeats, backend):
     m = HTreeAttention(H, H * K, num_kv_heads=H_KV, head_dim=K, config=config, backend=backend, decode=True,
                        dtype=DTYPE, param_dtype=DTYPE, rngs=nnx.Rngs(0))
     m.init_cache(B, ctx)
+    return m
+
+
+def module_case(B, ctx, config, steps, repeats, backend):
+    """The same step through `HTreeAttention(decode=True)` (projections included,
+    in_features = H * K), the functional nnx way: `nnx.split` once, a jitted step over
+    the module's state (donated), `nnx.merge` inside."""
+    from flax import nnx
+
+    m = decode_module(B, ctx, config, backend)
     m.cache.set_value(filled_cache(B, ctx, config, start_lengths(B, ctx, steps, repeats, False)))
     graphdef, state = nnx.split(m)
     x = jax.random.normal(jax.random.key(5), (B, 1, H * K), DTYPE)
@@ -102,6 +109,36 @@ def module_case(B, ctx, config, steps, repeats, backend):
         return nnx.state(module), y
 
     ms, _ = per_step_ms(lambda i, c: fn(c), (state, jnp.zeros((B, 1, H * K), DTYPE)), steps, repeats)
+    return ms
+
+
+def dense_module_case(B, ctx, steps, repeats):
+    """Dense decode with the module's own projections (the same `LinearGeneral` layers,
+    the same jitted nnx step): q, k, v projected, k, v written into a `[B, ctx, H_kv,
+    K]` cache, cuDNN attention of the one query, the output projection. What the module
+    column compares with."""
+    from flax import nnx
+
+    m = decode_module(B, 8, HTreeConfig(), "reference")  # only its projections are used
+    graphdef, state = nnx.split(m)
+    x = jax.random.normal(jax.random.key(5), (B, 1, H * K), DTYPE)
+    kc = jax.random.normal(jax.random.key(0), (B, ctx, H_KV, K), DTYPE)
+    vc = jax.random.normal(jax.random.key(1), (B, ctx, H_KV, V), DTYPE)
+    start = ctx - (repeats + 1) * steps - 1
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def fn(carry):
+        state, kc, vc, length, _ = carry
+        module = nnx.merge(graphdef, state)
+        q, k, v = module.query(x), module.key(x), module.value(x)
+        kc = jax.lax.dynamic_update_slice_in_dim(kc, k, length, axis=1)
+        vc = jax.lax.dynamic_update_slice_in_dim(vc, v, length, axis=1)
+        o = jax.nn.dot_product_attention(q, kc, vc, key_value_seq_lengths=jnp.full((B,), length + 1, jnp.int32),
+                                         implementation="cudnn")
+        return nnx.state(module), kc, vc, length + 1, module.out(o)
+
+    carry = (state, kc, vc, jnp.asarray(start, jnp.int32), jnp.zeros((B, 1, H * K), DTYPE))
+    ms, _ = per_step_ms(lambda i, c: fn(c), carry, steps, repeats)
     return ms
 
 
@@ -155,13 +192,20 @@ def main(argv=None) -> int:
     parse = int_list
     backends = [b for b in args.backends.split(",") if b]
     extra = ([] if args.no_module else ["module pallas"]) + (["pallas, spread lengths"] if args.spread else [])
+    if not args.no_module:
+        lines_note = ("module: HTreeAttention(decode=True) with its projections; dense module: the same "
+                      "projections around cuDNN decode attention")
+        print(lines_note, flush=True)
     columns = [f"htree {b} ms" for b in backends] + [f"htree {e} ms" for e in extra]
+    module_cols = [] if args.no_module else ["dense module ms", "dense module/module"]
     lines = ["| context | B | top_k | layers | " + " | ".join(columns) + " | dense ms | dense | "
-             + " | ".join(f"dense/{c.split(' ms')[0].removeprefix('htree ')}" for c in columns) + " |",
-             "|---" * (6 + 2 * len(columns)) + "|"]
+             + " | ".join(f"dense/{c.split(' ms')[0].removeprefix('htree ')}" for c in columns)
+             + "".join(f" | {c}" for c in module_cols) + " |",
+             "|---" * (6 + 2 * len(columns) + len(module_cols)) + "|"]
     for B in parse(args.batches):
         for ctx in parse(args.contexts):
             d_ms, impl = dense_case(B, ctx, args.steps, args.repeats)
+            dm_ms = None if args.no_module else dense_module_case(B, ctx, args.steps, args.repeats)
             for top_k in parse(args.top_k):
                 config = HTreeConfig(top_k=top_k)
                 h_ms = [htree_case(B, ctx, config, args.steps, args.repeats, b) for b in backends]
@@ -172,7 +216,9 @@ def main(argv=None) -> int:
                                 if B > 1 else float("nan"))
                 lines.append(f"| {ctx} | {B} | {top_k} | {', '.join(map(str, config.layer_sizes(ctx)))} | "
                              + " | ".join(f"{x:.3f}" for x in h_ms) + f" | {d_ms:.3f} | {impl} | "
-                             + " | ".join(f"{d_ms / x:.2f}" for x in h_ms) + " |")
+                             + " | ".join(f"{d_ms / x:.2f}" for x in h_ms)
+                             + ("" if dm_ms is None else f" | {dm_ms:.3f} | {dm_ms / h_ms[len(backends)]:.2f}")
+                             + " |")
                 print(lines[-1], flush=True)
     print("\n".join(lines))
     return 0
