@@ -130,16 +130,23 @@ def dense_module_case(B, ctx, steps, repeats):
     def fn(carry):
         state, kc, vc, length, _ = carry
         module = nnx.merge(graphdef, state)
-        q, k, v = module.query(x), module.key(x), module.value(x)
-        kc = jax.lax.dynamic_update_slice_in_dim(kc, k, length, axis=1)
-        vc = jax.lax.dynamic_update_slice_in_dim(vc, v, length, axis=1)
-        o = jax.nn.dot_product_attention(q, kc, vc, key_value_seq_lengths=jnp.full((B,), length + 1, jnp.int32),
-                                         implementation="cudnn")
+        o, kc, vc = dense_decode(module.query(x), kc, vc, module.key(x), module.value(x), length, "cudnn")
         return nnx.state(module), kc, vc, length + 1, module.out(o)
 
     carry = (state, kc, vc, jnp.asarray(start, jnp.int32), jnp.zeros((B, 1, H * K), DTYPE))
     ms, _ = per_step_ms(lambda i, c: fn(c), carry, steps, repeats)
     return ms
+
+
+def dense_decode(q_t, kc, vc, k_t, v_t, length, implementation):
+    """Dense decode attention: `k_t, v_t [B, 1, H_kv, D]` written at `length` into the
+    `[B, ctx, H_kv, D]` caches, then the one query over the valid keys. Returns
+    `(o, kc, vc)`."""
+    kc = jax.lax.dynamic_update_slice_in_dim(kc, k_t, length, axis=1)
+    vc = jax.lax.dynamic_update_slice_in_dim(vc, v_t, length, axis=1)
+    lengths = jnp.full((q_t.shape[0],), length + 1, jnp.int32)
+    o = jax.nn.dot_product_attention(q_t, kc, vc, key_value_seq_lengths=lengths, implementation=implementation)
+    return o, kc, vc
 
 
 def dense_case(B, ctx, steps, repeats):
@@ -153,11 +160,7 @@ def dense_case(B, ctx, steps, repeats):
     def make(implementation):
         def fn(state):
             kc, vc, length = state
-            kc = jax.lax.dynamic_update_slice_in_dim(kc, k_t, length, axis=1)
-            vc = jax.lax.dynamic_update_slice_in_dim(vc, v_t, length, axis=1)
-            lengths = jnp.full((B,), length + 1, jnp.int32)
-            o = jax.nn.dot_product_attention(q_t, kc, vc, key_value_seq_lengths=lengths,
-                                             implementation=implementation)
+            o, kc, vc = dense_decode(q_t, kc, vc, k_t, v_t, length, implementation)
             return (kc, vc, length + 1), o
         return jax.jit(fn, donate_argnums=0)
 

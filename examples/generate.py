@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from train_tiny_lm import TinyLM  # noqa: E402
+from train_tiny_lm import TinyLM, add_model_arguments  # noqa: E402
 
 import htree_jax  # noqa: E402
 
@@ -49,12 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--compression-rate", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=4)
+    add_model_arguments(p)
     p.add_argument("--backend", default="auto", help="auto, reference, pallas or pallas_interpret")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true",

@@ -104,6 +104,16 @@ def last_position_loss(model, tokens, answers, num_values):
     return loss, jnp.mean(jnp.argmax(logits, -1) == targets)
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's shape and htree config (shared with `generate.py`)."""
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--compression-rate", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=4)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attention", choices=("htree", "dense"), default="htree")
@@ -111,12 +121,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--num-values", type=int, default=16)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--compression-rate", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=4)
+    add_model_arguments(p)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-size", type=int, default=512)
     p.add_argument("--backend", default="auto", help="htree backend: auto, reference, pallas")

@@ -163,7 +163,7 @@ def _concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_lengths(lengths, batch_size: int, S: int, max_len: int):
+def check_lengths(lengths, batch_size: int, S: int):
     """`prefill`'s `lengths` (`None`: every row `S`): int `[B]`, each in `[0, S]`. Returns
     them as int32. Checked on the host when concrete (an eager call)."""
     if lengths is None:
@@ -346,7 +346,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     config = check_decode_config(config)
     check_cache(cache, config)
     S = _check_tokens(cache, q, k, v, step=False)
-    counts = check_lengths(lengths, cache.batch_size, S, cache.max_len)
+    counts = check_lengths(lengths, cache.batch_size, S)
     impl = _resolve(backend, cache, q.shape[2])
     _check_room(cache, counts)
     return _prefill(q, k, v, cache, counts, config, return_selected, impl)

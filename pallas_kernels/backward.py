@@ -9,8 +9,8 @@ gradient bits). On an H200 at T=131072 the saved selections made forward+backwar
 (top_k=512) and 10% (top_k=64) faster for 0.8 / 0.07 GB more planned memory
 (benchmarks/RESULTS.md). Nothing per candidate is saved between the passes.
 
-Every layer's scores are recomputed with the merge dots (bfloat16 operands for bfloat16 inputs). Between the top and the
-bottom the forward merged from the importance pass's float32-grade scores (`BF16X3`),
+Every layer's scores are recomputed with the merge dots (bfloat16 operands for
+bfloat16 inputs). Between the top and the bottom the forward merged from the importance pass's float32-grade scores (`BF16X3`),
 so there `p = exp(s - lse)` mixes the two: a bfloat16-level difference, bounded by
 `tests/test_pallas_backward.py` (scoring those layers with `BF16X3` here made the whole
 backward 5.5x slower on an H200 at T=131072, top_k=64: benchmarks/RESULTS.md). The forward saves `o` and the rows'
@@ -35,11 +35,12 @@ of either exists. What lives at the peak of one training step's attention, T=1M,
 top_k=64, B=1, H=32, H_kv=4, K=V=128, bfloat16 (XLA's plan on an H100,
 `benchmarks/memory_plan.py`; device peak 46.4 GiB measured): arguments 18 GiB (q, k, v,
 the cotangent), outputs 10 GiB (dq, dk, dv), temporaries 18.4 GiB (XLA reuses a
-buffer once its value is dead, the saved output's among them): dq's chunks 8 GiB, the bottom's keys in `span/r`
-= 4 rotated copies 4 GiB, the bottom's float32 dk/dv accumulators 4 GiB, the saved
-selections 1 GiB per layer, a chunk's stored scores 1 GiB (twice), the guard's zeroed
-k or v (1 GiB each) and their finiteness masks (0.5 GiB each). With chunks that tile T (`forward.dividing_chunk`)
-nothing is padded to `chunks * Qc` positions.
+buffer once its value is dead, the saved output's among them): dq's chunks 8 GiB, the
+bottom's keys in `span/r` = 4 rotated copies 4 GiB, the bottom's float32 dk/dv
+accumulators 4 GiB, the saved selections 1 GiB per layer, a chunk's stored scores 1 GiB
+(twice), the guard's zeroed k or v (1 GiB each) and their finiteness masks (0.5 GiB
+each). With chunks that tile T (`forward.dividing_chunk`) nothing is padded to
+`chunks * Qc` positions.
 """
 
 from __future__ import annotations
