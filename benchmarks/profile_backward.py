@@ -70,9 +70,9 @@ def main(argv=None):
         return jax.jit(fn)(*a)
 
     print(f"{args.inputs} inputs, T={T} top_k={args.top_k} layers={sizes} chunk {Qc} x {chunks}", flush=True)
-    qc, t, n_top, q_top, (keys, tau, parents) = timed(
+    qc, t, n_top, first, q_top, (keys, tau, parents) = timed(
         "chunk set-up + top layer importance and top-K (recomputed)", lambda: chunk_queries(prep, c, T, L, ip))
-    top = (q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt))
+    top = (q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt))
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
     timed("top: dq kernel", lambda *a: top_backward_pallas(*a, st_top, ip), *top)
     timed("top: node kernel (dk, dv)", lambda *a: top_node_grads_pallas(*a, top_acc, st_top, ip), *top)

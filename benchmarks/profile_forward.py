@@ -121,17 +121,18 @@ def main(argv=None):
     rot_call = jax.jit(lambda qc, n: rotate_queries(pad_axis(qc, 3, gt), n, prep.cos, prep.sin))
     rows.append(("top layer query rotation", median_ms(rot_call, (qc, n_top), args.iters), chunks))
     q_top = rot_call(qc, n_top)
+    first = jnp.zeros_like(n_top)
     mean_n = float(jnp.mean(n_top))
     blk = f"{st_top.block_queries} queries/program, tile {st_top.tile}"
     kblk = f"{st_top.block_queries} queries/program, tile {prep.st_top_keys.tile}, {prep.st_top_keys.num_stages} stages"
     if L == 1:
         call = jax.jit(lambda *a: top_merge_pallas(*a, st_top, ip, out_dtype=q.dtype))
-        margs = (q_top, n_top, None, None, prep.top_k_merge, prep.top_v, empty(gt))
+        margs = (q_top, n_top, first, None, None, prep.top_k_merge, prep.top_v, empty(gt))
         rows.append((f"layer 0 (top) merge + normalise ({blk}, mean n={mean_n:.0f})",
                      median_ms(call, margs, args.iters), chunks))
     else:
         keys_call = jax.jit(lambda *a: top_importance_keys_pallas(*a, Mp, prep.st_top_keys, ip))
-        kargs = (q_top, n_top, prep.top_k_imp)
+        kargs = (q_top, n_top, first, prep.top_k_imp)
         rows.append((f"layer {L - 1} (top) importance keys ({kblk}, 2 score passes, mean n={mean_n:.0f})",
                      median_ms(keys_call, kargs, args.iters), chunks))
         keys = keys_call(*kargs)
@@ -141,7 +142,7 @@ def main(argv=None):
                      median_ms(select_call, (keys, parents, n_top), args.iters), chunks))
         nxt, tau = select_call(keys, parents, n_top)
         merge_call = jax.jit(lambda *a: top_merge_pallas(*a, st_top, ip))
-        margs = (q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, empty(gt))
+        margs = (q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, empty(gt))
         rows.append((f"layer {L - 1} (top) merge ({blk}, 1 score pass + values)",
                      median_ms(merge_call, margs, args.iters), chunks))
         state = tuple(pad_axis(x, 3, gp) for x in merge_call(*margs))

@@ -9,7 +9,15 @@ import jax.numpy as jnp
 
 from htree_jax.config import HTreeConfig
 from htree_jax.non_finite import dead_rows, first_non_finite, poison_rows, zero_non_finite
-from htree_jax.reference import htree_attention_reference
+from htree_jax.packing import (
+    check_fits,
+    check_max_documents,
+    check_segment_ids,
+    local_selections,
+    pack_layout,
+    virtual_length,
+)
+from htree_jax.reference import htree_attention_reference, htree_attention_reference_packed
 from htree_jax.validation import check_config, check_qkv
 
 # "auto": the Pallas kernels on a GPU where they support the shapes, else the reference
@@ -127,12 +135,41 @@ def _pallas_forward_bwd(config, interpret, residuals, cotangents):
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _pallas_packed(q, k, v, packing, config, interpret):
+    """Packed rows through the Pallas kernels (SPEC 6; `htree_jax.packing`), inputs
+    already finite: `(o, selections as tree rows)`."""
+    return _pallas_packed_fwd(q, k, v, packing, config, interpret)[0]
+
+
+def _pallas_packed_fwd(q, k, v, packing, config, interpret):
+    from pallas_kernels.forward import htree_forward_pallas
+
+    o, selected, lse = htree_forward_pallas(q, k, v, config, interpret=interpret, return_lse=True, packing=packing)
+    # The selections are always kept: the packed backward reads them.
+    return (o, selected), (q, k, v, o, lse, selected, packing)
+
+
+def _pallas_packed_bwd(config, interpret, residuals, cotangents):
+    from pallas_kernels.backward import htree_backward_pallas
+
+    q, k, v, o, lse, selected, packing = residuals
+    dq, dk, dv = htree_backward_pallas(q, k, v, o, lse, cotangents[0], config, interpret=interpret,
+                                       selections=selected, packing=packing)
+    return dq, dk, dv, None
+
+
+_pallas_packed.defvjp(_pallas_packed_fwd, _pallas_packed_bwd)
+
+
 def htree_attention(
     q,
     k,
     v,
     config: HTreeConfig | None = None,
     *,
+    segment_ids=None,
+    max_documents: int | None = None,
     backend: str = "auto",
     return_selected: bool = False,
     interpret: bool = False,
@@ -145,6 +182,15 @@ def htree_attention(
       v: `[B, T, H_kv, V]` values.
         q, k, v share one dtype: float32, bfloat16 or float16.
       config: an `HTreeConfig` (default `HTreeConfig()`), static under `jax.jit`.
+      segment_ids: int32 `[B, T]` (optional), packed documents (SPEC 6): a document is
+        a maximal run of equal consecutive ids, and each is attended as a sequence of
+        its own (its own tree; positions, hence RoPE, counted from its start). Padding
+        is one more document whose outputs you ignore. `None`: one document per row.
+      max_documents: the static cap of documents per row that the packed layout holds
+        (`htree_jax/packing.py`: the tree is laid out with each document aligned to
+        `r^(L-1)` tokens, `T + max_documents * (r^(L-1) - 1)` tokens of tree at most);
+        `None`: `T // r^(L-1)` (a tree of at most `2T` tokens). A row with more raises
+        `ValueError` when `segment_ids` is concrete, and answers NaN under `jit`.
       backend: `"auto"` (`"pallas"` on a GPU when the shapes allow it, else the reference),
         `"reference"` (the jittable JAX reference), `"pallas"` (Pallas-Triton kernels,
         CUDA GPUs; K and V in [32, 256], at most 16 query heads per kv head) or
@@ -152,14 +198,16 @@ def htree_attention(
       return_selected: also return the nodes selected for refinement at every layer
         `l >= 1` (the parent lists of the layer below), top layer first: a list of
         `L - 1` int32 arrays `[B, T, H_kv, top_k]`, ascending, `-1` padded (empty
-        when `T <= top_k * compression_rate`, where htree is exact attention).
+        when `T <= top_k * compression_rate`, where htree is exact attention). With
+        `segment_ids` the nodes are counted inside each token's document.
 
       interpret: run the Pallas kernels in interpret mode (with `backend="auto"` or
         `"pallas"`: the same as `"pallas_interpret"`); refused with `"reference"`.
 
     Non-finite inputs (SPEC 10): a NaN or infinity in `k` or `v` at position `p` changes
     no output before `p`; every output row of that kv head's group from `p` on is NaN,
-    as in dense causal attention (`htree_jax/non_finite.py`).
+    as in dense causal attention (`htree_jax/non_finite.py`); with `segment_ids` the
+    rows from `p` on in later documents of the row too (SPEC 10 leaves them open).
 
     Gradients (`jax.grad`, every backend) treat the selections as constants (SPEC 5):
     they flow through the scores and values of the merged nodes and down the pooling.
@@ -176,17 +224,43 @@ def htree_attention(
     impl = resolve_backend(backend, interpret, dims)
     if not isinstance(return_selected, bool):
         raise TypeError(f"return_selected must be a bool, got {return_selected!r}")
-    o, selected = _attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), config, impl)
+    packing = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len)
+    o, selected = _attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), config, impl, packing)
     return (o, selected) if return_selected else o
 
 
+def packing_of(segment_ids, max_documents, config: HTreeConfig, batch: int, seq_len: int):
+    """The packed layout of `segment_ids` (None without), checked: bad shapes, dtypes
+    and (eagerly) rows beyond the static cap are errors before any kernel runs."""
+    check_max_documents(max_documents)
+    if segment_ids is None:
+        if max_documents is not None:
+            raise ValueError("max_documents is the cap of packed documents: it needs segment_ids")
+        return None
+    segment_ids = check_segment_ids(segment_ids, batch, seq_len)
+    packing = pack_layout(segment_ids, config, virtual_length(config, seq_len, max_documents))
+    check_fits(packing, segment_ids, max_documents)
+    return packing
+
+
 @functools.partial(jax.jit, static_argnames=("config", "impl"))
-def _attend(q, k, v, config: HTreeConfig, impl: str):
+def _attend(q, k, v, config: HTreeConfig, impl: str, packing=None):
     """The chosen backend under SPEC 10's guard (`htree_jax.non_finite`): non-finite `k`,
-    `v` entries zeroed, outputs NaN from the first such position on."""
-    if impl != "reference":
+    `v` entries zeroed, outputs NaN from the first such position on. Packed rows
+    (`packing`) that do not fit their static layout answer NaN."""
+    if impl != "reference" and packing is None:
         return _pallas_forward(q, k, v, config, impl == "pallas_interpret")
     positions = jnp.arange(q.shape[1], dtype=jnp.int32)
     first = first_non_finite(k, v, positions)
-    o, selected = htree_attention_reference(q, zero_non_finite(k), zero_non_finite(v), config)
-    return poison_rows(o, positions, first), selected
+    k, v = zero_non_finite(k), zero_non_finite(v)
+    if packing is None:
+        o, selected = htree_attention_reference(q, k, v, config)
+    elif impl == "reference":
+        o, selected = htree_attention_reference_packed(q, k, v, packing, config)
+    else:
+        o, selected = _pallas_packed(q, k, v, packing, config, impl == "pallas_interpret")
+        selected = local_selections(selected, packing, config.compression_rate)
+    o = poison_rows(o, positions, first)
+    if packing is not None:
+        o = jnp.where(packing.fits[:, None, None, None], o, jnp.asarray(jnp.nan, o.dtype))
+    return o, selected

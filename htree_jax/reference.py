@@ -188,7 +188,7 @@ def normalize(state):
     return U / S[..., None]
 
 
-def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True):
+def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True, base=None):
     """All layers for one `(b, h_kv)` and a chunk of positions (SPEC 2, top down).
 
     `q [C, G, K]`, `t [C]` int32, `layers [(K_l [N_l, K], V_l [N_l, V]), ...]` bottom
@@ -197,6 +197,10 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     float32 arithmetic: what decoding does, rather than rotate a whole cache per step).
     Returns `o [C, G, V]` float32 and the selected node lists of layers
     `L-1 .. 1`, each `[C, top_k]` int32.
+
+    Packed sequences (`htree_jax.packing`): `t` is each query's position inside its
+    document and `base [C]` its document's virtual start; node `i` of that document on
+    layer `l` is row `base / r^l + i` of `layers`. Node lists stay document-local.
     """
     r, k_top, M = config.compression_rate, config.top_k, config.max_candidates
     L = len(layers)
@@ -221,6 +225,8 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
         nodes = candidate_nodes(parents, p, r)  # [C, M]
         valid = p[None, :] < n[:, None]
         safe_nodes = jnp.where(valid, nodes, 0)
+        if base is not None:
+            safe_nodes = safe_nodes + (base // r**l)[:, None]
         gathered = K_l[safe_nodes]  # [C, M, K]
         if not keys_rotated:
             gathered = apply_rope(gathered.astype(jnp.float32), child_cos, child_sin)
@@ -262,10 +268,12 @@ def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int):
     return attend_tree(q, layers, jnp.arange(q.shape[1], dtype=jnp.int32), config, query_chunk)
 
 
-def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True):
+def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True,
+                base=None):
     """Queries `q [B, S, H, K]` at token positions `positions [S]`, or `[B, S]` per batch
     row (int32, may be traced), walk the tree `layers` (bottom first, `[B, N_l, H_kv, *]`; keys as `_walk_one_head`
-    takes them). Returns `(o [B, S, H, V] in q.dtype, selections)`.
+    takes them). Returns `(o [B, S, H, V] in q.dtype, selections)`. Packed sequences:
+    `positions` inside each document and `base [B, S]` its virtual start (`_walk_one_head`).
 
     The tree may hold more tokens than `positions` reach (a decode cache sized for
     `max_len`): by strict causality (SPEC 3) nothing after a query changes its output."""
@@ -277,21 +285,26 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
     num_chunks = -(-S // C)
     q5 = q.reshape(B, S, H_kv, G, K)
     per_row = positions.ndim == 2
-    tail = jnp.broadcast_to(positions[..., -1:], positions.shape[:-1] + (num_chunks * C - S,))
-    padded = jnp.concatenate([positions, tail], axis=-1)
+    def pad_positions(x):
+        tail = jnp.broadcast_to(x[..., -1:], x.shape[:-1] + (num_chunks * C - S,))
+        return jnp.concatenate([x, tail], axis=-1)
+
+    padded = pad_positions(positions)
+    bases = None if base is None else pad_positions(base)
     if num_chunks * C != S:
         q5 = jnp.pad(q5, ((0, 0), (0, num_chunks * C - S), (0, 0), (0, 0), (0, 0)))
 
     # vmap over batch (axis 0 of everything) then kv heads (axis 2 of q5, the layers).
     per_head = jax.vmap(
-        lambda qh, t, lay: _walk_one_head(qh, t, lay, config, alpha, keys_rotated), in_axes=(1, None, 1)
+        lambda qh, t, lay, b: _walk_one_head(qh, t, lay, config, alpha, keys_rotated, b), in_axes=(1, None, 1, None)
     )
-    per_batch = jax.vmap(per_head, in_axes=(0, 0 if per_row else None, 0))
+    per_batch = jax.vmap(per_head, in_axes=(0, 0 if per_row else None, 0, None if base is None else 0))
 
     def chunk(i):
         qc = lax.dynamic_slice_in_dim(q5, i * C, C, axis=1)  # [B, C, H_kv, G, K]
         t = lax.dynamic_slice_in_dim(padded, i * C, C, axis=padded.ndim - 1)
-        return per_batch(qc, t, layers)  # o [B, H_kv, C, G, V], sels [B, H_kv, C, k_top]
+        b = None if bases is None else lax.dynamic_slice_in_dim(bases, i * C, C, axis=1)
+        return per_batch(qc, t, layers, b)  # o [B, H_kv, C, G, V], sels [B, H_kv, C, k_top]
 
     # Rematerialised under autodiff: the backward keeps only each chunk's inputs, not its
     # [chunk, M, K] gathers, so gradient memory is bounded by the same chunking.
@@ -324,3 +337,20 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
     elif isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
         raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
     return reference_forward(q, k, v, config, min(query_chunk, T))
+
+
+def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, query_chunk: int | None = None):
+    """Packed rows (SPEC 6; `htree_jax.packing.Packing`): each document attended alone.
+    Returns `(o, selections)` as `htree_attention_reference`, the selections counted
+    inside each token's document. The tree is built in the virtual layout and walked
+    with document-local positions; its keys are rotated as gathered (a top node's place
+    in its document is not its row's)."""
+    from htree_jax.packing import build_packed_tree, tokens_to_virtual, virtual_exists
+
+    B, T, H, K = q.shape
+    if query_chunk is None:
+        query_chunk = default_query_chunk(config, B, T, k.shape[2], H // k.shape[2], K, v.shape[-1])
+    layers = build_packed_tree(tokens_to_virtual(k, packing), tokens_to_virtual(v, packing), virtual_exists(packing),
+                               config, packing.num_layers)
+    return attend_tree(q, layers, packing.offset(), config, min(query_chunk, T), keys_rotated=False,
+                       base=packing.doc_start)

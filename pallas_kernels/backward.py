@@ -55,6 +55,7 @@ from jax import lax
 from htree_jax.config import HTreeConfig
 from htree_jax.rope import apply_rope
 from pallas_kernels.common import next_power_of_two, pad_axis, unpad_rope_halves
+from htree_jax.packing import virtual_exists
 from pallas_kernels.forward import BlockSizes, chunk_queries, prepare, valid_candidates
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
@@ -70,12 +71,28 @@ from pallas_kernels.precision import Precisions
 from pallas_kernels.top_k import select_top_k_pallas
 
 
-def push_down(grad_parent, N: int, r: int):
+def push_down(grad_parent, N: int, r: int, counts=None):
     """A parent layer's gradient `[B, H_kv, ceil(N/r), D]` shared equally by each
-    parent's children: `[B, H_kv, N, D]` (the transpose of mean pooling)."""
+    parent's children: `[B, H_kv, N, D]` (the transpose of mean pooling). `counts [B,
+    ceil(N/r)]`: each parent's existing children (packed rows; parents with none get 0),
+    else every parent has `r` but the ragged last."""
     parents = grad_parent.shape[2]
-    children = jnp.minimum(r, N - r * jnp.arange(parents)).astype(jnp.float32)
-    return jnp.repeat(grad_parent / children[:, None], r, axis=2)[:, :, :N]
+    if counts is None:
+        children = jnp.minimum(r, N - r * jnp.arange(parents)).astype(jnp.float32)
+        return jnp.repeat(grad_parent / children[:, None], r, axis=2)[:, :, :N]
+    share = jnp.where(counts > 0, 1.0 / jnp.maximum(counts, 1).astype(jnp.float32), 0.0)[:, None, :, None]
+    return jnp.repeat(grad_parent * share, r, axis=2)[:, :, :N]
+
+
+def child_counts_by_layer(packing, r: int, num_layers: int):
+    """Packed rows: each node's existing children, per layer `l >= 1` (`[B, N_l]` int32,
+    index `l - 1`), from the tokens present in the virtual layout."""
+    exists, counts = virtual_exists(packing), []
+    for _ in range(1, num_layers):
+        c = jnp.sum(exists.reshape(exists.shape[0], -1, r), axis=-1)
+        counts.append(c)
+        exists = (c > 0).astype(jnp.int32)
+    return counts
 
 
 def _per_chunk(x, Qc: int, num_chunks: int):
@@ -111,7 +128,7 @@ def kept_keys(parents, selected, width: int, r: int):
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
 def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                          interpret: bool = False, dead_rows=None, selections=None):
+                          interpret: bool = False, dead_rows=None, selections=None, packing=None):
     """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
     v`. `o [B, T, H, V]` and `lse [B, T, H]` from `htree_forward_pallas(...,
     return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller.
@@ -120,16 +137,21 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     backward makes anyway, not as masked copies of its own.
     `selections`: the forward's (its second output, top layer first); the kept nodes
     are then read from them instead of running the importance and top-K kernels again.
+    `packing`: packed rows (`htree_jax.packing`), with the forward's `selections` (tree
+    rows, as `htree_forward_pallas(..., packing=)` returns them), required there.
     Bitwise deterministic."""
+    if packing is not None and selections is None and packing.num_layers > 1:
+        raise ValueError("the packed backward takes the forward's selections")
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
-    prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), for_backward=True)
+    prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), for_backward=True,
+                   packing=packing)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
     kp, vp = prep.q4.shape[-1], prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
-    sizes = config.layer_sizes(T)
+    sizes = prep.sizes
     # The top layer's backward holds q, do and dq for 128 rows: one pipeline stage fits
     # in shared memory at K = V = 128 (two asked 233472 B of 232448 on an H200).
     st_top = dataclasses.replace(st_top, num_stages=1)
@@ -159,15 +181,20 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
         lse_c, delta_c, do_c = sl(lse4), sl(delta4), sl(do4)
         if dead4 is not None:
             do_c = jnp.where(sl(dead4)[..., None], jnp.zeros((), do_c.dtype), do_c)
-        qc, t, n_top, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret, select=saved is None)
+        qc, t, n_top, first, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret,
+                                                                          select=saved is None)
         kept = None if saved is None else [sl(x) for x in saved]  # kept[d]: the nodes layer L-1-d kept
+        rows_keys = keys  # the top layer's keys by tree row (the node kernel's), = by position unpacked
         if kept is not None and L > 1:
-            keys, tau = kept_keys(None, kept[0], Mp, st.r), jnp.ones(n_top.shape, jnp.int32)
+            tau = jnp.ones(n_top.shape, jnp.int32)
+            local = jnp.where(kept[0] >= 0, kept[0] - first, -1)
+            keys = kept_keys(None, local, Mp, st.r)
+            rows_keys = keys if packing is None else kept_keys(None, kept[0], prep.top_v.shape[2], st.r)
             parents = pad_nodes_list(kept[0], P)
         stats = lambda g: (pad_axis(lse_c, 3, g), pad_axis(do_c, 3, g), pad_axis(delta_c, 3, g))
-        top_args = (q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt))
-        dq_rot = top_backward_pallas(*top_args, st_top, interpret)
-        top_acc = top_node_grads_pallas(*top_args, top_acc, st_top, interpret)
+        top_data = (prep.top_k_merge, prep.top_v, *stats(gt))
+        dq_rot = top_backward_pallas(q_top, n_top, first, keys, tau, *top_data, st_top, interpret)
+        top_acc = top_node_grads_pallas(q_top, n_top, first, rows_keys, tau, *top_data, top_acc, st_top, interpret)
         position = n_top - 1
         dq = apply_rope(dq_rot, prep.cos[position], -prep.sin[position])[:, :, :, :G]
         if L > 1:
@@ -198,16 +225,25 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
 
     # Rotate the key gradients back, then push them down the tree to the tokens.
     N_top = sizes[-1]
-    dk_tree = apply_rope(top_acc[0][:, :, :N_top], prep.cos[:N_top], -prep.sin[:N_top])
+    if packing is None:
+        dk_tree = apply_rope(top_acc[0][:, :, :N_top], prep.cos[:N_top], -prep.sin[:N_top])
+        counts = [None] * (L - 1)
+    else:
+        local = prep.top_local
+        dk_tree = apply_rope(top_acc[0][:, :, :N_top], prep.cos[local][:, None], -prep.sin[local][:, None])
+        counts = child_counts_by_layer(packing, st.r, L)
     dv_tree = top_acc[1][:, :, :N_top]
     for l in reversed(range(L - 1)):
         dk_l = node_gradient(layer_acc[l][0], sizes[l], prep.cos, prep.sin, st.r)
-        dk_tree = dk_l + push_down(dk_tree, sizes[l], st.r)
-        dv_tree = layer_acc[l][1][:, :, : sizes[l]] + push_down(dv_tree, sizes[l], st.r)
+        dk_tree = dk_l + push_down(dk_tree, sizes[l], st.r, counts[l])
+        dv_tree = layer_acc[l][1][:, :, : sizes[l]] + push_down(dv_tree, sizes[l], st.r, counts[l])
 
     dq = jnp.moveaxis(dq, 0, 1).reshape(B, num_chunks * Qc, H, K)[:, :T]
     dk = unpad_rope_halves(jnp.swapaxes(dk_tree, 1, 2), K)
     dv = jnp.swapaxes(dv_tree, 1, 2)[..., :V]
+    if packing is not None:  # from the virtual layout back to the tokens
+        back = jax.vmap(lambda x, p: x[p])
+        dk, dv = back(dk, packing.position), back(dv, packing.position)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from htree_jax.config import HTreeConfig
+from htree_jax.packing import build_packed_tree, tokens_to_virtual, virtual_exists
+from htree_jax.rope import apply_rope
 from htree_jax.reference import candidate_count, num_parents, top_layer_parents
 from pallas_kernels.common import LayerStatic, next_power_of_two, pad_axis, pad_nodes, pad_rope_halves
 from pallas_kernels.importance import importance_keys_pallas
@@ -149,9 +151,10 @@ def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4"],
+                   data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
+                                "top_local"],
                    meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk", "union_width",
-                                "union_queries", "union_step", "st_union"])
+                                "union_queries", "union_step", "st_union", "sizes"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
@@ -177,13 +180,32 @@ class Prepared:
     union_queries: int  # queries per block of the bottom's union path
     union_step: int  # union nodes per step
     st_union: LayerStatic  # the union kernel's launch
+    sizes: tuple  # the tree's layer sizes (virtual ones when packed)
+    packing: object = None  # `htree_jax.packing.Packing`, or None: one document per row
+    top_local: object = None  # packed: `[B, N_top]` int32, each top node's place in its document
+
+
+def packed_tree(k, v, packing, config: HTreeConfig):
+    """The tree of packed rows (`htree_jax.packing`): `[(K_l, V_l) [B, N_l, H_kv, *]]` in
+    the virtual layout, bottom first, and each top node's index inside its document
+    `[B, N_top]` (its RoPE position on the top layer)."""
+    exists = virtual_exists(packing)
+    layers = build_packed_tree(tokens_to_virtual(k, packing), tokens_to_virtual(v, packing), exists, config,
+                               packing.num_layers)
+    A = config.compression_rate ** (packing.num_layers - 1)
+    top_local = jnp.zeros((k.shape[0], layers[-1][0].shape[1]), jnp.int32)
+    top_local = jax.vmap(lambda x, node, first: x.at[node].set(node - first))(
+        top_local, packing.position // A, packing.doc_start // A)
+    return layers, top_local
 
 
 def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool,
-            precisions: Precisions, for_backward: bool = False) -> Prepared:
+            precisions: Precisions, for_backward: bool = False, packing=None) -> Prepared:
     """The padded tree, keys as the products read them, tables and queries. With
     `for_backward`, every layer below the top keeps merge keys: the backward scores every
-    merged candidate again with the merge dots."""
+    merged candidate again with the merge dots. With `packing` the tree is laid out
+    virtually (`htree_jax.packing`), its top keys rotated by their place in their
+    document, the top layer padded by a tile more (tiles read from a document's start)."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
@@ -199,9 +221,18 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         num_warps=block_sizes.num_warps, merge_num_warps=block_sizes.merge_num_warps,
         num_stages=block_sizes.num_stages,
     )
-    layers = [(jnp.swapaxes(pad_rope_halves(k, half), 1, 2), jnp.swapaxes(pad_axis(v, -1, vp), 1, 2))]
-    for _ in config.layer_sizes(T)[1:]:
-        layers.append(tuple(pool_layer_pallas(x, r, PoolBlockSizes(), interpret) for x in layers[-1]))
+    as_kernel_layer = lambda kl, vl: (jnp.swapaxes(pad_rope_halves(kl, half), 1, 2),
+                                      jnp.swapaxes(pad_axis(vl, -1, vp), 1, 2))
+    top_local = None
+    if packing is None:
+        layers = [as_kernel_layer(k, v)]
+        for _ in config.layer_sizes(T)[1:]:
+            layers.append(tuple(pool_layer_pallas(x, r, PoolBlockSizes(), interpret) for x in layers[-1]))
+    else:
+        tree, top_local = packed_tree(k, v, packing, config)
+        layers = [as_kernel_layer(kl, vl) for kl, vl in tree]
+    sizes = tuple(x[0].shape[2] for x in layers)
+    num_layers = len(layers)
     cos, sin = padded_rope_table(Mp, K, config.rope_base, half)
     # Top layer: rows = queries x next_power_of_two(G) heads, at least 16 (a dot's minimum).
     gt = next_power_of_two(G)
@@ -210,13 +241,18 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps)
     st_top_keys = dataclasses.replace(st_top, tile=min(next_power_of_two(block_sizes.top_keys_tile, 16), top_tile),
                                       num_stages=block_sizes.top_keys_stages)
-    top_v = pad_nodes(layers[-1][1], top_tile)
+    extra = 0 if packing is None else top_tile  # packed: tiles start at a document's first node
+    top_v = pad_axis(pad_nodes(layers[-1][1], top_tile), 2, -(-sizes[-1] // top_tile) * top_tile + extra)
     # The keys as the products read them: rotated, then split for 3xTF32 or cast to the
     # operand dtype, once per layer (one array when both dots take the same operands).
     imp_spec = (precisions.scores, precisions.importance_operands)
     merge_spec = (precisions.merge, precisions.merge_operands)
 
-    top_rotated = rotate_keys(layers[-1][0], cos, sin, top_tile)
+    if packing is None:
+        top_rotated = rotate_keys(layers[-1][0], cos, sin, top_tile)
+    else:
+        top_rotated = apply_rope(layers[-1][0].astype(jnp.float32), cos[top_local][:, None], sin[top_local][:, None])
+        top_rotated = pad_axis(top_rotated, 2, top_v.shape[2])
     top_k_merge = key_operands(top_rotated, *merge_spec)
     top_k_imp = key_operands(top_rotated, *imp_spec, split=False) if imp_spec != merge_spec else top_k_merge
     # Below the top: the keys in span/r rotated copies, for the importance products of
@@ -228,10 +264,10 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         lower.append((key_operands(phases, *imp_spec) if l > 0 else None,
                       key_operands(phases, *merge_spec) if l == 0 or for_backward else None, vl))
     # Layers below the top that select (L >= 3) store their scores per chunk.
-    score_rows = next_power_of_two(G, 16) if len(config.layer_sizes(T)) >= 3 else 0
+    score_rows = next_power_of_two(G, 16) if num_layers >= 3 else 0
     # The bottom's query blocks (L >= 2): the slots `[BQ, width]` per block, the sorted
     # parent lists and their payloads (`block_union`'s temporaries), int32.
-    width = union_width(block_sizes, P) if len(config.layer_sizes(T)) >= 2 else 0
+    width = union_width(block_sizes, P) if num_layers >= 2 else 0
     union_bytes = 4 * (width + 4 * P) if width else 0
     multiple = max(bq, block_sizes.union_queries if width else 1)
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows, union_bytes) // multiple) * multiple
@@ -241,7 +277,7 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
     st_union = dataclasses.replace(st, num_warps=block_sizes.union_num_warps)
     return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc, width,
-                    block_sizes.union_queries, block_sizes.union_step, st_union)
+                    block_sizes.union_queries, block_sizes.union_step, st_union, sizes, packing, top_local)
 
 
 def valid_candidates(parents, t, layer: int, prep: Prepared):
@@ -251,25 +287,39 @@ def valid_candidates(parents, t, layer: int, prep: Prepared):
 
 def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, select: bool = True):
     """Chunk `c`'s queries and top layer, shared by the forward and the backward:
-    `(qc [B, Qc, H_kv, G, Kp], t [1, Qc, 1, 1], n_top, q_top, top)`. `n_top [B, Qc,
-    H_kv, 1]`: the top layer's candidates are the nodes `[0, n)`, `n = i*_{L-1} + 1`
-    (SPEC 2.1); `q_top` each query rotated by its `n - 1`, `Gt` rows. `top`: `(keys, tau,
-    parents of the layer below)` from the top layer's importance keys and shared top-K,
-    or `(None, None, None)` when the top layer is the bottom one (`L = 1`) or without
-    `select` (the backward, given the forward's selections)."""
+    `(qc [B, Qc, H_kv, G, Kp], t, n_top, first, q_top, top)`. `t`: the queries' positions
+    in the tree (`[1, Qc, 1, 1]`, or `[B, Qc, 1, 1]` virtual ones when packed). The top
+    layer's candidates are rows `[first, first + n_top)` (`[B, Qc, H_kv, 1]` each;
+    `n = i*_{L-1} + 1` counted in the query's document, SPEC 2.1, `first = 0` unpacked);
+    `q_top` each query rotated by its `n - 1`, `Gt` rows. `top`: `(keys, tau, parents of
+    the layer below)` from the top layer's importance keys (document-local positions)
+    and shared top-K (the parents as tree rows), or `(None, None, None)` when the top
+    layer is the bottom one (`L = 1`) or without `select` (the backward, given the
+    forward's selections)."""
     st, Qc = prep.st, prep.chunk
     B, _, H_kv, G, _ = prep.q4.shape
+    A = st.r ** (num_layers - 1)
     qc = lax.dynamic_slice_in_dim(prep.q4, c * Qc, Qc, axis=1)
-    t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
-    n_top = jnp.broadcast_to(t // st.r ** (num_layers - 1) + 1, (B, Qc, H_kv, 1))
+    if prep.packing is None:
+        t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
+        offset, first = t, jnp.zeros((B, Qc, H_kv, 1), jnp.int32)
+    else:
+        rows = lambda x: lax.dynamic_slice_in_dim(
+            jnp.pad(x, ((0, 0), (0, prep.q4.shape[1] - T)), mode="edge"), c * Qc, Qc, axis=1)[..., None, None]
+        t, start = rows(prep.packing.position), rows(prep.packing.doc_start)
+        offset, first = t - start, jnp.broadcast_to(start // A, (B, Qc, H_kv, 1))
+    n_top = jnp.broadcast_to(offset // A + 1, (B, Qc, H_kv, 1))
     q_top = rotate_queries(pad_axis(qc, 3, next_power_of_two(G)), n_top, prep.cos, prep.sin)
     if num_layers == 1 or not select:
-        return qc, t, n_top, q_top, (None, None, None)
-    keys = top_importance_keys_pallas(q_top, n_top, prep.top_k_imp, prep.cos.shape[0], prep.st_top_keys, interpret)
-    parents = jnp.broadcast_to(top_layer_parents(t[..., 0], st.r, num_layers, prep.parents_width),
+        return qc, t, n_top, first, q_top, (None, None, None)
+    keys = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, prep.cos.shape[0], prep.st_top_keys,
+                                      interpret)
+    parents = jnp.broadcast_to(top_layer_parents(offset[..., 0], st.r, num_layers, prep.parents_width),
                                (B, Qc, H_kv, prep.parents_width))
     next_parents, tau = select_top_k_pallas(keys, parents, n_top, st, interpret)
-    return qc, t, n_top, q_top, (keys, tau, next_parents[..., : prep.parents_width])
+    next_parents = next_parents[..., : prep.parents_width]
+    next_parents = jnp.where(next_parents >= 0, next_parents + first, -1)  # tree rows
+    return qc, t, n_top, first, q_top, (keys, tau, next_parents)
 
 
 def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: int, interpret: bool, out_dtype):
@@ -291,8 +341,11 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: in
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                         interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False):
+                         interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
+                         packing=None):
     """htree attention with Pallas kernels. Inputs validated by the caller.
+    `packing`: packed rows (`htree_jax.packing.Packing`); the selections returned are
+    then rows of the virtual tree (`packing.local_selections` makes them document-local).
 
     `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
     `htree_attention` runs). Returns `(o [B, T, H, V] in q.dtype, selections)` like the
@@ -302,25 +355,26 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
     B, T, H, _ = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
-    prep = prepare(q, k, v, config, block_sizes, interpret, precisions or Precisions.for_dtype(q.dtype))
+    prep = prepare(q, k, v, config, block_sizes, interpret, precisions or Precisions.for_dtype(q.dtype),
+                   packing=packing)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     st_scored = dataclasses.replace(st, merge_num_warps=block_sizes.scored_merge_num_warps)
     num_chunks = prep.q4.shape[1] // Qc
     vp = prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
-    layer_sizes = config.layer_sizes(T)
+    layer_sizes = prep.sizes
 
     def empty_state(rows):
         return (jnp.full((B, Qc, H_kv, rows), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_kv, rows), jnp.float32),
                 jnp.zeros((B, Qc, H_kv, rows, vp), jnp.float32))
 
     def chunk(c):
-        qc, t, n_top, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret)
+        qc, t, n_top, first, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret)
         if L == 1:
-            o, lse = top_merge_pallas(q_top, n_top, None, None, prep.top_k_merge, prep.top_v, empty_state(gt),
+            o, lse = top_merge_pallas(q_top, n_top, first, None, None, prep.top_k_merge, prep.top_v, empty_state(gt),
                                       st_top, interpret, out_dtype=q.dtype, return_lse=True)
             return o[:, :, :, :G], lse[..., :G], []
-        state = top_merge_pallas(q_top, n_top, keys, tau, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
+        state = top_merge_pallas(q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
                                  interpret)
         # The layers below: one query per program, its G heads padded to >= 16 rows.
         state = tuple(pad_axis(x, 3, gp) for x in state)

@@ -244,9 +244,11 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
 
 def _top_node_kernel(*refs, st: LayerStatic, bottom: bool):
     """One tile of the top layer's nodes against the chunk's queries, `BQ` per step,
-    from block `first` on (the blocks before it see none of the tile)."""
+    over the blocks `[blocks[0], blocks[1])` (the others see none of the tile). Node
+    rows are absolute here: a row's candidates are rows `[first, first + n)`, and
+    `keys` (kept or not) are indexed by row."""
     precision, operands = merge_score_precision(st), st.merge_operands
-    first_ref, q_ref, n_ref, *refs = refs
+    blocks_ref, q_ref, n_ref, first_ref, *refs = refs
     keys_ref = tau_ref = None
     if not bottom:
         keys_ref, tau_ref, *refs = refs
@@ -266,8 +268,8 @@ def _top_node_kernel(*refs, st: LayerStatic, bottom: bool):
         dk, dv = carry
         block = pl.ds(i * bq, bq)
         q = q_ref[block, :, :].reshape(rows, kp)
-        n_q = n_ref[block, :]  # [BQ, 1]
-        merged = positions[None, :] < n_q
+        n_q, first_q = n_ref[block, :], first_ref[block, :]  # [BQ, 1]
+        merged = (positions[None, :] >= first_q) & (positions[None, :] < first_q + n_q)
         if not bottom:
             merged = merged & (keys_ref[block, pl.ds(start, tile)] < tau_ref[block, :])
         merged = jnp.broadcast_to(merged[:, None, :], (bq, gt, tile)).reshape(rows, tile) & real
@@ -278,23 +280,29 @@ def _top_node_kernel(*refs, st: LayerStatic, bottom: bool):
         return dk + product(ds, q, (0, 0), precision, operands), dv + product(p, do, (0, 0), precision, operands)
 
     init = (jnp.zeros((tile, kp), jnp.float32), jnp.zeros((tile, vp), jnp.float32))
-    dk, dv = lax.fori_loop(first_ref[0], Q // bq, step, init)
+    dk, dv = lax.fori_loop(blocks_ref[0], blocks_ref[1], step, init)
     dk_out[...] = dk_in[...] + dk
     dv_out[...] = dv_in[...] + dv
 
 
-def leading_blocks(n, block_queries: int, tile: int, num_tiles: int):
-    """`[B, H_kv, num_tiles, 1]`: per node tile, how many leading blocks of queries see
-    none of it (every query of them and of the blocks before has `n <= tile start`)."""
+def block_ranges(n, first, block_queries: int, tile: int, num_tiles: int):
+    """`[B, H_kv, num_tiles, 2]`: per node tile, the blocks of queries that may see it,
+    `[lead, end)`: the leading blocks (every query of them and of the blocks before
+    ends at or before the tile's start) and the trailing ones (every query of them and
+    after starts at or after the tile's end: later documents of a packed row; `first`
+    never decreases along the queries) see none of it. `n, first [B, Q, H_kv, 1]`."""
     B, Q, H_kv, _ = n.shape
-    block_max = jnp.max(jnp.moveaxis(n[..., 0], 2, 1).reshape(B, H_kv, Q // block_queries, block_queries), axis=-1)
-    reach = lax.cummax(block_max, axis=2)  # [B, H_kv, blocks]
+    per_block = lambda x: jnp.moveaxis(x[..., 0], 2, 1).reshape(B, H_kv, Q // block_queries, block_queries)
+    reach = lax.cummax(jnp.max(per_block(first + n), axis=-1), axis=2)  # [B, H_kv, blocks]
+    begin = lax.cummin(jnp.min(per_block(first), axis=-1), axis=2, reverse=True)
     starts = jnp.arange(num_tiles, dtype=jnp.int32) * tile
-    return jnp.sum(reach[:, :, None, :] <= starts[:, None], axis=-1, dtype=jnp.int32)[..., None]
+    lead = jnp.sum(reach[:, :, None, :] <= starts[:, None], axis=-1, dtype=jnp.int32)
+    end = Q // block_queries - jnp.sum(begin[:, :, None, :] >= starts[:, None] + tile, axis=-1, dtype=jnp.int32)
+    return jnp.stack([lead, jnp.maximum(lead, end)], axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def top_node_grads_pallas(q_rot, n, keys, tau, k_rot, v, lse, do, delta, accumulators, st: LayerStatic,
+def top_node_grads_pallas(q_rot, n, first, keys, tau, k_rot, v, lse, do, delta, accumulators, st: LayerStatic,
                           interpret=False):
     """`dk`, `dv` of the top layer (all valid candidates with `keys=None`) added to
     `accumulators` (float32, shaped like `k_rot [B, H_kv, Np, Kp]` and `v`),
@@ -311,9 +319,9 @@ def top_node_grads_pallas(q_rot, n, keys, tau, k_rot, v, lse, do, delta, accumul
     chunk = lambda *tail: pl.BlockSpec((None, Q, None) + tail, lambda b, j, h: (b, 0, h) + (0,) * len(tail))
     nodes = lambda x: pl.BlockSpec((None, None, tile, x.shape[-1]), lambda b, j, h: (b, h, j, 0))
     whole_nodes = lambda x: pl.BlockSpec((None, None, Np, x.shape[-1]), lambda b, j, h: (b, h, 0, 0))
-    first = leading_blocks(n, bq, tile, Np // tile)
-    args = [first, q_rot, n] + ([] if bottom else [keys, tau]) + list(k_rot) + [v, lse, delta, do, dk_acc, dv_acc]
-    in_specs = [pl.BlockSpec((None, None, None, 1), lambda b, j, h: (b, h, j, 0)), chunk(gt, kp), chunk(1)]
+    blocks = block_ranges(n, first, bq, tile, Np // tile)
+    args = [blocks, q_rot, n, first] + ([] if bottom else [keys, tau]) + list(k_rot) + [v, lse, delta, do, dk_acc, dv_acc]
+    in_specs = [pl.BlockSpec((None, None, None, 2), lambda b, j, h: (b, h, j, 0)), chunk(gt, kp), chunk(1), chunk(1)]
     in_specs += [] if bottom else [chunk(keys.shape[-1]), chunk(1)]
     in_specs += [whole_nodes(x) for x in k_rot] + [whole_nodes(v), chunk(gt), chunk(gt), chunk(gt, do.shape[-1])]
     in_specs += [nodes(dk_acc), nodes(dv_acc)]
@@ -330,6 +338,6 @@ def top_node_grads_pallas(q_rot, n, keys, tau, k_rot, v, lse, do, delta, accumul
     return dk_acc, dv_acc
 
 
-__all__ = ["UNIT", "NodeIndex", "layer_node_grads_pallas", "leading_blocks", "node_buffers", "node_gradient",
+__all__ = ["UNIT", "NodeIndex", "block_ranges", "layer_node_grads_pallas", "node_buffers", "node_gradient",
            "node_index",
            "top_node_grads_pallas", "units_per_pair"]

@@ -13,10 +13,19 @@ block-causal attention instead of a gather:
 With `L = 1` (`T <= M`) the top layer is the bottom one and `top_merge_pallas(...,
 keys=None)` is causal softmax attention with RoPE at absolute positions.
 
+Packed sequences (`htree_jax.packing`): a query's candidates are its document's top
+nodes, rows `first + p` of the layer for candidate position `p < n` (`first [B, Q,
+H_kv, 1]`, 0 without packing), keys rotated by `p` (their place inside the document).
+A block of queries may straddle documents: each key tile is scored once per distinct
+`first` in the block (`_scores_by_document`; one pass without packing), each row taking
+the pass of its own document. Packed importance keys stay document-local (position `p`).
+
 Layouts (padded by the wrapper in `pallas_kernels/forward.py`):
   q_rot    `[B, Q, H_kv, Gt, Kp]` float32, `rope.rotate_queries` (each query by its `n - 1`)
   n        `[B, Q, H_kv, 1]` int32  valid candidates per query
-  k_rot    `[B, H_kv, Np, Kp]` float32, `rope.rotate_keys` of the layer (`Np` a multiple of the tile)
+  first    `[B, Q, H_kv, 1]` int32  the layer row of each query's candidate 0
+  k_rot    `[B, H_kv, Np, Kp]` float32, `rope.rotate_keys` of the layer (`Np` a multiple of the tile;
+           a tile more than the nodes when packed, for tiles read from an unaligned `first`)
   v        `[B, H_kv, Np, Vp]` stored dtype, zero rows past the layer (`common.pad_nodes`)
   keys     `[B, Q, H_kv, width]` int32 packed importance, `-1` where invalid
   state    m, S `[B, Q, H_kv, Gt]`, U `[B, Q, H_kv, Gt, Vp]` float32
@@ -42,10 +51,11 @@ from pallas_kernels.merge import fold_merged, merge_outputs, read_state, write_m
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, split_rows
 
 
-def _block_rows(q_ref, n_ref):
-    """The block's rotated queries `[BQ*Gt, Kp]` (row `b*Gt + g`) and `n` per query `[BQ]`."""
+def _block_rows(q_ref, n_ref, first_ref):
+    """The block's rotated queries `[BQ*Gt, Kp]` (row `b*Gt + g`), `n` and `first` per
+    query `[BQ]`."""
     bq, gt, kp = q_ref.shape
-    return q_ref[...].reshape(bq * gt, kp), n_ref[...].reshape(bq)
+    return q_ref[...].reshape(bq * gt, kp), n_ref[...].reshape(bq), first_ref[...].reshape(bq)
 
 
 def _per_row(x, gt: int):
@@ -53,19 +63,44 @@ def _per_row(x, gt: int):
     return jnp.broadcast_to(x[:, None], (x.shape[0], gt)).reshape(x.shape[0] * gt)
 
 
-def _tile_scores(i, q_parts, k_refs, st: LayerStatic, precision, operands=None):
-    """Scores `[BQ*Gt, tile]` of the contiguous candidates `[i*tile, (i+1)*tile)` and
-    their positions `[tile]`."""
-    start = i * st.tile
-    k = tuple(k_ref[pl.ds(start, st.tile), :] for k_ref in k_refs)
-    return st.alpha * dot_rows(q_parts, k, precision, operands), start + jnp.arange(st.tile, dtype=jnp.int32)
+_NO_DOCUMENT = 2**30
 
 
-def _top_keys_kernel(q_ref, n_ref, *refs, st: LayerStatic):
+def by_document(first_q, body, init):
+    """`body(f, carry)` once per distinct value `f` of `first_q [BQ]`, ascending (one
+    call without packing): a while loop, so a block inside one document pays one pass."""
+
+    def step(c):
+        f, carry = c
+        carry = body(f, carry)
+        return jnp.min(jnp.where(first_q > f, first_q, _NO_DOCUMENT)), carry
+
+    return lax.while_loop(lambda c: c[0] < _NO_DOCUMENT, step, (jnp.min(first_q), init))[1]
+
+
+def _tile_rows(i, f, refs, st: LayerStatic):
+    """Tile `i` of the candidates of a document whose candidate 0 is row `f`."""
+    return tuple(ref[pl.ds(f + i * st.tile, st.tile), :] for ref in refs)
+
+
+def _scores_by_document(i, q_parts, first_q, k_refs, st: LayerStatic, precision, operands=None):
+    """Scores `[BQ*Gt, tile]` of candidate positions `[i*tile, (i+1)*tile)` of each row's
+    own document, and those positions `[tile]`."""
+    rows_first = _per_row(first_q, q_parts[0].shape[0] // first_q.shape[0])
+
+    def one(f, scores):
+        s = st.alpha * dot_rows(q_parts, _tile_rows(i, f, k_refs, st), precision, operands)
+        return jnp.where((rows_first == f)[:, None], s, scores)
+
+    scores = by_document(first_q, one, jnp.zeros((q_parts[0].shape[0], st.tile), jnp.float32))
+    return scores, i * st.tile + jnp.arange(st.tile, dtype=jnp.int32)
+
+
+def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic):
     *k_refs, keys_ref = refs
     bq, gt, _ = q_ref.shape
     rows = bq * gt
-    q, n_q = _block_rows(q_ref, n_ref)
+    q, n_q, first_q = _block_rows(q_ref, n_ref, first_ref)
     n_rows = _per_row(n_q, gt)
     q_parts = split_rows(q, st.precision, st.importance_operands)
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
@@ -74,8 +109,11 @@ def _top_keys_kernel(q_ref, n_ref, *refs, st: LayerStatic):
     norm_end = n_rows - 1 if st.strict_causal else n_rows
     has_norm = (n_q - 1 if st.strict_causal else n_q) > 0  # [BQ]
 
+    def scored(i):
+        return _scores_by_document(i, q_parts, first_q, k_refs, st, st.precision, st.importance_operands)
+
     def norm_stats(i, carry):
-        scores, positions = _tile_scores(i, q_parts, k_refs, st, st.precision, st.importance_operands)
+        scores, positions = scored(i)
         in_norm = positions[None, :] < norm_end[:, None]
         return online_max_sum(*carry, jnp.where(in_norm, scores, NEG_INF))
 
@@ -84,7 +122,7 @@ def _top_keys_kernel(q_ref, n_ref, *refs, st: LayerStatic):
     shift = importance_shift(m, total, real_head, gt, st.importance)
 
     def write_keys(i, carry):
-        scores, positions = _tile_scores(i, q_parts, k_refs, st, st.precision, st.importance_operands)
+        scores, positions = scored(i)
         in_norm = positions[None, :] < norm_end[:, None]
         # Rows' weights outside R may overflow; they are never kept (masked below).
         weights = jnp.where(real_head[:, None] & in_norm, jnp.exp(scores - shift[:, None]), 0.0)
@@ -101,27 +139,34 @@ def _top_keys_kernel(q_ref, n_ref, *refs, st: LayerStatic):
 def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
     """Online-softmax merge of the candidates not kept (all valid ones at the bottom)."""
     score_precision, operands = merge_score_precision(st), st.merge_operands
-    (q_ref, n_ref), keys_ref, tau_ref, k_refs, (v_ref, m_ref, s_ref, u_ref, *out_refs) = layer_refs(
-        refs, 2, st, bottom)
+    (q_ref, n_ref, first_ref), keys_ref, tau_ref, k_refs, (v_ref, m_ref, s_ref, u_ref, *out_refs) = layer_refs(
+        refs, 3, st, bottom)
     bq, gt, _ = q_ref.shape
     rows = bq * gt
-    q, n_q = _block_rows(q_ref, n_ref)
-    n_rows = _per_row(n_q, gt)
+    q, n_q, first_q = _block_rows(q_ref, n_ref, first_ref)
+    n_rows, rows_first = _per_row(n_q, gt), _per_row(first_q, gt)
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
     if not bottom:
         tau = tau_ref[...]  # [BQ, 1]
     q_parts = split_rows(q, score_precision, operands)
 
     def merge_tile(i, carry):
-        scores, positions = _tile_scores(i, q_parts, k_refs, st, score_precision, operands)
+        positions = i * st.tile + jnp.arange(st.tile, dtype=jnp.int32)
         if bottom:
             merged = positions[None, :] < n_rows[:, None]
         else:
             kept = keys_ref[:, pl.ds(i * st.tile, st.tile)] >= tau  # [BQ, tile]
             merged_q = (positions[None, :] < n_q[:, None]) & ~kept
             merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gt, st.tile)).reshape(rows, st.tile)
-        values = v_ref[pl.ds(i * st.tile, st.tile), :]
-        return fold_merged(carry, [(jnp.where(merged, scores, NEG_INF), values)], score_precision, operands)
+
+        def fold_document(f, state):  # rows of other documents fold nothing (all -inf)
+            k = _tile_rows(i, f, k_refs, st)
+            scores = st.alpha * dot_rows(q_parts, k, score_precision, operands)
+            values = v_ref[pl.ds(f + i * st.tile, st.tile), :]
+            mine = merged & (rows_first == f)[:, None]
+            return fold_merged(state, [(jnp.where(mine, scores, NEG_INF), values)], score_precision, operands)
+
+        return by_document(first_q, fold_document, carry)
 
     state = lax.fori_loop(0, num_tiles, merge_tile, read_state(m_ref, s_ref, u_ref))
     write_merged(state, out_refs, bottom)
@@ -134,7 +179,7 @@ def top_specs(st: LayerStatic, q, k_parts, v, width: int):
     queries = lambda *tail: pl.BlockSpec((None, bq, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
     head = lambda d: pl.BlockSpec((None, None, Np, d), lambda b, i, h: (b, h, 0, 0))
     vp = v.shape[-1] if v is not None else None
-    return dict(q=queries(gt, kp), n=queries(1), keys=queries(width), tau=queries(1), k=[head(kp)] * len(k_parts),
+    return dict(q=queries(gt, kp), n=queries(1), first=queries(1), keys=queries(width), tau=queries(1), k=[head(kp)] * len(k_parts),
                 v=head(vp),
                 vec=queries(gt), mat=queries(gt, vp))
 
@@ -149,7 +194,7 @@ def check_top_inputs(st: LayerStatic, q, k_parts, width: int, expected_parts: tu
 
 
 @functools.partial(jax.jit, static_argnames=("width", "st", "interpret"))
-def top_importance_keys_pallas(q_rot, n, k_rot, width: int, st: LayerStatic, interpret=False):
+def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStatic, interpret=False):
     """Packed importance keys `[B, Q, H_kv, width]` of the top layer, `st.block_queries`
     queries per program. `q_rot = rotate_queries(q, n, ...)`, `k_rot =
     key_operands(rotate_keys(...), st.precision, st.importance_operands, split)`."""
@@ -159,16 +204,16 @@ def top_importance_keys_pallas(q_rot, n, k_rot, width: int, st: LayerStatic, int
     return pl.pallas_call(
         functools.partial(_top_keys_kernel, st=st),
         grid=(B, Q // st.block_queries, H_kv),
-        in_specs=[sp["q"], sp["n"], *sp["k"]],
+        in_specs=[sp["q"], sp["n"], sp["first"], *sp["k"]],
         out_specs=sp["keys"],
         out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.int32),
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
-    )(q_rot, n, *k_rot)
+    )(q_rot, n, first, *k_rot)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype", "return_lse"))
-def top_merge_pallas(q_rot, n, keys, tau, k_rot, v, state, st: LayerStatic, interpret=False,
+def top_merge_pallas(q_rot, n, first, keys, tau, k_rot, v, state, st: LayerStatic, interpret=False,
                      out_dtype=jnp.float32, return_lse=False):
     """With `keys [B, Q, H_kv, width], tau`: the state after merging the top layer's
     candidates not kept. With `keys=None` (`L = 1`): the normalised output
@@ -180,9 +225,9 @@ def top_merge_pallas(q_rot, n, keys, tau, k_rot, v, state, st: LayerStatic, inte
     B, Q, H_kv, gt, _ = q_rot.shape
     vp = v.shape[-1]
     sp = top_specs(st, q_rot, k_rot, v, width)
-    in_specs = [sp["q"], sp["n"]] + ([] if bottom else [sp["keys"], sp["tau"]])
+    in_specs = [sp["q"], sp["n"], sp["first"]] + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
-    args = (q_rot, n) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v,) + tuple(state)
+    args = (q_rot, n, first) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v,) + tuple(state)
     out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gt, vp), bottom, out_dtype, return_lse)
     out = pl.pallas_call(
         functools.partial(_top_merge_kernel, st=st, bottom=bottom),

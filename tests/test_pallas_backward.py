@@ -104,13 +104,14 @@ def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
     q_rot = rotate_queries(q, n, a["cos"], a["sin"])
     k_rot = key_operands(rotate_keys(layer_k, a["cos"], a["sin"], top_tile), st.precision)
     v = pad_nodes(layer_v, top_tile)
-    keys = top_importance_keys_pallas(q_rot, n, k_rot, Mp, st_top, interpret=True)
+    first = jnp.zeros_like(n)
+    keys = top_importance_keys_pallas(q_rot, n, first, k_rot, Mp, st_top, interpret=True)
     _, tau = select_top_k_twin(keys, parents, n, st)
     lse, delta, do = _row_stats(rng, q.shape[:4], v.shape[-1])
     for k_, t_ in [(keys, tau), (None, None)]:
-        dq_rot = top_backward_pallas(q_rot, n, k_, t_, k_rot, v, lse, do, delta, st_top, interpret=True)
+        dq_rot = top_backward_pallas(q_rot, n, first, k_, t_, k_rot, v, lse, do, delta, st_top, interpret=True)
         before = _random_accumulators(rng, (k_rot[0], v))
-        dk_acc, dv_acc = top_node_grads_pallas(q_rot, n, k_, t_, k_rot, v, lse, do, delta, before, st_top,
+        dk_acc, dv_acc = top_node_grads_pallas(q_rot, n, first, k_, t_, k_rot, v, lse, do, delta, before, st_top,
                                                interpret=True)
         dk_acc, dv_acc = dk_acc - before[0], dv_acc - before[1]
         position = n - 1

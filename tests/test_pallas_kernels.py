@@ -214,31 +214,32 @@ def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
     rotated = rotate_keys(layer_k, a["cos"], a["sin"], top_tile)
     k_rot = key_operands(rotated, st.precision)
 
-    keys = top_importance_keys_pallas(q_rot, n, k_rot, Mp, st_top, interpret=True)
+    first = jnp.zeros_like(n)
+    keys = top_importance_keys_pallas(q_rot, n, first, k_rot, Mp, st_top, interpret=True)
     keys_twin = importance_keys_twin(q, parents, n, layer_k, a["cos"], a["sin"], st)
     _assert_same_keys(keys, keys_twin, st.log_n)
     st_high = dataclasses.replace(st_top, precision=jax.lax.Precision.HIGH)
-    keys_high = top_importance_keys_pallas(q_rot, n, key_operands(rotated, st_high.precision), Mp, st_high,
+    keys_high = top_importance_keys_pallas(q_rot, n, first, key_operands(rotated, st_high.precision), Mp, st_high,
                                            interpret=True)
     _assert_same_keys(keys_high, keys_twin, st.log_n)
     st_x3 = dataclasses.replace(st_high, importance_operands=BF16X3)
-    keys_x3 = top_importance_keys_pallas(q_rot, n, key_operands(rotated, st_high.precision, BF16X3), Mp, st_x3,
+    keys_x3 = top_importance_keys_pallas(q_rot, n, first, key_operands(rotated, st_high.precision, BF16X3), Mp, st_x3,
                                          interpret=True)
     _assert_same_keys(keys_x3, keys_twin, st.log_n)
 
     _, tau = select_top_k_twin(keys, parents, n, st)
     state = tuple(x[:, :, :, : q.shape[3]] for x in a["state"])
-    got = top_merge_pallas(q_rot, n, keys, tau, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
+    got = top_merge_pallas(q_rot, n, first, keys, tau, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
     want = merge_twin(q, parents, n, keys, tau, layer_k, layer_v, a["cos"], a["sin"], state, st)
     for x, y in zip(got, want):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
-    o = top_merge_pallas(q_rot, n, None, None, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
+    o = top_merge_pallas(q_rot, n, first, None, None, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
     o_t = merge_twin(q, parents, n, None, None, layer_k, layer_v, a["cos"], a["sin"], state, st)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
     st_bf16 = dataclasses.replace(st_top, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
     k_bf16 = key_operands(rotated, st_bf16.merge_precision, "bfloat16")
-    o = top_merge_pallas(q_rot, n, None, None, k_bf16, pad_nodes(layer_v, top_tile), state, st_bf16, interpret=True)
+    o = top_merge_pallas(q_rot, n, first, None, None, k_bf16, pad_nodes(layer_v, top_tile), state, st_bf16, interpret=True)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
 
 
