@@ -2,6 +2,7 @@
 
     python -m htree_jax bench [--sizes 8192,32768,131072] [--long 524288]
     python benchmarks/bench_forward.py ...   (the same)
+    python -m htree_jax bench --packed 8 [--sizes 131072]   (packed documents, `run_packed`)
 
 B=1, H=32, H_kv=4, K=V=128, bfloat16, causal. Times are medians of `--iters` runs after
 one warm-up; `dense/htree` > 1 means htree is faster. Peak device memory is XLA's
@@ -18,6 +19,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.reference import htree_attention_reference
@@ -197,6 +199,78 @@ def table(rows):
     return "\n".join(lines)
 
 
+def document_lengths(T: int, docs: int, equal: bool, seed: int = 0) -> list[int]:
+    """`docs` lengths summing to `T`: equal, or cut at `docs - 1` distinct random points."""
+    if equal:
+        return [T // docs] * (docs - 1) + [T - (T // docs) * (docs - 1)]
+    cuts = sorted(np.random.default_rng(seed).choice(np.arange(1, T), docs - 1, replace=False).tolist())
+    return list(np.diff([0] + cuts + [T]).tolist())
+
+
+def padded_documents(x, lengths):
+    """`x [1, T, ...]` -> `[D, longest, ...]`, document `d` in row `d`, zero padded."""
+    longest, starts = max(lengths), np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    rows = [jnp.pad(x[0, s:s + n], [(0, longest - n)] + [(0, 0)] * (x.ndim - 2)) for s, n in zip(starts, lengths)]
+    return jnp.stack(rows)
+
+
+def dense_documents_fn(config, lengths):
+    """Dense cuDNN attention with the documents' structure: each document causal on its
+    own, as a padded batch `[D, longest]` with its lengths (`jax.nn.dot_product_attention`
+    has no packed-sequence form, and a `[T, T]` segment mask does not fit at 128K)."""
+    seq = jnp.asarray(lengths, jnp.int32)
+
+    def f(q, k, v):
+        qr = rope_absolute(q, config.rope_base).astype(q.dtype)  # positions from each document's start
+        kr = rope_absolute(k, config.rope_base).astype(k.dtype)
+        return jax.nn.dot_product_attention(qr, kr, v, is_causal=True, implementation="cudnn",
+                                            scale=config.score_scale(K), query_seq_lengths=seq,
+                                            key_value_seq_lengths=seq)
+    return jax.jit(f), lambda x: padded_documents(x, lengths)
+
+
+def with_grad(fn):
+    """`fn`'s forward and backward: the gradient of `sum(fn(q, k, v) * 1)` (float32 sum)."""
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+
+
+def run_packed(T: int, docs: int, top_ks, iters: int, kinds=("random",), grad: bool = True):
+    """One row of `T` tokens packed with `docs` documents (equal lengths, then random
+    lengths) against the same tokens as `docs` unpacked rows (equal lengths only: the
+    same shapes) and dense cuDNN with the documents' structure. Forward, and forward +
+    backward with `grad`."""
+    lines = ["| inputs | documents | top_k | pass | htree packed ms | htree B=docs unpacked ms | packed/unpacked | "
+             "dense documents ms | dense/packed |", "|---|---|---|---|---|---|---|---|---|"]
+    for kind in kinds:
+        q, k, v = INPUTS[kind](T)
+        for equal in (True, False):
+            lengths = document_lengths(T, docs, equal)
+            seg = jnp.asarray(np.repeat(np.arange(docs), lengths)[None], jnp.int32)
+            label = f"{docs} x {lengths[0]}" if equal else f"{docs} random ({min(lengths)}..{max(lengths)})"
+            for top_k in top_ks:
+                config = HTreeConfig(top_k=top_k)
+                packed = lambda q, k, v, s, c=config: htree_attention(q, k, v, c, backend="pallas", segment_ids=s,
+                                                                      max_documents=docs)
+                unpacked = lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")
+                dense, to_docs = dense_documents_fn(config, lengths)
+                split = lambda x: x.reshape((docs, T // docs) + x.shape[2:])
+                passes = [("forward", jax.jit(packed), jax.jit(unpacked), dense)]
+                if grad:
+                    passes.append(("fwd+bwd", jax.jit(jax.grad(
+                        lambda q, k, v, s: jnp.sum(packed(q, k, v, s).astype(jnp.float32)), argnums=(0, 1, 2))),
+                        with_grad(unpacked), with_grad(dense)))
+                for name, p_fn, u_fn, d_fn in passes:
+                    p_ms = median_ms(p_fn, (q, k, v, seg), iters)
+                    u_ms = median_ms(u_fn, tuple(split(x) for x in (q, k, v)), iters) if equal else None
+                    d_ms = median_ms(d_fn, tuple(to_docs(x) for x in (q, k, v)), iters)
+                    fmt = lambda x: "-" if x is None else f"{x:.1f}"
+                    lines.append(f"| {kind} | {label} | {top_k} | {name} | {p_ms:.1f} | {fmt(u_ms)} | "
+                                 f"{'-' if u_ms is None else format(p_ms / u_ms, '.3f')} | {d_ms:.1f} | "
+                                 f"{d_ms / p_ms:.3f} |")
+                    print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="8192,32768,131072")
     p.add_argument("--long", default="524288")
@@ -204,6 +278,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--reference-max-t", type=int, default=32768)
     p.add_argument("--inputs", default="random", help="random, correlated (`correlated_inputs`) or both")
+    p.add_argument("--packed", type=int, default=0,
+                   help="N > 0: one row of --sizes[0] tokens (default 131072) packed with N documents, equal and "
+                        "random lengths, against N unpacked rows and dense cuDNN per document (`run_packed`)")
+    p.add_argument("--no-grad", action="store_true", help="with --packed: the forward only")
 
 
 def overlap_table(overlaps) -> str:
@@ -215,6 +293,12 @@ def overlap_table(overlaps) -> str:
 
 def run_bench(args, argv=()) -> int:
     kinds = input_kinds(args.inputs)
+    if args.packed:
+        T = int_list(args.sizes)[0] if "--sizes" in " ".join(argv) else 131072
+        print(gpu_header("packed", f"T={T} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}",
+                         f"python -m htree_jax bench {' '.join(argv)}"))
+        print(run_packed(T, args.packed, int_list(args.top_k), args.iters, kinds, not args.no_grad))
+        return 0
     print(gpu_header("forward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}",
                      f"python -m htree_jax bench {' '.join(argv)}"))
     rows, overlaps = run(int_list(args.sizes), int_list(args.long), int_list(args.top_k), args.iters,

@@ -111,12 +111,18 @@ def check_backend(backend, interpret=False) -> str:
     return backend
 
 
-def attend(q, k, v, config, backend, interpret):
+def attend(q, k, v, config, backend, interpret, segment_ids=None, max_documents=None):
     """`htree_attention` on `[batch..., T, heads, dim]` projections (any number of
-    leading batch axes)."""
+    leading batch axes; `segment_ids [batch..., T]` for packed documents)."""
     batch_shape = q.shape[:-3]
     flat = lambda x: x.reshape((-1,) + x.shape[-3:])
-    o = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, interpret=interpret)
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != tuple(q.shape[:-2]):
+            raise ValueError(f"segment_ids must have shape [batch..., T] = {list(q.shape[:-2])}, "
+                             f"got {list(segment_ids.shape)}")
+        segment_ids = segment_ids.reshape(-1, segment_ids.shape[-1])
+    o = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, interpret=interpret,
+                        segment_ids=segment_ids, max_documents=max_documents)
     return o.reshape(batch_shape + o.shape[1:])
 
 
@@ -145,6 +151,11 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", in
       qk_attn_weights_einsum, attn_weights_value_einsum: must be `None`.
 
     `config`: the `HTreeConfig` (static); `backend`, `interpret`: as in `htree_attention`.
+
+    Packed documents cannot come through here: Flax's attention modules pass no segment
+    ids to `attention_fn` (and a block-diagonal `mask` is refused above). Pack through
+    `HTreeAttention(...)(x, segment_ids=...)` (nnx or linen) or
+    `htree_attention(..., segment_ids=...)`.
     """
     config = check_config(config)
     check_backend(backend, interpret)

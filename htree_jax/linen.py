@@ -55,7 +55,8 @@ class HTreeAttention(nn.Module):
                                precision=self.precision, name=name)
 
     @nn.compact
-    def __call__(self, inputs, mask=None, decode: bool | None = None, lengths=None):
+    def __call__(self, inputs, mask=None, decode: bool | None = None, lengths=None, segment_ids=None,
+                 max_documents: int | None = None):
         """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`.
 
         Decoding, as in `nn.MultiHeadDotProductAttention`: `init` with `decode=True` on
@@ -63,7 +64,8 @@ class HTreeAttention(nn.Module):
         `HTreeCache` for `max_len` tokens); `apply(..., decode=True, mutable=["cache"])`
         then appends `inputs [B, S, in_features]` and attends with them (with the module's
         backend, as `htree_jax.prefill` takes it; `lengths` int `[B]`: the tokens each row
-        appends, as `prefill` takes them)."""
+        appends, as `prefill` takes them). `segment_ids [batch..., T]`, `max_documents`:
+        packed documents, as the nnx module takes them (not with `decode`)."""
         dims = self._checked()
         check_inputs(inputs, dims)
         decode = self.decode if decode is None else decode
@@ -75,6 +77,8 @@ class HTreeAttention(nn.Module):
         if decode:
             from htree_jax.decode import decode_backend, init_cache, prefill
 
+            if segment_ids is not None:
+                raise ValueError("segment_ids: packed documents are for full sequences, not decode=True")
             if mask is not None:
                 raise ValueError("mask must be None with decode=True: the new tokens attend causally to the cache")
             if inputs.ndim != 3:
@@ -91,4 +95,4 @@ class HTreeAttention(nn.Module):
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=dims.num_heads, seq_len=T,
                           is_causal=mask is None)
-        return out(attend(q, k, v, config, self.backend, self.interpret))
+        return out(attend(q, k, v, config, self.backend, self.interpret, segment_ids, max_documents))

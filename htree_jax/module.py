@@ -155,7 +155,8 @@ class HTreeAttention(nnx.Module):
         self.cache = nnx.Cache(init_cache(batch_size, max_len, self.num_kv_heads, self.head_dim,
                                           self.head_dim, self.config, dtype))
 
-    def __call__(self, inputs, *, mask=None, decode: bool | None = None, lengths=None):
+    def __call__(self, inputs, *, mask=None, decode: bool | None = None, lengths=None, segment_ids=None,
+                 max_documents: int | None = None):
         """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`.
 
         With `decode=True` (or the constructor's `decode`), `inputs [B, S, in_features]`
@@ -166,16 +167,22 @@ class HTreeAttention(nnx.Module):
         its own sequence: `lengths` (int `[B]`) says how many of the `S` tokens each row
         appends (right-padded prompts of different lengths; `None`: all `S`); the
         padding positions' outputs are those of zero attention outputs. Rows restart
-        with `htree_jax.reset_rows` on `self.cache`."""
+        with `htree_jax.reset_rows` on `self.cache`.
+
+        Packed documents (SPEC 6): `segment_ids` int32 `[batch..., T]`, each maximal run
+        of equal ids attended as a sequence of its own; `max_documents` as in
+        `htree_attention`. Not with `decode` (a cache row is one sequence)."""
         check_inputs(inputs, self.dims)
         decode = self.decode if decode is None else decode
         if decode:
+            if segment_ids is not None:
+                raise ValueError("segment_ids: packed documents are for full sequences, not decode=True")
             return self._decode(inputs, mask, lengths)
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=self.num_heads, seq_len=T,
                           is_causal=mask is None)
         q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
-        o = attend(q, k, v, self.config, self.backend, self.interpret)
+        o = attend(q, k, v, self.config, self.backend, self.interpret, segment_ids, max_documents)
         return self.out(o)
 
     def _decode(self, inputs, mask, lengths):

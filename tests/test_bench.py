@@ -52,3 +52,19 @@ def test_overlap_row_on_real_selections(rng):
     assert "parents of layer 0 (bottom): " in row
     with pytest.raises(ValueError, match="--inputs must be random, correlated or both"):
         input_kinds("gaussian")
+
+
+def test_packed_bench_documents():
+    """`--packed`: document lengths (equal, random) and the dense baseline's padded batch."""
+    import numpy as np
+
+    from htree_jax.bench import document_lengths, padded_documents
+
+    assert document_lengths(131072, 8, True) == [16384] * 8
+    lengths = document_lengths(1000, 8, False)
+    assert sum(lengths) == 1000 and len(lengths) == 8 and min(lengths) >= 1
+    x = np.arange(10, dtype=np.float32).reshape(1, 10, 1)
+    docs = np.asarray(padded_documents(x, [3, 7]))
+    assert docs.shape == (2, 7, 1)
+    np.testing.assert_array_equal(docs[0, :, 0], [0, 1, 2, 0, 0, 0, 0])
+    np.testing.assert_array_equal(docs[1, :, 0], [3, 4, 5, 6, 7, 8, 9])

@@ -222,3 +222,36 @@ def test_packed_compiled_equals_per_document_compiled(rng):
             for got, want in zip(sel[L - 1 - len(sd):], sd):
                 mismatched += int(np.sum(np.any(np.asarray(got)[b, doc] != np.asarray(want)[0], axis=-1)))
     assert mismatched == 0
+
+
+def test_modules_take_segment_ids():
+    """nnx `HTreeAttention(x, segment_ids=)` equals htree_attention on its projections
+    with the same ids; the linen twin equals it from the same weights; a gradient step
+    runs; decode refuses them."""
+    from flax import nnx
+
+    from htree_jax import HTreeAttention
+    from htree_jax import linen as htree_linen
+
+    m = HTreeAttention(4, 32, num_kv_heads=2, config=CONFIG, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, T, 32))
+    seg = segments([[1, 20, 70, 59], [M, 2, 132]])
+    want = m.out(htree_attention(m.query(x), m.key(x), m.value(x), CONFIG, segment_ids=seg, backend="reference"))
+    got = m(x, segment_ids=seg)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.allclose(np.asarray(got), np.asarray(m(x)))  # packing changes the answer
+
+    twin = htree_linen.HTreeAttention(4, 32, num_kv_heads=2, config=CONFIG)
+    state = nnx.state(m, nnx.Param)
+    params = {"params": {name: {leaf: state[name][leaf][...] for leaf in state[name]}
+                         for name in ("query", "key", "value", "out")}}
+    np.testing.assert_allclose(np.asarray(twin.apply(params, x, segment_ids=seg)), np.asarray(got), rtol=1e-6,
+                               atol=1e-6)
+
+    grads = nnx.grad(lambda m: jnp.mean(m(x, segment_ids=seg) ** 2))(m)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \[batch..., T\]"):
+        m(x, segment_ids=seg[:, :-1])
+    m.init_cache(2, T)
+    with pytest.raises(ValueError, match="not decode=True"):
+        m(x, decode=True, segment_ids=seg)
