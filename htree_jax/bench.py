@@ -208,8 +208,9 @@ def document_lengths(T: int, docs: int, equal: bool, seed: int = 0) -> list[int]
 
 
 def padded_documents(x, lengths):
-    """`x [1, T, ...]` -> `[D, longest, ...]`, document `d` in row `d`, zero padded."""
-    longest, starts = max(lengths), np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    """`x [1, T, ...]` -> `[D, longest, ...]`, document `d` in row `d`, zero padded
+    (`longest` rounded up to a multiple of 128: cuDNN's backward takes no other)."""
+    longest, starts = -(-max(lengths) // 128) * 128, np.concatenate([[0], np.cumsum(lengths)[:-1]])
     rows = [jnp.pad(x[0, s:s + n], [(0, longest - n)] + [(0, 0)] * (x.ndim - 2)) for s, n in zip(starts, lengths)]
     return jnp.stack(rows)
 
@@ -238,7 +239,8 @@ def run_packed(T: int, docs: int, top_ks, iters: int, kinds=("random",), grad: b
     """One row of `T` tokens packed with `docs` documents (equal lengths, then random
     lengths) against the same tokens as `docs` unpacked rows (equal lengths only: the
     same shapes) and dense cuDNN with the documents' structure. Forward, and forward +
-    backward with `grad`."""
+    backward with `grad`. htree is told the documents' count and longest length
+    (`max_documents`, `max_document_len`), as a data pipeline knows them."""
     lines = ["| inputs | documents | top_k | pass | htree packed ms | htree B=docs unpacked ms | packed/unpacked | "
              "dense documents ms | dense/packed |", "|---|---|---|---|---|---|---|---|---|"]
     for kind in kinds:
@@ -249,8 +251,8 @@ def run_packed(T: int, docs: int, top_ks, iters: int, kinds=("random",), grad: b
             label = f"{docs} x {lengths[0]}" if equal else f"{docs} random ({min(lengths)}..{max(lengths)})"
             for top_k in top_ks:
                 config = HTreeConfig(top_k=top_k)
-                packed = lambda q, k, v, s, c=config: htree_attention(q, k, v, c, backend="pallas", segment_ids=s,
-                                                                      max_documents=docs)
+                packed = lambda q, k, v, s, c=config, n=max(lengths): htree_attention(
+                    q, k, v, c, backend="pallas", segment_ids=s, max_documents=docs, max_document_len=n)
                 unpacked = lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")
                 dense, to_docs = dense_documents_fn(config, lengths)
                 split = lambda x: x.reshape((docs, T // docs) + x.shape[2:])

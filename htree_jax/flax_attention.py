@@ -111,7 +111,7 @@ def check_backend(backend, interpret=False) -> str:
     return backend
 
 
-def attend(q, k, v, config, backend, interpret, segment_ids=None, max_documents=None):
+def attend(q, k, v, config, backend, interpret, segment_ids=None, max_documents=None, max_document_len=None):
     """`htree_attention` on `[batch..., T, heads, dim]` projections (any number of
     leading batch axes; `segment_ids [batch..., T]` for packed documents)."""
     batch_shape = q.shape[:-3]
@@ -122,7 +122,7 @@ def attend(q, k, v, config, backend, interpret, segment_ids=None, max_documents=
                              f"got {list(segment_ids.shape)}")
         segment_ids = segment_ids.reshape(-1, segment_ids.shape[-1])
     o = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, interpret=interpret,
-                        segment_ids=segment_ids, max_documents=max_documents)
+                        segment_ids=segment_ids, max_documents=max_documents, max_document_len=max_document_len)
     return o.reshape(batch_shape + o.shape[1:])
 
 

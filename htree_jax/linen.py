@@ -56,7 +56,7 @@ class HTreeAttention(nn.Module):
 
     @nn.compact
     def __call__(self, inputs, mask=None, decode: bool | None = None, lengths=None, segment_ids=None,
-                 max_documents: int | None = None):
+                 max_documents: int | None = None, max_document_len: int | None = None):
         """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`.
 
         Decoding, as in `nn.MultiHeadDotProductAttention`: `init` with `decode=True` on
@@ -64,7 +64,7 @@ class HTreeAttention(nn.Module):
         `HTreeCache` for `max_len` tokens); `apply(..., decode=True, mutable=["cache"])`
         then appends `inputs [B, S, in_features]` and attends with them (with the module's
         backend, as `htree_jax.prefill` takes it; `lengths` int `[B]`: the tokens each row
-        appends, as `prefill` takes them). `segment_ids [batch..., T]`, `max_documents`:
+        appends, as `prefill` takes them). `segment_ids [batch..., T]`, `max_documents`, `max_document_len`:
         packed documents, as the nnx module takes them (not with `decode`)."""
         dims = self._checked()
         check_inputs(inputs, dims)
@@ -95,4 +95,5 @@ class HTreeAttention(nn.Module):
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=dims.num_heads, seq_len=T,
                           is_causal=mask is None)
-        return out(attend(q, k, v, config, self.backend, self.interpret, segment_ids, max_documents))
+        return out(attend(q, k, v, config, self.backend, self.interpret, segment_ids, max_documents,
+                          max_document_len))

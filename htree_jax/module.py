@@ -156,7 +156,7 @@ class HTreeAttention(nnx.Module):
                                           self.head_dim, self.config, dtype))
 
     def __call__(self, inputs, *, mask=None, decode: bool | None = None, lengths=None, segment_ids=None,
-                 max_documents: int | None = None):
+                 max_documents: int | None = None, max_document_len: int | None = None):
         """`inputs [batch..., T, in_features]` -> `[batch..., T, out_features]`.
 
         With `decode=True` (or the constructor's `decode`), `inputs [B, S, in_features]`
@@ -170,8 +170,8 @@ class HTreeAttention(nnx.Module):
         with `htree_jax.reset_rows` on `self.cache`.
 
         Packed documents (SPEC 6): `segment_ids` int32 `[batch..., T]`, each maximal run
-        of equal ids attended as a sequence of its own; `max_documents` as in
-        `htree_attention`. Not with `decode` (a cache row is one sequence)."""
+        of equal ids attended as a sequence of its own; `max_documents`,
+        `max_document_len` as in `htree_attention`. Not with `decode` (a cache row is one sequence)."""
         check_inputs(inputs, self.dims)
         decode = self.decode if decode is None else decode
         if decode:
@@ -182,7 +182,8 @@ class HTreeAttention(nnx.Module):
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=self.num_heads, seq_len=T,
                           is_causal=mask is None)
         q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
-        o = attend(q, k, v, self.config, self.backend, self.interpret, segment_ids, max_documents)
+        o = attend(q, k, v, self.config, self.backend, self.interpret, segment_ids, max_documents,
+                   max_document_len)
         return self.out(o)
 
     def _decode(self, inputs, mask, lengths):

@@ -1,7 +1,9 @@
 """Packed sequences (SPEC 6): `segment_ids [B, T]`, one tree per document.
 
 A row of documents is laid out for the tree in a *virtual* sequence where every document
-starts at a multiple of `A = r^(L-1)` tokens (`L` the row's layer count): document `d`
+starts at a multiple of `A = r^(L-1)` tokens (`L` the layer count of the longest
+document the row may hold, `max_document_len`, by default `T`: SPEC 6 lets every
+document take more layers than its own, and fewer layers are less work): document `d`
 of length `n_d` occupies `[V_d, V_d + n_d)`, `V_d` a multiple of `A`, then zeros up to the
 next multiple of `A`. No node of any layer then straddles two documents, node `(l, i)`
 of document `d` is node `V_d / r^l + i` of the virtual layer, and its children are
@@ -69,22 +71,25 @@ class Packing:
         return self.doc_start // r**layer
 
 
-def alignment(config: HTreeConfig, T: int) -> int:
-    """`A = r^(L-1)`: where documents start in the virtual layout."""
-    return config.compression_rate ** (config.num_layers(T) - 1)
+def alignment(config: HTreeConfig, longest: int) -> int:
+    """`A = r^(L-1)`, `L` the layer count of the longest document: where documents start
+    in the virtual layout."""
+    return config.compression_rate ** (config.num_layers(longest) - 1)
 
 
-def virtual_length(config: HTreeConfig, T: int, max_documents: int | None) -> int:
+def virtual_length(config: HTreeConfig, T: int, max_documents: int | None, max_document_len: int | None = None) -> int:
     """`T_v = roundup(T + max_documents * (A - 1), A)` (module docstring)."""
-    A = alignment(config, T)
+    A = alignment(config, max_document_len or T)
     docs = max(1, T // A) if max_documents is None else max_documents
     return -(-(T + docs * (A - 1)) // A) * A
 
 
-def check_max_documents(max_documents) -> None:
-    if max_documents is not None and (isinstance(max_documents, bool) or not isinstance(max_documents, int)
-                                      or max_documents < 1):
-        raise ValueError(f"max_documents must be a positive int or None, got {max_documents!r}")
+def check_max_documents(max_documents, max_document_len=None, seq_len=None) -> None:
+    for name, x in (("max_documents", max_documents), ("max_document_len", max_document_len)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
+            raise ValueError(f"{name} must be a positive int or None, got {x!r}")
+    if max_document_len is not None and seq_len is not None and max_document_len > seq_len:
+        raise ValueError(f"max_document_len must be at most T = {seq_len}, got {max_document_len}")
 
 
 def check_segment_ids(segment_ids, batch: int, seq_len: int):
@@ -100,12 +105,13 @@ def check_segment_ids(segment_ids, batch: int, seq_len: int):
     return jnp.asarray(segment_ids).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "virtual_len"))
-def pack_layout(segment_ids, config: HTreeConfig, virtual_len: int) -> Packing:
+@functools.partial(jax.jit, static_argnames=("config", "virtual_len", "max_document_len"))
+def pack_layout(segment_ids, config: HTreeConfig, virtual_len: int, max_document_len: int | None = None) -> Packing:
     """The virtual layout of rows `segment_ids [B, T]` (a document: a maximal run of
-    equal consecutive ids)."""
+    equal consecutive ids), with the layer count of `max_document_len` tokens (`None`:
+    `T`); a row with a longer document does not fit."""
     B, T = segment_ids.shape
-    L = config.num_layers(T)
+    L = config.num_layers(max_document_len or T)
     A = config.compression_rate ** (L - 1)
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
@@ -116,14 +122,14 @@ def pack_layout(segment_ids, config: HTreeConfig, virtual_len: int) -> Packing:
     aligned = jnp.where(is_start, -(-(end - start) // A) * A, 0)
     inclusive = jnp.cumsum(aligned, axis=1, dtype=jnp.int32)
     doc_start = jnp.take_along_axis(inclusive - aligned, start, axis=1)
-    fits = inclusive[:, -1] <= virtual_len
+    fits = (inclusive[:, -1] <= virtual_len) & (jnp.max(end - start, axis=1) <= (max_document_len or T))
     # A row that does not fit is laid out unpacked (every index in range); it answers NaN.
     doc_start = jnp.where(fits[:, None], doc_start, 0)
     position = jnp.where(fits[:, None], doc_start + t - start, jnp.broadcast_to(t, (B, T)))
     return Packing(position.astype(jnp.int32), doc_start.astype(jnp.int32), fits, virtual_len, L)
 
 
-def check_fits(packing: Packing, segment_ids, max_documents) -> None:
+def check_fits(packing: Packing, segment_ids, max_documents, max_document_len=None) -> None:
     """Eager calls: a row whose documents do not fit the static layout is an error."""
     try:
         fits = np.asarray(packing.fits)
@@ -132,7 +138,11 @@ def check_fits(packing: Packing, segment_ids, max_documents) -> None:
     if not fits.all():
         row = int(np.argmin(fits))
         ids = np.asarray(segment_ids[row])
-        docs = 1 + int(np.sum(ids[1:] != ids[:-1]))
+        cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+        docs, longest = 1 + len(cuts), int(np.max(np.diff(np.concatenate([[0], cuts, [len(ids)]]))))
+        if max_document_len is not None and longest > max_document_len:
+            raise ValueError(f"segment_ids: row {row} has a document of {longest} tokens, longer than "
+                             f"max_document_len={max_document_len}")
         raise ValueError(
             f"segment_ids: row {row} has {docs} documents, more than the static layout holds "
             f"(virtual length {packing.virtual_len}; max_documents={max_documents}): pass a larger max_documents")

@@ -65,6 +65,6 @@ def test_packed_bench_documents():
     assert sum(lengths) == 1000 and len(lengths) == 8 and min(lengths) >= 1
     x = np.arange(10, dtype=np.float32).reshape(1, 10, 1)
     docs = np.asarray(padded_documents(x, [3, 7]))
-    assert docs.shape == (2, 7, 1)
-    np.testing.assert_array_equal(docs[0, :, 0], [0, 1, 2, 0, 0, 0, 0])
-    np.testing.assert_array_equal(docs[1, :, 0], [3, 4, 5, 6, 7, 8, 9])
+    assert docs.shape == (2, 128, 1)
+    np.testing.assert_array_equal(docs[0, :7, 0], [0, 1, 2, 0, 0, 0, 0])
+    np.testing.assert_array_equal(docs[1, :7, 0], [3, 4, 5, 6, 7, 8, 9])

@@ -50,11 +50,11 @@ def per_document(lengths):
     return list(zip(starts.tolist(), lengths))
 
 
-def assert_packed_matches_oracle(q, k, v, rows, config, backend, rtol=1e-5, atol=1e-5):
+def assert_packed_matches_oracle(q, k, v, rows, config, backend, rtol=1e-5, atol=1e-5, max_document_len=None):
     o, selected = htree_attention(q, k, v, config, segment_ids=segments(rows), backend=backend,
-                                  return_selected=True)
+                                  return_selected=True, max_document_len=max_document_len)
     o = np.asarray(o)
-    L = config.num_layers(q.shape[1])
+    L = config.num_layers(max_document_len or q.shape[1])
     assert len(selected) == L - 1
     G = q.shape[2] // k.shape[2]
     fragile_total = 0
@@ -197,8 +197,32 @@ def test_bad_max_documents(rng, max_documents):
     q, k, v = random_qkv(rng, 1, 8, 2, 1, 32, 32)
     with pytest.raises(ValueError, match="max_documents"):
         htree_attention(q, k, v, CONFIG, segment_ids=np.zeros((1, 8), np.int32), max_documents=max_documents)
-    with pytest.raises(ValueError, match="needs segment_ids"):
+    with pytest.raises(ValueError, match="need segment_ids"):
         htree_attention(q, k, v, CONFIG, max_documents=4)
+    with pytest.raises(ValueError, match="max_document_len"):
+        htree_attention(q, k, v, CONFIG, segment_ids=np.zeros((1, 8), np.int32), max_document_len=max_documents)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_max_document_len_takes_fewer_layers(rng, backend):
+    """Documents of at most 60 tokens: the row walks 2 layers (60 -> 15), not T's 3,
+    and still equals each document alone; a longer document is refused (eagerly) or
+    answers NaN (under jit)."""
+    q, k, v = random_qkv(rng, B, T, H, H_KV, K, V)
+    rows = [[1, 60, 16, 17, 56], [60, 60, 30]]
+    assert CONFIG.num_layers(60) == 2 and CONFIG.num_layers(T) == 3
+    assert_packed_matches_oracle(q, k, v, rows, CONFIG, backend, max_document_len=60)
+    with pytest.raises(ValueError, match="longer than max_document_len=59"):
+        htree_attention(q, k, v, CONFIG, segment_ids=segments(rows), max_document_len=59, backend=backend)
+    o = jax.jit(lambda s: htree_attention(q, k, v, CONFIG, segment_ids=s, max_document_len=59, backend=backend))(
+        segments([[1, 60, 16, 17, 56], [50, 50, 50]]))
+    assert np.isnan(np.asarray(o[0])).all() and np.isfinite(np.asarray(o[1])).all()
+
+
+def test_max_document_len_bounds():
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 8, 2, 1, 32, 32)
+    with pytest.raises(ValueError, match="at most T = 8"):
+        htree_attention(q, k, v, CONFIG, segment_ids=np.zeros((1, 8), np.int32), max_document_len=9)
 
 
 @pytest.mark.gpu
