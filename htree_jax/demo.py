@@ -32,6 +32,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--oracle-samples", type=int, default=6, help="positions checked against the oracle")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+    p.add_argument("--packed", type=int, default=0,
+                   help="N > 0: each row packs N documents of equal length (segment_ids); the oracle runs on "
+                        "each sampled position's document alone")
 
 
 class DemoError(ValueError):
@@ -103,13 +106,22 @@ def run_demo(args) -> int:
     k = jnp.asarray(rng.standard_normal((B, T, H_kv, K)), dtype)
     v = jnp.asarray(rng.standard_normal((B, T, H_kv, V)), dtype)
 
-    run = jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend, return_selected=True))
+    if args.packed < 0 or args.packed > T:
+        raise DemoError(f"--packed must be in [0, T = {T}], got {args.packed}")
+    docs = args.packed or 1
+    lengths = [T // docs] * (docs - 1) + [T - T // docs * (docs - 1)]
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    segment_ids = np.tile(np.repeat(np.arange(docs), lengths)[None], (B, 1)).astype(np.int32) if args.packed else None
+    run = jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend, return_selected=True,
+                                                  segment_ids=segment_ids,
+                                                  max_documents=docs if args.packed else None))
     o, selected = run(q, k, v)  # validates (ValueError/TypeError) before any work
     o = np.asarray(o)
 
     device = jax.devices()[0]
     print(f"htree-jax demo on {device.platform} ({device.device_kind}), jax {jax.__version__}")
-    print(f"inputs   B={B} T={T} H={H} H_kv={H_kv} K={K} V={V} {dtype.name}, seed {args.seed}")
+    print(f"inputs   B={B} T={T} H={H} H_kv={H_kv} K={K} V={V} {dtype.name}, seed {args.seed}"
+          + (f", packed: {docs} documents of {lengths[0]} tokens per row" if args.packed else ""))
     print(
         f"config   compression_rate={config.compression_rate} top_k={config.top_k} "
         f"(max_candidates M={config.max_candidates}) importance={config.importance} "
@@ -130,13 +142,23 @@ def run_demo(args) -> int:
     if args.oracle_samples:
         count = min(args.oracle_samples, T)
         positions = np.unique(np.concatenate([[T - 1], rng.choice(T, size=count - 1, replace=False)]))
-        ref, ref_sel, fragile = htree_attention_numpy(
-            np.asarray(q), np.asarray(k), np.asarray(v), config, return_selected=True,
-            query_positions=positions, return_fragile=True,
-        )
         tol = AGREEMENT_TOL[dtype.name]
-        agree, same, err = oracle_agreement(o[:, positions], [np.asarray(x)[:, positions] for x in selected], ref,
-                                            ref_sel, fragile, tol)
+        results = []
+        for d, (s, n) in enumerate(zip(starts, lengths)):  # each document alone (one when unpacked)
+            mine = positions[(positions >= s) & (positions < s + n)]
+            if not len(mine):
+                continue
+            ref, ref_sel, fragile = htree_attention_numpy(
+                np.asarray(q)[:, s:s + n], np.asarray(k)[:, s:s + n], np.asarray(v)[:, s:s + n], config,
+                return_selected=True, query_positions=mine - s, return_fragile=True,
+            )
+            # A document's own layers are the row's lowest (the row's extra ones keep all).
+            got_sel = [np.asarray(x)[:, mine] for x in selected[len(selected) - len(ref_sel):]]
+            results.append(oracle_agreement(o[:, mine], got_sel, ref, ref_sel, fragile, tol) + (fragile,))
+        agree = all(r[0] for r in results)
+        same = np.concatenate([r[1].reshape(-1) for r in results])
+        err = max(r[2] for r in results)
+        fragile = np.concatenate([r[3].reshape(-1) for r in results])
         print(
             f"oracle   float64 NumPy oracle at {len(positions)} positions x {B * H_kv} (batch, kv-head): "
             f"selections identical for {same.sum()}/{same.size}, near-ties {fragile.sum()} (waived for those "
@@ -146,7 +168,9 @@ def run_demo(args) -> int:
 
     htree_ms = _median_ms(lambda: jax.block_until_ready(run(q, k, v)), args.repeats)
     line = f"time     median of {args.repeats} after warm-up: htree ({backend}) {htree_ms:.1f} ms"
-    if V == K:
+    if args.packed:
+        line += " (dense comparison: unpacked runs only)"
+    elif V == K:
         alpha = config.score_scale(K)
         dense = jax.jit(
             lambda q, k, v: jax.nn.dot_product_attention(

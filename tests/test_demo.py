@@ -95,3 +95,14 @@ def test_bench_without_gpu_is_a_clear_error(capsys):
     code, _, err = run_in_process(["bench", "--sizes", "64"], capsys)
     assert code == 2
     assert "needs a CUDA GPU" in err
+
+
+def test_demo_packed(capsys):
+    """`demo --packed 3`: three documents per row, each sampled position against the
+    oracle on its document alone."""
+    code, out, err = run_in_process(["demo"] + SMALL + ["--packed", "3", "--oracle-samples", "12"], capsys)
+    assert code == 0, err
+    assert "packed: 3 documents of 100 tokens per row" in out
+    same, total, ties = (int(x) for x in re.search(r"identical for (\d+)/(\d+), near-ties (\d+)", out).groups())
+    assert total == 24 and same + ties >= total
+    assert "AGREES" in out and "DISAGREES" not in out

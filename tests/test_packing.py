@@ -279,3 +279,11 @@ def test_modules_take_segment_ids():
     m.init_cache(2, T)
     with pytest.raises(ValueError, match="not decode=True"):
         m(x, decode=True, segment_ids=seg)
+
+
+def test_readme_packing_example_runs():
+    from tests.helpers import run_readme_snippet
+
+    scope = run_readme_snippet("## Packed documents")
+    o = scope["o"]
+    assert o.shape == (2, 4096, 4, 64) and np.isfinite(np.asarray(o)).all()
