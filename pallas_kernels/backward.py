@@ -53,9 +53,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from htree_jax.config import HTreeConfig
+from htree_jax.packing import virtual_exists
 from htree_jax.rope import apply_rope
 from pallas_kernels.common import next_power_of_two, pad_axis, unpad_rope_halves
-from htree_jax.packing import virtual_exists
 from pallas_kernels.forward import BlockSizes, chunk_queries, prepare, valid_candidates
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
