@@ -231,7 +231,14 @@ def htree_attention(
     if not isinstance(return_selected, bool):
         raise TypeError(f"return_selected must be a bool, got {return_selected!r}")
     packing = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len, max_document_len)
-    o, selected = _attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), config, impl, packing)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if packing is None and jax.device_count() > 1:
+        # Batch- and head-sharded inputs: one local call per shard (`htree_jax/sharding.py`).
+        from htree_jax.sharding import partitioned_attention
+
+        o, selected = partitioned_attention(q, k, v, config, impl)
+    else:
+        o, selected = _attend(q, k, v, config, impl, packing)
     return (o, selected) if return_selected else o
 
 

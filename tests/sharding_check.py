@@ -1,0 +1,87 @@
+"""Run in its own process by tests/test_sharding.py: 8 simulated CPU devices (XLA_FLAGS
+set before JAX starts). Prints one line per check; exits non-zero on a failure."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from htree_jax import HTreeConfig, htree_attention  # noqa: E402
+from htree_jax.attention import _attend  # noqa: E402
+
+CONFIG = HTreeConfig(compression_rate=4, top_k=4)  # 3 layers at T=150
+B, T, H, H_KV, K, V = 4, 150, 8, 4, 32, 32
+
+
+def main(backends) -> int:
+    assert jax.device_count() == 8, jax.devices()
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    k = rng.standard_normal((B, T, H_KV, K)).astype(np.float32)
+    v = rng.standard_normal((B, T, H_KV, V)).astype(np.float32)
+    w = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    layouts = {"batch": P("data", None, None, None), "heads": P(None, None, "model", None),
+               "batch+heads": P("data", None, "model", None)}
+    for impl in backends:
+        want_o, want_sel = _attend(*(jnp.asarray(x) for x in (q, k, v)), CONFIG, impl)
+
+        def loss(q, k, v, impl=impl):
+            return jnp.sum(htree_attention(q, k, v, CONFIG, backend=impl) * w)
+
+        want_g = jax.grad(lambda q, k, v: jnp.sum(_attend(q, k, v, CONFIG, impl)[0] * w), argnums=(0, 1, 2))(
+            *(jnp.asarray(x) for x in (q, k, v)))
+        for name, spec in layouts.items():
+            sh = NamedSharding(mesh, spec)
+            args = [jax.device_put(x, sh) for x in (q, k, v)]
+            f = jax.jit(lambda q, k, v, impl=impl: htree_attention(q, k, v, CONFIG, backend=impl,
+                                                                   return_selected=True))
+            o, sel = f(*args)
+            np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), rtol=1e-5, atol=1e-5)
+            for a, b in zip(sel, want_sel):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert o.sharding.is_equivalent_to(sh, 4), (o.sharding, sh)
+            text = f.lower(*args).compile().as_text()
+            assert "all-gather" not in text, f"{impl} {name}: the compiled forward gathers"
+            g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            grads = g(*args)
+            for a, b in zip(grads, want_g):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+            assert "all-gather" not in g.lower(*args).compile().as_text(), f"{impl} {name}: the gradient gathers"
+            print(f"ok {impl} {name}: forward and gradients equal the unsharded run, no all-gather", flush=True)
+    # A mesh axis that splits a GQA group (8 head shards over 4 kv heads) is refused.
+    mesh8 = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
+    split = jax.device_put(q, NamedSharding(mesh8, P(None, None, "model", None)))
+    by_t = jax.device_put(q[:, :144], NamedSharding(mesh8, P(None, "model", None, None)))
+    for what, call in (("split group", lambda: htree_attention(split, k, v, CONFIG, backend="reference")),
+                       ("T sharded", lambda: htree_attention(by_t, k[:, :144], v[:, :144], CONFIG,
+                                                             backend="reference"))):
+        try:
+            call()
+        except ValueError as e:
+            assert "'model'" in str(e), e
+            print(f"ok {what} refused: {e}", flush=True)
+        else:
+            print(f"FAIL: {what} was not refused", flush=True)
+            return 1
+    try:  # under jit the partitioner refuses it, naming the axis
+        jax.jit(lambda q, k, v: htree_attention(q, k, v, CONFIG, backend="reference"))(split, k, v)
+    except Exception as e:  # noqa: BLE001 - XLA wraps it in a JaxRuntimeError
+        assert "model" in str(e), e
+        print("ok split group refused under jit", flush=True)
+    else:
+        print("FAIL: a split GQA group was not refused under jit", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:] or ["reference", "pallas_interpret"]))
