@@ -26,3 +26,12 @@ def test_sharded_batch_and_heads_on_simulated_devices(backend):
         assert f"ok {backend} {layout}: forward and gradients equal the unsharded run, no all-gather" in res.stdout
     assert "ok split group refused" in res.stdout and "ok T sharded refused" in res.stdout
     assert "ok split group refused under jit" in res.stdout
+
+
+def test_sharded_nnx_model_optax_step():
+    """The README's "Many devices" example on 8 simulated devices."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_check.py"), "module"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "ok module step" in res.stdout
