@@ -85,51 +85,55 @@ def check_interpret(backend: str, interpret) -> bool:
     return interpret
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _pallas_forward(q, k, v, config, interpret):
-    o, selected, _, _ = _guarded_pallas_forward(q, k, v, config, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _pallas_forward(q, k, v, positions, config, interpret):
+    o, selected, _, _ = _guarded_pallas_forward(q, k, v, positions, config, interpret)
     return o, selected
 
 
-def _guarded_pallas_forward(q, k, v, config, interpret):
+def query_positions(positions, q):
+    """The queries' token positions `[S]` (`positions`, or `0 .. S-1`)."""
+    return jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
+
+
+def _guarded_pallas_forward(q, k, v, positions, config, interpret):
     """The Pallas forward under SPEC 10's guard (`htree_jax.non_finite`), inside the
     `custom_vjp`: the zeroed `k`, `v` feed the forward's own padded copies and the NaN
     rows its output's last copy, and the output the backward saves is the one returned,
-    so the guard adds no input- or output-sized buffer for the backward to keep."""
+    so the guard adds no input- or output-sized buffer for the backward to keep.
+    `positions [S]`: the queries' positions among `k`'s tokens (None: all of them)."""
     from pallas_kernels.forward import htree_forward_pallas
 
-    positions = jnp.arange(q.shape[1], dtype=jnp.int32)
-    first = first_non_finite(k, v, positions)
+    first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
     o, selected, lse = htree_forward_pallas(q, zero_non_finite(k), zero_non_finite(v), config,
-                                            interpret=interpret, return_lse=True)
-    return poison_rows(o, positions, first), selected, lse, first
+                                            interpret=interpret, return_lse=True, positions=positions)
+    return poison_rows(o, query_positions(positions, q), first), selected, lse, first
 
 
-def _pallas_forward_fwd(q, k, v, config, interpret):
+def _pallas_forward_fwd(q, k, v, positions, config, interpret):
     # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)), the first
     # non-finite positions and the selections (`BlockSizes.save_selections`; else they
     # are recomputed there by the same kernels).
     from pallas_kernels.forward import BlockSizes
 
-    o, selected, lse, first = _guarded_pallas_forward(q, k, v, config, interpret)
+    o, selected, lse, first = _guarded_pallas_forward(q, k, v, positions, config, interpret)
     saved = selected if BlockSizes().save_selections else None
-    return (o, selected), (q, k, v, o, lse, first, saved)
+    return (o, selected), (q, k, v, positions, o, lse, first, saved)
 
 
 def _pallas_forward_bwd(config, interpret, residuals, cotangents):
     from pallas_kernels.backward import htree_backward_pallas
 
-    q, k, v, o, lse, first, saved = residuals
+    q, k, v, positions, o, lse, first, saved = residuals
     do, _ = cotangents  # the selections are integers: no cotangent
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
     # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
-    positions = jnp.arange(q.shape[1], dtype=jnp.int32)
+    dead = dead_rows(query_positions(positions, q), first, q.shape[2])
     dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, do, config,
-                                       interpret=interpret, dead_rows=dead_rows(positions, first, q.shape[2]),
-                                       selections=saved)
+                                       interpret=interpret, dead_rows=dead, selections=saved, positions=positions)
     dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
     dv = jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
-    return dq, dk, dv
+    return dq, dk, dv, None
 
 
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
@@ -258,23 +262,24 @@ def packing_of(segment_ids, max_documents, config: HTreeConfig, batch: int, seq_
 
 
 @functools.partial(jax.jit, static_argnames=("config", "impl"))
-def _attend(q, k, v, config: HTreeConfig, impl: str, packing=None):
+def _attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None):
     """The chosen backend under SPEC 10's guard (`htree_jax.non_finite`): non-finite `k`,
     `v` entries zeroed, outputs NaN from the first such position on. Packed rows
-    (`packing`) that do not fit their static layout answer NaN."""
+    (`packing`) that do not fit their static layout answer NaN. `positions [S]` int32:
+    the queries' positions among `k`'s `T` tokens (`q [B, S, H, K]`: a context-parallel
+    shard's queries; `None`: `S = T`)."""
     if impl != "reference" and packing is None:
-        return _pallas_forward(q, k, v, config, impl == "pallas_interpret")
-    positions = jnp.arange(q.shape[1], dtype=jnp.int32)
-    first = first_non_finite(k, v, positions)
+        return _pallas_forward(q, k, v, positions, config, impl == "pallas_interpret")
+    first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
     k, v = zero_non_finite(k), zero_non_finite(v)
     if packing is None:
-        o, selected = htree_attention_reference(q, k, v, config)
+        o, selected = htree_attention_reference(q, k, v, config, positions=positions)
     elif impl == "reference":
         o, selected = htree_attention_reference_packed(q, k, v, packing, config)
     else:
         o, selected = _pallas_packed(q, k, v, packing, config, impl == "pallas_interpret")
         selected = local_selections(selected, packing, config.compression_rate)
-    o = poison_rows(o, positions, first)
+    o = poison_rows(o, query_positions(positions, q), first)
     if packing is not None:
         o = jnp.where(packing.fits[:, None, None, None], o, jnp.asarray(jnp.nan, o.dtype))
     return o, selected

@@ -262,10 +262,11 @@ def rotate_by_child_offset(layer_keys, config: HTreeConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "query_chunk"))
-def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int):
+def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int, positions=None):
     layers = build_tree(k, v, config)
     layers = [(rotate_by_child_offset(kl, config), vl) for kl, vl in layers]
-    return attend_tree(q, layers, jnp.arange(q.shape[1], dtype=jnp.int32), config, query_chunk)
+    positions = jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
+    return attend_tree(q, layers, positions, config, query_chunk)
 
 
 def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True,
@@ -315,8 +316,9 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
     return o.astype(q.dtype), sels
 
 
-def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int | None = None):
-    """htree attention with static shapes; inputs already validated.
+def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int | None = None, positions=None):
+    """htree attention with static shapes; inputs already validated. `positions [S]`
+    int32: the queries' positions among `k`'s tokens (`q [B, S, H, K]`; None: all).
 
     Returns `(o [B,T,H,V] in q.dtype, selections)`, selections being the selected node
     lists of layers `L-1 .. 1` (top first), each int32 `[B, T, H_kv, top_k]`, `-1` padded.
@@ -336,7 +338,7 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
         query_chunk = default_query_chunk(config, B, T, H_kv, H // H_kv, K, Vd)
     elif isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
         raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
-    return reference_forward(q, k, v, config, min(query_chunk, T))
+    return reference_forward(q, k, v, config, min(query_chunk, T), positions)
 
 
 def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, query_chunk: int | None = None):

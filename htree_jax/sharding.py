@@ -1,4 +1,4 @@
-"""htree under `jax.jit` with inputs sharded along the batch and the heads.
+"""htree under `jax.jit` with inputs sharded along the batch, the heads and the tokens.
 
 A Pallas call is a custom call that XLA's SPMD partitioner cannot split: handed sharded
 operands it would gather them and compute the whole attention on every device. Here the
@@ -8,13 +8,25 @@ kv-head shardings and a *local* call per shard (any backend: the Pallas kernels,
 interpreted twins, the JAX reference). Queries enter as `[B, T, H_kv, G, K]` so that a
 head sharding is a kv-head sharding with each GQA group whole (Shardy's rule names the
 kv-head factor once for q, k, v and the outputs); a sharding of the group axis (a mesh
-axis that splits a group), of `T` or of the feature axes is refused with an error naming
-the mesh axis. The gradients are wired with `jax.custom_vjp` around the two
-partitioned calls, so each device differentiates its own shard.
+axis that splits a group) or of the feature axes is refused with an error naming the
+mesh axis. The gradients are wired with `jax.custom_vjp` around the two partitioned
+calls, so each device differentiates its own shard.
+
+Context parallelism (`T` sharded): each device keeps its `T / n` queries, all-gathers
+`k` and `v` (with GQA `G` times smaller than `q`), builds the whole tree and attends its
+queries at their positions; the backward reduce-scatters `dk`, `dv` (each device's share
+of every token's gradient) back to `T / n` tokens. Per-device memory for T = 4M over 8
+GPUs (B=1, H=32, H_kv=4, K=V=128, bf16, `top_k=64`; counted, not measured): q, o, dq and
+the cotangent `4 * 512K * 32 * 128 * 2` B = 4 GiB; the gathered k, v 2 GiB each, their
+tree (layers of 256K, 16K, 1K nodes) and its float32 rotated copies ~1.5 GiB; the
+selections `3 * 512K * 4 * 64 * 4` B = 1.5 GiB; the backward's float32 node
+accumulators over every token (dk, dv of the gathered k, v and of the tree: ~8.6 GiB)
+and the per-chunk buffers (`BlockSizes.chunk_budget_bytes`, 2 GiB): about 20 GiB in all,
+against the ~46 GiB one H100 held for T = 1M unsharded (RESULTS.md).
 
 Used by `htree_attention` when there is more than one device (on one device there is
-nothing to split), and callable directly (`partitioned_attention`) on any mesh,
-one device included. Meshes with `AxisType.Auto` axes (what `jax.jit` with
+nothing to split; packed rows, `segment_ids`, do not take this path yet), and callable
+directly (`partitioned_attention`) on any mesh, one device included. Meshes with `AxisType.Auto` axes (what `jax.jit` with
 `in_shardings` uses); for `Explicit` axes pass the arrays through `jax.sharding.reshard`
 to Auto first or use `jax.shard_map` around `htree_attention`.
 """
@@ -24,6 +36,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,37 +51,38 @@ def _mesh_axes(entry):
 
 
 def local_specs(q_sharding, ndim: int = 5):
-    """`(batch, kv_heads)` mesh-axis entries of a `[B, T, H_kv, G, K]` query sharding;
-    any other axis sharded is an error naming the mesh axis."""
+    """`(batch, tokens, kv_heads)` mesh-axis entries of a `[B, T, H_kv, G, K]` query
+    sharding; a sharded group or feature axis is an error naming the mesh axis."""
     spec = _axes(getattr(q_sharding, "spec", P()), ndim)
-    names = ("T (context parallelism is not built yet)", "", "the GQA group (H / H_kv heads of one kv head)",
-             "the head dim K")
-    for axis, why in zip((1, 3, 4), (names[0], names[2], names[3])):
+    for axis, what in ((3, "the GQA group (H / H_kv heads of one kv head)"), (4, "the head dim K")):
         if spec[axis] is not None:
-            raise ValueError(f"htree sharding: mesh axis {spec[axis]!r} shards {why}; htree shards the batch and "
-                             "the kv heads (whole GQA groups) only")
-    return spec[0], spec[2]
+            raise ValueError(f"htree sharding: mesh axis {spec[axis]!r} shards {what}; htree shards the batch, "
+                             "the tokens and the kv heads (whole GQA groups) only")
+    return spec[0], spec[1], spec[2]
 
 
-def _shardings(mesh, b, g, num_selections: int):
-    """Operand and result shardings: q5/o5 `[B, T, H_kv, G, *]`, k/v `[B, T, H_kv, *]`,
-    selections `[B, T, H_kv, top_k]`."""
-    q5 = NamedSharding(mesh, P(b, None, g, None, None))
-    kv = NamedSharding(mesh, P(b, None, g, None))
-    return q5, kv, kv
+def _shardings(mesh, b, t, g):
+    """Operand and result shardings: q5/o5 `[B, T, H_kv, G, *]`, k/v and the selections
+    `[B, T, H_kv, *]`."""
+    return NamedSharding(mesh, P(b, t, g, None, None)), NamedSharding(mesh, P(b, t, g, None))
 
 
-def _check_mesh_fits(mesh, b, g, B: int, H_kv: int):
-    for entry, size, what in ((b, B, "B"), (g, H_kv, "H_kv")):
-        n = 1
-        for a in _mesh_axes(entry):
-            n *= mesh.shape[a]
-        if size % n:
-            raise ValueError(f"htree sharding: {what} = {size} is not divisible by the {n} shards of mesh axis {entry!r}")
+def _shards(mesh, entry) -> int:
+    n = 1
+    for a in _mesh_axes(entry):
+        n *= mesh.shape[a]
+    return n
+
+
+def _check_mesh_fits(mesh, b, t, g, B: int, T: int, H_kv: int):
+    for entry, size, what in ((b, B, "B"), (t, T, "T"), (g, H_kv, "H_kv")):
+        if size % _shards(mesh, entry):
+            raise ValueError(f"htree sharding: {what} = {size} is not divisible by the {_shards(mesh, entry)} shards "
+                             f"of mesh axis {entry!r}")
 
 
 # Shardy rules: b batch, t tokens, g kv heads, r heads of a group, k / v features,
-# s selection slots. Only b and g are ever sharded (the callbacks refuse the rest).
+# s selection slots. b, t and g may be sharded (the callbacks refuse the rest).
 def _forward_rule(num_selections: int):
     return "b t g r k, b t g k, b t g v -> " + ", ".join(["b t g r v"] + ["b t g s"] * num_selections)
 
@@ -79,43 +93,65 @@ def _backward_rule():
 
 @functools.lru_cache(maxsize=None)
 def _partitioned_calls(config, impl: str, num_selections: int):
-    """`(forward, backward)`: custom-partitioned local calls for `config` and `impl`."""
+    """`(forward, backward)`: custom-partitioned local calls for `config` and `impl`.
+
+    Context parallelism (`T` sharded over mesh axis `t`): each device keeps its queries,
+    all-gathers `k`, `v` along `t` (the tree is built from every token), attends its
+    queries at their own positions (`axis_index(t) * S + s`), and in the backward
+    reduce-scatters its share of `dk`, `dv` back along `t` (`psum_scatter`)."""
     from htree_jax.attention import _attend
 
-    def forward(q5, k, v):
-        B, T, H_kv, G, K = q5.shape
-        o, selected = _attend(q5.reshape(B, T, H_kv * G, K), k, v, config, impl)
-        return (o.reshape(B, T, H_kv, G, -1), *selected)
+    def attend(q5, k, v, positions=None):
+        B, S, H_kv, G, K = q5.shape
+        o, selected = _attend(q5.reshape(B, S, H_kv * G, K), k, v, config, impl, None, positions)
+        return (o.reshape(B, S, H_kv, G, -1), *selected)
 
-    def backward(q5, k, v, do5):
-        # The local forward again, differentiated (the Pallas path by its own backward).
-        def o_of(q5, k, v):
-            return forward(q5, k, v)[0]
-        _, vjp = jax.vjp(o_of, q5, k, v)
-        return vjp(do5)
+    def gathered(q5, k, v, t):
+        """`(k, v, positions)` of a shard: every token's keys and values, its queries' positions."""
+        if t is None:
+            return k, v, None
+        S = q5.shape[1]
+        positions = (jax.lax.axis_index(t) * S + jnp.arange(S)).astype(jnp.int32)
+        k, v = (jax.lax.all_gather(x, t, axis=1, tiled=True) for x in (k, v))
+        return k, v, positions
 
-    fwd, bwd = custom_partitioning(forward), custom_partitioning(backward)
+    def local_forward(t):
+        def forward(q5, k, v):
+            return attend(q5, *gathered(q5, k, v, t))
+        return forward
+
+    def local_backward(t):
+        def backward(q5, k, v, do5):
+            # The local forward again, differentiated (the Pallas path by its own backward).
+            k_all, v_all, positions = gathered(q5, k, v, t)
+            _, vjp = jax.vjp(lambda q5, k, v: attend(q5, k, v, positions)[0], q5, k_all, v_all)
+            dq, dk, dv = vjp(do5)
+            if t is not None:  # each shard's share of every token's gradient, summed and split back
+                dk, dv = (jax.lax.psum_scatter(x, t, scatter_dimension=1, tiled=True) for x in (dk, dv))
+            return dq, dk, dv
+        return backward
+
+    fwd, bwd = custom_partitioning(local_forward(None)), custom_partitioning(local_backward(None))
 
     def infer_fwd(mesh, arg_shapes, result_shape):
-        b, g = local_specs(arg_shapes[0].sharding)
-        q5, kv, _ = _shardings(mesh, b, g, num_selections)
+        q5, kv = _shardings(mesh, *local_specs(arg_shapes[0].sharding))
         return (q5,) + (kv,) * num_selections
 
     def partition_fwd(mesh, arg_shapes, result_shape):
-        b, g = local_specs(arg_shapes[0].sharding)
-        _check_mesh_fits(mesh, b, g, arg_shapes[0].shape[0], arg_shapes[0].shape[2])
-        q5, kv, _ = _shardings(mesh, b, g, num_selections)
-        return mesh, forward, (q5,) + (kv,) * num_selections, (q5, kv, kv)
+        b, t, g = local_specs(arg_shapes[0].sharding)
+        B, T, H_kv = arg_shapes[0].shape[:3]
+        _check_mesh_fits(mesh, b, t, g, B, T, H_kv)
+        q5, kv = _shardings(mesh, b, t, g)
+        return mesh, local_forward(t), (q5,) + (kv,) * num_selections, (q5, kv, kv)
 
     def infer_bwd(mesh, arg_shapes, result_shape):
-        b, g = local_specs(arg_shapes[0].sharding)
-        q5, kv, _ = _shardings(mesh, b, g, num_selections)
+        q5, kv = _shardings(mesh, *local_specs(arg_shapes[0].sharding))
         return q5, kv, kv
 
     def partition_bwd(mesh, arg_shapes, result_shape):
-        b, g = local_specs(arg_shapes[0].sharding)
-        q5, kv, _ = _shardings(mesh, b, g, num_selections)
-        return mesh, backward, (q5, kv, kv), (q5, kv, kv, q5)
+        b, t, g = local_specs(arg_shapes[0].sharding)
+        q5, kv = _shardings(mesh, b, t, g)
+        return mesh, local_backward(t), (q5, kv, kv), (q5, kv, kv, q5)
 
     fwd.def_partition(partition=partition_fwd, infer_sharding_from_operands=infer_fwd,
                       sharding_rule=_forward_rule(num_selections))
@@ -154,13 +190,14 @@ def check_input_shardings(q, k, v) -> None:
         if isinstance(x, jax.core.Tracer) or not isinstance(sharding, NamedSharding):
             continue
         spec = _axes(sharding.spec, 4)
-        for axis, what in ((1, "T (context parallelism is not built yet)"), (3, "the head dim")):
-            if spec[axis] is not None:
-                raise ValueError(f"htree sharding: mesh axis {spec[axis]!r} shards {what} of {name}; htree shards "
-                                 "the batch and the kv heads (whole GQA groups) only")
-        shards = 1
-        for a in _mesh_axes(spec[2]):
-            shards *= sharding.mesh.shape[a]
+        if spec[3] is not None:
+            raise ValueError(f"htree sharding: mesh axis {spec[3]!r} shards the head dim of {name}; htree shards "
+                             "the batch, the tokens and the kv heads (whole GQA groups) only")
+        T = x.shape[1]
+        if T % _shards(sharding.mesh, spec[1]):
+            raise ValueError(f"htree sharding: mesh axis {spec[1]!r} splits T = {T} of {name} into "
+                             f"{_shards(sharding.mesh, spec[1])} shards: T must be divisible by it")
+        shards = _shards(sharding.mesh, spec[2])
         if H_kv % shards:
             raise ValueError(f"htree sharding: mesh axis {spec[2]!r} splits the heads of {name} {shards} ways, which "
                              f"splits a GQA group: H_kv = {H_kv} kv heads must be divisible by it")

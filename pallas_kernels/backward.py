@@ -128,7 +128,7 @@ def kept_keys(parents, selected, width: int, r: int):
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
 def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
-                          interpret: bool = False, dead_rows=None, selections=None, packing=None):
+                          interpret: bool = False, dead_rows=None, selections=None, packing=None, positions=None):
     """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
     v`. `o [B, T, H, V]` and `lse [B, T, H]` from `htree_forward_pallas(...,
     return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller.
@@ -139,6 +139,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     are then read from them instead of running the importance and top-K kernels again.
     `packing`: packed rows (`htree_jax.packing`), with the forward's `selections` (tree
     rows, as `htree_forward_pallas(..., packing=)` returns them), required there.
+    `positions [S]`: the queries' positions among `k`'s tokens, as the forward takes them.
     Bitwise deterministic."""
     if packing is not None and selections is None and packing.num_layers > 1:
         raise ValueError("the packed backward takes the forward's selections")
@@ -146,7 +147,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
     prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), for_backward=True,
-                   packing=packing)
+                   packing=packing, positions=positions)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
     kp, vp = prep.q4.shape[-1], prep.top_v.shape[-1]

@@ -152,7 +152,7 @@ def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
-                                "top_local"],
+                                "top_local", "positions"],
                    meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk", "union_width",
                                 "union_queries", "union_step", "st_union", "sizes"])
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +183,7 @@ class Prepared:
     sizes: tuple  # the tree's layer sizes (virtual ones when packed)
     packing: object = None  # `htree_jax.packing.Packing`, or None: one document per row
     top_local: object = None  # packed: `[B, N_top]` int32, each top node's place in its document
+    positions: object = None  # `[S]` int32: the queries' token positions (None: `0 .. S-1`)
 
 
 def packed_tree(k, v, packing, config: HTreeConfig):
@@ -200,12 +201,14 @@ def packed_tree(k, v, packing, config: HTreeConfig):
 
 
 def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool,
-            precisions: Precisions, for_backward: bool = False, packing=None) -> Prepared:
+            precisions: Precisions, for_backward: bool = False, packing=None, positions=None) -> Prepared:
     """The padded tree, keys as the products read them, tables and queries. With
     `for_backward`, every layer below the top keeps merge keys: the backward scores every
     merged candidate again with the merge dots. With `packing` the tree is laid out
     virtually (`htree_jax.packing`), its top keys rotated by their place in their
-    document, the top layer padded by a tile more (tiles read from a document's start)."""
+    document, the top layer padded by a tile more (tiles read from a document's start).
+    `positions [S]`: the queries' positions in the sequence of `k, v` (context
+    parallelism: a shard's queries against every token; `None`: `q` holds them all)."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
@@ -226,7 +229,7 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     top_local = None
     if packing is None:
         layers = [as_kernel_layer(k, v)]
-        for _ in config.layer_sizes(T)[1:]:
+        for _ in config.layer_sizes(k.shape[1])[1:]:
             layers.append(tuple(pool_layer_pallas(x, r, PoolBlockSizes(), interpret) for x in layers[-1]))
     else:
         tree, top_local = packed_tree(k, v, packing, config)
@@ -277,7 +280,7 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
     st_union = dataclasses.replace(st, num_warps=block_sizes.union_num_warps)
     return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc, width,
-                    block_sizes.union_queries, block_sizes.union_step, st_union, sizes, packing, top_local)
+                    block_sizes.union_queries, block_sizes.union_step, st_union, sizes, packing, top_local, positions)
 
 
 def valid_candidates(parents, t, layer: int, prep: Prepared):
@@ -300,12 +303,15 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
     B, _, H_kv, G, _ = prep.q4.shape
     A = st.r ** (num_layers - 1)
     qc = lax.dynamic_slice_in_dim(prep.q4, c * Qc, Qc, axis=1)
+    rows = lambda x: lax.dynamic_slice_in_dim(
+        jnp.pad(x, ((0, 0), (0, prep.q4.shape[1] - T)), mode="edge"), c * Qc, Qc, axis=1)[..., None, None]
     if prep.packing is None:
-        t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
+        if prep.positions is None:
+            t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
+        else:
+            t = rows(prep.positions[None])
         offset, first = t, jnp.zeros((B, Qc, H_kv, 1), jnp.int32)
     else:
-        rows = lambda x: lax.dynamic_slice_in_dim(
-            jnp.pad(x, ((0, 0), (0, prep.q4.shape[1] - T)), mode="edge"), c * Qc, Qc, axis=1)[..., None, None]
         t, start = rows(prep.packing.position), rows(prep.packing.doc_start)
         offset, first = t - start, jnp.broadcast_to(start // A, (B, Qc, H_kv, 1))
     n_top = jnp.broadcast_to(offset // A + 1, (B, Qc, H_kv, 1))
@@ -342,10 +348,12 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: in
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
-                         packing=None):
+                         packing=None, positions=None):
     """htree attention with Pallas kernels. Inputs validated by the caller.
     `packing`: packed rows (`htree_jax.packing.Packing`); the selections returned are
     then rows of the virtual tree (`packing.local_selections` makes them document-local).
+    `positions [S]` int32: the queries' positions among `k`'s `T` tokens (`q [B, S, H,
+    K]`; context parallelism), `None`: `S = T`, all of them.
 
     `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
     `htree_attention` runs). Returns `(o [B, T, H, V] in q.dtype, selections)` like the
@@ -356,7 +364,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
     prep = prepare(q, k, v, config, block_sizes, interpret, precisions or Precisions.for_dtype(q.dtype),
-                   packing=packing)
+                   packing=packing, positions=positions)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     st_scored = dataclasses.replace(st, merge_num_warps=block_sizes.scored_merge_num_warps)
     num_chunks = prep.q4.shape[1] // Qc

@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from htree_jax import HTreeConfig, htree_attention  # noqa: E402
 from htree_jax.attention import _attend  # noqa: E402
 
-CONFIG = HTreeConfig(compression_rate=4, top_k=4)  # 3 layers at T=150
-B, T, H, H_KV, K, V = 4, 150, 8, 4, 32, 32
+CONFIG = HTreeConfig(compression_rate=4, top_k=4)  # 3 layers at T=152
+B, T, H, H_KV, K, V = 4, 152, 8, 4, 32, 32
 
 
 def module_step() -> int:
@@ -60,7 +60,8 @@ def main(backends) -> int:
     w = rng.standard_normal((B, T, H, V)).astype(np.float32)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     layouts = {"batch": P("data", None, None, None), "heads": P(None, None, "model", None),
-               "batch+heads": P("data", None, "model", None)}
+               "batch+heads": P("data", None, "model", None), "tokens": P(None, "model", None, None),
+               "batch+tokens": P("data", "model", None, None), "tokens+heads": P(None, "data", "model", None)}
     for impl in backends:
         want_o, want_sel = _attend(*(jnp.asarray(x) for x in (q, k, v)), CONFIG, impl)
 
@@ -80,25 +81,37 @@ def main(backends) -> int:
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert o.sharding.is_equivalent_to(sh, 4), (o.sharding, sh)
             text = f.lower(*args).compile().as_text()
-            assert "all-gather" not in text, f"{impl} {name}: the compiled forward gathers"
             g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
             grads = g(*args)
-            for a, b in zip(grads, want_g):
+            for a, b, x in zip(grads, want_g, args):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-            assert "all-gather" not in g.lower(*args).compile().as_text(), f"{impl} {name}: the gradient gathers"
+                assert a.sharding.is_equivalent_to(x.sharding, 4), (name, a.sharding, x.sharding)
+            g_text = g.lower(*args).compile().as_text()
+            if "tokens" in name:
+                # Context parallelism gathers k and v (not q), and reduce-scatters dk, dv.
+                gathered = [line for line in text.splitlines() if "all-gather(" in line]
+                assert gathered and all(f"f32[{B // (2 if 'batch' in name else 1)},{T}," in line
+                                        or "s32" in line for line in gathered), gathered
+                assert "reduce-scatter" in g_text, f"{impl} {name}: no reduce-scatter of dk, dv"
+                print(f"ok {impl} {name}: forward and gradients equal the unsharded run, k and v gathered, "
+                      "dk and dv reduce-scattered", flush=True)
+                continue
+            assert "all-gather" not in text, f"{impl} {name}: the compiled forward gathers"
+            assert "all-gather" not in g_text, f"{impl} {name}: the gradient gathers"
             print(f"ok {impl} {name}: forward and gradients equal the unsharded run, no all-gather", flush=True)
     # A mesh axis that splits a GQA group (8 head shards over 4 kv heads) is refused.
     mesh8 = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
     split = jax.device_put(q, NamedSharding(mesh8, P(None, None, "model", None)))
-    by_t = jax.device_put(q[:, :144], NamedSharding(mesh8, P(None, "model", None, None)))
+    by_t = NamedSharding(mesh8, P(None, "model", None, None))  # T = 150 over 8 shards
+    constrained = jax.jit(lambda q, k, v: htree_attention(jax.lax.with_sharding_constraint(q, by_t), k, v, CONFIG,
+                                                          backend="reference"))
     for what, call in (("split group", lambda: htree_attention(split, k, v, CONFIG, backend="reference")),
-                       ("T sharded", lambda: htree_attention(by_t, k[:, :144], v[:, :144], CONFIG,
-                                                             backend="reference"))):
+                       ("T indivisible", lambda: constrained(q[:, :150], k[:, :150], v[:, :150]))):
         try:
             call()
-        except ValueError as e:
-            assert "'model'" in str(e), e
-            print(f"ok {what} refused: {e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - under jit XLA wraps the ValueError in a JaxRuntimeError
+            assert "mesh axis 'model'" in str(e), e
+            print(f"ok {what} refused: {str(e).splitlines()[-1] if 'Traceback' in str(e) else e}", flush=True)
         else:
             print(f"FAIL: {what} was not refused", flush=True)
             return 1

@@ -1,8 +1,10 @@
-"""htree under `jax.jit` with batch- and head-sharded inputs (`htree_jax/sharding.py`), on
-8 simulated CPU devices: `tests/sharding_check.py` in its own process (XLA_FLAGS must be
-set before JAX starts). Each backend: forward, selections and gradients equal the
-unsharded run, the output sharded like q, no all-gather in the compiled forward or
-gradient; a split GQA group and a sharded T are refused naming the mesh axis."""
+"""htree under `jax.jit` with sharded inputs (`htree_jax/sharding.py`), on 8 simulated
+CPU devices: `tests/sharding_check.py` in its own process (XLA_FLAGS must be set before
+JAX starts). Each backend, sharded along B, the heads, T (context parallelism) and
+pairs of them: forward, selections and gradients equal the unsharded run, outputs and
+gradients sharded like their inputs; no all-gather in the compiled batch- and
+head-sharded forward or gradient, and along T only k, v gathered and dk, dv
+reduce-scattered; a split GQA group and an indivisible T are refused naming the axis."""
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ def test_sharded_batch_and_heads_on_simulated_devices(backend):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for layout in ("batch", "heads", "batch+heads"):
         assert f"ok {backend} {layout}: forward and gradients equal the unsharded run, no all-gather" in res.stdout
-    assert "ok split group refused" in res.stdout and "ok T sharded refused" in res.stdout
+    for layout in ("tokens", "batch+tokens", "tokens+heads"):
+        assert f"ok {backend} {layout}: forward and gradients equal the unsharded run, k and v gathered" in res.stdout
+    assert "ok split group refused" in res.stdout and "ok T indivisible refused" in res.stdout
     assert "ok split group refused under jit" in res.stdout
 
 
