@@ -16,13 +16,16 @@ Context parallelism (`T` sharded): each device keeps its `T / n` queries, all-ga
 `k` and `v` (with GQA `G` times smaller than `q`), builds the whole tree and attends its
 queries at their positions; the backward reduce-scatters `dk`, `dv` (each device's share
 of every token's gradient) back to `T / n` tokens. Per-device memory for T = 4M over 8
-GPUs (B=1, H=32, H_kv=4, K=V=128, bf16, `top_k=64`; counted, not measured): q, o, dq and
-the cotangent `4 * 512K * 32 * 128 * 2` B = 4 GiB; the gathered k, v 2 GiB each, their
-tree (layers of 256K, 16K, 1K nodes) and its float32 rotated copies ~1.5 GiB; the
-selections `3 * 512K * 4 * 64 * 4` B = 1.5 GiB; the backward's float32 node
-accumulators over every token (dk, dv of the gathered k, v and of the tree: ~8.6 GiB)
-and the per-chunk buffers (`BlockSizes.chunk_budget_bytes`, 2 GiB): about 20 GiB in all,
-against the ~46 GiB one H100 held for T = 1M unsharded (RESULTS.md).
+GPUs (B=1, H=32, H_kv=4, K=V=128, bf16, `top_k=64`), XLA's compiled plan of one shard's
+call on an H200 (`benchmarks/bench_context_parallel.py`, the collectives' buffers aside):
+42.4 GiB forward, 64.9 GiB forward + backward. What dominates is per-token, not
+per-query: the gathered k, v (4 GiB each in bf16) and the bottom layer's keys in their
+`span / r = 4` rotated float32 copies (`rope.rotate_phases`: 4M * 4 * 128 * 4 B * 4 =
+32 GiB), which every device builds for the whole sequence; the shard's own queries,
+output and selections are 512K-sized (~5.5 GiB). The causal work per shard grows with
+its position only until the candidate buffers fill: at T = 1M over 8 shards on an H200
+the slowest shard took 1.10x the mean forward time and 1.06x the mean forward + backward
+(RESULTS.md), so the split is left even.
 
 Used by `htree_attention` when there is more than one device (on one device there is
 nothing to split; packed rows, `segment_ids`, do not take this path yet), and callable
