@@ -290,18 +290,29 @@ def decode_backend(backend: str, interpret: bool = False) -> str:
 
 
 def _attend(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
+    if jax.device_count() > 1:
+        # A cache sharded along the batch or the kv heads: one local walk per shard.
+        from htree_jax.sharding import partitioned_cache_attention
+
+        return partitioned_cache_attention(q, cache.keys, cache.values, positions, config, impl)
+    return attend_cache(q, cache.keys, cache.values, positions, config, impl)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl"))
+def attend_cache(q, keys, values, positions, config: HTreeConfig, impl: str):
+    """Queries `q [B, S, H, K]` at `positions [B, S]` over a cache's tree layers (`keys`,
+    `values`, bottom first): `(o [B, S, H, V], selections)`."""
     if impl != "reference":
         from pallas_kernels.decode import attend_cache_pallas
 
         # One new token is the newest in the cache: nothing after it can be NaN, so the
         # decode kernels need not zero the values it does not merge (SPEC 10).
-        return attend_cache_pallas(q, cache.keys, cache.values, positions, config,
+        return attend_cache_pallas(q, keys, values, positions, config,
                                    interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1)
     B, S, H, K = q.shape
-    H_kv, V = cache.num_kv_heads, cache.values[0].shape[-1]
+    H_kv, V = keys[0].shape[2], values[0].shape[-1]
     chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))
-    layers = list(zip(cache.keys, cache.values))
-    return attend_tree(q, layers, positions, config, chunk, keys_rotated=False)
+    return attend_tree(q, list(zip(keys, values)), positions, config, chunk, keys_rotated=False)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl"), donate_argnames=("cache",))

@@ -214,3 +214,54 @@ def partitioned_attention(q, k, v, config, impl: str):
     H_kv = k.shape[2]
     o5, selected = _attend_partitioned(q.reshape(B, T, H_kv, H // H_kv, K), k, v, config, impl)
     return o5.reshape(B, T, H, -1), list(selected)
+
+
+# ---------------------------------------------------------------------------------------
+# Decoding: the walk over a cache sharded along the batch and/or the kv heads.
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: int):
+    """A custom-partitioned `decode.attend_cache` over `num_layers` cache layers:
+    `f(q5, positions, *keys, *values) -> (o5, *selections)`."""
+    from htree_jax.decode import attend_cache
+
+    def walk(q5, positions, *layers):
+        B, S, H_kv, G, K = q5.shape
+        keys, values = layers[:num_layers], layers[num_layers:]
+        o, selected = attend_cache(q5.reshape(B, S, H_kv * G, K), keys, values, positions, config, impl)
+        return (o.reshape(B, S, H_kv, G, -1), *selected)
+
+    call = custom_partitioning(walk)
+
+    def shardings(mesh, arg_shapes):
+        b, t, g = local_specs(arg_shapes[0].sharding)
+        if t is not None:
+            raise ValueError(f"htree sharding: mesh axis {t!r} shards the new tokens of a decode step; a decode "
+                             "cache shards along the batch and the kv heads only")
+        q5, kv = _shardings(mesh, b, None, g)
+        return q5, kv, NamedSharding(mesh, P(b, None))
+
+    def infer(mesh, arg_shapes, result_shape):
+        q5, kv, _ = shardings(mesh, arg_shapes)
+        return (q5,) + (kv,) * num_selections
+
+    def partition(mesh, arg_shapes, result_shape):
+        q5, kv, rows = shardings(mesh, arg_shapes)
+        return mesh, walk, (q5,) + (kv,) * num_selections, (q5, rows) + (kv,) * (2 * num_layers)
+
+    names = [f"n{chr(ord('a') + l)}" for l in range(num_layers)]
+    rule = ", ".join(["b s g r k", "b s"] + [f"b {n} g k" for n in names] + [f"b {n} g v" for n in names])
+    rule += " -> " + ", ".join(["b s g r v"] + ["b s g t"] * num_selections)
+    call.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+    return call
+
+
+def partitioned_cache_attention(q, keys, values, positions, config, impl: str):
+    """`decode.attend_cache` through a custom-partitioned call: under `jit` with a cache
+    (and queries) sharded along the batch and/or the kv heads, one local walk per shard."""
+    B, S, H, K = q.shape
+    H_kv, L = keys[0].shape[2], len(keys)
+    call = _partitioned_cache_call(config, impl, L, L - 1)
+    o5, *selected = call(q.reshape(B, S, H_kv, H // H_kv, K), positions, *keys, *values)
+    return o5.reshape(B, S, H, -1), list(selected)
