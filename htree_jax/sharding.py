@@ -27,6 +27,10 @@ its position only until the candidate buffers fill: at T = 1M over 8 shards on a
 the slowest shard took 1.10x the mean forward time and 1.06x the mean forward + backward
 (RESULTS.md), so the split is left even.
 
+Decoding (`prefill`, `decode_step`): the walk over a cache sharded along the batch
+and/or the kv heads is custom-partitioned the same way (`partitioned_cache_attention`);
+the tree update is plain XLA, which the partitioner splits by itself.
+
 Used by `htree_attention` when there is more than one device (on one device there is
 nothing to split; packed rows, `segment_ids`, do not take this path yet), and callable
 directly (`partitioned_attention`) on any mesh, one device included. Meshes with `AxisType.Auto` axes (what `jax.jit` with
