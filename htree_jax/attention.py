@@ -18,6 +18,7 @@ from htree_jax.packing import (
     virtual_length,
 )
 from htree_jax.reference import htree_attention_reference, htree_attention_reference_packed
+from htree_jax.rope import rope_layout
 from htree_jax.validation import check_config, check_qkv
 
 # "auto": the Pallas kernels on a GPU where they support the shapes, else the reference
@@ -231,11 +232,14 @@ def htree_attention(
     """
     config = check_config(config)
     dims = check_qkv(q, k, v)
+    config.check_rope_dim(dims.head_dim)
     impl = resolve_backend(backend, interpret, dims)
     if not isinstance(return_selected, bool):
         raise TypeError(f"return_selected must be a bool, got {return_selected!r}")
     packing = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len, max_document_len)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    # Partial RoPE (SPEC 7) as full rotate-half RoPE on permuted features (`rope_layout`).
+    q, k = rope_layout(q, config.partial_rope(dims.head_dim)), rope_layout(k, config.partial_rope(dims.head_dim))
     if packing is None and jax.device_count() > 1:
         # Batch- and head-sharded inputs: one local call per shard (`htree_jax/sharding.py`).
         from htree_jax.sharding import partitioned_attention

@@ -46,6 +46,10 @@ class HTreeConfig:
         upper layer, a mean that includes tokens after `t`, enters the normaliser,
         so changing future keys can change which nodes are selected, and hence
         `o[t]` (tested in `tests/test_properties.py`).
+      rope_dim: RoPE on the last `rope_dim` features of q and k only (SPEC 7; the
+        layout of multi-head latent attention, `[q_nope, q_pe]`), with angles
+        `rope_base^(-2i/rope_dim)`; the others enter the dot product unrotated. Even,
+        `0 < rope_dim <= K` (checked against K at the call); `None`: all of K.
     """
 
     compression_rate: int = 16
@@ -54,6 +58,7 @@ class HTreeConfig:
     scale: float | None = None
     importance: str = "softmax"
     strict_causal: bool = True
+    rope_dim: int | None = None
 
     def __post_init__(self):
         # NumPy scalars are numbers too (`np.int64(4)`, `np.float32(1e4)`); each field is
@@ -77,6 +82,11 @@ class HTreeConfig:
             raise ValueError(
                 f"importance must be one of {IMPORTANCE_MODES}, got {self.importance!r}"
             )
+        R = self.rope_dim
+        if R is not None:
+            if not _is_int(R) or int(R) <= 0 or int(R) % 2:
+                raise ValueError(f"rope_dim must be None or a positive even int (features rotated), got {R!r}")
+            object.__setattr__(self, "rope_dim", int(R))
         if not isinstance(self.strict_causal, bool):
             raise ValueError(f"strict_causal must be a bool, got {self.strict_causal!r}")
         if self.max_candidates > 2**24:
@@ -109,6 +119,15 @@ class HTreeConfig:
     def num_layers(self, seq_len: int) -> int:
         """`L`, the number of tree layers for a sequence of `seq_len` tokens."""
         return len(self.layer_sizes(seq_len))
+
+    def check_rope_dim(self, head_dim: int) -> None:
+        """`rope_dim <= K` (SPEC 7), before any work."""
+        if self.rope_dim is not None and self.rope_dim > head_dim:
+            raise ValueError(f"rope_dim must be at most the head dim K = {head_dim}, got {self.rope_dim}")
+
+    def partial_rope(self, head_dim: int) -> int | None:
+        """`rope_dim` where it rotates fewer than all `K` features, else None."""
+        return self.rope_dim if self.rope_dim is not None and self.rope_dim < head_dim else None
 
     def score_scale(self, head_dim: int) -> float:
         """`alpha`: `scale`, or `head_dim ** -0.5` when `scale` is None."""

@@ -36,6 +36,7 @@ import numpy as np
 
 from htree_jax.config import HTreeConfig
 from htree_jax.reference import attend_tree, default_query_chunk
+from htree_jax.rope import rope_layout
 from htree_jax.tree import child_reciprocals, round_to_storage
 from htree_jax.validation import check_config, check_dtype
 
@@ -360,7 +361,17 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     counts = check_lengths(lengths, cache.batch_size, S)
     impl = _resolve(backend, cache, q.shape[2])
     _check_room(cache, counts)
+    q, k = rotation_layout(q, k, config)
     return _prefill(q, k, v, cache, counts, config, return_selected, impl)
+
+
+def rotation_layout(q, k, config: HTreeConfig):
+    """q and k in `rope.rope_layout` (SPEC 7's partial RoPE; the cache keeps its keys in
+    it), after checking `rope_dim <= K`."""
+    K = q.shape[-1]
+    config.check_rope_dim(K)
+    R = config.partial_rope(K)
+    return rope_layout(jnp.asarray(q), R), rope_layout(jnp.asarray(k), R)
 
 
 def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto"):
@@ -374,5 +385,6 @@ def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = N
     impl = _resolve(backend, cache, q_t.shape[1])
     counts = jnp.ones((cache.batch_size,), jnp.int32)
     _check_room(cache, np.ones((cache.batch_size,), np.int32))
+    q_t, k_t = rotation_layout(q_t, k_t, config)
     o, cache = _prefill(q_t[:, None], k_t[:, None], v_t[:, None], cache, counts, config, False, impl)
     return o[:, 0], cache

@@ -206,10 +206,11 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     L = len(layers)
     C, G, K = q.shape
     Vd = layers[0][1].shape[-1]
-    cos, sin = (jnp.asarray(a) for a in rope_table(M, K, float(config.rope_base)))
+    R = config.partial_rope(K)
+    cos, sin = (jnp.asarray(a) for a in rope_table(M, K, float(config.rope_base), R))
     p = jnp.arange(M, dtype=jnp.int32)
     if not keys_rotated:
-        child_cos, child_sin = (jnp.asarray(a[np.arange(M) % r]) for a in rope_table(r, K, float(config.rope_base)))
+        child_cos, child_sin = (jnp.asarray(a[np.arange(M) % r]) for a in rope_table(r, K, float(config.rope_base), R))
 
     parents = top_layer_parents(t, r, L, k_top)
     state = (
@@ -252,7 +253,7 @@ def rotate_by_child_offset(layer_keys, config: HTreeConfig):
     """`K_l [B, N, H_kv, K]` -> float32 keys rotated by RoPE at `j mod r` (node `j`)."""
     N, K = layer_keys.shape[1], layer_keys.shape[-1]
     r = config.compression_rate
-    cos, sin = rope_table(r, K, float(config.rope_base))
+    cos, sin = rope_table(r, K, float(config.rope_base), config.partial_rope(K))
     child = np.arange(N) % r
     return apply_rope(
         layer_keys.astype(jnp.float32),

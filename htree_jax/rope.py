@@ -13,16 +13,22 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def rope_angles(num_positions: int, head_dim: int, base: float) -> np.ndarray:
-    """`angles[p, i] = p * base**(-2i/K)`, float64 `[num_positions, K/2]`."""
-    inv_freq = float(base) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+def rope_angles(num_positions: int, head_dim: int, base: float, rope_dim: int | None = None) -> np.ndarray:
+    """`angles[p, i] = p * base**(-2i/K)`, float64 `[num_positions, K/2]`. With
+    `rope_dim = R < K` (SPEC 7), for features in `rope_layout`: the first `(K-R)/2`
+    pairs unrotated (angle 0), then `p * base**(-2i/R)`, `i in [0, R/2)`."""
+    R = head_dim if rope_dim is None else rope_dim
+    inv_freq = float(base) ** (-np.arange(0, R, 2, dtype=np.float64) / R)
+    inv_freq = np.concatenate([np.zeros((head_dim - R) // 2), inv_freq])
     return np.arange(num_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
 
 
 @functools.lru_cache(maxsize=64)
-def rope_table(num_positions: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """`(cos, sin)`, each float32 `[num_positions, K/2]`, exactly rounded from float64."""
-    angles = rope_angles(num_positions, head_dim, base)
+def rope_table(num_positions: int, head_dim: int, base: float,
+               rope_dim: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`(cos, sin)`, each float32 `[num_positions, K/2]`, exactly rounded from float64
+    (`rope_dim`: as `rope_angles`)."""
+    angles = rope_angles(num_positions, head_dim, base, rope_dim)
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     cos.setflags(write=False)
     sin.setflags(write=False)
@@ -37,6 +43,26 @@ def apply_rope(x, cos, sin):
     half = x.shape[-1] // 2
     x_lo, x_hi = x[..., :half], x[..., half:]
     return jnp.concatenate([x_lo * cos - x_hi * sin, x_lo * sin + x_hi * cos], axis=-1)
+
+
+def rope_permutation(head_dim: int, rope_dim: int) -> np.ndarray:
+    """Partial RoPE (SPEC 7) as rotate-half RoPE: the feature order that pairs the rotated
+    features `(K-R+i, K-R/2+i)` as `(j, j + K/2)` and the unrotated ones among
+    themselves: `[nope_lo, rope_lo, nope_hi, rope_hi]`, `nope` the first `K-R` features
+    in halves, `rope_lo/hi` the halves of the last `R`. The same order for q and k keeps
+    their dot products; with `rope_angles(..., rope_dim)` the unrotated pairs get angle 0."""
+    K, R = head_dim, rope_dim
+    nope = (K - R) // 2
+    return np.concatenate([np.arange(0, nope), np.arange(K - R, K - R // 2), np.arange(nope, K - R),
+                           np.arange(K - R // 2, K)])
+
+
+def rope_layout(x, rope_dim: int | None):
+    """`x [..., K]` in `rope_permutation` order (unchanged when `rope_dim` is None: all
+    of K rotated). Every htree implementation rotates q and k in this layout."""
+    if rope_dim is None:
+        return x
+    return x[..., rope_permutation(x.shape[-1], rope_dim)]
 
 
 def rope_absolute(x, base: float):

@@ -360,7 +360,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     gp = next_power_of_two(G, 16)
     C = query_chunk(config, B, S, H_kv, gp, candidate_layout(config, block_sizes)[1], block_sizes)
     st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, block_sizes)
-    cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base)))
+    cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base), config.partial_rope(K)))
     num_chunks = -(-S // C)
     q5 = pad_axis(q.reshape(B, S, H_kv, G, K).astype(jnp.float32), 3, gp)
     q5 = pad_axis(q5, 1, num_chunks * C)

@@ -236,7 +236,7 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         layers = [as_kernel_layer(kl, vl) for kl, vl in tree]
     sizes = tuple(x[0].shape[2] for x in layers)
     num_layers = len(layers)
-    cos, sin = padded_rope_table(Mp, K, config.rope_base, half)
+    cos, sin = padded_rope_table(Mp, K, config.rope_base, half, config.partial_rope(K))
     # Top layer: rows = queries x next_power_of_two(G) heads, at least 16 (a dot's minimum).
     gt = next_power_of_two(G)
     bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)

@@ -43,14 +43,18 @@ def build_tree_numpy(k, v, config: HTreeConfig):
     return layers
 
 
-def rope(x, positions, base):
-    """Rotate-half RoPE in float64: `x [..., n, K]` rotated by `positions [n]`."""
+def rope(x, positions, base, rope_dim=None):
+    """Rotate-half RoPE in float64: `x [..., n, K]` rotated by `positions [n]`; with
+    `rope_dim = R` (SPEC 7) only the last `R` features, angles `base^(-2i/R)`, the first
+    `K - R` left as they are."""
     K = x.shape[-1]
-    inv_freq = float(base) ** (-np.arange(0, K, 2, dtype=np.float64) / K)
+    R = K if rope_dim is None else rope_dim
+    inv_freq = float(base) ** (-np.arange(0, R, 2, dtype=np.float64) / R)
     ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
     cos, sin = np.cos(ang), np.sin(ang)
-    lo, hi = x[..., : K // 2], x[..., K // 2 :]
-    return np.concatenate([lo * cos - hi * sin, lo * sin + hi * cos], axis=-1)
+    nope, pe = x[..., : K - R], x[..., K - R:]
+    lo, hi = pe[..., : R // 2], pe[..., R // 2:]
+    return np.concatenate([nope, lo * cos - hi * sin, lo * sin + hi * cos], axis=-1)
 
 
 def pack_importance(importance_f32, positions, log_n):
@@ -112,8 +116,8 @@ def trace_query(q_group, layers, t, config: HTreeConfig, alpha):
         n = int(candidate_count(len(parents), t, r, l))
         pos = np.arange(n)
         nodes = parents[pos // r] * r + pos % r
-        q_rot = rope(q_group, np.full(1, n - 1), config.rope_base)
-        k_rot = rope(K_l[nodes], pos, config.rope_base)
+        q_rot = rope(q_group, np.full(1, n - 1), config.rope_base, config.rope_dim)
+        k_rot = rope(K_l[nodes], pos, config.rope_base, config.rope_dim)
         s = alpha * q_rot @ k_rot.T  # [G, n]
         fragile = False
         if l > 0:

@@ -20,9 +20,11 @@ def _oracle_loss(q, k, v, w, config):
     return float(np.sum(o * w)), sel
 
 
-@pytest.mark.parametrize("r, top_k, T, importance", [(2, 2, 20, "softmax"), (4, 2, 40, "shared_max")])
-def test_reference_gradients_match_oracle_finite_differences(rng, r, top_k, T, importance):
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance)
+@pytest.mark.parametrize("r, top_k, T, importance, rope_dim", [(2, 2, 20, "softmax", None),
+                                                                (4, 2, 40, "shared_max", None),
+                                                                (4, 2, 40, "softmax", 4)])  # SPEC 7: K=8, 4 rotated
+def test_reference_gradients_match_oracle_finite_differences(rng, r, top_k, T, importance, rope_dim):
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, rope_dim=rope_dim)
     assert config.num_layers(T) >= 3
     q, k, v = random_qkv(rng, 1, T, 4, 2, 8, 4, dtype=np.float64)
     w = rng.standard_normal((1, T, 4, 4))  # a random linear read-out of the output

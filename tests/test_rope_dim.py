@@ -1,0 +1,92 @@
+"""Partial RoPE (SPEC 7, `HTreeConfig(rope_dim=)`): RoPE on the last `rope_dim` features
+only. Every backend against the float64 oracle (which rotates those features literally,
+where the implementations rotate a permuted layout, `htree_jax.rope.rope_layout`), with
+K != V; `rope_dim=None` and `rope_dim=K` are today's function bit for bit; the Pallas
+backward against the reference's gradients; decoding against the full sequence; errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from tests.conftest import random_qkv
+from tests.test_oracle_agreement import assert_matches_oracle
+
+K, V = 64, 32
+
+
+@pytest.mark.parametrize("backend, G", [("reference", 8), ("pallas_interpret", 8), ("reference", 32),
+                                        ("reference", 64)])
+@pytest.mark.parametrize("importance", ["softmax", "shared_max"])
+@pytest.mark.parametrize("rope_dim", [32, 2])
+def test_partial_rope_matches_oracle(rng, backend, G, importance, rope_dim):
+    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, rope_dim=rope_dim)
+    T = 150 if G <= 8 else 70  # 3 and 2 layers
+    q, k, v = random_qkv(rng, 2 if G <= 8 else 1, T, G, 1, K, V)
+    assert_matches_oracle(q, k, v, config, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
+def test_rope_dim_k_and_none_are_todays_function(rng, backend):
+    q, k, v = random_qkv(rng, 1, 150, 4, 2, K, V)
+    outs = [htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, rope_dim=R), backend=backend)
+            for R in (None, K)]
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    partial = htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, rope_dim=32), backend=backend)
+    assert not np.allclose(np.asarray(partial), np.asarray(outs[0]))
+
+
+def test_partial_rope_oracle_rotates_only_the_last_features(rng):
+    """The oracle's own rule, checked directly: with rope_dim = 2, queries and keys that
+    differ only in their first K-2 features give the same scores at any position shift."""
+    from reference_numpy.htree_numpy import rope
+
+    x = rng.standard_normal((1, 3, K))
+    rotated = rope(x, np.array([0, 5, 9]), 10000.0, rope_dim=2)
+    np.testing.assert_array_equal(rotated[..., :K - 2], x[..., :K - 2])
+    assert not np.allclose(rotated[0, 1:, K - 2:], x[0, 1:, K - 2:])
+
+
+def test_pallas_gradients_with_partial_rope_equal_the_reference(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, 8, 2, K, V))
+    w = jnp.asarray(rng.standard_normal((1, 150, 8, V)), jnp.float32)
+    grads = [jax.grad(lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=b) * w), argnums=(0, 1, 2))(
+        q, k, v) for b in ("reference", "pallas_interpret")]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
+def test_decoding_with_partial_rope_equals_the_full_sequence(rng, backend):
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    T = 60
+    q, k, v = random_qkv(rng, 1, T, 8, 2, K, V)
+    full = np.asarray(htree_attention(q, k, v, config, backend="reference"))
+    cache = init_cache(1, T, 2, K, V, config, jnp.float32)
+    o, cache = prefill(q[:, :40], k[:, :40], v[:, :40], cache, config, backend=backend)
+    got = [np.asarray(o)]
+    for t in range(40, T):
+        o_t, cache = decode_step(q[:, t], k[:, t], v[:, t], cache, config, backend=backend)
+        got.append(np.asarray(o_t)[:, None])
+    np.testing.assert_allclose(np.concatenate(got, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rope_dim, match", [(3, "positive even"), (0, "positive even"), (-2, "positive even"),
+                                             (2.0, "positive even"), (True, "positive even")])
+def test_bad_rope_dim_in_the_config(rope_dim, match):
+    with pytest.raises(ValueError, match=match):
+        HTreeConfig(rope_dim=rope_dim)
+
+
+def test_rope_dim_above_k_is_refused_before_any_work(rng):
+    q, k, v = random_qkv(rng, 1, 8, 2, 1, 8, 8)
+    config = HTreeConfig(rope_dim=16)
+    with pytest.raises(ValueError, match="rope_dim must be at most the head dim K = 8"):
+        htree_attention(q, k, v, config)
+    cache = init_cache(1, 8, 1, 8, 8, config, jnp.float32)
+    with pytest.raises(ValueError, match="rope_dim must be at most the head dim K = 8"):
+        prefill(q, k, v, cache, config)
