@@ -240,11 +240,13 @@ def htree_attention(
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     # Partial RoPE (SPEC 7) as full rotate-half RoPE on permuted features (`rope_layout`).
     q, k = rope_layout(q, config.partial_rope(dims.head_dim)), rope_layout(k, config.partial_rope(dims.head_dim))
-    if packing is None and jax.device_count() > 1:
-        # Batch- and head-sharded inputs: one local call per shard (`htree_jax/sharding.py`).
+    if jax.device_count() > 1:
+        # Sharded inputs: one local call per shard (`htree_jax/sharding.py`).
         from htree_jax.sharding import partitioned_attention
 
-        o, selected = partitioned_attention(q, k, v, config, impl)
+        seg = None if packing is None else check_segment_ids(segment_ids, dims.batch, dims.seq_len)
+        o, selected = partitioned_attention(q, k, v, config, impl, seg, None if packing is None else
+                                            packing.virtual_len, max_document_len)
     else:
         o, selected = _attend(q, k, v, config, impl, packing)
     return (o, selected) if return_selected else o

@@ -32,7 +32,7 @@ and/or the kv heads is custom-partitioned the same way (`partitioned_cache_atten
 the tree update is plain XLA, which the partitioner splits by itself.
 
 Used by `htree_attention` when there is more than one device (on one device there is
-nothing to split; packed rows, `segment_ids`, do not take this path yet), and callable
+nothing to split; packed rows shard along the batch and the kv heads), and callable
 directly (`partitioned_attention`) on any mesh, one device included. Meshes with `AxisType.Auto` axes (what `jax.jit` with
 `in_shardings` uses); for `Explicit` axes pass the arrays through `jax.sharding.reshard`
 to Auto first or use `jax.shard_map` around `htree_attention`.
@@ -90,17 +90,21 @@ def _check_mesh_fits(mesh, b, t, g, B: int, T: int, H_kv: int):
 
 # Shardy rules: b batch, t tokens, g kv heads, r heads of a group, k / v features,
 # s selection slots. b, t and g may be sharded (the callbacks refuse the rest).
-def _forward_rule(num_selections: int):
-    return "b t g r k, b t g k, b t g v -> " + ", ".join(["b t g r v"] + ["b t g s"] * num_selections)
+def _forward_rule(num_selections: int, packed: bool):
+    operands = "b t g r k, b t g k, b t g v" + (", b t" if packed else "")
+    return operands + " -> " + ", ".join(["b t g r v"] + ["b t g s"] * num_selections)
 
 
-def _backward_rule():
-    return "b t g r k, b t g k, b t g v, b t g r v -> b t g r k, b t g k, b t g v"
+def _backward_rule(packed: bool):
+    return "b t g r k, b t g k, b t g v" + (", b t" if packed else "") + ", b t g r v -> b t g r k, b t g k, b t g v"
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned_calls(config, impl: str, num_selections: int):
+def _partitioned_calls(config, impl: str, num_selections: int, packed=None):
     """`(forward, backward)`: custom-partitioned local calls for `config` and `impl`.
+
+    `packed`: `(virtual_len, max_document_len)` for packed rows (`segment_ids [B, T]`
+    the last operand, split with the batch; each shard lays out its own rows), or None.
 
     Context parallelism (`T` sharded over mesh axis `t`): each device keeps its queries,
     all-gathers `k`, `v` along `t` (the tree is built from every token), attends its
@@ -108,9 +112,14 @@ def _partitioned_calls(config, impl: str, num_selections: int):
     reduce-scatters its share of `dk`, `dv` back along `t` (`psum_scatter`)."""
     from htree_jax.attention import _attend
 
-    def attend(q5, k, v, positions=None):
+    def attend(q5, k, v, positions=None, segment_ids=None):
         B, S, H_kv, G, K = q5.shape
-        o, selected = _attend(q5.reshape(B, S, H_kv * G, K), k, v, config, impl, None, positions)
+        packing = None
+        if segment_ids is not None:
+            from htree_jax.packing import pack_layout
+
+            packing = pack_layout(segment_ids, config, packed[0], packed[1])
+        o, selected = _attend(q5.reshape(B, S, H_kv * G, K), k, v, config, impl, packing, positions)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
 
     def gathered(q5, k, v, t):
@@ -123,20 +132,25 @@ def _partitioned_calls(config, impl: str, num_selections: int):
         return k, v, positions
 
     def local_forward(t):
-        def forward(q5, k, v):
-            return attend(q5, *gathered(q5, k, v, t))
+        def forward(q5, k, v, *segment_ids):
+            return attend(q5, *gathered(q5, k, v, t), *segment_ids)
         return forward
 
     def local_backward(t):
-        def backward(q5, k, v, do5):
+        def backward(q5, k, v, *rest):
             # The local forward again, differentiated (the Pallas path by its own backward).
-            k_all, v_all, positions = gathered(q5, k, v, t)
-            _, vjp = jax.vjp(lambda q5, k, v: attend(q5, k, v, positions)[0], q5, k_all, v_all)
-            dq, dk, dv = vjp(do5)
-            if t is not None:  # each shard's share of every token's gradient, summed and split back
-                dk, dv = (jax.lax.psum_scatter(x, t, scatter_dimension=1, tiled=True) for x in (dk, dv))
-            return dq, dk, dv
+            # Jitted whole: constants it makes stay inside (custom_partitioning takes none).
+            return jax.jit(functools.partial(differentiate, t))(q5, k, v, *rest)
         return backward
+
+    def differentiate(t, q5, k, v, *rest):
+        *segment_ids, do5 = rest
+        k_all, v_all, positions = gathered(q5, k, v, t)
+        _, vjp = jax.vjp(lambda q5, k, v: attend(q5, k, v, positions, *segment_ids)[0], q5, k_all, v_all)
+        dq, dk, dv = vjp(do5)
+        if t is not None:  # each shard's share of every token's gradient, summed and split back
+            dk, dv = (jax.lax.psum_scatter(x, t, scatter_dimension=1, tiled=True) for x in (dk, dv))
+        return dq, dk, dv
 
     fwd, bwd = custom_partitioning(local_forward(None)), custom_partitioning(local_backward(None))
 
@@ -144,12 +158,20 @@ def _partitioned_calls(config, impl: str, num_selections: int):
         q5, kv = _shardings(mesh, *local_specs(arg_shapes[0].sharding))
         return (q5,) + (kv,) * num_selections
 
+    def rows_of(mesh, b, t):
+        """The segment ids' sharding (packed rows: the batch only)."""
+        if t is not None:
+            raise ValueError(f"htree sharding: mesh axis {t!r} shards T of packed rows (segment_ids); packed "
+                             "documents shard along the batch and the kv heads only")
+        return (NamedSharding(mesh, P(b, None)),) if packed else ()
+
     def partition_fwd(mesh, arg_shapes, result_shape):
         b, t, g = local_specs(arg_shapes[0].sharding)
         B, T, H_kv = arg_shapes[0].shape[:3]
         _check_mesh_fits(mesh, b, t, g, B, T, H_kv)
         q5, kv = _shardings(mesh, b, t, g)
-        return mesh, local_forward(t), (q5,) + (kv,) * num_selections, (q5, kv, kv)
+        seg = rows_of(mesh, b, t) if packed else ()
+        return mesh, local_forward(t), (q5,) + (kv,) * num_selections, (q5, kv, kv) + seg
 
     def infer_bwd(mesh, arg_shapes, result_shape):
         q5, kv = _shardings(mesh, *local_specs(arg_shapes[0].sharding))
@@ -158,30 +180,36 @@ def _partitioned_calls(config, impl: str, num_selections: int):
     def partition_bwd(mesh, arg_shapes, result_shape):
         b, t, g = local_specs(arg_shapes[0].sharding)
         q5, kv = _shardings(mesh, b, t, g)
-        return mesh, local_backward(t), (q5, kv, kv), (q5, kv, kv, q5)
+        seg = rows_of(mesh, b, t) if packed else ()
+        return mesh, local_backward(t), (q5, kv, kv), (q5, kv, kv) + seg + (q5,)
 
     fwd.def_partition(partition=partition_fwd, infer_sharding_from_operands=infer_fwd,
-                      sharding_rule=_forward_rule(num_selections))
+                      sharding_rule=_forward_rule(num_selections, packed is not None))
     bwd.def_partition(partition=partition_bwd, infer_sharding_from_operands=infer_bwd,
-                      sharding_rule=_backward_rule())
+                      sharding_rule=_backward_rule(packed is not None))
     return fwd, bwd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attend_partitioned(q5, k, v, config, impl):
-    return _attend_partitioned_fwd(q5, k, v, config, impl)[0]
+def _num_selections(config, T: int, packed) -> int:
+    return config.num_layers(T if packed is None or packed[1] is None else packed[1]) - 1
 
 
-def _attend_partitioned_fwd(q5, k, v, config, impl):
-    fwd, _ = _partitioned_calls(config, impl, config.num_layers(q5.shape[1]) - 1)
-    o5, *selected = fwd(q5, k, v)
-    return (o5, selected), (q5, k, v)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attend_partitioned(q5, k, v, segment_ids, config, impl, packed):
+    return _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed)[0]
 
 
-def _attend_partitioned_bwd(config, impl, residuals, cotangents):
-    q5, k, v = residuals
-    _, bwd = _partitioned_calls(config, impl, config.num_layers(q5.shape[1]) - 1)
-    return tuple(bwd(q5, k, v, cotangents[0]))
+def _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed):
+    fwd, _ = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed)
+    o5, *selected = fwd(q5, k, v, *([] if segment_ids is None else [segment_ids]))
+    return (o5, selected), (q5, k, v, segment_ids)
+
+
+def _attend_partitioned_bwd(config, impl, packed, residuals, cotangents):
+    q5, k, v, segment_ids = residuals
+    _, bwd = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed)
+    extra = [] if segment_ids is None else [segment_ids]
+    return tuple(bwd(q5, k, v, *extra, cotangents[0])) + (None,)
 
 
 _attend_partitioned.defvjp(_attend_partitioned_fwd, _attend_partitioned_bwd)
@@ -210,13 +238,16 @@ def check_input_shardings(q, k, v) -> None:
                              f"splits a GQA group: H_kv = {H_kv} kv heads must be divisible by it")
 
 
-def partitioned_attention(q, k, v, config, impl: str):
+def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_len=None, max_document_len=None):
     """`(o [B, T, H, V], selections)` of validated inputs through the custom-partitioned
-    calls: under `jit` with batch- or head-sharded inputs, one local call per shard."""
+    calls: under `jit` with batch- or head-sharded inputs, one local call per shard.
+    Packed rows: `segment_ids [B, T]` int32 (checked) and the static layout
+    (`virtual_len`, `max_document_len`, `htree_jax.packing`)."""
     check_input_shardings(q, k, v)
     B, T, H, K = q.shape
     H_kv = k.shape[2]
-    o5, selected = _attend_partitioned(q.reshape(B, T, H_kv, H // H_kv, K), k, v, config, impl)
+    packed = None if segment_ids is None else (virtual_len, max_document_len)
+    o5, selected = _attend_partitioned(q.reshape(B, T, H_kv, H // H_kv, K), k, v, segment_ids, config, impl, packed)
     return o5.reshape(B, T, H, -1), list(selected)
 
 
