@@ -86,10 +86,12 @@ def check_interpret(backend: str, interpret) -> bool:
     return interpret
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _pallas_forward(q, k, v, positions, config, interpret):
-    o, selected, _, _ = _guarded_pallas_forward(q, k, v, positions, config, interpret)
-    return o, selected
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _pallas_forward(q, k, v, positions, config, interpret, export=False):
+    """`(o, selected)`, and the kept nodes' importance with `export` (SPEC 8; a constant
+    under autodiff, as the selections are)."""
+    o, selected, _, _, *exported = _guarded_pallas_forward(q, k, v, positions, config, interpret, export)
+    return (o, selected, *exported)
 
 
 def query_positions(positions, q):
@@ -97,7 +99,7 @@ def query_positions(positions, q):
     return jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
 
 
-def _guarded_pallas_forward(q, k, v, positions, config, interpret):
+def _guarded_pallas_forward(q, k, v, positions, config, interpret, export=False):
     """The Pallas forward under SPEC 10's guard (`htree_jax.non_finite`), inside the
     `custom_vjp`: the zeroed `k`, `v` feed the forward's own padded copies and the NaN
     rows its output's last copy, and the output the backward saves is the one returned,
@@ -106,27 +108,28 @@ def _guarded_pallas_forward(q, k, v, positions, config, interpret):
     from pallas_kernels.forward import htree_forward_pallas
 
     first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
-    o, selected, lse = htree_forward_pallas(q, zero_non_finite(k), zero_non_finite(v), config,
-                                            interpret=interpret, return_lse=True, positions=positions)
-    return poison_rows(o, query_positions(positions, q), first), selected, lse, first
+    o, selected, lse, *exported = htree_forward_pallas(q, zero_non_finite(k), zero_non_finite(v), config,
+                                                       interpret=interpret, return_lse=True, positions=positions,
+                                                       return_importance=export)
+    return (poison_rows(o, query_positions(positions, q), first), selected, lse, first, *exported)
 
 
-def _pallas_forward_fwd(q, k, v, positions, config, interpret):
+def _pallas_forward_fwd(q, k, v, positions, config, interpret, export=False):
     # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)), the first
     # non-finite positions and the selections (`BlockSizes.save_selections`; else they
     # are recomputed there by the same kernels).
     from pallas_kernels.forward import BlockSizes
 
-    o, selected, lse, first = _guarded_pallas_forward(q, k, v, positions, config, interpret)
+    o, selected, lse, first, *exported = _guarded_pallas_forward(q, k, v, positions, config, interpret, export)
     saved = selected if BlockSizes().save_selections else None
-    return (o, selected), (q, k, v, positions, o, lse, first, saved)
+    return (o, selected, *exported), (q, k, v, positions, o, lse, first, saved)
 
 
-def _pallas_forward_bwd(config, interpret, residuals, cotangents):
+def _pallas_forward_bwd(config, interpret, export, residuals, cotangents):
     from pallas_kernels.backward import htree_backward_pallas
 
     q, k, v, positions, o, lse, first, saved = residuals
-    do, _ = cotangents  # the selections are integers: no cotangent
+    do = cotangents[0]  # the selections are integers, the importance a constant: no cotangent
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
     # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
     dead = dead_rows(query_positions(positions, q), first, q.shape[2])
@@ -140,22 +143,23 @@ def _pallas_forward_bwd(config, interpret, residuals, cotangents):
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _pallas_packed(q, k, v, packing, config, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _pallas_packed(q, k, v, packing, config, interpret, export=False):
     """Packed rows through the Pallas kernels (SPEC 6; `htree_jax.packing`), inputs
-    already finite: `(o, selections as tree rows)`."""
-    return _pallas_packed_fwd(q, k, v, packing, config, interpret)[0]
+    already finite: `(o, selections as tree rows)` (and the importance with `export`)."""
+    return _pallas_packed_fwd(q, k, v, packing, config, interpret, export)[0]
 
 
-def _pallas_packed_fwd(q, k, v, packing, config, interpret):
+def _pallas_packed_fwd(q, k, v, packing, config, interpret, export=False):
     from pallas_kernels.forward import htree_forward_pallas
 
-    o, selected, lse = htree_forward_pallas(q, k, v, config, interpret=interpret, return_lse=True, packing=packing)
+    o, selected, lse, *exported = htree_forward_pallas(q, k, v, config, interpret=interpret, return_lse=True,
+                                                       packing=packing, return_importance=export)
     # The selections are always kept: the packed backward reads them.
-    return (o, selected), (q, k, v, o, lse, selected, packing)
+    return (o, selected, *exported), (q, k, v, o, lse, selected, packing)
 
 
-def _pallas_packed_bwd(config, interpret, residuals, cotangents):
+def _pallas_packed_bwd(config, interpret, export, residuals, cotangents):
     from pallas_kernels.backward import htree_backward_pallas
 
     q, k, v, o, lse, selected, packing = residuals
@@ -178,6 +182,7 @@ def htree_attention(
     max_document_len: int | None = None,
     backend: str = "auto",
     return_selected: bool = False,
+    return_importance: bool = False,
     interpret: bool = False,
 ):
     """Hierarchical sparse (htree) attention, causal, with RoPE applied inside.
@@ -211,6 +216,16 @@ def htree_attention(
         `L - 1` int32 arrays `[B, T, H_kv, top_k]`, ascending, `-1` padded (empty
         when `T <= top_k * compression_rate`, where htree is exact attention). With
         `segment_ids` the nodes are counted inside each token's document.
+      return_importance: also return, last, the importance of every selected node
+        (SPEC 8): per selecting layer, top first, float32 `[B, T, H_kv, top_k]`
+        aligned with the selections (0 where they are `-1`): the group-summed attention
+        probability of the node (`importance="softmax"`: each head's softmax over the
+        layer's candidates, summed over the G heads of the group; the rightmost node
+        reports its own value, not the forced one: with `strict_causal` it is outside
+        the normaliser, so its value may exceed G). It is the distillation target of
+        sparse-attention indexers (seed 003: DeepSeek's indexer is trained towards this
+        head-summed distribution): e.g. a KL loss between an indexer's scores over the
+        kept nodes and `importance / G`. A constant under autodiff, like the selections.
 
       interpret: run the Pallas kernels in interpret mode (with `backend="auto"` or
         `"pallas"`: the same as `"pallas_interpret"`); refused with `"reference"`.
@@ -228,28 +243,33 @@ def htree_attention(
     XLA's `--xla_gpu_deterministic_ops=true`.
 
     Returns:
-      `o [B, T, H, V]` in the input dtype, or `(o, selected)` with `return_selected`.
+      `o [B, T, H, V]` in the input dtype, then `selected` with `return_selected`, then
+      `importance` with `return_importance` (a tuple when either is asked).
     """
     config = check_config(config)
     dims = check_qkv(q, k, v)
     config.check_rope_dim(dims.head_dim)
     impl = resolve_backend(backend, interpret, dims)
-    if not isinstance(return_selected, bool):
-        raise TypeError(f"return_selected must be a bool, got {return_selected!r}")
+    for name, flag in (("return_selected", return_selected), ("return_importance", return_importance)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
     packing = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len, max_document_len)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     # Partial RoPE (SPEC 7) as full rotate-half RoPE on permuted features (`rope_layout`).
     q, k = rope_layout(q, config.partial_rope(dims.head_dim)), rope_layout(k, config.partial_rope(dims.head_dim))
-    if jax.device_count() > 1:
-        # Sharded inputs: one local call per shard (`htree_jax/sharding.py`).
+    exported = ()
+    if jax.device_count() > 1 and not return_importance:
+        # Sharded inputs: one local call per shard (`htree_jax/sharding.py`). (The
+        # importance export is not partitioned yet: with it, the plain call.)
         from htree_jax.sharding import partitioned_attention
 
         seg = None if packing is None else check_segment_ids(segment_ids, dims.batch, dims.seq_len)
         o, selected = partitioned_attention(q, k, v, config, impl, seg, None if packing is None else
                                             packing.virtual_len, max_document_len)
     else:
-        o, selected = _attend(q, k, v, config, impl, packing)
-    return (o, selected) if return_selected else o
+        o, selected, *exported = _attend(q, k, v, config, impl, packing, export=return_importance)
+    result = (o,) + ((selected,) if return_selected else ()) + tuple(exported)
+    return result if len(result) > 1 else o
 
 
 def packing_of(segment_ids, max_documents, config: HTreeConfig, batch: int, seq_len: int, max_document_len=None):
@@ -267,25 +287,28 @@ def packing_of(segment_ids, max_documents, config: HTreeConfig, batch: int, seq_
     return packing
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl"))
-def _attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None):
+@functools.partial(jax.jit, static_argnames=("config", "impl", "export"))
+def _attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None, export: bool = False):
     """The chosen backend under SPEC 10's guard (`htree_jax.non_finite`): non-finite `k`,
     `v` entries zeroed, outputs NaN from the first such position on. Packed rows
     (`packing`) that do not fit their static layout answer NaN. `positions [S]` int32:
     the queries' positions among `k`'s `T` tokens (`q [B, S, H, K]`: a context-parallel
-    shard's queries; `None`: `S = T`)."""
+    shard's queries; `None`: `S = T`). `export`: the kept nodes' importance last
+    (SPEC 8)."""
     if impl != "reference" and packing is None:
-        return _pallas_forward(q, k, v, positions, config, impl == "pallas_interpret")
+        return _pallas_forward(q, k, v, positions, config, impl == "pallas_interpret", export)
     first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
     k, v = zero_non_finite(k), zero_non_finite(v)
     if packing is None:
-        o, selected = htree_attention_reference(q, k, v, config, positions=positions)
+        o, selected, *exported = htree_attention_reference(q, k, v, config, positions=positions,
+                                                           return_importance=export)
     elif impl == "reference":
-        o, selected = htree_attention_reference_packed(q, k, v, packing, config)
+        o, selected, *exported = htree_attention_reference_packed(q, k, v, packing, config, return_importance=export)
     else:
-        o, selected = _pallas_packed(q, k, v, packing, config, impl == "pallas_interpret")
+        o, selected, *exported = _pallas_packed(q, k, v, packing, config, impl == "pallas_interpret", export)
         selected = local_selections(selected, packing, config.compression_rate)
     o = poison_rows(o, query_positions(positions, q), first)
     if packing is not None:
         o = jnp.where(packing.fits[:, None, None, None], o, jnp.asarray(jnp.nan, o.dtype))
-    return o, selected
+    exported = [jax.lax.stop_gradient(x) for x in exported]
+    return (o, selected, *exported)

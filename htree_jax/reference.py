@@ -110,19 +110,20 @@ def scores(q, keys_by_slot, n, alpha, cos, sin, r: int):
 
 def importance(scores, in_norm, mode):
     """Group importance (SPEC 2.3). `scores [C, G, M]` float32, `in_norm [C, M]` (the
-    set R) -> `[C, M]`; 0 where R is empty. Only positions in R are meaningful; the
-    caller forces the rightmost and masks invalid ones."""
+    set R) -> `[C, M]`; 0 where R is empty. The normaliser comes from R; every position
+    gets its formula value (the rightmost too, which SPEC 8 exports); the caller forces
+    the rightmost for the selection and masks invalid positions."""
     has_norm = jnp.any(in_norm, axis=-1, keepdims=True)  # [C, 1]
     s_r = jnp.where(in_norm[:, None, :], scores, -jnp.inf)
     if mode == "softmax":
         mx = jnp.max(s_r, axis=-1, keepdims=True)  # [C, G, 1]
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
         lse = mx + jnp.log(jnp.sum(jnp.exp(s_r - mx), axis=-1, keepdims=True))
-        imp = jnp.sum(jnp.exp(s_r - lse), axis=1)
+        imp = jnp.sum(jnp.exp(scores - lse), axis=1)
     elif mode == "shared_max":
         mx = jnp.max(s_r, axis=(1, 2), keepdims=True)  # [C, 1, 1]
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        imp = jnp.sum(jnp.exp(s_r - mx), axis=1)
+        imp = jnp.sum(jnp.exp(scores - mx), axis=1)
     else:
         raise ValueError(f"unknown importance mode {mode!r}")
     return jnp.where(has_norm, imp, 0.0)
@@ -144,13 +145,14 @@ def pack_importance(importance, positions, log_n: int):
     return (bits & ~mask) | (mask - positions)
 
 
-def select_top_k(importance_keys, valid, nodes, top_k, max_candidates):
+def select_top_k(importance_keys, valid, nodes, top_k, max_candidates, values=None):
     """Shared top-K on packed keys. `importance_keys, valid, nodes`: `[C, M]`.
 
     Returns `(selected [C, M] bool, next_parents [C, top_k] int32)`: the
     `min(top_k, n)` valid positions with the largest keys, and their node indices
     ascending, `-1` padded. Nodes increase with buffer position, so sorting the
-    selected positions sorts the nodes.
+    selected positions sorts the nodes. With `values [C, M]`, also theirs at the
+    selected positions in the same order, 0 after (SPEC 8's importance export).
     """
     keys = jnp.where(valid, importance_keys, -1)
     top_keys, _ = lax.top_k(keys, top_k)  # descending; -1 where fewer than top_k valid
@@ -159,7 +161,11 @@ def select_top_k(importance_keys, valid, nodes, top_k, max_candidates):
     positions = jnp.where(top_keys >= 0, mask - (top_keys & mask), max_candidates)
     positions = jnp.sort(positions, axis=-1)
     picked = jnp.take_along_axis(nodes, jnp.minimum(positions, mask), axis=-1)
-    return selected, jnp.where(positions < max_candidates, picked, -1)
+    next_parents = jnp.where(positions < max_candidates, picked, -1)
+    if values is None:
+        return selected, next_parents
+    kept = jnp.take_along_axis(values, jnp.minimum(positions, mask), axis=-1)
+    return selected, next_parents, jnp.where(positions < max_candidates, kept, 0.0)
 
 
 def merge(state, scores, values, merged):
@@ -188,7 +194,8 @@ def normalize(state):
     return U / S[..., None]
 
 
-def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True, base=None):
+def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True, base=None,
+                   return_importance: bool = False):
     """All layers for one `(b, h_kv)` and a chunk of positions (SPEC 2, top down).
 
     `q [C, G, K]`, `t [C]` int32, `layers [(K_l [N_l, K], V_l [N_l, V]), ...]` bottom
@@ -196,7 +203,8 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     with `keys_rotated=False` (then the gathered candidates are rotated, the same
     float32 arithmetic: what decoding does, rather than rotate a whole cache per step).
     Returns `o [C, G, V]` float32 and the selected node lists of layers
-    `L-1 .. 1`, each `[C, top_k]` int32.
+    `L-1 .. 1`, each `[C, top_k]` int32 (and, with `return_importance`, their
+    importance, each `[C, top_k]` float32, SPEC 8).
 
     Packed sequences (`htree_jax.packing`): `t` is each query's position inside its
     document and `base [C]` its document's virtual start; node `i` of that document on
@@ -219,7 +227,7 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
         jnp.zeros((C, G, Vd), jnp.float32),
     )
     q = q.astype(jnp.float32)
-    selections = []
+    selections, importances = [], []
     for l in reversed(range(L)):
         K_l, V_l = layers[l]
         n = candidate_count(num_parents(parents)[:, 0], t, r, l)  # [C]
@@ -236,16 +244,19 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
             rightmost = p[None, :] == (n - 1)[:, None]
             in_norm = valid & ~rightmost if config.strict_causal else valid
             # Selection is a discrete choice: no gradient flows through it.
-            imp = importance(lax.stop_gradient(s), in_norm, config.importance)
-            imp = jnp.where(rightmost, FORCED_IMPORTANCE, imp)
+            exported = importance(lax.stop_gradient(s), in_norm, config.importance)
+            imp = jnp.where(rightmost, FORCED_IMPORTANCE, exported)
             keys = pack_importance(imp, p[None, :], config.log_n)
-            selected, parents = select_top_k(keys, valid, nodes, k_top, M)
+            selected, parents, kept = select_top_k(keys, valid, nodes, k_top, M, exported)
             merged = valid & ~selected
             selections.append(parents)
+            importances.append(kept)
         else:
             merged = valid
         values = V_l[safe_nodes].astype(jnp.float32)
         state = merge(state, s, values, merged)
+    if return_importance:
+        return normalize(state), selections, importances
     return normalize(state), selections
 
 
@@ -262,20 +273,22 @@ def rotate_by_child_offset(layer_keys, config: HTreeConfig):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "query_chunk"))
-def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int, positions=None):
+@functools.partial(jax.jit, static_argnames=("config", "query_chunk", "return_importance"))
+def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int, positions=None, return_importance=False):
     layers = build_tree(k, v, config)
     layers = [(rotate_by_child_offset(kl, config), vl) for kl, vl in layers]
     positions = jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
-    return attend_tree(q, layers, positions, config, query_chunk)
+    return attend_tree(q, layers, positions, config, query_chunk, return_importance=return_importance)
 
 
 def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True,
-                base=None):
+                base=None, return_importance: bool = False):
     """Queries `q [B, S, H, K]` at token positions `positions [S]`, or `[B, S]` per batch
     row (int32, may be traced), walk the tree `layers` (bottom first, `[B, N_l, H_kv, *]`; keys as `_walk_one_head`
     takes them). Returns `(o [B, S, H, V] in q.dtype, selections)`. Packed sequences:
     `positions` inside each document and `base [B, S]` its virtual start (`_walk_one_head`).
+    `return_importance`: also the selections' importance (SPEC 8), `(o, selections,
+    importance)`.
 
     The tree may hold more tokens than `positions` reach (a decode cache sized for
     `max_len`): by strict causality (SPEC 3) nothing after a query changes its output."""
@@ -298,7 +311,8 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
 
     # vmap over batch (axis 0 of everything) then kv heads (axis 2 of q5, the layers).
     per_head = jax.vmap(
-        lambda qh, t, lay, b: _walk_one_head(qh, t, lay, config, alpha, keys_rotated, b), in_axes=(1, None, 1, None)
+        lambda qh, t, lay, b: _walk_one_head(qh, t, lay, config, alpha, keys_rotated, b, return_importance),
+        in_axes=(1, None, 1, None)
     )
     per_batch = jax.vmap(per_head, in_axes=(0, 0 if per_row else None, 0, None if base is None else 0))
 
@@ -310,14 +324,18 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
 
     # Rematerialised under autodiff: the backward keeps only each chunk's inputs, not its
     # [chunk, M, K] gathers, so gradient memory is bounded by the same chunking.
-    o, sels = lax.map(jax.checkpoint(chunk), jnp.arange(num_chunks, dtype=jnp.int32))
+    o, sels, *imps = lax.map(jax.checkpoint(chunk), jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, H_kv, C, G, V] -> [B, S, H, V]
     o = jnp.transpose(o, (1, 0, 3, 2, 4, 5)).reshape(B, num_chunks * C, H, -1)[:, :S]
-    sels = [jnp.transpose(s, (1, 0, 3, 2, 4)).reshape(B, num_chunks * C, H_kv, -1)[:, :S] for s in sels]
+    per_query = lambda s: jnp.transpose(s, (1, 0, 3, 2, 4)).reshape(B, num_chunks * C, H_kv, -1)[:, :S]
+    sels = [per_query(s) for s in sels]
+    if return_importance:
+        return o.astype(q.dtype), sels, [per_query(x) for x in imps[0]]
     return o.astype(q.dtype), sels
 
 
-def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int | None = None, positions=None):
+def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int | None = None, positions=None,
+                              return_importance: bool = False):
     """htree attention with static shapes; inputs already validated. `positions [S]`
     int32: the queries' positions among `k`'s tokens (`q [B, S, H, K]`; None: all).
 
@@ -339,10 +357,11 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
         query_chunk = default_query_chunk(config, B, T, H_kv, H // H_kv, K, Vd)
     elif isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
         raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
-    return reference_forward(q, k, v, config, min(query_chunk, T), positions)
+    return reference_forward(q, k, v, config, min(query_chunk, T), positions, return_importance)
 
 
-def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, query_chunk: int | None = None):
+def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, query_chunk: int | None = None,
+                                     return_importance: bool = False):
     """Packed rows (SPEC 6; `htree_jax.packing.Packing`): each document attended alone.
     Returns `(o, selections)` as `htree_attention_reference`, the selections counted
     inside each token's document. The tree is built in the virtual layout and walked
@@ -356,4 +375,4 @@ def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, q
     layers = build_packed_tree(tokens_to_virtual(k, packing), tokens_to_virtual(v, packing), virtual_exists(packing),
                                config, packing.num_layers)
     return attend_tree(q, layers, packing.offset(), config, min(query_chunk, T), keys_rotated=False,
-                       base=packing.doc_start)
+                       base=packing.doc_start, return_importance=return_importance)

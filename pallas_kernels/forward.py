@@ -288,7 +288,18 @@ def valid_candidates(parents, t, layer: int, prep: Prepared):
     return candidate_count(num_parents(parents), t, prep.st.r, layer).astype(jnp.int32)
 
 
-def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, select: bool = True):
+def kept_values(keys, tau, values, top_k: int):
+    """`values [..., Mp]` at the positions a layer kept (`keys >= tau`), ascending
+    (the order of the kept nodes), 0 after: `[..., top_k]` (SPEC 8's export)."""
+    kept = keys >= tau
+    order = jnp.argsort(~kept, axis=-1, stable=True)[..., :top_k]
+    picked = jnp.take_along_axis(values, order, axis=-1)
+    slots = jnp.arange(top_k, dtype=jnp.int32)
+    return jnp.where(slots < jnp.sum(kept, axis=-1, keepdims=True, dtype=jnp.int32), picked, 0.0)
+
+
+def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, select: bool = True,
+                  export: bool = False):
     """Chunk `c`'s queries and top layer, shared by the forward and the backward:
     `(qc [B, Qc, H_kv, G, Kp], t, n_top, first, q_top, top)`. `t`: the queries' positions
     in the tree (`[1, Qc, 1, 1]`, or `[B, Qc, 1, 1]` virtual ones when packed). The top
@@ -298,7 +309,8 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
     the layer below)` from the top layer's importance keys (document-local positions)
     and shared top-K (the parents as tree rows), or `(None, None, None)` when the top
     layer is the bottom one (`L = 1`) or without `select` (the backward, given the
-    forward's selections)."""
+    forward's selections). With `export`, `top` has a fourth entry: the kept nodes'
+    importance `[B, Qc, H_kv, top_k]` (SPEC 8)."""
     st, Qc = prep.st, prep.chunk
     B, _, H_kv, G, _ = prep.q4.shape
     A = st.r ** (num_layers - 1)
@@ -319,12 +331,16 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
     if num_layers == 1 or not select:
         return qc, t, n_top, first, q_top, (None, None, None)
     keys = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, prep.cos.shape[0], prep.st_top_keys,
-                                      interpret)
+                                      interpret, export)
+    if export:
+        keys, imp = keys
     parents = jnp.broadcast_to(top_layer_parents(offset[..., 0], st.r, num_layers, prep.parents_width),
                                (B, Qc, H_kv, prep.parents_width))
     next_parents, tau = select_top_k_pallas(keys, parents, n_top, st, interpret)
     next_parents = next_parents[..., : prep.parents_width]
     next_parents = jnp.where(next_parents >= 0, next_parents + first, -1)  # tree rows
+    if export:
+        return qc, t, n_top, first, q_top, (keys, tau, next_parents, kept_values(keys, tau, imp, st.top_k))
     return qc, t, n_top, first, q_top, (keys, tau, next_parents)
 
 
@@ -345,15 +361,17 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: in
     return merge_pallas(*args, out_dtype=out_dtype, return_lse=True, skip=skip, prior=prior)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
+                                             "return_importance"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
-                         packing=None, positions=None):
+                         packing=None, positions=None, return_importance: bool = False):
     """htree attention with Pallas kernels. Inputs validated by the caller.
     `packing`: packed rows (`htree_jax.packing.Packing`); the selections returned are
     then rows of the virtual tree (`packing.local_selections` makes them document-local).
     `positions [S]` int32: the queries' positions among `k`'s `T` tokens (`q [B, S, H,
-    K]`; context parallelism), `None`: `S = T`, all of them.
+    K]`; context parallelism), `None`: `S = T`, all of them. `return_importance`: the
+    kept nodes' importance (SPEC 8) last, aligned with the selections.
 
     `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
     `htree_attention` runs). Returns `(o [B, T, H, V] in q.dtype, selections)` like the
@@ -377,11 +395,13 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
                 jnp.zeros((B, Qc, H_kv, rows, vp), jnp.float32))
 
     def chunk(c):
-        qc, t, n_top, first, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret)
+        qc, t, n_top, first, q_top, top = chunk_queries(prep, c, T, L, interpret, export=return_importance)
+        keys, tau, parents = top[:3]
+        exported = list(top[3:])
         if L == 1:
             o, lse = top_merge_pallas(q_top, n_top, first, None, None, prep.top_k_merge, prep.top_v, empty_state(gt),
                                       st_top, interpret, out_dtype=q.dtype, return_lse=True)
-            return o[:, :, :, :G], lse[..., :G], []
+            return o[:, :, :, :G], lse[..., :G], [], []
         state = top_merge_pallas(q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
                                  interpret)
         # The layers below: one query per program, its G heads padded to >= 16 rows.
@@ -393,22 +413,28 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
             n = valid_candidates(parents, t, l, prep)
             # The merge reads the scores the importance pass stored, not the keys.
             keys, scores = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, st, interpret,
-                                                  return_scores=True)
+                                                  return_scores=True, export=return_importance)
+            if return_importance:
+                keys, imp = keys
             next_parents, tau = select_top_k_pallas(keys, parents, n, st, interpret)
+            if return_importance:
+                exported.append(kept_values(keys, tau, imp, config.top_k))
             state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
             parents = next_parents[..., :P]
             selections.append(parents[..., : config.top_k])
         o, lse = bottom_merge(prep, q_rows, parents, t, state, layer_sizes[1], interpret, q.dtype)
-        return o[:, :, :, :G], lse[..., :G], selections
+        return o[:, :, :, :G], lse[..., :G], selections, exported
 
-    o, lse, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
+    o, lse, sels, imps = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, Qc, H_kv, G, vp] -> [B, T, H, V]
     o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H_kv, G, vp)[:, :T, :, :, :V]
     sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T] for s in sels]
+    result = (o.reshape(B, T, H, V), sels)
     if return_lse:
-        lse = jnp.moveaxis(lse, 0, 1).reshape(B, num_chunks * Qc, H_kv * G)[:, :T]
-        return o.reshape(B, T, H, V), sels, lse
-    return o.reshape(B, T, H, V), sels
+        result += (jnp.moveaxis(lse, 0, 1).reshape(B, num_chunks * Qc, H_kv * G)[:, :T],)
+    if return_importance:
+        result += ([jnp.moveaxis(x, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T] for x in imps],)
+    return result
 
 
 __all__ = ["BlockSizes", "Prepared", "check_pallas_dims", "chunk_queries", "htree_forward_pallas", "prepare",

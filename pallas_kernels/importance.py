@@ -140,7 +140,7 @@ def _scores_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic):
     shift_ref[...] = importance_shift(m, total, real_head, gp, st.importance).reshape(shift_ref.shape)
 
 
-def keys_from_scores(scores, shift, n, st: LayerStatic):
+def keys_from_scores(scores, shift, n, st: LayerStatic, export: bool = False):
     """Packed importance keys `[B, Q, H_kv, Mp]` (SPEC 2.3) from stored scores `[B, Q,
     H_kv, Gp, Mp]` (read only where valid) and the rows' shifts `[B, Q, H_kv, Gp]`, per
     query `n [B, Q, H_kv, 1]`: one fused XLA pass over the scores."""
@@ -153,13 +153,15 @@ def keys_from_scores(scores, shift, n, st: LayerStatic):
     imp = jnp.sum(weights, axis=-2)
     has_norm = (n - 1 if st.strict_causal else n) > 0
     imp = jnp.where(has_norm, imp, 0.0)
-    imp = jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp)
-    return jnp.where(valid, pack_importance(imp, positions, st.log_n), -1)
+    keys = jnp.where(valid, pack_importance(jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp), positions,
+                                            st.log_n), -1)
+    # SPEC 8 exports the formula value everywhere valid, the rightmost's included.
+    return (keys, jnp.where(valid, imp, 0.0)) if export else keys
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores"))
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores", "export"))
 def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, interpret=False,
-                           return_scores=False):
+                           return_scores=False, export=False):
     """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position: the
     scores kernel, then `keys_from_scores`. With `return_scores`, `(keys, scores)`:
     the scores `[B, Q, H_kv, Gp, Mp]` float32 (scaled by alpha; only the real heads'
@@ -185,7 +187,9 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
         compiler_params=layer_params(st),
         interpret=interpret,
     )(*queries, parents, n, *k_phases, *tables)
-    keys = keys_from_scores(scores, shift, per_query(n, st), st)
+    keys = keys_from_scores(scores, shift, per_query(n, st), st, export)
+    if export:  # `((keys, importance), scores)` or `(keys, importance)`
+        return (keys, scores) if return_scores else keys
     return (keys, scores) if return_scores else keys
 
 

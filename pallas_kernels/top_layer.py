@@ -96,8 +96,13 @@ def _scores_by_document(i, q_parts, first_q, k_refs, st: LayerStatic, precision,
     return scores, i * st.tile + jnp.arange(st.tile, dtype=jnp.int32)
 
 
-def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic):
-    *k_refs, keys_ref = refs
+def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bool = False):
+    """Packed importance keys of a block's queries; with `export`, also every valid
+    position's importance (SPEC 8: the formula value, the rightmost's included)."""
+    if export:
+        *k_refs, keys_ref, imp_ref = refs
+    else:
+        *k_refs, keys_ref = refs
     bq, gt, _ = q_ref.shape
     rows = bq * gt
     q, n_q, first_q = _block_rows(q_ref, n_ref, first_ref)
@@ -128,8 +133,13 @@ def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic):
         weights = jnp.where(real_head[:, None] & in_norm, jnp.exp(scores - shift[:, None]), 0.0)
         imp = jnp.sum(weights.reshape(bq, gt, st.tile), axis=1)  # [BQ, tile]
         imp = jnp.where(has_norm[:, None], imp, 0.0)
-        imp = jnp.where(positions[None, :] == n_q[:, None] - 1, FORCED_IMPORTANCE, imp)
         valid = positions[None, :] < n_q[:, None]
+        if export:  # the rightmost's own value, not the forced one
+            rightmost = jnp.where(real_head[:, None] & (positions[None, :] == n_rows[:, None] - 1),
+                                  jnp.exp(scores - shift[:, None]), 0.0)
+            exported = imp + jnp.sum(rightmost.reshape(bq, gt, st.tile), axis=1) if st.strict_causal else imp
+            imp_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid & has_norm[:, None], exported, 0.0)
+        imp = jnp.where(positions[None, :] == n_q[:, None] - 1, FORCED_IMPORTANCE, imp)
         keys_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid, pack_importance(imp, positions, st.log_n), -1)
         return carry
 
@@ -193,20 +203,23 @@ def check_top_inputs(st: LayerStatic, q, k_parts, width: int, expected_parts: tu
         raise TypeError("q must be rotated float32 (rotate_queries)")
 
 
-@functools.partial(jax.jit, static_argnames=("width", "st", "interpret"))
-def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStatic, interpret=False):
+@functools.partial(jax.jit, static_argnames=("width", "st", "interpret", "export"))
+def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStatic, interpret=False, export=False):
     """Packed importance keys `[B, Q, H_kv, width]` of the top layer, `st.block_queries`
-    queries per program. `q_rot = rotate_queries(q, n, ...)`, `k_rot =
+    queries per program; with `export`, `(keys, importance [B, Q, H_kv, width] float32)`
+    (SPEC 8, 0 where invalid). `q_rot = rotate_queries(q, n, ...)`, `k_rot =
     key_operands(rotate_keys(...), st.precision, st.importance_operands, split)`."""
     check_top_inputs(st, q_rot, k_rot, width, (1, key_parts(st.precision, st.importance_operands)))
     B, Q, H_kv = q_rot.shape[:3]
     sp = top_specs(st, q_rot, k_rot, None, width)
+    keys_shape = jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.int32)
+    imp_shape = jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.float32)
     return pl.pallas_call(
-        functools.partial(_top_keys_kernel, st=st),
+        functools.partial(_top_keys_kernel, st=st, export=export),
         grid=(B, Q // st.block_queries, H_kv),
         in_specs=[sp["q"], sp["n"], sp["first"], *sp["k"]],
-        out_specs=sp["keys"],
-        out_shape=jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.int32),
+        out_specs=[sp["keys"], sp["keys"]] if export else sp["keys"],
+        out_shape=[keys_shape, imp_shape] if export else keys_shape,
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
     )(q_rot, n, first, *k_rot)

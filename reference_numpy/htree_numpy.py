@@ -88,6 +88,7 @@ class LayerTrace:
     selected: np.ndarray  # node indices kept for refinement (ascending); empty at l = 0
     merged: np.ndarray  # node indices folded into the softmax
     fragile: bool  # the selection could flip under a FRAGILE_RTOL change of importance
+    importance: np.ndarray = None  # float64 importance of `selected` (SPEC 8: the rightmost's formula value)
 
 
 @dataclasses.dataclass
@@ -138,10 +139,12 @@ def trace_query(q_group, layers, t, config: HTreeConfig, alpha):
                 strongest_dropped = pack_importance(hi.astype(np.float32), pos, config.log_n)[~is_sel].max()
                 fragile = bool(strongest_dropped > weakest_kept)
             selected = nodes[is_sel]  # ascending: nodes increase with buffer position
+            kept_importance = imp64[is_sel]
         else:
             merged_mask = np.ones(n, bool)
             selected = nodes[:0]
-        traces.append(LayerTrace(l, nodes, s, selected, nodes[merged_mask], fragile))
+            kept_importance = np.zeros(0)
+        traces.append(LayerTrace(l, nodes, s, selected, nodes[merged_mask], fragile, kept_importance))
         if merged_mask.any():
             s_m = s[:, merged_mask]
             m_new = np.maximum(m, s_m.max(axis=1))
@@ -163,6 +166,7 @@ def htree_attention_numpy(
     *,
     query_positions=None,
     return_fragile: bool = False,
+    return_importance: bool = False,
 ):
     """float64 htree attention, the oracle.
 
@@ -176,6 +180,9 @@ def htree_attention_numpy(
       return_fragile: also return bool `[B, T', H_kv]`: the query's selection could
         change under a `FRAGILE_RTOL` relative change of any importance value, so a
         float32 implementation may legitimately select differently there.
+      return_importance: also return the importance of the selected nodes (SPEC 8),
+        per layer `l >= 1` float64 `[B, T', H_kv, top_k]`, aligned with the
+        selections, 0 where they are `-1` (returned after the selections).
 
     Returns:
       `o` float64 `[B, T', H, V]`, then the selections and/or fragile flags if asked.
@@ -193,6 +200,7 @@ def htree_attention_numpy(
     out = np.zeros((B, len(positions), H, v.shape[-1]))
     selected = [np.full((B, len(positions), H_kv, config.top_k), -1, np.int64) for _ in range(L - 1)]
     fragile = np.zeros((B, len(positions), H_kv), bool)
+    exported = [np.zeros((B, len(positions), H_kv, config.top_k)) for _ in range(L - 1)]
     for b in range(B):
         for h_kv in range(H_kv):
             head_layers = [(K_l[b, :, h_kv], V_l[b, :, h_kv]) for K_l, V_l in layers]
@@ -202,9 +210,12 @@ def htree_attention_numpy(
                 fragile[b, i, h_kv] = tr.fragile
                 for j, lt in enumerate(tr.layers[:-1]):
                     selected[j][b, i, h_kv, : len(lt.selected)] = lt.selected
+                    exported[j][b, i, h_kv, : len(lt.selected)] = lt.importance
     result = (out,)
     if return_selected:
         result += (selected,)
+    if return_importance:
+        result += (exported,)
     if return_fragile:
         result += (fragile,)
     return result[0] if len(result) == 1 else result
