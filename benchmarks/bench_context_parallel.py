@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from htree_jax import HTreeConfig
 from htree_jax.attention import _attend
-from htree_jax.bench import gpu_header, inputs, median_ms, planned_gb
+from htree_jax.bench import grad_of_sum, gpu_header, inputs, median_ms, planned_gb
 
 
 def shard_call(config, grad: bool):
@@ -28,9 +28,7 @@ def shard_call(config, grad: bool):
     for every shard)."""
     def forward(q_shard, k, v, positions):
         return _attend(q_shard, k, v, config, "pallas", None, positions)[0]
-    if not grad:
-        return jax.jit(forward)
-    return jax.jit(jax.grad(lambda q, k, v, p: jnp.sum(forward(q, k, v, p).astype(jnp.float32)), argnums=(0, 1, 2)))
+    return jax.jit(grad_of_sum(forward) if grad else forward)
 
 
 def main(argv=None) -> int:

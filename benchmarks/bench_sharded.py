@@ -14,13 +14,12 @@ import argparse
 import sys
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from htree_jax import HTreeConfig
 from htree_jax.attention import _attend
-from htree_jax.bench import gpu_header, inputs, int_list, median_ms
+from htree_jax.bench import grad_of_sum, gpu_header, inputs, int_list, median_ms
 from htree_jax.sharding import partitioned_attention
 
 
@@ -40,8 +39,7 @@ def main(argv=None) -> int:
         config = HTreeConfig(top_k=top_k)
         plain = lambda q, k, v: _attend(q, k, v, config, "pallas")[0]
         sharded = lambda q, k, v: partitioned_attention(q, k, v, config, "pallas")[0]
-        grad = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
-        for name, a, b in (("forward", plain, sharded), ("fwd+bwd", grad(plain), grad(sharded))):
+        for name, a, b in (("forward", plain, sharded), ("fwd+bwd", grad_of_sum(plain), grad_of_sum(sharded))):
             a_ms = median_ms(jax.jit(a), (q, k, v), args.iters)
             b_ms = median_ms(jax.jit(b, in_shardings=(sharding,) * 3), (q, k, v), args.iters)
             print(f"| {top_k} | {name} | {a_ms:.1f} | {b_ms:.1f} | {b_ms / a_ms:.3f} |", flush=True)

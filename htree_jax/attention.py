@@ -86,11 +86,13 @@ def check_interpret(backend: str, interpret) -> bool:
     return interpret
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _pallas_forward(q, k, v, positions, config, interpret, export=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _pallas_forward(q, k, v, positions, packing, config, interpret, export=False):
     """`(o, selected)`, and the kept nodes' importance with `export` (SPEC 8; a constant
-    under autodiff, as the selections are)."""
-    o, selected, _, _, *exported = _guarded_pallas_forward(q, k, v, positions, config, interpret, export)
+    under autodiff, as the selections are). `positions [S]`: the queries' positions among
+    `k`'s tokens (None: all of them); `packing`: packed rows (selections then as tree
+    rows, `packing.local_selections` makes them document-local)."""
+    o, selected, _, _, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export)
     return (o, selected, *exported)
 
 
@@ -99,76 +101,50 @@ def query_positions(positions, q):
     return jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
 
 
-def _guarded_pallas_forward(q, k, v, positions, config, interpret, export=False):
+def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export=False):
     """The Pallas forward under SPEC 10's guard (`htree_jax.non_finite`), inside the
     `custom_vjp`: the zeroed `k`, `v` feed the forward's own padded copies and the NaN
     rows its output's last copy, and the output the backward saves is the one returned,
-    so the guard adds no input- or output-sized buffer for the backward to keep.
-    `positions [S]`: the queries' positions among `k`'s tokens (None: all of them)."""
+    so the guard adds no input- or output-sized buffer for the backward to keep."""
     from pallas_kernels.forward import htree_forward_pallas
 
     first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
     o, selected, lse, *exported = htree_forward_pallas(q, zero_non_finite(k), zero_non_finite(v), config,
                                                        interpret=interpret, return_lse=True, positions=positions,
-                                                       return_importance=export)
+                                                       packing=packing, return_importance=export)
     return (poison_rows(o, query_positions(positions, q), first), selected, lse, first, *exported)
 
 
-def _pallas_forward_fwd(q, k, v, positions, config, interpret, export=False):
+def _pallas_forward_fwd(q, k, v, positions, packing, config, interpret, export=False):
     # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)), the first
-    # non-finite positions and the selections (`BlockSizes.save_selections`; else they
-    # are recomputed there by the same kernels).
+    # non-finite positions and the selections (`BlockSizes.save_selections`, else they
+    # are recomputed there by the same kernels; always with packing, whose backward
+    # reads them).
     from pallas_kernels.forward import BlockSizes
 
-    o, selected, lse, first, *exported = _guarded_pallas_forward(q, k, v, positions, config, interpret, export)
-    saved = selected if BlockSizes().save_selections else None
-    return (o, selected, *exported), (q, k, v, positions, o, lse, first, saved)
+    o, selected, lse, first, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret,
+                                                                 export)
+    saved = selected if BlockSizes().save_selections or packing is not None else None
+    return (o, selected, *exported), (q, k, v, positions, packing, o, lse, first, saved)
 
 
 def _pallas_forward_bwd(config, interpret, export, residuals, cotangents):
     from pallas_kernels.backward import htree_backward_pallas
 
-    q, k, v, positions, o, lse, first, saved = residuals
+    q, k, v, positions, packing, o, lse, first, saved = residuals
     do = cotangents[0]  # the selections are integers, the importance a constant: no cotangent
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
     # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
     dead = dead_rows(query_positions(positions, q), first, q.shape[2])
     dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, do, config,
-                                       interpret=interpret, dead_rows=dead, selections=saved, positions=positions)
+                                       interpret=interpret, dead_rows=dead, selections=saved, positions=positions,
+                                       packing=packing)
     dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
     dv = jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None
 
 
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _pallas_packed(q, k, v, packing, config, interpret, export=False):
-    """Packed rows through the Pallas kernels (SPEC 6; `htree_jax.packing`), inputs
-    already finite: `(o, selections as tree rows)` (and the importance with `export`)."""
-    return _pallas_packed_fwd(q, k, v, packing, config, interpret, export)[0]
-
-
-def _pallas_packed_fwd(q, k, v, packing, config, interpret, export=False):
-    from pallas_kernels.forward import htree_forward_pallas
-
-    o, selected, lse, *exported = htree_forward_pallas(q, k, v, config, interpret=interpret, return_lse=True,
-                                                       packing=packing, return_importance=export)
-    # The selections are always kept: the packed backward reads them.
-    return (o, selected, *exported), (q, k, v, o, lse, selected, packing)
-
-
-def _pallas_packed_bwd(config, interpret, export, residuals, cotangents):
-    from pallas_kernels.backward import htree_backward_pallas
-
-    q, k, v, o, lse, selected, packing = residuals
-    dq, dk, dv = htree_backward_pallas(q, k, v, o, lse, cotangents[0], config, interpret=interpret,
-                                       selections=selected, packing=packing)
-    return dq, dk, dv, None
-
-
-_pallas_packed.defvjp(_pallas_packed_fwd, _pallas_packed_bwd)
 
 
 def htree_attention(
@@ -253,7 +229,8 @@ def htree_attention(
     for name, flag in (("return_selected", return_selected), ("return_importance", return_importance)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
-    packing = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len, max_document_len)
+    packing, segment_ids = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len,
+                                      max_document_len)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     # Partial RoPE (SPEC 7) as full rotate-half RoPE on permuted features (`rope_layout`).
     q, k = rope_layout(q, config.partial_rope(dims.head_dim)), rope_layout(k, config.partial_rope(dims.head_dim))
@@ -263,8 +240,7 @@ def htree_attention(
         # importance export is not partitioned yet: with it, the plain call.)
         from htree_jax.sharding import partitioned_attention
 
-        seg = None if packing is None else check_segment_ids(segment_ids, dims.batch, dims.seq_len)
-        o, selected = partitioned_attention(q, k, v, config, impl, seg, None if packing is None else
+        o, selected = partitioned_attention(q, k, v, config, impl, segment_ids, None if packing is None else
                                             packing.virtual_len, max_document_len)
     else:
         o, selected, *exported = _attend(q, k, v, config, impl, packing, export=return_importance)
@@ -273,18 +249,19 @@ def htree_attention(
 
 
 def packing_of(segment_ids, max_documents, config: HTreeConfig, batch: int, seq_len: int, max_document_len=None):
-    """The packed layout of `segment_ids` (None without), checked: bad shapes, dtypes
-    and (eagerly) rows beyond the static caps are errors before any kernel runs."""
+    """`(packing, segment_ids)`: the packed layout of `segment_ids` and the ids as int32
+    (None, None without), checked: bad shapes, dtypes and (eagerly) rows beyond the
+    static caps are errors before any kernel runs."""
     check_max_documents(max_documents, max_document_len, seq_len)
     if segment_ids is None:
         if max_documents is not None or max_document_len is not None:
             raise ValueError("max_documents and max_document_len cap packed documents: they need segment_ids")
-        return None
+        return None, None
     segment_ids = check_segment_ids(segment_ids, batch, seq_len)
     packing = pack_layout(segment_ids, config, virtual_length(config, seq_len, max_documents, max_document_len),
                           max_document_len)
     check_fits(packing, segment_ids, max_documents, max_document_len)
-    return packing
+    return packing, segment_ids
 
 
 @functools.partial(jax.jit, static_argnames=("config", "impl", "export"))
@@ -295,19 +272,21 @@ def _attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=Non
     the queries' positions among `k`'s `T` tokens (`q [B, S, H, K]`: a context-parallel
     shard's queries; `None`: `S = T`). `export`: the kept nodes' importance last
     (SPEC 8)."""
-    if impl != "reference" and packing is None:
-        return _pallas_forward(q, k, v, positions, config, impl == "pallas_interpret", export)
-    first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
-    k, v = zero_non_finite(k), zero_non_finite(v)
-    if packing is None:
-        o, selected, *exported = htree_attention_reference(q, k, v, config, positions=positions,
-                                                           return_importance=export)
-    elif impl == "reference":
-        o, selected, *exported = htree_attention_reference_packed(q, k, v, packing, config, return_importance=export)
+    if impl != "reference":
+        o, selected, *exported = _pallas_forward(q, k, v, positions, packing, config, impl == "pallas_interpret",
+                                                 export)
+        if packing is not None:
+            selected = local_selections(selected, packing, config.compression_rate)
     else:
-        o, selected, *exported = _pallas_packed(q, k, v, packing, config, impl == "pallas_interpret", export)
-        selected = local_selections(selected, packing, config.compression_rate)
-    o = poison_rows(o, query_positions(positions, q), first)
+        first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
+        k, v = zero_non_finite(k), zero_non_finite(v)
+        if packing is None:
+            o, selected, *exported = htree_attention_reference(q, k, v, config, positions=positions,
+                                                               return_importance=export)
+        else:
+            o, selected, *exported = htree_attention_reference_packed(q, k, v, packing, config,
+                                                                      return_importance=export)
+        o = poison_rows(o, query_positions(positions, q), first)
     if packing is not None:
         o = jnp.where(packing.fits[:, None, None, None], o, jnp.asarray(jnp.nan, o.dtype))
     exported = [jax.lax.stop_gradient(x) for x in exported]

@@ -147,12 +147,17 @@ def overlap_row(kind: str, config, T: int, selected) -> str:
     return f"| {kind} | {T} | {config.top_k} | {'; '.join(cells) or '- (one layer)'} |"
 
 
-def dense_fn(config):
+def dense_fn(config, seq_lengths=None):
+    """Dense causal cuDNN attention with RoPE at absolute positions (of each row;
+    `seq_lengths [B]`: each row's valid tokens)."""
+    seq = None if seq_lengths is None else jnp.asarray(seq_lengths, jnp.int32)
+
     def f(q, k, v):
         qr = rope_absolute(q, config.rope_base).astype(q.dtype)
         kr = rope_absolute(k, config.rope_base).astype(k.dtype)
         return jax.nn.dot_product_attention(qr, kr, v, is_causal=True, implementation="cudnn",
-                                            scale=config.score_scale(K))
+                                            scale=config.score_scale(K), query_seq_lengths=seq,
+                                            key_value_seq_lengths=seq)
     return jax.jit(f)
 
 
@@ -218,21 +223,15 @@ def padded_documents(x, lengths):
 def dense_documents_fn(config, lengths):
     """Dense cuDNN attention with the documents' structure: each document causal on its
     own, as a padded batch `[D, longest]` with its lengths (`jax.nn.dot_product_attention`
-    has no packed-sequence form, and a `[T, T]` segment mask does not fit at 128K)."""
-    seq = jnp.asarray(lengths, jnp.int32)
-
-    def f(q, k, v):
-        qr = rope_absolute(q, config.rope_base).astype(q.dtype)  # positions from each document's start
-        kr = rope_absolute(k, config.rope_base).astype(k.dtype)
-        return jax.nn.dot_product_attention(qr, kr, v, is_causal=True, implementation="cudnn",
-                                            scale=config.score_scale(K), query_seq_lengths=seq,
-                                            key_value_seq_lengths=seq)
-    return jax.jit(f), lambda x: padded_documents(x, lengths)
+    has no packed-sequence form, and a `[T, T]` segment mask does not fit at 128K); RoPE
+    positions count from each document's start. Returns `(fn, to_documents)`."""
+    return dense_fn(config, lengths), lambda x: padded_documents(x, lengths)
 
 
-def with_grad(fn):
-    """`fn`'s forward and backward: the gradient of `sum(fn(q, k, v) * 1)` (float32 sum)."""
-    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+def grad_of_sum(fn):
+    """`fn`'s forward and backward, what the benchmarks time as "fwd+bwd": the gradient
+    with respect to `q, k, v` of the float32 sum of `fn(q, k, v, *rest)` (not jitted)."""
+    return jax.grad(lambda q, k, v, *rest: jnp.sum(fn(q, k, v, *rest).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
 def run_packed(T: int, docs: int, top_ks, iters: int, kinds=("random",), grad: bool = True):
@@ -258,9 +257,7 @@ def run_packed(T: int, docs: int, top_ks, iters: int, kinds=("random",), grad: b
                 split = lambda x: x.reshape((docs, T // docs) + x.shape[2:])
                 passes = [("forward", jax.jit(packed), jax.jit(unpacked), dense)]
                 if grad:
-                    passes.append(("fwd+bwd", jax.jit(jax.grad(
-                        lambda q, k, v, s: jnp.sum(packed(q, k, v, s).astype(jnp.float32)), argnums=(0, 1, 2))),
-                        with_grad(unpacked), with_grad(dense)))
+                    passes.append(("fwd+bwd", *(jax.jit(grad_of_sum(f)) for f in (packed, unpacked, dense))))
                 for name, p_fn, u_fn, d_fn in passes:
                     p_ms = median_ms(p_fn, (q, k, v, seg), iters)
                     u_ms = median_ms(u_fn, tuple(split(x) for x in (q, k, v)), iters) if equal else None

@@ -67,7 +67,7 @@ def packed_check(backends) -> None:
     sh = NamedSharding(mesh, P("data", None, "model", None))
     args = [jax.device_put(x, sh) for x in (q, k, v)] + [jax.device_put(seg, NamedSharding(mesh, P("data", None)))]
     for impl in backends:
-        packing = packing_of(jnp.asarray(seg), 8, CONFIG, B, T, None)
+        packing, _ = packing_of(jnp.asarray(seg), 8, CONFIG, B, T, None)
         want_o, want_sel = _attend(*(jnp.asarray(x) for x in (q, k, v)), CONFIG, impl, packing)
         f = jax.jit(lambda q, k, v, s, impl=impl: htree_attention(q, k, v, CONFIG, backend=impl, segment_ids=s,
                                                                   max_documents=8, return_selected=True))
