@@ -20,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.reference import htree_attention_reference
@@ -270,6 +271,98 @@ def run_packed(T: int, docs: int, top_ks, iters: int, kinds=("random",), grad: b
     return "\n".join(lines)
 
 
+# Latent attention (DeepSeek MLA, seeds 003/004): 128 query heads over one latent kv head,
+# K = 512 latent + 64 RoPE features, V = 512 (the latent's first 512 features).
+MLA = dict(B=1, H=128, H_kv=1, K=576, rope_dim=64, V=512)
+IDEAL_DENSE_TFLOPS = 600.0
+
+
+def mla_inputs(T: int, seed: int = 0):
+    """Random bfloat16 inputs of the MLA shape."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (MLA["B"], T, MLA["H"], MLA["K"]), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (MLA["B"], T, MLA["H_kv"], MLA["K"]), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (MLA["B"], T, MLA["H_kv"], MLA["V"]), jnp.bfloat16)
+    return q, k, v
+
+
+def ideal_dense_ms(T: int, backward: bool = False) -> float:
+    """Causal dense attention's FLOPs, `T^2 * H * (K + V)` forward (3.5x that with the
+    backward), at `IDEAL_DENSE_TFLOPS`, in ms."""
+    flops = T * T * MLA["H"] * (MLA["K"] + MLA["V"]) * (3.5 if backward else 1.0)
+    return flops / (IDEAL_DENSE_TFLOPS * 1e12) * 1e3
+
+
+def chunked_dense_fn(config, block: int = 512):
+    """Dense causal attention in XLA, query blocks of `block` (cuDNN takes no K = 576):
+    each block scores every key under the causal mask (twice the causal FLOPs, none of
+    a `T x T` score matrix alive), rematerialised under autodiff; RoPE on the last
+    `rope_dim` features at absolute positions, as htree's."""
+    from htree_jax.rope import rope_layout
+
+    def f(q, k, v):
+        qr = rope_absolute(rope_layout(q, config.rope_dim), config.rope_base, config.rope_dim).astype(q.dtype)
+        kr = rope_absolute(rope_layout(k, config.rope_dim), config.rope_base, config.rope_dim).astype(k.dtype)
+        B, T, H, K = q.shape
+        kr, vv = kr[:, :, 0], v[:, :, 0]  # one latent kv head
+
+        @jax.checkpoint
+        def one(i):
+            qb = lax.dynamic_slice_in_dim(qr, i * block, block, axis=1)  # [B, block, H, K]
+            s = jnp.einsum("bqhk,btk->bhqt", qb, kr, preferred_element_type=jnp.float32) * config.score_scale(K)
+            rows = i * block + jnp.arange(block)
+            s = jnp.where(rows[:, None] >= jnp.arange(T)[None, :], s, -jnp.inf)
+            p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+            return jnp.einsum("bhqt,btv->bqhv", p, vv, preferred_element_type=jnp.float32).astype(q.dtype)
+
+        o = lax.map(one, jnp.arange(T // block))  # [T/block, B, block, H, V]
+        return jnp.moveaxis(o, 0, 1).reshape(B, T, H, -1)
+    return f
+
+
+def run_mla(sizes, top_ks, iters: int, dense_max_t: int, grad: bool = True):
+    """`--shape mla`: htree forward (and forward+backward) at the MLA shape against the
+    ideal dense time and a measured dense baseline (cuDNN where it takes the shape, else
+    `chunked_dense_fn`), with XLA's planned memory."""
+    lines = ["| T | top_k | pass | htree ms | ideal dense ms | ideal/htree | dense ms (which) | dense/htree | "
+             "htree GB | dense GB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for T in sizes:
+        args = mla_inputs(T)
+        dense_rows = {}
+        for top_k in top_ks:
+            config = HTreeConfig(top_k=top_k, rope_dim=MLA["rope_dim"])
+            htree = lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")
+            passes = [("forward", jax.jit(htree), False)]
+            if grad:
+                passes.append(("fwd+bwd", jax.jit(grad_of_sum(htree)), True))
+            for name, fn, backward in passes:
+                ms, gb = median_ms(fn, args, iters), planned_gb(fn, args)
+                if name not in dense_rows:
+                    dense_rows[name] = measure_dense_mla(config, args, backward, iters, T <= dense_max_t)
+                d_ms, d_which, d_gb = dense_rows[name]
+                ideal = ideal_dense_ms(T, backward)
+                fmt = lambda x, spec: "-" if x is None else format(x, spec)
+                lines.append(f"| {T} | {top_k} | {name} | {ms:.1f} | {ideal:.1f} | {ideal / ms:.3f} | "
+                             f"{fmt(d_ms, '.1f')} ({d_which}) | {fmt(None if d_ms is None else d_ms / ms, '.3f')} | "
+                             f"{gb:.2f} | {fmt(d_gb, '.2f')} |")
+                print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+def measure_dense_mla(config, args, backward: bool, iters: int, run_it: bool):
+    """`(ms, which, GB)` of the best dense attention that runs the MLA shape."""
+    if not run_it:
+        return None, "not run", None
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    for which, f in (("cuDNN", cudnn), ("XLA query-chunked", chunked_dense_fn(config))):
+        fn = jax.jit(grad_of_sum(f) if backward else f)
+        try:
+            return median_ms(fn, args, max(1, iters // 2)), which, planned_gb(fn, args)
+        except Exception as e:  # noqa: BLE001 - cuDNN refuses K = 576: say so, take the next
+            print(f"dense {which}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    return None, "failed", None
+
+
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="8192,32768,131072")
     p.add_argument("--long", default="524288")
@@ -280,7 +373,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--packed", type=int, default=0,
                    help="N > 0: one row of --sizes[0] tokens (default 131072) packed with N documents, equal and "
                         "random lengths, against N unpacked rows and dense cuDNN per document (`run_packed`)")
-    p.add_argument("--no-grad", action="store_true", help="with --packed: the forward only")
+    p.add_argument("--no-grad", action="store_true", help="with --packed or --shape mla: the forward only")
+    p.add_argument("--shape", default="gqa", choices=["gqa", "mla"],
+                   help="mla: B=1, H=128, H_kv=1, K=576, rope_dim=64, V=512 (`run_mla`; --sizes default "
+                        "32768,131072), against the ideal dense time and the best dense JAX runs")
+    p.add_argument("--dense-max-t", type=int, default=32768, help="with --shape mla: the longest dense baseline")
 
 
 def overlap_table(overlaps) -> str:
@@ -292,6 +389,12 @@ def overlap_table(overlaps) -> str:
 
 def run_bench(args, argv=()) -> int:
     kinds = input_kinds(args.inputs)
+    if args.shape == "mla":
+        sizes = int_list(args.sizes) if "--sizes" in " ".join(argv) else [32768, 131072]
+        print(gpu_header("mla", ", ".join(f"{k}={v}" for k, v in MLA.items()) + " bfloat16, random inputs, "
+                         f"ideal dense at {IDEAL_DENSE_TFLOPS:.0f} TFLOP/s", f"python -m htree_jax bench {' '.join(argv)}"))
+        print(run_mla(sizes, int_list(args.top_k), args.iters, args.dense_max_t, not args.no_grad))
+        return 0
     if args.packed:
         T = int_list(args.sizes)[0] if "--sizes" in " ".join(argv) else 131072
         print(gpu_header("packed", f"T={T} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}",

@@ -65,8 +65,9 @@ def rope_layout(x, rope_dim: int | None):
     return x[..., rope_permutation(x.shape[-1], rope_dim)]
 
 
-def rope_absolute(x, base: float):
-    """RoPE at absolute positions for `x [B, T, H, K]` (position = index along T)."""
-    cos, sin = rope_table(x.shape[1], x.shape[-1], float(base))
+def rope_absolute(x, base: float, rope_dim: int | None = None):
+    """RoPE at absolute positions for `x [B, T, H, K]` (position = index along T), on
+    the last `rope_dim` features (`None`: all), `x` in `rope_layout` order."""
+    cos, sin = rope_table(x.shape[1], x.shape[-1], float(base), rope_dim)
     cos, sin = jnp.asarray(cos)[None, :, None, :], jnp.asarray(sin)[None, :, None, :]
     return apply_rope(x.astype(jnp.float32), cos, sin)

@@ -55,9 +55,15 @@ from jax import lax
 from htree_jax.config import HTreeConfig
 from htree_jax.packing import virtual_exists
 from htree_jax.rope import apply_rope
-from pallas_kernels.common import next_power_of_two, pad_axis, unpad_rope_halves
-from pallas_kernels.forward import BlockSizes, chunk_queries, prepare, valid_candidates
-from pallas_kernels.importance import importance_keys_pallas
+from pallas_kernels.common import next_power_of_two, pad_axis, unpad_rope_halves, virtual_heads
+from pallas_kernels.forward import (
+    BlockSizes,
+    chunk_queries,
+    prepare,
+    select_below_top,
+    split_heads,
+    valid_candidates,
+)
 from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
 from pallas_kernels.node_backward import (
     UNIT,
@@ -68,7 +74,6 @@ from pallas_kernels.node_backward import (
     top_node_grads_pallas,
 )
 from pallas_kernels.precision import Precisions
-from pallas_kernels.top_k import select_top_k_pallas
 
 
 def push_down(grad_parent, N: int, r: int, counts=None):
@@ -127,7 +132,7 @@ def kept_keys(parents, selected, width: int, r: int):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
-def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
+def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes: BlockSizes | None = None,
                           interpret: bool = False, dead_rows=None, selections=None, packing=None, positions=None):
     """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
     v`. `o [B, T, H, V]` and `lse [B, T, H]` from `htree_forward_pallas(...,
@@ -140,14 +145,18 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     `packing`: packed rows (`htree_jax.packing`), with the forward's `selections` (tree
     rows, as `htree_forward_pallas(..., packing=)` returns them), required there.
     `positions [S]`: the queries' positions among `k`'s tokens, as the forward takes them.
-    Bitwise deterministic."""
+    `block_sizes`: `None` for `BlockSizes.for_dims(K, V)`. Bitwise deterministic.
+    Groups of more than 16 heads run as virtual kv heads (`forward.split_heads`): their
+    key and value gradients are summed over the split heads at the end."""
     if packing is not None and selections is None and packing.num_layers > 1:
         raise ValueError("the packed backward takes the forward's selections")
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
-    G = H // H_kv
+    block_sizes = block_sizes or BlockSizes.for_dims(K, V)
+    k, v, split = split_heads(k, v, H // H_kv)
+    H_kv, G = H_kv * split, H // (H_kv * split)
     prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), for_backward=True,
-                   packing=packing, positions=positions)
+                   packing=packing, positions=positions, split=split)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
     kp, vp = prep.q4.shape[-1], prep.top_v.shape[-1]
@@ -169,7 +178,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     do4 = _per_chunk(pad_axis(rows(do), -1, vp), Qc, num_chunks)
     dead4 = None if dead is None else _per_chunk(dead, Qc, num_chunks)
     lse4, delta4 = (_per_chunk(x, Qc, num_chunks) for x in (rows(lse.astype(jnp.float32)), delta))
-    saved = None if selections is None else [_per_chunk(x, Qc, num_chunks) for x in selections]
+    saved = None if selections is None else [_per_chunk(virtual_heads(x, split), Qc, num_chunks) for x in selections]
     Mp = prep.cos.shape[0]
 
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
@@ -206,10 +215,9 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                 keys = tau = None
                 if l > 0 and kept is not None:
                     keys, tau = kept_keys(parents, kept[L - 1 - l], Mp, st.r), jnp.ones(n.shape, jnp.int32)
-                    next_parents = pad_nodes_list(kept[L - 1 - l], P)
+                    next_parents = pad_nodes_list(kept[L - 1 - l], P)[..., :P]
                 elif l > 0:
-                    keys = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, st, interpret)
-                    next_parents, tau = select_top_k_pallas(keys, parents, n, st, interpret)
+                    keys, next_parents, tau, _, _ = select_below_top(prep, q_rows, parents, n, k_imp, interpret)
                 layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
                 dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st, interpret)
                 index = node_index(parents, n, st.r, -(-sizes[l] // UNIT))
@@ -217,7 +225,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                                                        layer_acc[l], st, interpret)
                 dq = dq + dq_l[:, :, :, :G]
                 if l > 0:
-                    parents = next_parents[..., :P]
+                    parents = next_parents
         # Each query's dq is whole within its chunk: finished (unpadded, in q's dtype)
         # here, the stacked chunks are half the float32 ones (8 vs 16 GiB at T=1M).
         return (top_acc, tuple(layer_acc)), unpad_rope_halves(dq, K).astype(q.dtype)
@@ -242,6 +250,8 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     dq = jnp.moveaxis(dq, 0, 1).reshape(B, num_chunks * Qc, H, K)[:, :T]
     dk = unpad_rope_halves(jnp.swapaxes(dk_tree, 1, 2), K)
     dv = jnp.swapaxes(dv_tree, 1, 2)[..., :V]
+    if split > 1:  # each kv head's gradient: the sum of its split heads'
+        dk, dv = (x.reshape(x.shape[:2] + (H_kv // split, split) + x.shape[3:]).sum(axis=3) for x in (dk, dv))
     if packing is not None:  # from the virtual layout back to the tokens
         back = jax.vmap(lambda x, p: x[p])
         dk, dv = back(dk, packing.position), back(dv, packing.position)

@@ -82,6 +82,32 @@ def pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
+
+
+
+def real_heads(x, split: int):
+    """The first virtual head of each kv head (`[B, Q, H_kv * split, ...]` ->
+    `[B, Q, H_kv, ...]`): what the split heads share (parents, n, selections)."""
+    return x if split == 1 else x[:, :, ::split]
+
+
+def virtual_heads(x, split: int):
+    """`[B, Q, H_kv, ...]` -> `[B, Q, H_kv * split, ...]`, each kv head's row repeated."""
+    return x if split == 1 else jnp.repeat(x, split, axis=2)
+
+
+def shared_shift(shift, split: int, importance: str):
+    """The rows' importance shifts `[..., H_kv * split, rows]` -> `[..., H_kv, split *
+    rows]`, as the whole group's: per row (`softmax`: each head's LSE) or, for
+    `shared_max`, the largest of the split heads' group maxima (all are 0, R empty, or
+    none is: R is the same for every head)."""
+    shape = shift.shape[:-2] + (shift.shape[-2] // split, split * shift.shape[-1])
+    if importance == "shared_max":
+        grouped = shift.reshape(shape[:-1] + (split, shift.shape[-1]))
+        shift = jnp.broadcast_to(jnp.max(grouped, axis=(-2, -1), keepdims=True), grouped.shape)
+    return shift.reshape(shape)
+
+
 def pad_rope_halves(x, half: int):
     """`[..., K]` -> `[..., 2*half]` as `[x_lo, 0, x_hi, 0]`: rotate-half pairs dim `i`
     with `i + K/2`, so each half is padded on its own and the pairs stay aligned."""

@@ -48,15 +48,16 @@ from htree_jax.config import HTreeConfig
 from htree_jax.reference import candidate_count, num_parents, top_layer_parents
 from htree_jax.rope import rope_table
 from pallas_kernels.common import NEG_INF, LayerStatic, candidate_nodes, compiler_params, merge_score_precision
-from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import MAX_GROUP
+from pallas_kernels.common import next_power_of_two, pad_axis, real_heads, shared_shift, virtual_heads
+from pallas_kernels.forward import check_group, head_split
 from pallas_kernels.importance import importance_shift, keys_from_scores, online_max_sum
-from pallas_kernels.merge import fold_merged
-from pallas_kernels.precision import Precisions, score_dot
+from pallas_kernels.precision import Precisions, score_dot, weighted_values
 from pallas_kernels.top_k import select_top_k_pallas
 
-# Power-of-two widths only: a gathered row is one load, and every load is a power of two.
-DECODE_DIMS = (32, 64, 128, 256)
+# Every load is a power of two wide: keys are read in power-of-two pieces of each RoPE
+# half (`feature_pieces`: 288 = 256 + 32 for K = 576), values in pieces of V, so K/2 and
+# V are multiples of 16 (a dot's least).
+MIN_DIM, MAX_HEAD_DIM, MAX_VALUE_DIM, PIECE = 32, 576, 512, 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +74,23 @@ class DecodeBlockSizes:
 
 def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int) -> None:
     """The Pallas decode kernels' limits (checked before any launch)."""
-    if head_dim not in DECODE_DIMS:
-        raise ValueError(f"Pallas decoding supports head dim K in {DECODE_DIMS}, got K = {head_dim}")
-    if value_dim not in DECODE_DIMS:
-        raise ValueError(f"Pallas decoding supports value dim V in {DECODE_DIMS}, got V = {value_dim}")
-    if group > MAX_GROUP:
-        raise ValueError(f"Pallas decoding supports at most {MAX_GROUP} query heads per kv head, got {group}")
+    if not MIN_DIM <= head_dim <= MAX_HEAD_DIM or head_dim % (2 * PIECE):
+        raise ValueError(f"Pallas decoding supports head dim K in [{MIN_DIM}, {MAX_HEAD_DIM}], a multiple of "
+                         f"{2 * PIECE}, got K = {head_dim}")
+    if not MIN_DIM <= value_dim <= MAX_VALUE_DIM or value_dim % PIECE:
+        raise ValueError(f"Pallas decoding supports value dim V in [{MIN_DIM}, {MAX_VALUE_DIM}], a multiple of "
+                         f"{PIECE}, got V = {value_dim}")
+    check_group(group, "Pallas decoding")
+
+
+def feature_pieces(width: int) -> tuple:
+    """`(start, size)` power-of-two pieces covering `[0, width)`, largest first."""
+    pieces, start = [], 0
+    for bit in reversed(range(width.bit_length())):
+        if width & (1 << bit):
+            pieces.append((start, 1 << bit))
+            start += 1 << bit
+    return tuple(pieces)
 
 
 def _span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision, operands):
@@ -86,16 +98,19 @@ def _span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerS
     the span), their validity, positions and nodes. Keys are gathered un-rotated and
     rotated here by `p - p0`; the query by `n - 1 - p0`."""
     r, span = st.r, st.span
-    half = q_lo.shape[-1]
+    half = cos_ref.shape[-1]
     positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
-    k_lo = k_ref[nodes, pl.ds(0, half)].astype(jnp.float32)
-    k_hi = k_ref[nodes, pl.ds(half, half)].astype(jnp.float32)
-    kc, ks = cos_ref[pl.ds(0, span), :], sin_ref[pl.ds(0, span), :]
-    k_lo, k_hi = k_lo * kc - k_hi * ks, k_lo * ks + k_hi * kc
     angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked by the caller
-    c, s = cos_ref[pl.ds(angle, 1), :], sin_ref[pl.ds(angle, 1), :]
-    r_lo, r_hi = q_lo * c - q_hi * s, q_lo * s + q_hi * c
-    scores = score_dot(r_lo, (k_lo,), precision, operands) + score_dot(r_hi, (k_hi,), precision, operands)
+    scores = None
+    for (start, size), q_lo, q_hi in zip(feature_pieces(half), q_lo, q_hi):  # the score sums over features
+        k_lo = k_ref[nodes, pl.ds(start, size)].astype(jnp.float32)
+        k_hi = k_ref[nodes, pl.ds(half + start, size)].astype(jnp.float32)
+        kc, ks = cos_ref[pl.ds(0, span), pl.ds(start, size)], sin_ref[pl.ds(0, span), pl.ds(start, size)]
+        k_lo, k_hi = k_lo * kc - k_hi * ks, k_lo * ks + k_hi * kc
+        c, s = cos_ref[pl.ds(angle, 1), pl.ds(start, size)], sin_ref[pl.ds(angle, 1), pl.ds(start, size)]
+        r_lo, r_hi = q_lo * c - q_hi * s, q_lo * s + q_hi * c
+        piece = score_dot(r_lo, (k_lo,), precision, operands) + score_dot(r_hi, (k_hi,), precision, operands)
+        scores = piece if scores is None else scores + piece
     return st.alpha * scores, valid, positions, nodes
 
 
@@ -108,8 +123,28 @@ def _split_spans(n, st: LayerStatic):
 
 
 def _query_halves(q_ref):
+    """The query's RoPE halves, each as its `feature_pieces`."""
     half = q_ref.shape[-1] // 2
-    return q_ref[:, pl.ds(0, half)].astype(jnp.float32), q_ref[:, pl.ds(half, half)].astype(jnp.float32)
+    pieces = feature_pieces(half)
+    return ([q_ref[:, pl.ds(a, size)].astype(jnp.float32) for a, size in pieces],
+            [q_ref[:, pl.ds(half + a, size)].astype(jnp.float32) for a, size in pieces])
+
+
+def _values(v_ref, nodes):
+    """The gathered values `[span, V]` as their `feature_pieces`."""
+    return [v_ref[nodes, pl.ds(a, size)] for a, size in feature_pieces(v_ref.shape[-1])]
+
+
+def _fold(carry, scores, values, precision, operands):
+    """`merge.fold_merged` of one block, the values and `U` in pieces."""
+    m, total, acc = carry
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    decay = jnp.exp(m - m_safe)
+    w = jnp.exp(scores - m_safe[:, None])
+    total = total * decay + jnp.sum(w, axis=1)
+    acc = tuple(u * decay[:, None] + weighted_values(w, x, precision, operands) for u, x in zip(acc, values))
+    return m_new, total, acc
 
 
 def _scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, s_ref, m_ref, t_ref, *, st: LayerStatic):
@@ -161,34 +196,39 @@ def _merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: bool):
             _, valid, nodes = candidate_nodes(par_ref, p0, span, n, st.r)
             scores = plgpu.load(sc_ref.at[:, pl.ds(j * span, span)], mask=real_rows, other=0.0)
             merged = valid & (keys_ref[pl.ds(j * span, span)] < tau)
-        values = v_ref[nodes, :]
+        values = _values(v_ref, nodes)
         if zero_unmerged:
             # A weight of 0 times a NaN value is still NaN (SPEC 10): where a query may
             # precede appended tokens, the values it does not merge are zeroed. Only then:
             # the select puts the tile through registers before the product (H200: +12 us
             # a decode step).
-            values = jnp.where(merged[:, None], values, 0)
-        block = (jnp.where(merged[None, :], scores, NEG_INF), values)
-        return fold_merged(carry, [block], precision, operands)
+            values = [jnp.where(merged[:, None], x, 0) for x in values]
+        return _fold(carry, jnp.where(merged[None, :], scores, NEG_INF), values, precision, operands)
 
+    pieces = feature_pieces(v_ref.shape[-1])
     init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),
-            jnp.zeros((gp, v_ref.shape[-1]), jnp.float32))
+            tuple(jnp.zeros((gp, size), jnp.float32) for _, size in pieces))
     m, total, acc = lax.fori_loop(0, count, merge_span, init)
     m_ref[...] = m
     s_ref[...] = total
-    u_ref[...] = acc
+    for (a, size), u in zip(pieces, acc):
+        u_ref[:, pl.ds(a, size)] = u
 
 
-def _specs(gp: int, Mp: int, st: LayerStatic, layer_n: int, K: int | None = None, V: int | None = None):
+def _specs(gp: int, Mp: int, st: LayerStatic, layer_n: int, K: int | None = None, V: int | None = None,
+           heads_per_layer_head: int = 1):
     """BlockSpecs of a grid `(B, Q, H_kv, splits)`; those of the keys, queries and RoPE
-    tables need `K`, those of the values and states `V`."""
+    tables need `K`, those of the values and states `V`. `heads_per_layer_head > 1`:
+    the grid's kv heads are virtual, that many per kv head of the layers
+    (`forward.split_heads`), which are read in place, not repeated."""
+    per = heads_per_layer_head
     W = st.tile
     query = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h, s: (b, i, h) + (0,) * len(tail))
     split = lambda *tail: pl.BlockSpec((None, None, None) + tail[:-1] + (W,),
                                        lambda b, i, h, s: (b, i, h) + (0,) * (len(tail) - 1) + (s,))
     partial = lambda *tail: pl.BlockSpec((None, None, None, None) + tail,
                                          lambda b, i, h, s: (b, i, h, s) + (0,) * len(tail))
-    layer = lambda D: pl.BlockSpec((None, layer_n, None, D), lambda b, i, h, s: (b, 0, h, 0))
+    layer = lambda D: pl.BlockSpec((None, layer_n, None, D), lambda b, i, h, s: (b, 0, h // per, 0))
     specs = dict(parents=query(Mp // st.r), n=query(1), tau=query(1), keys=split(Mp), scores=split(gp, Mp),
                  vec=partial(gp))
     if K is not None:
@@ -210,7 +250,7 @@ def decode_scores_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, inte
     B, Q, H_kv, gp, K = q.shape
     Mp = cos.shape[0]
     splits = Mp // st.tile
-    sp = _specs(gp, Mp, st, layer_k.shape[1], K=K)
+    sp = _specs(gp, Mp, st, layer_k.shape[1], K=K, heads_per_layer_head=H_kv // layer_k.shape[2])
     return pl.pallas_call(
         functools.partial(_scores_kernel, st=st),
         grid=(B, Q, H_kv, splits),
@@ -233,7 +273,8 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
     B, Q, H_kv, gp = q_or_scores.shape[:4]
     V, Mp = layer_v.shape[-1], parents.shape[-1] * st.r
     splits = Mp // st.tile
-    sp = _specs(gp, Mp, st, layer_v.shape[1], K=layer_k.shape[-1] if bottom else None, V=V)
+    sp = _specs(gp, Mp, st, layer_v.shape[1], K=layer_k.shape[-1] if bottom else None, V=V,
+                heads_per_layer_head=H_kv // layer_v.shape[2])
     if bottom:
         in_specs = [sp["q"], sp["parents"], sp["n"], sp["k"], sp["v"], sp["table"], sp["table"]]
         args = (q_or_scores, parents, n, layer_k, layer_v, cos, sin)
@@ -306,6 +347,8 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
     B, Q, H_kv, gp, _ = q.shape
     V = values[0].shape[-1]
     P = Mp // r
+    split = H_kv // keys[0].shape[2]  # virtual kv heads per kv head of the cache
+    group = dataclasses.replace(st, group=split * st.group)  # the whole group's importance
     parents = jnp.broadcast_to(top_layer_parents(t[:, :, None], r, L, P), (B, Q, H_kv, P))
     t = t[:, :, None, None]
     state = (jnp.full((B, Q, H_kv, gp), NEG_INF, jnp.float32), jnp.zeros((B, Q, H_kv, gp), jnp.float32),
@@ -321,12 +364,16 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
             scores, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret)
             m, total = combine_max_sum(m, total)
             shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
-            packed = keys_from_scores(scores, shift.reshape(m.shape), n, st)
-            next_parents, tau = select_top_k_pallas(packed, parents, n, st, interpret)
+            whole = lambda x: x.reshape((B, Q, H_kv // split, split * gp) + x.shape[4:])
+            packed = keys_from_scores(whole(scores), shared_shift(shift.reshape(m.shape), split, st.importance),
+                                      real_heads(n, split), group)
+            next_parents, tau = select_top_k_pallas(packed, real_heads(parents, split), real_heads(n, split), st,
+                                                    interpret)
+            packed, next_parents, tau = (virtual_heads(x, split) for x in (packed, next_parents, tau))
             partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, st, interpret,
                                            zero_unmerged)
             parents = next_parents[..., :P]
-            selections.append(parents[..., : config.top_k])
+            selections.append(real_heads(parents[..., : config.top_k], split))
         state = fold_partials(state, partials)
     _, S, U = state
     return U / S[..., None], selections
@@ -356,7 +403,8 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     decode step."""
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], values[0].shape[-1]
-    G = H // H_kv
+    split = head_split(H // H_kv)  # larger groups: virtual kv heads of 16, the cache read in place
+    H_kv, G = H_kv * split, H // (H_kv * split)
     gp = next_power_of_two(G, 16)
     C = query_chunk(config, B, S, H_kv, gp, candidate_layout(config, block_sizes)[1], block_sizes)
     st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, block_sizes)
@@ -375,7 +423,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, C, H_kv, Gp, V] -> [B, S, H, V]
     o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * C, H_kv, gp, V)[:, :S, :, :G]
-    sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * C, H_kv, -1)[:, :S] for s in sels]
+    sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * C, H_kv // split, -1)[:, :S] for s in sels]
     return o.reshape(B, S, H, V).astype(q.dtype), sels
 
 

@@ -28,11 +28,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from htree_jax.config import HTreeConfig
+from htree_jax.config import FORCED_IMPORTANCE, HTreeConfig
 from htree_jax.packing import build_packed_tree, tokens_to_virtual, virtual_exists
 from htree_jax.rope import apply_rope
-from htree_jax.reference import candidate_count, num_parents, top_layer_parents
-from pallas_kernels.common import LayerStatic, next_power_of_two, pad_axis, pad_nodes, pad_rope_halves
+from htree_jax.reference import candidate_count, num_parents, pack_importance, top_layer_parents
+from pallas_kernels.common import (
+    LayerStatic,
+    next_power_of_two,
+    pad_axis,
+    pad_nodes,
+    pad_rope_halves,
+    real_heads,
+    virtual_heads,
+)
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.merge import merge_pallas, merge_scored_pallas
 from pallas_kernels.precision import Precisions, key_operands
@@ -42,7 +50,12 @@ from pallas_kernels.top_layer import top_importance_keys_pallas, top_merge_palla
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 from pallas_kernels.union import block_union, union_members, union_merge_pallas
 
-MIN_DIM, MAX_DIM, MAX_GROUP = 32, 256, 16
+MIN_DIM, MAX_HEAD_DIM, MAX_VALUE_DIM = 32, 576, 512
+# The kernels take at most `KERNEL_GROUP` query heads per kv head (a program's rows);
+# larger groups (a multiple of it, up to `MAX_GROUP`: latent attention's 64-128 heads
+# over one kv head) run as `G / KERNEL_GROUP` virtual kv heads over repeated keys and
+# values, whose selections are made once from the whole group (`head_split`).
+KERNEL_GROUP, MAX_GROUP = 16, 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +107,41 @@ class BlockSizes:
     # 2% faster than 1 GiB end to end, 2026-11-22 (session 4)), within `Qc * Mp <= T * top_k`.
     chunk_budget_bytes: int = 2 << 30
 
+    @classmethod
+    def for_dims(cls, K: int, V: int) -> "BlockSizes":
+        """The defaults for head dims `K`, `V`: the fields above up to 256 (padded); for
+        wider heads (latent attention, K = 576 padded to 1024, V = 512) 16-candidate
+        tiles, 16-row top-layer blocks and one pipeline stage, so that a program's
+        query rows, key tiles and value accumulator fit its registers and shared memory."""
+        if next_power_of_two(K, 32) <= 256 and next_power_of_two(V, 16) <= 256:
+            return cls()
+        return cls(span=16, tile=16, top_rows=16, top_tile=16, top_num_warps=4, top_keys_tile=16,
+                   top_keys_stages=1, num_warps=4, merge_num_warps=4, num_stages=1, scored_merge_num_warps=4)
+
 
 def check_pallas_dims(dims) -> None:
     """The Pallas backend's limits, checked before any launch."""
-    if not MIN_DIM <= dims.head_dim <= MAX_DIM:
-        raise ValueError(f"backend 'pallas' supports head dim K in [{MIN_DIM}, {MAX_DIM}], got K = {dims.head_dim}")
-    if not MIN_DIM <= dims.value_dim <= MAX_DIM:
-        raise ValueError(f"backend 'pallas' supports value dim V in [{MIN_DIM}, {MAX_DIM}], got V = {dims.value_dim}")
-    if dims.group_size > MAX_GROUP:
+    if not MIN_DIM <= dims.head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"backend 'pallas' supports head dim K in [{MIN_DIM}, {MAX_HEAD_DIM}], "
+                         f"got K = {dims.head_dim}")
+    if not MIN_DIM <= dims.value_dim <= MAX_VALUE_DIM:
+        raise ValueError(f"backend 'pallas' supports value dim V in [{MIN_DIM}, {MAX_VALUE_DIM}], "
+                         f"got V = {dims.value_dim}")
+    check_group(dims.group_size, "backend 'pallas'")
+
+
+def check_group(G: int, who: str) -> None:
+    """`G = H / H_kv`: at most `KERNEL_GROUP`, or a multiple of it up to `MAX_GROUP`."""
+    if G > MAX_GROUP or (G > KERNEL_GROUP and G % KERNEL_GROUP):
         raise ValueError(
-            f"backend 'pallas' supports GQA groups of at most {MAX_GROUP} query heads per kv head, "
-            f"got H / H_kv = {dims.group_size}"
+            f"{who} supports GQA groups of at most {KERNEL_GROUP} query heads per kv head, or a multiple of "
+            f"{KERNEL_GROUP} up to {MAX_GROUP}, got H / H_kv = {G}"
         )
+
+
+def head_split(G: int) -> int:
+    """Virtual kv heads per kv head: `G / KERNEL_GROUP` for larger groups, else 1."""
+    return G // KERNEL_GROUP if G > KERNEL_GROUP else 1
 
 
 def layout(config: HTreeConfig, block_sizes: BlockSizes):
@@ -154,7 +190,7 @@ def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
                                 "top_local", "positions"],
                    meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk", "union_width",
-                                "union_queries", "union_step", "st_union", "sizes"])
+                                "union_queries", "union_step", "st_union", "sizes", "head_split"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
@@ -184,6 +220,7 @@ class Prepared:
     packing: object = None  # `htree_jax.packing.Packing`, or None: one document per row
     top_local: object = None  # packed: `[B, N_top]` int32, each top node's place in its document
     positions: object = None  # `[S]` int32: the queries' token positions (None: `0 .. S-1`)
+    head_split: int = 1  # virtual kv heads per kv head (`head_split`): `H_kv` above counts them
 
 
 def packed_tree(k, v, packing, config: HTreeConfig):
@@ -201,14 +238,16 @@ def packed_tree(k, v, packing, config: HTreeConfig):
 
 
 def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool,
-            precisions: Precisions, for_backward: bool = False, packing=None, positions=None) -> Prepared:
+            precisions: Precisions, for_backward: bool = False, packing=None, positions=None,
+            split: int = 1) -> Prepared:
     """The padded tree, keys as the products read them, tables and queries. With
     `for_backward`, every layer below the top keeps merge keys: the backward scores every
     merged candidate again with the merge dots. With `packing` the tree is laid out
     virtually (`htree_jax.packing`), its top keys rotated by their place in their
     document, the top layer padded by a tile more (tiles read from a document's start).
     `positions [S]`: the queries' positions in the sequence of `k, v` (context
-    parallelism: a shard's queries against every token; `None`: `q` holds them all)."""
+    parallelism: a shard's queries against every token; `None`: `q` holds them all).
+    `split`: `k, v` hold each kv head `split` times (`split_heads`)."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
@@ -280,7 +319,19 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
     st_union = dataclasses.replace(st, num_warps=block_sizes.union_num_warps)
     return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc, width,
-                    block_sizes.union_queries, block_sizes.union_step, st_union, sizes, packing, top_local, positions)
+                    block_sizes.union_queries, block_sizes.union_step, st_union, sizes, packing, top_local, positions,
+                    split)
+
+
+def split_heads(k, v, G: int):
+    """`(k, v, split)`: groups of more than `KERNEL_GROUP` heads as `split` virtual kv
+    heads of `KERNEL_GROUP` each, `k, v [B, T, H_kv * split, *]` (each kv head repeated:
+    `split` times the keys' and values' memory, and their gathers; the heads' products
+    are the same)."""
+    split = head_split(G)
+    if split == 1:
+        return k, v, 1
+    return jnp.repeat(k, split, axis=2), jnp.repeat(v, split, axis=2), split
 
 
 def valid_candidates(parents, t, layer: int, prep: Prepared):
@@ -330,18 +381,59 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
     q_top = rotate_queries(pad_axis(qc, 3, next_power_of_two(G)), n_top, prep.cos, prep.sin)
     if num_layers == 1 or not select:
         return qc, t, n_top, first, q_top, (None, None, None)
-    keys = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, prep.cos.shape[0], prep.st_top_keys,
-                                      interpret, export)
+    split = prep.head_split
+    keys, imp = top_keys(prep, q_top, n_top, first, interpret, export)
+    parents = jnp.broadcast_to(top_layer_parents(offset[..., 0], st.r, num_layers, prep.parents_width),
+                               (B, Qc, H_kv // split, prep.parents_width))
+    next_parents, tau = select_top_k_pallas(keys, parents, real_heads(n_top, split), st, interpret)
+    next_parents = next_parents[..., : prep.parents_width]
+    next_parents = jnp.where(next_parents >= 0, next_parents + real_heads(first, split), -1)  # tree rows
+    top = [keys, tau, next_parents] + ([kept_values(keys, tau, imp, st.top_k)] if export else [])
+    return qc, t, n_top, first, q_top, tuple(virtual_heads(x, split) for x in top)
+
+
+def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool):
+    """The top layer's packed importance keys `[B, Q, H_kv, Mp]` for the real kv heads,
+    and with `export` their importance (else None). Split heads (`head_split`): the
+    kernel's per-split importance, summed over the group here (`shared_max`: each
+    split's rescaled from its own group max to the largest), then packed as the kernel
+    packs it."""
+    split, st, width = prep.head_split, prep.st_top_keys, prep.cos.shape[0]
+    if split == 1:
+        out = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret, export)
+        return out if export else (out, None)
+    _, imp, shift = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret,
+                                               export=True, with_shift=True)
+    B, Q = imp.shape[:2]
+    imp = imp.reshape(B, Q, -1, split, width)
+    if st.importance == "shared_max":
+        group_max = shift[..., 0].reshape(B, Q, -1, split)  # every row of a split holds its group max
+        imp = imp * jnp.exp(group_max - jnp.max(group_max, axis=-1, keepdims=True))[..., None]
+    imp = jnp.sum(imp, axis=-2)
+    n = real_heads(n_top, split)
+    positions = jnp.arange(width, dtype=jnp.int32)
+    keys = jnp.where(positions < n, pack_importance(jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp), positions,
+                                                    st.log_n), -1)
+    return keys, imp
+
+
+def select_below_top(prep: Prepared, q_rows, parents, n, k_imp, interpret: bool, export: bool = False):
+    """A layer below the top that selects: `(keys, next_parents, tau, scores, importance)`,
+    the keys, parents and `tau` in the virtual heads' layout (`parents`, `n` given in
+    it), the scores for `merge_scored_pallas`, the kept nodes' importance (`export`,
+    else None). The keys and the top-K are made once per real kv head."""
+    split = prep.head_split
+    keys, scores = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, prep.st, interpret,
+                                          return_scores=True, export=export, split=split)
+    imp = None
     if export:
         keys, imp = keys
-    parents = jnp.broadcast_to(top_layer_parents(offset[..., 0], st.r, num_layers, prep.parents_width),
-                               (B, Qc, H_kv, prep.parents_width))
-    next_parents, tau = select_top_k_pallas(keys, parents, n_top, st, interpret)
-    next_parents = next_parents[..., : prep.parents_width]
-    next_parents = jnp.where(next_parents >= 0, next_parents + first, -1)  # tree rows
+    next_parents, tau = select_top_k_pallas(keys, real_heads(parents, split), real_heads(n, split), prep.st,
+                                            interpret)
     if export:
-        return qc, t, n_top, first, q_top, (keys, tau, next_parents, kept_values(keys, tau, imp, st.top_k))
-    return qc, t, n_top, first, q_top, (keys, tau, next_parents)
+        imp = virtual_heads(kept_values(keys, tau, imp, prep.st.top_k), split)
+    return (virtual_heads(keys, split), virtual_heads(next_parents[..., : prep.parents_width], split),
+            virtual_heads(tau, split), scores, imp)
 
 
 def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: int, interpret: bool, out_dtype):
@@ -363,7 +455,7 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: in
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
                                              "return_importance"))
-def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes = BlockSizes(),
+def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | None = None,
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
                          packing=None, positions=None, return_importance: bool = False):
     """htree attention with Pallas kernels. Inputs validated by the caller.
@@ -374,16 +466,19 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
     kept nodes' importance (SPEC 8) last, aligned with the selections.
 
     `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
-    `htree_attention` runs). Returns `(o [B, T, H, V] in q.dtype, selections)` like the
+    `htree_attention` runs); `block_sizes`: `None` for `BlockSizes.for_dims(K, V)`.
+    Returns `(o [B, T, H, V] in q.dtype, selections)` like the
     JAX reference; with `return_lse`, also the log-sum-exp of every row's merged scores
     `[B, T, H]` float32 (what the backward needs besides `o`).
     """
-    B, T, H, _ = q.shape
+    B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
-    G = H // H_kv
+    block_sizes = block_sizes or BlockSizes.for_dims(K, V)
+    k, v, split = split_heads(k, v, H // H_kv)
+    H_kv, G = H_kv * split, H // (H_kv * split)
     prep = prepare(q, k, v, config, block_sizes, interpret, precisions or Precisions.for_dtype(q.dtype),
-                   packing=packing, positions=positions)
-    st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
+                   packing=packing, positions=positions, split=split)
+    st, st_top, Qc, L = prep.st, prep.st_top, prep.chunk, len(prep.layers) + 1
     st_scored = dataclasses.replace(st, merge_num_warps=block_sizes.scored_merge_num_warps)
     num_chunks = prep.q4.shape[1] // Qc
     vp = prep.top_v.shape[-1]
@@ -412,15 +507,12 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
             k_imp, _, vl = prep.layers[l]
             n = valid_candidates(parents, t, l, prep)
             # The merge reads the scores the importance pass stored, not the keys.
-            keys, scores = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, st, interpret,
-                                                  return_scores=True, export=return_importance)
+            keys, next_parents, tau, scores, imp = select_below_top(prep, q_rows, parents, n, k_imp, interpret,
+                                                                    return_importance)
             if return_importance:
-                keys, imp = keys
-            next_parents, tau = select_top_k_pallas(keys, parents, n, st, interpret)
-            if return_importance:
-                exported.append(kept_values(keys, tau, imp, config.top_k))
+                exported.append(imp)
             state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
-            parents = next_parents[..., :P]
+            parents = next_parents
             selections.append(parents[..., : config.top_k])
         o, lse = bottom_merge(prep, q_rows, parents, t, state, layer_sizes[1], interpret, q.dtype)
         return o[:, :, :, :G], lse[..., :G], selections, exported
@@ -428,14 +520,16 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes =
     o, lse, sels, imps = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, Qc, H_kv, G, vp] -> [B, T, H, V]
     o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H_kv, G, vp)[:, :T, :, :, :V]
-    sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T] for s in sels]
+    # Selections (and importance) of the real kv heads: each split head holds its kv head's.
+    sels = [real_heads(jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T], split) for s in sels]
     result = (o.reshape(B, T, H, V), sels)
     if return_lse:
         result += (jnp.moveaxis(lse, 0, 1).reshape(B, num_chunks * Qc, H_kv * G)[:, :T],)
     if return_importance:
-        result += ([jnp.moveaxis(x, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T] for x in imps],)
+        result += ([real_heads(jnp.moveaxis(x, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T], split)
+                    for x in imps],)
     return result
 
 
-__all__ = ["BlockSizes", "Prepared", "check_pallas_dims", "chunk_queries", "htree_forward_pallas", "prepare",
-           "valid_candidates"]
+__all__ = ["BlockSizes", "Prepared", "check_group", "check_pallas_dims", "chunk_queries", "head_split",
+           "htree_forward_pallas", "prepare", "select_below_top", "split_heads", "valid_candidates"]

@@ -21,6 +21,7 @@ Layouts (padded by `forward.prepare`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,7 +34,16 @@ from htree_jax.config import FORCED_IMPORTANCE
 from htree_jax.reference import candidate_nodes as nodes_of_positions
 from htree_jax.reference import importance, pack_importance
 from htree_jax.rope import apply_rope
-from pallas_kernels.common import NEG_INF, LayerStatic, block_specs, candidate_nodes, layer_params, per_query
+from pallas_kernels.common import (
+    NEG_INF,
+    LayerStatic,
+    block_specs,
+    candidate_nodes,
+    layer_params,
+    per_query,
+    real_heads,
+    shared_shift,
+)
 from pallas_kernels.precision import check_key_parts, key_parts, score_dot
 from pallas_kernels.rope import full_width_inputs
 
@@ -159,9 +169,9 @@ def keys_from_scores(scores, shift, n, st: LayerStatic, export: bool = False):
     return (keys, jnp.where(valid, imp, 0.0)) if export else keys
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores", "export"))
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores", "export", "split"))
 def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, interpret=False,
-                           return_scores=False, export=False):
+                           return_scores=False, export=False, split=1):
     """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position: the
     scores kernel, then `keys_from_scores`. With `return_scores`, `(keys, scores)`:
     the scores `[B, Q, H_kv, Gp, Mp]` float32 (scaled by alpha; only the real heads'
@@ -171,6 +181,9 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
     one row per block of `BQ = st.block_queries` queries that share them; `k_phases` the
     layer's keys from `rotate_phases`, as `key_operands(..., st.precision,
     st.importance_operands)`. Holds `B * Q * H_kv * Gp * Mp` float32 scores meanwhile.
+    `split > 1`: the kv heads are virtual, `split` per real one (`forward.split_heads`,
+    `Gp = st.group` rows each): the keys (and importance) are those of the real kv heads,
+    `[B, Q, H_kv / split, Mp]`, from the whole group's scores; the scores stay virtual.
     """
     check_key_parts(k_phases, (key_parts(st.precision, st.importance_operands),))
     B, Q, H_kv, gp = q.shape[:4]
@@ -187,7 +200,13 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
         compiler_params=layer_params(st),
         interpret=interpret,
     )(*queries, parents, n, *k_phases, *tables)
-    keys = keys_from_scores(scores, shift, per_query(n, st), st, export)
+    if split == 1:
+        keys = keys_from_scores(scores, shift, per_query(n, st), st, export)
+    else:
+        whole = lambda x: x.reshape(x.shape[:2] + (H_kv // split, split * gp) + x.shape[4:])
+        keys = keys_from_scores(whole(scores), shared_shift(shift, split, st.importance),
+                                per_query(real_heads(n, split), st), dataclasses.replace(st, group=split * st.group),
+                                export)
     if export:  # `((keys, importance), scores)` or `(keys, importance)`
         return (keys, scores) if return_scores else keys
     return (keys, scores) if return_scores else keys

@@ -96,10 +96,14 @@ def _scores_by_document(i, q_parts, first_q, k_refs, st: LayerStatic, precision,
     return scores, i * st.tile + jnp.arange(st.tile, dtype=jnp.int32)
 
 
-def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bool = False):
+def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bool = False,
+                     with_shift: bool = False):
     """Packed importance keys of a block's queries; with `export`, also every valid
-    position's importance (SPEC 8: the formula value, the rightmost's included)."""
-    if export:
+    position's importance (SPEC 8: the formula value, the rightmost's included), and
+    with `with_shift` the rows' importance shifts `[BQ, Gt]` (`importance_shift`)."""
+    if with_shift:
+        *k_refs, keys_ref, imp_ref, shift_ref = refs
+    elif export:
         *k_refs, keys_ref, imp_ref = refs
     else:
         *k_refs, keys_ref = refs
@@ -125,6 +129,8 @@ def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bo
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
     shift = importance_shift(m, total, real_head, gt, st.importance)
+    if with_shift:
+        shift_ref[...] = shift.reshape(bq, gt)
 
     def write_keys(i, carry):
         scores, positions = scored(i)
@@ -203,23 +209,31 @@ def check_top_inputs(st: LayerStatic, q, k_parts, width: int, expected_parts: tu
         raise TypeError("q must be rotated float32 (rotate_queries)")
 
 
-@functools.partial(jax.jit, static_argnames=("width", "st", "interpret", "export"))
-def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStatic, interpret=False, export=False):
+@functools.partial(jax.jit, static_argnames=("width", "st", "interpret", "export", "with_shift"))
+def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStatic, interpret=False, export=False,
+                               with_shift=False):
     """Packed importance keys `[B, Q, H_kv, width]` of the top layer, `st.block_queries`
     queries per program; with `export`, `(keys, importance [B, Q, H_kv, width] float32)`
-    (SPEC 8, 0 where invalid). `q_rot = rotate_queries(q, n, ...)`, `k_rot =
+    (SPEC 8, 0 where invalid); `with_shift` (and `export`) adds the rows' importance
+    shifts `[B, Q, H_kv, Gt]` (what split heads need to sum their importance). `q_rot = rotate_queries(q, n, ...)`, `k_rot =
     key_operands(rotate_keys(...), st.precision, st.importance_operands, split)`."""
     check_top_inputs(st, q_rot, k_rot, width, (1, key_parts(st.precision, st.importance_operands)))
     B, Q, H_kv = q_rot.shape[:3]
     sp = top_specs(st, q_rot, k_rot, None, width)
     keys_shape = jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.int32)
     imp_shape = jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.float32)
+    out_specs, out_shape = sp["keys"], keys_shape
+    if export:
+        out_specs, out_shape = [sp["keys"], sp["keys"]], [keys_shape, imp_shape]
+    if with_shift:
+        out_specs.append(sp["vec"])
+        out_shape.append(jax.ShapeDtypeStruct((B, Q, H_kv, q_rot.shape[3]), jnp.float32))
     return pl.pallas_call(
-        functools.partial(_top_keys_kernel, st=st, export=export),
+        functools.partial(_top_keys_kernel, st=st, export=export or with_shift, with_shift=with_shift),
         grid=(B, Q // st.block_queries, H_kv),
         in_specs=[sp["q"], sp["n"], sp["first"], *sp["k"]],
-        out_specs=[sp["keys"], sp["keys"]] if export else sp["keys"],
-        out_shape=[keys_shape, imp_shape] if export else keys_shape,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
     )(q_rot, n, first, *k_rot)

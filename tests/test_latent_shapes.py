@@ -1,0 +1,141 @@
+"""Latent-attention shapes in the Pallas kernels (issue 20): GQA groups above 16 heads
+(they run as virtual kv heads of 16, `pallas_kernels.forward.split_heads`, whose selection
+is made once from the whole group's importance), K != V, head dims that are not powers
+of two (padded inside), up to K = 576, V = 512, with partial RoPE. CI runs the kernels
+interpreted against the JAX reference and the float64 oracle; the gpu-marked tests run
+the compiled kernels at the MLA shape (H = 128 over one kv head, K = 576, rope_dim = 64,
+V = 512)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from tests.conftest import random_qkv
+from tests.test_oracle_agreement import assert_matches_oracle
+
+gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("G, K, V", [(32, 64, 32), (64, 96, 48)])
+@pytest.mark.parametrize("importance", ["softmax", "shared_max"])
+def test_large_groups_match_the_oracle(rng, G, K, V, importance):
+    """Outputs and selections of the Pallas kernels equal the oracle's (3 layers)."""
+    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, rope_dim=32)
+    q, k, v = random_qkv(rng, 1, 70, G, 1, K, V)
+    assert_matches_oracle(q, k, v, config, backend="pallas_interpret")
+
+
+@pytest.mark.parametrize("G, H_kv, K, V, importance", [(32, 2, 64, 32, "shared_max"), (64, 1, 96, 48, "softmax"),
+                                                       (8, 2, 96, 40, "softmax")])
+def test_large_groups_equal_the_reference(rng, G, H_kv, K, V, importance):
+    """Pallas (interpreted) vs the reference: outputs, selections, the importance export
+    (SPEC 8) and the gradients, B = 2, 3 layers."""
+    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, rope_dim=32)
+    T = 100
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, T, G * H_kv, H_kv, K, V))
+    outs = [htree_attention(q, k, v, config, backend=b, return_selected=True, return_importance=True)
+            for b in ("reference", "pallas_interpret")]
+    (o_r, sel_r, imp_r), (o_p, sel_p, imp_p) = outs
+    assert len(sel_r) == 2
+    np.testing.assert_allclose(np.asarray(o_p), np.asarray(o_r), rtol=1e-5, atol=1e-5)
+    for a, b in zip(sel_r, sel_p):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    for a, b in zip(imp_r, imp_p):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    w = jnp.asarray(rng.standard_normal(o_r.shape), jnp.float32)
+    grads = [jax.grad(lambda q, k, v, b=b: jnp.sum(htree_attention(q, k, v, config, backend=b) * w),
+                      argnums=(0, 1, 2))(q, k, v) for b in ("reference", "pallas_interpret")]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+def test_mla_dims_equal_the_reference(rng):
+    """K = 576 (padded to 1024 inside), rope_dim = 64, V = 512, 128 heads over one kv
+    head: forward, selections and gradients, interpreted, 2 layers."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=64)
+    T = 40
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, T, 128, 1, 576, 512))
+    (o_r, sel_r), (o_p, sel_p) = (htree_attention(q, k, v, config, backend=b, return_selected=True)
+                                  for b in ("reference", "pallas_interpret"))
+    np.testing.assert_allclose(np.asarray(o_p), np.asarray(o_r), rtol=1e-5, atol=1e-5)
+    for a, b in zip(sel_r, sel_p):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    w = jnp.asarray(rng.standard_normal(o_r.shape), jnp.float32)
+    grads = [jax.grad(lambda q, k, v, b=b: jnp.sum(htree_attention(q, k, v, config, backend=b) * w),
+                      argnums=(0, 1, 2))(q, k, v) for b in ("reference", "pallas_interpret")]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+
+
+def decode_against_full(rng, G, K, V, config, T, prefix, backend, dtype=jnp.float32, tol=1e-5):
+    q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, 1, T, G, 1, K, V))
+    full = np.asarray(htree_attention(q, k, v, config, backend=backend), np.float32)
+    cache = init_cache(1, T, 1, K, V, config, dtype)
+    o, cache = prefill(q[:, :prefix], k[:, :prefix], v[:, :prefix], cache, config, backend=backend)
+    got = [np.asarray(o, np.float32)]
+    for t in range(prefix, T):
+        o_t, cache = decode_step(q[:, t], k[:, t], v[:, t], cache, config, backend=backend)
+        got.append(np.asarray(o_t, np.float32)[:, None])
+    np.testing.assert_allclose(np.concatenate(got, axis=1), full, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("G, K, V, importance", [(32, 96, 48, "shared_max"), (128, 576, 512, "softmax")])
+def test_decoding_large_groups_equals_the_full_sequence(rng, G, K, V, importance):
+    """The decode kernels (interpreted): split heads read the cache in place, keys in
+    power-of-two feature pieces (288 = 256 + 32), values in pieces."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32, importance=importance)
+    decode_against_full(rng, G, K, V, config, 60, 40, "pallas_interpret")
+
+
+@pytest.mark.parametrize("G, K, V, match", [(24, 64, 64, "multiple of 16"), (256, 64, 64, "multiple of 16"),
+                                            (8, 640, 64, "head dim K"), (8, 64, 1024, "value dim V")])
+def test_pallas_refuses_unsupported_shapes(rng, G, K, V, match):
+    q, k, v = random_qkv(rng, 1, 16, G, 1, K, V)
+    with pytest.raises(ValueError, match=match):
+        htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4), backend="pallas_interpret")
+
+
+@pytest.mark.parametrize("K, V, match", [(80, 64, "multiple of 32"), (64, 40, "multiple of 16")])
+def test_pallas_decoding_refuses_unsupported_dims(K, V, match):
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    cache = init_cache(1, 32, 1, K, V, config, jnp.float32)
+    q = jnp.zeros((1, 2, K), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        decode_step(q, jnp.zeros((1, 1, K)), jnp.zeros((1, 1, V)), cache, config, backend="pallas_interpret")
+
+
+MLA = dict(G=128, K=576, V=512)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [4096, 32768])
+def test_mla_shape_compiled_matches_the_reference(rng, T):
+    """GPU: the MLA shape, bfloat16, the default top_k: selections agree with the
+    reference on >= 99% of parent lists (near-ties of bfloat16-grade scores may flip),
+    outputs to bfloat16 tolerance where they agree."""
+    config = HTreeConfig(top_k=512 if T > 8192 else 64, rope_dim=64)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, 1, T, MLA["G"], 1, MLA["K"], MLA["V"]))
+    o, sel = htree_attention(q, k, v, config, backend="pallas", return_selected=True)
+    o_r, sel_r = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    assert len(sel) >= 1
+    agree = np.ones(sel[0].shape[:3], bool)
+    for a, b in zip(sel, sel_r):
+        same = np.all(np.asarray(a) == np.asarray(b), axis=-1)
+        assert same.mean() >= 0.99, same.mean()
+        agree &= same
+    rows = np.repeat(agree, MLA["G"], axis=2)
+    got, want = np.asarray(o, np.float32)[rows], np.asarray(o_r, np.float32)[rows]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_mla_shape_compiled_decoding_equals_the_full_sequence(rng):
+    """GPU: prefill and decode steps at the MLA shape equal the full-sequence kernels (float32)."""
+    config = HTreeConfig(compression_rate=4, top_k=8, rope_dim=64)  # 1100 -> 275 -> 69 -> 18: 4 layers
+    decode_against_full(rng, MLA["G"], MLA["K"], MLA["V"], config, 1100, 1090, "pallas", tol=2e-4)
