@@ -110,13 +110,16 @@ class BlockSizes:
     @classmethod
     def for_dims(cls, K: int, V: int) -> "BlockSizes":
         """The defaults for head dims `K`, `V`: the fields above up to 256 (padded); for
-        wider heads (latent attention, K = 576 padded to 1024, V = 512) 16-candidate
-        tiles, 16-row top-layer blocks and one pipeline stage, so that a program's
-        query rows, key tiles and value accumulator fit its registers and shared memory."""
+        wider heads (latent attention, K = 576 padded to 1024, V = 512) 32-candidate
+        tiles, 16-row top-layer blocks and 4 warps, so that a program's query rows, key
+        tiles and value accumulator fit its registers and shared memory: the fastest of
+        an H200 probe at T=8192 (`benchmarks/probe_mla.py`, 2026-11-24: 303 ms, against
+        388 with 16-candidate tiles, 1550 with one pipeline stage; tiles of 64 overflow
+        shared memory)."""
         if next_power_of_two(K, 32) <= 256 and next_power_of_two(V, 16) <= 256:
             return cls()
-        return cls(span=16, tile=16, top_rows=16, top_tile=16, top_num_warps=4, top_keys_tile=16,
-                   top_keys_stages=1, num_warps=4, merge_num_warps=4, num_stages=1, scored_merge_num_warps=4)
+        return cls(span=32, tile=32, top_rows=16, top_tile=16, top_num_warps=4, top_keys_tile=16,
+                   top_keys_stages=2, num_warps=4, merge_num_warps=4, num_stages=2, scored_merge_num_warps=4)
 
 
 def check_pallas_dims(dims) -> None:
