@@ -45,7 +45,8 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--iters", type=int, default=2)
-    p.add_argument("--set", default="single", choices=["single", "stages"],
+    p.add_argument("--backward", action="store_true", help="also time the backward of each variant")
+    p.add_argument("--set", default="single", choices=["single", "stages", "fit"],
                    help="single: one change at a time; stages: the changes combined with 2-3 pipeline stages")
     args = p.parse_args(argv)
     T = args.T
@@ -79,6 +80,15 @@ def main(argv=None):
             ("2 stages, plain bf16 importance", two, dataclasses.replace(base, importance_operands="bfloat16"),
              args.top_k),
         ]
+    if args.set == "fit":  # what fits shared memory where a middle layer selects (L >= 3)
+        two = dataclasses.replace(wide, num_stages=2, top_keys_stages=2)
+        variants = [
+            ("2 stages, span = tile = 32", dataclasses.replace(two, span=32, tile=32), base, args.top_k),
+            ("top keys 2 stages, others 1, span 32", dataclasses.replace(two, span=32, tile=32, num_stages=1),
+             base, args.top_k),
+            ("2 stages, span = tile = 16", two, base, args.top_k),
+            ("top keys 2 stages, others 1, span 16", dataclasses.replace(two, num_stages=1), base, args.top_k),
+        ]
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}, MLA {MLA}, bf16 random, T={T}; "
           f"ideal dense forward {ideal_dense_ms(T):.1f} ms at 600 TFLOP/s")
     print("| variant | top_k | layers | forward ms | counted TFLOP | TFLOP/s | ideal dense / htree |\n|---|---|---|---|---|---|---|")
@@ -97,6 +107,16 @@ def main(argv=None):
         print(f"| {name} | {top_k} | {config.layer_sizes(T)} | {ms:.1f} | {flops / 1e12:.2f} | "
               f"{flops / ms / 1e9:.1f} | {ideal_dense_ms(T) / ms:.4f} |  (with compile {time.perf_counter() - t0:.0f} s)",
               flush=True)
+        if args.backward:  # does the backward compile and run with these sizes?
+            from pallas_kernels.backward import htree_backward_pallas
+
+            o, _, lse = htree_forward_pallas(q, k, v, config, bs, precisions=prec, return_lse=True)
+            try:
+                bwd = jax.jit(lambda q, k, v, o, lse, c=config, bs=bs: htree_backward_pallas(q, k, v, o, lse, o, c, bs))
+                b_ms = median_ms(bwd, (q, k, v, o, lse), args.iters)
+                print(f"|   backward | | | {b_ms:.1f} | | | |", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"|   backward | | | failed: {type(e).__name__}: {str(e)[:120]} | | | |", flush=True)
 
 
 if __name__ == "__main__":

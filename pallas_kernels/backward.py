@@ -153,6 +153,11 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     block_sizes = block_sizes or BlockSizes.for_dims(K, V)
+    if next_power_of_two(K, 32) > 256 or next_power_of_two(V, 16) > 256:
+        # Wide heads: the backward's per-query kernels hold q, do and dq rows besides the
+        # key and value tiles; two pipeline stages overflow shared memory (H200: 264992 B
+        # asked of 232448 at K = 576, V = 512, `benchmarks/probe_mla.py --backward`).
+        block_sizes = dataclasses.replace(block_sizes, num_stages=1)
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
     prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), for_backward=True,
