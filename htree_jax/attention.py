@@ -185,7 +185,8 @@ def htree_attention(
         documents: as for `max_documents`.
       backend: `"auto"` (`"pallas"` on a GPU when the shapes allow it, else the reference),
         `"reference"` (the jittable JAX reference), `"pallas"` (Pallas-Triton kernels,
-        CUDA GPUs; K and V in [32, 256], at most 16 query heads per kv head) or
+        CUDA GPUs; K in [32, 576], V in [32, 512] (padded inside to powers of two); up
+        to 16 query heads per kv head, or a multiple of 16 up to 128) or
         `"pallas_interpret"` (the same kernels interpreted, any platform; slow).
       return_selected: also return the nodes selected for refinement at every layer
         `l >= 1` (the parent lists of the layer below), top layer first: a list of

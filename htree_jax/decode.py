@@ -352,8 +352,9 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     cache argument is donated: use the returned one (a donated cache passed again is
     refused with an error that says so). `backend`: `"reference"` (the jittable JAX
     walk, every platform), `"pallas"` (the Pallas decode kernels,
-    `pallas_kernels/decode.py`: CUDA GPUs, K and V in 32/64/128/256, at most 16 query
-    heads per kv head), `"pallas_interpret"` (the same kernels interpreted, any
+    `pallas_kernels/decode.py`: CUDA GPUs, K in [32, 576] a multiple of 32, V in [32,
+    512] a multiple of 16; up to 16 query heads per kv head, or a multiple of 16 up to
+    128), `"pallas_interpret"` (the same kernels interpreted, any
     platform) or `"auto"` (`"pallas"` on a GPU where the dims allow, else `"reference"`)."""
     config = check_decode_config(config)
     check_cache(cache, config)
