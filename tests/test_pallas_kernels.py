@@ -276,10 +276,10 @@ def test_pallas_backend_bfloat16(rng):
 @pytest.mark.parametrize(
     "shape, match",
     [
-        (dict(K=16), "head dim K in \\[32, 256\\]"),
-        (dict(K=258), "head dim K in \\[32, 256\\]"),
-        (dict(V=8), "value dim V in \\[32, 256\\]"),
-        (dict(G=32), "at most 16 query heads per kv head"),
+        (dict(K=16), "head dim K in \\[32, 576\\]"),
+        (dict(K=578), "head dim K in \\[32, 576\\]"),
+        (dict(V=8), "value dim V in \\[32, 512\\]"),
+        (dict(G=24), "at most 16 query heads per kv head, or a multiple of 16 up to 128"),
     ],
 )
 def test_pallas_backend_rejects_unsupported_dims(monkeypatch, shape, match):
