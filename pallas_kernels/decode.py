@@ -48,9 +48,9 @@ from htree_jax.config import HTreeConfig
 from htree_jax.reference import candidate_count, num_parents, top_layer_parents
 from htree_jax.rope import rope_table
 from pallas_kernels.common import NEG_INF, LayerStatic, candidate_nodes, compiler_params, merge_score_precision
-from pallas_kernels.common import next_power_of_two, pad_axis, real_heads, shared_shift, virtual_heads
+from pallas_kernels.common import next_power_of_two, pad_axis, real_heads, virtual_heads
 from pallas_kernels.forward import check_group, head_split
-from pallas_kernels.importance import importance_shift, keys_from_scores, online_max_sum
+from pallas_kernels.importance import group_keys_from_scores, importance_shift, online_max_sum
 from pallas_kernels.precision import Precisions, score_dot, weighted_values
 from pallas_kernels.top_k import select_top_k_pallas
 
@@ -348,7 +348,6 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
     V = values[0].shape[-1]
     P = Mp // r
     split = H_kv // keys[0].shape[2]  # virtual kv heads per kv head of the cache
-    group = dataclasses.replace(st, group=split * st.group)  # the whole group's importance
     parents = jnp.broadcast_to(top_layer_parents(t[:, :, None], r, L, P), (B, Q, H_kv, P))
     t = t[:, :, None, None]
     state = (jnp.full((B, Q, H_kv, gp), NEG_INF, jnp.float32), jnp.zeros((B, Q, H_kv, gp), jnp.float32),
@@ -364,9 +363,7 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
             scores, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret)
             m, total = combine_max_sum(m, total)
             shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
-            whole = lambda x: x.reshape((B, Q, H_kv // split, split * gp) + x.shape[4:])
-            packed = keys_from_scores(whole(scores), shared_shift(shift.reshape(m.shape), split, st.importance),
-                                      real_heads(n, split), group)
+            packed = group_keys_from_scores(scores, shift.reshape(m.shape), n, st, split)
             next_parents, tau = select_top_k_pallas(packed, real_heads(parents, split), real_heads(n, split), st,
                                                     interpret)
             packed, next_parents, tau = (virtual_heads(x, split) for x in (packed, next_parents, tau))

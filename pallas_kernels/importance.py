@@ -169,6 +169,17 @@ def keys_from_scores(scores, shift, n, st: LayerStatic, export: bool = False):
     return (keys, jnp.where(valid, imp, 0.0)) if export else keys
 
 
+def group_keys_from_scores(scores, shift, n, st: LayerStatic, split: int = 1, export: bool = False):
+    """`keys_from_scores` of the real kv heads where the kv heads `[B, Q, H_kv * split,
+    ...]` are virtual (`forward.split_heads`, every row a real head): each kv head's
+    `split * Gp` rows taken as one group (`shared_shift`), `n` as a virtual layout's."""
+    if split == 1:
+        return keys_from_scores(scores, shift, n, st, export)
+    whole = lambda x: x.reshape(x.shape[:2] + (x.shape[2] // split, split * x.shape[3]) + x.shape[4:])
+    return keys_from_scores(whole(scores), shared_shift(shift, split, st.importance), real_heads(n, split),
+                            dataclasses.replace(st, group=split * st.group), export)
+
+
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores", "export", "split"))
 def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, interpret=False,
                            return_scores=False, export=False, split=1):
@@ -200,13 +211,7 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
         compiler_params=layer_params(st),
         interpret=interpret,
     )(*queries, parents, n, *k_phases, *tables)
-    if split == 1:
-        keys = keys_from_scores(scores, shift, per_query(n, st), st, export)
-    else:
-        whole = lambda x: x.reshape(x.shape[:2] + (H_kv // split, split * gp) + x.shape[4:])
-        keys = keys_from_scores(whole(scores), shared_shift(shift, split, st.importance),
-                                per_query(real_heads(n, split), st), dataclasses.replace(st, group=split * st.group),
-                                export)
+    keys = group_keys_from_scores(scores, shift, per_query(n, st), st, split, export)
     if export:  # `((keys, importance), scores)` or `(keys, importance)`
         return (keys, scores) if return_scores else keys
     return (keys, scores) if return_scores else keys
