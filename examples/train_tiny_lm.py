@@ -1,24 +1,39 @@
 """Train a tiny decoder-only LM with htree attention on a long-range retrieval task.
 
-The task (needle retrieval): a sequence of `--seq-len` random filler tokens holds one
-"value" token (from a separate vocabulary of `--num-values`) somewhere in its first half,
-and ends with a QUERY token; the model must name the value at the last position. Chance
-is `1 / num_values`. With the defaults (T=128, compression_rate=4, top_k=4) the tree has
-three layers (128 -> 32 -> 8), so each query scores at most 16 candidates per layer (48 in
-all, of 128 tokens) and the needle, up to 127 tokens back, is reachable only through the
-tree.
+Two tasks (`--task`), both scored at the last positions of each sequence only:
+
+- `recall` (default), multi-query associative recall: `--pairs` key-value pairs (a key
+  token followed by a value token; distinct keys) at random places among random filler
+  tokens, and the sequence ends with `--queries` of those keys, each a query: the model
+  must name the value paired with the key at each of the last `--queries` positions.
+  Accuracy is over all queries; chance is `1 / num_values`. It takes two hops (a value
+  learns which key precedes it, then each query finds the value that follows its key),
+  anywhere in the sequence.
+- `needle`: one value token somewhere in the first half of the filler, a QUERY token at
+  the end; the model names the value there.
+
+With the CPU defaults (T=128, compression_rate=4, top_k=4) the tree has three layers
+(128 -> 32 -> 8): each query scores at most 16 candidates per layer (48 in all, of 128
+tokens), so most of the past is reachable only through the tree.
 
     python examples/train_tiny_lm.py                      # htree attention
     python examples/train_tiny_lm.py --attention dense    # dense causal attention baseline
+    python examples/train_tiny_lm.py --seq-len 16384 --compression-rate 16 --top-k 64 \\
+        --d-model 128 --steps 600 --batch 8                # long context, on a GPU
 
 Both models are the same (RMSNorm, attention, MLP blocks, no positional embedding: RoPE
 is inside the attention; the dense baseline applies RoPE at absolute positions, which is
-what htree computes when T <= top_k * compression_rate). Runs on the CPU in a few minutes.
+what htree computes when T <= top_k * compression_rate). Parameters are float32, the
+computation runs in `--dtype` (bfloat16 by default on a GPU, as long-context training is
+run; float32 on a CPU). The dense baseline is `jax.nn.dot_product_attention`, through
+cuDNN's flash attention on a GPU in bfloat16 (no `T x T` array), XLA elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import time
 
 import jax
@@ -33,7 +48,35 @@ from htree_jax.rope import rope_absolute
 NUM_FILLERS = 32
 
 
-def make_batch(rng: np.random.Generator, batch: int, seq_len: int, num_values: int):
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Token layout: fillers `[0, 32)`, values `[32, 32 + num_values)`, then keys (recall)
+    or one QUERY token (needle). Every batch scores the last `num_queries` positions."""
+
+    name: str
+    num_values: int
+    num_keys: int = 0
+    pairs: int = 0
+    queries: int = 1
+
+    @property
+    def vocab(self) -> int:
+        return NUM_FILLERS + self.num_values + (self.num_keys if self.name == "recall" else 1)
+
+    @property
+    def num_queries(self) -> int:
+        return self.queries if self.name == "recall" else 1
+
+    def batch(self, rng: np.random.Generator, batch: int, seq_len: int):
+        """`tokens [B, T]` int32 and the value tokens to name `targets [B, num_queries]` at
+        positions `[T - num_queries, T)`."""
+        if self.name == "needle":
+            tokens, answers = make_needle_batch(rng, batch, seq_len, self.num_values)
+            return tokens, NUM_FILLERS + answers[:, None]
+        return make_recall_batch(rng, batch, seq_len, self.num_values, self.num_keys, self.pairs, self.queries)
+
+
+def make_needle_batch(rng: np.random.Generator, batch: int, seq_len: int, num_values: int):
     """`tokens [B, T]` int32 and `answers [B]`: fillers `[0, 32)`, values `[32, 32 + V)`,
     QUERY = `32 + V` at position `T - 1`; one value at a random position in `[0, T/2)`."""
     tokens = rng.integers(0, NUM_FILLERS, (batch, seq_len), dtype=np.int32)
@@ -44,49 +87,100 @@ def make_batch(rng: np.random.Generator, batch: int, seq_len: int, num_values: i
     return tokens, answers
 
 
+def make_recall_batch(rng: np.random.Generator, batch: int, seq_len: int, num_values: int, num_keys: int,
+                      pairs: int, queries: int):
+    """Multi-query associative recall. `tokens [B, T]` int32, `targets [B, queries]` int32.
+
+    Row `b`: filler tokens `[0, 32)`; `pairs` distinct keys `[32 + V, 32 + V + num_keys)`,
+    each at an even position `p < T - queries` with its value `[32, 32 + V)` at `p + 1`
+    (no two pairs overlap); the last `queries` positions hold distinct keys among those,
+    in random order, and `targets[b, j]` is the value paired with the key at
+    `T - queries + j`."""
+    slots = (seq_len - queries) // 2
+    if pairs > slots or queries > pairs or pairs > num_keys:
+        raise ValueError(f"recall needs queries <= pairs <= min(num_keys, (seq_len - queries) // 2); got "
+                         f"queries={queries}, pairs={pairs}, num_keys={num_keys}, seq_len={seq_len}")
+    tokens = rng.integers(0, NUM_FILLERS, (batch, seq_len), dtype=np.int32)
+    rows = np.arange(batch)[:, None]
+    keys = np.argsort(rng.random((batch, num_keys)), axis=1)[:, :pairs]          # distinct per row
+    values = rng.integers(0, num_values, (batch, pairs))
+    where = 2 * np.argsort(rng.random((batch, slots)), axis=1)[:, :pairs]       # distinct even positions
+    tokens[rows, where] = NUM_FILLERS + num_values + keys
+    tokens[rows, where + 1] = NUM_FILLERS + values
+    asked = np.argsort(rng.random((batch, pairs)), axis=1)[:, :queries]
+    tokens[:, seq_len - queries:] = NUM_FILLERS + num_values + keys[rows, asked]
+    return tokens, (NUM_FILLERS + values[rows, asked]).astype(np.int32)
+
+
 class DenseAttention(nnx.Module):
     """The baseline: the same projections as `HTreeAttention`, RoPE at absolute positions,
-    `jax.nn.dot_product_attention(is_causal=True)`."""
+    `jax.nn.dot_product_attention(is_causal=True)` (`implementation`: None, "xla" or "cudnn")."""
 
-    def __init__(self, num_heads, in_features, *, num_kv_heads, rope_base, rngs):
+    def __init__(self, num_heads, in_features, *, num_kv_heads, rope_base, dtype, implementation, rngs, scale=None):
         head_dim = in_features // num_heads
-        self.query = nnx.LinearGeneral(in_features, (num_heads, head_dim), use_bias=False, rngs=rngs)
-        self.key = nnx.LinearGeneral(in_features, (num_kv_heads, head_dim), use_bias=False, rngs=rngs)
-        self.value = nnx.LinearGeneral(in_features, (num_kv_heads, head_dim), use_bias=False, rngs=rngs)
-        self.out = nnx.LinearGeneral((num_heads, head_dim), in_features, axis=(-2, -1), use_bias=False, rngs=rngs)
+        linear = dict(use_bias=False, dtype=dtype, rngs=rngs)
+        self.query = nnx.LinearGeneral(in_features, (num_heads, head_dim), **linear)
+        self.key = nnx.LinearGeneral(in_features, (num_kv_heads, head_dim), **linear)
+        self.value = nnx.LinearGeneral(in_features, (num_kv_heads, head_dim), **linear)
+        self.out = nnx.LinearGeneral((num_heads, head_dim), in_features, axis=(-2, -1), **linear)
         self.rope_base = rope_base
+        self.implementation = implementation
+        self.scale = scale
 
     def __call__(self, x):
-        q = rope_absolute(self.query(x), self.rope_base)
-        k = rope_absolute(self.key(x), self.rope_base)
-        return self.out(jax.nn.dot_product_attention(q, k, self.value(x), is_causal=True))
+        v = self.value(x)
+        q = rope_absolute(self.query(x), self.rope_base).astype(v.dtype)
+        k = rope_absolute(self.key(x), self.rope_base).astype(v.dtype)
+        return self.out(jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                    implementation=self.implementation))
+
+
+def previous_position(x):
+    """`x [B, T, D]` shifted one position later along T (zeros at position 0)."""
+    return jnp.pad(x, ((0, 0), (1, 0), (0, 0)))[:, :-1]
 
 
 class Block(nnx.Module):
-    def __init__(self, d_model, num_heads, num_kv_heads, attention, config, backend, rngs):
-        self.norm1 = nnx.RMSNorm(d_model, rngs=rngs)
+    """RMSNorm, attention, RMSNorm, MLP, each with a residual. With `token_shift`, the
+    attention's input at `t` is `h[t] + W h[t-1]` (`h` the normed stream): the "smeared
+    keys" of Olsson et al. (2022), RWKV's token shift. It lets one attention layer bind a
+    value to the key just before it; without it, two layers must first grow an induction
+    head, which takes this model thousands of steps on the recall task."""
+
+    def __init__(self, d_model, num_heads, num_kv_heads, attention, config, backend, rngs, dtype=None,
+                 dense_implementation=None, token_shift=False):
+        self.norm1 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
+        self.shift = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs) if token_shift else None
         if attention == "htree":
             self.attention = htree_jax.HTreeAttention(num_heads, d_model, num_kv_heads=num_kv_heads,
-                                                      config=config, backend=backend, rngs=rngs)
+                                                      config=config, backend=backend, dtype=dtype, rngs=rngs)
         else:
             self.attention = DenseAttention(num_heads, d_model, num_kv_heads=num_kv_heads,
-                                            rope_base=config.rope_base, rngs=rngs)
-        self.norm2 = nnx.RMSNorm(d_model, rngs=rngs)
-        self.mlp_in = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
-        self.mlp_out = nnx.Linear(4 * d_model, d_model, rngs=rngs)
+                                            rope_base=config.rope_base, scale=config.scale, dtype=dtype,
+                                            implementation=dense_implementation, rngs=rngs)
+        self.norm2 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
+        self.mlp_in = nnx.Linear(d_model, 4 * d_model, dtype=dtype, rngs=rngs)
+        self.mlp_out = nnx.Linear(4 * d_model, d_model, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        x = x + self.attention(self.norm1(x))
+        h = self.norm1(x)
+        if self.shift is not None:
+            h = h + self.shift(previous_position(h))
+        x = x + self.attention(h)
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.norm2(x))))
 
 
 class TinyLM(nnx.Module):
-    def __init__(self, vocab, d_model, num_layers, num_heads, num_kv_heads, attention, config, backend, rngs):
-        self.embed = nnx.Embed(vocab, d_model, rngs=rngs)
-        self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, attention, config, backend, rngs)
-                                for _ in range(num_layers)])
-        self.norm = nnx.RMSNorm(d_model, rngs=rngs)
-        self.head = nnx.Linear(d_model, vocab, rngs=rngs)
+    """Embedding, `num_layers` blocks, RMSNorm, unembedding. Parameters float32, computation
+    in `dtype` (None: float32); `token_shift`: see `Block`."""
+
+    def __init__(self, vocab, d_model, num_layers, num_heads, num_kv_heads, attention, config, backend, rngs,
+                 dtype=None, dense_implementation=None, token_shift=False):
+        self.embed = nnx.Embed(vocab, d_model, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, attention, config, backend, rngs, dtype,
+                                      dense_implementation, token_shift) for _ in range(num_layers)])
+        self.norm = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(d_model, vocab, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens):
         """`tokens [B, T]` -> logits `[B, T, vocab]`."""
@@ -96,10 +190,10 @@ class TinyLM(nnx.Module):
         return self.head(self.norm(x))
 
 
-def last_position_loss(model, tokens, answers, num_values):
-    """Cross-entropy of the answer at the last position, and the accuracy there."""
-    logits = model(tokens)[:, -1]
-    targets = NUM_FILLERS + answers
+def query_loss(model, tokens, targets):
+    """Cross-entropy (float32) of `targets [B, Q]` at the last `Q` positions, and the
+    accuracy over all of them."""
+    logits = model(tokens)[:, -targets.shape[1]:].astype(jnp.float32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     return loss, jnp.mean(jnp.argmax(logits, -1) == targets)
 
@@ -112,56 +206,109 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--compression-rate", type=int, default=4)
     p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--rope-base", type=float, default=10000.0)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attention", choices=("htree", "dense"), default="htree")
+    p.add_argument("--task", choices=("recall", "needle"), default="recall")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--num-values", type=int, default=16)
+    p.add_argument("--num-keys", type=int, default=64, help="recall: the key vocabulary")
+    p.add_argument("--pairs", type=int, default=8, help="recall: key-value pairs per sequence")
+    p.add_argument("--queries", type=int, default=8, help="recall: queries at the end (<= pairs)")
     add_model_arguments(p)
+    p.add_argument("--token-shift", action=argparse.BooleanOptionalAction, default=True,
+                   help="attention input also sees the previous position (see Block)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="computation dtype (parameters stay float32); auto: bfloat16 on a GPU, else float32")
+    p.add_argument("--scale", type=float, default=None,
+                   help="attention score scale, both attentions (default: head_dim ** -0.5)")
+    p.add_argument("--len-warmup-steps", type=int, default=0,
+                   help="length curriculum: the first N steps run shorter sequences (see length_schedule)")
+    p.add_argument("--len-warmup-start", type=int, default=256, help="the curriculum's first length")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: min(100, steps/10 + 1))")
     p.add_argument("--eval-size", type=int, default=512)
+    p.add_argument("--eval-batch", type=int, default=None, help="eval rows per call (default: --batch)")
     p.add_argument("--backend", default="auto", help="htree backend: auto, reference, pallas")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     args = p.parse_args(argv)
-    for name in ("steps", "batch", "seq_len", "num_values", "d_model", "layers", "heads", "kv_heads",
-                 "eval_size", "log_every"):
+    for name in ("steps", "batch", "seq_len", "num_values", "num_keys", "pairs", "queries", "d_model", "layers",
+                 "heads", "kv_heads", "eval_size", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.seq_len < 4:
         p.error("--seq-len must be >= 4")
+    if args.len_warmup_steps < 0 or args.len_warmup_steps >= args.steps:
+        p.error("--len-warmup-steps must be in [0, --steps)")
+    shortest = min(args.seq_len, args.len_warmup_start) if args.len_warmup_steps else args.seq_len
+    if args.len_warmup_steps and (shortest < 4 or args.seq_len % shortest or args.batch * args.seq_len % shortest):
+        p.error("--len-warmup-start must be >= 4 and divide --seq-len and --batch * --seq-len")
+    if args.task == "recall" and not (args.queries <= args.pairs <= min(args.num_keys,
+                                                                          (shortest - args.queries) // 2)):
+        p.error("--queries <= --pairs <= min(--num-keys, (L - --queries) // 2) for the recall task, L the "
+                "shortest sequence (--seq-len, or --len-warmup-start with a length curriculum)")
     return args
 
 
+def length_schedule(steps: int, seq_len: int, start: int, warmup_steps: int) -> list[int]:
+    """The sequence length of each step: over the first `warmup_steps`, `start`, `2 start`,
+    ... up to `seq_len / 2`, equal shares of those steps each (a length curriculum, as
+    long-context models are trained: from scratch, a query's one relevant token among
+    16K gets too little gradient to be found); then `seq_len`."""
+    lengths = []
+    while warmup_steps and start < seq_len:
+        lengths.append(start)
+        start *= 2
+    if not lengths:
+        return [seq_len] * steps
+    per = warmup_steps / len(lengths)
+    return [lengths[int(step / per)] if step < warmup_steps else seq_len for step in range(steps)]
+
+
+def compute_dtype(name: str):
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    return jnp.dtype(name)
+
+
 def main(argv=None) -> dict:
-    """Trains and evaluates; returns `{"losses": [...], "accuracy": float, ...}`."""
+    """Trains and evaluates; returns `{"losses": [...], "accuracy": float, "step_ms": float, ...}`."""
     args = parse_args(argv)
-    config = htree_jax.HTreeConfig(compression_rate=args.compression_rate, top_k=args.top_k)
-    vocab = NUM_FILLERS + args.num_values + 1
-    model = TinyLM(vocab, args.d_model, args.layers, args.heads, args.kv_heads, args.attention, config,
-                   args.backend, nnx.Rngs(args.seed))
+    task = Task(args.task, args.num_values, args.num_keys, args.pairs, args.queries)
+    config = htree_jax.HTreeConfig(compression_rate=args.compression_rate, top_k=args.top_k, scale=args.scale,
+                                   rope_base=args.rope_base)
+    dtype = compute_dtype(args.dtype)
+    # cuDNN's flash attention takes bfloat16/float16 only; XLA's materialises [B, H, T, T].
+    dense_implementation = "cudnn" if jax.default_backend() == "gpu" and dtype != jnp.float32 else "xla"
+    model = TinyLM(task.vocab, args.d_model, args.layers, args.heads, args.kv_heads, args.attention, config,
+                   args.backend, nnx.Rngs(args.seed), dtype=dtype, dense_implementation=dense_implementation,
+                   token_shift=args.token_shift)
+    warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10 + 1)
     optimizer = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, min(100, args.steps // 10 + 1), args.steps), weight_decay=0.01), wrt=nnx.Param)
+        0.0, args.lr, warmup, args.steps), weight_decay=0.01), wrt=nnx.Param)
 
     @nnx.jit
-    def train_step(model, optimizer, tokens, answers):
-        (loss, acc), grads = nnx.value_and_grad(last_position_loss, has_aux=True)(
-            model, tokens, answers, args.num_values)
+    def train_step(model, optimizer, tokens, targets):
+        (loss, acc), grads = nnx.value_and_grad(query_loss, has_aux=True)(model, tokens, targets)
         optimizer.update(model, grads)
         return loss, acc
 
     @nnx.jit
-    def evaluate(model, tokens, answers):
-        return last_position_loss(model, tokens, answers, args.num_values)
+    def evaluate(model, tokens, targets):
+        return query_loss(model, tokens, targets)
 
     layers = config.layer_sizes(args.seq_len) if args.attention == "htree" else (args.seq_len,)
-    print(f"attention={args.attention} T={args.seq_len} tree layers={list(layers)} "
-          f"chance={1 / args.num_values:.3f} platform={jax.default_backend()}", flush=True)
+    attention = args.attention if args.attention == "htree" else f"dense ({dense_implementation})"
+    print(f"task={args.task} attention={attention} T={args.seq_len} tree layers={list(layers)} "
+          f"dtype={jnp.dtype(dtype).name} chance={1 / args.num_values:.3f} platform={jax.default_backend()}",
+          flush=True)
     rng = np.random.default_rng(args.seed)
     steps = range(args.steps)
     bar = None
@@ -169,23 +316,53 @@ def main(argv=None) -> dict:
         from tqdm import tqdm
 
         steps = bar = tqdm(steps, desc=f"train {args.attention}", mininterval=0.5)
-    losses, start = [], time.perf_counter()
+    losses, accuracies, step_seconds = [], [], []
+    start = time.perf_counter()
+    schedule = length_schedule(args.steps, args.seq_len, args.len_warmup_start, args.len_warmup_steps)
     for step in steps:
-        tokens, answers = make_batch(rng, args.batch, args.seq_len, args.num_values)
-        loss, acc = train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(answers))
-        losses.append(float(loss))
+        seq_len = schedule[step]
+        if step == 0 or seq_len != schedule[step - 1]:
+            print(f"step {step + 1:5d}  sequences of {seq_len} tokens, batch {args.batch * args.seq_len // seq_len}",
+                  flush=True)
+        tokens, targets = task.batch(rng, args.batch * args.seq_len // seq_len, seq_len)
+        tic = time.perf_counter()
+        loss, acc = train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(targets))
+        losses.append(float(loss))                      # waits for the step
+        step_seconds.append(time.perf_counter() - tic)
+        accuracies.append(float(acc))
         if bar is not None:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{float(acc):.2f}")
+            tokens_per_s = args.batch * args.seq_len / step_seconds[-1]
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{accuracies[-1]:.2f}", tok_s=f"{tokens_per_s:,.0f}")
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            print(f"step {step + 1:5d}  loss {losses[-1]:.4f}  batch acc {float(acc):.3f}", flush=True)
+            print(f"step {step + 1:5d}  loss {losses[-1]:.4f}  batch acc {accuracies[-1]:.3f}", flush=True)
     train_s = time.perf_counter() - start
-    tokens, answers = make_batch(np.random.default_rng(args.seed + 10**6), args.eval_size, args.seq_len,
-                                 args.num_values)
-    eval_loss, accuracy = evaluate(model, jnp.asarray(tokens), jnp.asarray(answers))
-    result = dict(attention=args.attention, losses=losses, eval_loss=float(eval_loss), accuracy=float(accuracy),
-                  chance=1 / args.num_values, train_seconds=train_s)
-    print(f"final: attention={args.attention} eval accuracy {float(accuracy):.3f} (chance "
-          f"{1 / args.num_values:.3f}), eval loss {float(eval_loss):.4f}, {train_s:.0f} s", flush=True)
+    # the step time: the median over the steps at the full length but its first (it compiles)
+    full = [s for s, n in zip(step_seconds, schedule) if n == args.seq_len]
+    step_ms = 1e3 * statistics.median(full[1:] if len(full) > 1 else full)
+    eval_rng = np.random.default_rng(args.seed + 10**6)
+    eval_batch = args.eval_batch or args.batch
+    correct = total_loss = 0.0
+    for first in range(0, args.eval_size, eval_batch):
+        rows = min(eval_batch, args.eval_size - first)
+        tokens, targets = task.batch(eval_rng, rows, args.seq_len)
+        loss, acc = evaluate(model, jnp.asarray(tokens), jnp.asarray(targets))
+        correct += float(acc) * rows
+        total_loss += float(loss) * rows
+    accuracy, eval_loss = correct / args.eval_size, total_loss / args.eval_size
+    result = dict(task=args.task, attention=args.attention, seq_len=args.seq_len,
+                  top_k=args.top_k if args.attention == "htree" else None,
+                  compression_rate=args.compression_rate, dtype=jnp.dtype(dtype).name, steps=args.steps,
+                  batch=args.batch, d_model=args.d_model, layers=args.layers, heads=args.heads,
+                  kv_heads=args.kv_heads, token_shift=args.token_shift, pairs=args.pairs, queries=args.queries,
+                  num_values=args.num_values, seed=args.seed, lr=args.lr, scale=args.scale, rope_base=args.rope_base,
+                  len_warmup_steps=args.len_warmup_steps,
+                  len_warmup_start=args.len_warmup_start, losses=losses, batch_accuracies=accuracies, eval_loss=eval_loss,
+                  accuracy=accuracy, chance=1 / args.num_values, train_seconds=train_s, step_ms=step_ms,
+                  tokens_per_second=args.batch * args.seq_len / (step_ms / 1e3),
+                  device=jax.devices()[0].device_kind)
+    print(f"final: task={args.task} attention={attention} T={args.seq_len} eval accuracy {accuracy:.3f} (chance "
+          f"{1 / args.num_values:.3f}), eval loss {eval_loss:.4f}, {train_s:.0f} s, {step_ms:.1f} ms/step, "
+          f"{result['tokens_per_second']:,.0f} tokens/s", flush=True)
     return result
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -15,19 +16,50 @@ SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tiny_
 def _load():
     spec = importlib.util.spec_from_file_location("train_tiny_lm", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module        # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-def test_make_batch_places_one_needle_in_the_first_half():
+def test_make_needle_batch_places_one_needle_in_the_first_half():
     example = _load()
-    tokens, answers = example.make_batch(np.random.default_rng(0), 64, 40, 8)
+    tokens, answers = example.make_needle_batch(np.random.default_rng(0), 64, 40, 8)
     is_value = (tokens >= example.NUM_FILLERS) & (tokens < example.NUM_FILLERS + 8)
     assert np.all(is_value.sum(axis=1) == 1)
     where = np.argmax(is_value, axis=1)
     assert np.all(where < 20)
     np.testing.assert_array_equal(tokens[np.arange(64), where], example.NUM_FILLERS + answers)
     assert np.all(tokens[:, -1] == example.NUM_FILLERS + 8)
+
+
+@pytest.mark.parametrize("seq_len,pairs,queries", [(40, 8, 8), (64, 5, 3), (19, 8, 3)])
+def test_make_recall_batch_pairs_keys_with_values_and_asks_for_them(seq_len, pairs, queries):
+    example = _load()
+    V, NK, F = 16, 32, example.NUM_FILLERS
+    tokens, targets = example.make_recall_batch(np.random.default_rng(seq_len), 50, seq_len, V, NK, pairs, queries)
+    assert tokens.shape == (50, seq_len) and targets.shape == (50, queries)
+    assert tokens.min() >= 0 and tokens.max() < F + V + NK
+    for row, target in zip(tokens, targets):
+        context, asked = row[:seq_len - queries], row[seq_len - queries:]
+        key_at = np.flatnonzero(context >= F + V)
+        assert len(key_at) == pairs and len(set(context[key_at])) == pairs     # distinct keys
+        assert np.all(key_at % 2 == 0) and np.all(key_at + 1 < seq_len - queries)
+        value_of = {int(context[p]): int(context[p + 1]) for p in key_at}
+        assert all(F <= v < F + V for v in value_of.values())
+        assert np.sum((context >= F) & (context < F + V)) == pairs              # values only after keys
+        assert len(set(asked)) == queries and all(int(k) in value_of for k in asked)
+        np.testing.assert_array_equal(target, [value_of[int(k)] for k in asked])
+    with pytest.raises(ValueError, match="queries <= pairs"):
+        example.make_recall_batch(np.random.default_rng(0), 2, 20, V, NK, 9, 4)
+
+
+def test_length_schedule_doubles_up_to_the_sequence_length():
+    example = _load()
+    assert example.length_schedule(4, 64, 256, 0) == [64] * 4
+    assert example.length_schedule(10, 1024, 256, 4) == [256, 256, 512, 512] + [1024] * 6
+    schedule = example.length_schedule(1000, 16384, 256, 500)
+    assert sorted(set(schedule[:500])) == [256, 512, 1024, 2048, 4096, 8192]
+    assert schedule[500:] == [16384] * 500 and schedule == sorted(schedule)
 
 
 @pytest.mark.parametrize("attention", ["htree", "dense"])
@@ -37,15 +69,29 @@ def test_training_lowers_the_loss(attention):
                            "--d-model", "32", "--eval-size", "64", "--no-progress", "--log-every", "20"])
     losses = result["losses"]
     assert len(losses) == 40 and np.all(np.isfinite(losses))
-    # from ~log(vocab) = 3.9 at the start; about log(16) = 2.8 once it names value tokens only
+    # from ~log(vocab) = 4.7 at the start; about log(16) = 2.8 once it names value tokens only
     assert np.mean(losses[-5:]) < losses[0] - 0.5, losses
-    assert 0.0 <= result["accuracy"] <= 1.0
+    assert 0.0 <= result["accuracy"] <= 1.0 and result["task"] == "recall" and result["token_shift"]
+    assert result["dtype"] == "float32" and result["step_ms"] > 0
 
 
-def test_bad_arguments_are_refused():
+def test_needle_task_with_a_length_curriculum_and_bfloat16_lowers_the_loss():
+    example = _load()
+    result = example.main(["--task", "needle", "--steps", "30", "--seq-len", "64", "--batch", "8",
+                           "--len-warmup-steps", "10", "--len-warmup-start", "16", "--dtype", "bfloat16",
+                           "--d-model", "32", "--eval-size", "16", "--no-progress", "--no-token-shift"])
+    losses = result["losses"]
+    assert len(losses) == 30 and np.all(np.isfinite(losses)) and result["dtype"] == "bfloat16"
+    assert np.mean(losses[-5:]) < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--queries", "9", "--pairs", "8"],
+                                  ["--pairs", "70", "--num-keys", "64"], ["--seq-len", "20", "--pairs", "8"],
+                                  ["--len-warmup-steps", "300"], ["--len-warmup-steps", "10", "--len-warmup-start", "48"]])
+def test_bad_arguments_are_refused(argv):
     example = _load()
     with pytest.raises(SystemExit):
-        example.main(["--steps", "0"])
+        example.main(argv)
 
 
 def test_generate_decodes_ragged_prompts_as_the_full_model_would():
@@ -55,3 +101,24 @@ def test_generate_decodes_ragged_prompts_as_the_full_model_would():
     result = generate.main(["--prompt-lengths", "3,11,20", "--new-tokens", "6", "--max-len", "64", "--check"])
     assert result["tokens"].shape == (3, 6)
     assert result["max_abs_diff"] < 1e-4
+
+
+def test_train_quality_runs_the_grid_and_writes_what_it_draws(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+    from benchmarks import train_quality
+
+    assert train_quality.run_specs([4096, 16384, 32768], [64], [512]) == [
+        (4096, "htree", 64), (4096, "dense", None), (16384, "htree", 64), (16384, "htree", 512),
+        (16384, "dense", None), (32768, "htree", 64), (32768, "htree", 512), (32768, "dense", None)]
+    # exact attention (T <= top_k * compression_rate) is not run as htree
+    assert train_quality.run_specs([1024], [64], [], dense=False) == []
+    out = tmp_path / "runs.json"
+    results = train_quality.main(["--seq-lens", "64", "--top-k", "4", "--top-k-long", "", "--compression-rate", "4",
+                                  "--steps", "4", "--len-warmup-steps", "2", "--tokens-per-step", "256",
+                                  "--eval-size", "4", "--out", str(out), "--d-model", "32", "--len-warmup-start", "32"])
+    assert [(r["attention"], r["seq_len"], r["batch"], r["steps"]) for r in results] == [
+        ("htree", 64, 4, 4), ("dense", 64, 4, 4)]
+    import json
+
+    assert json.loads(out.read_text()) == results
+    assert "| 64 | htree top_k=4 | 0 | 4 |" in train_quality.table(results)
