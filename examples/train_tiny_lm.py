@@ -18,11 +18,16 @@ tokens), so most of the past is reachable only through the tree.
 
     python examples/train_tiny_lm.py                      # htree attention
     python examples/train_tiny_lm.py --attention dense    # dense causal attention baseline
-    python examples/train_tiny_lm.py --seq-len 16384 --compression-rate 16 --top-k 64 \\
-        --d-model 128 --steps 600 --batch 8                # long context, on a GPU
+    python examples/train_tiny_lm.py --seq-len 16384 --compression-rate 16 --top-k 512 \\
+        --d-model 128 --steps 1000 --batch 8 --len-warmup-steps 500 --rope-base 1e6   # on a GPU
 
-Both models are the same (RMSNorm, attention, MLP blocks, no positional embedding: RoPE
-is inside the attention; the dense baseline applies RoPE at absolute positions, which is
+At long context, train with a length curriculum (`--len-warmup-steps`) and a long-context
+RoPE base (`--rope-base 1e6`): without the first neither attention learns the task at 16K
+tokens, without the second neither keeps it past 4K (benchmarks/RESULTS.md, 2026-11-24;
+`benchmarks/train_quality.py` runs this comparison).
+
+Both models are the same (RMSNorm, attention with a token shift on its input, MLP blocks,
+no positional embedding: RoPE is inside the attention; the dense baseline applies RoPE at absolute positions, which is
 what htree computes when T <= top_k * compression_rate). Parameters are float32, the
 computation runs in `--dtype` (bfloat16 by default on a GPU, as long-context training is
 run; float32 on a CPU). The dense baseline is `jax.nn.dot_product_attention`, through
