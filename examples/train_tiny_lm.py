@@ -27,11 +27,12 @@ tokens, without the second neither keeps it past 4K (benchmarks/RESULTS.md, 2026
 `benchmarks/train_quality.py` runs this comparison).
 
 Both models are the same (RMSNorm, attention with a token shift on its input, MLP blocks,
-no positional embedding: RoPE is inside the attention; the dense baseline applies RoPE at absolute positions, which is
-what htree computes when T <= top_k * compression_rate). Parameters are float32, the
-computation runs in `--dtype` (bfloat16 by default on a GPU, as long-context training is
-run; float32 on a CPU). The dense baseline is `jax.nn.dot_product_attention`, through
-cuDNN's flash attention on a GPU in bfloat16 (no `T x T` array), XLA elsewhere.
+no positional embedding: RoPE is inside the attention; the dense baseline applies RoPE at
+absolute positions, which is what htree computes when T <= top_k * compression_rate).
+Parameters are float32, the computation runs in `--dtype` (bfloat16 by default on a GPU,
+as long-context training is run; float32 on a CPU). The dense baseline is
+`jax.nn.dot_product_attention`, through cuDNN's flash attention on a GPU in bfloat16 (no
+`T x T` array), XLA elsewhere.
 """
 
 from __future__ import annotations
