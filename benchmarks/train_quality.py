@@ -52,8 +52,9 @@ def train_all(args, extra) -> list[dict]:
     results = []
     out = pathlib.Path(args.out)
     start = time.perf_counter()
-    for T, attention, top_k in run_specs(args.seq_lens, args.top_k, args.top_k_long, compression_rate=args.compression_rate,
-                                         dense=not args.skip_dense):
+    specs = run_specs(args.seq_lens, args.top_k, args.top_k_long, compression_rate=args.compression_rate,
+                      dense=not args.skip_dense)
+    for T, attention, top_k in specs:
         if time.perf_counter() - start > args.time_budget:
             print(f"# time budget spent: skipped T={T} {attention} top_k={top_k}", flush=True)
             continue
@@ -138,8 +139,9 @@ def table(results: list[dict]) -> str:
     lines = ["| T | attention | seed | batch | eval accuracy | eval loss | ms / step | tokens / s | train s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['seq_len']} | {label(r)} | {r.get('seed', 0)} | {r['batch']} | {r['accuracy']:.3f} | {r['eval_loss']:.4f} | "
-                     f"{r['step_ms']:.1f} | {r['tokens_per_second']:,.0f} | {r['train_seconds']:.0f} |")
+        lines.append(f"| {r['seq_len']} | {label(r)} | {r.get('seed', 0)} | {r['batch']} | {r['accuracy']:.3f} | "
+                     f"{r['eval_loss']:.4f} | {r['step_ms']:.1f} | {r['tokens_per_second']:,.0f} | "
+                     f"{r['train_seconds']:.0f} |")
     return "\n".join(lines)
 
 

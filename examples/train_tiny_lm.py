@@ -57,7 +57,8 @@ NUM_FILLERS = 32
 @dataclasses.dataclass(frozen=True)
 class Task:
     """Token layout: fillers `[0, 32)`, values `[32, 32 + num_values)`, then keys (recall)
-    or one QUERY token (needle). Every batch scores the last `num_queries` positions."""
+    or one QUERY token (needle). Every batch scores its last positions: `queries` of them
+    (recall) or one (needle)."""
 
     name: str
     num_values: int
@@ -69,13 +70,9 @@ class Task:
     def vocab(self) -> int:
         return NUM_FILLERS + self.num_values + (self.num_keys if self.name == "recall" else 1)
 
-    @property
-    def num_queries(self) -> int:
-        return self.queries if self.name == "recall" else 1
-
     def batch(self, rng: np.random.Generator, batch: int, seq_len: int):
-        """`tokens [B, T]` int32 and the value tokens to name `targets [B, num_queries]` at
-        positions `[T - num_queries, T)`."""
+        """`tokens [B, T]` int32 and the value tokens to name `targets [B, Q]` at positions
+        `[T - Q, T)`, `Q = queries` (recall) or 1 (needle)."""
         if self.name == "needle":
             tokens, answers = make_needle_batch(rng, batch, seq_len, self.num_values)
             return tokens, NUM_FILLERS + answers[:, None]
@@ -360,11 +357,11 @@ def main(argv=None) -> dict:
                   compression_rate=args.compression_rate, dtype=jnp.dtype(dtype).name, steps=args.steps,
                   batch=args.batch, d_model=args.d_model, layers=args.layers, heads=args.heads,
                   kv_heads=args.kv_heads, token_shift=args.token_shift, pairs=args.pairs, queries=args.queries,
-                  num_values=args.num_values, seed=args.seed, lr=args.lr, scale=args.scale, rope_base=args.rope_base,
-                  len_warmup_steps=args.len_warmup_steps,
-                  len_warmup_start=args.len_warmup_start, losses=losses, batch_accuracies=accuracies, eval_loss=eval_loss,
-                  accuracy=accuracy, chance=1 / args.num_values, train_seconds=train_s, step_ms=step_ms,
-                  tokens_per_second=args.batch * args.seq_len / (step_ms / 1e3),
+                  num_values=args.num_values, seed=args.seed, lr=args.lr, scale=args.scale,
+                  rope_base=args.rope_base, len_warmup_steps=args.len_warmup_steps,
+                  len_warmup_start=args.len_warmup_start, losses=losses, batch_accuracies=accuracies,
+                  eval_loss=eval_loss, accuracy=accuracy, chance=1 / args.num_values, train_seconds=train_s,
+                  step_ms=step_ms, tokens_per_second=args.batch * args.seq_len / (step_ms / 1e3),
                   device=jax.devices()[0].device_kind)
     print(f"final: task={args.task} attention={attention} T={args.seq_len} eval accuracy {accuracy:.3f} (chance "
           f"{1 / args.num_values:.3f}), eval loss {eval_loss:.4f}, {train_s:.0f} s, {step_ms:.1f} ms/step, "

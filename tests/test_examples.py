@@ -87,7 +87,8 @@ def test_needle_task_with_a_length_curriculum_and_bfloat16_lowers_the_loss():
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--queries", "9", "--pairs", "8"],
                                   ["--pairs", "70", "--num-keys", "64"], ["--seq-len", "20", "--pairs", "8"],
-                                  ["--len-warmup-steps", "300"], ["--len-warmup-steps", "10", "--len-warmup-start", "48"]])
+                                  ["--len-warmup-steps", "300"],
+                                  ["--len-warmup-steps", "10", "--len-warmup-start", "48"]])
 def test_bad_arguments_are_refused(argv):
     example = _load()
     with pytest.raises(SystemExit):
@@ -122,3 +123,4 @@ def test_train_quality_runs_the_grid_and_writes_what_it_draws(tmp_path):
 
     assert json.loads(out.read_text()) == results
     assert "| 64 | htree top_k=4 | 0 | 4 |" in train_quality.table(results)
+
