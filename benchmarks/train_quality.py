@@ -59,7 +59,7 @@ def train_all(args, extra) -> list[dict]:
             print(f"# time budget spent: skipped T={T} {attention} top_k={top_k}", flush=True)
             continue
         argv = ["--attention", attention, "--seq-len", str(T), "--steps", str(args.steps),
-                "--batch", str(max(1, args.tokens_per_step // T)), "--eval-size", str(args.eval_size),
+                "--batch", str(args.tokens_per_step // T), "--eval-size", str(args.eval_size),
                 "--log-every", str(args.log_every), "--no-progress", "--seed", str(args.seed),
                 "--len-warmup-steps", str(args.len_warmup_steps),
                 "--compression-rate", str(args.compression_rate), *DEFAULT_MODEL, *extra]
@@ -164,7 +164,11 @@ def parse_args(argv=None):
     p.add_argument("--out", default="train_quality.json")
     p.add_argument("--plot", help="JSONs written by training runs, comma-separated: draw them, train nothing")
     p.add_argument("--png", help="where to save the figure (with --plot)")
-    return p.parse_known_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if not args.plot and args.seq_lens and any(args.tokens_per_step % T for T in args.seq_lens):
+        p.error(f"--tokens-per-step ({args.tokens_per_step}) must be a multiple of every --seq-lens "
+                f"{args.seq_lens}: each run's batch is tokens / T")
+    return args, extra
 
 
 def main(argv=None):

@@ -124,3 +124,10 @@ def test_train_quality_runs_the_grid_and_writes_what_it_draws(tmp_path):
     assert json.loads(out.read_text()) == results
     assert "| 64 | htree top_k=4 | 0 | 4 |" in train_quality.table(results)
 
+
+def test_train_quality_refuses_tokens_per_step_that_no_batch_fits():
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+    from benchmarks import train_quality
+
+    with pytest.raises(SystemExit):
+        train_quality.main(["--seq-lens", "4096,32768", "--tokens-per-step", "16384"])
