@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig
-from htree_jax.attention import _attend
+from htree_jax.backends import attend
 from htree_jax.bench import grad_of_sum, gpu_header, inputs, median_ms, planned_gb
 
 
@@ -27,7 +27,7 @@ def shard_call(config, grad: bool):
     """A shard's queries at `positions [S]` against every token (one compiled program
     for every shard)."""
     def forward(q_shard, k, v, positions):
-        return _attend(q_shard, k, v, config, "pallas", None, positions)[0]
+        return attend(q_shard, k, v, config, "pallas", None, positions)[0]
     return jax.jit(grad_of_sum(forward) if grad else forward)
 
 

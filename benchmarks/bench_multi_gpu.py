@@ -27,7 +27,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.attention import _attend
+from htree_jax.backends import attend
 from htree_jax.bench import dense_fn, gpu_header, grad_of_sum, int_list, median_ms
 
 H, H_KV, K, V = 32, 4, 128, 128
@@ -88,7 +88,7 @@ def batch_scaling(args, mesh, dev0, N: int) -> None:
     many = [jax.device_put(x, NamedSharding(mesh, P("x"))) for x in make_inputs(N, args.T, seed=1)]
     for top_k in int_list(args.top_k):
         config = HTreeConfig(top_k=top_k)
-        single = jax.jit(grad_of_sum(lambda q, k, v, c=config: _attend(q, k, v, c, "pallas", None)[0]))
+        single = jax.jit(grad_of_sum(lambda q, k, v, c=config: attend(q, k, v, c, "pallas", None)[0]))
         sharded = jax.jit(grad_of_sum(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")))
         t1, tn = median_ms(single, one, args.iters), median_ms(sharded, many, args.iters)
         print(f"| htree | {top_k} | {t1:.1f} | {tn:.1f} | {t1 / tn:.3f} | {collectives(sharded, many)} | "
@@ -105,7 +105,7 @@ def context_parallel(args, mesh, dev0, N: int) -> None:
     print("|---|---|---|---|---|---|---|")
     config = HTreeConfig(top_k=64)
     sharded = jax.jit(grad_of_sum(lambda q, k, v: htree_attention(q, k, v, config, backend="pallas")))
-    single = jax.jit(grad_of_sum(lambda q, k, v: _attend(q, k, v, config, "pallas", None)[0]))
+    single = jax.jit(grad_of_sum(lambda q, k, v: attend(q, k, v, config, "pallas", None)[0]))
     for T in int_list(args.cp_T):
         xs = make_inputs(1, T)
         t1 = "-"

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from htree_jax import HTreeConfig
-from htree_jax.attention import _attend
+from htree_jax.backends import attend
 from htree_jax.bench import grad_of_sum, gpu_header, inputs, int_list, median_ms
 from htree_jax.sharding import partitioned_attention
 
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     print("| top_k | pass | unsharded ms | sharded path ms | sharded/unsharded |\n|---|---|---|---|---|")
     for top_k in int_list(args.top_k):
         config = HTreeConfig(top_k=top_k)
-        plain = lambda q, k, v: _attend(q, k, v, config, "pallas")[0]
+        plain = lambda q, k, v: attend(q, k, v, config, "pallas")[0]
         sharded = lambda q, k, v: partitioned_attention(q, k, v, config, "pallas")[0]
         for name, a, b in (("forward", plain, sharded), ("fwd+bwd", grad_of_sum(plain), grad_of_sum(sharded))):
             a_ms = median_ms(jax.jit(a), (q, k, v), args.iters)

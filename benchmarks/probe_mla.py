@@ -18,7 +18,8 @@ import jax
 
 from htree_jax import HTreeConfig
 from htree_jax.bench import MLA, ideal_dense_ms, median_ms, mla_inputs
-from pallas_kernels.forward import BlockSizes, htree_forward_pallas
+from pallas_kernels.forward import htree_forward_pallas
+from pallas_kernels.plan import BlockSizes
 from pallas_kernels.precision import Precisions
 
 

@@ -21,7 +21,8 @@ from htree_jax import HTreeConfig
 from htree_jax.bench import H_KV, INPUTS, B, H, V, median_ms
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import BlockSizes, chunk_queries, htree_forward_pallas, prepare, valid_candidates
+from pallas_kernels.forward import htree_forward_pallas
+from pallas_kernels.plan import BlockSizes, chunk_queries, prepare, valid_candidates
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
 from pallas_kernels.precision import Precisions

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from benchmarks.bench_decode import DTYPE, H, H_KV, K, V, dense_decode, filled_cache, per_step_ms, start_lengths
 from htree_jax import HTreeConfig, decode_step
 from htree_jax.bench import gpu_header, int_list
-from htree_jax.decode import _attend, append_to_cache
+from htree_jax.backends import attend_cache
+from htree_jax.decode import append_to_cache
 
 
 def per_call_and_loop(body, state, steps, repeats):
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
             return c, c.lengths
 
         def walk(c):  # the cache unchanged: the walk at a fixed length
-            o, _ = _attend(q_t[:, None], c, c.lengths[:, None] - 1, config, args.backend)
+            o, _ = attend_cache(q_t[:, None], c.keys, c.values, c.lengths[:, None] - 1, config, args.backend)
             return c, o
 
         cases = [("dispatch floor (lengths + 1)", bump), ("decode_step", step), ("tree append only", append),

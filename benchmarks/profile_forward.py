@@ -18,9 +18,10 @@ import jax.numpy as jnp
 
 from htree_jax import HTreeConfig
 from htree_jax.bench import H_KV, INPUTS, B, H, K, dense_fn, median_ms
-from htree_jax.reference import top_layer_parents
+from htree_jax.core.indexing import top_layer_parents
 from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import BlockSizes, htree_forward_pallas, prepare, valid_candidates
+from pallas_kernels.forward import htree_forward_pallas
+from pallas_kernels.plan import BlockSizes, prepare, valid_candidates
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.merge import merge_pallas, merge_scored_pallas
 from pallas_kernels.precision import Precisions

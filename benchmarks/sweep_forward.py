@@ -13,7 +13,8 @@ from jax import lax
 
 from htree_jax.bench import dense_fn, inputs, median_ms
 from htree_jax import HTreeConfig
-from pallas_kernels.forward import BlockSizes, htree_forward_pallas
+from pallas_kernels.forward import htree_forward_pallas
+from pallas_kernels.plan import BlockSizes
 from pallas_kernels.precision import Precisions
 
 

@@ -49,7 +49,7 @@ import optax
 from flax import nnx
 
 import htree_jax
-from htree_jax.rope import rope_absolute
+from htree_jax.core.rope import rope_absolute
 
 NUM_FILLERS = 32
 

@@ -1,21 +1,69 @@
 """htree-jax: hierarchical sparse (htree) attention for JAX and Flax.
 
-Public API: `HTreeConfig`, `build_tree`, `htree_attention`, the Flax NNX module
-`HTreeAttention` (linen twin: `htree_jax.linen.HTreeAttention`), and `attention_fn` for
-`nnx.MultiHeadAttention` / `nn.MultiHeadDotProductAttention`, and incremental decoding:
-`init_cache`, `prefill`, `decode_step` (`HTreeCache`).
+Public API: `HTreeConfig`, `build_tree`, `htree_attention` (and `BlockSizes`, the Pallas
+kernels' tuning), the Flax NNX module `HTreeAttention` (linen twin:
+`htree_jax.linen.HTreeAttention`), `attention_fn` for `nnx.MultiHeadAttention` /
+`nn.MultiHeadDotProductAttention`, and incremental decoding: `init_cache`, `prefill`,
+`decode_step`, `reset_rows` (`HTreeCache`). The function they compute is stated in
+`docs/SPEC.md` ("SPEC n" in the code cites its section n).
+
+Layers, each importing only those below it (README, "Layout"):
+  public API    attention, decode, module, linen, flax_attention, sharding
+  backends      backends: the backend rule, `attend` and `attend_cache`
+  implementations  reference (JAX), `pallas_kernels` (Pallas-Triton)
+  core          htree_jax.core: config, validation, index arithmetic, RoPE, tree, packing
+
+The names are loaded on first use, so that `import pallas_kernels.forward` (which stands
+on `htree_jax.core`) loads neither Flax nor the API modules.
 """
 
-from htree_jax.attention import htree_attention
-from htree_jax.config import HTreeConfig
-from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill, reset_rows
-from htree_jax.flax_attention import attention_fn
-from htree_jax.module import HTreeAttention
-from htree_jax.tree import build_tree
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "HTreeAttention", "HTreeCache", "HTreeConfig", "attention_fn", "build_tree", "decode_step",
-    "htree_attention", "init_cache", "prefill", "reset_rows", "__version__",
-]
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "BlockSizes": "pallas_kernels.plan",
+    "HTreeAttention": "htree_jax.module",
+    "HTreeCache": "htree_jax.decode",
+    "HTreeConfig": "htree_jax.core.config",
+    "attention_fn": "htree_jax.flax_attention",
+    "build_tree": "htree_jax.core.tree",
+    "decode_step": "htree_jax.decode",
+    "htree_attention": "htree_jax.attention",
+    "init_cache": "htree_jax.decode",
+    "prefill": "htree_jax.decode",
+    "reset_rows": "htree_jax.decode",
+}
+# Submodules reachable as attributes after `import htree_jax` (e.g. `htree_jax.linen`).
+_SUBMODULES = ("attention", "backends", "bench", "core", "decode", "demo", "flax_attention", "introspect", "linen",
+               "module", "reference", "sharding")
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'htree_jax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from htree_jax.attention import htree_attention
+    from htree_jax.core.config import HTreeConfig
+    from htree_jax.core.tree import build_tree
+    from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill, reset_rows
+    from htree_jax.flax_attention import attention_fn
+    from htree_jax.module import HTreeAttention
+    from pallas_kernels.plan import BlockSizes

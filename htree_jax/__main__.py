@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from htree_jax.bench import add_bench_arguments, run_bench
 from htree_jax.demo import DemoError, add_demo_arguments, run_demo
 
 
@@ -14,8 +15,6 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="run htree through the public API and report on it")
     add_demo_arguments(demo)
     bench = sub.add_parser("bench", help="GPU forward benchmark: htree pallas vs reference vs dense cuDNN")
-    from htree_jax.bench import add_bench_arguments, run_bench
-
     add_bench_arguments(bench)
     args = parser.parse_args(argv)  # exits with 2 on unknown or malformed flags
     try:

@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from htree_jax import HTreeConfig, htree_attention
+from htree_jax.attention import htree_attention
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.rope import rope_absolute, rope_layout
 from htree_jax.reference import htree_attention_reference
-from htree_jax.rope import rope_absolute
 
 B, H, H_KV, K, V = 1, 32, 4, 128, 128
 
@@ -298,8 +299,6 @@ def chunked_dense_fn(config, block: int = 512):
     each block scores every key under the causal mask (twice the causal FLOPs, none of
     a `T x T` score matrix alive), rematerialised under autodiff; RoPE on the last
     `rope_dim` features at absolute positions, as htree's."""
-    from htree_jax.rope import rope_layout
-
     def f(q, k, v):
         qr = rope_absolute(rope_layout(q, config.rope_dim), config.rope_base, config.rope_dim).astype(q.dtype)
         kr = rope_absolute(rope_layout(k, config.rope_dim), config.rope_base, config.rope_dim).astype(k.dtype)

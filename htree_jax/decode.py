@@ -34,14 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax.config import HTreeConfig
-from htree_jax.reference import attend_tree, default_query_chunk
-from htree_jax.rope import rope_layout
-from htree_jax.tree import child_reciprocals, round_to_storage
-from htree_jax.validation import check_config, check_dtype
-
-# "auto": the Pallas decode kernels on a GPU when they support the dims, else the reference.
-DECODE_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
+from htree_jax.backends import attend_cache, decode_backend
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.rope import rope_layout
+from htree_jax.core.tree import child_reciprocals, round_to_storage
+from htree_jax.core.validation import check_config, check_dtype
+from htree_jax.sharding import partitioned_cache_attention
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths"], meta_fields=[])
@@ -270,50 +268,17 @@ def check_decode_config(config) -> HTreeConfig:
 
 
 def _resolve(backend, cache: HTreeCache, num_heads: int) -> str:
-    """The concrete decode backend: "reference", "pallas" or "pallas_interpret", by
-    `htree_jax.attention.pick_backend`'s rule and the decode kernels' limits."""
-    from htree_jax.attention import pick_backend
-    from pallas_kernels.decode import check_pallas_decode_dims
-
-    if backend not in DECODE_BACKENDS:
-        raise ValueError(f"backend must be one of {DECODE_BACKENDS} for decoding, got {backend!r}")
-    dims = (cache.keys[0].shape[-1], cache.values[0].shape[-1], num_heads // cache.num_kv_heads)
-    return pick_backend(backend, False, lambda: check_pallas_decode_dims(*dims))
+    """The concrete decode backend (`htree_jax.backends.decode_backend`: the rule of
+    `htree_attention`, with the decode kernels' limits)."""
+    K, V = cache.keys[0].shape[-1], cache.values[0].shape[-1]
+    return decode_backend(backend, K, V, num_heads // cache.num_kv_heads)
 
 
-def decode_backend(backend: str, interpret: bool = False) -> str:
-    """The decode backend named by a module's `(backend, interpret)` pair, by the rule of
-    `htree_jax.attention.resolve_backend`: `interpret=True` means the Pallas kernels
-    interpreted, and is refused with "reference"."""
-    from htree_jax.attention import check_interpret
-
-    return "pallas_interpret" if check_interpret(backend, interpret) else backend
-
-
-def _attend(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
+def _walk(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
-        from htree_jax.sharding import partitioned_cache_attention
-
         return partitioned_cache_attention(q, cache.keys, cache.values, positions, config, impl)
     return attend_cache(q, cache.keys, cache.values, positions, config, impl)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "impl"))
-def attend_cache(q, keys, values, positions, config: HTreeConfig, impl: str):
-    """Queries `q [B, S, H, K]` at `positions [B, S]` over a cache's tree layers (`keys`,
-    `values`, bottom first): `(o [B, S, H, V], selections)`."""
-    if impl != "reference":
-        from pallas_kernels.decode import attend_cache_pallas
-
-        # One new token is the newest in the cache: nothing after it can be NaN, so the
-        # decode kernels need not zero the values it does not merge (SPEC 10).
-        return attend_cache_pallas(q, keys, values, positions, config,
-                                   interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1)
-    B, S, H, K = q.shape
-    H_kv, V = keys[0].shape[2], values[0].shape[-1]
-    chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))
-    return attend_tree(q, list(zip(keys, values)), positions, config, chunk, keys_rotated=False)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl"), donate_argnames=("cache",))
@@ -329,7 +294,7 @@ def _prefill(q, k, v, cache, counts, config, return_selected, impl):
     positions = cache.lengths[:, None] + jnp.minimum(s[None, :], jnp.maximum(counts[:, None] - 1, 0))
     positions = jnp.minimum(positions, cache.max_len - 1)
     cache = append_to_cache(cache, k, v, config, counts)
-    o, selected = _attend(q, cache, positions, config, impl)
+    o, selected = _walk(q, cache, positions, config, impl)
     answer = jnp.where(fits, 0.0, jnp.nan).astype(o.dtype)  # padding: 0; a row that overflows: NaN
     o = jnp.where((real & fits[:, None])[..., None, None], o, answer[:, None, None, None])
     selected = [jnp.where(real[..., None, None], x, -1) for x in selected]

@@ -6,9 +6,17 @@ import argparse
 import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from htree_jax.attention import htree_attention
+from htree_jax.backends import full_sequence_backend
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.rope import rope_absolute
+from htree_jax.core.validation import check_qkv
 from htree_jax.introspect import candidates_per_query
+from reference_numpy import htree_attention_numpy
 
 # Outputs within this of the float64 oracle count as agreement (values are O(1)).
 AGREEMENT_TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
@@ -78,14 +86,6 @@ def _median_ms(fn, repeats):
 
 
 def run_demo(args) -> int:
-    import jax
-    import jax.numpy as jnp
-
-    from htree_jax import HTreeConfig, htree_attention
-    from htree_jax.attention import resolve_backend
-    from htree_jax.rope import rope_absolute
-    from reference_numpy import htree_attention_numpy
-
     _positive(args, "seq_len", "batch", "heads", "kv_heads", "head_dim", "value_dim", "repeats")
     if args.oracle_samples < 0:
         raise DemoError(f"--oracle-samples must be >= 0, got {args.oracle_samples}")
@@ -97,7 +97,6 @@ def run_demo(args) -> int:
         importance=args.importance,
         strict_causal=not args.no_strict_causal,
     )
-    backend = resolve_backend(args.backend)
     B, T, H, H_kv, K = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
     V = args.value_dim or K
     dtype = jnp.dtype(args.dtype)
@@ -105,6 +104,7 @@ def run_demo(args) -> int:
     q = jnp.asarray(rng.standard_normal((B, T, H, K)), dtype)
     k = jnp.asarray(rng.standard_normal((B, T, H_kv, K)), dtype)
     v = jnp.asarray(rng.standard_normal((B, T, H_kv, V)), dtype)
+    backend = full_sequence_backend(args.backend, check_qkv(q, k, v))
 
     if args.packed < 0 or args.packed > T:
         raise DemoError(f"--packed must be in [0, T = {T}], got {args.packed}")

@@ -1,5 +1,6 @@
-"""`attention_fn`: htree attention behind Flax's `attention_fn` hook, and the checks the
-Flax modules share (causal masks, dropout, the keyword arguments Flax passes).
+"""`attention_fn`: htree attention behind Flax's `attention_fn` hook, and what the Flax
+modules (nnx `module.py`, linen `linen.py`) share: their sizes, the checks of causal
+masks, dropout and the keyword arguments Flax passes.
 
 `nnx.MultiHeadAttention(..., attention_fn=htree_jax.attention_fn(config))` and
 `nn.MultiHeadDotProductAttention(..., attention_fn=...)` call it with projected
@@ -11,18 +12,72 @@ Everything else is refused by name before any kernel runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax.attention import BACKENDS, check_interpret, htree_attention
-from htree_jax.config import HTreeConfig
-from htree_jax.validation import check_config
+from htree_jax.attention import htree_attention
+from htree_jax.backends import check_backend, check_block_sizes
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.validation import check_config
 
 CAUSAL_ONLY = (
     "htree attention is causal by construction (SPEC 2: each query walks the tree of "
     "the tokens before it)"
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleDims:
+    """The checked sizes of an `HTreeAttention` (nnx or linen)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    in_features: int
+    out_features: int
+
+
+def _positive_int(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"{name} must be a positive int, got {x!r}")
+    return x
+
+
+def module_dims(num_heads, in_features, num_kv_heads=None, head_dim=None, out_features=None) -> ModuleDims:
+    """Validates the constructor's sizes; every error names the argument and the rule."""
+    H = _positive_int("num_heads", num_heads)
+    D_in = _positive_int("in_features", in_features)
+    H_kv = H if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+    if H % H_kv:
+        raise ValueError(
+            f"num_heads must be a multiple of num_kv_heads (GQA groups), got num_heads={H}, "
+            f"num_kv_heads={H_kv}"
+        )
+    if head_dim is None:
+        if D_in % H:
+            raise ValueError(
+                f"in_features must be divisible by num_heads when head_dim is not given, got "
+                f"in_features={D_in}, num_heads={H}; pass head_dim"
+            )
+        head_dim = D_in // H
+    D = _positive_int("head_dim", head_dim)
+    if D % 2:
+        raise ValueError(f"head_dim must be even (htree applies rotate-half RoPE), got {D}")
+    D_out = D_in if out_features is None else _positive_int("out_features", out_features)
+    return ModuleDims(H, H_kv, D, D_in, D_out)
+
+
+def check_inputs(inputs, dims: ModuleDims) -> None:
+    shape = getattr(inputs, "shape", None)
+    if shape is None or len(shape) < 2:
+        raise ValueError(f"inputs must have shape [batch..., T, in_features], got {shape!r}")
+    if shape[-1] != dims.in_features:
+        raise ValueError(
+            f"inputs: last axis must be in_features={dims.in_features}, got shape {list(shape)}"
+        )
 
 
 def _is_traced(x) -> bool:
@@ -102,16 +157,7 @@ def check_no_dropout(dropout_rate) -> None:
         )
 
 
-def check_backend(backend, interpret=False) -> str:
-    """`backend` one of `BACKENDS`, and `interpret` a bool that is True only with a
-    backend that has Pallas kernels (`htree_jax.attention.check_interpret`)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_interpret(backend, interpret)
-    return backend
-
-
-def attend(q, k, v, config, backend, interpret, segment_ids=None, max_documents=None, max_document_len=None):
+def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_documents=None, max_document_len=None):
     """`htree_attention` on `[batch..., T, heads, dim]` projections (any number of
     leading batch axes; `segment_ids [batch..., T]` for packed documents)."""
     batch_shape = q.shape[:-3]
@@ -121,12 +167,12 @@ def attend(q, k, v, config, backend, interpret, segment_ids=None, max_documents=
             raise ValueError(f"segment_ids must have shape [batch..., T] = {list(q.shape[:-2])}, "
                              f"got {list(segment_ids.shape)}")
         segment_ids = segment_ids.reshape(-1, segment_ids.shape[-1])
-    o = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, interpret=interpret,
+    o = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, block_sizes=block_sizes,
                         segment_ids=segment_ids, max_documents=max_documents, max_document_len=max_document_len)
     return o.reshape(batch_shape + o.shape[1:])
 
 
-def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", interpret: bool = False,
+def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", block_sizes=None,
                  check_mask: bool = True):
     """htree attention with the `attention_fn` contract of `nnx.MultiHeadAttention` and
     `nn.MultiHeadDotProductAttention`, so an existing Flax model switches with one argument:
@@ -150,7 +196,7 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", in
         htree never forms).
       qk_attn_weights_einsum, attn_weights_value_einsum: must be `None`.
 
-    `config`: the `HTreeConfig` (static); `backend`, `interpret`: as in `htree_attention`.
+    `config`: the `HTreeConfig` (static); `backend`, `block_sizes`: as in `htree_attention`.
 
     Packed documents cannot come through here: Flax's attention modules pass no segment
     ids to `attention_fn` (and a block-diagonal `mask` is refused above). Pack through
@@ -158,7 +204,8 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", in
     `htree_attention(..., segment_ids=...)`.
     """
     config = check_config(config)
-    check_backend(backend, interpret)
+    check_backend(backend)
+    check_block_sizes(block_sizes)
 
     def htree_attention_fn(
         query,
@@ -210,6 +257,6 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", in
                           check_values=check_mask)
         if dtype is not None:
             query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-        return attend(query, key, value, config, backend, interpret)
+        return attend(query, key, value, config, backend, block_sizes)
 
     return htree_attention_fn

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from htree_jax.reference import candidate_count, num_top_parents
+from htree_jax.core.indexing import candidate_count, num_top_parents
 
 
 def candidates_per_query(selected, config, seq_len):

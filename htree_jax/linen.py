@@ -10,10 +10,11 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
-from htree_jax.config import HTreeConfig
-from htree_jax.flax_attention import attend, check_backend, check_causal_mask
-from htree_jax.module import check_inputs, module_dims
-from htree_jax.validation import check_config
+from htree_jax.backends import check_backend, check_block_sizes
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.validation import check_config
+from htree_jax.decode import init_cache, prefill
+from htree_jax.flax_attention import attend, check_causal_mask, check_inputs, module_dims
 
 
 class HTreeAttention(nn.Module):
@@ -34,19 +35,20 @@ class HTreeAttention(nn.Module):
     config: HTreeConfig = HTreeConfig()
     dtype: Any = None
     param_dtype: Any = jnp.float32
-    use_bias: bool = False
+    use_bias: bool = True
     kernel_init: Callable = nn.linear.default_kernel_init
     bias_init: Callable = nn.initializers.zeros_init()
     precision: Any = None
     backend: str = "auto"
-    interpret: bool = False
+    block_sizes: Any = None
     decode: bool = False
 
     def _checked(self):
         dims = module_dims(self.num_heads, self.in_features, self.num_kv_heads, self.head_dim,
                            self.out_features)
         check_config(self.config)
-        check_backend(self.backend, self.interpret)
+        check_backend(self.backend)
+        check_block_sizes(self.block_sizes)
         return dims
 
     def _dense(self, features, name, axis=-1):
@@ -75,8 +77,6 @@ class HTreeAttention(nn.Module):
         out = self._dense(dims.out_features, "out", axis=(-2, -1))
         config = check_config(self.config)
         if decode:
-            from htree_jax.decode import decode_backend, init_cache, prefill
-
             if segment_ids is not None:
                 raise ValueError("segment_ids: packed documents are for full sequences, not decode=True")
             if mask is not None:
@@ -89,11 +89,10 @@ class HTreeAttention(nn.Module):
             tree = self.variable("cache", "tree", lambda: init_cache(
                 B, S, dims.num_kv_heads, dims.head_dim, dims.head_dim, config, k.dtype))
             if initialized:
-                o, tree.value = prefill(q, k, v, tree.value, config, lengths=lengths,
-                                        backend=decode_backend(self.backend, self.interpret))
+                o, tree.value = prefill(q, k, v, tree.value, config, lengths=lengths, backend=self.backend)
                 return out(o)
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=dims.num_heads, seq_len=T,
                           is_causal=mask is None)
-        return out(attend(q, k, v, config, self.backend, self.interpret, segment_ids, max_documents,
+        return out(attend(q, k, v, config, self.backend, self.block_sizes, segment_ids, max_documents,
                           max_document_len))

@@ -8,67 +8,16 @@ twin is `htree_jax.linen.HTreeAttention`.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
 
-from htree_jax.config import HTreeConfig
-from htree_jax.flax_attention import attend, check_backend, check_causal_mask
-from htree_jax.validation import check_config
-
-
-@dataclasses.dataclass(frozen=True)
-class ModuleDims:
-    """The checked sizes of an `HTreeAttention` (nnx or linen)."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    in_features: int
-    out_features: int
-
-
-def _positive_int(name: str, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-        raise ValueError(f"{name} must be a positive int, got {x!r}")
-    return x
-
-
-def module_dims(num_heads, in_features, num_kv_heads=None, head_dim=None, out_features=None) -> ModuleDims:
-    """Validates the constructor's sizes; every error names the argument and the rule."""
-    H = _positive_int("num_heads", num_heads)
-    D_in = _positive_int("in_features", in_features)
-    H_kv = H if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
-    if H % H_kv:
-        raise ValueError(
-            f"num_heads must be a multiple of num_kv_heads (GQA groups), got num_heads={H}, "
-            f"num_kv_heads={H_kv}"
-        )
-    if head_dim is None:
-        if D_in % H:
-            raise ValueError(
-                f"in_features must be divisible by num_heads when head_dim is not given, got "
-                f"in_features={D_in}, num_heads={H}; pass head_dim"
-            )
-        head_dim = D_in // H
-    D = _positive_int("head_dim", head_dim)
-    if D % 2:
-        raise ValueError(f"head_dim must be even (htree applies rotate-half RoPE), got {D}")
-    D_out = D_in if out_features is None else _positive_int("out_features", out_features)
-    return ModuleDims(H, H_kv, D, D_in, D_out)
-
-
-def check_inputs(inputs, dims: ModuleDims) -> None:
-    shape = getattr(inputs, "shape", None)
-    if shape is None or len(shape) < 2:
-        raise ValueError(f"inputs must have shape [batch..., T, in_features], got {shape!r}")
-    if shape[-1] != dims.in_features:
-        raise ValueError(
-            f"inputs: last axis must be in_features={dims.in_features}, got shape {list(shape)}"
-        )
+from htree_jax.backends import check_backend, check_block_sizes
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.validation import check_config
+from htree_jax.decode import init_cache, prefill
+from htree_jax.flax_attention import attend, check_causal_mask, check_inputs, module_dims
 
 
 class HTreeAttention(nnx.Module):
@@ -96,7 +45,8 @@ class HTreeAttention(nnx.Module):
         or float16).
       param_dtype, use_bias, kernel_init, bias_init, precision: as in `nnx.MultiHeadAttention`
         (applied to the four projections).
-      backend, interpret: as in `htree_attention` (`"auto"`: Pallas kernels on a GPU).
+      backend, block_sizes: as in `htree_attention` (`"auto"`: Pallas kernels on a GPU;
+        decoding uses the backend's decode kernels).
       rngs: `nnx.Rngs` for the parameter initialisers.
 
     `__call__(inputs, *, mask=None)`: `mask` may be `None` (causal) or the causal mask
@@ -114,19 +64,20 @@ class HTreeAttention(nnx.Module):
         config: HTreeConfig = HTreeConfig(),
         dtype=None,
         param_dtype=jnp.float32,
-        use_bias: bool = False,
+        use_bias: bool = True,
         kernel_init=default_kernel_init,
         bias_init=initializers.zeros_init(),
         precision=None,
         backend: str = "auto",
-        interpret: bool = False,
+        block_sizes=None,
         decode: bool = False,
         rngs: nnx.Rngs,
     ):
         dims = module_dims(num_heads, in_features, num_kv_heads, head_dim, out_features)
         self.config = check_config(config)
-        self.backend = check_backend(backend, interpret)
-        self.interpret = interpret
+        self.backend = check_backend(backend)
+        check_block_sizes(block_sizes)
+        self.block_sizes = block_sizes
         if not isinstance(decode, bool):
             raise TypeError(f"decode must be a bool, got {decode!r}")
         self.decode = decode
@@ -149,8 +100,6 @@ class HTreeAttention(nnx.Module):
         to `max_len` tokens, in `dtype` (default: the module's `dtype`, else `param_dtype`:
         the projections' dtype). Then `module(x, decode=True)` appends `x [B, S, in_features]`
         (a prompt, or one token) and attends with it."""
-        from htree_jax.decode import init_cache
-
         dtype = dtype or self.dtype or self.param_dtype
         self.cache = nnx.Cache(init_cache(batch_size, max_len, self.num_kv_heads, self.head_dim,
                                           self.head_dim, self.config, dtype))
@@ -182,13 +131,11 @@ class HTreeAttention(nnx.Module):
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=self.num_heads, seq_len=T,
                           is_causal=mask is None)
         q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
-        o = attend(q, k, v, self.config, self.backend, self.interpret, segment_ids, max_documents,
+        o = attend(q, k, v, self.config, self.backend, self.block_sizes, segment_ids, max_documents,
                    max_document_len)
         return self.out(o)
 
     def _decode(self, inputs, mask, lengths):
-        from htree_jax.decode import decode_backend, prefill
-
         if self.cache is None:
             raise ValueError("decode=True needs a cache: call init_cache(batch_size, max_len) first")
         if mask is not None:
@@ -196,7 +143,6 @@ class HTreeAttention(nnx.Module):
         if inputs.ndim != 3:
             raise ValueError(f"inputs must have shape [B, S, in_features] with decode=True, got {list(inputs.shape)}")
         q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
-        o, cache = prefill(q, k, v, self.cache.get_value(), self.config, lengths=lengths,
-                           backend=decode_backend(self.backend, self.interpret))
+        o, cache = prefill(q, k, v, self.cache.get_value(), self.config, lengths=lengths, backend=self.backend)
         self.cache.set_value(cache)
         return self.out(o)

@@ -17,9 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from htree_jax.config import FORCED_IMPORTANCE, HTreeConfig
-from htree_jax.rope import apply_rope, rope_table
-from htree_jax.tree import build_tree
+from htree_jax.core.config import FORCED_IMPORTANCE, HTreeConfig
+from htree_jax.core.indexing import (
+    candidate_count,
+    candidate_nodes,
+    num_parents,
+    pack_importance,
+    top_layer_parents,
+)
+from htree_jax.core.packing import build_packed_tree, tokens_to_virtual, virtual_exists
+from htree_jax.core.rope import apply_rope, rope_table
+from htree_jax.core.softmax import importance, merge, normalize
+from htree_jax.core.tree import build_tree
 
 # Small chunks stay cache-resident: 64 MiB ran 2.1x faster than 1 GiB on 2 CPU cores.
 DEFAULT_CHUNK_BUDGET_BYTES = 64 << 20
@@ -45,42 +54,9 @@ def default_query_chunk(config, batch, seq_len, num_kv_heads, group, head_dim, v
 
 
 # ---------------------------------------------------------------------------------------
-# SPEC 2, one function per step. The kernels (`pallas_kernels/`) import the plain
-# arithmetic ones; the float64 oracle (`reference_numpy/`) has its own, under the same names.
-
-
-def num_top_parents(t, r: int, num_layers: int):
-    """SPEC 2: the top layer's virtual parents are `0 .. floor(i*_{L-1} / r)`: this many.
-    Plain arithmetic (Python, NumPy or JAX integers)."""
-    return t // r ** (num_layers - 1) // r + 1
-
-
-def top_layer_parents(t, r: int, num_layers: int, width: int):
-    """The top layer's virtual parents as a padded list: `t [...]` int -> `[..., width]`
-    int32, slot `s` holding node `s` while `s < num_top_parents(t)`, `-1` after."""
-    slot = jnp.arange(width, dtype=jnp.int32)
-    return jnp.where(slot < num_top_parents(jnp.asarray(t)[..., None], r, num_layers), slot, -1).astype(jnp.int32)
-
-
-def num_parents(parents):
-    """Length of each padded parent list `[..., P]` (`-1` padded): `[..., 1]`."""
-    return jnp.sum(parents >= 0, axis=-1, keepdims=True, dtype=jnp.int32)
-
-
-def candidate_count(parent_count, t, r: int, layer: int):
-    """SPEC 2.1: valid candidates `n = (n_P - 1) * r + c* + 1`, with `c* = (t // r^l) mod r`
-    and `n_P = parent_count`.
-
-    Plain arithmetic, so it serves NumPy and JAX arrays alike (any broadcastable shapes).
-    """
-    return (parent_count - 1) * r + (t // r**layer) % r + 1
-
-
-def candidate_nodes(parents, positions, r: int):
-    """SPEC 2.1: buffer position `p = s*r + c` holds node `parents[s]*r + c`.
-    `parents [..., P]`, `positions [M]` -> `[..., M]` (garbage where the slot is `-1`:
-    the caller masks positions `>= n`)."""
-    return parents[..., positions // r] * r + positions % r
+# SPEC 2, one function per step (the index arithmetic and the softmax arithmetic they
+# share with the kernels are in `htree_jax.core`); the float64 oracle
+# (`reference_numpy/`) has its own, under the same names.
 
 
 def rotate_relative(x, rel, cos, sin):
@@ -108,41 +84,6 @@ def scores(q, keys_by_slot, n, alpha, cos, sin, r: int):
     return alpha * s.reshape(C, q.shape[1], -1)
 
 
-def importance(scores, in_norm, mode):
-    """Group importance (SPEC 2.3). `scores [C, G, M]` float32, `in_norm [C, M]` (the
-    set R) -> `[C, M]`; 0 where R is empty. The normaliser comes from R; every position
-    gets its formula value (the rightmost too, which SPEC 8 exports); the caller forces
-    the rightmost for the selection and masks invalid positions."""
-    has_norm = jnp.any(in_norm, axis=-1, keepdims=True)  # [C, 1]
-    s_r = jnp.where(in_norm[:, None, :], scores, -jnp.inf)
-    if mode == "softmax":
-        mx = jnp.max(s_r, axis=-1, keepdims=True)  # [C, G, 1]
-        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        lse = mx + jnp.log(jnp.sum(jnp.exp(s_r - mx), axis=-1, keepdims=True))
-        imp = jnp.sum(jnp.exp(scores - lse), axis=1)
-    elif mode == "shared_max":
-        mx = jnp.max(s_r, axis=(1, 2), keepdims=True)  # [C, 1, 1]
-        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        imp = jnp.sum(jnp.exp(scores - mx), axis=1)
-    else:
-        raise ValueError(f"unknown importance mode {mode!r}")
-    return jnp.where(has_norm, imp, 0.0)
-
-
-def pack_importance(importance, positions, log_n: int):
-    """SPEC 2.3 stable order: float32 bits, low `log_n` bits replaced by `~p`, as int32.
-
-    Keys compare as integers (order-preserving for importance >= 0, and immune to
-    denormal flushing); ties in the kept high bits go to the smaller position. A NaN
-    importance (scores that overflowed, SPEC 10) packs as 0: its bits would compare above
-    the forced rightmost node's and push the node holding `t` out of the selection.
-    Plain `lax` bit operations, so the kernels use it as it is.
-    """
-    mask = (1 << log_n) - 1
-    importance = importance.astype(jnp.float32)
-    importance = jnp.where(jnp.isnan(importance), 0.0, importance)
-    bits = lax.bitcast_convert_type(importance, jnp.int32)
-    return (bits & ~mask) | (mask - positions)
 
 
 def select_top_k(importance_keys, valid, nodes, top_k, max_candidates, values=None):
@@ -168,30 +109,8 @@ def select_top_k(importance_keys, valid, nodes, top_k, max_candidates, values=No
     return selected, next_parents, jnp.where(positions < max_candidates, kept, 0.0)
 
 
-def merge(state, scores, values, merged):
-    """SPEC 2.4: online-softmax fold of the merged candidates into `(m, S, U)`.
-
-    `state`: `m, S [C, G]`, `U [C, G, V]`; `scores [C, G, M]`; `values [C, M, V]`;
-    `merged [C, M]`. A layer with nothing merged leaves the state as it is. Values of
-    candidates not merged are zeroed before the product: a weight of 0 times a NaN or
-    infinite value would still be NaN (SPEC 10).
-    """
-    m, S, U = state
-    s_m = jnp.where(merged[:, None, :], scores, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s_m, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    w = jnp.exp(s_m - m_safe[..., None])
-    decay = jnp.exp(m - m_safe)
-    S = S * decay + jnp.sum(w, axis=-1)
-    values = jnp.where(merged[..., None], values, 0.0)
-    U = U * decay[..., None] + jnp.einsum("cgm,cmv->cgv", w, values, precision=lax.Precision.HIGHEST)
-    return m_new, S, U
 
 
-def normalize(state):
-    """The output `o = U / S` of a softmax state `(m, S [..., G], U [..., G, V])`."""
-    _, S, U = state
-    return U / S[..., None]
 
 
 def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True, base=None,
@@ -206,7 +125,7 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     `L-1 .. 1`, each `[C, top_k]` int32 (and, with `return_importance`, their
     importance, each `[C, top_k]` float32, SPEC 8).
 
-    Packed sequences (`htree_jax.packing`): `t` is each query's position inside its
+    Packed sequences (`htree_jax.core.packing`): `t` is each query's position inside its
     document and `base [C]` its document's virtual start; node `i` of that document on
     layer `l` is row `base / r^l + i` of `layers`. Node lists stay document-local.
     """
@@ -362,13 +281,11 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
 
 def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, query_chunk: int | None = None,
                                      return_importance: bool = False):
-    """Packed rows (SPEC 6; `htree_jax.packing.Packing`): each document attended alone.
+    """Packed rows (SPEC 6; `htree_jax.core.packing.Packing`): each document attended alone.
     Returns `(o, selections)` as `htree_attention_reference`, the selections counted
     inside each token's document. The tree is built in the virtual layout and walked
     with document-local positions; its keys are rotated as gathered (a top node's place
     in its document is not its row's)."""
-    from htree_jax.packing import build_packed_tree, tokens_to_virtual, virtual_exists
-
     B, T, H, K = q.shape
     if query_chunk is None:
         query_chunk = default_query_chunk(config, B, T, k.shape[2], H // k.shape[2], K, v.shape[-1])

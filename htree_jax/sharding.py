@@ -48,6 +48,10 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from htree_jax.backends import attend as attend_locally
+from htree_jax.backends import attend_cache
+from htree_jax.core.packing import pack_layout
+
 
 def _axes(spec, ndim):
     return tuple(spec) + (None,) * (ndim - len(spec))
@@ -100,7 +104,7 @@ def _backward_rule(packed: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned_calls(config, impl: str, num_selections: int, packed=None):
+def _partitioned_calls(config, impl: str, num_selections: int, packed=None, block_sizes=None):
     """`(forward, backward)`: custom-partitioned local calls for `config` and `impl`.
 
     `packed`: `(virtual_len, max_document_len)` for packed rows (`segment_ids [B, T]`
@@ -109,17 +113,14 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None):
     Context parallelism (`T` sharded over mesh axis `t`): each device keeps its queries,
     all-gathers `k`, `v` along `t` (the tree is built from every token), attends its
     queries at their own positions (`axis_index(t) * S + s`), and in the backward
-    reduce-scatters its share of `dk`, `dv` back along `t` (`psum_scatter`)."""
-    from htree_jax.attention import _attend
+    reduce-scatters its share of `dk`, `dv` back along `t` (`psum_scatter`).
+    `block_sizes`: the Pallas kernels' (`backends.attend`)."""
 
     def attend(q5, k, v, positions=None, segment_ids=None):
         B, S, H_kv, G, K = q5.shape
-        packing = None
-        if segment_ids is not None:
-            from htree_jax.packing import pack_layout
-
-            packing = pack_layout(segment_ids, config, packed[0], packed[1])
-        o, selected = _attend(q5.reshape(B, S, H_kv * G, K), k, v, config, impl, packing, positions)
+        packing = None if segment_ids is None else pack_layout(segment_ids, config, packed[0], packed[1])
+        o, selected = attend_locally(q5.reshape(B, S, H_kv * G, K), k, v, config, impl, packing, positions,
+                                     block_sizes=block_sizes)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
 
     def gathered(q5, k, v, t):
@@ -194,20 +195,20 @@ def _num_selections(config, T: int, packed) -> int:
     return config.num_layers(T if packed is None or packed[1] is None else packed[1]) - 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attend_partitioned(q5, k, v, segment_ids, config, impl, packed):
-    return _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attend_partitioned(q5, k, v, segment_ids, config, impl, packed, block_sizes):
+    return _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, block_sizes)[0]
 
 
-def _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed):
-    fwd, _ = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed)
+def _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, block_sizes):
+    fwd, _ = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, block_sizes)
     o5, *selected = fwd(q5, k, v, *([] if segment_ids is None else [segment_ids]))
     return (o5, selected), (q5, k, v, segment_ids)
 
 
-def _attend_partitioned_bwd(config, impl, packed, residuals, cotangents):
+def _attend_partitioned_bwd(config, impl, packed, block_sizes, residuals, cotangents):
     q5, k, v, segment_ids = residuals
-    _, bwd = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed)
+    _, bwd = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, block_sizes)
     extra = [] if segment_ids is None else [segment_ids]
     return tuple(bwd(q5, k, v, *extra, cotangents[0])) + (None,)
 
@@ -238,16 +239,19 @@ def check_input_shardings(q, k, v) -> None:
                              f"splits a GQA group: H_kv = {H_kv} kv heads must be divisible by it")
 
 
-def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_len=None, max_document_len=None):
+def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_len=None, max_document_len=None,
+                          block_sizes=None):
     """`(o [B, T, H, V], selections)` of validated inputs through the custom-partitioned
     calls: under `jit` with batch- or head-sharded inputs, one local call per shard.
-    Packed rows: `segment_ids [B, T]` int32 (checked) and the static layout
-    (`virtual_len`, `max_document_len`, `htree_jax.packing`)."""
+    `impl`: a concrete backend (`backends.choose_backend`). Packed rows: `segment_ids
+    [B, T]` int32 (checked) and the static layout (`virtual_len`, `max_document_len`,
+    `htree_jax.core.packing`). `block_sizes`: the Pallas kernels' (None: tuned)."""
     check_input_shardings(q, k, v)
     B, T, H, K = q.shape
     H_kv = k.shape[2]
     packed = None if segment_ids is None else (virtual_len, max_document_len)
-    o5, selected = _attend_partitioned(q.reshape(B, T, H_kv, H // H_kv, K), k, v, segment_ids, config, impl, packed)
+    o5, selected = _attend_partitioned(q.reshape(B, T, H_kv, H // H_kv, K), k, v, segment_ids, config, impl, packed,
+                                       block_sizes)
     return o5.reshape(B, T, H, -1), list(selected)
 
 
@@ -257,9 +261,8 @@ def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_
 
 @functools.lru_cache(maxsize=None)
 def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: int):
-    """A custom-partitioned `decode.attend_cache` over `num_layers` cache layers:
+    """A custom-partitioned `backends.attend_cache` over `num_layers` cache layers:
     `f(q5, positions, *keys, *values) -> (o5, *selections)`."""
-    from htree_jax.decode import attend_cache
 
     def walk(q5, positions, *layers):
         B, S, H_kv, G, K = q5.shape
@@ -293,7 +296,7 @@ def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: 
 
 
 def partitioned_cache_attention(q, keys, values, positions, config, impl: str):
-    """`decode.attend_cache` through a custom-partitioned call: under `jit` with a cache
+    """`backends.attend_cache` through a custom-partitioned call: under `jit` with a cache
     (and queries) sharded along the batch and/or the kv heads, one local walk per shard."""
     B, S, H, K = q.shape
     H_kv, L = keys[0].shape[2], len(keys)

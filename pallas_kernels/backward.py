@@ -52,11 +52,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from htree_jax.config import HTreeConfig
-from htree_jax.packing import virtual_exists
-from htree_jax.rope import apply_rope
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.packing import virtual_exists
+from htree_jax.core.rope import apply_rope
 from pallas_kernels.common import next_power_of_two, pad_axis, unpad_rope_halves, virtual_heads
-from pallas_kernels.forward import (
+from pallas_kernels.plan import (
     BlockSizes,
     chunk_queries,
     prepare,
@@ -142,11 +142,11 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     backward makes anyway, not as masked copies of its own.
     `selections`: the forward's (its second output, top layer first); the kept nodes
     are then read from them instead of running the importance and top-K kernels again.
-    `packing`: packed rows (`htree_jax.packing`), with the forward's `selections` (tree
+    `packing`: packed rows (`htree_jax.core.packing`), with the forward's `selections` (tree
     rows, as `htree_forward_pallas(..., packing=)` returns them), required there.
     `positions [S]`: the queries' positions among `k`'s tokens, as the forward takes them.
     `block_sizes`: `None` for `BlockSizes.for_dims(K, V)`. Bitwise deterministic.
-    Groups of more than 16 heads run as virtual kv heads (`forward.split_heads`): their
+    Groups of more than 16 heads run as virtual kv heads (`plan.split_heads`): their
     key and value gradients are summed over the split heads at the end."""
     if packing is not None and selections is None and packing.num_layers > 1:
         raise ValueError("the packed backward takes the forward's selections")

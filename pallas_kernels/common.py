@@ -19,6 +19,28 @@ from pallas_kernels.precision import key_parts
 
 NEG_INF = float("-inf")
 
+# The kernels' limits. Head dims are padded to powers of two inside (every load is);
+# 576 and 512 are latent attention's (DeepSeek: K = 512 + 64, V = 512).
+MIN_DIM, MAX_HEAD_DIM, MAX_VALUE_DIM = 32, 576, 512
+# At most `KERNEL_GROUP` query heads per kv head make a program's rows; larger groups (a
+# multiple of it, up to `MAX_GROUP`: latent attention's 64-128 heads over one kv head)
+# run as `G / KERNEL_GROUP` virtual kv heads whose selections come from the whole group.
+KERNEL_GROUP, MAX_GROUP = 16, 128
+
+
+def check_group(G: int, who: str) -> None:
+    """`G = H / H_kv`: at most `KERNEL_GROUP`, or a multiple of it up to `MAX_GROUP`."""
+    if G > MAX_GROUP or (G > KERNEL_GROUP and G % KERNEL_GROUP):
+        raise ValueError(
+            f"{who} supports GQA groups of at most {KERNEL_GROUP} query heads per kv head, or a multiple of "
+            f"{KERNEL_GROUP} up to {MAX_GROUP}, got H / H_kv = {G}"
+        )
+
+
+def head_split(G: int) -> int:
+    """Virtual kv heads per kv head: `G / KERNEL_GROUP` for larger groups, else 1."""
+    return G // KERNEL_GROUP if G > KERNEL_GROUP else 1
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerStatic:
@@ -56,7 +78,6 @@ class LayerStatic:
     merge_operands: str | None = None
 
 
-
 def merge_score_precision(st: LayerStatic):
     """The merge dots' precision: `st.merge_precision`, or `st.precision` when unset."""
     return st.precision if st.merge_precision is None else st.merge_precision
@@ -80,9 +101,6 @@ def pad_axis(x, axis: int, size: int):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
     return jnp.pad(x, widths)
-
-
-
 
 
 def real_heads(x, split: int):
@@ -118,7 +136,6 @@ def pad_rope_halves(x, half: int):
     return jnp.concatenate([pad_axis(lo, -1, half), pad_axis(hi, -1, half)], axis=-1)
 
 
-
 def unpad_rope_halves(x, K: int):
     """Inverse of `pad_rope_halves`: `[..., 2*half]` -> `[..., K]`."""
     half = x.shape[-1] // 2
@@ -127,11 +144,9 @@ def unpad_rope_halves(x, K: int):
     return jnp.concatenate([x[..., : K // 2], x[..., half: half + K // 2]], axis=-1)
 
 
-
 def pad_nodes(layer, tile: int):
     """Zero rows up to the next multiple of `tile` (`[B, H_kv, N, D]`)."""
     return pad_axis(layer, 2, -(-layer.shape[2] // tile) * tile)
-
 
 
 def candidate_nodes(par_ref, p0, width: int, n, r: int):

@@ -7,7 +7,7 @@ running max and sum over the normaliser set R; `keys_from_scores` (one fused XLA
 turns them into packed keys. The merge of the same layer then reads the stored scores
 (`merge.merge_scored_pallas`) instead of gathering and scoring the keys again.
 
-Layouts (padded by `forward.prepare`):
+Layouts (padded by `plan.prepare`):
   q        `[B, Q, H_kv, Gp, Kp]`  un-rotated, halves padded apart (`pad_rope_halves`)
   parents  `[B, Q/BQ, H_kv, P]` int32  ascending, `-1` padded; `P * r = Mp`; one row per
            block of BQ queries that share them (the forward uses BQ = 1 here)
@@ -30,15 +30,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from htree_jax.config import FORCED_IMPORTANCE
-from htree_jax.reference import candidate_nodes as nodes_of_positions
-from htree_jax.reference import importance, pack_importance
-from htree_jax.rope import apply_rope
+from htree_jax.core.config import FORCED_IMPORTANCE
+from htree_jax.core.indexing import candidate_nodes as nodes_of_positions
+from htree_jax.core.indexing import pack_importance
+from htree_jax.core.rope import apply_rope
+from htree_jax.core.softmax import importance
 from pallas_kernels.common import (
     NEG_INF,
     LayerStatic,
     block_specs,
     candidate_nodes,
+    compiler_params,
     layer_params,
     per_query,
     real_heads,
@@ -171,7 +173,7 @@ def keys_from_scores(scores, shift, n, st: LayerStatic, export: bool = False):
 
 def group_keys_from_scores(scores, shift, n, st: LayerStatic, split: int = 1, export: bool = False):
     """`keys_from_scores` of the real kv heads where the kv heads `[B, Q, H_kv * split,
-    ...]` are virtual (`forward.split_heads`, every row a real head): each kv head's
+    ...]` are virtual (`plan.split_heads`, every row a real head): each kv head's
     `split * Gp` rows taken as one group (`shared_shift`), `n` as a virtual layout's."""
     if split == 1:
         return keys_from_scores(scores, shift, n, st, export)
@@ -192,7 +194,7 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
     one row per block of `BQ = st.block_queries` queries that share them; `k_phases` the
     layer's keys from `rotate_phases`, as `key_operands(..., st.precision,
     st.importance_operands)`. Holds `B * Q * H_kv * Gp * Mp` float32 scores meanwhile.
-    `split > 1`: the kv heads are virtual, `split` per real one (`forward.split_heads`,
+    `split > 1`: the kv heads are virtual, `split` per real one (`plan.split_heads`,
     `Gp = st.group` rows each): the keys (and importance) are those of the real kv heads,
     `[B, Q, H_kv / split, Mp]`, from the whole group's scores; the scores stay virtual.
     """
@@ -254,3 +256,131 @@ def importance_keys_twin(q, parents, n, layer_k, cos, sin, st: LayerStatic):
     keys = jnp.where(flat(valid), pack_importance(imp, positions[None], st.log_n), -1)
     return keys.reshape(B, Q, H_kv, -1)
 
+
+
+# ---------------------------------------------------------------------------------------
+# The decode walk's scores (`pallas_kernels/decode.py`): a cache's keys read as stored
+# (un-rotated) and rotated after the gather; a query's candidates split over programs.
+
+
+def feature_pieces(width: int) -> tuple:
+    """`(start, size)` power-of-two pieces covering `[0, width)`, largest first."""
+    pieces, start = [], 0
+    for bit in reversed(range(width.bit_length())):
+        if width & (1 << bit):
+            pieces.append((start, 1 << bit))
+            start += 1 << bit
+    return tuple(pieces)
+
+
+def cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision, operands):
+    """Scores `[Gp, span]` of candidate positions `[p0, p0 + span)` (`p0` a multiple of
+    the span), their validity, positions and nodes. Keys are gathered un-rotated and
+    rotated here by `p - p0`; the query by `n - 1 - p0`."""
+    r, span = st.r, st.span
+    half = cos_ref.shape[-1]
+    positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
+    angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked by the caller
+    scores = None
+    for (start, size), q_lo, q_hi in zip(feature_pieces(half), q_lo, q_hi):  # the score sums over features
+        k_lo = k_ref[nodes, pl.ds(start, size)].astype(jnp.float32)
+        k_hi = k_ref[nodes, pl.ds(half + start, size)].astype(jnp.float32)
+        kc, ks = cos_ref[pl.ds(0, span), pl.ds(start, size)], sin_ref[pl.ds(0, span), pl.ds(start, size)]
+        k_lo, k_hi = k_lo * kc - k_hi * ks, k_lo * ks + k_hi * kc
+        c, s = cos_ref[pl.ds(angle, 1), pl.ds(start, size)], sin_ref[pl.ds(angle, 1), pl.ds(start, size)]
+        r_lo, r_hi = q_lo * c - q_hi * s, q_lo * s + q_hi * c
+        piece = score_dot(r_lo, (k_lo,), precision, operands) + score_dot(r_hi, (k_hi,), precision, operands)
+        scores = piece if scores is None else scores + piece
+    return st.alpha * scores, valid, positions, nodes
+
+
+def cache_split_spans(n, st: LayerStatic):
+    """`(start, count)`: the first position of this program's split and how many of its
+    spans hold valid candidates."""
+    start = pl.program_id(3) * st.tile
+    count = jnp.clip((n - start + st.span - 1) // st.span, 0, st.tile // st.span)
+    return start, count
+
+
+def cache_query_halves(q_ref):
+    """The query's RoPE halves, each as its `feature_pieces`."""
+    half = q_ref.shape[-1] // 2
+    pieces = feature_pieces(half)
+    return ([q_ref[:, pl.ds(a, size)].astype(jnp.float32) for a, size in pieces],
+            [q_ref[:, pl.ds(half + a, size)].astype(jnp.float32) for a, size in pieces])
+
+
+def cache_specs(gp: int, Mp: int, st: LayerStatic, layer_n: int, K: int | None = None, V: int | None = None,
+           heads_per_layer_head: int = 1):
+    """BlockSpecs of a grid `(B, Q, H_kv, splits)`; those of the keys, queries and RoPE
+    tables need `K`, those of the values and states `V`. `heads_per_layer_head > 1`:
+    the grid's kv heads are virtual, that many per kv head of the layers
+    (`plan.split_heads`), which are read in place, not repeated."""
+    per = heads_per_layer_head
+    W = st.tile
+    query = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h, s: (b, i, h) + (0,) * len(tail))
+    split = lambda *tail: pl.BlockSpec((None, None, None) + tail[:-1] + (W,),
+                                       lambda b, i, h, s: (b, i, h) + (0,) * (len(tail) - 1) + (s,))
+    partial = lambda *tail: pl.BlockSpec((None, None, None, None) + tail,
+                                         lambda b, i, h, s: (b, i, h, s) + (0,) * len(tail))
+    layer = lambda D: pl.BlockSpec((None, layer_n, None, D), lambda b, i, h, s: (b, 0, h // per, 0))
+    specs = dict(parents=query(Mp // st.r), n=query(1), tau=query(1), keys=split(Mp), scores=split(gp, Mp),
+                 vec=partial(gp))
+    if K is not None:
+        specs.update(q=query(gp, K), k=layer(K), table=pl.BlockSpec((Mp, K // 2), lambda b, i, h, s: (0, 0)))
+    if V is not None:
+        specs.update(v=layer(V), mat=partial(gp, V))
+    return specs
+
+
+def partial_shapes(B, Q, H_kv, splits, gp, V=None):
+    vec = jax.ShapeDtypeStruct((B, Q, H_kv, splits, gp), jnp.float32)
+    return [vec, vec] if V is None else [vec, vec, jax.ShapeDtypeStruct((B, Q, H_kv, splits, gp, V), jnp.float32)]
+
+
+def _cache_scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, s_ref, m_ref, t_ref, *, st: LayerStatic):
+    """One split of a selecting layer: its candidates' scores (stored, real heads' rows)
+    and its rows' running max and sum of `exp` over R (SPEC 2.3)."""
+    gp = q_ref.shape[0]
+    n = n_ref[0]
+    q_lo, q_hi = cache_query_halves(q_ref)
+    start, count = cache_split_spans(n, st)
+    last_in_norm = n - 1 if st.strict_causal else n
+    real_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[:, None], (gp, st.span))
+
+    def score_span(j, carry):
+        scores, _, positions, _ = cache_span_scores(start + j * st.span, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n,
+                                               st, st.precision, st.importance_operands)
+        plgpu.store(s_ref.at[:, pl.ds(j * st.span, st.span)], scores, mask=real_rows)
+        return online_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
+
+    init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    m, total = lax.fori_loop(0, count, score_span, init)
+    m_ref[...] = m
+    t_ref[...] = total
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret"))
+def decode_scores_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, interpret: bool = False):
+    """`(scores [B, Q, H_kv, Gp, Mp], m, total [B, Q, H_kv, splits, Gp])` of a selecting
+    layer: the stored scores and each split's running max / sum over R."""
+    B, Q, H_kv, gp, K = q.shape
+    Mp = cos.shape[0]
+    splits = Mp // st.tile
+    sp = cache_specs(gp, Mp, st, layer_k.shape[1], K=K, heads_per_layer_head=H_kv // layer_k.shape[2])
+    return pl.pallas_call(
+        functools.partial(_cache_scores_kernel, st=st),
+        grid=(B, Q, H_kv, splits),
+        in_specs=[sp["q"], sp["parents"], sp["n"], sp["k"], sp["table"], sp["table"]],
+        out_specs=[sp["scores"], sp["vec"], sp["vec"]],
+        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, gp, Mp), jnp.float32)] + partial_shapes(B, Q, H_kv, splits, gp),
+        compiler_params=compiler_params(st.num_warps, 1),
+        interpret=interpret,
+    )(q, parents, n, layer_k, cos, sin)
+
+
+def combine_max_sum(m, total):
+    """Per-split running `(max, sum of exp)` `[..., splits, rows]` -> the rows' `(max, sum)`."""
+    m_all = jnp.max(m, axis=-2)
+    m_safe = jnp.where(m_all == NEG_INF, 0.0, m_all)
+    return m_all, jnp.sum(total * jnp.exp(m - m_safe[..., None, :]), axis=-2)

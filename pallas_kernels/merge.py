@@ -22,18 +22,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from htree_jax.reference import candidate_nodes as nodes_of_positions
-from htree_jax.reference import merge, normalize
+from htree_jax.core.indexing import candidate_nodes as nodes_of_positions
+from htree_jax.core.softmax import merge, normalize
 from pallas_kernels.common import (
     NEG_INF,
     LayerStatic,
     block_specs,
     candidate_nodes,
+    compiler_params,
     layer_params,
     merge_score_precision,
     per_query,
 )
-from pallas_kernels.importance import gather_nodes, query_rows, score_tile, scores_twin
+from pallas_kernels.importance import (
+    cache_query_halves,
+    cache_span_scores,
+    cache_specs,
+    cache_split_spans,
+    feature_pieces,
+    gather_nodes,
+    partial_shapes,
+    query_rows,
+    score_tile,
+    scores_twin,
+)
 from pallas_kernels.precision import check_key_parts, key_parts, weighted_values
 from pallas_kernels.rope import full_width_inputs
 
@@ -248,3 +260,115 @@ def merge_scored_twin(scores, parents, n, keys, tau, layer_v, state, st: LayerSt
     shape = (B, Q, H_kv)
     return m.reshape(shape + (gp,)), S.reshape(shape + (gp,)), U.reshape(shape + U.shape[-2:])
 
+
+
+# ---------------------------------------------------------------------------------------
+# The decode walk's merges (`pallas_kernels/decode.py`): per-split partial states over a
+# cache's values, folded into the running state in XLA.
+
+
+def _cache_values(v_ref, nodes):
+    """The gathered values `[span, V]` as their `feature_pieces`."""
+    return [v_ref[nodes, pl.ds(a, size)] for a, size in feature_pieces(v_ref.shape[-1])]
+
+
+def _cache_fold(carry, scores, values, precision, operands):
+    """`merge.fold_merged` of one block, the values and `U` in pieces."""
+    m, total, acc = carry
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    decay = jnp.exp(m - m_safe)
+    w = jnp.exp(scores - m_safe[:, None])
+    total = total * decay + jnp.sum(w, axis=1)
+    acc = tuple(u * decay[:, None] + weighted_values(w, x, precision, operands) for u, x in zip(acc, values))
+    return m_new, total, acc
+
+
+def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: bool):
+    """One split's merged candidates folded into a partial state `(m, S, U)`: at the
+    bottom every valid candidate, scored here; above it those not kept (`key < tau`),
+    from the scores `_cache_scores_kernel` stored (padding rows read as 0)."""
+    if bottom:
+        q_ref, par_ref, n_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref = refs
+        gp = q_ref.shape[0]
+        q_lo, q_hi = cache_query_halves(q_ref)
+    else:
+        sc_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m_ref, s_ref, u_ref = refs
+        gp = sc_ref.shape[0]
+        tau = tau_ref[0]
+        real_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[:, None], (gp, st.span))
+    precision, operands = merge_score_precision(st), st.merge_operands
+    n = n_ref[0]
+    start, count = cache_split_spans(n, st)
+    span = st.span
+
+    def merge_span(j, carry):
+        p0 = start + j * span
+        if bottom:
+            scores, merged, _, nodes = cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st,
+                                                    precision, operands)
+        else:
+            _, valid, nodes = candidate_nodes(par_ref, p0, span, n, st.r)
+            scores = plgpu.load(sc_ref.at[:, pl.ds(j * span, span)], mask=real_rows, other=0.0)
+            merged = valid & (keys_ref[pl.ds(j * span, span)] < tau)
+        values = _cache_values(v_ref, nodes)
+        if zero_unmerged:
+            # A weight of 0 times a NaN value is still NaN (SPEC 10): where a query may
+            # precede appended tokens, the values it does not merge are zeroed. Only then:
+            # the select puts the tile through registers before the product (H200: +12 us
+            # a decode step).
+            values = [jnp.where(merged[:, None], x, 0) for x in values]
+        return _cache_fold(carry, jnp.where(merged[None, :], scores, NEG_INF), values, precision, operands)
+
+    pieces = feature_pieces(v_ref.shape[-1])
+    init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),
+            tuple(jnp.zeros((gp, size), jnp.float32) for _, size in pieces))
+    m, total, acc = lax.fori_loop(0, count, merge_span, init)
+    m_ref[...] = m
+    s_ref[...] = total
+    for (a, size), u in zip(pieces, acc):
+        u_ref[:, pl.ds(a, size)] = u
+
+
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "zero_unmerged"))
+def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, cos, sin, st: LayerStatic,
+                        interpret: bool = False, zero_unmerged: bool = True):
+    """Partial states `(m, S [B, Q, H_kv, splits, Gp], U [..., Gp, V])` of a layer's
+    merged candidates. Bottom layer (`keys=None`): `q_or_scores` is the queries
+    `[B, Q, H_kv, Gp, K]` and every valid candidate merges; above it, the scores from
+    `decode_scores_pallas` and the candidates with `keys < tau` merge."""
+    bottom = keys is None
+    B, Q, H_kv, gp = q_or_scores.shape[:4]
+    V, Mp = layer_v.shape[-1], parents.shape[-1] * st.r
+    splits = Mp // st.tile
+    sp = cache_specs(gp, Mp, st, layer_v.shape[1], K=layer_k.shape[-1] if bottom else None, V=V,
+                heads_per_layer_head=H_kv // layer_v.shape[2])
+    if bottom:
+        in_specs = [sp["q"], sp["parents"], sp["n"], sp["k"], sp["v"], sp["table"], sp["table"]]
+        args = (q_or_scores, parents, n, layer_k, layer_v, cos, sin)
+    else:
+        in_specs = [sp["scores"], sp["parents"], sp["n"], sp["keys"], sp["tau"], sp["v"]]
+        args = (q_or_scores, parents, n, keys, tau, layer_v)
+    return tuple(pl.pallas_call(
+        functools.partial(_cache_merge_kernel, st=st, bottom=bottom, zero_unmerged=zero_unmerged),
+        grid=(B, Q, H_kv, splits),
+        in_specs=in_specs,
+        out_specs=[sp["vec"], sp["vec"], sp["mat"]],
+        out_shape=partial_shapes(B, Q, H_kv, splits, gp, V),
+        compiler_params=compiler_params(st.num_warps, 1),
+        interpret=interpret,
+    )(*args))
+
+
+def fold_partials(state, partials):
+    """The running state `(m, S [..., rows], U [..., rows, V])` with a layer's per-split
+    partial states (`[..., splits, rows(, V)]`) folded in (SPEC 2.4: one softmax)."""
+    m, S, U = state
+    pm, pS, pU = partials
+    m_new = jnp.maximum(m, jnp.max(pm, axis=-2))
+    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+    decay = jnp.exp(m - m_safe)
+    w = jnp.exp(pm - m_safe[..., None, :])  # [..., splits, rows]; 0 for empty splits
+    S = S * decay + jnp.sum(pS * w, axis=-2)
+    U = U * decay[..., None] + jnp.sum(pU * w[..., None], axis=-3)
+    return m_new, S, U

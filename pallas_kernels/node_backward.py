@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from htree_jax.rope import apply_rope
+from htree_jax.core.rope import apply_rope
 from pallas_kernels.common import LayerStatic, compiler_params, merge_score_precision
 from pallas_kernels.layer_backward import grads_of_block
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows

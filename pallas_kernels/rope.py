@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from htree_jax.rope import apply_rope, rope_table
+from htree_jax.core.rope import apply_rope, rope_table
 from pallas_kernels.common import LayerStatic, pad_axis, pad_nodes
 
 
 def padded_rope_table(num_positions: int, head_dim: int, base: float, half: int, rope_dim: int | None = None):
-    """`(cos, sin)` `[num_positions, half]` float32 (`htree_jax.rope.rope_table`, exactly
+    """`(cos, sin)` `[num_positions, half]` float32 (`htree_jax.core.rope.rope_table`, exactly
     rounded), zero-padded from `K/2` to `half` columns like `pad_rope_halves`."""
     return tuple(pad_axis(jnp.asarray(a), -1, half)
                  for a in rope_table(num_positions, head_dim, float(base), rope_dim))

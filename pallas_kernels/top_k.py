@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from htree_jax.reference import candidate_nodes
+from htree_jax.core.indexing import candidate_nodes
 from pallas_kernels.common import LayerStatic, compiler_params
 
 

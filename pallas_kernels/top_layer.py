@@ -13,14 +13,14 @@ block-causal attention instead of a gather:
 With `L = 1` (`T <= M`) the top layer is the bottom one and `top_merge_pallas(...,
 keys=None)` is causal softmax attention with RoPE at absolute positions.
 
-Packed sequences (`htree_jax.packing`): a query's candidates are its document's top
+Packed sequences (`htree_jax.core.packing`): a query's candidates are its document's top
 nodes, rows `first + p` of the layer for candidate position `p < n` (`first [B, Q,
 H_kv, 1]`, 0 without packing), keys rotated by `p` (their place inside the document).
 A block of queries may straddle documents: each key tile is scored once per distinct
 `first` in the block (`_scores_by_document`; one pass without packing), each row taking
 the pass of its own document. Packed importance keys stay document-local (position `p`).
 
-Layouts (padded by the wrapper in `pallas_kernels/forward.py`):
+Layouts (padded by `pallas_kernels/plan.py`):
   q_rot    `[B, Q, H_kv, Gt, Kp]` float32, `rope.rotate_queries` (each query by its `n - 1`)
   n        `[B, Q, H_kv, 1]` int32  valid candidates per query
   first    `[B, Q, H_kv, 1]` int32  the layer row of each query's candidate 0
@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from htree_jax.config import FORCED_IMPORTANCE
-from htree_jax.reference import pack_importance
+from htree_jax.core.config import FORCED_IMPORTANCE
+from htree_jax.core.indexing import pack_importance
 from pallas_kernels.common import NEG_INF, LayerStatic, compiler_params, layer_refs, merge_score_precision
 from pallas_kernels.importance import importance_shift, online_max_sum, write_key_tiles
 from pallas_kernels.merge import fold_merged, merge_outputs, read_state, write_merged

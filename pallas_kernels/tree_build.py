@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from htree_jax.tree import child_reciprocals, round_to_storage
+from htree_jax.core.tree import child_reciprocals, pool_layer, round_to_storage
 from pallas_kernels.common import compiler_params
 
 
@@ -66,6 +66,4 @@ def pool_layer_pallas(x, r: int, block_sizes: PoolBlockSizes = PoolBlockSizes(),
 
 def pool_layer_twin(x, r: int):
     """Pure-JAX twin of `pool_layer_pallas` (same layout `[B, H_kv, N, D]`)."""
-    from htree_jax.tree import pool_layer
-
     return jnp.swapaxes(pool_layer(jnp.swapaxes(x, 1, 2), r), 1, 2)

@@ -1,4 +1,4 @@
-"""The float64 NumPy oracle: a per-(b, t, h_kv) loop that reads like SPEC.md.
+"""The float64 NumPy oracle: a per-(b, t, h_kv) loop that reads like docs/SPEC.md.
 
 Everything is computed in float64 except where the spec fixes a narrower type:
 tree layers are rounded to the input dtype when stored (SPEC 1), and the importance is
@@ -9,11 +9,16 @@ other implementation is tested against it, so it must stay obviously right.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 
-from htree_jax.config import FORCED_IMPORTANCE, HTreeConfig
-from htree_jax.reference import candidate_count, num_top_parents
+# The oracle imports nothing of the project's: it reads the fields of any config object
+# (an `htree_jax.HTreeConfig` in practice) and derives everything else itself, so a
+# fault in the library's arithmetic cannot hide in the oracle too.
+SPEC_DEFAULTS = types.SimpleNamespace(compression_rate=16, top_k=512, rope_base=10000.0, scale=None,
+                                      importance="softmax", strict_causal=True, rope_dim=None)
+FORCED_IMPORTANCE = 1e6  # SPEC 2.3: above every possible importance (which is <= G)
 
 # Relative perturbation of the importance under which `fragile` checks a selection.
 # float32 implementations compute importance to ~1e-6 relative (measured: no float32
@@ -21,7 +26,25 @@ from htree_jax.reference import candidate_count, num_top_parents
 FRAGILE_RTOL = 1e-5
 
 
-def build_tree_numpy(k, v, config: HTreeConfig):
+def layer_sizes(T: int, config) -> list:
+    """SPEC 1: `N_0 = T`; while `N_l > M = top_k * r`: `N_{l+1} = ceil(N_l / r)`."""
+    sizes = [T]
+    while sizes[-1] > config.top_k * config.compression_rate:
+        sizes.append(-(-sizes[-1] // config.compression_rate))
+    return sizes
+
+
+def num_top_parents(t: int, r: int, L: int) -> int:
+    """SPEC 2: the top layer's virtual parents `0 .. floor(i*_{L-1} / r)`."""
+    return t // r ** (L - 1) // r + 1
+
+
+def candidate_count(n_parents: int, t: int, r: int, l: int) -> int:
+    """SPEC 2.1: `n = (n_P - 1) * r + c*_l + 1`, `c*_l = floor(t / r^l) mod r`."""
+    return (n_parents - 1) * r + (t // r**l) % r + 1
+
+
+def build_tree_numpy(k, v, config):
     """Mean-pooling tree in float64, each layer rounded to the input dtype when stored.
 
     Returns `[(K_0, V_0), ...]` bottom first, float64 arrays `[B, N_l, H_kv, D]`.
@@ -30,7 +53,7 @@ def build_tree_numpy(k, v, config: HTreeConfig):
     stored = k.dtype
     r = config.compression_rate
     layers = [(k.astype(np.float64), v.astype(np.float64))]
-    for n_up in config.layer_sizes(k.shape[1])[1:]:
+    for n_up in layer_sizes(k.shape[1], config)[1:]:
         below = layers[-1]
         up = []
         for x in below:
@@ -101,12 +124,13 @@ class QueryTrace:
         return any(lt.fragile for lt in self.layers)
 
 
-def trace_query(q_group, layers, t, config: HTreeConfig, alpha):
+def trace_query(q_group, layers, t, config, alpha):
     """One `(b, t, h_kv)`: `q_group [G, K]` float64, `layers` from `build_tree_numpy`
     sliced to one batch row and kv head (`[(K_l [N_l, K], V_l [N_l, V]), ...]`)."""
     r, k_top, L = config.compression_rate, config.top_k, len(layers)
     G = q_group.shape[0]
     Vd = layers[0][1].shape[-1]
+    log_n = (k_top * r).bit_length() - 1  # bits of a packed key that hold the position
     m = np.full(G, -np.inf)
     S = np.zeros(G)
     U = np.zeros((G, Vd))
@@ -126,7 +150,7 @@ def trace_query(q_group, layers, t, config: HTreeConfig, alpha):
             imp64 = importance(s, in_norm, config.importance)
             imp = imp64.astype(np.float32)
             imp[n - 1] = np.float32(FORCED_IMPORTANCE)
-            keys = pack_importance(imp, pos, config.log_n)
+            keys = pack_importance(imp, pos, log_n)
             chosen = np.argsort(-keys, kind="stable")[: min(k_top, n)]
             is_sel = np.zeros(n, bool)
             is_sel[chosen] = True
@@ -135,8 +159,8 @@ def trace_query(q_group, layers, t, config: HTreeConfig, alpha):
                 lo = imp64 * (1 - FRAGILE_RTOL)
                 hi = imp64 * (1 + FRAGILE_RTOL)
                 lo[n - 1] = hi[n - 1] = np.float32(FORCED_IMPORTANCE)
-                weakest_kept = pack_importance(lo.astype(np.float32), pos, config.log_n)[is_sel].min()
-                strongest_dropped = pack_importance(hi.astype(np.float32), pos, config.log_n)[~is_sel].max()
+                weakest_kept = pack_importance(lo.astype(np.float32), pos, log_n)[is_sel].min()
+                strongest_dropped = pack_importance(hi.astype(np.float32), pos, log_n)[~is_sel].max()
                 fragile = bool(strongest_dropped > weakest_kept)
             selected = nodes[is_sel]  # ascending: nodes increase with buffer position
             kept_importance = imp64[is_sel]
@@ -161,7 +185,7 @@ def htree_attention_numpy(
     q,
     k,
     v,
-    config: HTreeConfig | None = None,
+    config=None,
     return_selected: bool = False,
     *,
     query_positions=None,
@@ -173,6 +197,7 @@ def htree_attention_numpy(
     Args:
       q `[B,T,H,K]`, k `[B,T,H_kv,K]`, v `[B,T,H_kv,V]`: un-rotated, any float dtype
         (the tree layers are rounded to it, as the spec stores them).
+      config: any object with `HTreeConfig`'s fields (None: the spec's defaults).
       return_selected: also return the selected node lists of every layer `l >= 1`,
         top layer first, each int64 `[B, T', H_kv, top_k]` ascending, `-1` padded.
       query_positions: optional 1-D positions `t` to evaluate (default all of `[0, T)`);
@@ -187,12 +212,12 @@ def htree_attention_numpy(
     Returns:
       `o` float64 `[B, T', H, V]`, then the selections and/or fragile flags if asked.
     """
-    config = config or HTreeConfig()
+    config = config or SPEC_DEFAULTS
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     B, T, H, K = q.shape
     H_kv = k.shape[2]
     G = H // H_kv
-    alpha = config.score_scale(K)
+    alpha = K**-0.5 if config.scale is None else float(config.scale)
     positions = np.arange(T) if query_positions is None else np.asarray(query_positions)
     layers = build_tree_numpy(k, v, config)
     L = len(layers)

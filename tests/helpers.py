@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from htree_jax.reference import num_top_parents
+from htree_jax.core.indexing import num_top_parents
 from reference_numpy.htree_numpy import rope
 
 

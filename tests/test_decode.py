@@ -357,17 +357,21 @@ def test_ragged_rows_equal_their_own_full_sequences(rng, backend):
 def test_reset_row_restarts_while_its_neighbours_continue(rng):
     config = HTreeConfig(compression_rate=4, top_k=4)
     B, H, H_kv, K, V = 2, 2, 1, 8, 8
-    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 30, H, H_kv, K, V))
-    cache = init_cache(B, 32, H_kv, K, V, config)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 90, H, H_kv, K, V))
+    cache = init_cache(B, 96, H_kv, K, V, config)
     _, cache = prefill(q[:, :20], k[:, :20], v[:, :20], cache, config)
     cache = jax.jit(reset_rows)(cache, jnp.asarray([True, False]))
     assert np.asarray(cache.lengths).tolist() == [0, 20]
-    o, cache = prefill(q[:, 20:30], k[:, 20:30], v[:, 20:30], cache, config)
-    # Row 0 is a new sequence of the 10 tokens 20..29; row 1 goes on to 30 tokens.
-    new = htree_attention(q[:1, 20:30], k[:1, 20:30], v[:1, 20:30], config, backend="reference")
-    old = htree_attention(q[1:, :30], k[1:, :30], v[1:, :30], config, backend="reference")
+    o, cache = prefill(q[:, 20:90], k[:, 20:90], v[:, 20:90], cache, config)
+    # Row 0 is a new sequence of the 70 tokens 20..89 (a tree of 3 layers, selecting at
+    # two); row 1 goes on to 90 tokens.
+    assert config.num_layers(70) == 3
+    new, selected = htree_attention(q[:1, 20:90], k[:1, 20:90], v[:1, 20:90], config, backend="reference",
+                                    return_selected=True)
+    assert np.any(np.asarray(selected[0]) >= 0) and np.any(np.asarray(selected[1]) >= 0)
+    old = htree_attention(q[1:, :90], k[1:, :90], v[1:, :90], config, backend="reference")
     np.testing.assert_allclose(np.asarray(o[0]), np.asarray(new[0]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(o[1]), np.asarray(old[0, 20:30]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o[1]), np.asarray(old[0, 20:90]), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"rows must be a bool array of shape \[B\] = \[2\]"):
         reset_rows(cache, jnp.asarray([1, 0]))
 

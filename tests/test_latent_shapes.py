@@ -1,5 +1,5 @@
 """Latent-attention shapes in the Pallas kernels (issue 20): GQA groups above 16 heads
-(they run as virtual kv heads of 16, `pallas_kernels.forward.split_heads`, whose selection
+(they run as virtual kv heads of 16, `pallas_kernels.plan.split_heads`, whose selection
 is made once from the whole group's importance), K != V, head dims that are not powers
 of two (padded inside), up to K = 576, V = 512, with partial RoPE. CI runs the kernels
 interpreted against the JAX reference and the float64 oracle; the gpu-marked tests run
@@ -135,6 +135,9 @@ def test_mla_shape_compiled_matches_the_reference(rng, T):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.xfail(strict=True, raises=jax.errors.JaxRuntimeError,
+                   reason="issue 32: the float32 full-sequence forward at K=576, V=512, G=128 asks 270336 B of "
+                          "shared memory (232448 available on an H200); fails the same way before issue 30")
 def test_mla_shape_compiled_decoding_equals_the_full_sequence(rng):
     """GPU: prefill and decode steps at the MLA shape equal the full-sequence kernels (float32)."""
     config = HTreeConfig(compression_rate=4, top_k=8, rope_dim=64)  # 1100 -> 275 -> 69 -> 18: 4 layers

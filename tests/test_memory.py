@@ -20,7 +20,7 @@ from htree_jax.reference import (
     default_query_chunk,
     rotate_by_child_offset,
 )
-from htree_jax.tree import build_tree
+from htree_jax.core.tree import build_tree
 from reference_numpy import htree_attention_numpy
 
 B, T, H, H_KV, K, V = 1, 16384, 8, 2, 64, 64
@@ -48,7 +48,10 @@ def test_default_config_t16384_matches_oracle_at_sampled_positions():
     q = rng.standard_normal((B, T, H, K)).astype(np.float32)
     k = rng.standard_normal((B, T, H_KV, K)).astype(np.float32)
     v = rng.standard_normal((B, T, H_KV, V)).astype(np.float32)
-    pos = np.array([0, 4095, 8191, 8192, 12345, T - 1])
+    # Positions whose top layer holds more than top_k candidates, so each one selects
+    # (below 8192 a query keeps every top node and the test would check no selection).
+    pos = np.array([8192, 9001, 10007, 12345, 15000, T - 1])
+    assert np.all(pos // config.compression_rate + 1 > config.top_k)
     layers = [(rotate_by_child_offset(kl, config), vl) for kl, vl in build_tree(k, v, config)]
     o, sel = attend_tree(jnp.asarray(q[:, pos]), layers, jnp.asarray(pos, jnp.int32), config, query_chunk=2)
     ref, ref_sel, fragile = htree_attention_numpy(q, k, v, config, return_selected=True, query_positions=pos,

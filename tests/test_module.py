@@ -15,6 +15,7 @@ from flax import nnx
 import htree_jax
 from htree_jax import HTreeAttention, HTreeConfig, attention_fn, htree_attention
 from htree_jax import linen as htree_linen
+from htree_jax.backends import choose_backend
 from tests.helpers import run_readme_snippet
 
 # (num_heads, num_kv_heads, in_features, head_dim, config, T): multi-layer trees at small T.
@@ -123,6 +124,22 @@ def test_nnx_multihead_attention_with_attention_fn_equals_module(H, H_kv, D_in, 
     np.testing.assert_allclose(np.asarray(jitted(mha, x)), want, rtol=1e-5, atol=1e-6)
 
 
+def test_defaults_match_flax_so_weights_move_between_the_modules():
+    """A drop-in module: with both at their defaults (biases included), the weights of an
+    `HTreeAttention` load into `nnx.MultiHeadAttention` / `nn.MultiHeadDotProductAttention`
+    (and back), and the two compute the same thing."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    m = HTreeAttention(4, 32, config=config, bias_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(2))
+    mha = nnx.MultiHeadAttention(4, 32, attention_fn=attention_fn(config), decode=False, rngs=nnx.Rngs(3))
+    nnx.update(mha, nnx.state(m, nnx.Param))
+    x = _inputs(6, (2, 40, 32))
+    np.testing.assert_array_equal(np.asarray(mha(x, is_causal=True)), np.asarray(m(x)))
+    nnx.update(m, nnx.state(mha, nnx.Param))  # and back
+    twin = htree_linen.HTreeAttention(4, 32, config=config)
+    params = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32).init(jax.random.key(0), x, x)
+    assert jax.tree_util.tree_structure(twin.init(jax.random.key(1), x)) == jax.tree_util.tree_structure(params)
+
+
 def test_linen_multihead_attention_with_attention_fn_equals_linen_module():
     config = HTreeConfig(compression_rate=4, top_k=4)
     x = _inputs(7, (2, 150, 32))
@@ -130,7 +147,7 @@ def test_linen_multihead_attention_with_attention_fn_equals_linen_module():
                                           attention_fn=attention_fn(config))
     mask = nn.make_causal_mask(x[..., 0])
     params = mha.init(jax.random.key(0), x, x, mask=mask)
-    twin = htree_linen.HTreeAttention(4, 32, config=config)
+    twin = htree_linen.HTreeAttention(4, 32, config=config, use_bias=False)
     want = twin.apply(params, x)
     got = jax.jit(lambda p, x: mha.apply(p, x, x, mask=nn.make_causal_mask(x[..., 0])))(params, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
@@ -242,10 +259,9 @@ def test_module_on_the_gpu_kernels_matches_the_reference(dtype):
     """On a GPU, backend="auto" runs the compiled Pallas kernels (K=64 is in their range).
     Outputs equal the reference's wherever the two chose the same nodes (near-ties of the
     packed importance may flip a few selections: README, "Backends"); the parameter
-    gradients, sums over every query, agree to a tolerance that leaves room for those."""
-    from htree_jax.attention import resolve_backend
-
-    assert resolve_backend("auto") == "pallas"
+    gradients, sums over every query, agree to a relative error that leaves room for
+    those (and that an all-zero or sign-flipped gradient does not meet)."""
+    assert choose_backend("auto", lambda: None) == "pallas"
     config = HTreeConfig(compression_rate=8, top_k=16)  # 2048 -> 256 -> 32: 3 layers
     kw = dict(num_kv_heads=2, head_dim=64, config=config, dtype=dtype)
     fast = HTreeAttention(8, 256, backend="auto", rngs=nnx.Rngs(0), **kw)
@@ -264,14 +280,27 @@ def test_module_on_the_gpu_kernels_matches_the_reference(dtype):
     y_fast, y_ref = (np.asarray(o, np.float32)[rows] for o in (o_fast, o_ref))
     np.testing.assert_allclose(y_fast, y_ref, atol=tol * np.abs(y_ref).max())
 
-    loss = lambda m: jnp.sum(jnp.sin(m(x).astype(jnp.float32)))
-    step = nnx.jit(lambda m: nnx.grad(loss)(m))
-    g_fast, g_ref = step(fast), step(ref)
-    for name in ("query", "key", "value", "out"):
-        want = np.asarray(g_ref[name]["kernel"][...], np.float32)
-        got = np.asarray(g_fast[name]["kernel"][...], np.float32)
-        assert np.all(np.isfinite(got)), name
-        np.testing.assert_allclose(got, want, atol=(50 * tol) * np.abs(want).max(), err_msg=name)
+    def grads(module, x):
+        loss = lambda m: jnp.sum(jnp.sin(m(x).astype(jnp.float32)))
+        g = nnx.jit(lambda m: nnx.grad(loss)(m))(module)
+        return {name: np.asarray(g[name]["kernel"][...], np.float32) for name in ("query", "key", "value", "out")}
+
+    relative = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    # The truth: the reference in float32 from the same (float32) parameters and inputs.
+    truth = grads(HTreeAttention(8, 256, backend="reference", rngs=nnx.Rngs(0), **{**kw, "dtype": jnp.float32}),
+                  x.astype(jnp.float32))
+    g_fast, g_ref = grads(fast, x), grads(ref, x)
+    for name in truth:
+        assert np.all(np.isfinite(g_fast[name])), name
+        if dtype == jnp.float32:  # measured on an H200: below 1e-4 for every parameter
+            assert relative(g_fast[name], truth[name]) < 2e-3, name
+        else:
+            # bf16 rounds the projections and the attention alike on both backends: the
+            # kernels' gradients must be at least as close to the truth as the reference's
+            # own bf16 ones (H200: query 0.136 / 0.136, key 0.092 / 0.092, value 0.011 /
+            # 0.107, out 0.011 / 0.011), which an all-zero gradient (1.0) is not.
+            got, ref_error = relative(g_fast[name], truth[name]), relative(g_ref[name], truth[name])
+            assert got <= 1.25 * ref_error + 0.01, (name, got, ref_error)
 
 
 def test_readme_flax_example_runs():
@@ -304,10 +333,10 @@ def test_nnx_decode_reproduces_the_full_sequence():
 
 
 def test_nnx_decode_with_the_pallas_backend_interpreted():
-    """`backend="pallas", interpret=True`: decoding runs the Pallas decode kernels."""
+    """`backend="pallas_interpret"`: decoding runs the Pallas decode kernels."""
     config = HTreeConfig(compression_rate=4, top_k=4)  # 20 -> 5: 2 layers
     kw = dict(num_kv_heads=2, head_dim=32, config=config)
-    m = HTreeAttention(4, 32, backend="pallas", interpret=True, rngs=nnx.Rngs(0), **kw)
+    m = HTreeAttention(4, 32, backend="pallas_interpret", rngs=nnx.Rngs(0), **kw)
     ref = HTreeAttention(4, 32, backend="reference", rngs=nnx.Rngs(0), **kw)
     x = _inputs(12, (2, 20, 32))
     full = ref(x)

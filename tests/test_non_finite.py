@@ -101,8 +101,8 @@ def test_non_finite_through_the_decode_cache(rng, backend):
 def test_nan_importance_never_outranks_the_rightmost_node():
     """SPEC 2.3/10: a NaN importance packs as 0, in the reference and the oracle, so the
     forced rightmost node is always kept."""
-    from htree_jax.config import FORCED_IMPORTANCE
-    from htree_jax.reference import pack_importance
+    from htree_jax.core.config import FORCED_IMPORTANCE
+    from htree_jax.core.indexing import pack_importance
     from reference_numpy.htree_numpy import pack_importance as pack_importance_numpy
 
     imp = np.array([np.nan, 0.0, 0.5, FORCED_IMPORTANCE], np.float32)

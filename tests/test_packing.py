@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.packing import pack_layout, virtual_length
+from htree_jax.core.packing import pack_layout, virtual_length
 from reference_numpy import htree_attention_numpy
 from tests.conftest import random_qkv
 

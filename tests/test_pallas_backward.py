@@ -12,7 +12,7 @@ import pytest
 
 from htree_jax import HTreeConfig
 from pallas_kernels.common import next_power_of_two
-from pallas_kernels.forward import BlockSizes
+from pallas_kernels.plan import BlockSizes
 from pallas_kernels.layer_backward import layer_backward_pallas, layer_backward_twin
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.precision import key_operands
@@ -88,7 +88,7 @@ def _random_accumulators(rng, zeros):
 def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
     """The top layer's block kernel against the per-query twin with virtual parents;
     every query of a block has its own `n`."""
-    from htree_jax.rope import apply_rope
+    from htree_jax.core.rope import apply_rope
     from pallas_kernels.layer_backward import top_backward_pallas
     from pallas_kernels.node_backward import top_node_grads_pallas
     from pallas_kernels.common import pad_nodes

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.reference import top_layer_parents
+from htree_jax.core.indexing import top_layer_parents
 from pallas_kernels.common import LayerStatic, pad_axis, pad_nodes, pad_rope_halves
-from pallas_kernels.forward import BlockSizes, layout
+from pallas_kernels.plan import BlockSizes, layout
 from pallas_kernels.importance import importance_keys_pallas, importance_keys_twin
 from pallas_kernels.merge import merge_pallas, merge_scored_pallas, merge_scored_twin, merge_twin
 from pallas_kernels.precision import BF16X3, key_operands
@@ -268,7 +268,7 @@ def test_pallas_backend_equals_reference_and_oracle(rng, r, top_k, T, G, importa
 def test_pallas_backend_bfloat16(rng):
     config = HTreeConfig(compression_rate=16, top_k=4)
     q, k, v = random_qkv(rng, 1, 300, 4, 2, 32, 32, dtype=ml_dtypes.bfloat16)
-    o = htree_attention(q, k, v, config, backend="pallas", interpret=True)
+    o = htree_attention(q, k, v, config, backend="pallas_interpret")
     assert o.dtype == q.dtype
     assert_matches_oracle(q, k, v, config, rtol=2e-2, atol=2e-2, backend="pallas_interpret")
 

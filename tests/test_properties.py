@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, build_tree, htree_attention
-from htree_jax.rope import rope_absolute
+from htree_jax.core.rope import rope_absolute
 from tests.conftest import MULTI_LAYER_CASES, random_qkv
 from tests.helpers import leaf_set, softmax_over_leaves
 

@@ -1,6 +1,6 @@
 """Partial RoPE (SPEC 7, `HTreeConfig(rope_dim=)`): RoPE on the last `rope_dim` features
 only. Every backend against the float64 oracle (which rotates those features literally,
-where the implementations rotate a permuted layout, `htree_jax.rope.rope_layout`), with
+where the implementations rotate a permuted layout, `htree_jax.core.rope.rope_layout`), with
 K != V; `rope_dim=None` and `rope_dim=K` are today's function bit for bit; the Pallas
 backward against the reference's gradients; decoding against the full sequence; errors."""
 

@@ -42,3 +42,11 @@ def test_build_tree_validates_inputs():
         build_tree(np.zeros((1, 3, 1, 2), np.float32), np.zeros((1, 3, 1, 2), np.float16))
     with pytest.raises(TypeError, match="config must be an HTreeConfig"):
         build_tree(np.zeros((1, 3, 1, 2), np.float32), np.zeros((1, 3, 1, 2), np.float32), {"top_k": 4})
+
+
+def test_multi_layer_cases_have_three_layers_or_more():
+    """The shared cases (`conftest.MULTI_LAYER_CASES`) are what their name says."""
+    from tests.conftest import MULTI_LAYER_CASES
+
+    for r, top_k, T in MULTI_LAYER_CASES:
+        assert HTreeConfig(compression_rate=r, top_k=top_k).num_layers(T) >= 3, (r, top_k, T)

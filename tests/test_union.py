@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from htree_jax import HTreeConfig, htree_attention
 from pallas_kernels.common import pad_axis
-from pallas_kernels.forward import BlockSizes, htree_forward_pallas, layout, union_width
+from pallas_kernels.forward import htree_forward_pallas
+from pallas_kernels.plan import BlockSizes, layout, union_width
 from pallas_kernels.merge import merge_pallas, merge_twin
 from pallas_kernels.precision import key_operands
 from pallas_kernels.rope import rotate_phases

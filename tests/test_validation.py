@@ -52,10 +52,10 @@ def test_bad_config_backend_and_flags():
         htree_attention(q, k, v, {"top_k": 4})
     with pytest.raises(ValueError, match="backend must be one of"):
         htree_attention(q, k, v, backend="cuda")
-    with pytest.raises(TypeError, match="interpret must be a bool"):
-        htree_attention(q, k, v, backend="pallas", interpret="yes")
-    with pytest.raises(ValueError, match="backend='reference' has none"):
-        htree_attention(q, k, v, backend="reference", interpret=True)
+    with pytest.raises(ValueError, match="backend='pallas_interpret'"):
+        htree_attention(q, k, v, backend="interpret")
+    with pytest.raises(TypeError, match="block_sizes must be an htree_jax.BlockSizes"):
+        htree_attention(q, k, v, block_sizes={"tile": 64})
     with pytest.raises(TypeError, match="return_selected must be a bool"):
         htree_attention(q, k, v, return_selected="yes")
     with pytest.raises(ValueError, match="query_chunk must be a positive int"):
@@ -73,32 +73,40 @@ def test_nan_input_does_not_crash():
 
 
 def test_auto_backend_choice(monkeypatch):
-    import htree_jax.attention as attention
-    from htree_jax.validation import check_qkv
+    import htree_jax.backends as backends
+    from htree_jax.core.validation import check_qkv
 
     q, k, v = arrays(K=64, V=64)
     dims = check_qkv(q, k, v)
-    monkeypatch.setattr(attention.jax, "default_backend", lambda: "cpu")
-    assert attention.resolve_backend("auto", dims=dims) == "reference"
-    monkeypatch.setattr(attention.jax, "default_backend", lambda: "gpu")
-    assert attention.resolve_backend("auto", dims=dims) == "pallas"
-    # Shapes the kernels do not support fall back to the reference rather than failing.
-    assert attention.resolve_backend("auto", dims=check_qkv(*arrays(K=8, V=4))) == "reference"
-    # interpret=True asks for the kernels interpreted, whatever the platform.
-    assert attention.resolve_backend("auto", interpret=True, dims=dims) == "pallas_interpret"
-    assert attention.resolve_backend("pallas", interpret=True, dims=dims) == "pallas_interpret"
-    with pytest.raises(ValueError, match="backend='reference' has none"):
-        attention.resolve_backend("reference", interpret=True, dims=dims)
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "cpu")
+    assert backends.full_sequence_backend("auto", dims) == "reference"
+    with pytest.raises(ValueError, match="use backend='pallas_interpret'"):
+        backends.full_sequence_backend("pallas", dims)
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    assert backends.full_sequence_backend("auto", dims) == "pallas"
+    # Shapes the kernels do not support fall back to the reference rather than failing...
+    small = check_qkv(*arrays(K=8, V=4))
+    assert backends.full_sequence_backend("auto", small) == "reference"
+    # ... and are refused when the kernels are asked for by name.
+    for name in ("pallas", "pallas_interpret"):
+        with pytest.raises(ValueError, match="head dim K in"):
+            backends.full_sequence_backend(name, small)
+    # The interpreted kernels on every platform; the same rule for decoding.
+    assert backends.full_sequence_backend("pallas_interpret", dims) == "pallas_interpret"
+    assert backends.decode_backend("auto", 64, 64, 2) == "pallas"
+    assert backends.decode_backend("auto", 8, 4, 2) == "reference"
 
 
-def test_interpret_with_auto_runs_the_interpreted_kernels(monkeypatch):
-    """`backend="auto", interpret=True` runs the Pallas kernels interpreted (not the
-    reference, and not compiled kernels on a GPU)."""
-    import pallas_kernels.forward as fwd
+def test_pallas_interpret_runs_the_interpreted_kernels(monkeypatch):
+    """`backend="pallas_interpret"` runs the Pallas kernels interpreted (not the
+    reference, and not compiled kernels on a GPU), with the block sizes asked for."""
+    import htree_jax.backends as backends
+    from htree_jax import BlockSizes
 
     calls = []
-    real = fwd.htree_forward_pallas
-    monkeypatch.setattr(fwd, "htree_forward_pallas", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = backends.htree_forward_pallas
+    monkeypatch.setattr(backends, "htree_forward_pallas", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     q, k, v = arrays(K=32, V=32)
-    htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend="auto", interpret=True)
-    assert calls and calls[0]["interpret"] is True
+    sizes = BlockSizes(tile=32, span=32)
+    htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend="pallas_interpret", block_sizes=sizes)
+    assert calls and calls[0]["interpret"] is True and calls[0]["block_sizes"] == sizes

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax.config import HTreeConfig
-from htree_jax.validation import check_config, check_kv
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.validation import check_config, check_kv
 
 
 def child_counts(num_children: int, compression_rate: int) -> np.ndarray:

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from htree_jax.config import HTreeConfig
-from htree_jax.tree import child_reciprocals, round_to_storage
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.tree import child_reciprocals, round_to_storage
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax.config import HTreeConfig
+from htree_jax.core.config import HTreeConfig
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -84,12 +84,33 @@ def check_kv(k, v) -> Dims:
     return Dims(B, T, H_kv, H_kv, K, v_shape[3])
 
 
+def check_batch_and_length(shapes: dict) -> None:
+    """`[B, T]` (axes 0 and 1) must agree across the named arrays' shapes; where one
+    differs from the others, the error names that one."""
+    for axis, what in ((0, "batch size B (axis 0)"), (1, "sequence length T (axis 1)")):
+        sizes = {name: shape[axis] for name, shape in shapes.items() if len(shape) > axis}
+        if len(set(sizes.values())) <= 1:
+            continue
+        counts = {}
+        for size in sizes.values():
+            counts[size] = counts.get(size, 0) + 1
+        common = max(counts, key=counts.get)
+        odd = [name for name, size in sizes.items() if size != common]
+        others = [name for name in sizes if name not in odd]
+        if len(others) > 1 or len(odd) == 1:
+            raise ValueError(f"{', '.join(odd)} must have the {what} of {' and '.join(others)}: "
+                             f"{', '.join(f'{n} has {sizes[n]}' for n in sizes)}")
+        raise ValueError(f"q, k and v must agree on the {what}: "
+                         f"{', '.join(f'{n} has {sizes[n]}' for n in sizes)}")
+
+
 def check_qkv(q, k, v) -> Dims:
     """Checks `q [B,T,H,K]`, `k [B,T,H_kv,K]`, `v [B,T,H_kv,V]`; returns their sizes."""
     q_shape, q_dtype = _shape_and_dtype("q", q)
     if len(q_shape) != 4:
         raise ValueError(f"q must have rank 4 [B, T, H, K], got shape {q_shape}")
     check_dtype("q", q_dtype)
+    check_batch_and_length({"q": q_shape, "k": _shape_and_dtype("k", k)[0], "v": _shape_and_dtype("v", v)[0]})
     kv = check_kv(k, v)
     k_dtype = np.dtype(k.dtype)
     if q_dtype != k_dtype:

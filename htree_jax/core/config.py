@@ -6,6 +6,7 @@ import dataclasses
 import math
 import numbers
 
+import jax
 import numpy as np
 
 IMPORTANCE_MODES = ("softmax", "shared_max")
@@ -26,11 +27,13 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class HTreeConfig:
     """Static configuration of htree attention.
 
-    Frozen and hashable, so it can be passed as a static argument to `jax.jit`.
+    Frozen and hashable, so it can be passed as a static argument to `jax.jit`; and a
+    pytree with no leaves, so `jax.jit(htree_attention)(q, k, v, config)` also works.
 
     Attributes:
       compression_rate: children per tree node (`r`), a power of two >= 2.

@@ -1,0 +1,204 @@
+"""The backend layer: which implementation runs a call, and the two calls every entry
+point above it makes (`htree_attention`, decoding, the sharded wrappers, benchmarks):
+
+- `attend`: a full sequence (or a context-parallel shard's queries) through the JAX
+  reference or the Pallas kernels, the latter as a `jax.custom_vjp` whose backward is
+  the Pallas backward; both under SPEC 10's guard for non-finite `k`, `v`.
+- `attend_cache`: new queries walking a decode cache's tree (`htree_jax.decode`).
+
+Backend names (one rule for both): `"auto"` (the Pallas kernels on a GPU where they take
+the shapes, else the reference), `"reference"`, `"pallas"` (CUDA GPUs),
+`"pallas_interpret"` (the same kernels interpreted, any platform: how CI tests them).
+`choose_backend` turns a name into the concrete one: `"reference"`, `"pallas"` or
+`"pallas_interpret"`.
+
+Inputs here are validated by the caller (`htree_jax.core.validation`), with `q`, `k` in
+`rope_layout` order (SPEC 7).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.non_finite import dead_rows, first_non_finite, poison_rows, zero_non_finite
+from htree_jax.core.packing import local_selections
+from htree_jax.reference import (
+    attend_tree,
+    default_query_chunk,
+    htree_attention_reference,
+    htree_attention_reference_packed,
+)
+from pallas_kernels.backward import htree_backward_pallas
+from pallas_kernels.decode import attend_cache_pallas, check_pallas_decode_dims
+from pallas_kernels.forward import htree_forward_pallas
+from pallas_kernels.plan import BlockSizes, check_pallas_dims
+
+BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
+
+
+def check_backend(backend) -> str:
+    """`backend` must be one of `BACKENDS`; returns it."""
+    if backend not in BACKENDS:
+        hint = ""
+        if backend == "interpret":
+            hint = " (the Pallas kernels interpreted are backend='pallas_interpret')"
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}{hint}")
+    return backend
+
+
+def check_block_sizes(block_sizes) -> None:
+    """`block_sizes` must be None or a `BlockSizes` (static under `jit`: frozen, hashable)."""
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes must be an htree_jax.BlockSizes or None, got {type(block_sizes).__name__}")
+
+
+def choose_backend(backend: str, check_kernel_limits) -> str:
+    """The concrete backend, `"reference"`, `"pallas"` or `"pallas_interpret"`, that the
+    name `backend` gives on this platform. `check_kernel_limits()` raises a ValueError
+    where the Pallas kernels do not take the call's shapes.
+
+    "auto" is the Pallas kernels on a GPU where they take the shapes (faster than the
+    reference at every size measured, benchmarks/RESULTS.md), else the reference.
+    "pallas" off a GPU is refused with a pointer to "pallas_interpret"; "pallas" and
+    "pallas_interpret" with shapes the kernels do not take are refused."""
+    check_backend(backend)
+    if backend == "reference":
+        return backend
+    if backend == "auto":
+        if jax.default_backend() != "gpu":
+            return "reference"
+        try:
+            check_kernel_limits()
+        except ValueError:
+            return "reference"
+        return "pallas"
+    if backend == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(
+            "backend 'pallas' needs a CUDA GPU (Triton lowering); on "
+            f"{jax.default_backend()!r} use backend='pallas_interpret' to run the same kernels interpreted"
+        )
+    check_kernel_limits()
+    return backend
+
+
+def full_sequence_backend(backend: str, dims) -> str:
+    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`)."""
+    return choose_backend(backend, lambda: check_pallas_dims(dims))
+
+
+def decode_backend(backend: str, head_dim: int, value_dim: int, group: int) -> str:
+    """`choose_backend` for a decode call: the cache's `K`, `V` and the group size."""
+    return choose_backend(backend, lambda: check_pallas_decode_dims(head_dim, value_dim, group))
+
+
+def query_positions(positions, q):
+    """The queries' token positions `[S]` (`positions`, or `0 .. S-1`)."""
+    return jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _pallas_forward(q, k, v, positions, packing, config, interpret, export, block_sizes):
+    """`(o, selected)`, and the kept nodes' importance with `export` (SPEC 8; a constant
+    under autodiff, as the selections are). `positions [S]`: the queries' positions among
+    `k`'s tokens (None: all of them); `packing`: packed rows (selections then as tree
+    rows, `packing.local_selections` makes them document-local)."""
+    o, selected, _, _, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export,
+                                                           block_sizes)
+    return (o, selected, *exported)
+
+
+def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export, block_sizes):
+    """The Pallas forward under SPEC 10's guard (`htree_jax.core.non_finite`), inside the
+    `custom_vjp`: the zeroed `k`, `v` feed the forward's own padded copies and the NaN
+    rows its output's last copy, and the output the backward saves is the one returned,
+    so the guard adds no input- or output-sized buffer for the backward to keep."""
+    first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
+    o, selected, lse, *exported = htree_forward_pallas(q, zero_non_finite(k), zero_non_finite(v), config,
+                                                       block_sizes=block_sizes, interpret=interpret, return_lse=True,
+                                                       positions=positions, packing=packing, return_importance=export)
+    return (poison_rows(o, query_positions(positions, q), first), selected, lse, first, *exported)
+
+
+def _pallas_forward_fwd(q, k, v, positions, packing, config, interpret, export, block_sizes):
+    # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)), the first
+    # non-finite positions and the selections (`block_sizes.save_selections`, else they
+    # are recomputed there by the same kernels; always with packing, whose backward
+    # reads them).
+    o, selected, lse, first, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret,
+                                                                 export, block_sizes)
+    saved = selected if block_sizes.save_selections or packing is not None else None
+    return (o, selected, *exported), (q, k, v, positions, packing, o, lse, first, saved)
+
+
+def _pallas_forward_bwd(config, interpret, export, block_sizes, residuals, cotangents):
+    q, k, v, positions, packing, o, lse, first, saved = residuals
+    do = cotangents[0]  # the selections are integers, the importance a constant: no cotangent
+    # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
+    # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
+    dead = dead_rows(query_positions(positions, q), first, q.shape[2])
+    dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, do, config,
+                                       block_sizes=block_sizes, interpret=interpret, dead_rows=dead,
+                                       selections=saved, positions=positions, packing=packing)
+    dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
+    dv = jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
+    return dq, dk, dv, None, None
+
+
+_pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes"))
+def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None, export: bool = False,
+           block_sizes: BlockSizes | None = None):
+    """htree attention of validated `q [B, S, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv,
+    V]` (`q`, `k` in `rope_layout` order) on the concrete backend `impl`
+    (`choose_backend`). Returns `(o [B, S, H, V], selections)`, and the kept nodes'
+    importance last with `export` (SPEC 8).
+
+    SPEC 10's guard (`htree_jax.core.non_finite`): non-finite `k`, `v` entries zeroed,
+    outputs NaN from the first such position on. Packed rows (`packing`,
+    `htree_jax.core.packing.Packing`) that do not fit their static layout answer NaN;
+    their selections are counted inside each token's document. `positions [S]` int32: the
+    queries' positions among `k`'s `T` tokens (a context-parallel shard's queries;
+    `None`: `S = T`). `block_sizes`: the Pallas kernels' tiling (`None`:
+    `BlockSizes.for_dims(K, V)`)."""
+    if impl != "reference":
+        block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], v.shape[-1])
+        o, selected, *exported = _pallas_forward(q, k, v, positions, packing, config, impl == "pallas_interpret",
+                                                 export, block_sizes)
+        if packing is not None:
+            selected = local_selections(selected, packing, config.compression_rate)
+    else:
+        first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
+        k, v = zero_non_finite(k), zero_non_finite(v)
+        if packing is None:
+            o, selected, *exported = htree_attention_reference(q, k, v, config, positions=positions,
+                                                               return_importance=export)
+        else:
+            o, selected, *exported = htree_attention_reference_packed(q, k, v, packing, config,
+                                                                      return_importance=export)
+        o = poison_rows(o, query_positions(positions, q), first)
+    if packing is not None:
+        o = jnp.where(packing.fits[:, None, None, None], o, jnp.asarray(jnp.nan, o.dtype))
+    exported = [jax.lax.stop_gradient(x) for x in exported]
+    return (o, selected, *exported)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl"))
+def attend_cache(q, keys, values, positions, config: HTreeConfig, impl: str):
+    """Queries `q [B, S, H, K]` (in `rope_layout` order) at `positions [B, S]` over a
+    decode cache's tree layers (`keys`, `values`, bottom first, un-rotated), on the
+    concrete backend `impl`: `(o [B, S, H, V], selections)`."""
+    if impl != "reference":
+        # One new token is the newest in the cache: nothing after it can be NaN, so the
+        # decode kernels need not zero the values it does not merge (SPEC 10).
+        return attend_cache_pallas(q, keys, values, positions, config,
+                                   interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1)
+    B, S, H, K = q.shape
+    H_kv, V = keys[0].shape[2], values[0].shape[-1]
+    chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))
+    return attend_tree(q, list(zip(keys, values)), positions, config, chunk, keys_rotated=False)

@@ -1,0 +1,413 @@
+"""What the Pallas forward and backward passes share: their block sizes, the padded tree
+and keys as the kernels read them (`prepare`), and each chunk of queries through the top
+layer and the selections below it (`chunk_queries`, `select_below_top`). The passes
+(`forward.py`, `backward.py`) compose these with the merge and gradient kernels.
+
+Device memory beyond inputs, tree and output: the rotated copies of the tree's keys
+(the top layer once in float32, and as the merge and importance dots read it; each lower
+layer in `span / r` copies, `rotate_phases`, as the dots that read them take them, the
+bottom's merge dots and the other layers' importance dots: one bfloat16 array or two
+bfloat16 / float32 parts, `key_operands`); per chunk of `Qc` positions the packed keys and next-parent
+buffers (`2 * B * Qc * H_kv * Mp` int32), the scores of a layer below the top that
+selects (`B * Qc * H_kv * Gp * Mp` float32, `Gp = max(16, G)`, only when `L >= 3`),
+the queries padded and rotated for the top layer (`B * Qc * H_kv * Gt * Kp` float32)
+and the softmax state (`B * Qc * H * (V + 2)` float32); the selections
+(`(L-1) * B*T*H_kv*top_k` int32).
+`Qc` is chosen so that `Qc * Mp <= T * top_k` (so nothing is `O(T * M)`) and the
+buffers stay under `chunk_budget_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from htree_jax.core.config import FORCED_IMPORTANCE, HTreeConfig
+from htree_jax.core.indexing import candidate_count, num_parents, pack_importance, top_layer_parents
+from htree_jax.core.packing import build_packed_tree, tokens_to_virtual, virtual_exists
+from htree_jax.core.rope import apply_rope
+from pallas_kernels.common import (
+    MAX_HEAD_DIM,
+    MAX_VALUE_DIM,
+    MIN_DIM,
+    LayerStatic,
+    check_group,
+    head_split,
+    next_power_of_two,
+    pad_axis,
+    pad_nodes,
+    pad_rope_halves,
+    real_heads,
+    virtual_heads,
+)
+from pallas_kernels.importance import importance_keys_pallas
+from pallas_kernels.precision import Precisions, key_operands
+from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases, rotate_queries
+from pallas_kernels.top_k import select_top_k_pallas
+from pallas_kernels.top_layer import top_importance_keys_pallas
+from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tiling and launch parameters of the Pallas forward and backward (which share them).
+
+    Pass one to `htree_attention(..., block_sizes=...)` (or the modules) to tune; `None`
+    takes `BlockSizes.for_dims(K, V)`. Each default is the fastest of an H200 sweep
+    (bf16, H=32, H_kv=4, K=V=128, T=131072); the sweeps are in benchmarks/RESULTS.md
+    ("Block sizes: where the defaults come from")."""
+
+    # Below the top layer: candidates per score product (one query rotation serves them:
+    # the keys are stored in span/r rotated copies) and per inner step.
+    span: int = 64
+    tile: int = 64
+    # Top layer: query rows per program (256 overflow shared memory), candidates per step.
+    top_rows: int = 128
+    top_tile: int = 64
+    top_num_warps: int = 8
+    # The top layer's importance kernel is product-bound: 3xTF32 split in the kernel, 2 stages.
+    top_keys_tile: int = 64
+    top_keys_stages: int = 2
+    # Per-query kernels below the top: 16-row products keep 2 warps busiest.
+    num_warps: int = 2
+    merge_num_warps: int = 2
+    num_stages: int = 2
+    # Merges of stored scores (no key gathers) hide their latency best with 4 warps.
+    scored_merge_num_warps: int = 4
+    # The bottom merge over query blocks (`union.py`): off (`union_limit=0`), it ran
+    # 1.6-2.2x slower than the per-query path on an H200; `1` sends every block through it.
+    union_queries: int = 8
+    union_limit: float = 0.0
+    union_num_warps: int = 4
+    union_step: int = 4  # union nodes folded per step
+    # The backward reads the forward's selections (`(L-1) * B*T*H_kv*top_k` int32 kept)
+    # instead of selecting again: 8-10% faster fwd+bwd.
+    save_selections: bool = True
+    # Per-chunk buffers (`chunk_size`): fewer, larger chunks launch less.
+    chunk_budget_bytes: int = 2 << 30
+
+    @classmethod
+    def for_dims(cls, K: int, V: int) -> "BlockSizes":
+        """The tuned block sizes for head dims `K`, `V` (`TUNED`): the defaults up to 256
+        features (padded), and for wider heads (latent attention, K = 576, V = 512) the
+        sizes whose query rows, key tiles and value accumulator fit a program's registers
+        and shared memory."""
+        shape = "head_dims<=256" if next_power_of_two(K, 32) <= 256 and next_power_of_two(V, 16) <= 256 else "wide"
+        return cls(**TUNED[shape])
+
+
+# Tuned block sizes per shape class, as data (H200; how each was found: RESULTS.md).
+TUNED = {
+    "head_dims<=256": {},
+    # `benchmarks/probe_mla.py` at T=8192: 303 ms, against 388 with 16-candidate tiles;
+    # 64-candidate tiles overflow shared memory.
+    "wide": dict(span=32, tile=32, top_rows=16, top_tile=16, top_num_warps=4, top_keys_tile=16, top_keys_stages=2,
+                 num_warps=4, merge_num_warps=4, num_stages=2, scored_merge_num_warps=4),
+}
+
+
+def check_pallas_dims(dims) -> None:
+    """The Pallas backend's limits, checked before any launch."""
+    if not MIN_DIM <= dims.head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"backend 'pallas' supports head dim K in [{MIN_DIM}, {MAX_HEAD_DIM}], "
+                         f"got K = {dims.head_dim}")
+    if not MIN_DIM <= dims.value_dim <= MAX_VALUE_DIM:
+        raise ValueError(f"backend 'pallas' supports value dim V in [{MIN_DIM}, {MAX_VALUE_DIM}], "
+                         f"got V = {dims.value_dim}")
+    check_group(dims.group_size, "backend 'pallas'")
+
+
+def layout(config: HTreeConfig, block_sizes: BlockSizes):
+    """`(span, tile, P, Mp)`: candidates per product and per step below the top layer,
+    and the padded candidate-buffer geometry (`P` parent slots, `Mp = P * r` positions)."""
+    r, M = config.compression_rate, config.max_candidates
+    span = max(16, r, min(next_power_of_two(block_sizes.span), 16 * r, M))
+    tile = max(span, min(next_power_of_two(block_sizes.tile), M))
+    per_tile = tile // r
+    P = -(-config.top_k // per_tile) * per_tile
+    return span, tile, P, P * r
+
+
+def union_width(block_sizes: BlockSizes, P: int) -> int:
+    """Parents a query block's union buffer holds (`union.block_union`), a power of two;
+    0 when the union path is off (`union_limit <= 0` or blocks of one query)."""
+    bq = block_sizes.union_queries
+    if block_sizes.union_limit <= 0 or bq <= 1:
+        return 0
+    return min(next_power_of_two(bq * P), next_power_of_two(max(1.0, block_sizes.union_limit * bq * P)))
+
+
+def chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows=0, union_bytes=0):
+    """Query positions per chunk: the per-chunk buffers (packed keys and next parents,
+    int32, `score_rows` float32 scores per candidate where a layer below the top
+    selects, and `union_bytes` per (query, kv head) for the bottom's query blocks)
+    within `chunk_budget_bytes`, and `Qc * Mp <= T * top_k`."""
+    per_query = (8 + 4 * score_rows) * B * H_kv * Mp + union_bytes * B * H_kv
+    limit = max(1, min(block_sizes.chunk_budget_bytes // per_query, T // config.compression_rate, T))
+    return int(limit)
+
+
+def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
+    """The largest multiple of `multiple` in `[Qc/2, Qc]` that divides `T`, else `Qc`.
+    With chunks that tile T exactly nothing is padded to `chunks * Qc` positions: no
+    padded copy of q (forward and backward), of the cotangent, of dq or of the output
+    (8 GiB each in bfloat16 at T=1M, H=32, K=128). Used where such a copy outweighs the
+    chunk budget; smaller chunks launch more (2 GiB chunks ran 2% faster than 1 GiB)."""
+    for size in range(Qc - Qc % multiple, Qc // 2 - 1, -multiple):
+        if size > 0 and T % size == 0:
+            return size
+    return Qc
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
+                                "top_local", "positions"],
+                   meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk", "union_width",
+                                "union_queries", "union_step", "st_union", "sizes", "head_split"])
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
+
+    # [(importance keys, merge keys, V_l [B, H_kv, N_l, Vp]), ...], bottom first, the top
+    # layer left out. The keys: `key_operands` of `rotate_phases(K_l)` for the dots that
+    # read them. The bottom layer only merges (no importance keys: None); the layers
+    # above it merge from their stored scores (no merge keys: None, except for the
+    # backward, which scores them again with the merge dots).
+    layers: list
+    top_k_imp: tuple  # key_operands of the top layer's keys rotated by position, tile-padded
+    top_k_merge: tuple  # the same for the merge dots (often the same arrays)
+    top_v: jax.Array  # the top layer's values, tile-padded
+    cos: jax.Array  # [Mp, Kp/2]
+    sin: jax.Array
+    q4: jax.Array  # [B, chunks * Qc, H_kv, G, Kp]; heads padded per chunk, per kernel
+    st: LayerStatic  # the layers below the top: one query per program
+    st_top: LayerStatic  # the top layer: `block_queries` queries per program
+    st_top_keys: LayerStatic  # its importance kernel (its own tile and pipeline depth)
+    parents_width: int  # P
+    chunk: int  # Qc, a multiple of st_top.block_queries and of union_queries
+    union_width: int  # parents per query block's union buffer; 0: the union path is off
+    union_queries: int  # queries per block of the bottom's union path
+    union_step: int  # union nodes per step
+    st_union: LayerStatic  # the union kernel's launch
+    sizes: tuple  # the tree's layer sizes (virtual ones when packed)
+    packing: object = None  # `htree_jax.core.packing.Packing`, or None: one document per row
+    top_local: object = None  # packed: `[B, N_top]` int32, each top node's place in its document
+    positions: object = None  # `[S]` int32: the queries' token positions (None: `0 .. S-1`)
+    head_split: int = 1  # virtual kv heads per kv head (`head_split`): `H_kv` above counts them
+
+
+def packed_tree(k, v, packing, config: HTreeConfig):
+    """The tree of packed rows (`htree_jax.core.packing`): `[(K_l, V_l) [B, N_l, H_kv, *]]` in
+    the virtual layout, bottom first, and each top node's index inside its document
+    `[B, N_top]` (its RoPE position on the top layer)."""
+    exists = virtual_exists(packing)
+    layers = build_packed_tree(tokens_to_virtual(k, packing), tokens_to_virtual(v, packing), exists, config,
+                               packing.num_layers)
+    A = config.compression_rate ** (packing.num_layers - 1)
+    top_local = jnp.zeros((k.shape[0], layers[-1][0].shape[1]), jnp.int32)
+    top_local = jax.vmap(lambda x, node, first: x.at[node].set(node - first))(
+        top_local, packing.position // A, packing.doc_start // A)
+    return layers, top_local
+
+
+def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool,
+            precisions: Precisions, for_backward: bool = False, packing=None, positions=None,
+            split: int = 1) -> Prepared:
+    """The padded tree, keys as the products read them, tables and queries. With
+    `for_backward`, every layer below the top keeps merge keys: the backward scores every
+    merged candidate again with the merge dots. With `packing` the tree is laid out
+    virtually (`htree_jax.core.packing`), its top keys rotated by their place in their
+    document, the top layer padded by a tile more (tiles read from a document's start).
+    `positions [S]`: the queries' positions in the sequence of `k, v` (context
+    parallelism: a shard's queries against every token; `None`: `q` holds them all).
+    `split`: `k, v` hold each kv head `split` times (`split_heads`)."""
+    B, T, H, K = q.shape
+    H_kv, V = k.shape[2], v.shape[-1]
+    G = H // H_kv
+    r = config.compression_rate
+    kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
+    half = kp // 2
+    span, tile, P, Mp = layout(config, block_sizes)
+    st = LayerStatic(
+        r=r, tile=tile, span=span, group=G, alpha=config.score_scale(K), importance=config.importance,
+        strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
+        precision=precisions.scores, importance_operands=precisions.importance_operands,
+        merge_precision=precisions.merge, merge_operands=precisions.merge_operands,
+        num_warps=block_sizes.num_warps, merge_num_warps=block_sizes.merge_num_warps,
+        num_stages=block_sizes.num_stages,
+    )
+    as_kernel_layer = lambda kl, vl: (jnp.swapaxes(pad_rope_halves(kl, half), 1, 2),
+                                      jnp.swapaxes(pad_axis(vl, -1, vp), 1, 2))
+    top_local = None
+    if packing is None:
+        layers = [as_kernel_layer(k, v)]
+        for _ in config.layer_sizes(k.shape[1])[1:]:
+            layers.append(tuple(pool_layer_pallas(x, r, PoolBlockSizes(), interpret) for x in layers[-1]))
+    else:
+        tree, top_local = packed_tree(k, v, packing, config)
+        layers = [as_kernel_layer(kl, vl) for kl, vl in tree]
+    sizes = tuple(x[0].shape[2] for x in layers)
+    num_layers = len(layers)
+    cos, sin = padded_rope_table(Mp, K, config.rope_base, half, config.partial_rope(K))
+    # Top layer: rows = queries x next_power_of_two(G) heads, at least 16 (a dot's minimum).
+    gt = next_power_of_two(G)
+    bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
+    top_tile = min(next_power_of_two(block_sizes.top_tile, 16), Mp)
+    st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps)
+    st_top_keys = dataclasses.replace(st_top, tile=min(next_power_of_two(block_sizes.top_keys_tile, 16), top_tile),
+                                      num_stages=block_sizes.top_keys_stages)
+    extra = 0 if packing is None else top_tile  # packed: tiles start at a document's first node
+    top_v = pad_axis(pad_nodes(layers[-1][1], top_tile), 2, -(-sizes[-1] // top_tile) * top_tile + extra)
+    # The keys as the products read them: rotated, then split for 3xTF32 or cast to the
+    # operand dtype, once per layer (one array when both dots take the same operands).
+    imp_spec = (precisions.scores, precisions.importance_operands)
+    merge_spec = (precisions.merge, precisions.merge_operands)
+
+    if packing is None:
+        top_rotated = rotate_keys(layers[-1][0], cos, sin, top_tile)
+    else:
+        top_rotated = apply_rope(layers[-1][0].astype(jnp.float32), cos[top_local][:, None], sin[top_local][:, None])
+        top_rotated = pad_axis(top_rotated, 2, top_v.shape[2])
+    top_k_merge = key_operands(top_rotated, *merge_spec)
+    top_k_imp = key_operands(top_rotated, *imp_spec, split=False) if imp_spec != merge_spec else top_k_merge
+    # Below the top: the keys in span/r rotated copies, for the importance products of
+    # the layers that select (their merges reuse the stored scores) and for the bottom
+    # layer's merge (every layer's, for the backward).
+    lower = []
+    for l, (kl, vl) in enumerate(layers[:-1]):
+        phases = rotate_phases(kl, cos, sin, st)
+        lower.append((key_operands(phases, *imp_spec) if l > 0 else None,
+                      key_operands(phases, *merge_spec) if l == 0 or for_backward else None, vl))
+    # Layers below the top that select (L >= 3) store their scores per chunk.
+    score_rows = next_power_of_two(G, 16) if num_layers >= 3 else 0
+    # The bottom's query blocks (L >= 2): the slots `[BQ, width]` per block, the sorted
+    # parent lists and their payloads (`block_union`'s temporaries), int32.
+    width = union_width(block_sizes, P) if num_layers >= 2 else 0
+    union_bytes = 4 * (width + 4 * P) if width else 0
+    multiple = max(bq, block_sizes.union_queries if width else 1)
+    Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows, union_bytes) // multiple) * multiple
+    if q.size * q.dtype.itemsize >= block_sizes.chunk_budget_bytes:
+        Qc = dividing_chunk(T, Qc, multiple)
+    q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
+    q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
+    st_union = dataclasses.replace(st, num_warps=block_sizes.union_num_warps)
+    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc, width,
+                    block_sizes.union_queries, block_sizes.union_step, st_union, sizes, packing, top_local, positions,
+                    split)
+
+
+def split_heads(k, v, G: int):
+    """`(k, v, split)`: groups of more than `KERNEL_GROUP` heads as `split` virtual kv
+    heads of `KERNEL_GROUP` each, `k, v [B, T, H_kv * split, *]` (each kv head repeated:
+    `split` times the keys' and values' memory, and their gathers; the heads' products
+    are the same)."""
+    split = head_split(G)
+    if split == 1:
+        return k, v, 1
+    return jnp.repeat(k, split, axis=2), jnp.repeat(v, split, axis=2), split
+
+
+def valid_candidates(parents, t, layer: int, prep: Prepared):
+    """`n` per query (SPEC 2.1), `[B, Q, H_kv, 1]` int32, from padded parent lists."""
+    return candidate_count(num_parents(parents), t, prep.st.r, layer).astype(jnp.int32)
+
+
+def kept_values(keys, tau, values, top_k: int):
+    """`values [..., Mp]` at the positions a layer kept (`keys >= tau`), ascending
+    (the order of the kept nodes), 0 after: `[..., top_k]` (SPEC 8's export)."""
+    kept = keys >= tau
+    order = jnp.argsort(~kept, axis=-1, stable=True)[..., :top_k]
+    picked = jnp.take_along_axis(values, order, axis=-1)
+    slots = jnp.arange(top_k, dtype=jnp.int32)
+    return jnp.where(slots < jnp.sum(kept, axis=-1, keepdims=True, dtype=jnp.int32), picked, 0.0)
+
+
+def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, select: bool = True,
+                  export: bool = False):
+    """Chunk `c`'s queries and top layer, shared by the forward and the backward:
+    `(qc [B, Qc, H_kv, G, Kp], t, n_top, first, q_top, top)`. `t`: the queries' positions
+    in the tree (`[1, Qc, 1, 1]`, or `[B, Qc, 1, 1]` virtual ones when packed). The top
+    layer's candidates are rows `[first, first + n_top)` (`[B, Qc, H_kv, 1]` each;
+    `n = i*_{L-1} + 1` counted in the query's document, SPEC 2.1, `first = 0` unpacked);
+    `q_top` each query rotated by its `n - 1`, `Gt` rows. `top`: `(keys, tau, parents of
+    the layer below)` from the top layer's importance keys (document-local positions)
+    and shared top-K (the parents as tree rows), or `(None, None, None)` when the top
+    layer is the bottom one (`L = 1`) or without `select` (the backward, given the
+    forward's selections). With `export`, `top` has a fourth entry: the kept nodes'
+    importance `[B, Qc, H_kv, top_k]` (SPEC 8)."""
+    st, Qc = prep.st, prep.chunk
+    B, _, H_kv, G, _ = prep.q4.shape
+    A = st.r ** (num_layers - 1)
+    qc = lax.dynamic_slice_in_dim(prep.q4, c * Qc, Qc, axis=1)
+    rows = lambda x: lax.dynamic_slice_in_dim(
+        jnp.pad(x, ((0, 0), (0, prep.q4.shape[1] - T)), mode="edge"), c * Qc, Qc, axis=1)[..., None, None]
+    if prep.packing is None:
+        if prep.positions is None:
+            t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
+        else:
+            t = rows(prep.positions[None])
+        offset, first = t, jnp.zeros((B, Qc, H_kv, 1), jnp.int32)
+    else:
+        t, start = rows(prep.packing.position), rows(prep.packing.doc_start)
+        offset, first = t - start, jnp.broadcast_to(start // A, (B, Qc, H_kv, 1))
+    n_top = jnp.broadcast_to(offset // A + 1, (B, Qc, H_kv, 1))
+    q_top = rotate_queries(pad_axis(qc, 3, next_power_of_two(G)), n_top, prep.cos, prep.sin)
+    if num_layers == 1 or not select:
+        return qc, t, n_top, first, q_top, (None, None, None)
+    split = prep.head_split
+    keys, imp = top_keys(prep, q_top, n_top, first, interpret, export)
+    parents = jnp.broadcast_to(top_layer_parents(offset[..., 0], st.r, num_layers, prep.parents_width),
+                               (B, Qc, H_kv // split, prep.parents_width))
+    next_parents, tau = select_top_k_pallas(keys, parents, real_heads(n_top, split), st, interpret)
+    next_parents = next_parents[..., : prep.parents_width]
+    next_parents = jnp.where(next_parents >= 0, next_parents + real_heads(first, split), -1)  # tree rows
+    top = [keys, tau, next_parents] + ([kept_values(keys, tau, imp, st.top_k)] if export else [])
+    return qc, t, n_top, first, q_top, tuple(virtual_heads(x, split) for x in top)
+
+
+def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool):
+    """The top layer's packed importance keys `[B, Q, H_kv, Mp]` for the real kv heads,
+    and with `export` their importance (else None). Split heads (`head_split`): the
+    kernel's per-split importance, summed over the group here (`shared_max`: each
+    split's rescaled from its own group max to the largest), then packed as the kernel
+    packs it."""
+    split, st, width = prep.head_split, prep.st_top_keys, prep.cos.shape[0]
+    if split == 1:
+        out = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret, export)
+        return out if export else (out, None)
+    _, imp, shift = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret,
+                                               export=True, with_shift=True)
+    B, Q = imp.shape[:2]
+    imp = imp.reshape(B, Q, -1, split, width)
+    if st.importance == "shared_max":
+        group_max = shift[..., 0].reshape(B, Q, -1, split)  # every row of a split holds its group max
+        imp = imp * jnp.exp(group_max - jnp.max(group_max, axis=-1, keepdims=True))[..., None]
+    imp = jnp.sum(imp, axis=-2)
+    n = real_heads(n_top, split)
+    positions = jnp.arange(width, dtype=jnp.int32)
+    keys = jnp.where(positions < n, pack_importance(jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp), positions,
+                                                    st.log_n), -1)
+    return keys, imp
+
+
+def select_below_top(prep: Prepared, q_rows, parents, n, k_imp, interpret: bool, export: bool = False):
+    """A layer below the top that selects: `(keys, next_parents, tau, scores, importance)`,
+    the keys, parents and `tau` in the virtual heads' layout (`parents`, `n` given in
+    it), the scores for `merge_scored_pallas`, the kept nodes' importance (`export`,
+    else None). The keys and the top-K are made once per real kv head."""
+    split = prep.head_split
+    keys, scores = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, prep.st, interpret,
+                                          return_scores=True, export=export, split=split)
+    imp = None
+    if export:
+        keys, imp = keys
+    next_parents, tau = select_top_k_pallas(keys, real_heads(parents, split), real_heads(n, split), prep.st,
+                                            interpret)
+    if export:
+        imp = virtual_heads(kept_values(keys, tau, imp, prep.st.top_k), split)
+    return (virtual_heads(keys, split), virtual_heads(next_parents[..., : prep.parents_width], split),
+            virtual_heads(tau, split), scores, imp)

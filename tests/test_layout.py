@@ -1,0 +1,109 @@
+"""The layout holds (README, "Layout"): dependencies point one way, core <- implementations
+(the reference, `pallas_kernels`) <- backends <- public API; the kernels load neither
+Flax nor the API; no function-local import of a project module; no private name imported
+from another module (benchmarks, examples and tests included)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROJECT = ("htree_jax", "pallas_kernels", "reference_numpy")
+LIBRARY = ("htree_jax", "pallas_kernels")
+
+
+def python_files(*folders):
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: pathlib.Path):
+    """`(node, imported module, names)` of every import in the file, at any depth."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            yield node, node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield node, a.name, []
+
+
+def layer(module: str) -> int:
+    """0 core, 1 implementations, 2 backends, 3 public API."""
+    if module.startswith("htree_jax.core"):
+        return 0
+    if module.startswith("pallas_kernels") or module in ("htree_jax.reference",):
+        return 1
+    if module == "htree_jax.backends":
+        return 2
+    return 3
+
+
+def test_the_kernels_load_no_flax_and_no_api():
+    code = ("import sys, pallas_kernels.forward, pallas_kernels.backward, pallas_kernels.decode; "
+            "assert 'flax' not in sys.modules, 'flax'; "
+            "bad = [m for m in sys.modules if m.startswith('htree_jax') and not m.startswith('htree_jax.core') "
+            "and m != 'htree_jax']; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_submodules_are_reachable_after_import_htree_jax():
+    """`htree_jax.linen.HTreeAttention` as the README writes it, after `import htree_jax` alone."""
+    code = ("import htree_jax; assert htree_jax.linen.HTreeAttention.__name__ == 'HTreeAttention'; "
+            "assert htree_jax.BlockSizes().save_selections")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize("path", python_files(*LIBRARY), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down(path):
+    """A module imports from its own layer or below; the oracle only the demo (which
+    reports the agreement with it), as the tests do."""
+    me = module_name(path)
+    for node, target, _ in imports(path):
+        if target.split(".")[0] not in PROJECT or me == "htree_jax":
+            continue  # `htree_jax/__init__` loads the public names lazily, from every layer
+        if target.startswith("reference_numpy"):
+            assert me == "htree_jax.demo", f"{me} imports the oracle"
+            continue
+        assert layer(target) <= layer(me), f"{me} (layer {layer(me)}) imports {target} (layer {layer(target)})"
+        if layer(me) == 1:  # the two implementations stand on the core alone, apart
+            own = "pallas_kernels" if me.startswith("pallas_kernels") else me
+            assert target.startswith(("htree_jax.core", own)), f"{me} imports {target}"
+
+
+def test_the_oracle_imports_nothing_of_ours():
+    for path in python_files("reference_numpy"):
+        for _, target, _ in imports(path):
+            assert target.split(".")[0] not in ("htree_jax", "pallas_kernels"), (path, target)
+
+
+@pytest.mark.parametrize("path", python_files(*LIBRARY), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_function_local_import_of_a_project_module(path):
+    tree = ast.parse(path.read_text(), str(path))
+    for func in ast.walk(tree):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                for name in names:
+                    assert (name or "").split(".")[0] not in PROJECT, \
+                        f"{path.name}:{node.lineno}: {func.name} imports {name} inside a function"
+
+
+@pytest.mark.parametrize("folder", ["htree_jax", "pallas_kernels", "benchmarks", "examples", "tests"])
+def test_no_private_name_imported_from_another_module(folder):
+    for path in python_files(folder):
+        for node, target, names in imports(path):
+            if target.split(".")[0] not in PROJECT:
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            assert not private, f"{path.relative_to(ROOT)}:{node.lineno} imports {private} from {target}"
