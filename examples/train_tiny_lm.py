@@ -155,8 +155,10 @@ class Block(nnx.Module):
         self.norm1 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
         self.shift = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs) if token_shift else None
         if attention == "htree":
+            # No biases, as `DenseAttention`: the two take each other's weights (`nnx.update`).
             self.attention = htree_jax.HTreeAttention(num_heads, d_model, num_kv_heads=num_kv_heads,
-                                                      config=config, backend=backend, dtype=dtype, rngs=rngs)
+                                                      config=config, backend=backend, dtype=dtype, use_bias=False,
+                                                      rngs=rngs)
         else:
             self.attention = DenseAttention(num_heads, d_model, num_kv_heads=num_kv_heads,
                                             rope_base=config.rope_base, scale=config.scale, dtype=dtype,
@@ -210,6 +212,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression-rate", type=int, default=4)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--rope-base", type=float, default=10000.0)
+    p.add_argument("--selection", choices=("mean", "bound"), default="mean",
+                   help="htree's ranking of nodes for refinement (HTreeConfig.selection)")
 
 
 def parse_args(argv=None):
@@ -281,18 +285,60 @@ def compute_dtype(name: str):
     return jnp.dtype(name)
 
 
+def task_of(args) -> Task:
+    return Task(args.task, args.num_values, args.num_keys, args.pairs, args.queries)
+
+
+def build_model(args, attention: str | None = None, **config_fields) -> TinyLM:
+    """The model `args` describe, with `attention` ("htree" or "dense", default
+    `args.attention`) and `config_fields` replacing those of `args` (e.g. `top_k`,
+    `selection`). Models that differ only there have the same parameters."""
+    fields = dict(compression_rate=args.compression_rate, top_k=args.top_k, scale=args.scale,
+                  rope_base=args.rope_base, selection=args.selection)
+    config = htree_jax.HTreeConfig(**{**fields, **config_fields})
+    dtype = compute_dtype(args.dtype)
+    return TinyLM(task_of(args).vocab, args.d_model, args.layers, args.heads, args.kv_heads,
+                  attention or args.attention, config, args.backend, nnx.Rngs(args.seed), dtype=dtype,
+                  dense_implementation=dense_implementation(dtype), token_shift=args.token_shift)
+
+
+def dense_implementation(dtype) -> str:
+    """cuDNN's flash attention takes bfloat16/float16 only; XLA's materialises [B, H, T, T]."""
+    return "cudnn" if jax.default_backend() == "gpu" and dtype != jnp.float32 else "xla"
+
+
+@nnx.jit
+def evaluate(model, tokens, targets):
+    return query_loss(model, tokens, targets)
+
+
+def eval_accuracy(model, args, seq_len: int, eval_size: int | None = None) -> tuple[float, float]:
+    """`(accuracy, loss)` over `eval_size` (default `args.eval_size`) fresh sequences of
+    `seq_len` tokens, the same ones for every model with the same `args.seed`."""
+    task, eval_size = task_of(args), eval_size or args.eval_size
+    eval_rng = np.random.default_rng(args.seed + 10**6)
+    eval_batch = args.eval_batch or args.batch
+    correct = total_loss = 0.0
+    for first in range(0, eval_size, eval_batch):
+        rows = min(eval_batch, eval_size - first)
+        tokens, targets = task.batch(eval_rng, rows, seq_len)
+        loss, acc = evaluate(model, jnp.asarray(tokens), jnp.asarray(targets))
+        correct += float(acc) * rows
+        total_loss += float(loss) * rows
+    return correct / eval_size, total_loss / eval_size
+
+
 def main(argv=None) -> dict:
     """Trains and evaluates; returns `{"losses": [...], "accuracy": float, "step_ms": float, ...}`."""
-    args = parse_args(argv)
-    task = Task(args.task, args.num_values, args.num_keys, args.pairs, args.queries)
-    config = htree_jax.HTreeConfig(compression_rate=args.compression_rate, top_k=args.top_k, scale=args.scale,
-                                   rope_base=args.rope_base)
+    return train(parse_args(argv))[1]
+
+
+def train(args) -> tuple[TinyLM, dict]:
+    """Trains the model `args` describe and evaluates it: `(model, result)`."""
+    task = task_of(args)
     dtype = compute_dtype(args.dtype)
-    # cuDNN's flash attention takes bfloat16/float16 only; XLA's materialises [B, H, T, T].
-    dense_implementation = "cudnn" if jax.default_backend() == "gpu" and dtype != jnp.float32 else "xla"
-    model = TinyLM(task.vocab, args.d_model, args.layers, args.heads, args.kv_heads, args.attention, config,
-                   args.backend, nnx.Rngs(args.seed), dtype=dtype, dense_implementation=dense_implementation,
-                   token_shift=args.token_shift)
+    model = build_model(args)
+    config = model.blocks[0].attention.config if args.attention == "htree" else None
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10 + 1)
     optimizer = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup, args.steps), weight_decay=0.01), wrt=nnx.Param)
@@ -303,12 +349,8 @@ def main(argv=None) -> dict:
         optimizer.update(model, grads)
         return loss, acc
 
-    @nnx.jit
-    def evaluate(model, tokens, targets):
-        return query_loss(model, tokens, targets)
-
     layers = config.layer_sizes(args.seq_len) if args.attention == "htree" else (args.seq_len,)
-    attention = args.attention if args.attention == "htree" else f"dense ({dense_implementation})"
+    attention = args.attention if args.attention == "htree" else f"dense ({dense_implementation(dtype)})"
     print(f"task={args.task} attention={attention} T={args.seq_len} tree layers={list(layers)} "
           f"dtype={jnp.dtype(dtype).name} chance={1 / args.num_values:.3f} platform={jax.default_backend()}",
           flush=True)
@@ -342,18 +384,10 @@ def main(argv=None) -> dict:
     # the step time: the median over the steps at the full length but its first (it compiles)
     full = [s for s, n in zip(step_seconds, schedule) if n == args.seq_len]
     step_ms = 1e3 * statistics.median(full[1:] if len(full) > 1 else full)
-    eval_rng = np.random.default_rng(args.seed + 10**6)
-    eval_batch = args.eval_batch or args.batch
-    correct = total_loss = 0.0
-    for first in range(0, args.eval_size, eval_batch):
-        rows = min(eval_batch, args.eval_size - first)
-        tokens, targets = task.batch(eval_rng, rows, args.seq_len)
-        loss, acc = evaluate(model, jnp.asarray(tokens), jnp.asarray(targets))
-        correct += float(acc) * rows
-        total_loss += float(loss) * rows
-    accuracy, eval_loss = correct / args.eval_size, total_loss / args.eval_size
+    accuracy, eval_loss = eval_accuracy(model, args, args.seq_len)
     result = dict(task=args.task, attention=args.attention, seq_len=args.seq_len,
                   top_k=args.top_k if args.attention == "htree" else None,
+                  selection=args.selection if args.attention == "htree" else None,
                   compression_rate=args.compression_rate, dtype=jnp.dtype(dtype).name, steps=args.steps,
                   batch=args.batch, d_model=args.d_model, layers=args.layers, heads=args.heads,
                   kv_heads=args.kv_heads, token_shift=args.token_shift, pairs=args.pairs, queries=args.queries,
@@ -366,7 +400,7 @@ def main(argv=None) -> dict:
     print(f"final: task={args.task} attention={attention} T={args.seq_len} eval accuracy {accuracy:.3f} (chance "
           f"{1 / args.num_values:.3f}), eval loss {eval_loss:.4f}, {train_s:.0f} s, {step_ms:.1f} ms/step, "
           f"{result['tokens_per_second']:,.0f} tokens/s", flush=True)
-    return result
+    return model, result
 
 
 if __name__ == "__main__":

@@ -85,9 +85,16 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
     return backend
 
 
-def full_sequence_backend(backend: str, dims) -> str:
-    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`)."""
-    return choose_backend(backend, lambda: check_pallas_dims(dims))
+def full_sequence_backend(backend: str, dims, config: HTreeConfig) -> str:
+    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`) and
+    `config` (the kernels rank by the mean keys only, so far)."""
+    def check_kernel_limits():
+        check_pallas_dims(dims)
+        if config.selection != "mean":
+            raise ValueError(f"selection={config.selection!r} runs on backend 'reference' (or 'auto') so far: the "
+                             "Pallas kernels rank candidates by their mean keys only")
+
+    return choose_backend(backend, check_kernel_limits)
 
 
 def decode_backend(backend: str, head_dim: int, value_dim: int, group: int) -> str:

@@ -264,6 +264,9 @@ def check_decode_config(config) -> HTreeConfig:
             "depends on tokens after it (SPEC 2.3), so no cache of the past can reproduce the "
             "full-sequence output"
         )
+    if config.selection != "mean":
+        raise ValueError(f"config.selection={config.selection!r}: decoding ranks by the mean keys only so far (the "
+                         "cache keeps no radii yet); use selection='mean' for decoding")
     return config
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from htree_jax.core.bounds import bound_scores, tree_radii
 from htree_jax.core.config import FORCED_IMPORTANCE, HTreeConfig
 from htree_jax.core.indexing import (
     candidate_count,
@@ -25,7 +26,7 @@ from htree_jax.core.indexing import (
     pack_importance,
     top_layer_parents,
 )
-from htree_jax.core.packing import build_packed_tree, tokens_to_virtual, virtual_exists
+from htree_jax.core.packing import build_packed_tree, layer_exists, tokens_to_virtual, virtual_exists
 from htree_jax.core.rope import apply_rope, rope_table
 from htree_jax.core.softmax import importance, merge, normalize
 from htree_jax.core.tree import build_tree
@@ -121,6 +122,8 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     first, the keys rotated by child offset (`rotate_by_child_offset`), or as stored
     with `keys_rotated=False` (then the gathered candidates are rotated, the same
     float32 arithmetic: what decoding does, rather than rotate a whole cache per step).
+    With `config.selection == "bound"` each layer is `(K_l, V_l, rho_l [N_l, n_groups])`,
+    its radii (SPEC 11), and the layers that select rank by the bound.
     Returns `o [C, G, V]` float32 and the selected node lists of layers
     `L-1 .. 1`, each `[C, top_k]` int32 (and, with `return_importance`, their
     importance, each `[C, top_k]` float32, SPEC 8).
@@ -148,7 +151,7 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     q = q.astype(jnp.float32)
     selections, importances = [], []
     for l in reversed(range(L)):
-        K_l, V_l = layers[l]
+        K_l, V_l = layers[l][:2]
         n = candidate_count(num_parents(parents)[:, 0], t, r, l)  # [C]
         nodes = candidate_nodes(parents, p, r)  # [C, M]
         valid = p[None, :] < n[:, None]
@@ -162,8 +165,11 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
         if l > 0:
             rightmost = p[None, :] == (n - 1)[:, None]
             in_norm = valid & ~rightmost if config.strict_causal else valid
+            ranked = s
+            if config.selection == "bound":  # SPEC 11: rank by what a token under the node could score
+                ranked = bound_scores(s, q, layers[l][2][safe_nodes], alpha, R)
             # Selection is a discrete choice: no gradient flows through it.
-            exported = importance(lax.stop_gradient(s), in_norm, config.importance)
+            exported = importance(lax.stop_gradient(ranked), in_norm, config.importance)
             imp = jnp.where(rightmost, FORCED_IMPORTANCE, exported)
             keys = pack_importance(imp, p[None, :], config.log_n)
             selected, parents, kept = select_top_k(keys, valid, nodes, k_top, M, exported)
@@ -195,9 +201,21 @@ def rotate_by_child_offset(layer_keys, config: HTreeConfig):
 @functools.partial(jax.jit, static_argnames=("config", "query_chunk", "return_importance"))
 def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int, positions=None, return_importance=False):
     layers = build_tree(k, v, config)
-    layers = [(rotate_by_child_offset(kl, config), vl) for kl, vl in layers]
+    radii = with_radii(layers, config)
+    layers = [(rotate_by_child_offset(kl, config), vl) + rho for (kl, vl), rho in zip(layers, radii)]
     positions = jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
     return attend_tree(q, layers, positions, config, query_chunk, return_importance=return_importance)
+
+
+def with_radii(layers, config: HTreeConfig, exists=None):
+    """Per layer `()`, or `(rho_l,)` (its radii, SPEC 11) with `selection="bound"`:
+    what `_walk_one_head` takes after each layer's keys and values. `layers` the stored
+    `[(K_l, V_l)]`; `exists` each layer's occupancy (packed trees)."""
+    if config.selection != "bound":
+        return [()] * len(layers)
+    keys = [kl for kl, _ in layers]
+    return [(rho,) for rho in tree_radii(keys, config.compression_rate, config.partial_rope(keys[0].shape[-1]),
+                                         exists)]
 
 
 def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True,
@@ -289,7 +307,10 @@ def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, q
     B, T, H, K = q.shape
     if query_chunk is None:
         query_chunk = default_query_chunk(config, B, T, k.shape[2], H // k.shape[2], K, v.shape[-1])
-    layers = build_packed_tree(tokens_to_virtual(k, packing), tokens_to_virtual(v, packing), virtual_exists(packing),
-                               config, packing.num_layers)
+    exists = virtual_exists(packing)
+    layers = build_packed_tree(tokens_to_virtual(k, packing), tokens_to_virtual(v, packing), exists, config,
+                               packing.num_layers)
+    radii = with_radii(layers, config, layer_exists(exists, packing.num_layers, config.compression_rate))
+    layers = [layer + rho for layer, rho in zip(layers, radii)]
     return attend_tree(q, layers, packing.offset(), config, min(query_chunk, T), keys_rotated=False,
                        base=packing.doc_start, return_importance=return_importance)

@@ -17,7 +17,7 @@ import numpy as np
 # (an `htree_jax.HTreeConfig` in practice) and derives everything else itself, so a
 # fault in the library's arithmetic cannot hide in the oracle too.
 SPEC_DEFAULTS = types.SimpleNamespace(compression_rate=16, top_k=512, rope_base=10000.0, scale=None,
-                                      importance="softmax", strict_causal=True, rope_dim=None)
+                                      importance="softmax", strict_causal=True, rope_dim=None, selection="mean")
 FORCED_IMPORTANCE = 1e6  # SPEC 2.3: above every possible importance (which is <= G)
 
 # Relative perturbation of the importance under which `fragile` checks a selection.
@@ -64,6 +64,37 @@ def build_tree_numpy(k, v, config):
             up.append(pooled.astype(stored).astype(np.float64))
         layers.append(tuple(up))
     return layers
+
+
+def feature_groups(K: int, rope_dim=None) -> list:
+    """SPEC 11: each unrotated feature alone, each rotated pair `(K-R+i, K-R+i+R/2)` together
+    (in the original feature order)."""
+    R = K if rope_dim is None else rope_dim
+    return [[d] for d in range(K - R)] + [[K - R + i, K - R + i + R // 2] for i in range(R // 2)]
+
+
+def group_norms(x, groups):
+    """`x [..., K]` -> the L2 norm of each feature group, `[..., n_groups]`."""
+    return np.stack([np.sqrt(np.sum(x[..., g] ** 2, axis=-1)) for g in groups], axis=-1)
+
+
+def tree_radii(k_layers, config, groups):
+    """SPEC 11: per layer `[B, N_l, H_kv, n_groups]` float64, `rho^(0) = 0`,
+    `rho^(l)_i = max_j (rho^(l-1)_j + ||K^(l-1)_j - K^(l)_i||)` over the existing children,
+    per group, from the stored layers (`k_layers` as `build_tree_numpy` gives them)."""
+    r = config.compression_rate
+    B, _, H_kv, _ = k_layers[0].shape
+    radii = [np.zeros(k_layers[0].shape[:3] + (len(groups),))]
+    for l in range(1, len(k_layers)):
+        below, up = k_layers[l - 1], k_layers[l]
+        rho = np.zeros(up.shape[:3] + (len(groups),))
+        for i in range(up.shape[1]):
+            children = slice(i * r, min(i * r + r, below.shape[1]))
+            dist = group_norms(below[:, children] - up[:, i:i + 1], groups)  # [B, c, H_kv, n_groups]
+            rho[:, i] = np.max(radii[-1][:, children] + dist, axis=1)
+        # float32, as stored (SPEC 11)
+        radii.append(rho.astype(np.float32).astype(np.float64))
+    return radii
 
 
 def rope(x, positions, base, rope_dim=None):
@@ -124,9 +155,11 @@ class QueryTrace:
         return any(lt.fragile for lt in self.layers)
 
 
-def trace_query(q_group, layers, t, config, alpha):
+def trace_query(q_group, layers, t, config, alpha, radii=None, groups=None):
     """One `(b, t, h_kv)`: `q_group [G, K]` float64, `layers` from `build_tree_numpy`
-    sliced to one batch row and kv head (`[(K_l [N_l, K], V_l [N_l, V]), ...]`)."""
+    sliced to one batch row and kv head (`[(K_l [N_l, K], V_l [N_l, V]), ...]`). With
+    `config.selection == "bound"`, `radii` (per layer `[N_l, n_groups]`, `tree_radii`
+    sliced alike) and the feature `groups` (SPEC 11)."""
     r, k_top, L = config.compression_rate, config.top_k, len(layers)
     G = q_group.shape[0]
     Vd = layers[0][1].shape[-1]
@@ -147,7 +180,10 @@ def trace_query(q_group, layers, t, config, alpha):
         fragile = False
         if l > 0:
             in_norm = pos < n - 1 if config.strict_causal else np.ones(n, bool)
-            imp64 = importance(s, in_norm, config.importance)
+            ranked = s
+            if getattr(config, "selection", "mean") == "bound":  # SPEC 11: rank by the bound
+                ranked = s + alpha * group_norms(q_group, groups) @ radii[l][nodes].T
+            imp64 = importance(ranked, in_norm, config.importance)
             imp = imp64.astype(np.float32)
             imp[n - 1] = np.float32(FORCED_IMPORTANCE)
             keys = pack_importance(imp, pos, log_n)
@@ -221,6 +257,9 @@ def htree_attention_numpy(
     positions = np.arange(T) if query_positions is None else np.asarray(query_positions)
     layers = build_tree_numpy(k, v, config)
     L = len(layers)
+    bound = getattr(config, "selection", "mean") == "bound"
+    groups = feature_groups(K, config.rope_dim) if bound else None
+    radii = tree_radii([kl for kl, _ in layers], config, groups) if bound else None
     q64 = q.astype(np.float64)
     out = np.zeros((B, len(positions), H, v.shape[-1]))
     selected = [np.full((B, len(positions), H_kv, config.top_k), -1, np.int64) for _ in range(L - 1)]
@@ -229,8 +268,10 @@ def htree_attention_numpy(
     for b in range(B):
         for h_kv in range(H_kv):
             head_layers = [(K_l[b, :, h_kv], V_l[b, :, h_kv]) for K_l, V_l in layers]
+            head_radii = None if radii is None else [rho[b, :, h_kv] for rho in radii]
             for i, t in enumerate(positions):
-                tr = trace_query(q64[b, t, h_kv * G : (h_kv + 1) * G], head_layers, int(t), config, alpha)
+                tr = trace_query(q64[b, t, h_kv * G : (h_kv + 1) * G], head_layers, int(t), config, alpha,
+                                 head_radii, groups)
                 out[b, i, h_kv * G : (h_kv + 1) * G] = tr.output
                 fragile[b, i, h_kv] = tr.fragile
                 for j, lt in enumerate(tr.layers[:-1]):

@@ -131,3 +131,44 @@ def test_train_quality_refuses_tokens_per_step_that_no_batch_fits():
 
     with pytest.raises(SystemExit):
         train_quality.main(["--seq-lens", "4096,32768", "--tokens-per-step", "16384"])
+
+
+def test_dense_weights_evaluate_as_htree_and_exact_htree_equals_dense():
+    """`build_model` + `nnx.update`: a dense model's weights load into the htree model
+    (no biases on either), and where htree is exact attention (T <= top_k * r) both
+    rules give the dense model's loss; `eval_accuracy` sees the same data every call."""
+    from flax import nnx
+
+    example = _load()
+    args = example.parse_args(["--seq-len", "64", "--d-model", "32", "--dtype", "float32", "--eval-size", "4",
+                               "--compression-rate", "4", "--top-k", "16", "--rope-base", "1e4"])
+    dense = example.build_model(args, "dense")
+    want = example.eval_accuracy(dense, args, 64)
+    assert example.eval_accuracy(dense, args, 64) == want
+    for rule in ("mean", "bound"):
+        model = example.build_model(args, "htree", selection=rule)
+        nnx.update(model, nnx.state(dense, nnx.Param))
+        np.testing.assert_allclose(example.eval_accuracy(model, args, 64)[1], want[1], rtol=1e-5)
+
+
+def test_selection_transfer_trains_dense_and_evaluates_each_rule(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+    from benchmarks import selection_transfer
+
+    out = tmp_path / "transfer.json"
+    results = selection_transfer.main(["--train-len", "128", "--eval-lens", "128,256", "--top-k", "2", "--steps", "2",
+                                       "--len-warmup-steps", "0", "--tokens-per-step", "256", "--eval-size", "2",
+                                       "--eval-tokens", "512", "--out", str(out), "--save-weights",
+                                       str(tmp_path / "w.pkl"), "--", "--d-model", "16", "--dtype", "float32"])
+    assert [(r["evaluated"], r["eval_len"], r.get("selection")) for r in results] == [
+        ("dense", 128, None), ("htree", 128, "mean"), ("htree", 128, "bound"), ("dense", 256, None),
+        ("htree", 256, "mean"), ("htree", 256, "bound")]
+    import json
+
+    assert json.loads(out.read_text()) == results
+    # The saved weights evaluate to the same accuracies without training again.
+    again = selection_transfer.main(["--train-len", "128", "--eval-lens", "256", "--top-k", "2", "--eval-size", "2",
+                                     "--eval-tokens", "512", "--tokens-per-step", "256", "--out",
+                                     str(tmp_path / "again.json"), "--load-weights", str(tmp_path / "w.pkl"), "--",
+                                     "--d-model", "16", "--dtype", "float32"])
+    assert [r["accuracy"] for r in again] == [results[0]["accuracy"]] + [r["accuracy"] for r in results[3:]]

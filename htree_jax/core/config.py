@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 IMPORTANCE_MODES = ("softmax", "shared_max")
+SELECTION_RULES = ("mean", "bound")
 # SPEC 2.3: the rightmost candidate's importance, above every possible importance (<= G).
 FORCED_IMPORTANCE = 1e6
 
@@ -53,6 +54,12 @@ class HTreeConfig:
         layout of multi-head latent attention, `[q_nope, q_pe]`), with angles
         `rope_base^(-2i/rope_dim)`; the others enter the dot product unrotated. Even,
         `0 < rope_dim <= K` (checked against K at the call); `None`: all of K.
+      selection: how a layer ranks its candidates for refinement (SPEC 11). `"mean"`
+        (the default): by their mean keys' scores. `"bound"`: by an upper bound of what
+        any token under the node could score (the score plus `alpha` times the query's
+        feature-group norms against the node's radii), which finds the one strong token
+        a mean dilutes. The merge uses the mean keys' scores either way. So far on the
+        JAX reference only (backend "auto" takes it there), full sequences only.
     """
 
     compression_rate: int = 16
@@ -62,6 +69,7 @@ class HTreeConfig:
     importance: str = "softmax"
     strict_causal: bool = True
     rope_dim: int | None = None
+    selection: str = "mean"
 
     def __post_init__(self):
         # NumPy scalars are numbers too (`np.int64(4)`, `np.float32(1e4)`); each field is
@@ -85,6 +93,8 @@ class HTreeConfig:
             raise ValueError(
                 f"importance must be one of {IMPORTANCE_MODES}, got {self.importance!r}"
             )
+        if self.selection not in SELECTION_RULES:
+            raise ValueError(f"selection must be one of {SELECTION_RULES}, got {self.selection!r}")
         R = self.rope_dim
         if R is not None:
             if not _is_int(R) or int(R) <= 0 or int(R) % 2:

@@ -181,6 +181,19 @@ def pool_counted(x, exists, compression_rate: int):
     return round_to_storage(sums * scale[:, :, None, None], x.dtype), (counts > 0).astype(jnp.int32)
 
 
+def layer_exists(exists, num_layers: int, compression_rate: int) -> list:
+    """Each layer's occupancy of a packed tree, bottom first: `exists [B, T_v]` int32 (1
+    where a token sits, `virtual_exists`) -> `[[B, N_l]]`, a node existing where any of
+    its children does (as `pool_counted` decides)."""
+    layers = [exists]
+    for _ in range(1, num_layers):
+        below = layers[-1]
+        B, N = below.shape
+        layers.append((jnp.sum(below.reshape(B, N // compression_rate, compression_rate), axis=-1) > 0)
+                      .astype(jnp.int32))
+    return layers
+
+
 def build_packed_tree(k_v, v_v, exists, config: HTreeConfig, num_layers: int):
     """The tree of virtual-layout `k_v [B, T_v, H_kv, K]`, `v_v`: `[(K_l, V_l), ...]`
     bottom first, `N_l = T_v / r^l`, each document's nodes those of its own tree."""

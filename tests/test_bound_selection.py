@@ -1,0 +1,176 @@
+"""`selection="bound"` (docs/SPEC.md section 11) on the JAX reference: the float64 oracle's
+radii and bounds, the reference against the oracle (selections exact but for flagged
+near-ties, outputs, importance export), multi-layer trees, both importance modes,
+partial RoPE, packed rows, B=2, gradients; and what the bound is for: a node holding one
+strong token among weak ones is found where its mean key hides it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, htree_attention, init_cache
+from htree_jax.core.bounds import group_norms, num_groups, tree_radii
+from htree_jax.core.rope import rope_layout
+from htree_jax.core.tree import build_tree
+from reference_numpy import htree_attention_numpy
+from reference_numpy.htree_numpy import build_tree_numpy, feature_groups
+from reference_numpy.htree_numpy import tree_radii as tree_radii_numpy
+from tests.conftest import MULTI_LAYER_CASES, random_qkv
+from tests.test_oracle_agreement import assert_matches_oracle
+
+
+def test_config_takes_the_two_rules():
+    assert HTreeConfig().selection == "mean"
+    assert HTreeConfig(selection="bound").selection == "bound"
+    with pytest.raises(ValueError, match="selection must be one of"):
+        HTreeConfig(selection="max")
+
+
+@pytest.mark.parametrize("K, rope_dim", [(16, None), (16, 6), (12, 12)])
+def test_radii_equal_the_oracle_and_bound_every_token(rng, K, rope_dim):
+    """The reference's radii (feature groups in `rope_layout` order) equal the oracle's
+    (original order), and every token under a node lies within them of its mean key."""
+    config = HTreeConfig(compression_rate=4, top_k=2, rope_dim=rope_dim)
+    _, k, v = random_qkv(rng, 2, 70, 2, 2, K, 4)
+    assert config.num_layers(70) == 3
+    layers = build_tree_numpy(k, v, config)
+    groups = feature_groups(K, rope_dim)
+    want = tree_radii_numpy([kl for kl, _ in layers], config, groups)
+    keys = [kl for kl, _ in build_tree(rope_layout(jnp.asarray(k), config.partial_rope(K)),
+                                       jnp.asarray(v), config)]
+    got = tree_radii(keys, config.compression_rate, config.partial_rope(K))
+    assert got[1].shape[-1] == num_groups(K, config.partial_rope(K)) == len(groups)
+    # The groups in `rope_layout` order ([lo unrotated, hi unrotated, pairs]) are the
+    # oracle's in the original order (the unrotated features, then the pairs).
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-5, atol=1e-6)
+    x = rng.standard_normal((3, K))
+    np.testing.assert_allclose(np.asarray(group_norms(rope_layout(jnp.asarray(x), config.partial_rope(K)),
+                                                      config.partial_rope(K))),
+                               np.stack([np.linalg.norm(x[:, g], axis=-1) for g in groups], -1), rtol=1e-6)
+    r = config.compression_rate
+    for l in (1, 2):
+        for i in range(layers[l][0].shape[1]):
+            tokens = k[:, i * r**l: (i + 1) * r**l].astype(np.float64)
+            for gi, g in enumerate(groups):
+                dist = np.linalg.norm(tokens[..., g] - layers[l][0][:, i:i + 1][..., g], axis=-1)  # [B, n, H]
+                assert np.all(dist <= want[l][:, i, None, :, gi] * (1 + 1e-6) + 1e-9)
+
+
+def one_strong_key(seed=0, T=4096, K=32, G=4):
+    """What a mean key hides: every 16-token node holds keys moderately aligned with the
+    query (decoys), except one whose fifteen keys are neutral and one is strongly aligned.
+    The alignment lives in the 30 unrotated features (`rope_dim=2`), so RoPE's positions
+    do not blur it. Returns `(q, k, v, position of the strong key)`."""
+    rng = np.random.default_rng(seed)
+    direction = np.zeros(K)
+    direction[:K - 2] = rng.standard_normal(K - 2)
+    direction /= np.linalg.norm(direction)
+    q = np.tile(4.0 * direction, (1, T, G, 1)).astype(np.float32)
+    k = 0.3 * direction + 0.05 * rng.standard_normal((1, T, 1, K))
+    hidden = 1234
+    node = slice(hidden // 16 * 16, hidden // 16 * 16 + 16)
+    k[0, node, 0] = 0.05 * rng.standard_normal((16, K))
+    k[0, hidden, 0] = 2.5 * direction
+    v = rng.standard_normal((1, T, 1, 8)).astype(np.float32)
+    return q, k.astype(np.float32), v, hidden
+
+
+def test_bound_finds_the_node_the_mean_hides():
+    """The float64 oracle, r=16, top_k=8, one strongly aligned key among 4096 keys: the
+    mean rule loses the node holding it (its mean, 2.5/16 along the query, ranks below
+    the decoys' 0.3); the bound rule keeps it at every layer, so the query merges the key
+    itself; the JAX reference agrees."""
+    q, k, v, hidden = one_strong_key()
+    t = np.array([4095])
+    kept = {}
+    for rule in ("mean", "bound"):
+        config = HTreeConfig(compression_rate=16, top_k=8, selection=rule, rope_dim=2)
+        assert config.layer_sizes(4096) == (4096, 256, 16)
+        _, selected = htree_attention_numpy(q, k, v, config, return_selected=True, query_positions=t)
+        kept[rule] = hidden // 16 in selected[1][0, 0, 0]  # layer 1's kept nodes
+        _, got = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+        np.testing.assert_array_equal(np.asarray(got[1])[0, 4095, 0], selected[1][0, 0, 0])
+    assert kept == {"mean": False, "bound": True}
+
+
+@pytest.mark.parametrize("r, top_k, T", MULTI_LAYER_CASES)
+@pytest.mark.parametrize("importance", ["softmax", "shared_max"])
+def test_reference_matches_oracle_with_bound(rng, r, top_k, T, importance):
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection="bound")
+    assert config.num_layers(T) >= 3
+    q, k, v = random_qkv(rng, 2, T, 4, 2, 16, 8)
+    assert_matches_oracle(q, k, v, config)
+
+
+@pytest.mark.parametrize("rope_dim, strict_causal", [(6, True), (16, False)])
+def test_reference_matches_oracle_with_bound_partial_rope(rng, rope_dim, strict_causal):
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, selection="bound",
+                         strict_causal=strict_causal)
+    q, k, v = random_qkv(rng, 2, 150, 4, 2, 16, 8)
+    assert_matches_oracle(q, k, v, config)
+
+
+def test_bound_changes_the_selection(rng):
+    """Not a no-op: on random inputs the two rules keep different nodes somewhere."""
+    q, k, v = random_qkv(rng, 1, 150, 4, 2, 16, 8)
+    sel = {rule: htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, selection=rule),
+                                 backend="reference", return_selected=True)[1] for rule in ("mean", "bound")}
+    assert any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(sel["mean"], sel["bound"]))
+
+
+def test_importance_export_with_bound_matches_the_oracle(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    q, k, v = random_qkv(rng, 2, 150, 4, 2, 16, 8)
+    _, sel, imp = htree_attention(q, k, v, config, backend="reference", return_selected=True, return_importance=True)
+    _, want_sel, want_imp, fragile = htree_attention_numpy(q, k, v, config, return_selected=True,
+                                                           return_importance=True, return_fragile=True)
+    robust = ~fragile
+    for a, b, x, y in zip(sel, want_sel, imp, want_imp):
+        np.testing.assert_array_equal(np.asarray(a)[robust], b[robust])
+        np.testing.assert_allclose(np.asarray(x)[robust], y[robust], rtol=1e-4, atol=1e-6)
+
+
+def test_packed_rows_with_bound_equal_each_document_alone(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    T, lengths = 160, [70, 90]
+    q, k, v = random_qkv(rng, 1, T, 4, 2, 16, 8)
+    segment_ids = np.repeat([0, 1], lengths)[None].astype(np.int32)
+    o = np.asarray(htree_attention(q, k, v, config, backend="reference", segment_ids=segment_ids, max_documents=2))
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        want = htree_attention_numpy(q[:, part], k[:, part], v[:, part], config)
+        np.testing.assert_allclose(o[:, part], want, rtol=1e-5, atol=1e-5)
+        start += n
+
+
+def test_gradients_with_bound_match_finite_differences_of_the_reference(rng):
+    """The bound only chooses (a constant under autodiff): gradients flow through the
+    merged scores and values as with the mean rule."""
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    q, k, v = (jnp.asarray(x, jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+               for x in random_qkv(rng, 1, 40, 2, 1, 8, 4))
+    w = jnp.asarray(rng.standard_normal((1, 40, 2, 4)), q.dtype)
+    loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend="reference") * w)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    eps = 1e-2
+    for arg, g in enumerate(grads):
+        direction = jnp.asarray(rng.standard_normal(g.shape), q.dtype)
+        args = [q, k, v]
+        plus, minus = list(args), list(args)
+        plus[arg], minus[arg] = args[arg] + eps * direction, args[arg] - eps * direction
+        numeric = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(float(jnp.sum(g * direction)), float(numeric), rtol=2e-2, atol=2e-3)
+
+
+def test_kernels_and_decoding_refuse_bound_for_now(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    q, k, v = random_qkv(rng, 1, 40, 2, 1, 32, 32)
+    with pytest.raises(ValueError, match="selection='bound' runs on backend 'reference'"):
+        htree_attention(q, k, v, config, backend="pallas_interpret")
+    with pytest.raises(ValueError, match="decoding ranks by the mean keys only"):
+        init_cache(1, 64, 1, 32, 32, config)
