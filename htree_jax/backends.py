@@ -90,16 +90,25 @@ def full_sequence_backend(backend: str, dims, config: HTreeConfig) -> str:
     `config` (the kernels rank by the mean keys only, so far)."""
     def check_kernel_limits():
         check_pallas_dims(dims)
-        if config.selection != "mean":
-            raise ValueError(f"selection={config.selection!r} runs on backend 'reference' (or 'auto') so far: the "
-                             "Pallas kernels rank candidates by their mean keys only")
+        check_mean_selection(config)
 
     return choose_backend(backend, check_kernel_limits)
 
 
-def decode_backend(backend: str, head_dim: int, value_dim: int, group: int) -> str:
-    """`choose_backend` for a decode call: the cache's `K`, `V` and the group size."""
-    return choose_backend(backend, lambda: check_pallas_decode_dims(head_dim, value_dim, group))
+def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, config: HTreeConfig) -> str:
+    """`choose_backend` for a decode call: the cache's `K`, `V`, the group size and
+    `config` (the decode kernels rank by the mean keys only, so far)."""
+    def check_kernel_limits():
+        check_pallas_decode_dims(head_dim, value_dim, group)
+        check_mean_selection(config)
+
+    return choose_backend(backend, check_kernel_limits)
+
+
+def check_mean_selection(config: HTreeConfig) -> None:
+    if config.selection != "mean":
+        raise ValueError(f"selection={config.selection!r} runs on backend 'reference' (or 'auto') so far: the "
+                         "Pallas kernels rank candidates by their mean keys only")
 
 
 def query_positions(positions, q):
@@ -196,10 +205,11 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
 
 
 @functools.partial(jax.jit, static_argnames=("config", "impl"))
-def attend_cache(q, keys, values, positions, config: HTreeConfig, impl: str):
+def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: str):
     """Queries `q [B, S, H, K]` (in `rope_layout` order) at `positions [B, S]` over a
-    decode cache's tree layers (`keys`, `values`, bottom first, un-rotated), on the
-    concrete backend `impl`: `(o [B, S, H, V], selections)`."""
+    decode cache's tree layers (`keys`, `values`, bottom first, un-rotated; `radii` of
+    layers 1.. with `selection="bound"`, else `()`), on the concrete backend `impl`:
+    `(o [B, S, H, V], selections)`."""
     if impl != "reference":
         # One new token is the newest in the cache: nothing after it can be NaN, so the
         # decode kernels need not zero the values it does not merge (SPEC 10).
@@ -208,4 +218,6 @@ def attend_cache(q, keys, values, positions, config: HTreeConfig, impl: str):
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], values[0].shape[-1]
     chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))
-    return attend_tree(q, list(zip(keys, values)), positions, config, chunk, keys_rotated=False)
+    layers = [(keys[0], values[0])] + [(kl, vl) + tuple(rho) for kl, vl, *rho in
+                                       zip(keys[1:], values[1:], *([radii] if radii else []))]
+    return attend_tree(q, layers, positions, config, chunk, keys_rotated=False)

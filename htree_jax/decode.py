@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax.backends import attend_cache, decode_backend
+from htree_jax.core.bounds import group_norms, num_groups
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.tree import child_reciprocals, round_to_storage
@@ -42,7 +43,8 @@ from htree_jax.core.validation import check_config, check_dtype
 from htree_jax.sharding import partitioned_cache_attention
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths", "radii"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class HTreeCache:
     """The decode cache: the tree of every row's tokens so far, in buffers sized for `max_len`.
@@ -50,6 +52,8 @@ class HTreeCache:
     keys:    per layer `l` (bottom first) `[B, N_l, H_kv, K]`, `N_l = config.layer_sizes(max_len)[l]`,
              in the cache dtype; nodes not yet reached are zero.
     values:  per layer `[B, N_l, H_kv, V]`.
+    radii:   with `selection="bound"` (SPEC 11), per layer `l >= 1` the nodes' radii
+             float32 `[B, N_l, H_kv, n_groups]` (layer 0's are 0: not stored); else `()`.
     lengths: int32 `[B]`, the tokens each row holds (rows are independent sequences).
 
     A NaN or infinity appended at position `p` stays in the tree (SPEC 10): no output
@@ -61,6 +65,7 @@ class HTreeCache:
     keys: tuple
     values: tuple
     lengths: jax.Array
+    radii: tuple = ()
 
     @property
     def max_len(self) -> int:
@@ -100,7 +105,12 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
     sizes = config.layer_sizes(T)
     keys = tuple(jnp.zeros((B, n, H_kv, K), dtype) for n in sizes)
     values = tuple(jnp.zeros((B, n, H_kv, V), dtype) for n in sizes)
-    return HTreeCache(keys, values, jnp.zeros((B,), jnp.int32))
+    radii = ()
+    if config.selection == "bound":
+        config.check_rope_dim(K)
+        groups = num_groups(K, config.partial_rope(K))
+        radii = tuple(jnp.zeros((B, n, H_kv, groups), jnp.float32) for n in sizes[1:])
+    return HTreeCache(keys, values, jnp.zeros((B,), jnp.int32), radii)
 
 
 def check_cache(cache, config: HTreeConfig) -> None:
@@ -120,6 +130,9 @@ def check_cache(cache, config: HTreeConfig) -> None:
                          f"{getattr(lengths, 'dtype', type(lengths).__name__)} {list(getattr(lengths, 'shape', ()))}")
     sizes = config.layer_sizes(cache.max_len)
     got = tuple(k.shape[1] for k in cache.keys)
+    if len(cache.radii) != (len(sizes) - 1 if config.selection == "bound" else 0):
+        raise ValueError(f"cache: made for another selection rule than config.selection={config.selection!r}; use "
+                         "the config the cache was made with")
     if got != sizes:
         raise ValueError(
             f"cache: its layers {got} are not those of config for max_len={cache.max_len} {sizes}; "
@@ -207,16 +220,19 @@ def reset_rows(cache: HTreeCache, rows) -> HTreeCache:
                          f"{np.dtype(rows.dtype).name} {list(rows.shape)}")
     clear = lambda x: jnp.where(rows[:, None, None, None], jnp.zeros((), x.dtype), x)
     return HTreeCache(tuple(map(clear, cache.keys)), tuple(map(clear, cache.values)),
-                      jnp.where(rows, 0, cache.lengths).astype(jnp.int32))
+                      jnp.where(rows, 0, cache.lengths).astype(jnp.int32), tuple(map(clear, cache.radii)))
 
 
-def _append_row(keys, values, start, k, v, count, r: int):
+def _append_row(keys, values, radii, start, k, v, count, r: int, rope_dim):
     """One row: appends the first `count` of `k [S, H_kv, K]`, `v [S, H_kv, V]` at
-    `start` and updates the tree above them (layers `[N_l, H_kv, D]`). `count = 0`
-    changes nothing (the nodes it rewrites get their own values back)."""
+    `start` and updates the tree above them (layers `[N_l, H_kv, D]`), and the radii of
+    the rewritten nodes where `radii` holds them (SPEC 11: `rho_i = max over the existing
+    children of rho_j + ||K_j - K_i||`, from the stored keys, as `core.bounds` computes
+    them for a whole tree). `count = 0` changes nothing (the nodes it rewrites get their
+    own values back)."""
     S = k.shape[0]
     end = start + count  # tokens after the append
-    keys, values = list(keys), list(values)
+    keys, values, radii = list(keys), list(values), list(radii)
     s = jnp.arange(S, dtype=jnp.int32)
     positions = jnp.where(s < count, start + s, keys[0].shape[0])  # past the layer: dropped
     keys[0] = keys[0].at[positions].set(k, mode="drop")
@@ -231,17 +247,26 @@ def _append_row(keys, values, start, k, v, count, r: int):
         exists = children < existing_below
         count_children = jnp.sum(exists, axis=1)  # [W]
         reciprocal = jnp.asarray(child_reciprocals(r))[jnp.maximum(count_children, 1) - 1]
-        for layer in (keys, values):
-            rows = layer[l - 1][jnp.minimum(children, layer[l - 1].shape[0] - 1)].astype(jnp.float32)
+        rows_of = lambda layer: layer[jnp.minimum(children, layer.shape[0] - 1)]
+        stored = {}
+        for name, layer in (("keys", keys), ("values", values)):
+            rows = rows_of(layer[l - 1]).astype(jnp.float32)
             rows = jnp.where(exists[:, :, None, None], rows, 0.0)  # [W, r, H, D]
             sums = rows[:, 0]
             for c in range(1, r):
                 sums = sums + rows[:, c]
             means = sums * reciprocal[:, None, None]
             means = jnp.where((count_children > 0)[:, None, None], means, 0.0)
+            stored[name] = round_to_storage(means, layer[l].dtype)
             # nodes past the layer's end are dropped (their index is out of range)
-            layer[l] = layer[l].at[nodes].set(round_to_storage(means, layer[l].dtype), mode="drop")
-    return tuple(keys), tuple(values)
+            layer[l] = layer[l].at[nodes].set(stored[name], mode="drop")
+        if radii:
+            below = rows_of(radii[l - 2]) if l > 1 else 0.0  # layer 0's radii are 0
+            reach = below + group_norms(rows_of(keys[l - 1]).astype(jnp.float32)
+                                        - stored["keys"].astype(jnp.float32)[:, None], rope_dim)
+            rho = jnp.max(jnp.where(exists[:, :, None, None], reach, 0.0), axis=1)
+            radii[l - 1] = radii[l - 1].at[nodes].set(rho, mode="drop")
+    return tuple(keys), tuple(values), tuple(radii)
 
 
 def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None) -> HTreeCache:
@@ -251,9 +276,10 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None) -
     tokens."""
     B, S = k.shape[:2]
     counts = jnp.full((B,), S, jnp.int32) if counts is None else counts
-    append = jax.vmap(functools.partial(_append_row, r=config.compression_rate))
-    keys, values = append(cache.keys, cache.values, cache.lengths, k, v, counts)
-    return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32))
+    append = jax.vmap(functools.partial(_append_row, r=config.compression_rate,
+                                        rope_dim=config.partial_rope(k.shape[-1])))
+    keys, values, radii = append(cache.keys, cache.values, cache.radii, cache.lengths, k, v, counts)
+    return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32), radii)
 
 
 def check_decode_config(config) -> HTreeConfig:
@@ -264,24 +290,21 @@ def check_decode_config(config) -> HTreeConfig:
             "depends on tokens after it (SPEC 2.3), so no cache of the past can reproduce the "
             "full-sequence output"
         )
-    if config.selection != "mean":
-        raise ValueError(f"config.selection={config.selection!r}: decoding ranks by the mean keys only so far (the "
-                         "cache keeps no radii yet); use selection='mean' for decoding")
     return config
 
 
-def _resolve(backend, cache: HTreeCache, num_heads: int) -> str:
+def _resolve(backend, cache: HTreeCache, num_heads: int, config: HTreeConfig) -> str:
     """The concrete decode backend (`htree_jax.backends.decode_backend`: the rule of
     `htree_attention`, with the decode kernels' limits)."""
     K, V = cache.keys[0].shape[-1], cache.values[0].shape[-1]
-    return decode_backend(backend, K, V, num_heads // cache.num_kv_heads)
+    return decode_backend(backend, K, V, num_heads // cache.num_kv_heads, config)
 
 
 def _walk(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
-        return partitioned_cache_attention(q, cache.keys, cache.values, positions, config, impl)
-    return attend_cache(q, cache.keys, cache.values, positions, config, impl)
+        return partitioned_cache_attention(q, cache.keys, cache.values, cache.radii, positions, config, impl)
+    return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl"), donate_argnames=("cache",))
@@ -328,7 +351,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     check_cache(cache, config)
     S = _check_tokens(cache, q, k, v, step=False)
     counts = check_lengths(lengths, cache.batch_size, S)
-    impl = _resolve(backend, cache, q.shape[2])
+    impl = _resolve(backend, cache, q.shape[2], config)
     _check_room(cache, counts)
     q, k = rotation_layout(q, k, config)
     return _prefill(q, k, v, cache, counts, config, return_selected, impl)
@@ -351,7 +374,7 @@ def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = N
     config = check_decode_config(config)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
-    impl = _resolve(backend, cache, q_t.shape[1])
+    impl = _resolve(backend, cache, q_t.shape[1], config)
     counts = jnp.ones((cache.batch_size,), jnp.int32)
     _check_room(cache, np.ones((cache.batch_size,), np.int32))
     q_t, k_t = rotation_layout(q_t, k_t, config)

@@ -3,6 +3,7 @@ set before JAX starts). Prints one line per check; exits non-zero on a failure."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -109,16 +110,19 @@ def decode_check(backends) -> None:
         return jax.tree.map(lambda x: jax.device_put(x, layer if x.ndim == 4 else NamedSharding(mesh, P("data"))),
                             cache)
 
-    for impl in backends:
+    # selection="bound" (SPEC 11): the cache's radii shard like its layers (reference only, so far).
+    runs = [(impl, CONFIG, "") for impl in backends]
+    runs += [("reference", dataclasses.replace(CONFIG, selection="bound"), " (bound)")] * ("reference" in backends)
+    for impl, config, label in runs:
         outs = {}
         for sharded in (False, True):
-            cache = init_cache(B, max_len, H_KV, K, V, CONFIG, jnp.float32)
+            cache = init_cache(B, max_len, H_KV, K, V, config, jnp.float32)
             put = (lambda x, s: jax.device_put(x, s)) if sharded else (lambda x, s: jnp.asarray(x))
             if sharded:
                 cache = shard_cache(cache)
-            pre = jax.jit(lambda q, k, v, c, n: prefill(q, k, v, c, CONFIG, lengths=n, backend=impl))
+            pre = jax.jit(lambda q, k, v, c, n: prefill(q, k, v, c, config, lengths=n, backend=impl))
             o, cache = pre(put(q[:, :S], tok), put(k[:, :S], tok), put(v[:, :S], tok), cache, lengths)
-            step = jax.jit(lambda q, k, v, c: decode_step(q, k, v, c, CONFIG, backend=impl))
+            step = jax.jit(lambda q, k, v, c: decode_step(q, k, v, c, config, backend=impl))
             got = [o]
             for i in range(steps):
                 args = (put(q[:, S + i], step_sh), put(k[:, S + i], step_sh), put(v[:, S + i], step_sh), cache)
@@ -130,7 +134,7 @@ def decode_check(backends) -> None:
             outs[sharded] = got
         for a, b in zip(outs[True], outs[False]):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-        print(f"ok {impl} decode: sharded cache (batch, heads) equals unsharded, no all-gather", flush=True)
+        print(f"ok {impl} decode{label}: sharded cache (batch, heads) equals unsharded, no all-gather", flush=True)
 
 
 def main(backends) -> int:

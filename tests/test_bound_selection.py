@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from htree_jax import HTreeConfig, htree_attention, init_cache
+from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from htree_jax.core.bounds import group_norms, num_groups, tree_radii
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.tree import build_tree
@@ -167,10 +167,39 @@ def test_gradients_with_bound_match_finite_differences_of_the_reference(rng):
         np.testing.assert_allclose(float(jnp.sum(g * direction)), float(numeric), rtol=2e-2, atol=2e-3)
 
 
-def test_kernels_and_decoding_refuse_bound_for_now(rng):
+def test_kernels_refuse_bound_for_now(rng):
     config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
     q, k, v = random_qkv(rng, 1, 40, 2, 1, 32, 32)
     with pytest.raises(ValueError, match="selection='bound' runs on backend 'reference'"):
         htree_attention(q, k, v, config, backend="pallas_interpret")
-    with pytest.raises(ValueError, match="decoding ranks by the mean keys only"):
-        init_cache(1, 64, 1, 32, 32, config)
+    cache = init_cache(1, 64, 1, 32, 32, config)
+    with pytest.raises(ValueError, match="selection='bound' runs on backend 'reference'"):
+        prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache, config, backend="pallas_interpret")
+    with pytest.raises(ValueError, match="made for another selection rule"):
+        prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache, HTreeConfig(compression_rate=4, top_k=4))
+
+
+def test_cache_radii_equal_the_whole_trees(rng):
+    """The radii a decode cache keeps, a prompt then token by token, ragged rows, partial
+    RoPE and bf16 keys, equal those of the whole tree of each row's tokens bit for bit."""
+    config = HTreeConfig(compression_rate=4, top_k=2, rope_dim=6, selection="bound")
+    B, H_kv, K = 2, 2, 16
+    _, k, v = random_qkv(rng, B, 70, 2, H_kv, K, 4)
+    k, v = (jnp.asarray(x, jnp.bfloat16) for x in (k, v))
+    lengths = np.array([45, 23])
+    cache = init_cache(B, 80, H_kv, K, 4, config, jnp.bfloat16)
+    q = jnp.zeros((B, 45, 2, K), jnp.bfloat16)
+    _, cache = prefill(q, k[:, :45], v[:, :45], cache, config, lengths=jnp.asarray(lengths))
+    for t in range(25):
+        rows = np.minimum(lengths + t, 69)
+        _, cache = decode_step(jnp.zeros((B, 2, K), jnp.bfloat16), k[np.arange(B), rows], v[np.arange(B), rows],
+                               cache, config)
+    R = config.partial_rope(K)
+    for b in range(B):
+        n = int(cache.lengths[b])
+        tokens = np.r_[np.arange(lengths[b]), np.minimum(lengths[b] + np.arange(25), 69)][:n]
+        layers = build_tree(rope_layout(k[b:b + 1, tokens], R), v[b:b + 1, tokens], config)
+        want = tree_radii([kl for kl, _ in layers], config.compression_rate, R)
+        for l in range(1, len(want)):
+            got = np.asarray(cache.radii[l - 1][b, :want[l].shape[1]])
+            np.testing.assert_array_equal(got, np.asarray(want[l][0]))

@@ -317,16 +317,18 @@ def _own_sequence(q, k, v, config, b, tokens):
     return np.asarray(o[0]), [np.asarray(s[0]) for s in sel]
 
 
-ON_GPU = pytest.param("pallas", marks=[pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu",
-                                                                             reason="needs a CUDA GPU")])
+ON_GPU = pytest.param("pallas", "mean", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="needs a CUDA GPU")])
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas_interpret", ON_GPU])
-def test_ragged_rows_equal_their_own_full_sequences(rng, backend):
+@pytest.mark.parametrize("backend, selection", [("reference", "mean"), ("pallas_interpret", "mean"), ON_GPU,
+                                                ("reference", "bound")])
+def test_ragged_rows_equal_their_own_full_sequences(rng, backend, selection):
     """Prompts of 0, 17 and 40 tokens (right-padded to 40), then 10 steps per row: every
     row equals, position by position, its own full-sequence output, with identical
-    selections (a 3-layer tree). Compiled (`pallas` on a GPU): float32 at 1e-4."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    selections (a 3-layer tree). Compiled (`pallas` on a GPU): float32 at 1e-4. With
+    `selection="bound"` the cache keeps the radii as tokens arrive (SPEC 11)."""
+    config = HTreeConfig(compression_rate=4, top_k=4, selection=selection)
     tol = 1e-4 if backend == "pallas" else 1e-5
     B, H, H_kv, K, V = 3, 4, 2, 32, 32
     prompts, steps, S = np.array([0, 17, 40]), 10, 40

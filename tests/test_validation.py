@@ -99,8 +99,9 @@ def test_auto_backend_choice(monkeypatch):
             backends.full_sequence_backend(name, small, HTreeConfig())
     # The interpreted kernels on every platform; the same rule for decoding.
     assert backends.full_sequence_backend("pallas_interpret", dims, HTreeConfig()) == "pallas_interpret"
-    assert backends.decode_backend("auto", 64, 64, 2) == "pallas"
-    assert backends.decode_backend("auto", 8, 4, 2) == "reference"
+    assert backends.decode_backend("auto", 64, 64, 2, HTreeConfig()) == "pallas"
+    assert backends.decode_backend("auto", 8, 4, 2, HTreeConfig()) == "reference"
+    assert backends.decode_backend("auto", 64, 64, 2, HTreeConfig(selection="bound")) == "reference"
 
 
 def test_pallas_interpret_runs_the_interpreted_kernels(monkeypatch):

@@ -59,7 +59,7 @@ class HTreeConfig:
         any token under the node could score (the score plus `alpha` times the query's
         feature-group norms against the node's radii), which finds the one strong token
         a mean dilutes. The merge uses the mean keys' scores either way. So far on the
-        JAX reference only (backend "auto" takes it there), full sequences only.
+        JAX reference only (backend "auto" takes it there), full sequences and decoding.
     """
 
     compression_rate: int = 16
