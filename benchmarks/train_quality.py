@@ -11,7 +11,9 @@ T > 8192; at T <= top_k * compression_rate htree is exact attention, so it is no
 there) and dense (cuDNN on a GPU). Each run has `--tokens-per-step` tokens per step
 (batch = tokens / T), the same steps, model, seed and data stream. The JSON (a list of
 `train_tiny_lm.main` results) is rewritten after every run, so a time limit keeps the
-finished ones; `--time-budget` skips the runs that would start after it.
+finished ones; `--time-budget` skips the runs that would start after it. Flags it does
+not know go to every run (e.g. `--selection bound`: htree ranks nodes by score bounds,
+`HTreeConfig.selection`; `--backend reference` where the kernels lack a rule).
 """
 
 from __future__ import annotations
@@ -83,7 +85,10 @@ def smooth(values, window: int):
 
 
 def label(result: dict) -> str:
-    return "dense" if result["attention"] == "dense" else f"htree top_k={result['top_k']}"
+    if result["attention"] == "dense":
+        return "dense"
+    rule = result.get("selection") or "mean"
+    return f"htree top_k={result['top_k']}" + ("" if rule == "mean" else f" {rule}")
 
 
 def plot(results: list[dict], png: str | None = None, window: int = 20):
