@@ -86,13 +86,8 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
 
 
 def full_sequence_backend(backend: str, dims, config: HTreeConfig) -> str:
-    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`) and
-    `config` (the kernels rank by the mean keys only, so far)."""
-    def check_kernel_limits():
-        check_pallas_dims(dims)
-        check_mean_selection(config)
-
-    return choose_backend(backend, check_kernel_limits)
+    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`)."""
+    return choose_backend(backend, lambda: check_pallas_dims(dims))
 
 
 def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, config: HTreeConfig) -> str:
@@ -107,8 +102,8 @@ def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, conf
 
 def check_mean_selection(config: HTreeConfig) -> None:
     if config.selection != "mean":
-        raise ValueError(f"selection={config.selection!r} runs on backend 'reference' (or 'auto') so far: the "
-                         "Pallas kernels rank candidates by their mean keys only")
+        raise ValueError(f"selection={config.selection!r} decodes on backend 'reference' (or 'auto') so far: the "
+                         "Pallas decode kernels rank candidates by their mean keys only")
 
 
 def query_positions(positions, q):

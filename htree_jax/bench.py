@@ -163,34 +163,45 @@ def dense_fn(config, seq_lengths=None):
     return jax.jit(f)
 
 
-def run(sizes, long_sizes, top_ks, iters, reference_max_t, kinds=("random",)):
+def run(sizes, long_sizes, top_ks, iters, reference_max_t, kinds=("random",), selections=("mean",)):
+    """Rows per input kind, `top_k`, T and selection rule (`HTreeConfig.selection`: the
+    rules of one (kind, top_k, T) one after the other in the same run, dense timed once)."""
     rows, overlaps = [], []
     for kind in kinds:
         for top_k in top_ks:
-            config = HTreeConfig(top_k=top_k)
-            # The public entry point, as users call it (input checks, the non-finite guard).
-            htree = jax.jit(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
-            ref = jax.jit(lambda q, k, v, c=config: htree_attention_reference(q, k, v, c)[0])
-            dense = dense_fn(config)
             for T in sizes + long_sizes:
                 args = INPUTS[kind](T)
-                row = dict(inputs=kind, T=T, top_k=top_k, layers=config.layer_sizes(T))
-                row["htree_ms"] = median_ms(htree, args, iters)
-                row["htree_gb"] = planned_gb(htree, args)
-                row["ref_ms"] = median_ms(ref, args, max(1, iters // 3)) if T <= reference_max_t else None
-                try:
-                    row["dense_ms"] = median_ms(dense, args, iters)
-                    row["dense_gb"] = planned_gb(dense, args)
-                except Exception as e:  # noqa: BLE001 - report, e.g. out of memory
-                    row["dense_ms"], row["dense_gb"] = None, None
-                    print(f"dense T={T}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                rows.append(row)
-                print(row, flush=True)
-                _, selected = jax.jit(lambda q, k, v, c=config: htree_attention(
-                    q, k, v, c, backend="pallas", return_selected=True))(*args)
-                overlaps.append(overlap_row(kind, config, T, selected))
-                del selected
+                dense_ms = dense_gb = None
+                for rule in selections:
+                    config = HTreeConfig(top_k=top_k, selection=rule)
+                    # The public entry point, as users call it (input checks, the non-finite guard).
+                    htree = jax.jit(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
+                    ref = jax.jit(lambda q, k, v, c=config: htree_attention_reference(q, k, v, c)[0])
+                    row = dict(inputs=kind, T=T, top_k=top_k, selection=rule, layers=config.layer_sizes(T))
+                    row["htree_ms"] = median_ms(htree, args, iters)
+                    row["htree_gb"] = planned_gb(htree, args)
+                    row["ref_ms"] = median_ms(ref, args, max(1, iters // 3)) if T <= reference_max_t else None
+                    if rule == selections[0]:
+                        dense = dense_fn(config)
+                        try:
+                            dense_ms, dense_gb = median_ms(dense, args, iters), planned_gb(dense, args)
+                        except Exception as e:  # noqa: BLE001 - report, e.g. out of memory
+                            print(f"dense T={T}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    row["dense_ms"], row["dense_gb"] = dense_ms, dense_gb
+                    rows.append(row)
+                    print(row, flush=True)
+                    if rule == selections[0]:
+                        _, selected = jax.jit(lambda q, k, v, c=config: htree_attention(
+                            q, k, v, c, backend="pallas", return_selected=True))(*args)
+                        overlaps.append(overlap_row(kind, config, T, selected))
+                        del selected
     return rows, overlaps
+
+
+def top_k_cell(row) -> str:
+    """`top_k`, and the selection rule where it is not the default mean."""
+    rule = row.get("selection", "mean")
+    return str(row["top_k"]) + ("" if rule == "mean" else f" {rule}")
 
 
 def table(rows):
@@ -200,7 +211,7 @@ def table(rows):
     for r in rows:
         ratio = None if r["dense_ms"] is None else r["dense_ms"] / r["htree_ms"]
         lines.append(
-            f"| {r['inputs']} | {r['T']} | {r['top_k']} | {', '.join(map(str, r['layers']))} | {r['htree_ms']:.1f} | "
+            f"| {r['inputs']} | {r['T']} | {top_k_cell(r)} | {', '.join(map(str, r['layers']))} | {r['htree_ms']:.1f} | "
             f"{fmt(r['ref_ms'], '.1f')} | {fmt(r['dense_ms'], '.1f')} | {fmt(ratio, '.3f')} | "
             f"{r['htree_gb']:.2f} | {fmt(r['dense_gb'], '.2f')} |")
     return "\n".join(lines)
@@ -369,6 +380,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--reference-max-t", type=int, default=32768)
     p.add_argument("--inputs", default="random", help="random, correlated (`correlated_inputs`) or both")
+    p.add_argument("--selection", default="mean",
+                   help="HTreeConfig.selection rules, comma-separated (mean, bound): each timed in the same run")
     p.add_argument("--packed", type=int, default=0,
                    help="N > 0: one row of --sizes[0] tokens (default 131072) packed with N documents, equal and "
                         "random lengths, against N unpacked rows and dense cuDNN per document (`run_packed`)")
@@ -402,8 +415,9 @@ def run_bench(args, argv=()) -> int:
         return 0
     print(gpu_header("forward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}",
                      f"python -m htree_jax bench {' '.join(argv)}"))
+    selections = tuple(x for x in args.selection.split(",") if x)
     rows, overlaps = run(int_list(args.sizes), int_list(args.long), int_list(args.top_k), args.iters,
-                         args.reference_max_t, kinds)
+                         args.reference_max_t, kinds, selections)
     print(table(rows))
     print(overlap_table(overlaps))
     return 0

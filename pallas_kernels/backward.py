@@ -215,14 +215,14 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
         if L > 1:
             q_rows = pad_axis(qc, 3, gp)
             for l in reversed(range(L - 1)):
-                k_imp, k_merge, vl = prep.layers[l]
+                _, k_merge, vl = prep.layers[l]
                 n = valid_candidates(parents, t, l, prep)
                 keys = tau = None
                 if l > 0 and kept is not None:
                     keys, tau = kept_keys(parents, kept[L - 1 - l], Mp, st.r), jnp.ones(n.shape, jnp.int32)
                     next_parents = pad_nodes_list(kept[L - 1 - l], P)[..., :P]
                 elif l > 0:
-                    keys, next_parents, tau, _, _ = select_below_top(prep, q_rows, parents, n, k_imp, interpret)
+                    keys, next_parents, tau, _, _ = select_below_top(prep, q_rows, parents, n, l, interpret)
                 layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
                 dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st, interpret)
                 index = node_index(parents, n, st.r, -(-sizes[l] // UNIT))

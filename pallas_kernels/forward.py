@@ -100,10 +100,10 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
         selections = [parents[..., : config.top_k]]
         q_rows = pad_axis(qc, 3, gp)
         for l in reversed(range(1, L - 1)):
-            k_imp, _, vl = prep.layers[l]
+            vl = prep.layers[l][2]
             n = valid_candidates(parents, t, l, prep)
             # The merge reads the scores the importance pass stored, not the keys.
-            keys, next_parents, tau, scores, imp = select_below_top(prep, q_rows, parents, n, k_imp, interpret,
+            keys, next_parents, tau, scores, imp = select_below_top(prep, q_rows, parents, n, l, interpret,
                                                                     return_importance)
             if return_importance:
                 exported.append(imp)

@@ -46,7 +46,7 @@ from pallas_kernels.common import (
     real_heads,
     shared_shift,
 )
-from pallas_kernels.precision import check_key_parts, key_parts, score_dot
+from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, score_dot, split_rows
 from pallas_kernels.rope import full_width_inputs
 
 
@@ -119,13 +119,24 @@ def write_key_tiles(keys_ref, num_tiles, write_keys, st: LayerStatic):
     lax.fori_loop(num_tiles, keys_ref.shape[1] // st.tile, write_invalid, ())
 
 
-def _scores_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic):
+def _scores_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic, bound_parts: int = 0):
     """One pass over the candidates: their scores, stored (`[BQ, Gp, Mp]`, only the
     real heads' rows of the first `ceil(n / tile)` tiles written), and each row's
     importance shift. Storing
     them (G floats per candidate) costs far less than gathering and scoring the keys
-    again (a key row is K values, in two parts), which a second pass would."""
-    *k_refs, cf_ref, sf_ref, s_ref, shift_ref = refs
+    again (a key row is K values, in two parts), which a second pass would.
+    `bound_parts > 0` (SPEC 11): the tables are followed by the query rows' feature-group
+    norms and the layer's radii (that many parts); the bound scores are stored too (a
+    second output before the shifts) and the shifts are theirs: the importance ranks by
+    the bound, the merge reads the scores."""
+    outputs = 3 if bound_parts else 2
+    refs, (s_ref, *b_ref, shift_ref) = refs[:-outputs], refs[-outputs:]
+    bound = None
+    if bound_parts:
+        refs, qn_ref, rho_refs = refs[:-bound_parts - 1], refs[-bound_parts - 1], refs[-bound_parts:]
+        bq, gp, gn = qn_ref.shape
+        bound = split_rows(qn_ref[...].reshape(bq * gp, gn), st.precision, st.importance_operands)
+    *k_refs, cf_ref, sf_ref = refs
     bq, gp, _ = q_ref.shape
     rows = bq * gp
     n = n_ref[0]
@@ -140,9 +151,14 @@ def _scores_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic):
 
     def scores_of_tile(i, carry):
         units = score_tile(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, st.precision, st.importance_operands)
-        for u, (scores, _, positions, _) in enumerate(units):
-            plgpu.store(s_ref.at[:, :, pl.ds(i * st.tile + u * st.span, st.span)], scores.reshape(bq, gp, st.span),
-                        mask=store_rows)
+        for u, (scores, _, positions, nodes) in enumerate(units):
+            span = pl.ds(i * st.tile + u * st.span, st.span)
+            plgpu.store(s_ref.at[:, :, span], scores.reshape(bq, gp, st.span), mask=store_rows)
+            if bound is not None:  # + alpha * sum over feature groups of |q| * rho: one more product
+                reach = dot_rows(bound, tuple(rho_ref[nodes, :] for rho_ref in rho_refs), st.precision,
+                                 st.importance_operands)
+                scores = scores + st.alpha * reach
+                plgpu.store(b_ref[0].at[:, :, span], scores.reshape(bq, gp, st.span), mask=store_rows)
             in_norm = positions < last_in_norm
             carry = online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
         return carry
@@ -184,7 +200,7 @@ def group_keys_from_scores(scores, shift, n, st: LayerStatic, split: int = 1, ex
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores", "export", "split"))
 def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, interpret=False,
-                           return_scores=False, export=False, split=1):
+                           return_scores=False, export=False, split=1, bound=None):
     """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position: the
     scores kernel, then `keys_from_scores`. With `return_scores`, `(keys, scores)`:
     the scores `[B, Q, H_kv, Gp, Mp]` float32 (scaled by alpha; only the real heads'
@@ -197,23 +213,32 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
     `split > 1`: the kv heads are virtual, `split` per real one (`plan.split_heads`,
     `Gp = st.group` rows each): the keys (and importance) are those of the real kv heads,
     `[B, Q, H_kv / split, Mp]`, from the whole group's scores; the scores stay virtual.
+    `bound` (SPEC 11, `selection="bound"`): `(qn [B, Q, H_kv, Gp, Gn] float32, rho)`, the
+    query rows' feature-group norms and `key_operands` of the layer's radii `[B, H_kv, N,
+    Gn]`: the keys rank by the bound scores (stored meanwhile beside the scores); the
+    scores returned are still the plain ones, for the merge.
     """
     check_key_parts(k_phases, (key_parts(st.precision, st.importance_operands),))
     B, Q, H_kv, gp = q.shape[:4]
     Mp = cos.shape[0]
     sp = block_specs(st, gp, q.shape[-1], Mp, parents, k_phases, None)
     queries, tables = full_width_inputs(q, cos, sin)
-    scores, shift = pl.pallas_call(
-        functools.partial(_scores_kernel, st=st),
+    score_shape = jax.ShapeDtypeStruct((B, Q, H_kv, gp, Mp), jnp.float32)
+    extra_specs, extra, extra_out = [], (), []
+    if bound is not None:
+        qn, rho = bound
+        bound_specs = block_specs(st, gp, qn.shape[-1], Mp, parents, rho, None)
+        extra_specs, extra, extra_out = [bound_specs["q"], *bound_specs["k"]], (qn, *rho), [score_shape]
+    scores, *bounds, shift = pl.pallas_call(
+        functools.partial(_scores_kernel, st=st, bound_parts=0 if bound is None else len(bound[1])),
         grid=(B, Q // st.block_queries, H_kv),
-        in_specs=[sp["q"], sp["q"], sp["parents"], sp["n"], *sp["k"], sp["table"], sp["table"]],
-        out_specs=[sp["scores"], sp["vec"]],
-        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, gp, Mp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32)],
+        in_specs=[sp["q"], sp["q"], sp["parents"], sp["n"], *sp["k"], sp["table"], sp["table"], *extra_specs],
+        out_specs=[sp["scores"]] * (1 + len(extra_out)) + [sp["vec"]],
+        out_shape=[score_shape, *extra_out, jax.ShapeDtypeStruct((B, Q, H_kv, gp), jnp.float32)],
         compiler_params=layer_params(st),
         interpret=interpret,
-    )(*queries, parents, n, *k_phases, *tables)
-    keys = group_keys_from_scores(scores, shift, per_query(n, st), st, split, export)
+    )(*queries, parents, n, *k_phases, *tables, *extra)
+    keys = group_keys_from_scores(bounds[0] if bounds else scores, shift, per_query(n, st), st, split, export)
     if export:  # `((keys, importance), scores)` or `(keys, importance)`
         return (keys, scores) if return_scores else keys
     return (keys, scores) if return_scores else keys

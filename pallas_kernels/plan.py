@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from htree_jax.core.bounds import group_norms, tree_radii
 from htree_jax.core.config import FORCED_IMPORTANCE, HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, pack_importance, top_layer_parents
-from htree_jax.core.packing import build_packed_tree, tokens_to_virtual, virtual_exists
+from htree_jax.core.packing import build_packed_tree, layer_exists, tokens_to_virtual, virtual_exists
 from htree_jax.core.rope import apply_rope
 from pallas_kernels.common import (
     MAX_HEAD_DIM,
@@ -165,9 +166,10 @@ def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
-                                "top_local", "positions"],
+                                "top_local", "positions", "radii", "top_radii"],
                    meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk", "union_width",
-                                "union_queries", "union_step", "st_union", "sizes", "head_split"])
+                                "union_queries", "union_step", "st_union", "sizes", "head_split", "bound_rope",
+                                "bound_width"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
@@ -198,6 +200,14 @@ class Prepared:
     top_local: object = None  # packed: `[B, N_top]` int32, each top node's place in its document
     positions: object = None  # `[S]` int32: the queries' token positions (None: `0 .. S-1`)
     head_split: int = 1  # virtual kv heads per kv head (`head_split`): `H_kv` above counts them
+    # `selection="bound"` (SPEC 11): each lower layer's radii (None for the bottom) and the
+    # top layer's, as `key_operands` of `[B, H_kv, N, bound_width]` (groups padded with
+    # zeros); `bound_rope`: the `rope_dim` that gives the groups of the kernels' padded
+    # halves to `core.bounds.group_norms`. Without the bound: None and 0.
+    radii: object = None
+    top_radii: object = None
+    bound_rope: int = 0
+    bound_width: int = 0
 
 
 def packed_tree(k, v, packing, config: HTreeConfig):
@@ -282,7 +292,22 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         phases = rotate_phases(kl, cos, sin, st)
         lower.append((key_operands(phases, *imp_spec) if l > 0 else None,
                       key_operands(phases, *merge_spec) if l == 0 or for_backward else None, vl))
-    # Layers below the top that select (L >= 3) store their scores per chunk.
+    radii = top_radii = None
+    bound_rope = bound_width = 0
+    if config.selection == "bound":
+        # The radii of the stored layers, in the kernels' layout: each RoPE half padded,
+        # the padding pairs being rotated groups of norm 0.
+        R = config.partial_rope(K) or K
+        bound_rope = kp - (K - R)
+        exists = None if packing is None else layer_exists(virtual_exists(packing), num_layers, r)
+        rho = tree_radii([jnp.swapaxes(kl, 1, 2) for kl, _ in layers], r, bound_rope, exists)
+        bound_width = next_power_of_two(rho[0].shape[-1], 16)
+        rho = [pad_axis(jnp.swapaxes(x, 1, 2), -1, bound_width) for x in rho]  # [B, H_kv, N_l, width]
+        radii = [key_operands(x, *imp_spec) if l > 0 else None for l, x in enumerate(rho[:-1])]
+        top_radii = key_operands(pad_axis(rho[-1], 2, top_rotated.shape[2]), *imp_spec, split=False)
+    # Layers below the top that select (L >= 3) store their scores per chunk (and, with
+    # the bound, its scores beside them: the chunks are sized as without, twice the
+    # buffer for half the launches).
     score_rows = next_power_of_two(G, 16) if num_layers >= 3 else 0
     # The bottom's query blocks (L >= 2): the slots `[BQ, width]` per block, the sorted
     # parent lists and their payloads (`block_union`'s temporaries), int32.
@@ -297,7 +322,15 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     st_union = dataclasses.replace(st, num_warps=block_sizes.union_num_warps)
     return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc, width,
                     block_sizes.union_queries, block_sizes.union_step, st_union, sizes, packing, top_local, positions,
-                    split)
+                    split, radii, top_radii, bound_rope, bound_width)
+
+
+def query_group_norms(prep: Prepared, q_rows):
+    """`selection="bound"`: the feature-group norms of query rows `[..., Kp]` (padded
+    halves, any rotation), `[..., bound_width]` float32 (SPEC 11); None without it."""
+    if not prep.bound_width:
+        return None
+    return pad_axis(group_norms(q_rows, prep.bound_rope), -1, prep.bound_width)
 
 
 def split_heads(k, v, G: int):
@@ -376,11 +409,14 @@ def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool)
     split's rescaled from its own group max to the largest), then packed as the kernel
     packs it."""
     split, st, width = prep.head_split, prep.st_top_keys, prep.cos.shape[0]
+    qn = query_group_norms(prep, q_top)
+    bound = None if qn is None else (qn, prep.top_radii)
     if split == 1:
-        out = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret, export)
+        out = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret, export,
+                                         bound=bound)
         return out if export else (out, None)
     _, imp, shift = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret,
-                                               export=True, with_shift=True)
+                                               export=True, with_shift=True, bound=bound)
     B, Q = imp.shape[:2]
     imp = imp.reshape(B, Q, -1, split, width)
     if st.importance == "shared_max":
@@ -394,14 +430,17 @@ def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool)
     return keys, imp
 
 
-def select_below_top(prep: Prepared, q_rows, parents, n, k_imp, interpret: bool, export: bool = False):
-    """A layer below the top that selects: `(keys, next_parents, tau, scores, importance)`,
-    the keys, parents and `tau` in the virtual heads' layout (`parents`, `n` given in
-    it), the scores for `merge_scored_pallas`, the kept nodes' importance (`export`,
-    else None). The keys and the top-K are made once per real kv head."""
+def select_below_top(prep: Prepared, q_rows, parents, n, layer: int, interpret: bool, export: bool = False):
+    """Layer `layer` (below the top) selects: `(keys, next_parents, tau, scores,
+    importance)`, the keys, parents and `tau` in the virtual heads' layout (`parents`,
+    `n` given in it), the scores for `merge_scored_pallas`, the kept nodes' importance
+    (`export`, else None). The keys and the top-K are made once per real kv head; with
+    `selection="bound"` they rank by the bound scores (SPEC 11)."""
     split = prep.head_split
-    keys, scores = importance_keys_pallas(q_rows, parents, n, k_imp, prep.cos, prep.sin, prep.st, interpret,
-                                          return_scores=True, export=export, split=split)
+    qn = query_group_norms(prep, q_rows)
+    bound = None if qn is None else (qn, prep.radii[layer])
+    keys, scores = importance_keys_pallas(q_rows, parents, n, prep.layers[layer][0], prep.cos, prep.sin, prep.st,
+                                          interpret, return_scores=True, export=export, split=split, bound=bound)
     imp = None
     if export:
         keys, imp = keys

@@ -83,30 +83,40 @@ def _tile_rows(i, f, refs, st: LayerStatic):
     return tuple(ref[pl.ds(f + i * st.tile, st.tile), :] for ref in refs)
 
 
-def _scores_by_document(i, q_parts, first_q, k_refs, st: LayerStatic, precision, operands=None):
+def _scores_by_document(i, q_parts, first_q, k_refs, st: LayerStatic, precision, operands=None, bound=None):
     """Scores `[BQ*Gt, tile]` of candidate positions `[i*tile, (i+1)*tile)` of each row's
-    own document, and those positions `[tile]`."""
+    own document, and those positions `[tile]`. `bound`: `(query group norms prepared by
+    `split_rows`, the layer's radii refs)`: the bound scores of SPEC 11 instead."""
     rows_first = _per_row(first_q, q_parts[0].shape[0] // first_q.shape[0])
 
     def one(f, scores):
-        s = st.alpha * dot_rows(q_parts, _tile_rows(i, f, k_refs, st), precision, operands)
-        return jnp.where((rows_first == f)[:, None], s, scores)
+        s = dot_rows(q_parts, _tile_rows(i, f, k_refs, st), precision, operands)
+        if bound is not None:  # + sum over feature groups of |q| * rho: one more product
+            s = s + dot_rows(bound[0], _tile_rows(i, f, bound[1], st), precision, operands)
+        return jnp.where((rows_first == f)[:, None], st.alpha * s, scores)
 
     scores = by_document(first_q, one, jnp.zeros((q_parts[0].shape[0], st.tile), jnp.float32))
     return scores, i * st.tile + jnp.arange(st.tile, dtype=jnp.int32)
 
 
 def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bool = False,
-                     with_shift: bool = False):
+                     with_shift: bool = False, bound_parts: int = 0):
     """Packed importance keys of a block's queries; with `export`, also every valid
     position's importance (SPEC 8: the formula value, the rightmost's included), and
-    with `with_shift` the rows' importance shifts `[BQ, Gt]` (`importance_shift`)."""
-    if with_shift:
-        *k_refs, keys_ref, imp_ref, shift_ref = refs
-    elif export:
-        *k_refs, keys_ref, imp_ref = refs
-    else:
-        *k_refs, keys_ref = refs
+    with `with_shift` the rows' importance shifts `[BQ, Gt]` (`importance_shift`).
+    `bound_parts > 0`: the key refs are followed by the query rows' feature-group norms
+    and the layer's radii (that many parts), and the importance is the bound's (SPEC 11)."""
+    outputs = 1 + export + with_shift
+    refs, (keys_ref, *out_refs) = refs[:-outputs], refs[-outputs:]
+    imp_ref = out_refs[0] if export else None
+    shift_ref = out_refs[-1] if with_shift else None
+    bound = None
+    if bound_parts:
+        refs, qn_ref, rho_refs = refs[:-bound_parts - 1], refs[-bound_parts - 1], refs[-bound_parts:]
+        bq, gt, _ = qn_ref.shape
+        bound = (split_rows(qn_ref[...].reshape(bq * gt, qn_ref.shape[-1]), st.precision, st.importance_operands),
+                 rho_refs)
+    k_refs = refs
     bq, gt, _ = q_ref.shape
     rows = bq * gt
     q, n_q, first_q = _block_rows(q_ref, n_ref, first_ref)
@@ -119,7 +129,7 @@ def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bo
     has_norm = (n_q - 1 if st.strict_causal else n_q) > 0  # [BQ]
 
     def scored(i):
-        return _scores_by_document(i, q_parts, first_q, k_refs, st, st.precision, st.importance_operands)
+        return _scores_by_document(i, q_parts, first_q, k_refs, st, st.precision, st.importance_operands, bound)
 
     def norm_stats(i, carry):
         scores, positions = scored(i)
@@ -211,12 +221,15 @@ def check_top_inputs(st: LayerStatic, q, k_parts, width: int, expected_parts: tu
 
 @functools.partial(jax.jit, static_argnames=("width", "st", "interpret", "export", "with_shift"))
 def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStatic, interpret=False, export=False,
-                               with_shift=False):
+                               with_shift=False, bound=None):
     """Packed importance keys `[B, Q, H_kv, width]` of the top layer, `st.block_queries`
     queries per program; with `export`, `(keys, importance [B, Q, H_kv, width] float32)`
     (SPEC 8, 0 where invalid); `with_shift` (and `export`) adds the rows' importance
     shifts `[B, Q, H_kv, Gt]` (what split heads need to sum their importance). `q_rot = rotate_queries(q, n, ...)`, `k_rot =
-    key_operands(rotate_keys(...), st.precision, st.importance_operands, split)`."""
+    key_operands(rotate_keys(...), st.precision, st.importance_operands, split)`.
+    `bound` (SPEC 11, `selection="bound"`): `(qn [B, Q, H_kv, Gt, Gn] float32, rho)`, the
+    query rows' feature-group norms and `key_operands` of the layer's radii `[B, H_kv,
+    Np, Gn]` (padded like `k_rot`): the importance is then the bound scores'."""
     check_top_inputs(st, q_rot, k_rot, width, (1, key_parts(st.precision, st.importance_operands)))
     B, Q, H_kv = q_rot.shape[:3]
     sp = top_specs(st, q_rot, k_rot, None, width)
@@ -228,15 +241,21 @@ def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStat
     if with_shift:
         out_specs.append(sp["vec"])
         out_shape.append(jax.ShapeDtypeStruct((B, Q, H_kv, q_rot.shape[3]), jnp.float32))
+    extra_specs, extra = [], ()
+    if bound is not None:
+        qn, rho = bound
+        bound_specs = top_specs(st, qn, rho, None, width)
+        extra_specs, extra = [bound_specs["q"], *bound_specs["k"]], (qn, *rho)
     return pl.pallas_call(
-        functools.partial(_top_keys_kernel, st=st, export=export or with_shift, with_shift=with_shift),
+        functools.partial(_top_keys_kernel, st=st, export=export or with_shift, with_shift=with_shift,
+                          bound_parts=0 if bound is None else len(bound[1])),
         grid=(B, Q // st.block_queries, H_kv),
-        in_specs=[sp["q"], sp["n"], sp["first"], *sp["k"]],
+        in_specs=[sp["q"], sp["n"], sp["first"], *sp["k"], *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
-    )(q_rot, n, first, *k_rot)
+    )(q_rot, n, first, *k_rot, *extra)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype", "return_lse"))

@@ -58,8 +58,8 @@ class HTreeConfig:
         (the default): by their mean keys' scores. `"bound"`: by an upper bound of what
         any token under the node could score (the score plus `alpha` times the query's
         feature-group norms against the node's radii), which finds the one strong token
-        a mean dilutes. The merge uses the mean keys' scores either way. So far on the
-        JAX reference only (backend "auto" takes it there), full sequences and decoding.
+        a mean dilutes. The merge uses the mean keys' scores either way. Every
+        full-sequence backend; decoding on the JAX reference (backend "auto" takes it).
     """
 
     compression_rate: int = 16
