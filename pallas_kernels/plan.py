@@ -14,7 +14,10 @@ the queries padded and rotated for the top layer (`B * Qc * H_kv * Gt * Kp` floa
 and the softmax state (`B * Qc * H * (V + 2)` float32); the selections
 (`(L-1) * B*T*H_kv*top_k` int32).
 `Qc` is chosen so that `Qc * Mp <= T * top_k` (so nothing is `O(T * M)`) and the
-buffers stay under `chunk_budget_bytes`.
+buffers stay under `chunk_budget_bytes`. With `selection="bound"` (SPEC 11) also the
+radii of every layer above the bottom (`B * H_kv * N_l * bound_width` as the importance
+dots read them: float32, or two bfloat16 parts) and, per chunk, the bound scores beside
+the stored scores (the chunk sized as without the bound).
 """
 
 from __future__ import annotations
