@@ -11,7 +11,7 @@ Layers, each importing only those below it (README, "Layout"):
   public API    attention, decode, module, linen, flax_attention, sharding
   backends      backends: the backend rule, `attend` and `attend_cache`
   implementations  reference (JAX), `pallas_kernels` (Pallas-Triton)
-  core          htree_jax.core: config, validation, index arithmetic, RoPE, tree, packing
+  core          htree_jax.core: config, validation, index arithmetic, RoPE, tree, packing, bounds
 
 The names are loaded on first use, so that `import pallas_kernels.forward` (which stands
 on `htree_jax.core`) loads neither Flax nor the API modules.
