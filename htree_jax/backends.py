@@ -85,7 +85,7 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
     return backend
 
 
-def full_sequence_backend(backend: str, dims, config: HTreeConfig) -> str:
+def full_sequence_backend(backend: str, dims) -> str:
     """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`)."""
     return choose_backend(backend, lambda: check_pallas_dims(dims))
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax.backends import attend_cache, decode_backend
-from htree_jax.core.bounds import group_norms, num_groups
+from htree_jax.core.bounds import children_radii, num_groups
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.tree import child_reciprocals, round_to_storage
@@ -262,9 +262,7 @@ def _append_row(keys, values, radii, start, k, v, count, r: int, rope_dim):
             layer[l] = layer[l].at[nodes].set(stored[name], mode="drop")
         if radii:
             below = rows_of(radii[l - 2]) if l > 1 else 0.0  # layer 0's radii are 0
-            reach = below + group_norms(rows_of(keys[l - 1]).astype(jnp.float32)
-                                        - stored["keys"].astype(jnp.float32)[:, None], rope_dim)
-            rho = jnp.max(jnp.where(exists[:, :, None, None], reach, 0.0), axis=1)
+            rho = children_radii(rows_of(keys[l - 1]), below, stored["keys"], exists, rope_dim)
             radii[l - 1] = radii[l - 1].at[nodes].set(rho, mode="drop")
     return tuple(keys), tuple(values), tuple(radii)
 

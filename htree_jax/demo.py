@@ -104,7 +104,7 @@ def run_demo(args) -> int:
     q = jnp.asarray(rng.standard_normal((B, T, H, K)), dtype)
     k = jnp.asarray(rng.standard_normal((B, T, H_kv, K)), dtype)
     v = jnp.asarray(rng.standard_normal((B, T, H_kv, V)), dtype)
-    backend = full_sequence_backend(args.backend, check_qkv(q, k, v), config)
+    backend = full_sequence_backend(args.backend, check_qkv(q, k, v))
 
     if args.packed < 0 or args.packed > T:
         raise DemoError(f"--packed must be in [0, T = {T}], got {args.packed}")

@@ -85,20 +85,20 @@ def test_auto_backend_choice(monkeypatch):
     q, k, v = arrays(K=64, V=64)
     dims = check_qkv(q, k, v)
     monkeypatch.setattr(backends.jax, "default_backend", lambda: "cpu")
-    assert backends.full_sequence_backend("auto", dims, HTreeConfig()) == "reference"
+    assert backends.full_sequence_backend("auto", dims) == "reference"
     with pytest.raises(ValueError, match="use backend='pallas_interpret'"):
-        backends.full_sequence_backend("pallas", dims, HTreeConfig())
+        backends.full_sequence_backend("pallas", dims)
     monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
-    assert backends.full_sequence_backend("auto", dims, HTreeConfig()) == "pallas"
+    assert backends.full_sequence_backend("auto", dims) == "pallas"
     # Shapes the kernels do not support fall back to the reference rather than failing...
     small = check_qkv(*arrays(K=8, V=4))
-    assert backends.full_sequence_backend("auto", small, HTreeConfig()) == "reference"
+    assert backends.full_sequence_backend("auto", small) == "reference"
     # ... and are refused when the kernels are asked for by name.
     for name in ("pallas", "pallas_interpret"):
         with pytest.raises(ValueError, match="head dim K in"):
-            backends.full_sequence_backend(name, small, HTreeConfig())
+            backends.full_sequence_backend(name, small)
     # The interpreted kernels on every platform; the same rule for decoding.
-    assert backends.full_sequence_backend("pallas_interpret", dims, HTreeConfig()) == "pallas_interpret"
+    assert backends.full_sequence_backend("pallas_interpret", dims) == "pallas_interpret"
     assert backends.decode_backend("auto", 64, 64, 2, HTreeConfig()) == "pallas"
     assert backends.decode_backend("auto", 8, 4, 2, HTreeConfig()) == "reference"
     assert backends.decode_backend("auto", 64, 64, 2, HTreeConfig(selection="bound")) == "reference"

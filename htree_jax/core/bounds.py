@@ -32,24 +32,34 @@ def group_norms(x, rope_dim: int | None):
     return jnp.concatenate([jnp.abs(lo[..., :unrotated]), jnp.abs(hi[..., :unrotated]), pairs], axis=-1)
 
 
+def children_radii(child_keys, child_radii, parent_keys, exists, rope_dim: int | None):
+    """SPEC 11 for a batch of parents: `rho = max over the existing children j of (rho_j +
+    ||K_j - K_parent||)` per feature group, in float32. `child_keys [..., r, H_kv, K]`
+    (stored), `child_radii [..., r, H_kv, n_groups]` (or 0: the children are tokens),
+    `parent_keys [..., H_kv, K]` (stored), `exists [..., r]` -> `[..., H_kv, n_groups]`, 0
+    for a parent without children. The one arithmetic of the whole tree's radii
+    (`layer_radii`) and the decode cache's (`htree_jax.decode`), so the two agree bit for bit."""
+    reach = child_radii + group_norms(child_keys.astype(jnp.float32)
+                                      - parent_keys.astype(jnp.float32)[..., None, :, :], rope_dim)
+    return jnp.max(jnp.where(exists[..., None, None], reach, 0.0), axis=-3)
+
+
 def layer_radii(keys_below, radii_below, keys_up, compression_rate: int, rope_dim: int | None, exists_below=None):
-    """One layer up: `rho_i = max over the existing children j of (rho_j + ||K_j - K_i||)`
-    per feature group, from the stored keys, in float32.
+    """One layer up: `children_radii` of every parent, from the stored keys.
 
     `keys_below [B, N, H_kv, K]` and their radii `radii_below [B, N, H_kv, n_groups]`;
     `keys_up [B, ceil(N/r), H_kv, K]` (their parents' stored means); `exists_below [B, N]`
     (packed trees: 0 where no token sits; `None`: all `N` exist). Returns float32 `[B,
-    ceil(N/r), H_kv, n_groups]`, 0 for a parent without children."""
+    ceil(N/r), H_kv, n_groups]`."""
     B, N, H, K = keys_below.shape
     r = compression_rate
     P = keys_up.shape[1]
     pad = P * r - N
-    children = jnp.pad(keys_below.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, P, r, H, K)
+    children = jnp.pad(keys_below, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, P, r, H, K)
     rho = jnp.pad(radii_below, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, P, r, H, -1)
     exists = np.arange(P * r) < N if exists_below is None else jnp.pad(exists_below, ((0, 0), (0, pad))) > 0
-    exists = jnp.broadcast_to(jnp.asarray(exists).reshape(-1, P, r)[..., None, None], rho.shape)
-    reach = rho + group_norms(children - keys_up.astype(jnp.float32)[:, :, None], rope_dim)
-    return jnp.max(jnp.where(exists, reach, 0.0), axis=2)
+    exists = jnp.broadcast_to(jnp.asarray(exists).reshape(-1, P, r), (B, P, r))
+    return children_radii(children, rho, keys_up, exists, rope_dim)
 
 
 def tree_radii(keys, compression_rate: int, rope_dim: int | None, exists=None):
