@@ -18,6 +18,7 @@ long); with `strict_causal` the nodes past the current length change nothing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import functools
 import statistics
 import sys
@@ -29,6 +30,7 @@ import numpy as np
 
 from htree_jax import HTreeCache, HTreeConfig, build_tree, decode_step
 from htree_jax.bench import gpu_header, int_list
+from htree_jax.core.bounds import tree_radii
 
 H, H_KV, K, V = 32, 4, 128, 128
 DTYPE = jnp.bfloat16
@@ -50,11 +52,14 @@ def per_step_ms(step, state, steps: int, repeats: int):
 
 def filled_cache(B, ctx, config, lengths):
     """A cache whose tree is `build_tree` of `ctx` random tokens per row, each row at its
-    `lengths[b]` (with `strict_causal`, the nodes past a row's length change nothing)."""
+    `lengths[b]` (with `strict_causal`, the nodes past a row's length change nothing),
+    with the tree's radii under `selection="bound"`."""
     k = jax.random.normal(jax.random.key(0), (B, ctx, H_KV, K), DTYPE)
     v = jax.random.normal(jax.random.key(1), (B, ctx, H_KV, V), DTYPE)
     layers = build_tree(k, v, config)
-    return HTreeCache(tuple(kl for kl, _ in layers), tuple(vl for _, vl in layers), jnp.asarray(lengths, jnp.int32))
+    keys = tuple(kl for kl, _ in layers)
+    radii = tuple(tree_radii(keys, config.compression_rate, config.rope_dim)[1:]) if config.selection == "bound" else ()
+    return HTreeCache(keys, tuple(vl for _, vl in layers), jnp.asarray(lengths, jnp.int32), radii)
 
 
 def start_lengths(B, ctx, steps, repeats, spread: bool):
@@ -183,6 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--top-k", default="512,64")
     p.add_argument("--backends", default="pallas,reference")
+    p.add_argument("--selections", default="mean", help="HTreeConfig.selection rules, comma-separated")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-module", action="store_true", help="skip the HTreeAttention(decode=True) column")
@@ -201,23 +207,23 @@ def main(argv=None) -> int:
         print(lines_note, flush=True)
     columns = [f"htree {b} ms" for b in backends] + [f"htree {e} ms" for e in extra]
     module_cols = [] if args.no_module else ["dense module ms", "dense module/module"]
-    lines = ["| context | B | top_k | layers | " + " | ".join(columns) + " | dense ms | dense | "
+    lines = ["| context | B | top_k | selection | layers | " + " | ".join(columns) + " | dense ms | dense | "
              + " | ".join(f"dense/{c.split(' ms')[0].removeprefix('htree ')}" for c in columns)
              + "".join(f" | {c}" for c in module_cols) + " |",
-             "|---" * (6 + 2 * len(columns) + len(module_cols)) + "|"]
+             "|---" * (7 + 2 * len(columns) + len(module_cols)) + "|"]
     for B in parse(args.batches):
         for ctx in parse(args.contexts):
             d_ms, impl = dense_case(B, ctx, args.steps, args.repeats)
             dm_ms = None if args.no_module else dense_module_case(B, ctx, args.steps, args.repeats)
-            for top_k in parse(args.top_k):
-                config = HTreeConfig(top_k=top_k)
+            for top_k, selection in itertools.product(parse(args.top_k), args.selections.split(",")):
+                config = HTreeConfig(top_k=top_k, selection=selection)
                 h_ms = [htree_case(B, ctx, config, args.steps, args.repeats, b) for b in backends]
                 if not args.no_module:
                     h_ms.append(module_case(B, ctx, config, args.steps, args.repeats, "pallas"))
                 if args.spread:
                     h_ms.append(htree_case(B, ctx, config, args.steps, args.repeats, "pallas", spread=True)
                                 if B > 1 else float("nan"))
-                lines.append(f"| {ctx} | {B} | {top_k} | {', '.join(map(str, config.layer_sizes(ctx)))} | "
+                lines.append(f"| {ctx} | {B} | {top_k} | {selection} | {', '.join(map(str, config.layer_sizes(ctx)))} | "
                              + " | ".join(f"{x:.3f}" for x in h_ms) + f" | {d_ms:.3f} | {impl} | "
                              + " | ".join(f"{d_ms / x:.2f}" for x in h_ms)
                              + ("" if dm_ms is None else f" | {dm_ms:.3f} | {dm_ms / h_ms[len(backends)]:.2f}")

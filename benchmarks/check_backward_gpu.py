@@ -85,12 +85,13 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="4096,32768")
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--selection", default="mean", choices=("mean", "bound"), help="HTreeConfig.selection")
     args = p.parse_args(argv)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
     ok = True
     for T in (int(s) for s in args.sizes.split(",")):
         for dtype in args.dtypes.split(","):
-            ok &= check(T, jnp.dtype(dtype).type, HTreeConfig(top_k=args.top_k))
+            ok &= check(T, jnp.dtype(dtype).type, HTreeConfig(top_k=args.top_k, selection=args.selection))
     return 0 if ok else 1
 
 

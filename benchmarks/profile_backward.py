@@ -22,18 +22,27 @@ from htree_jax.bench import H_KV, INPUTS, B, H, V, median_ms
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import BlockSizes, chunk_queries, prepare, valid_candidates
-from pallas_kernels.importance import importance_keys_pallas
+from pallas_kernels.plan import BlockSizes, chunk_queries, prepare, select_below_top, valid_candidates
 from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
 from pallas_kernels.precision import Precisions
-from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.node_backward import (
     UNIT,
+    UNIT_ENTRIES,
     layer_node_grads_pallas,
     node_buffers,
     node_index,
     top_node_grads_pallas,
 )
+
+
+def node_index_load(index) -> str:
+    """How evenly a node kernel's work spreads: the entries (pairs) per unit of the
+    inverse index, total, mean over units with any, and the most one unit has (one
+    program walks a unit's entries in order, so the most bounds the launch from below)."""
+    counts = (index.bounds[..., 1] - index.bounds[..., 0]).reshape(-1)
+    busy = counts[counts > 0]
+    return (f"{int(counts.sum())} entries, {busy.size} busy units of {counts.size}, mean "
+            f"{float(busy.mean()):.1f}, max {int(counts.max())}")
 
 
 def main(argv=None):
@@ -44,9 +53,13 @@ def main(argv=None):
     p.add_argument("--node-variants", default="", help="also time the node kernel at entries:warps, e.g. 32:4,8:2")
     p.add_argument("--inputs", default="random", choices=sorted(INPUTS),
                    help="random, or correlated (htree_jax.bench.correlated_inputs)")
+    p.add_argument("--entries-per-program", type=int, default=UNIT_ENTRIES,
+                   help="the node kernels' entries per program before a unit's list spills (node_index)")
+    p.add_argument("--selection", default="mean", choices=("mean", "bound"), help="HTreeConfig.selection")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
-    ip, T, config = args.interpret, args.T, HTreeConfig(top_k=args.top_k)
+    ip, T = args.interpret, args.T
+    config = HTreeConfig(top_k=args.top_k, selection=args.selection)
     q, k, v = INPUTS[args.inputs](T)
     bs = BlockSizes()
     prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, Precisions.for_dtype(q.dtype),
@@ -70,7 +83,8 @@ def main(argv=None):
         rows.append((name, median_ms(jax.jit(fn), a, args.iters), chunks))
         return jax.jit(fn)(*a)
 
-    print(f"{args.inputs} inputs, T={T} top_k={args.top_k} layers={sizes} chunk {Qc} x {chunks}", flush=True)
+    print(f"{args.inputs} inputs, T={T} top_k={args.top_k} selection={args.selection} layers={sizes} "
+          f"chunk {Qc} x {chunks}", flush=True)
     qc, t, n_top, first, q_top, (keys, tau, parents) = timed(
         "chunk set-up + top layer importance and top-K (recomputed)", lambda: chunk_queries(prep, c, T, L, ip))
     top = (q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt))
@@ -84,16 +98,14 @@ def main(argv=None):
             n = valid_candidates(parents, t, l, prep)
             keys = tau = None
             if l > 0:
-                keys = timed(f"layer {l}: importance keys (recomputed)",
-                             lambda *a: importance_keys_pallas(*a, st, ip), q_rows, parents, n, prep.layers[l][0],
-                             prep.cos, prep.sin)
-                nxt, tau = timed(f"layer {l}: top-K (recomputed)", lambda *a: select_top_k_pallas(*a, st, ip),
-                                 keys, parents, n)
+                keys, nxt, tau, _, _ = timed(f"layer {l}: importance keys and top-K (recomputed)",
+                                             lambda *a: select_below_top(prep, *a, l, ip), q_rows, parents, n)
             la = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
             timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, *stats(gp), st, ip), *la)
             units = -(-sizes[l] // UNIT)
-            index = timed(f"layer {l}: inverse index (sort)", lambda p_, n_: node_index(p_, n_, st.r, units),
-                          parents, n)
+            index = timed(f"layer {l}: inverse index (sort)",
+                          lambda p_, n_: node_index(p_, n_, st.r, units, args.entries_per_program), parents, n)
+            print(f"layer {l}: inverse index of the chunk: {node_index_load(index)}", flush=True)
             nacc = node_buffers(B, H_KV, sizes[l], kp, vp)
             timed(f"layer {l}: node kernel (dk, dv)",
                   lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st, ip), *la)

@@ -237,6 +237,9 @@ def parse_args(argv=None):
     p.add_argument("--len-warmup-steps", type=int, default=0,
                    help="length curriculum: the first N steps run shorter sequences (see length_schedule)")
     p.add_argument("--len-warmup-start", type=int, default=256, help="the curriculum's first length")
+    p.add_argument("--dense-steps", type=int, default=0,
+                   help="htree: the first N steps train the same parameters with dense attention, then htree "
+                        "(a dense warm-up, as DeepSeek's sparse attention is trained)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: min(100, steps/10 + 1))")
     p.add_argument("--eval-size", type=int, default=512)
@@ -252,6 +255,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.seq_len < 4:
         p.error("--seq-len must be >= 4")
+    if args.dense_steps < 0 or args.dense_steps >= args.steps:
+        p.error("--dense-steps must be in [0, --steps)")
     if args.len_warmup_steps < 0 or args.len_warmup_steps >= args.steps:
         p.error("--len-warmup-steps must be in [0, --steps)")
     shortest = min(args.seq_len, args.len_warmup_start) if args.len_warmup_steps else args.seq_len
@@ -340,8 +345,13 @@ def train(args) -> tuple[TinyLM, dict]:
     model = build_model(args)
     config = model.blocks[0].attention.config if args.attention == "htree" else None
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10 + 1)
-    optimizer = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
+    make_optimizer = lambda model: nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup, args.steps), weight_decay=0.01), wrt=nnx.Param)
+    optimizer = make_optimizer(model)
+    dense_steps = args.dense_steps if args.attention == "htree" else 0
+    if dense_steps:  # the same parameters (and optimizer state) under dense attention
+        dense_model = build_model(args, attention="dense")
+        dense_optimizer = make_optimizer(dense_model)
 
     @nnx.jit
     def train_step(model, optimizer, tokens, targets):
@@ -370,8 +380,15 @@ def train(args) -> tuple[TinyLM, dict]:
             print(f"step {step + 1:5d}  sequences of {seq_len} tokens, batch {args.batch * args.seq_len // seq_len}",
                   flush=True)
         tokens, targets = task.batch(rng, args.batch * args.seq_len // seq_len, seq_len)
+        if dense_steps and step == dense_steps:
+            print(f"step {step + 1:5d}  htree from here (dense before)", flush=True)
+            nnx.update(model, nnx.state(dense_model, nnx.Param))
+            nnx.update(optimizer, nnx.state(dense_optimizer))
         tic = time.perf_counter()
-        loss, acc = train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(targets))
+        if step < dense_steps:
+            loss, acc = train_step(dense_model, dense_optimizer, jnp.asarray(tokens), jnp.asarray(targets))
+        else:
+            loss, acc = train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(targets))
         losses.append(float(loss))                      # waits for the step
         step_seconds.append(time.perf_counter() - tic)
         accuracies.append(float(acc))
@@ -381,8 +398,9 @@ def train(args) -> tuple[TinyLM, dict]:
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print(f"step {step + 1:5d}  loss {losses[-1]:.4f}  batch acc {accuracies[-1]:.3f}", flush=True)
     train_s = time.perf_counter() - start
-    # the step time: the median over the steps at the full length but its first (it compiles)
-    full = [s for s, n in zip(step_seconds, schedule) if n == args.seq_len]
+    # the step time: the median over the steps at the full length but its first (it
+    # compiles), with the model's own attention (after any dense warm-up)
+    full = [s for i, (s, n) in enumerate(zip(step_seconds, schedule)) if n == args.seq_len and i >= dense_steps]
     step_ms = 1e3 * statistics.median(full[1:] if len(full) > 1 else full)
     accuracy, eval_loss = eval_accuracy(model, args, args.seq_len)
     result = dict(task=args.task, attention=args.attention, seq_len=args.seq_len,
@@ -393,7 +411,8 @@ def train(args) -> tuple[TinyLM, dict]:
                   kv_heads=args.kv_heads, token_shift=args.token_shift, pairs=args.pairs, queries=args.queries,
                   num_values=args.num_values, seed=args.seed, lr=args.lr, scale=args.scale,
                   rope_base=args.rope_base, len_warmup_steps=args.len_warmup_steps,
-                  len_warmup_start=args.len_warmup_start, losses=losses, batch_accuracies=accuracies,
+                  len_warmup_start=args.len_warmup_start, dense_steps=dense_steps, losses=losses,
+                  batch_accuracies=accuracies,
                   eval_loss=eval_loss, accuracy=accuracy, chance=1 / args.num_values, train_seconds=train_s,
                   step_ms=step_ms, tokens_per_second=args.batch * args.seq_len / (step_ms / 1e3),
                   device=jax.devices()[0].device_kind)

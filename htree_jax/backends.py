@@ -91,19 +91,9 @@ def full_sequence_backend(backend: str, dims) -> str:
 
 
 def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, config: HTreeConfig) -> str:
-    """`choose_backend` for a decode call: the cache's `K`, `V`, the group size and
-    `config` (the decode kernels rank by the mean keys only, so far)."""
-    def check_kernel_limits():
-        check_pallas_decode_dims(head_dim, value_dim, group)
-        check_mean_selection(config)
-
-    return choose_backend(backend, check_kernel_limits)
-
-
-def check_mean_selection(config: HTreeConfig) -> None:
-    if config.selection != "mean":
-        raise ValueError(f"selection={config.selection!r} decodes on backend 'reference' (or 'auto') so far: the "
-                         "Pallas decode kernels rank candidates by their mean keys only")
+    """`choose_backend` for a decode call: the cache's `K`, `V` and the group size."""
+    del config  # every rule decodes on the kernels
+    return choose_backend(backend, lambda: check_pallas_decode_dims(head_dim, value_dim, group))
 
 
 def query_positions(positions, q):
@@ -209,7 +199,8 @@ def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: s
         # One new token is the newest in the cache: nothing after it can be NaN, so the
         # decode kernels need not zero the values it does not merge (SPEC 10).
         return attend_cache_pallas(q, keys, values, positions, config,
-                                   interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1)
+                                   interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1,
+                                   radii=tuple(radii))
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], values[0].shape[-1]
     chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))

@@ -225,7 +225,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                     keys, next_parents, tau, _, _ = select_below_top(prep, q_rows, parents, n, l, interpret)
                 layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
                 dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st, interpret)
-                index = node_index(parents, n, st.r, -(-sizes[l] // UNIT))
+                index = node_index(parents, n, st.r, -(-sizes[l] // UNIT), block_sizes.node_entries)
                 layer_acc[l] = layer_node_grads_pallas(pad_axis(qc, 3, gt), *layer_args, *stats(gt), index,
                                                        layer_acc[l], st, interpret)
                 dq = dq + dq_l[:, :, :, :G]

@@ -17,7 +17,10 @@ flash-decoding splits the keys, and the per-split partial results are combined i
 
   per layer that selects (top down):
     `decode_scores_pallas` scores of the split's candidates, stored, and the split's
-                       running (max, sum) over the normaliser set R
+                       running (max, sum) over the normaliser set R; with
+                       `selection="bound"` (SPEC 11) the bound scores too (the
+                       cache's radii against the query rows' group norms, one more
+                       product), which the (max, sum) and the keys rank by
     XLA                the rows' importance shift, packed keys (`keys_from_scores`)
     `top_k.select_top_k_pallas` (shared with the forward): the kept nodes, `tau`
     `decode_merge_pallas` the split's merged candidates (stored scores, gathered values)
@@ -44,6 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from htree_jax.core.bounds import group_norms
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
 from htree_jax.core.rope import rope_table
@@ -93,34 +97,6 @@ def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int) -> None:
     check_group(group, "Pallas decoding")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def candidate_layout(config: HTreeConfig, block_sizes: DecodeBlockSizes):
     """`(span, Mp)`: candidates per score product (>= 16, a dot's least, and >= r) and
     the candidate buffer's padded width (`M`, or the span where `M` is smaller)."""
@@ -148,9 +124,11 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
 
 
 def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos, sin, interpret: bool,
-          zero_unmerged: bool = True):
+          zero_unmerged: bool = True, qn=None, radii=()):
     """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [B, Q]`
-    (each batch row its own). Returns `(o [B, Q, H_kv, Gp, V] float32, selections)`."""
+    (each batch row its own). `selection="bound"`: `qn [B, Q, H_kv, Gp, n_groups]` the
+    query rows' group norms, `radii` the layers' from layer 1 up (SPEC 11). Returns
+    `(o [B, Q, H_kv, Gp, V] float32, selections)`."""
     r, L = config.compression_rate, len(keys)
     B, Q, H_kv, gp, _ = q.shape
     V = values[0].shape[-1]
@@ -168,10 +146,11 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
             partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, st, interpret,
                                            zero_unmerged)
         else:
-            scores, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret)
+            bound = None if qn is None else (qn, radii[l - 1])
+            scores, *ranked, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret, bound)
             m, total = combine_max_sum(m, total)
             shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
-            packed = group_keys_from_scores(scores, shift.reshape(m.shape), n, st, split)
+            packed = group_keys_from_scores(ranked[0] if ranked else scores, shift.reshape(m.shape), n, st, split)
             next_parents, tau = select_top_k_pallas(packed, real_heads(parents, split), real_heads(n, split), st,
                                                     interpret)
             packed, next_parents, tau = (virtual_heads(x, split) for x in (packed, next_parents, tau))
@@ -194,7 +173,7 @@ def query_chunk(config: HTreeConfig, B: int, S: int, H_kv: int, gp: int, Mp: int
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "zero_unmerged"))
 def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
                         block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
-                        zero_unmerged: bool = True):
+                        zero_unmerged: bool = True, radii=()):
     """htree attention of queries `q [B, S, H, K]` (un-rotated) at token positions
     `positions [S]`, or `[B, S]` per batch row (int32, may be traced; each row's
     candidates and work from its own positions), over a decode cache's tree: `keys`, `values`
@@ -205,7 +184,8 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     `zero_unmerged=False` skips zeroing the values a query does not merge, which only
     matters (SPEC 10: a NaN value times a weight of 0) where the cache holds tokens
     after a query: safe only when every query is the newest token, as in a one-token
-    decode step."""
+    decode step. `selection="bound"` (SPEC 11) needs `radii`, the cache's `[B, N_l, H_kv,
+    n_groups]` of layers 1.. (`q` then in `rope_layout` order, as the cache's keys)."""
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], values[0].shape[-1]
     split = head_split(H // H_kv)  # larger groups: virtual kv heads of 16, the cache read in place
@@ -215,15 +195,21 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, block_sizes)
     cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base), config.partial_rope(K)))
     num_chunks = -(-S // C)
-    q5 = pad_axis(q.reshape(B, S, H_kv, G, K).astype(jnp.float32), 3, gp)
-    q5 = pad_axis(q5, 1, num_chunks * C)
+    per_query = lambda x: pad_axis(pad_axis(x.reshape((B, S, H_kv, G) + x.shape[3:]), 3, gp), 1, num_chunks * C)
+    q5 = per_query(q.astype(jnp.float32))
+    qn = None
+    if config.selection == "bound":
+        if len(radii) != len(keys) - 1:
+            raise ValueError(f"selection='bound' needs the radii of layers 1..{len(keys) - 1}, got {len(radii)}")
+        qn = per_query(group_norms(q, config.rope_dim))
     positions = jnp.broadcast_to(positions, (B, S))
     padded = jnp.concatenate([positions, jnp.broadcast_to(positions[:, -1:], (B, num_chunks * C - S))], axis=1)
 
     def chunk(i):
-        qc = lax.dynamic_slice_in_dim(q5, i * C, C, axis=1)
-        t = lax.dynamic_slice_in_dim(padded, i * C, C, axis=1)
-        return _walk(qc, t, keys, values, config, st, Mp, cos, sin, interpret, zero_unmerged)
+        rows = lambda x: lax.dynamic_slice_in_dim(x, i * C, C, axis=1)
+        qn_c = None if qn is None else rows(qn)
+        return _walk(rows(q5), rows(padded), keys, values, config, st, Mp, cos, sin, interpret, zero_unmerged, qn_c,
+                     tuple(radii))
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, C, H_kv, Gp, V] -> [B, S, H, V]

@@ -363,9 +363,35 @@ def partial_shapes(B, Q, H_kv, splits, gp, V=None):
     return [vec, vec] if V is None else [vec, vec, jax.ShapeDtypeStruct((B, Q, H_kv, splits, gp, V), jnp.float32)]
 
 
-def _cache_scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, s_ref, m_ref, t_ref, *, st: LayerStatic):
+def cache_bound_reach(qn_ref, rho_ref, nodes, st: LayerStatic):
+    """SPEC 11's `sum over groups of ||q[group]|| * rho[node, group]` `[Gp, span]` for the
+    gathered `nodes`: `qn [Gp, n_groups]` float32 (the query rows' group norms), `rho
+    [N, n_groups]` float32 the layer's radii as the cache stores them. Groups in
+    power-of-two pieces; those under a dot's least width (16) column by column."""
+    reach = None
+    for start, size in feature_pieces(qn_ref.shape[-1]):
+        if size >= 16:
+            piece = score_dot(qn_ref[:, pl.ds(start, size)], (rho_ref[nodes, pl.ds(start, size)],), st.precision,
+                              st.importance_operands)
+        else:
+            piece = None
+            for c in range(start, start + size):
+                column = qn_ref[:, c][:, None] * rho_ref[nodes, c][None, :]
+                piece = column if piece is None else piece + column
+        reach = piece if reach is None else reach + piece
+    return reach
+
+
+def _cache_scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, *refs, st: LayerStatic, bound: bool):
     """One split of a selecting layer: its candidates' scores (stored, real heads' rows)
-    and its rows' running max and sum of `exp` over R (SPEC 2.3)."""
+    and its rows' running max and sum of `exp` over R (SPEC 2.3). With `bound` (SPEC 11)
+    the query rows' group norms and the layer's radii follow the tables, and the bound
+    scores are stored beside the scores: the max and sum are the bound's (the
+    importance ranks by it), the merge reads the scores."""
+    if bound:
+        qn_ref, rho_ref, s_ref, b_ref, m_ref, t_ref = refs
+    else:
+        s_ref, m_ref, t_ref = refs
     gp = q_ref.shape[0]
     n = n_ref[0]
     q_lo, q_hi = cache_query_halves(q_ref)
@@ -374,9 +400,12 @@ def _cache_scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, s_ref, 
     real_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[:, None], (gp, st.span))
 
     def score_span(j, carry):
-        scores, _, positions, _ = cache_span_scores(start + j * st.span, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n,
-                                               st, st.precision, st.importance_operands)
+        scores, _, positions, nodes = cache_span_scores(start + j * st.span, q_lo, q_hi, par_ref, k_ref, cos_ref,
+                                                        sin_ref, n, st, st.precision, st.importance_operands)
         plgpu.store(s_ref.at[:, pl.ds(j * st.span, st.span)], scores, mask=real_rows)
+        if bound:
+            scores = scores + st.alpha * cache_bound_reach(qn_ref, rho_ref, nodes, st)
+            plgpu.store(b_ref.at[:, pl.ds(j * st.span, st.span)], scores, mask=real_rows)
         return online_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
 
     init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
@@ -386,22 +415,35 @@ def _cache_scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, s_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def decode_scores_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, interpret: bool = False):
+def decode_scores_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, interpret: bool = False, bound=None):
     """`(scores [B, Q, H_kv, Gp, Mp], m, total [B, Q, H_kv, splits, Gp])` of a selecting
-    layer: the stored scores and each split's running max / sum over R."""
+    layer: the stored scores and each split's running max / sum over R. `bound` (SPEC
+    11): `(qn [B, Q, H_kv, Gp, n_groups], rho [B, N, H_kv, n_groups])` float32, the query
+    rows' group norms and the layer's radii; then `(scores, bound scores, m, total)`,
+    the max and sum the bound scores'."""
     B, Q, H_kv, gp, K = q.shape
     Mp = cos.shape[0]
     splits = Mp // st.tile
-    sp = cache_specs(gp, Mp, st, layer_k.shape[1], K=K, heads_per_layer_head=H_kv // layer_k.shape[2])
+    per = H_kv // layer_k.shape[2]
+    sp = cache_specs(gp, Mp, st, layer_k.shape[1], K=K, heads_per_layer_head=per)
+    score_shape = jax.ShapeDtypeStruct((B, Q, H_kv, gp, Mp), jnp.float32)
+    extra, extra_specs, extra_out = (), [], []
+    if bound is not None:
+        qn, rho = bound
+        groups = qn.shape[-1]
+        extra = (qn, rho)
+        extra_specs = [pl.BlockSpec((None, None, None, gp, groups), lambda b, i, h, s: (b, i, h, 0, 0)),
+                       pl.BlockSpec((None, rho.shape[1], None, groups), lambda b, i, h, s: (b, 0, h // per, 0))]
+        extra_out = [score_shape]
     return pl.pallas_call(
-        functools.partial(_cache_scores_kernel, st=st),
+        functools.partial(_cache_scores_kernel, st=st, bound=bound is not None),
         grid=(B, Q, H_kv, splits),
-        in_specs=[sp["q"], sp["parents"], sp["n"], sp["k"], sp["table"], sp["table"]],
-        out_specs=[sp["scores"], sp["vec"], sp["vec"]],
-        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, gp, Mp), jnp.float32)] + partial_shapes(B, Q, H_kv, splits, gp),
+        in_specs=[sp["q"], sp["parents"], sp["n"], sp["k"], sp["table"], sp["table"], *extra_specs],
+        out_specs=[sp["scores"]] * (1 + len(extra_out)) + [sp["vec"], sp["vec"]],
+        out_shape=[score_shape, *extra_out] + partial_shapes(B, Q, H_kv, splits, gp),
         compiler_params=compiler_params(st.num_warps, 1),
         interpret=interpret,
-    )(q, parents, n, layer_k, cos, sin)
+    )(q, parents, n, layer_k, cos, sin, *extra)
 
 
 def combine_max_sum(m, total):

@@ -18,6 +18,13 @@ H200, benchmarks/RESULTS.md).
   of `rotate_phases`), and each pair's query is rotated by `n_t - 1 - s*r` (RoPE is
   relative), so `dk` comes out in the frame of copy 0, rotated back once at the end
   (`node_gradient`).
+  A unit's entries are walked by one program up to `UNIT_ENTRIES`; the rest of a longer
+  list (a node that every query of the chunk merged: the bound rule of SPEC 11 picks
+  the same nodes for most queries) spills into segments of `UNIT_ENTRIES`, each summed
+  by a program of its own into a partial; a third launch adds a unit's partials, in
+  order, after its own sum. Without the split one program walked up to a whole chunk's queries
+  while the others idled: the bound made the node kernels 1.4-1.9x slower than the
+  mean rule on an H200 at T=131072 (benchmarks/RESULTS.md).
 - The top layer (`top_node_grads_pallas`): flash attention's `dk`/`dv` loop: a program
   per tile of nodes walks the chunk's queries in blocks, skipping the leading blocks
   whose queries all see fewer nodes than the tile's first.
@@ -39,6 +46,7 @@ from pallas_kernels.layer_backward import grads_of_block
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows
 
 UNIT = 16  # nodes per program below the top layer
+UNIT_ENTRIES = 2048  # entries one program walks before the rest of a unit's list spills
 
 
 def units_per_pair(r: int) -> int:
@@ -48,26 +56,55 @@ def units_per_pair(r: int) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["query", "angle", "offset", "span", "bounds"], meta_fields=[])
+                   data_fields=["query", "angle", "offset", "span", "bounds", "spill", "segments"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class NodeIndex:
     """Which `(query, slot)` pairs merged a child in each unit of `UNIT` nodes, one
     chunk's worth, with what the node kernel needs of each pair precomputed (so that
     its loads depend on no other load but these). Per `(b, h)`, entries `[E]` sorted by
-    unit, then by query and slot; unit `u`'s are `bounds[u, 0] : bounds[u, 1]`."""
+    unit, then by query and slot; unit `u`'s first (at most `S` = entries per program)
+    are `bounds[u, 0] : bounds[u, 1]`, the rest spill into segments
+    `spill[u, 0] : spill[u, 1]`, segment `x` holding entries `segments[x, 1] :
+    segments[x, 2]` of unit `segments[x, 0]` (`[X, 4]`, the last column padding;
+    `X = E // S`, unused ones empty)."""
 
     query: jax.Array  # [B, H_kv, E] int32: the pair's query t (row in the chunk)
     angle: jax.Array  # [B, H_kv, E]: n_t - 1 - slot*r, the query's rotation
     offset: jax.Array  # [B, H_kv, E]: candidate position of the unit's first node
     span: jax.Array  # [B, H_kv, E]: lo + 32 * hi, the unit's nodes [lo, hi) this pair merges
     bounds: jax.Array  # [B, H_kv, units, 2]
+    spill: jax.Array  # [B, H_kv, units, 2]
+    segments: jax.Array  # [B, H_kv, X, 4]
 
 
-def node_index(parents, n, r: int, num_units: int) -> NodeIndex:
+def spill_segments(begin, end, size: int, num_segments: int):
+    """A unit's entries `[begin, end)` (`[B, H_kv, units]` each) past its first `size`
+    in segments of `size`: `(bounds [.., units, 2]` the first `size`, `spill [.., units,
+    2]` the unit's range of segments, `segments [.., num_segments, 4]`: (unit, begin,
+    end, the unit's number of segments where this is its first, else 0) each, the unused
+    ones empty)."""
+    count = end - begin
+    spills = jnp.maximum(count - 1, 0) // size  # ceil(count / size) - 1
+    spill_end = jnp.cumsum(spills, axis=-1, dtype=jnp.int32)
+    spill = jnp.stack([spill_end - spills, spill_end], axis=-1)
+    x = jnp.arange(num_segments, dtype=jnp.int32)
+    owner = jax.vmap(jax.vmap(lambda ends: jnp.searchsorted(ends, x, side="right")))(spill_end).astype(jnp.int32)
+    used = owner < count.shape[-1]
+    owner = jnp.where(used, owner, 0)
+    at = lambda a: jnp.take_along_axis(a, owner, axis=-1)
+    seg_begin = at(begin) + size * (x - at(spill[..., 0]) + 1)
+    seg_end = jnp.where(used, jnp.minimum(at(end), seg_begin + size), seg_begin)
+    first = used & (x == at(spill[..., 0]))
+    segments = jnp.stack([owner, seg_begin, seg_end, jnp.where(first, at(spills), 0)], axis=-1)
+    return jnp.stack([begin, begin + jnp.minimum(count, size)], axis=-1), spill, segments
+
+
+def node_index(parents, n, r: int, num_units: int, entries_per_program: int = UNIT_ENTRIES) -> NodeIndex:
     """The inverse index of one chunk's parent lists `parents [B, Q, H_kv, P]` (int32,
     ascending, `-1` padded; `n [B, Q, H_kv, 1]` valid candidates): a stable sort of the
     `(query, slot, j)` triples by the unit the `j`-th `UNIT` of the slot's children lie
-    in (`j < units_per_pair(r)`)."""
+    in (`j < units_per_pair(r)`); each unit's list cut after `entries_per_program`
+    entries into segments of as many (`spill_segments`; 0: never cut)."""
     B, Q, H_kv, P = parents.shape
     U = units_per_pair(r)
     slot = jnp.arange(P, dtype=jnp.int32)
@@ -80,7 +117,8 @@ def node_index(parents, n, r: int, num_units: int) -> NodeIndex:
     unit, entries = lax.sort((unit, ids), dimension=-1, num_keys=1, is_stable=True)
     edges = jnp.arange(num_units + 1, dtype=jnp.int32)
     starts = jax.vmap(jax.vmap(lambda x: jnp.searchsorted(x, edges, side="left")))(unit).astype(jnp.int32)
-    bounds = jnp.stack([starts[..., :-1], starts[..., 1:]], axis=-1)
+    size = entries_per_program or Q * P * U + 1  # 0: one segment holds any unit's list
+    bounds, spill, segments = spill_segments(starts[..., :-1], starts[..., 1:], size, Q * P * U // size)
 
     pair = entries // U
     t, s = pair // P, pair % P
@@ -92,7 +130,7 @@ def node_index(parents, n, r: int, num_units: int) -> NodeIndex:
     hi = jnp.clip(jnp.minimum(parent * r + r - first_node, n_t - offset), 0, UNIT)
     hi = jnp.where(unit < num_units, jnp.maximum(hi, lo), lo)
     angle = jnp.maximum(n_t - 1 - s * r, 0)
-    return NodeIndex(t, angle, offset, lo + 32 * hi, bounds)
+    return NodeIndex(t, angle, offset, lo + 32 * hi, bounds, spill, segments)
 
 
 def node_buffers(B, H_kv, N: int, kp: int, vp: int):
@@ -114,24 +152,23 @@ def _per_row(x, gt: int):
     return jnp.broadcast_to(x[:, None], (x.shape[0], gt) + x.shape[1:]).reshape((x.shape[0] * gt,) + x.shape[1:])
 
 
-def _layer_node_kernel(*refs, st: LayerStatic, bottom: bool, entries_per_step: int, gt: int):
-    """One unit of `UNIT` nodes; its entries in steps of `entries_per_step` pairs
-    (`entries_per_step * gt` rows). Per-query arrays are flattened per `(b, h)`: row
-    `t*gt + g` of `q, lse, delta, do`, `t*Mp + p` of `keys`."""
+def _unit_sums(u, begin, end, data, st: LayerStatic, bottom: bool, entries_per_step: int, gt: int):
+    """`(dk_lo, dk_hi, dv)` float32 `[UNIT, *]` of unit `u`'s nodes over the index's
+    entries `[begin, end)`, in steps of `entries_per_step` pairs (`entries_per_step * gt`
+    rows). Per-query arrays are flattened per `(b, h)`: row `t*gt + g` of `q, lse, delta,
+    do`, `t*Mp + p` of `keys`."""
     precision, operands = merge_score_precision(st), st.merge_operands
-    bounds_ref, query_ref, angle_ref, offset_ref, span_ref, q_ref, *refs = refs
+    query_ref, angle_ref, offset_ref, span_ref, q_ref, *refs = data
     keys_ref = tau_ref = None
     if not bottom:
         keys_ref, tau_ref, *refs = refs
     parts = key_parts(precision, operands)
-    k_refs, refs = refs[:parts], refs[parts:]
-    v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref, dk_in, dv_in, dk_out, dv_out = refs
+    k_refs, (v_ref, cos_ref, sin_ref, lse_ref, delta_ref, do_ref) = refs[:parts], refs[parts:]
     E = entries_per_step
     half, vp = q_ref.shape[-1] // 2, do_ref.shape[-1]
     Mp, N = cos_ref.shape[0], v_ref.shape[0]
     rows = E * gt
-    begin, end = bounds_ref[0], bounds_ref[1]
-    nodes = pl.program_id(2) * UNIT + jnp.arange(UNIT, dtype=jnp.int32)
+    nodes = u * UNIT + jnp.arange(UNIT, dtype=jnp.int32)
     at = jnp.minimum(nodes, N - 1)
     k_lo = tuple(k_ref[at, pl.ds(0, half)] for k_ref in k_refs)  # copy 0: node j rotated by j mod r
     k_hi = tuple(k_ref[at, pl.ds(half, half)] for k_ref in k_refs)
@@ -166,10 +203,53 @@ def _layer_node_kernel(*refs, st: LayerStatic, bottom: bool, entries_per_step: i
                 dv + product(p, do, (0, 0), precision, operands))
 
     zeros = lambda d: jnp.zeros((UNIT, d), jnp.float32)
-    dk_lo, dk_hi, dv = lax.fori_loop(0, (end - begin + E - 1) // E, step, (zeros(half), zeros(half), zeros(vp)))
+    return lax.fori_loop(0, (end - begin + E - 1) // E, step, (zeros(half), zeros(half), zeros(vp)))
+
+
+def _spill_kernel(segment_ref, *refs, st: LayerStatic, bottom: bool, entries_per_step: int, gt: int):
+    """One spilled segment of a unit's entries (`segment_ref`: unit, begin, end): its
+    sums into a partial of its own."""
+    data, (pk_out, pv_out) = refs[:-2], refs[-2:]
+    dk_lo, dk_hi, dv = _unit_sums(segment_ref[0], segment_ref[1], segment_ref[2], data, st, bottom,
+                                  entries_per_step, gt)
+    half = dk_lo.shape[-1]
+    pk_out[:, pl.ds(0, half)] = dk_lo
+    pk_out[:, pl.ds(half, half)] = dk_hi
+    pv_out[...] = dv
+
+
+def _layer_node_kernel(bounds_ref, *refs, st: LayerStatic, bottom: bool, entries_per_step: int, gt: int):
+    """One unit of `UNIT` nodes, its first entries, added to the accumulators."""
+    data, (dk_in, dv_in, dk_out, dv_out) = refs[:-4], refs[-4:]
+    dk_lo, dk_hi, dv = _unit_sums(pl.program_id(2), bounds_ref[0], bounds_ref[1], data, st, bottom,
+                                  entries_per_step, gt)
+    half = dk_lo.shape[-1]
     dk_out[:, pl.ds(0, half)] = dk_in[:, pl.ds(0, half)] + dk_lo
     dk_out[:, pl.ds(half, half)] = dk_in[:, pl.ds(half, half)] + dk_hi
     dv_out[...] = dv_in[...] + dv
+
+
+def _fold_kernel(segment_ref, pk_ref, pv_ref, dk_in, dv_in, dk_out, dv_out):
+    """The first segment of a unit that spilled adds the partials of all its segments,
+    in order, to the unit's rows of the accumulators (whole `(b, h)` slices, aliased);
+    every other program writes nothing."""
+    x, count = pl.program_id(2), segment_ref[3]
+    half = pk_ref.shape[-1] // 2
+
+    @pl.when(count > 0)
+    def _():
+        def add(i, carry):
+            dk_lo, dk_hi, dv = carry
+            rows = pl.ds((x + i) * UNIT, UNIT)
+            return (dk_lo + pk_ref[rows, pl.ds(0, half)], dk_hi + pk_ref[rows, pl.ds(half, half)],
+                    dv + pv_ref[rows, :])
+
+        zeros = lambda d: jnp.zeros((UNIT, d), jnp.float32)
+        dk_lo, dk_hi, dv = lax.fori_loop(0, count, add, (zeros(half), zeros(half), zeros(pv_ref.shape[-1])))
+        rows = pl.ds(segment_ref[0] * UNIT, UNIT)
+        dk_out[rows, pl.ds(0, half)] = dk_in[rows, pl.ds(0, half)] + dk_lo
+        dk_out[rows, pl.ds(half, half)] = dk_in[rows, pl.ds(half, half)] + dk_hi
+        dv_out[rows, :] = dv_in[rows, :] + dv
 
 
 def _per_head(x):
@@ -218,27 +298,55 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
     E = entries_per_step or max(1, 64 // gt)
     if st.merge_operands is not None:
         do = do.astype(st.merge_operands)  # the products read it so: half the bytes gathered
-    args = [index.bounds, index.query, index.angle, index.offset, index.span, _per_head_rows(q)]
+    data = [index.query, index.angle, index.offset, index.span, _per_head_rows(q)]
     if not bottom:
-        args += [_per_head(keys), _per_head(tau)]
-    args += list(k_phases) + [layer_v]
-    in_specs = [pl.BlockSpec((None, None, None, 2), lambda b, h, u: (b, h, u, 0))]
-    in_specs += [_whole_slice(x) for x in args[1:]]
+        data += [_per_head(keys), _per_head(tau)]
+    data += list(k_phases) + [layer_v]
     table = pl.BlockSpec(cos.shape, lambda b, h, u: (0, 0))
     rows = [_per_head(lse), _per_head(delta), _per_head_rows(do)]
-    in_specs += [table, table] + [_whole_slice(x) for x in rows] + [_unit_rows(dk_acc), _unit_rows(dv_acc)]
-    args += [cos, sin, *rows, dk_acc, dv_acc]
+    data_specs = [_whole_slice(x) for x in data] + [table, table] + [_whole_slice(x) for x in rows]
+    data += [cos, sin, *rows]
+    kernel = dict(st=st, bottom=bottom, entries_per_step=E, gt=gt)
+    params = compiler_params(num_warps or st.merge_num_warps or st.num_warps, st.num_stages)
+    pair = lambda x: pl.BlockSpec((None, None, None, x.shape[-1]), lambda b, h, u: (b, h, u, 0))
+    num_segments = index.segments.shape[2]
+    partials = []
+    if num_segments:  # the spilled segments' partials, folded in after the units' own sums
+        shape = lambda d: jax.ShapeDtypeStruct((B, H_kv, num_segments * UNIT, d), jnp.float32)
+        partials = pl.pallas_call(
+            functools.partial(_spill_kernel, **kernel),
+            grid=(B, H_kv, num_segments),
+            in_specs=[pair(index.segments)] + data_specs,
+            out_specs=[_unit_rows(shape(dk_acc.shape[-1])), _unit_rows(shape(dv_acc.shape[-1]))],
+            out_shape=[shape(dk_acc.shape[-1]), shape(dv_acc.shape[-1])],
+            compiler_params=params,
+            interpret=interpret,
+        )(index.segments, *data)
+    args = [index.bounds, *data, dk_acc, dv_acc]
+    out_shape = [jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)]
     dk_acc, dv_acc = pl.pallas_call(
-        functools.partial(_layer_node_kernel, st=st, bottom=bottom, entries_per_step=E, gt=gt),
+        functools.partial(_layer_node_kernel, **kernel),
         # Units innermost: programs that run together read the same head's queries.
         grid=(B, H_kv, num_units),
-        in_specs=in_specs,
+        in_specs=[pair(index.bounds), *data_specs, _unit_rows(dk_acc), _unit_rows(dv_acc)],
         out_specs=[_unit_rows(dk_acc), _unit_rows(dv_acc)],
-        out_shape=[jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
+        out_shape=out_shape,
         input_output_aliases={len(args) - 2: 0, len(args) - 1: 1},
-        compiler_params=compiler_params(num_warps or st.merge_num_warps or st.num_warps, st.num_stages),
+        compiler_params=params,
         interpret=interpret,
     )(*args)
+    if num_segments:
+        whole = [_whole_slice(x) for x in (*partials, dk_acc, dv_acc)]
+        dk_acc, dv_acc = pl.pallas_call(
+            _fold_kernel,
+            grid=(B, H_kv, num_segments),
+            in_specs=[pair(index.segments), *whole],
+            out_specs=whole[2:],
+            out_shape=out_shape,
+            input_output_aliases={3: 0, 4: 1},
+            compiler_params=compiler_params(4, 1),
+            interpret=interpret,
+        )(index.segments, *partials, dk_acc, dv_acc)
     return dk_acc, dv_acc
 
 
@@ -338,6 +446,5 @@ def top_node_grads_pallas(q_rot, n, first, keys, tau, k_rot, v, lse, do, delta, 
     return dk_acc, dv_acc
 
 
-__all__ = ["UNIT", "NodeIndex", "block_ranges", "layer_node_grads_pallas", "node_buffers", "node_gradient",
-           "node_index",
-           "top_node_grads_pallas", "units_per_pair"]
+__all__ = ["UNIT", "UNIT_ENTRIES", "NodeIndex", "block_ranges", "layer_node_grads_pallas", "node_buffers", "node_gradient",
+           "node_index", "spill_segments", "top_node_grads_pallas", "units_per_pair"]

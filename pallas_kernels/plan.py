@@ -93,6 +93,14 @@ class BlockSizes:
     save_selections: bool = True
     # Per-chunk buffers (`chunk_size`): fewer, larger chunks launch less.
     chunk_budget_bytes: int = 2 << 30
+    # Backward, below the top: entries (query, parent pairs) one node-kernel program walks
+    # before the rest of a unit's list spills to programs of its own (`node_backward`);
+    # 0 never spills.
+    node_entries: int = 2048
+
+    def __post_init__(self):
+        if not isinstance(self.node_entries, int) or self.node_entries < 0:
+            raise ValueError(f"BlockSizes.node_entries must be an int >= 0 (0: never spill), got {self.node_entries!r}")
 
     @classmethod
     def for_dims(cls, K: int, V: int) -> "BlockSizes":

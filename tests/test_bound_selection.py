@@ -6,6 +6,8 @@ strong token among weak ones is found where its mean key hides it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,14 +169,52 @@ def test_gradients_with_bound_match_finite_differences_of_the_reference(rng):
         np.testing.assert_allclose(float(jnp.sum(g * direction)), float(numeric), rtol=2e-2, atol=2e-3)
 
 
-def test_decode_kernels_refuse_bound_for_now(rng):
+def test_a_cache_made_for_another_rule_is_refused(rng):
     config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
     q, k, v = random_qkv(rng, 1, 40, 2, 1, 32, 32)
     cache = init_cache(1, 64, 1, 32, 32, config)
-    with pytest.raises(ValueError, match="selection='bound' decodes on backend 'reference'"):
-        prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache, config, backend="pallas_interpret")
     with pytest.raises(ValueError, match="made for another selection rule"):
         prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache, HTreeConfig(compression_rate=4, top_k=4))
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("backend, H, H_kv, rope_dim", [
+    ("pallas_interpret", 4, 2, 6), ("pallas_interpret", 32, 1, None),
+    pytest.param("pallas", 4, 2, 6, marks=ON_GPU), pytest.param("pallas", 32, 1, None, marks=ON_GPU)])
+def test_decode_kernels_with_bound_equal_the_reference(rng, backend, H, H_kv, rope_dim):
+    """The Pallas decode walk ranks by the bound (the cache's radii against the query's
+    group norms, one more product beside the scores): a prompt and steps, selections
+    identical to the reference walk's (float32). `rope_dim=6` at K=32: 29 feature
+    groups, read as pieces of 16, 8, 4 and 1; 32 heads over one kv head: virtual kv
+    heads of 16. `pallas`: compiled on a GPU."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, selection="bound")
+    B, T, K, V, prompt = 2, 60, 32, 32, 37
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, H, H_kv, K, V))
+    results = {}
+    for name in (backend, "reference"):
+        cache = init_cache(B, 100, H_kv, K, V, config)
+        o, cache, sel = prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache, config, backend=name,
+                                return_selected=True)
+        outs, sels = [o], [sel]
+        for t in range(prompt, T):
+            o, cache, sel = prefill(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache, config, backend=name,
+                                    return_selected=True)
+            outs.append(o)
+            sels.append(sel)
+        results[name] = (jnp.concatenate(outs, axis=1), [jnp.concatenate(x, axis=1) for x in zip(*sels)])
+    (o, sel), (o_ref, sel_ref) = results[backend], results["reference"]
+    assert len(sel) == len(sel_ref) == 2
+    for a, b in zip(sel, sel_ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tol = 1e-4 if backend == "pallas" else 1e-5
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=tol, atol=tol)
+    # The rule decides something here: the mean rule keeps other nodes somewhere.
+    mean = dataclasses.replace(config, selection="mean")
+    _, _, sel_mean = prefill(q, k, v, init_cache(B, 100, H_kv, K, V, mean), mean, backend="reference",
+                             return_selected=True)
+    assert any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(sel_ref, sel_mean))
 
 
 # ---- the Pallas kernels (interpreted) ------------------------------------------------------
@@ -231,7 +271,9 @@ def test_kernel_gradients_with_bound_equal_the_reference(rng, save_selections):
     config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, 4, 2, 32, 32))
     w = jnp.asarray(rng.standard_normal((1, 150, 4, 32)), jnp.float32)
-    sizes = BlockSizes(save_selections=save_selections)
+    # Saved selections: node lists cut after 8 entries (the spill through the whole
+    # backward); recomputed: never cut.
+    sizes = BlockSizes(save_selections=save_selections, node_entries=8 if save_selections else 0)
 
     def grads(backend):
         loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=backend, block_sizes=sizes) * w)

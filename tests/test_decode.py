@@ -317,12 +317,12 @@ def _own_sequence(q, k, v, config, b, tokens):
     return np.asarray(o[0]), [np.asarray(s[0]) for s in sel]
 
 
-ON_GPU = pytest.param("pallas", "mean", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    jax.default_backend() != "gpu", reason="needs a CUDA GPU")])
+ON_GPU = [pytest.param("pallas", selection, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="needs a CUDA GPU")]) for selection in ("mean", "bound")]
 
 
-@pytest.mark.parametrize("backend, selection", [("reference", "mean"), ("pallas_interpret", "mean"), ON_GPU,
-                                                ("reference", "bound")])
+@pytest.mark.parametrize("backend, selection", [("reference", "mean"), ("pallas_interpret", "mean"), *ON_GPU,
+                                                ("reference", "bound"), ("pallas_interpret", "bound")])
 def test_ragged_rows_equal_their_own_full_sequences(rng, backend, selection):
     """Prompts of 0, 17 and 40 tokens (right-padded to 40), then 10 steps per row: every
     row equals, position by position, its own full-sequence output, with identical

@@ -75,6 +75,19 @@ def test_training_lowers_the_loss(attention):
     assert result["dtype"] == "float32" and result["step_ms"] > 0
 
 
+def test_dense_warm_up_hands_parameters_and_optimizer_state_to_htree():
+    """`--dense-steps`: where htree is exact attention (T <= top_k * r), a run that
+    switches from dense to htree mid-way follows the dense run step for step (the
+    parameters, the optimizer's moments and its step count carry over)."""
+    example = _load()
+    common = ["--steps", "16", "--seq-len", "64", "--batch", "8", "--d-model", "32", "--eval-size", "16",
+              "--no-progress", "--compression-rate", "4", "--top-k", "16"]
+    dense = example.main(["--attention", "dense", *common])
+    switched = example.main(["--dense-steps", "8", *common])
+    assert switched["dense_steps"] == 8 and switched["attention"] == "htree"
+    np.testing.assert_allclose(switched["losses"], dense["losses"], rtol=1e-4)
+
+
 def test_needle_task_with_a_length_curriculum_and_bfloat16_lowers_the_loss():
     example = _load()
     result = example.main(["--task", "needle", "--steps", "30", "--seq-len", "64", "--batch", "8",
@@ -87,7 +100,7 @@ def test_needle_task_with_a_length_curriculum_and_bfloat16_lowers_the_loss():
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--queries", "9", "--pairs", "8"],
                                   ["--pairs", "70", "--num-keys", "64"], ["--seq-len", "20", "--pairs", "8"],
-                                  ["--len-warmup-steps", "300"],
+                                  ["--len-warmup-steps", "300"], ["--dense-steps", "300"], ["--dense-steps", "-1"],
                                   ["--len-warmup-steps", "10", "--len-warmup-start", "48"]])
 def test_bad_arguments_are_refused(argv):
     example = _load()

@@ -18,7 +18,15 @@ from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.precision import key_operands
 from pallas_kernels.rope import rotate_phases
 from pallas_kernels.top_k import select_top_k_pallas
-from pallas_kernels.node_backward import UNIT, layer_node_grads_pallas, node_buffers, node_gradient, node_index
+from pallas_kernels.node_backward import (
+    UNIT,
+    UNIT_ENTRIES,
+    layer_node_grads_pallas,
+    node_buffers,
+    node_gradient,
+    node_index,
+    spill_segments,
+)
 from tests.test_pallas_kernels import LAYER_CONFIGS, layer_inputs, paired
 
 
@@ -45,11 +53,13 @@ def _assert_gradients_close(got, want, atol=5e-5):
 NODE_CONFIGS = LAYER_CONFIGS + [HTreeConfig(compression_rate=32, top_k=4)]
 
 
-@pytest.mark.parametrize("config, G, block_sizes, entries_per_step", paired(NODE_CONFIGS, [
-    (1, BlockSizes(), None), (3, BlockSizes(span=16, tile=32), 4)]), ids=str)
-def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_step):
+@pytest.mark.parametrize("config, G, block_sizes, entries_per_step, entries_per_program", paired(NODE_CONFIGS, [
+    (1, BlockSizes(), None, UNIT_ENTRIES), (3, BlockSizes(span=16, tile=32), 4, 3), (2, BlockSizes(), None, 8)]),
+    ids=str)
+def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_step, entries_per_program):
     """The layer's gradients against the twin: `dq` from the per-query kernel, `dk`, `dv`
-    from the node kernel (per unit of nodes, through the inverse index)."""
+    from the node kernel (per unit of nodes, through the inverse index; with few
+    `entries_per_program`, most units' lists spill into segments summed apart)."""
     a = layer_inputs(rng, config, G=G, K=24, V=20, block_sizes=block_sizes)
     st = a["st"]
     B, Q, H_kv, gp, kp = a["q"].shape
@@ -59,7 +69,9 @@ def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_ste
     keys = importance_keys_pallas(a["q"], a["parents"], a["n"], phases, a["cos"], a["sin"], st, True)
     _, tau = select_top_k_pallas(keys, a["parents"], a["n"], st, True)
     gt = next_power_of_two(G)
-    index = node_index(a["parents"], a["n"], st.r, -(-N // UNIT))
+    index = node_index(a["parents"], a["n"], st.r, -(-N // UNIT), entries_per_program)
+    if entries_per_program < UNIT_ENTRIES:
+        assert int(jnp.max(index.spill[..., 1])) > 0  # the case is the split's
     for k_, t_ in [(keys, tau), (None, None)]:
         dq = layer_backward_pallas(a["q"], a["parents"], a["n"], k_, t_, phases, a["layer_v"], a["cos"], a["sin"],
                                    lse, do, delta, st, True)
@@ -75,6 +87,34 @@ def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_ste
         _assert_gradients_close((dq, dk, dv_acc[:, :, :N]), want, atol=1e-5 * 8)
         assert float(jnp.max(jnp.abs(want[1]))) > 0 and float(jnp.max(jnp.abs(want[0]))) > 0
         assert not np.any(np.asarray(dk_acc[:, :, N:])) and not np.any(np.asarray(dv_acc[:, :, N:]))
+
+
+def test_spill_segments_cover_each_unit_once_in_order(rng):
+    """Every unit's entries: its first `size`, then its segments of `size` in order,
+    each entry once; the segments past the used ones empty."""
+    size = 3
+    counts = rng.integers(0, 12, size=(2, 3, 7)).astype(np.int32)
+    end = np.cumsum(counts, axis=-1, dtype=np.int32)
+    begin = end - counts
+    total = int(counts.sum(axis=-1).max())
+    bounds, spill, segments = (np.asarray(x) for x in spill_segments(jnp.asarray(begin), jnp.asarray(end), size,
+                                                                     total // size))
+    for b, h in np.ndindex(2, 3):
+        for u in range(7):
+            walked = list(range(*bounds[b, h, u]))
+            assert len(walked) == min(size, counts[b, h, u])
+            for x in range(*spill[b, h, u]):
+                assert segments[b, h, x, 0] == u and 0 < segments[b, h, x, 2] - segments[b, h, x, 1] <= size
+                walked += range(segments[b, h, x, 1], segments[b, h, x, 2])
+            assert walked == list(range(begin[b, h, u], end[b, h, u]))
+        unused = segments[b, h, spill[b, h, -1, 1]:]
+        assert np.all(unused[:, 1] == unused[:, 2])
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5])
+def test_node_entries_must_be_a_count(bad):
+    with pytest.raises(ValueError, match="node_entries must be an int >= 0"):
+        BlockSizes(node_entries=bad)
 
 
 def _random_accumulators(rng, zeros):
