@@ -18,13 +18,16 @@ H200, benchmarks/RESULTS.md).
   of `rotate_phases`), and each pair's query is rotated by `n_t - 1 - s*r` (RoPE is
   relative), so `dk` comes out in the frame of copy 0, rotated back once at the end
   (`node_gradient`).
-  A unit's entries are walked by one program up to `UNIT_ENTRIES`; the rest of a longer
-  list (a node that every query of the chunk merged: the bound rule of SPEC 11 picks
-  the same nodes for most queries) spills into segments of `UNIT_ENTRIES`, each summed
-  by a program of its own into a partial; a third launch adds a unit's partials, in
-  order, after its own sum. Without the split one program walked up to a whole chunk's queries
-  while the others idled: the bound made the node kernels 1.4-1.9x slower than the
-  mean rule on an H200 at T=131072 (benchmarks/RESULTS.md).
+  A unit's entries are walked by one program up to `BlockSizes.node_entries` (2048,
+  `UNIT_ENTRIES`); the rest of a longer list (a node that every query of the chunk
+  merged: the bound rule of SPEC 11 picks the same nodes for most queries) spills into
+  segments of as many, each summed by a program of its own into a partial; a third
+  launch adds a unit's partials, in order, after its own sum. Without the split one
+  program walked up to a whole chunk's queries while the others idled, and the bound's
+  node kernels ran 1.4-1.9x as long as the mean rule's on an H200 at T=131072; with
+  it the bound's backward took 386 ms at `top_k=64` (the mean's 334), 440 the day before
+  without (benchmarks/RESULTS.md, 2026-11-25). Adding the partials inside the unit kernel
+  instead slowed it by 63% where nothing spilled.
 - The top layer (`top_node_grads_pallas`): flash attention's `dk`/`dv` loop: a program
   per tile of nodes walks the chunk's queries in blocks, skipping the leading blocks
   whose queries all see fewer nodes than the tile's first.
@@ -65,8 +68,9 @@ class NodeIndex:
     unit, then by query and slot; unit `u`'s first (at most `S` = entries per program)
     are `bounds[u, 0] : bounds[u, 1]`, the rest spill into segments
     `spill[u, 0] : spill[u, 1]`, segment `x` holding entries `segments[x, 1] :
-    segments[x, 2]` of unit `segments[x, 0]` (`[X, 4]`, the last column padding;
-    `X = E // S`, unused ones empty)."""
+    segments[x, 2]` of unit `segments[x, 0]`, `segments[x, 3]` the unit's number of
+    segments where `x` is its first, else 0 (`[X, 4]`, `X = E // S`, unused ones
+    empty)."""
 
     query: jax.Array  # [B, H_kv, E] int32: the pair's query t (row in the chunk)
     angle: jax.Array  # [B, H_kv, E]: n_t - 1 - slot*r, the query's rotation

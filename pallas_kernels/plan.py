@@ -49,6 +49,7 @@ from pallas_kernels.common import (
     virtual_heads,
 )
 from pallas_kernels.importance import importance_keys_pallas
+from pallas_kernels.node_backward import UNIT_ENTRIES
 from pallas_kernels.precision import Precisions, key_operands
 from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases, rotate_queries
 from pallas_kernels.top_k import select_top_k_pallas
@@ -96,7 +97,7 @@ class BlockSizes:
     # Backward, below the top: entries (query, parent pairs) one node-kernel program walks
     # before the rest of a unit's list spills to programs of its own (`node_backward`);
     # 0 never spills.
-    node_entries: int = 2048
+    node_entries: int = UNIT_ENTRIES
 
     def __post_init__(self):
         if not isinstance(self.node_entries, int) or self.node_entries < 0:
