@@ -16,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from htree_jax import HTreeConfig
 from htree_jax.bench import H_KV, INPUTS, B, H, V, median_ms
@@ -37,12 +38,19 @@ from pallas_kernels.node_backward import (
 
 def node_index_load(index) -> str:
     """How evenly a node kernel's work spreads: the entries (pairs) per unit of the
-    inverse index, total, mean over units with any, and the most one unit has (one
-    program walks a unit's entries in order, so the most bounds the launch from below)."""
-    counts = (index.bounds[..., 1] - index.bounds[..., 0]).reshape(-1)
+    inverse index (its first entries and its spilled segments'), total, mean over units
+    with any, and the most one unit has (without the split one program walks a unit's
+    entries in order, so the most bounds the launch from below), and the segments that
+    spilled."""
+    first = np.asarray(index.bounds[..., 1] - index.bounds[..., 0])  # [B, H_kv, units]
+    segments = np.asarray(index.segments)  # [B, H_kv, X, 4]: unit, begin, end, count
+    counts = first.copy()
+    for b, h in np.ndindex(first.shape[:2]):
+        np.add.at(counts[b, h], segments[b, h, :, 0], segments[b, h, :, 2] - segments[b, h, :, 1])
     busy = counts[counts > 0]
-    return (f"{int(counts.sum())} entries, {busy.size} busy units of {counts.size}, mean "
-            f"{float(busy.mean()):.1f}, max {int(counts.max())}")
+    spilled = int(np.sum(segments[..., 2] > segments[..., 1]))
+    return (f"{int(counts.sum())} entries, {busy.size} busy units of {counts.size}, mean {busy.mean():.1f}, "
+            f"max {int(counts.max())}; {spilled} spilled segments")
 
 
 def main(argv=None):
