@@ -101,7 +101,7 @@ def test_auto_backend_choice(monkeypatch):
     assert backends.full_sequence_backend("pallas_interpret", dims) == "pallas_interpret"
     assert backends.decode_backend("auto", 64, 64, 2, HTreeConfig()) == "pallas"
     assert backends.decode_backend("auto", 8, 4, 2, HTreeConfig()) == "reference"
-    assert backends.decode_backend("auto", 64, 64, 2, HTreeConfig(selection="bound")) == "reference"
+    assert backends.decode_backend("auto", 64, 64, 2, HTreeConfig(selection="bound")) == "pallas"  # SPEC 11 too
 
 
 def test_pallas_interpret_runs_the_interpreted_kernels(monkeypatch):
