@@ -90,9 +90,9 @@ def full_sequence_backend(backend: str, dims) -> str:
     return choose_backend(backend, lambda: check_pallas_dims(dims))
 
 
-def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, config: HTreeConfig) -> str:
-    """`choose_backend` for a decode call: the cache's `K`, `V` and the group size."""
-    del config  # every rule decodes on the kernels
+def decode_backend(backend: str, head_dim: int, value_dim: int, group: int) -> str:
+    """`choose_backend` for a decode call: the cache's `K`, `V` and the group size
+    (every `HTreeConfig.selection` decodes on the kernels)."""
     return choose_backend(backend, lambda: check_pallas_decode_dims(head_dim, value_dim, group))
 
 

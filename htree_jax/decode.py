@@ -291,11 +291,11 @@ def check_decode_config(config) -> HTreeConfig:
     return config
 
 
-def _resolve(backend, cache: HTreeCache, num_heads: int, config: HTreeConfig) -> str:
+def _resolve(backend, cache: HTreeCache, num_heads: int) -> str:
     """The concrete decode backend (`htree_jax.backends.decode_backend`: the rule of
     `htree_attention`, with the decode kernels' limits)."""
     K, V = cache.keys[0].shape[-1], cache.values[0].shape[-1]
-    return decode_backend(backend, K, V, num_heads // cache.num_kv_heads, config)
+    return decode_backend(backend, K, V, num_heads // cache.num_kv_heads)
 
 
 def _walk(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
@@ -349,7 +349,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     check_cache(cache, config)
     S = _check_tokens(cache, q, k, v, step=False)
     counts = check_lengths(lengths, cache.batch_size, S)
-    impl = _resolve(backend, cache, q.shape[2], config)
+    impl = _resolve(backend, cache, q.shape[2])
     _check_room(cache, counts)
     q, k = rotation_layout(q, k, config)
     return _prefill(q, k, v, cache, counts, config, return_selected, impl)
@@ -372,7 +372,7 @@ def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = N
     config = check_decode_config(config)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
-    impl = _resolve(backend, cache, q_t.shape[1], config)
+    impl = _resolve(backend, cache, q_t.shape[1])
     counts = jnp.ones((cache.batch_size,), jnp.int32)
     _check_room(cache, np.ones((cache.batch_size,), np.int32))
     q_t, k_t = rotation_layout(q_t, k_t, config)

@@ -99,9 +99,8 @@ def test_auto_backend_choice(monkeypatch):
             backends.full_sequence_backend(name, small)
     # The interpreted kernels on every platform; the same rule for decoding.
     assert backends.full_sequence_backend("pallas_interpret", dims) == "pallas_interpret"
-    assert backends.decode_backend("auto", 64, 64, 2, HTreeConfig()) == "pallas"
-    assert backends.decode_backend("auto", 8, 4, 2, HTreeConfig()) == "reference"
-    assert backends.decode_backend("auto", 64, 64, 2, HTreeConfig(selection="bound")) == "pallas"  # SPEC 11 too
+    assert backends.decode_backend("auto", 64, 64, 2) == "pallas"
+    assert backends.decode_backend("auto", 8, 4, 2) == "reference"
 
 
 def test_pallas_interpret_runs_the_interpreted_kernels(monkeypatch):
