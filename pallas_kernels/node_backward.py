@@ -59,25 +59,23 @@ def units_per_pair(r: int) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["query", "angle", "offset", "span", "bounds", "spill", "segments"], meta_fields=[])
+                   data_fields=["query", "angle", "offset", "span", "bounds", "segments"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class NodeIndex:
     """Which `(query, slot)` pairs merged a child in each unit of `UNIT` nodes, one
     chunk's worth, with what the node kernel needs of each pair precomputed (so that
     its loads depend on no other load but these). Per `(b, h)`, entries `[E]` sorted by
     unit, then by query and slot; unit `u`'s first (at most `S` = entries per program)
-    are `bounds[u, 0] : bounds[u, 1]`, the rest spill into segments
-    `spill[u, 0] : spill[u, 1]`, segment `x` holding entries `segments[x, 1] :
-    segments[x, 2]` of unit `segments[x, 0]`, `segments[x, 3]` the unit's number of
-    segments where `x` is its first, else 0 (`[X, 4]`, `X = E // S`, unused ones
-    empty)."""
+    are `bounds[u, 0] : bounds[u, 1]`, the rest spill into consecutive segments,
+    segment `x` holding entries `segments[x, 1] : segments[x, 2]` of unit
+    `segments[x, 0]`, `segments[x, 3]` the unit's number of segments where `x` is its
+    first, else 0 (`[X, 4]`, `X = E // S`, unused ones empty; `spill_segments`)."""
 
     query: jax.Array  # [B, H_kv, E] int32: the pair's query t (row in the chunk)
     angle: jax.Array  # [B, H_kv, E]: n_t - 1 - slot*r, the query's rotation
     offset: jax.Array  # [B, H_kv, E]: candidate position of the unit's first node
     span: jax.Array  # [B, H_kv, E]: lo + 32 * hi, the unit's nodes [lo, hi) this pair merges
     bounds: jax.Array  # [B, H_kv, units, 2]
-    spill: jax.Array  # [B, H_kv, units, 2]
     segments: jax.Array  # [B, H_kv, X, 4]
 
 
@@ -96,9 +94,10 @@ def spill_segments(begin, end, size: int, num_segments: int):
     used = owner < count.shape[-1]
     owner = jnp.where(used, owner, 0)
     at = lambda a: jnp.take_along_axis(a, owner, axis=-1)
-    seg_begin = at(begin) + size * (x - at(spill[..., 0]) + 1)
+    first_slot = at(spill[..., 0])  # the owner's first segment
+    seg_begin = at(begin) + size * (x - first_slot + 1)
     seg_end = jnp.where(used, jnp.minimum(at(end), seg_begin + size), seg_begin)
-    first = used & (x == at(spill[..., 0]))
+    first = used & (x == first_slot)
     segments = jnp.stack([owner, seg_begin, seg_end, jnp.where(first, at(spills), 0)], axis=-1)
     return jnp.stack([begin, begin + jnp.minimum(count, size)], axis=-1), spill, segments
 
@@ -122,7 +121,7 @@ def node_index(parents, n, r: int, num_units: int, entries_per_program: int = UN
     edges = jnp.arange(num_units + 1, dtype=jnp.int32)
     starts = jax.vmap(jax.vmap(lambda x: jnp.searchsorted(x, edges, side="left")))(unit).astype(jnp.int32)
     size = entries_per_program or Q * P * U + 1  # 0: one segment holds any unit's list
-    bounds, spill, segments = spill_segments(starts[..., :-1], starts[..., 1:], size, Q * P * U // size)
+    bounds, _, segments = spill_segments(starts[..., :-1], starts[..., 1:], size, Q * P * U // size)
 
     pair = entries // U
     t, s = pair // P, pair % P
@@ -134,7 +133,7 @@ def node_index(parents, n, r: int, num_units: int, entries_per_program: int = UN
     hi = jnp.clip(jnp.minimum(parent * r + r - first_node, n_t - offset), 0, UNIT)
     hi = jnp.where(unit < num_units, jnp.maximum(hi, lo), lo)
     angle = jnp.maximum(n_t - 1 - s * r, 0)
-    return NodeIndex(t, angle, offset, lo + 32 * hi, bounds, spill, segments)
+    return NodeIndex(t, angle, offset, lo + 32 * hi, bounds, segments)
 
 
 def node_buffers(B, H_kv, N: int, kp: int, vp: int):
@@ -287,8 +286,10 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
 
     `q [B, Q, H_kv, Gt, Kp]` un-rotated, halves padded apart; `keys, tau, k_phases,
     layer_v, cos, sin` as for `layer_backward_pallas`; `lse, delta [B, Q, H_kv, Gt]`, `do [B, Q,
-    H_kv, Gt, Vp]` float32; `index = node_index(parents, n, r, units)` (`parents`, `n`
-    are read through it). `entries_per_step`: pairs per step (default: 64 rows)."""
+    H_kv, Gt, Vp]` float32; `index = node_index(parents, n, r, units, node_entries)`
+    (`parents`, `n` are read through it; with spilled segments, three launches: their
+    partials, the units' own sums, the fold). `entries_per_step`: pairs per step
+    (default: 64 rows)."""
     del parents, n  # read through the index
     check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gt, kp = q.shape

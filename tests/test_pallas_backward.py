@@ -71,7 +71,7 @@ def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_ste
     gt = next_power_of_two(G)
     index = node_index(a["parents"], a["n"], st.r, -(-N // UNIT), entries_per_program)
     if entries_per_program < UNIT_ENTRIES:
-        assert int(jnp.max(index.spill[..., 1])) > 0  # the case is the split's
+        assert int(jnp.max(index.segments[..., 3])) > 0  # the case is the split's
     for k_, t_ in [(keys, tau), (None, None)]:
         dq = layer_backward_pallas(a["q"], a["parents"], a["n"], k_, t_, phases, a["layer_v"], a["cos"], a["sin"],
                                    lse, do, delta, st, True)
