@@ -1,7 +1,7 @@
 """What the selection rule costs each pass (issue 31): the Pallas forward and the
 backward alone (given the forward's selections, as training runs it), mean vs bound
 (`HTreeConfig.selection`), each backward with the node kernels' spill on
-(`BlockSizes.node_entries`, the default) and off (0), T=131072, bf16, B=1, H=32,
+(`BlockSizes.node_entries`: the default 512, 1024, 2048) and off (0), T=131072, bf16, B=1, H=32,
 H_kv=4, K=V=128, random inputs; medians of 3 after warm-up, all in one process.
 
     python benchmarks/probe_selection_cost.py      # on a GPU
@@ -24,7 +24,7 @@ for top_k in (512, 64):
         o, sel, lse = fwd(q, k, v)
         do = jax.random.normal(jax.random.key(3), o.shape, o.dtype)
         line = f"{top_k} {rule} fwd {median_ms(fwd, (q, k, v), 3):.1f}"
-        for entries in (BlockSizes().node_entries, 0):
+        for entries in dict.fromkeys((BlockSizes().node_entries, 512, 1024, 2048, 0)):
             bs = dataclasses.replace(BlockSizes(), node_entries=entries)
             bwd = jax.jit(lambda q, k, v, o, lse, do, sel: htree_backward_pallas(q, k, v, o, lse, do, c, bs,
                                                                                  selections=sel))

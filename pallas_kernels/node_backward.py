@@ -18,15 +18,15 @@ H200, benchmarks/RESULTS.md).
   of `rotate_phases`), and each pair's query is rotated by `n_t - 1 - s*r` (RoPE is
   relative), so `dk` comes out in the frame of copy 0, rotated back once at the end
   (`node_gradient`).
-  A unit's entries are walked by one program up to `BlockSizes.node_entries` (2048,
+  A unit's entries are walked by one program up to `BlockSizes.node_entries` (512,
   `UNIT_ENTRIES`); the rest of a longer list (a node that every query of the chunk
   merged: the bound rule of SPEC 11 picks the same nodes for most queries) spills into
   segments of as many, each summed by a program of its own into a partial; a third
   launch adds a unit's partials, in order, after its own sum. Without the split one
-  program walked up to a whole chunk's queries while the others idled, and the bound's
-  node kernels ran 1.4-1.9x as long as the mean rule's on an H200 at T=131072; with
-  it the bound's backward took 386 ms at `top_k=64` (the mean's 334), 440 the day before
-  without (benchmarks/RESULTS.md, 2026-11-25). Adding the partials inside the unit kernel
+  program walked up to a whole chunk's queries while the others idled: on an H200 at
+  T=131072 the bound's backward took 1128 / 441 ms (top_k=512 / 64) against the mean's
+  1002 / 347; cut after 512 entries, 1040 / 339 against 1029 / 329 (after 2048: 1231 /
+  383; benchmarks/RESULTS.md, 2026-11-25). Adding the partials inside the unit kernel
   instead slowed it by 63% where nothing spilled.
 - The top layer (`top_node_grads_pallas`): flash attention's `dk`/`dv` loop: a program
   per tile of nodes walks the chunk's queries in blocks, skipping the leading blocks
@@ -49,7 +49,7 @@ from pallas_kernels.layer_backward import grads_of_block
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows
 
 UNIT = 16  # nodes per program below the top layer
-UNIT_ENTRIES = 2048  # entries one program walks before the rest of a unit's list spills
+UNIT_ENTRIES = 512  # entries one program walks before the rest of a unit's list spills
 
 
 def units_per_pair(r: int) -> int:
