@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from htree_jax.backends import attend, check_block_sizes, full_sequence_backend
+from htree_jax.backends import attend, check_block_sizes, full_sequence_backend, latent_values
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import check_fits, check_max_documents, check_segment_ids, pack_layout, virtual_length
 from htree_jax.core.rope import rope_layout
@@ -27,13 +27,19 @@ def htree_attention(
     return_selected: bool = False,
     return_importance: bool = False,
     block_sizes: BlockSizes | None = None,
+    value_dim: int | None = None,
 ):
     """Hierarchical sparse (htree) attention, causal, with RoPE applied inside.
 
     Args:
       q: `[B, T, H, K]` queries, un-rotated.
       k: `[B, T, H_kv, K]` keys, un-rotated; `H % H_kv == 0`, `K` even.
-      v: `[B, T, H_kv, V]` values.
+      v: `[B, T, H_kv, V]` values; or None with `value_dim=V`: the values are the first
+        `V` features of `k`, un-rotated (DeepSeek's absorbed latent attention: `k` the
+        512-feature latent followed by its 64 RoPE features, `rope_dim=64`, `v` the
+        latent, `value_dim=512`). `V <= K - rope_dim`. The Pallas kernels for groups of
+        32 or more heads read them from `k` without a copy (the backward copies them
+        once); every other path copies them out first.
         q, k, v share one dtype: float32, bfloat16 or float16.
       config: an `HTreeConfig` (default `HTreeConfig()`), static under `jax.jit`.
       segment_ids: int32 `[B, T]` (optional), packed documents (SPEC 6): a document is
@@ -71,6 +77,7 @@ def htree_attention(
         sparse-attention indexers (seed 003: DeepSeek's indexer is trained towards this
         head-summed distribution): e.g. a KL loss between an indexer's scores over the
         kept nodes and `importance / G`. A constant under autodiff, like the selections.
+      value_dim: with `v=None`, how many leading features of `k` are the values.
       block_sizes: the Pallas kernels' tiling and launch parameters
         (`htree_jax.BlockSizes`, static; `None`: `BlockSizes.for_dims(K, V)`, the tuned
         sizes for the head dims). The reference ignores them.
@@ -92,6 +99,11 @@ def htree_attention(
       `importance` with `return_importance` (a tuple when either is asked).
     """
     config = check_config(config)
+    latent = v is None
+    if latent:
+        v = values_stand_in(k, value_dim, config)  # shape and dtype, for the checks
+    elif value_dim is not None:
+        raise ValueError("value_dim is for v=None (the values read from k); with v given it must be None")
     dims = check_qkv(q, k, v)
     config.check_rope_dim(dims.head_dim)
     check_block_sizes(block_sizes)
@@ -101,20 +113,37 @@ def htree_attention(
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     packing, segment_ids = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len,
                                       max_document_len)
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    v = None if latent else jnp.asarray(v)
     # Partial RoPE (SPEC 7) as full rotate-half RoPE on permuted features (`rope_layout`).
     q, k = rope_layout(q, config.partial_rope(dims.head_dim)), rope_layout(k, config.partial_rope(dims.head_dim))
     exported = ()
     if jax.device_count() > 1 and not return_importance:
+        if latent:  # the sharded calls take the values as an array
+            v = latent_values(k, config, value_dim)
         # Sharded inputs: one local call per shard (`htree_jax/sharding.py`). (The
         # importance export is not partitioned yet: with it, the plain call.)
         o, selected = partitioned_attention(q, k, v, config, impl, segment_ids, None if packing is None else
                                             packing.virtual_len, max_document_len, block_sizes)
     else:
         o, selected, *exported = attend(q, k, v, config, impl, packing, export=return_importance,
-                                        block_sizes=block_sizes)
+                                        block_sizes=block_sizes, value_dim=value_dim if latent else None)
     result = (o,) + ((selected,) if return_selected else ()) + tuple(exported)
     return result if len(result) > 1 else o
+
+
+def values_stand_in(k, value_dim, config: HTreeConfig):
+    """`v=None`: `value_dim` checked (a positive int, at most the unrotated features `K -
+    rope_dim`), and a stand-in with the values' shape and dtype for `check_qkv`."""
+    if isinstance(value_dim, bool) or not isinstance(value_dim, int) or value_dim < 1:
+        raise ValueError(f"v=None reads the values from k: value_dim must be a positive int, got {value_dim!r}")
+    shape = tuple(getattr(k, "shape", ()))
+    if len(shape) == 4:
+        unrotated = shape[-1] - (config.partial_rope(shape[-1]) or shape[-1])
+        if value_dim > unrotated:
+            raise ValueError(f"value_dim must be at most the unrotated features of k, K - rope_dim = {unrotated} "
+                             f"(K = {shape[-1]}, rope_dim = {config.rope_dim}), got {value_dim}")
+    return jax.ShapeDtypeStruct(shape[:-1] + (value_dim,), getattr(k, "dtype", jnp.float32))
 
 
 def packing_of(segment_ids, max_documents, config: HTreeConfig, batch: int, seq_len: int, max_document_len=None):

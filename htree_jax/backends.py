@@ -36,6 +36,7 @@ from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.decode import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.plan import BlockSizes, check_pallas_dims
+from pallas_kernels.wide_forward import FeatureSplit, wide_eligible
 
 BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
@@ -152,9 +153,56 @@ def _pallas_forward_bwd(config, interpret, export, block_sizes, residuals, cotan
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes"))
+def latent_values(k, config: HTreeConfig, value_dim: int):
+    """The values that are the first `value_dim` latent (unrotated) features of `k [B, T,
+    H_kv, K]` (`rope_layout` order): what `v=None` stands for (`htree_attention`)."""
+    K = k.shape[-1]
+    return FeatureSplit(K, config.partial_rope(K) or K).values(k, value_dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _pallas_latent_forward(q, k, config, interpret, block_sizes, value_dim):
+    """`(o, selected)` with the values the first `value_dim` latent features of `k`: the
+    wide kernels read them from the keys (no copy in the forward)."""
+    o, selected, _, _ = _guarded_latent_forward(q, k, config, interpret, block_sizes, value_dim)
+    return o, selected
+
+
+def _guarded_latent_forward(q, k, config, interpret, block_sizes, value_dim):
+    """SPEC 10's guard with the values inside the keys: a non-finite key row is a
+    non-finite value row too."""
+    positions = jnp.arange(k.shape[1], dtype=jnp.int32)
+    first = first_non_finite(k, k[..., :0], positions)
+    o, selected, lse = htree_forward_pallas(q, zero_non_finite(k), None, config, block_sizes=block_sizes,
+                                            interpret=interpret, return_lse=True, value_dim=value_dim)
+    return poison_rows(o, positions, first), selected, lse, first
+
+
+def _pallas_latent_forward_fwd(q, k, config, interpret, block_sizes, value_dim):
+    o, selected, lse, first = _guarded_latent_forward(q, k, config, interpret, block_sizes, value_dim)
+    return (o, selected), (q, k, o, lse, first, selected if block_sizes.save_selections else None)
+
+
+def _pallas_latent_forward_bwd(config, interpret, block_sizes, value_dim, residuals, cotangents):
+    q, k, o, lse, first, saved = residuals
+    positions = jnp.arange(k.shape[1], dtype=jnp.int32)
+    dead = dead_rows(positions, first, q.shape[2])
+    k_live = zero_non_finite(k)
+    # The backward kernels take the values as an array: materialised here (the forward
+    # read them from the keys), their gradient folded back into the keys'.
+    values, to_keys = jax.vjp(lambda x: latent_values(x, config, value_dim), k_live)
+    dq, dk, dv = htree_backward_pallas(q, k_live, values, o, lse, cotangents[0], config, block_sizes=block_sizes,
+                                       interpret=interpret, dead_rows=dead, selections=saved)
+    dk = dk + to_keys(dv)[0]
+    return dq, jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
+
+
+_pallas_latent_forward.defvjp(_pallas_latent_forward_fwd, _pallas_latent_forward_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim"))
 def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None, export: bool = False,
-           block_sizes: BlockSizes | None = None):
+           block_sizes: BlockSizes | None = None, value_dim: int | None = None):
     """htree attention of validated `q [B, S, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv,
     V]` (`q`, `k` in `rope_layout` order) on the concrete backend `impl`
     (`choose_backend`). Returns `(o [B, S, H, V], selections)`, and the kept nodes'
@@ -166,7 +214,14 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     their selections are counted inside each token's document. `positions [S]` int32: the
     queries' positions among `k`'s `T` tokens (a context-parallel shard's queries;
     `None`: `S = T`). `block_sizes`: the Pallas kernels' tiling (`None`:
-    `BlockSizes.for_dims(K, V)`)."""
+    `BlockSizes.for_dims(K, V)`). `v=None` with `value_dim`: the values are the first
+    `value_dim` latent features of `k`, read from the keys by the wide kernels
+    (`pallas_kernels.wide_forward.wide_eligible`; elsewhere they are copied out first)."""
+    if v is None:
+        block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], value_dim)
+        if impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], block_sizes, packing, positions, export):
+            return _pallas_latent_forward(q, k, config, impl == "pallas_interpret", block_sizes, value_dim)
+        v = latent_values(k, config, value_dim)
     if impl != "reference":
         block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], v.shape[-1])
         o, selected, *exported = _pallas_forward(q, k, v, positions, packing, config, impl == "pallas_interpret",

@@ -26,6 +26,8 @@ from htree_jax.attention import htree_attention
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_absolute, rope_layout
 from htree_jax.reference import htree_attention_reference
+from pallas_kernels.plan import BlockSizes
+from pallas_kernels.wide_forward import bottom_merge, chunk_start, prepare_wide, select_and_merge, valid_count
 
 B, H, H_KV, K, V = 1, 32, 4, 128, 128
 
@@ -330,12 +332,37 @@ def chunked_dense_fn(config, block: int = 512):
     return f
 
 
+def bottom_merge_tflops(config, args, iters: int, value_dim: int | None = None) -> float:
+    """Useful TFLOP/s of the wide kernels' bottom merge (`pallas_kernels.wide`) on the
+    middle chunk of one MLA-shaped call: every valid candidate's score (K features) and
+    value (V) for each of the 128 heads, over the kernel's median time. `args = (q, k,
+    v)`, or `(q, k, None)` with `value_dim`: values read from the latent keys."""
+    q, k, v = args
+    R = config.partial_rope(q.shape[-1])
+    V = value_dim if v is None else v.shape[-1]
+    bs = BlockSizes.for_dims(q.shape[-1], V)
+    plan = jax.jit(lambda q, k: prepare_wide(rope_layout(q, R), rope_layout(k, R), v, config, bs, value_dim=V))(q, k)
+
+    def above(plan):
+        queries, norms, t, parents, state = chunk_start(plan, plan.num_chunks // 2)
+        for l in reversed(range(1, plan.num_layers)):
+            state, parents = select_and_merge(plan, l, queries, norms, parents, t, state, False)
+        return queries, parents, t, state
+
+    queries, parents, t, state = jax.jit(above)(plan)
+    merge = jax.jit(lambda plan, *a: bottom_merge(plan, *a, False, q.dtype))
+    ms = median_ms(merge, (plan, queries, parents, t, state), iters)
+    n = valid_count(plan, parents, t, 0)
+    flops = 2.0 * float(jnp.sum(n)) * (q.shape[2] // k.shape[2]) * (q.shape[-1] + V)
+    return flops / ms / 1e9
+
+
 def run_mla(sizes, top_ks, iters: int, dense_max_t: int, grad: bool = True):
     """`--shape mla`: htree forward (and forward+backward) at the MLA shape against the
     ideal dense time and a measured dense baseline (cuDNN where it takes the shape, else
     `chunked_dense_fn`), with XLA's planned memory."""
-    lines = ["| T | top_k | pass | htree ms | ideal dense ms | ideal/htree | dense ms (which) | dense/htree | "
-             "htree GB | dense GB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| T | top_k | pass | htree ms | ideal dense ms | ideal/htree | bottom merge TFLOP/s | dense ms (which) | "
+             "dense/htree | htree GB | dense GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for T in sizes:
         args = mla_inputs(T)
         dense_rows = {}
@@ -345,6 +372,7 @@ def run_mla(sizes, top_ks, iters: int, dense_max_t: int, grad: bool = True):
             passes = [("forward", jax.jit(htree), False)]
             if grad:
                 passes.append(("fwd+bwd", jax.jit(grad_of_sum(htree)), True))
+            rate = bottom_merge_tflops(config, args, iters)
             for name, fn, backward in passes:
                 ms, gb = median_ms(fn, args, iters), planned_gb(fn, args)
                 if name not in dense_rows:
@@ -352,7 +380,7 @@ def run_mla(sizes, top_ks, iters: int, dense_max_t: int, grad: bool = True):
                 d_ms, d_which, d_gb = dense_rows[name]
                 ideal = ideal_dense_ms(T, backward)
                 fmt = lambda x, spec: "-" if x is None else format(x, spec)
-                lines.append(f"| {T} | {top_k} | {name} | {ms:.1f} | {ideal:.1f} | {ideal / ms:.3f} | "
+                lines.append(f"| {T} | {top_k} | {name} | {ms:.1f} | {ideal:.1f} | {ideal / ms:.3f} | {rate:.1f} | "
                              f"{fmt(d_ms, '.1f')} ({d_which}) | {fmt(None if d_ms is None else d_ms / ms, '.3f')} | "
                              f"{gb:.2f} | {fmt(d_gb, '.2f')} |")
                 print(lines[-1], flush=True)

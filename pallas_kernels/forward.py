@@ -30,6 +30,7 @@ from pallas_kernels.plan import (
 from pallas_kernels.precision import Precisions
 from pallas_kernels.top_layer import top_merge_pallas
 from pallas_kernels.union import block_union, union_members, union_merge_pallas
+from pallas_kernels.wide_forward import wide_eligible, wide_forward_pallas
 
 
 def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: int, interpret: bool, out_dtype):
@@ -50,10 +51,10 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: in
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
-                                             "return_importance"))
+                                             "return_importance", "value_dim"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | None = None,
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
-                         packing=None, positions=None, return_importance: bool = False):
+                         packing=None, positions=None, return_importance: bool = False, value_dim: int | None = None):
     """htree attention with Pallas kernels. Inputs validated by the caller.
     `packing`: packed rows (`htree_jax.core.packing.Packing`); the selections returned are
     then rows of the virtual tree (`packing.local_selections` makes them document-local).
@@ -61,6 +62,9 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     K]`; context parallelism), `None`: `S = T`, all of them. `return_importance`: the
     kept nodes' importance (SPEC 8) last, aligned with the selections.
 
+    `v=None` with `value_dim = V`: the values are the first `V` latent (unrotated)
+    features of `k`, read from the keys by the wide kernels (groups of 32 or more heads,
+    one document per row, no export: `wide_forward.wide_eligible`; refused elsewhere).
     `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
     `htree_attention` runs); `block_sizes`: `None` for `BlockSizes.for_dims(K, V)`.
     Returns `(o [B, T, H, V] in q.dtype, selections)` like the
@@ -68,8 +72,13 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     `[B, T, H]` float32 (what the backward needs besides `o`).
     """
     B, T, H, K = q.shape
-    H_kv, V = k.shape[2], v.shape[-1]
+    H_kv, V = k.shape[2], value_dim if v is None else v.shape[-1]
     block_sizes = block_sizes or BlockSizes.for_dims(K, V)
+    if wide_eligible(H // H_kv, block_sizes, packing, positions, return_importance):
+        return wide_forward_pallas(q, k, v, config, block_sizes, interpret, precisions, return_lse, value_dim)
+    if v is None:
+        raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
+                         "kv head, BlockSizes.wide_rows > 0, one document per row, every query, no importance export")
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
     prep = prepare(q, k, v, config, block_sizes, interpret, precisions or Precisions.for_dtype(q.dtype),

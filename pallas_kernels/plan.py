@@ -98,6 +98,17 @@ class BlockSizes:
     # before the rest of a unit's list spills to programs of its own (`node_backward`);
     # 0 never spills.
     node_entries: int = UNIT_ENTRIES
+    # Wide groups (G >= 32, latent attention; `wide.py`): heads per program (one gathered
+    # key row feeds them all; 0 runs such groups as virtual kv heads of 16 instead),
+    # candidates per step, launch. H200, MLA shape, `benchmarks/probe_wide.py`: 64 rows,
+    # 64 candidates, 8 warps; the merges 161.6 TFLOP/s with 2 stages (133.4 with 1); the
+    # importance overflows shared memory with 2 (246784 B), so 1. Float32 inputs take
+    # 1 stage everywhere (tiles twice the bytes).
+    wide_rows: int = 64
+    wide_tile: int = 64
+    wide_num_warps: int = 8
+    wide_num_stages: int = 2
+    wide_importance_stages: int = 1
 
     def __post_init__(self):
         if not isinstance(self.node_entries, int) or self.node_entries < 0:

@@ -41,10 +41,14 @@ def rotate_phases(layer_k, cos, sin, st: LayerStatic):
     `span / r` times the layer's keys in memory and save a query rotation per slot,
     which in Pallas-Triton costs more than the gathers (H200 probe: bottom merge at
     T=131072 498 ms with a rotation per slot, 338 ms with one per 64 keys)."""
-    versions = phase_versions(st)
+    return rotate_copies(layer_k, cos, sin, st.r, phase_versions(st))
+
+
+def rotate_copies(layer_k, cos, sin, r: int, versions: int):
+    """`rotate_phases` for `versions` copies: row `m*N + j` is `rope(K[j], m*r + j mod r)`."""
     N = layer_k.shape[2]
-    child = jnp.arange(N) % st.r
-    angle = (jnp.arange(versions)[:, None] * st.r + child[None, :]).reshape(-1)
+    child = jnp.arange(N) % r
+    angle = (jnp.arange(versions)[:, None] * r + child[None, :]).reshape(-1)
     tiled = jnp.tile(layer_k.astype(jnp.float32), (1, 1, versions, 1))
     return apply_rope(tiled, cos[angle], sin[angle])
 

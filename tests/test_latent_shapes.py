@@ -135,9 +135,6 @@ def test_mla_shape_compiled_matches_the_reference(rng, T):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.xfail(strict=True, raises=jax.errors.JaxRuntimeError,
-                   reason="issue 32: the float32 full-sequence forward at K=576, V=512, G=128 asks 270336 B of "
-                          "shared memory (232448 available on an H200); fails the same way before issue 30")
 def test_mla_shape_compiled_decoding_equals_the_full_sequence(rng):
     """GPU: prefill and decode steps at the MLA shape equal the full-sequence kernels (float32)."""
     config = HTreeConfig(compression_rate=4, top_k=8, rope_dim=64)  # 1100 -> 275 -> 69 -> 18: 4 layers

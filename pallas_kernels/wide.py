@@ -1,0 +1,373 @@
+"""Wide groups (G >= 32 heads per kv head: latent attention's 64-128 heads over one
+latent key) in kernels of their own: one program per `(b, t, h_kv, head block)` walks
+the query's candidate buffer `tile` candidates a step, and every gathered key row feeds
+the block's `rows` heads (64 at the MLA shape: the row count that makes a gathered tile
+worth its bytes, `../shared/probes/mla_sparse_feasibility.py`).
+
+Features come in two parts, scored as two products and never padded as a whole:
+- the *latent* part, the `K - R` unrotated features (`R = rope_dim`; 512 at the MLA
+  shape), read in power-of-two pieces (`feature_pieces`) straight from the stored layer:
+  no rotation, no copy. For bfloat16/float16 inputs both operands are the stored values,
+  so its products are exact and one product serves the importance too;
+- the *RoPE* part, the `R` rotated features as rotate-half halves (each padded to a
+  power of two, at least 16), stored in `tile / r` rotated copies
+  (`rope.rotate_phases`'s scheme) so the query is rotated once per step.
+Values are their own array, or the first `V` latent features of the keys (DeepSeek's
+absorbed form: `v=None`, read from the keys without a copy).
+
+A layer that selects runs two launches: `wide_importance_pallas` (two passes over the
+candidates: each row's max and sum over R, then the group's importance per candidate;
+nothing per head is stored, G floats per candidate would be 512 KB a query at G=128)
+and, after the shared top-K, `wide_merge_pallas` over the candidates it did not keep
+(scores recomputed with the merge dots). The bottom layer merges everything and
+normalises. The top layer runs as any other, its parents the virtual `0, 1, ...`.
+
+The twin of the whole path is the JAX reference (`tests/test_wide.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from htree_jax.core.config import FORCED_IMPORTANCE
+from htree_jax.core.indexing import pack_importance
+from pallas_kernels.common import NEG_INF, candidate_nodes, compiler_params
+from pallas_kernels.importance import online_max_sum
+from pallas_kernels.precision import dot_rows, split_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class WideStatic:
+    """Everything static about one wide launch."""
+
+    r: int
+    tile: int  # candidates per step, a multiple of r: one query rotation serves them
+    rows: int  # heads per program (a power of two dividing G)
+    alpha: float
+    importance: str
+    strict_causal: bool
+    lat_pieces: tuple  # `(start, size)` power-of-two pieces of the latent part
+    value_pieces: tuple  # the same for the values (of `v`, or of the latent keys)
+    precision: object  # importance dots (RoPE part, radii; the latent part when float32)
+    importance_operands: str | None
+    merge_precision: object
+    merge_operands: str | None
+    num_warps: int = 8
+    num_stages: int = 1  # the merges'
+    importance_stages: int = 1
+    importance_tile: int = 0  # the importance kernel's step (a multiple of r dividing `tile`); 0: `tile`
+
+
+def head_block(G: int, rows: int) -> int:
+    """Heads per program: the largest power of two `<= rows` dividing `G`."""
+    block = 1
+    while block * 2 <= rows and G % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def _dims():
+    return (((1,), (1,)), ((), ()))
+
+
+def latent_dots(q_pieces, k_ref, nodes, pieces, precision):
+    """`(sum over pieces of q_piece @ k[nodes, piece].T` `[rows, C]` float32, the
+    gathered pieces)`: the latent part (stored values on both sides: exact products for
+    16-bit inputs). The merge folds the values from the same tiles when they are the
+    latent features (one gather a step, not two)."""
+    scores, tiles = None, []
+    for (start, size), q in zip(pieces, q_pieces):
+        k = k_ref[nodes, pl.ds(start, size)]
+        tiles.append(k)
+        prec = precision if k.dtype == jnp.float32 else None
+        d = lax.dot_general(q, k.astype(q.dtype), _dims(), preferred_element_type=jnp.float32, precision=prec)
+        scores = d if scores is None else scores + d
+    return scores, tiles
+
+
+def exact_left_dots(a_pieces, k_refs, nodes, pieces, precision):
+    """`a @ (sum of parts)[nodes].T` with `a` exact in the parts' dtype (`|q|` of 16-bit
+    queries against `BF16X3`-split radii: two products, float32-grade)."""
+    total = None
+    for (start, size), a in zip(pieces, a_pieces):
+        for k_ref in k_refs:
+            k = k_ref[nodes, pl.ds(start, size)]
+            prec = precision if k.dtype == jnp.float32 else None
+            d = lax.dot_general(a.astype(k.dtype), k, _dims(), preferred_element_type=jnp.float32, precision=prec)
+            total = d if total is None else total + d
+    return total
+
+
+def _tile_scores(i, q_lat, q_rope, par_ref, n, lat_ref, rope_refs, cf_ref, sf_ref, ws: WideStatic, precision,
+                 operands, tile: int):
+    """Scores `[rows, tile]` (alpha applied) of candidate positions `[i*tile, (i+1)*tile)`,
+    their validity, positions and nodes, and the gathered latent pieces. `tile` divides
+    `ws.tile` (the RoPE copies' span): a step reads copies `0 .. tile/r - 1`."""
+    r = ws.r
+    p0 = i * tile
+    positions, valid, nodes = candidate_nodes(par_ref, p0, tile, n, r)
+    N = rope_refs[0].shape[0] // (ws.tile // r)
+    copy = (jnp.arange(tile, dtype=jnp.int32) // r) * N
+    angle = jnp.maximum(n - 1 - p0, 0)  # an invalid tile: any row, masked later
+    q, q_half = q_rope
+    rotated = q * cf_ref[pl.ds(angle, 1), :] + q_half * sf_ref[pl.ds(angle, 1), :]
+    scores = dot_rows(split_rows(rotated, precision, operands), tuple(k[nodes + copy, :] for k in rope_refs),
+                      precision, operands)
+    tiles = []
+    if ws.lat_pieces:
+        lat_scores, tiles = latent_dots(q_lat, lat_ref, nodes, ws.lat_pieces, precision)
+        scores = scores + lat_scores
+    return ws.alpha * scores, valid, positions, nodes, tiles
+
+
+def _query_parts(ql_ref, qr_ref, qh_ref, pieces, dtype):
+    q_lat = [ql_ref[:, pl.ds(start, size)].astype(dtype) for start, size in pieces]
+    return q_lat, (qr_ref[...].astype(jnp.float32), qh_ref[...].astype(jnp.float32))
+
+
+def _importance_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, lat_ref, *refs, ws: WideStatic, rope_parts: int,
+                       bound_parts: int):
+    """One query's head block: each row's max and sum over R (pass 1), then the block's
+    importance of every valid candidate (pass 2: `sum over rows of exp(s - shift)`), and
+    the block's shift (`shared_max`: its max over rows; `softmax`: each row's LSE is its
+    own, nothing to share: 0)."""
+    rope_refs, (cf_ref, sf_ref, *refs) = refs[:rope_parts], refs[rope_parts:]
+    imp_ref, shift_ref = refs[-2:]
+    bound = None
+    if bound_parts:
+        qnl_ref, qnp_ref, *rho = refs[:-2]
+        bound = (qnl_ref, qnp_ref, rho[:bound_parts], rho[bound_parts:])
+    precision, operands = ws.precision, ws.importance_operands
+    n = n_ref[0]
+    q_lat, q_rope = _query_parts(ql_ref, qr_ref, qh_ref, ws.lat_pieces, ql_ref.dtype)
+    if bound is not None:
+        qn_lat = [bound[0][:, pl.ds(start, size)] for start, size in ws.lat_pieces]
+        qn_pair = split_rows(bound[1][...], precision, operands)
+    tile = ws.importance_tile or ws.tile
+    num_tiles = (n + tile - 1) // tile
+    last_in_norm = n - 1 if ws.strict_causal else n  # R: valid positions, less the rightmost when strict
+
+    def scores_at(i):
+        scores, valid, positions, nodes, _ = _tile_scores(i, q_lat, q_rope, par_ref, n, lat_ref, rope_refs,
+                                                          cf_ref, sf_ref, ws, precision, operands, tile)
+        if bound is not None:  # SPEC 11: + alpha * sum over feature groups of |q| * rho
+            reach = dot_rows(qn_pair, tuple(k[nodes, :] for k in bound[3]), precision, operands)
+            if ws.lat_pieces:
+                reach = reach + exact_left_dots(qn_lat, bound[2], nodes, ws.lat_pieces, precision)
+            scores = scores + ws.alpha * reach
+        return scores, valid, positions
+
+    def first_pass(i, carry):
+        scores, _, positions = scores_at(i)
+        return online_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
+
+    init = (jnp.full((ws.rows,), NEG_INF, jnp.float32), jnp.zeros((ws.rows,), jnp.float32))
+    m, total = lax.fori_loop(0, num_tiles, first_pass, init)
+    if ws.importance == "softmax":
+        shift = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)
+        block_shift = jnp.zeros((1,), jnp.float32)
+    else:
+        top = jnp.max(m)
+        block_shift = jnp.full((1,), jnp.where(top == NEG_INF, 0.0, top), jnp.float32)
+        shift = jnp.broadcast_to(block_shift, (ws.rows,))
+
+    def second_pass(i, carry):
+        scores, valid, _ = scores_at(i)
+        weights = jnp.where(valid[None, :], jnp.exp(scores - shift[:, None]), 0.0)
+        imp_ref[pl.ds(i * tile, tile)] = jnp.sum(weights, axis=0)
+        return carry
+
+    lax.fori_loop(0, num_tiles, second_pass, ())
+    shift_ref[...] = block_shift
+
+
+def _bound_inputs(bound, grid_spec_query, grid_spec_layer):
+    qn_lat, qn_pair, rho_lat, rho_pair = bound
+    specs = [grid_spec_query(qn_lat), grid_spec_query(qn_pair)] + [grid_spec_layer(x) for x in (*rho_lat, *rho_pair)]
+    return specs, (qn_lat, qn_pair, *rho_lat, *rho_pair)
+
+
+def _specs(ws: WideStatic):
+    """BlockSpec makers for a grid `(B, Q, H_kv, G / rows)`."""
+    rows = ws.rows
+    query_rows = lambda x: pl.BlockSpec((None, None, None, rows, x.shape[-1]), lambda b, t, h, j: (b, t, h, j, 0))
+    per_query = lambda x: pl.BlockSpec((None, None, None, x.shape[-1]), lambda b, t, h, j: (b, t, h, 0))
+    layer = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda b, t, h, j: (b, h, 0, 0))
+    table = lambda x: pl.BlockSpec(x.shape, lambda b, t, h, j: (0, 0))
+    row_vec = pl.BlockSpec((None, None, None, rows), lambda b, t, h, j: (b, t, h, j))
+    return query_rows, per_query, layer, table, row_vec
+
+
+@functools.partial(jax.jit, static_argnames=("ws", "interpret"))
+def wide_importance_pallas(queries, parents, n, lat, rope_imp, tables, ws: WideStatic, interpret=False, bound=None):
+    """Per query and head block, the importance of every candidate position `[B, Q,
+    H_kv, blocks, Mp]` float32 (valid positions written) and the block's shift `[B, Q,
+    H_kv, blocks]` (`shared_max`: its rows' max over R; else 0): `combine_importance`
+    turns them into packed keys.
+
+    `queries = (q_lat [B, Q, H_kv, G, Wl], q_rope, rotate_half(q_rope) [B, Q, H_kv, G,
+    Wr])` (q_lat stored dtype, the RoPE part un-rotated); `parents [B, Q, H_kv, P]`, `n
+    [B, Q, H_kv, 1]`; `lat [B, H_kv, N, Wl]` the stored layer's latent part; `rope_imp`
+    its RoPE part's `tile / r` rotated copies as `key_operands` for the importance dots
+    `[B, H_kv, copies * N, Wr]`; `tables = (cos, sin) [Mp, Wr]` full width. `bound`
+    (SPEC 11): `(|q_lat| [.., G, Wl], pair norms [.., G, Wp], rho_lat parts [B, H_kv, N,
+    Wl], rho_pair parts [B, H_kv, N, Wp])`."""
+    q_lat, q_rope, q_half = queries
+    B, Q, H_kv, G, _ = q_rope.shape
+    Mp = tables[0].shape[0]
+    blocks = G // ws.rows
+    query_rows, per_query, layer, table, _ = _specs(ws)
+    in_specs = [query_rows(q_lat), query_rows(q_rope), query_rows(q_half), per_query(parents), per_query(n),
+                layer(lat), *[layer(x) for x in rope_imp], table(tables[0]), table(tables[1])]
+    args = [q_lat, q_rope, q_half, parents, n, lat, *rope_imp, *tables]
+    bound_parts = 0
+    if bound is not None:
+        specs, extra = _bound_inputs(bound, query_rows, layer)
+        in_specs += specs
+        args += list(extra)
+        bound_parts = len(bound[2])
+    block = lambda w: pl.BlockSpec((None, None, None, None, w), lambda b, t, h, j: (b, t, h, j, 0))
+    imp, shift = pl.pallas_call(
+        functools.partial(_importance_kernel, ws=ws, rope_parts=len(rope_imp), bound_parts=bound_parts),
+        grid=(B, Q, H_kv, blocks),
+        in_specs=in_specs,
+        out_specs=[block(Mp), block(1)],
+        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, blocks, Mp), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Q, H_kv, blocks, 1), jnp.float32)],
+        compiler_params=compiler_params(ws.num_warps, ws.importance_stages),
+        interpret=interpret,
+    )(*args)
+    return imp, shift[..., 0]
+
+
+def combine_importance(imp, shift, n, ws: WideStatic, log_n: int, export: bool = False):
+    """Packed importance keys `[B, Q, H_kv, Mp]` (SPEC 2.3) from the head blocks' `imp
+    [B, Q, H_kv, blocks, Mp]` and shifts `[B, Q, H_kv, blocks]`: summed over the blocks
+    (`shared_max`: each block's rescaled from its max to the group's), 0 where R is
+    empty, the rightmost forced, packed where valid, `-1` elsewhere."""
+    if ws.importance == "shared_max":
+        imp = imp * jnp.exp(shift - jnp.max(shift, axis=-1, keepdims=True))[..., None]
+    positions = jnp.arange(imp.shape[-1], dtype=jnp.int32)
+    valid = positions < n
+    has_norm = (n - 1 if ws.strict_causal else n) > 0
+    imp = jnp.where(valid & has_norm, jnp.sum(imp, axis=-2), 0.0)
+    keys = jnp.where(valid, pack_importance(jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp), positions, log_n),
+                     -1)
+    return (keys, imp) if export else keys
+
+
+def _merge_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, *refs, ws: WideStatic, bottom: bool, rope_parts: int,
+                  own_values: bool, return_lse: bool):
+    """One query's head block: the candidates this layer merges (every valid one at the
+    bottom; else those with `keys < tau`), scored with the merge dots and folded into
+    the state; the bottom writes `U / S` (and the rows' LSE), the others the state."""
+    keys_ref = tau_ref = None
+    if not bottom:
+        keys_ref, tau_ref, *refs = refs
+    lat_ref, *refs = refs
+    rope_refs, refs = refs[:rope_parts], refs[rope_parts:]
+    v_ref = lat_ref
+    if own_values:
+        v_ref, *refs = refs
+    cf_ref, sf_ref, m_ref, s_ref, u_ref, *out_refs = refs
+    precision, operands = ws.merge_precision, ws.merge_operands
+    n = n_ref[0]
+    q_lat, q_rope = _query_parts(ql_ref, qr_ref, qh_ref, ws.lat_pieces, ql_ref.dtype)
+    num_tiles = (n + ws.tile - 1) // ws.tile
+    tau = None if bottom else tau_ref[0]
+
+    def step(i, carry):
+        m, total, acc = carry
+        scores, valid, positions, nodes, tiles = _tile_scores(i, q_lat, q_rope, par_ref, n, lat_ref, rope_refs,
+                                                              cf_ref, sf_ref, ws, precision, operands, ws.tile)
+        gathered = dict(zip(ws.lat_pieces, tiles)) if not own_values else {}
+        merged = valid
+        if not bottom:
+            merged = merged & (keys_ref[pl.ds(i * ws.tile, ws.tile)] < tau)
+        scores = jnp.where(merged[None, :], scores, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        decay = jnp.exp(m - m_safe)
+        w = jnp.exp(scores - m_safe[:, None])
+        total = total * decay + jnp.sum(w, axis=1)
+        new_acc = []
+        for (start, size), a in zip(ws.value_pieces, acc):
+            values = gathered[(start, size)] if (start, size) in gathered else v_ref[nodes, pl.ds(start, size)]
+            dtype = values.dtype if operands is not None else jnp.float32
+            prec = None if operands is not None else (
+                lax.Precision.HIGHEST if precision == lax.Precision.HIGHEST else lax.Precision.DEFAULT)
+            new_acc.append(a * decay[:, None] + lax.dot_general(
+                w.astype(dtype), values.astype(dtype), (((1,), (0,)), ((), ())),
+                preferred_element_type=jnp.float32, precision=prec))
+        return m_new, total, tuple(new_acc)
+
+    acc = tuple(u_ref[:, pl.ds(start, size)] for start, size in ws.value_pieces)
+    m, total, acc = lax.fori_loop(0, num_tiles, step, (m_ref[...], s_ref[...], acc))
+    if bottom:
+        o_ref = out_refs[0]
+        for (start, size), a in zip(ws.value_pieces, acc):
+            o_ref[:, pl.ds(start, size)] = (a / total[:, None]).astype(o_ref.dtype)
+        if return_lse:
+            out_refs[1][...] = m + jnp.log(total)
+    else:
+        m_out, s_out, u_out = out_refs
+        m_out[...] = m
+        s_out[...] = total
+        for (start, size), a in zip(ws.value_pieces, acc):
+            u_out[:, pl.ds(start, size)] = a
+
+
+@functools.partial(jax.jit, static_argnames=("ws", "interpret", "out_dtype", "return_lse"))
+def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, tables, state, ws: WideStatic,
+                      interpret=False, out_dtype=None, return_lse=False):
+    """SPEC 2.4 for wide groups: folds a layer's merged candidates into `state = (m, S
+    [B, Q, H_kv, G], U [B, Q, H_kv, G, Wv])` float32. `keys [B, Q, H_kv, Mp]`, `tau [B,
+    Q, H_kv, 1]`: the layer's packed keys and threshold (merged: valid and `keys < tau`);
+    `keys=None`: the bottom layer (every valid candidate), which returns `o [B, Q, H_kv,
+    G, Wv]` in `out_dtype` (and the rows' LSE with `return_lse`). `queries` as for
+    `wide_importance_pallas` (`q_lat` in the merge dots' dtype); `rope_merge` the RoPE
+    copies as `key_operands` for the merge dots; `values [B, H_kv, N, Wv]`, or None: the
+    first `Wv` latent features of `lat`."""
+    q_lat, q_rope, q_half = queries
+    B, Q, H_kv, G, _ = q_rope.shape
+    bottom = keys is None
+    query_rows, per_query, layer, table, row_vec = _specs(ws)
+    in_specs = [query_rows(q_lat), query_rows(q_rope), query_rows(q_half), per_query(parents), per_query(n)]
+    args = [q_lat, q_rope, q_half, parents, n]
+    if not bottom:
+        in_specs += [per_query(keys), per_query(tau)]
+        args += [keys, tau]
+    in_specs += [layer(lat), *[layer(x) for x in rope_merge]]
+    args += [lat, *rope_merge]
+    if values is not None:
+        in_specs.append(layer(values))
+        args.append(values)
+    in_specs += [table(tables[0]), table(tables[1]), row_vec, row_vec, query_rows(state[2])]
+    args += [*tables, *state]
+    vec = jax.ShapeDtypeStruct(state[0].shape, jnp.float32)
+    if bottom:
+        out_specs = [query_rows(state[2])] + ([row_vec] if return_lse else [])
+        out_shape = [jax.ShapeDtypeStruct(state[2].shape, out_dtype)] + ([vec] if return_lse else [])
+    else:
+        out_specs = [row_vec, row_vec, query_rows(state[2])]
+        out_shape = [vec, vec, jax.ShapeDtypeStruct(state[2].shape, jnp.float32)]
+    out = pl.pallas_call(
+        functools.partial(_merge_kernel, ws=ws, bottom=bottom, rope_parts=len(rope_merge),
+                          own_values=values is not None, return_lse=return_lse),
+        grid=(B, Q, H_kv, G // ws.rows),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(ws.num_warps, ws.num_stages),
+        interpret=interpret,
+    )(*args)
+    return tuple(out) if (not bottom or return_lse) else out[0]
+
+
+__all__ = ["WideStatic", "combine_importance", "head_block", "wide_importance_pallas", "wide_merge_pallas"]

@@ -1,0 +1,287 @@
+"""The Pallas forward for wide groups (`wide.py`: G >= 32 heads per kv head, latent
+attention's shape): the tree built once per real kv head, each layer's keys split into
+their latent and RoPE parts, then per chunk of queries, per layer top down (the top
+layer's parents virtual), the wide importance, the shared top-K and the wide merge.
+
+Memory beyond inputs, tree and output: per layer the RoPE part in `tile / r` rotated
+float32 copies and their operand parts (`R` features, 64 at the MLA shape: the latent
+part is read as stored), the radii with `selection="bound"`; per chunk of `Qc` queries
+the state (`B * Qc * H * (Wv + 2)` float32), the queries' RoPE part and its rotate-half
+(float32), the head blocks' importance and the packed keys (`B * Qc * H_kv * Mp *
+(blocks + 2)` 4-byte words).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from htree_jax.core.bounds import tree_radii
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
+from pallas_kernels.common import LayerStatic, next_power_of_two, pad_axis, pad_rope_halves
+from pallas_kernels.importance import feature_pieces
+from pallas_kernels.precision import Precisions, key_operands
+from pallas_kernels.rope import full_width, padded_rope_table, rotate_copies, rotate_half
+from pallas_kernels.top_k import select_top_k_pallas
+from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
+from pallas_kernels.wide import WideStatic, combine_importance, head_block, wide_importance_pallas, wide_merge_pallas
+
+
+PIPELINE_BYTES = 160 * 1024  # gathered tiles of all stages of a wide merge (H200: 227 KB per program)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSplit:
+    """Where the latent and RoPE parts of a `rope_layout` feature axis lie: `[lat_lo,
+    rope_lo, lat_hi, rope_hi]`, `u = (K - R) / 2` unrotated features in each half."""
+
+    head_dim: int  # K
+    rope_dim: int  # R (K when every feature rotates)
+
+    @property
+    def unrotated(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    def latent(self, x):
+        """`[..., K]` -> the unrotated features `[..., K - R]`, in their original order."""
+        u, half = self.unrotated // 2, self.head_dim // 2
+        return jnp.concatenate([x[..., :u], x[..., half:half + u]], axis=-1)
+
+    def rope(self, x):
+        """`[..., K]` -> the rotated features `[..., R]` as rotate-half halves."""
+        u, half = self.unrotated // 2, self.head_dim // 2
+        return jnp.concatenate([x[..., u:half], x[..., half + u:]], axis=-1)
+
+    def values(self, x, value_dim: int):
+        """The values `[..., V]` that are the first `V` latent features of the keys `x`."""
+        return self.latent(x)[..., :value_dim]
+
+    def join(self, latent, rope):
+        """Inverse of `latent` and `rope`: the `rope_layout` features `[..., K]`."""
+        u, h = self.unrotated // 2, self.rope_dim // 2
+        return jnp.concatenate([latent[..., :u], rope[..., :h], latent[..., u:], rope[..., h:]], axis=-1)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def pool_any(x, r: int, interpret: bool):
+    """`pool_layer_pallas` of `x [B, H_kv, N, D]` for any `D` (padded to a power of two
+    for the pooling only)."""
+    D = x.shape[-1]
+    return pool_layer_pallas(pad_axis(x, -1, next_power_of_two(D)), r, PoolBlockSizes(), interpret)[..., :D]
+
+
+def wide_eligible(G: int, block_sizes, packing, positions, return_importance: bool) -> bool:
+    """The wide kernels take groups of 32 or more heads (`BlockSizes.wide_rows > 0`),
+    one document per row, every query position, no importance export; other calls run
+    the virtual-head kernels."""
+    return (G >= 32 and block_sizes.wide_rows > 0 and packing is None and positions is None
+            and not return_importance)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["layers", "tables", "q_lat", "q_rope", "q_norms"],
+                   meta_fields=["ws", "st_select", "chunk", "num_chunks", "seq_len", "parents_width", "value_dim",
+                                "log_n"])
+@dataclasses.dataclass(frozen=True)
+class WidePlan:
+    """What every chunk's launches share: the layers as the kernels read them (bottom
+    first: `lat`, `rope_imp`, `rope_merge`, `values`, with the bound `radii`), the RoPE
+    tables `[Mp, Wr]`, the queries' parts `[B, chunks * Qc, H_kv, G, *]` and, with the
+    bound, their feature-group norms."""
+
+    layers: list
+    tables: tuple
+    q_lat: jax.Array
+    q_rope: jax.Array
+    q_norms: object
+    ws: WideStatic
+    st_select: LayerStatic
+    chunk: int  # Qc
+    num_chunks: int
+    seq_len: int  # T
+    parents_width: int  # P
+    value_dim: int  # V
+    log_n: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = False,
+                 precisions: Precisions | None = None, value_dim: int | None = None) -> WidePlan:
+    """The tree, keys and queries as the wide kernels read them (arguments as for
+    `wide_forward_pallas`)."""
+    B, T, H, K = q.shape
+    H_kv = k.shape[2]
+    G = H // H_kv
+    precisions = precisions or Precisions.for_dtype(q.dtype)
+    R = config.partial_rope(K) or K
+    split = FeatureSplit(K, R)
+    r, top_k = config.compression_rate, config.top_k
+    # At least 16 candidates a step (a dot's least width), as below the top elsewhere.
+    tile = max(16, r, min(next_power_of_two(block_sizes.wide_tile), config.max_candidates))
+    P = round_up(top_k, tile // r)
+    Mp = P * r
+    hp = next_power_of_two(R // 2, 16)
+    Wl = round_up(split.unrotated, 16)
+    V = value_dim if v is None else v.shape[-1]
+    if v is None and V > split.unrotated:
+        raise ValueError(f"value_dim {V} must be at most the latent features K - rope_dim = {split.unrotated}")
+    Wv = round_up(V, 16)
+    # The merges' pipeline depth where its gathered tiles fit (`PIPELINE_BYTES`): 16-bit
+    # inputs with the values read from the keys at the MLA shape; separate values double
+    # a step's tiles (353024 B of shared memory asked with 2 stages on an H200).
+    step_bytes = tile * (Wl + 2 * hp + (Wv if v is not None else 0)) * jnp.dtype(k.dtype).itemsize
+    deep = block_sizes.wide_num_stages * step_bytes <= PIPELINE_BYTES
+    narrow = jnp.dtype(q.dtype).itemsize == 2
+    # The importance's step: halved while its gathered tiles (the radii's too, with the
+    # bound) pass `PIPELINE_BYTES` (H200, MLA shape, bound: 241664 B asked at 64).
+    # Per candidate: the latent part as stored, the RoPE part and the radii at 4 bytes a
+    # feature (float32, or `BF16X3`'s two bfloat16 parts).
+    imp_bytes = Wl * jnp.dtype(k.dtype).itemsize + 4 * 2 * hp + (4 * (Wl + hp) if config.selection == "bound" else 0)
+    imp_tile = tile
+    while imp_tile > max(16, r) and imp_tile // 2 % r == 0 and imp_tile * imp_bytes > PIPELINE_BYTES:
+        imp_tile //= 2
+    ws = WideStatic(
+        r=r, tile=tile, rows=head_block(G, block_sizes.wide_rows), alpha=config.score_scale(K),
+        importance=config.importance, strict_causal=config.strict_causal, lat_pieces=feature_pieces(Wl),
+        value_pieces=feature_pieces(Wv), precision=precisions.scores,
+        importance_operands=precisions.importance_operands, merge_precision=precisions.merge,
+        merge_operands=precisions.merge_operands, num_warps=block_sizes.wide_num_warps,
+        num_stages=block_sizes.wide_num_stages if deep else 1,
+        importance_stages=block_sizes.wide_importance_stages if narrow else 1, importance_tile=imp_tile)
+    st_select = LayerStatic(r=r, tile=tile, group=G, alpha=ws.alpha, importance=config.importance,
+                            strict_causal=config.strict_causal, log_n=config.log_n, top_k=top_k,
+                            precision=precisions.scores)
+
+    # The tree, per real kv head: latent part, RoPE part (halves padded), values.
+    per_head = lambda x: jnp.swapaxes(x, 1, 2)  # [B, N, H_kv, D] -> [B, H_kv, N, D]
+    Wl_stored = max(Wl, 16)  # without unrotated features, a 16-wide stand-in no product reads
+    parts = [per_head(pad_axis(split.latent(k), -1, Wl_stored)), per_head(pad_rope_halves(split.rope(k), hp))]
+    if v is not None:
+        parts.append(per_head(pad_axis(v, -1, Wv)))
+    tree = [parts]
+    for _ in config.layer_sizes(T)[1:]:
+        tree.append([pool_any(x, r, interpret) for x in tree[-1]])
+    cos, sin = padded_rope_table(Mp, R, config.rope_base, hp)
+    imp_spec = (precisions.scores, precisions.importance_operands)
+    merge_spec = (precisions.merge, precisions.merge_operands)
+    layers = []
+    for l, parts in enumerate(tree):
+        copies = rotate_copies(parts[1], cos, sin, r, tile // r)
+        layers.append(dict(lat=parts[0], values=parts[2] if v is not None else None,
+                           rope_imp=key_operands(copies, *imp_spec) if l > 0 else None,
+                           rope_merge=key_operands(copies, *merge_spec), radii=None))
+    if config.selection == "bound":
+        rope_unpadded = lambda x: jnp.concatenate([x[..., :R // 2], x[..., hp:hp + R // 2]], axis=-1)
+        keys = [split.join(per_head(p[0][..., :split.unrotated]), per_head(rope_unpadded(p[1]))) for p in tree]
+        rho = tree_radii(keys, r, config.partial_rope(K))  # [B, N, H_kv, (K - R) + R/2]
+        for l in range(1, len(tree)):
+            x = per_head(rho[l])
+            layers[l]["radii"] = (key_operands(pad_axis(x[..., :split.unrotated], -1, Wl_stored), *imp_spec),
+                                  key_operands(pad_axis(x[..., split.unrotated:], -1, hp), *imp_spec))
+
+    # Chunks of queries: the state, the queries' parts and the importance per chunk.
+    blocks = G // ws.rows
+    per_query = 4 * B * H_kv * (G * (2 * Wv + 2 * 2 * hp + Wl + 4) + Mp * (blocks + 3))
+    Qc = int(max(1, min(T, block_sizes.chunk_budget_bytes // per_query)))
+    num_chunks = -(-T // Qc)
+    rows = lambda x: pad_axis(x.reshape(B, T, H_kv, G, x.shape[-1]), 1, num_chunks * Qc)
+    q_lat = rows(pad_axis(split.latent(q), -1, Wl_stored))
+    q_rope = rows(pad_rope_halves(split.rope(q).astype(jnp.float32), hp))
+    q_norms = None
+    if config.selection == "bound":
+        pair = lambda x: jnp.sqrt(x[..., :hp] ** 2 + x[..., hp:] ** 2)
+        q_norms = (jnp.abs(q_lat), pair(q_rope))
+    return WidePlan(layers, (full_width(cos), full_width(sin)), q_lat, q_rope, q_norms, ws, st_select, Qc, num_chunks,
+                    T, P, V, config.log_n)
+
+
+def chunk_start(plan: WidePlan, c):
+    """Chunk `c`'s queries `(q_lat, q_rope, rotate_half(q_rope))`, their norms (the
+    bound's, else None), positions `t [1, Qc, 1, 1]`, the top layer's virtual parents
+    `[B, Qc, H_kv, P]` and the empty state."""
+    Qc = plan.chunk
+    sl = lambda x: lax.dynamic_slice_in_dim(x, c * Qc, Qc, axis=1)
+    qr = sl(plan.q_rope)
+    B, _, H_kv, G, _ = qr.shape
+    queries = (sl(plan.q_lat), qr, rotate_half(qr))
+    norms = None if plan.q_norms is None else tuple(sl(x) for x in plan.q_norms)
+    t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), plan.seq_len - 1)[None, :, None, None]
+    parents = top_layer_parents(t[..., 0], plan.ws.r, plan.num_layers, plan.parents_width)
+    Wv = sum(size for _, size in plan.ws.value_pieces)
+    state = (jnp.full((B, Qc, H_kv, G), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_kv, G), jnp.float32),
+             jnp.zeros((B, Qc, H_kv, G, Wv), jnp.float32))
+    return queries, norms, t, jnp.broadcast_to(parents, (B, Qc, H_kv, plan.parents_width)), state
+
+
+def valid_count(plan: WidePlan, parents, t, layer: int):
+    """`n` per query (SPEC 2.1), `[B, Qc, H_kv, 1]` int32."""
+    return candidate_count(num_parents(parents), t, plan.ws.r, layer).astype(jnp.int32)
+
+
+def select_and_merge(plan: WidePlan, layer: int, queries, norms, parents, t, state, interpret: bool):
+    """A layer above the bottom: importance, shared top-K, the merge of what it did not
+    keep. Returns `(state, next parents [B, Qc, H_kv, P])`."""
+    kl, ws = plan.layers[layer], plan.ws
+    n = valid_count(plan, parents, t, layer)
+    bound = None if norms is None else (*norms, *kl["radii"])
+    imp, shift = wide_importance_pallas(queries, parents, n, kl["lat"], kl["rope_imp"], plan.tables, ws, interpret,
+                                        bound=bound)
+    keys = combine_importance(imp, shift, n, ws, plan.log_n)
+    next_parents, tau = select_top_k_pallas(keys, parents, n, plan.st_select, interpret)
+    state = wide_merge_pallas(queries, parents, n, keys, tau, kl["lat"], kl["rope_merge"], kl["values"], plan.tables,
+                              state, ws, interpret)
+    return state, next_parents[..., :plan.parents_width]
+
+
+def bottom_merge(plan: WidePlan, queries, parents, t, state, interpret: bool, out_dtype):
+    """The bottom layer: every valid candidate merged, then `(o [B, Qc, H_kv, G, V],
+    lse [B, Qc, H_kv, G])`."""
+    kl = plan.layers[0]
+    n = valid_count(plan, parents, t, 0)
+    o, lse = wide_merge_pallas(queries, parents, n, None, None, kl["lat"], kl["rope_merge"], kl["values"], plan.tables,
+                               state, plan.ws, interpret, out_dtype=out_dtype, return_lse=True)
+    return o[..., :plan.value_dim], lse
+
+
+def wide_forward_pallas(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = False,
+                        precisions: Precisions | None = None, return_lse: bool = False, value_dim: int | None = None):
+    """htree attention for wide groups. `q [B, T, H, K]`, `k [B, T, H_kv, K]` in
+    `rope_layout` order (validated by the caller); `v [B, T, H_kv, V]`, or None with
+    `value_dim = V`: the values are the first `V` latent features of `k` (read from the
+    keys, no copy). Returns what `htree_forward_pallas` does: `(o, selections[, lse])`."""
+    B, T, H, _ = q.shape
+    H_kv = k.shape[2]
+    plan = prepare_wide(q, k, v, config, block_sizes, interpret, precisions, value_dim)
+    Qc, num_chunks, V = plan.chunk, plan.num_chunks, plan.value_dim
+
+    def chunk(c):
+        queries, norms, t, parents, state = chunk_start(plan, c)
+        selections = []
+        for l in reversed(range(1, plan.num_layers)):
+            state, parents = select_and_merge(plan, l, queries, norms, parents, t, state, interpret)
+            selections.append(parents[..., :config.top_k])
+        o, lse = bottom_merge(plan, queries, parents, t, state, interpret, q.dtype)
+        return o, lse, selections
+
+    o, lse, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
+    o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H, V)[:, :T]
+    sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, config.top_k)[:, :T] for s in sels]
+    result = (o, sels)
+    if return_lse:
+        result += (jnp.moveaxis(lse, 0, 1).reshape(B, num_chunks * Qc, H)[:, :T],)
+    return result
+
+
+__all__ = ["FeatureSplit", "WidePlan", "bottom_merge", "chunk_start", "prepare_wide", "select_and_merge",
+           "wide_eligible", "wide_forward_pallas"]

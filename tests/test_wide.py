@@ -1,0 +1,199 @@
+"""The wide-group kernels (`pallas_kernels/wide.py`, G >= 32 heads per kv head: one
+program per query and head block, latent and RoPE parts as two products), interpreted,
+against the JAX reference and the virtual-head kernels: both selection rules, both
+importance modes, multi-layer trees, B = 2, head blocks of 16 and 32, no unrotated
+features, values read from the keys."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, htree_attention
+from htree_jax.core.rope import rope_layout
+from htree_jax.reference import htree_attention_reference
+from pallas_kernels.forward import htree_forward_pallas
+from pallas_kernels.plan import BlockSizes
+from pallas_kernels import wide_forward
+from pallas_kernels.wide import head_block
+from pallas_kernels.wide_forward import FeatureSplit, wide_eligible, wide_forward_pallas
+from tests.conftest import random_qkv
+
+
+def laid_out(q, k, config):
+    R = config.partial_rope(q.shape[-1])
+    return rope_layout(jnp.asarray(q), R), rope_layout(jnp.asarray(k), R)
+
+
+def assert_same(out, ref):
+    (o, sel), (o_r, sel_r) = out[:2], ref[:2]
+    assert len(sel) == len(sel_r) >= 2
+    for a, b in zip(sel, sel_r):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_r), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("selection, importance, strict", [("mean", "softmax", True), ("mean", "shared_max", True),
+                                                           ("bound", "softmax", True), ("bound", "shared_max", False)])
+@pytest.mark.parametrize("B, G, K, rope_dim, V", [(2, 32, 64, 32, 32), (1, 48, 96, 32, 64), (1, 32, 64, None, 48)])
+def test_wide_forward_equals_the_reference(rng, selection, importance, strict, B, G, K, rope_dim, V):
+    """Outputs and every layer's selections (3 layers at T=150, r=4, top_k=4); G=48 runs
+    head blocks of 16, `rope_dim=None` has no latent part."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection,
+                         strict_causal=strict)
+    q, k, v = random_qkv(rng, B, 150, G, 1, K, V)
+    q, k = laid_out(q, k, config)
+    v = jnp.asarray(v)
+    assert wide_eligible(G, BlockSizes(), None, None, False)
+    out = wide_forward_pallas(q, k, v, config, BlockSizes(), interpret=True, return_lse=True)
+    assert_same(out, htree_attention_reference(q, k, v, config))
+    assert out[2].shape == (B, 150, G)
+
+
+def test_short_importance_steps_and_one_stage(rng, monkeypatch):
+    """Where the gathered tiles would not fit (`PIPELINE_BYTES`), the importance walks
+    steps shorter than the RoPE copies' span (16 of 64 here) and the merges take one
+    pipeline stage: the same selections and outputs."""
+    monkeypatch.setattr(wide_forward, "PIPELINE_BYTES", 1)
+    config = HTreeConfig(compression_rate=4, top_k=16, rope_dim=32, selection="bound")
+    q, k, v = random_qkv(rng, 1, 600, 32, 1, 64, 32)  # M = 64: 3 layers
+    q, k = laid_out(q, k, config)
+    v = jnp.asarray(v)
+    plan = wide_forward.prepare_wide(q, k, v, config, BlockSizes(), interpret=True)
+    assert (plan.ws.tile, plan.ws.importance_tile, plan.ws.num_stages) == (64, 16, 1)
+    assert_same(wide_forward_pallas(q, k, v, config, BlockSizes(), interpret=True),
+                htree_attention_reference(q, k, v, config))
+
+
+def test_the_forward_takes_the_wide_kernels_for_wide_groups(rng):
+    """`htree_forward_pallas` with G >= 32 equals the virtual-head kernels (`wide_rows=0`),
+    two kv heads."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    q, k, v = random_qkv(rng, 1, 120, 64, 2, 64, 32)
+    q, k = laid_out(q, k, config)
+    v = jnp.asarray(v)
+    wide = htree_forward_pallas(q, k, v, config, BlockSizes(wide_rows=32), interpret=True)
+    virtual = htree_forward_pallas(q, k, v, config, BlockSizes(wide_rows=0), interpret=True)
+    assert_same(wide, virtual)
+
+
+@pytest.mark.parametrize("V", [64, 48])
+def test_values_read_from_the_latent_keys(rng, V):
+    """`v=None, value_dim=V`: the values are the first V latent features of k (DeepSeek's
+    absorbed form): V = the latent width folds the gathered key tile, V < it reads pieces."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    q, k, _ = random_qkv(rng, 2, 150, 32, 1, 96, 8)
+    ql, kl = laid_out(q, k, config)
+    out = wide_forward_pallas(ql, kl, None, config, BlockSizes(), interpret=True, value_dim=V)
+    assert_same(out, htree_attention_reference(ql, kl, jnp.asarray(k)[..., :V], config))
+
+
+def test_value_dim_beyond_the_latent_part_is_refused(rng):
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    q, k, _ = random_qkv(rng, 1, 40, 32, 1, 64, 8)
+    with pytest.raises(ValueError, match="value_dim 48 must be at most the latent features"):
+        wide_forward_pallas(jnp.asarray(q), jnp.asarray(k), None, config, BlockSizes(), interpret=True, value_dim=48)
+
+
+def test_feature_split_round_trips():
+    split = FeatureSplit(12, 4)
+    x = jnp.arange(12.0)
+    lat, rope = split.latent(x), split.rope(x)
+    np.testing.assert_array_equal(np.asarray(lat), [0, 1, 2, 3, 6, 7, 8, 9])  # [lat_lo, lat_hi]
+    np.testing.assert_array_equal(np.asarray(rope), [4, 5, 10, 11])  # [rope_lo, rope_hi]
+    np.testing.assert_array_equal(np.asarray(split.join(lat, rope)), np.asarray(x))
+
+
+@pytest.mark.parametrize("G, rows, block", [(128, 64, 64), (48, 64, 16), (96, 64, 32), (32, 64, 32), (64, 16, 16)])
+def test_head_block(G, rows, block):
+    assert head_block(G, rows) == block
+
+
+def test_wide_eligibility():
+    bs = BlockSizes()
+    assert not wide_eligible(16, bs, None, None, False)
+    assert not wide_eligible(32, dataclasses.replace(bs, wide_rows=0), None, None, False)
+    assert not wide_eligible(32, bs, object(), None, False)  # packed rows: the virtual-head kernels
+    assert not wide_eligible(32, bs, None, jnp.arange(4), False)
+    assert not wide_eligible(32, bs, None, None, True)
+    assert wide_eligible(128, bs, None, None, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("selection, importance", [("bound", "softmax"), ("mean", "shared_max")])
+def test_wide_compiled_at_the_mla_shape(rng, selection, importance):
+    """GPU: the compiled wide kernels at the MLA shape (bf16, T=8192, top_k=64): selections
+    agree with the reference on >= 99% of parent lists, outputs within bf16 tolerance
+    where they agree."""
+    config = HTreeConfig(top_k=64, rope_dim=64, selection=selection, importance=importance)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, 1, 8192, 128, 1, 576, 512))
+    q, k = laid_out(q, k, config)
+    o, sel = wide_forward_pallas(q, k, v, config, BlockSizes())
+    o_r, sel_r = htree_attention_reference(q, k, v, config)
+    agree = np.ones(sel[0].shape[:3], bool)
+    for a, b in zip(sel, sel_r):
+        same = np.all(np.asarray(a) == np.asarray(b), axis=-1)
+        assert same.mean() >= 0.99, same.mean()
+        agree &= same
+    rows = np.repeat(agree, 128, axis=2)
+    got, want = np.asarray(o, np.float32)[rows], np.asarray(o_r, np.float32)[rows]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+@pytest.mark.parametrize("backend, G", [("pallas_interpret", 32), ("pallas_interpret", 8), ("reference", 32)])
+def test_htree_attention_with_values_from_the_keys(rng, backend, G):
+    """`htree_attention(q, k, None, value_dim=V)` equals the call with `v = k[..., :V]`:
+    outputs, selections and the gradients of q and k (the values' gradient folded into
+    the keys'). G=32 on the kernels reads them from the keys (the wide kernels), G=8
+    copies them out."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    q, k, _ = (jnp.asarray(x) for x in random_qkv(rng, 1, 90, G, 1, 96, 8))
+    V = 48
+    o, sel = htree_attention(q, k, None, config, backend=backend, value_dim=V, return_selected=True)
+    o_r, sel_r = htree_attention(q, k, k[..., :V], config, backend=backend, return_selected=True)
+    assert_same((o, sel), (o_r, sel_r))
+    w = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+    latent = jax.grad(lambda q, k: jnp.sum(htree_attention(q, k, None, config, backend=backend, value_dim=V) * w),
+                      argnums=(0, 1))(q, k)
+    sliced = jax.grad(lambda q, k: jnp.sum(htree_attention(q, k, k[..., :V], config, backend=backend) * w),
+                      argnums=(0, 1))(q, k)
+    for a, b in zip(latent, sliced):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("value_dim, rope_dim, match", [
+    (None, 32, "value_dim must be a positive int"), (0, 32, "value_dim must be a positive int"),
+    (80, 32, "value_dim must be at most the unrotated features of k, K - rope_dim = 64"),
+    (16, None, "K - rope_dim = 0")])
+def test_values_from_the_keys_refused(rng, value_dim, rope_dim, match):
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 20, 32, 1, 96, 16))
+    with pytest.raises(ValueError, match=match):
+        htree_attention(q, k, None, config, backend="reference", value_dim=value_dim)
+    with pytest.raises(ValueError, match="value_dim is for v=None"):
+        htree_attention(q, k, v, config, backend="reference", value_dim=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_values_from_the_keys_compiled_at_the_mla_shape(rng):
+    """GPU: `v=None, value_dim=512` at the MLA shape (bf16, T=2048, top_k=32: 3 layers)
+    equals the call with `v = k[..., :512]`: outputs (the same selections: the same
+    importance kernels) and the gradients of q and k."""
+    config = HTreeConfig(top_k=32, rope_dim=64)
+    q, k, _ = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, 1, 2048, 128, 1, 576, 8))
+    o = htree_attention(q, k, None, config, backend="pallas", value_dim=512)
+    o_r = htree_attention(q, k, k[..., :512], config, backend="pallas")
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_r, np.float32), rtol=2e-2, atol=2e-2)
+    w = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+    grads = [jax.jit(jax.grad(lambda q, k, f=f: jnp.sum(f(q, k).astype(jnp.float32) * w), argnums=(0, 1)))(q, k)
+             for f in (lambda q, k: htree_attention(q, k, None, config, backend="pallas", value_dim=512),
+                       lambda q, k: htree_attention(q, k, k[..., :512], config, backend="pallas"))]
+    for a, b in zip(*grads):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
