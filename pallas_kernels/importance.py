@@ -178,13 +178,20 @@ def keys_from_scores(scores, shift, n, st: LayerStatic, export: bool = False):
     positions = jnp.arange(Mp, dtype=jnp.int32)
     valid = positions < n  # [B, Q, H_kv, Mp]
     weights = jnp.where(valid[..., None, :], jnp.exp(scores - shift[..., None]), 0.0)
-    imp = jnp.sum(weights, axis=-2)
-    has_norm = (n - 1 if st.strict_causal else n) > 0
-    imp = jnp.where(has_norm, imp, 0.0)
-    keys = jnp.where(valid, pack_importance(jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp), positions,
-                                            st.log_n), -1)
-    # SPEC 8 exports the formula value everywhere valid, the rightmost's included.
-    return (keys, jnp.where(valid, imp, 0.0)) if export else keys
+    return packed_keys(jnp.sum(weights, axis=-2), n, st.strict_causal, st.log_n, export)
+
+
+def packed_keys(imp, n, strict_causal: bool, log_n: int, export: bool = False):
+    """SPEC 2.3's packed keys `[..., Mp]` int32 from the candidates' importance `imp
+    [..., Mp]` (read where valid) and `n [..., 1]`: 0 where R is empty, the rightmost
+    forced in, `-1` where invalid; with `export` also the importance (SPEC 8: the formula
+    value everywhere valid, the rightmost's included; 0 elsewhere)."""
+    positions = jnp.arange(imp.shape[-1], dtype=jnp.int32)
+    valid = positions < n
+    imp = jnp.where(valid & ((n - 1 if strict_causal else n) > 0), imp, 0.0)
+    keys = jnp.where(valid, pack_importance(jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp), positions, log_n),
+                     -1)
+    return (keys, imp) if export else keys
 
 
 def group_keys_from_scores(scores, shift, n, st: LayerStatic, split: int = 1, export: bool = False):

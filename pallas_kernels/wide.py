@@ -35,10 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from htree_jax.core.config import FORCED_IMPORTANCE
-from htree_jax.core.indexing import pack_importance
 from pallas_kernels.common import NEG_INF, candidate_nodes, compiler_params
-from pallas_kernels.importance import online_max_sum
+from pallas_kernels.importance import importance_shift, online_max_sum, packed_keys
 from pallas_kernels.precision import dot_rows, split_rows
 
 
@@ -169,13 +167,9 @@ def _importance_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, lat_ref, *refs, w
 
     init = (jnp.full((ws.rows,), NEG_INF, jnp.float32), jnp.zeros((ws.rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, first_pass, init)
-    if ws.importance == "softmax":
-        shift = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)
-        block_shift = jnp.zeros((1,), jnp.float32)
-    else:
-        top = jnp.max(m)
-        block_shift = jnp.full((1,), jnp.where(top == NEG_INF, 0.0, top), jnp.float32)
-        shift = jnp.broadcast_to(block_shift, (ws.rows,))
+    shift = importance_shift(m, total, jnp.ones((ws.rows,), bool), ws.rows, ws.importance)
+    # shared_max: every row holds the block's max
+    block_shift = jnp.full((1,), jnp.max(shift) if ws.importance == "shared_max" else 0.0, jnp.float32)
 
     def second_pass(i, carry):
         scores, valid, _ = scores_at(i)
@@ -253,13 +247,7 @@ def combine_importance(imp, shift, n, ws: WideStatic, log_n: int, export: bool =
     empty, the rightmost forced, packed where valid, `-1` elsewhere."""
     if ws.importance == "shared_max":
         imp = imp * jnp.exp(shift - jnp.max(shift, axis=-1, keepdims=True))[..., None]
-    positions = jnp.arange(imp.shape[-1], dtype=jnp.int32)
-    valid = positions < n
-    has_norm = (n - 1 if ws.strict_causal else n) > 0
-    imp = jnp.where(valid & has_norm, jnp.sum(imp, axis=-2), 0.0)
-    keys = jnp.where(valid, pack_importance(jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp), positions, log_n),
-                     -1)
-    return (keys, imp) if export else keys
+    return packed_keys(jnp.sum(imp, axis=-2), n, ws.strict_causal, log_n, export)
 
 
 def _merge_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, *refs, ws: WideStatic, bottom: bool, rope_parts: int,
