@@ -138,6 +138,29 @@ def decode_check(backends) -> None:
         print(f"ok {impl} decode{label}: sharded cache (batch, heads) equals unsharded, no all-gather", flush=True)
 
 
+def latent_values_check(backends) -> None:
+    """`v=None, value_dim=` (the values the keys' first latent features) sharded along the
+    batch and the kv heads equals the unsharded call with `v = k[..., :value_dim]`,
+    forward and the gradients of q and k."""
+    config = dataclasses.replace(CONFIG, rope_dim=32)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((B, T, H, 64)).astype(np.float32)
+    k = rng.standard_normal((B, T, H_KV, 64)).astype(np.float32)
+    w = rng.standard_normal((B, T, H, 32)).astype(np.float32)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    sh = NamedSharding(mesh, P("data", None, "model", None))
+    args = [jax.device_put(x, sh) for x in (q, k)]
+    for impl in backends:
+        latent = lambda q, k, impl=impl: htree_attention(q, k, None, config, backend=impl, value_dim=32)
+        sliced = lambda q, k, impl=impl: htree_attention(q, k, k[..., :32], config, backend=impl)
+        np.testing.assert_allclose(np.asarray(jax.jit(latent)(*args)), np.asarray(sliced(jnp.asarray(q),
+                                   jnp.asarray(k))), rtol=1e-5, atol=1e-5)
+        grad = lambda f: jax.grad(lambda q, k: jnp.sum(f(q, k) * w), argnums=(0, 1))
+        for a, b in zip(jax.jit(grad(latent))(*args), grad(sliced)(jnp.asarray(q), jnp.asarray(k))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        print(f"ok {impl} values from the keys: sharded (batch, heads) equals the unsharded call", flush=True)
+
+
 def main(backends) -> int:
     assert jax.device_count() == 8, jax.devices()
     rng = np.random.default_rng(0)
@@ -188,6 +211,7 @@ def main(backends) -> int:
             print(f"ok {impl} {name}: forward and gradients equal the unsharded run, no all-gather", flush=True)
     decode_check(backends)
     packed_check(backends)
+    latent_values_check(backends)
     # A mesh axis that splits a GQA group (8 head shards over 4 kv heads) is refused.
     mesh8 = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
     split = jax.device_put(q, NamedSharding(mesh8, P(None, None, "model", None)))

@@ -29,6 +29,7 @@ def test_sharded_batch_and_heads_on_simulated_devices(backend):
     for layout in ("tokens", "batch+tokens", "tokens+heads"):
         assert f"ok {backend} {layout}: forward and gradients equal the unsharded run, k and v gathered" in res.stdout
     assert f"ok {backend} packed: sharded rows equal the unsharded packed call" in res.stdout
+    assert f"ok {backend} values from the keys: sharded (batch, heads) equals the unsharded call" in res.stdout
     assert f"ok {backend} decode: sharded cache (batch, heads) equals unsharded, no all-gather" in res.stdout
     assert f"ok {backend} decode (bound): sharded cache (batch, heads) equals unsharded, no all-gather" in res.stdout
     assert "ok split group refused" in res.stdout and "ok T indivisible refused" in res.stdout
