@@ -187,13 +187,10 @@ def _pallas_latent_forward_bwd(config, interpret, block_sizes, value_dim, residu
     q, k, o, lse, first, saved = residuals
     positions = jnp.arange(k.shape[1], dtype=jnp.int32)
     dead = dead_rows(positions, first, q.shape[2])
-    k_live = zero_non_finite(k)
-    # The backward kernels take the values as an array: materialised here (the forward
-    # read them from the keys), their gradient folded back into the keys'.
-    values, to_keys = jax.vjp(lambda x: latent_values(x, config, value_dim), k_live)
-    dq, dk, dv = htree_backward_pallas(q, k_live, values, o, lse, cotangents[0], config, block_sizes=block_sizes,
-                                       interpret=interpret, dead_rows=dead, selections=saved)
-    dk = dk + to_keys(dv)[0]
+    # The wide backward reads the values from the keys too; their gradient is in dk.
+    dq, dk, _ = htree_backward_pallas(q, zero_non_finite(k), None, o, lse, cotangents[0], config,
+                                      block_sizes=block_sizes, interpret=interpret, dead_rows=dead, selections=saved,
+                                      value_dim=value_dim)
     return dq, jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
 
 

@@ -1,4 +1,6 @@
-"""The Pallas backward of htree attention (SPEC 5): `htree_backward_pallas`.
+"""The Pallas backward of htree attention (SPEC 5): `htree_backward_pallas`. Groups of
+32 or more heads per kv head (latent attention) go to `wide_backward.py`; what follows
+is the backward of the other groups.
 
 The selections are the forward's (`selections=`, what `htree_attention` passes: the
 forward returns them anyway, `(L-1) * B*T*H_kv*top_k` int32 kept between the passes); the
@@ -53,7 +55,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from htree_jax.core.config import HTreeConfig
-from htree_jax.core.packing import virtual_exists
 from htree_jax.core.rope import apply_rope
 from pallas_kernels.common import next_power_of_two, pad_axis, unpad_rope_halves, virtual_heads
 from pallas_kernels.plan import (
@@ -74,30 +75,9 @@ from pallas_kernels.node_backward import (
     top_node_grads_pallas,
 )
 from pallas_kernels.precision import Precisions
-
-
-def push_down(grad_parent, N: int, r: int, counts=None):
-    """A parent layer's gradient `[B, H_kv, ceil(N/r), D]` shared equally by each
-    parent's children: `[B, H_kv, N, D]` (the transpose of mean pooling). `counts [B,
-    ceil(N/r)]`: each parent's existing children (packed rows; parents with none get 0),
-    else every parent has `r` but the ragged last."""
-    parents = grad_parent.shape[2]
-    if counts is None:
-        children = jnp.minimum(r, N - r * jnp.arange(parents)).astype(jnp.float32)
-        return jnp.repeat(grad_parent / children[:, None], r, axis=2)[:, :, :N]
-    share = jnp.where(counts > 0, 1.0 / jnp.maximum(counts, 1).astype(jnp.float32), 0.0)[:, None, :, None]
-    return jnp.repeat(grad_parent * share, r, axis=2)[:, :, :N]
-
-
-def child_counts_by_layer(packing, r: int, num_layers: int):
-    """Packed rows: each node's existing children, per layer `l >= 1` (`[B, N_l]` int32,
-    index `l - 1`), from the tokens present in the virtual layout."""
-    exists, counts = virtual_exists(packing), []
-    for _ in range(1, num_layers):
-        c = jnp.sum(exists.reshape(exists.shape[0], -1, r), axis=-1)
-        counts.append(c)
-        exists = (c > 0).astype(jnp.int32)
-    return counts
+from pallas_kernels.wide_backward import wide_backward_pallas
+from pallas_kernels.wide_forward import wide_eligible
+from pallas_kernels.tree_backward import child_counts_by_layer, kept_keys, pad_nodes_list, push_down
 
 
 def _per_chunk(x, Qc: int, num_chunks: int):
@@ -105,35 +85,10 @@ def _per_chunk(x, Qc: int, num_chunks: int):
     return pad_axis(x, 1, num_chunks * Qc)
 
 
-def pad_nodes_list(selected, width: int):
-    """Node lists `[..., top_k]` (`-1` padded) padded with `-1` to `width`."""
-    return jnp.pad(selected, [(0, 0)] * (selected.ndim - 1) + [(0, width - selected.shape[-1])], constant_values=-1)
-
-
-def kept_keys(parents, selected, width: int, r: int):
-    """Keys `[B, Q, H_kv, width]` int32 marking the candidates a layer kept, for the
-    kernels' `keys < tau` test with `tau = 1`: 1 at the buffer position of each node of
-    `selected [B, Q, H_kv, top_k]` (ascending, `-1` padded), 0 elsewhere. A node
-    `j = parents[s]*r + c` sits at `s*r + c`; `parents=None`: the top layer, position = node."""
-    if parents is None:
-        positions = selected
-    else:
-        ordered = jnp.where(parents >= 0, parents, jnp.iinfo(jnp.int32).max)  # `-1` padding sorts last
-        search = jax.vmap(lambda row, x: jnp.searchsorted(row, x).astype(jnp.int32))
-        flat = lambda x: x.reshape(-1, x.shape[-1])
-        slots = search(flat(ordered), flat(selected // r)).reshape(selected.shape)
-        positions = slots * r + selected % r
-    positions = jnp.where(selected >= 0, positions, width)  # out of range: dropped
-
-    def mark(row):
-        return jnp.zeros((width,), jnp.int32).at[row].set(1, mode="drop")
-
-    return jax.vmap(mark)(positions.reshape(-1, positions.shape[-1])).reshape(selected.shape[:-1] + (width,))
-
-
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "value_dim"))
 def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes: BlockSizes | None = None,
-                          interpret: bool = False, dead_rows=None, selections=None, packing=None, positions=None):
+                          interpret: bool = False, dead_rows=None, selections=None, packing=None, positions=None,
+                          value_dim: int | None = None):
     """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
     v`. `o [B, T, H, V]` and `lse [B, T, H]` from `htree_forward_pallas(...,
     return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller.
@@ -146,13 +101,24 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     rows, as `htree_forward_pallas(..., packing=)` returns them), required there.
     `positions [S]`: the queries' positions among `k`'s tokens, as the forward takes them.
     `block_sizes`: `None` for `BlockSizes.for_dims(K, V)`. Bitwise deterministic.
-    Groups of more than 16 heads run as virtual kv heads (`plan.split_heads`): their
-    key and value gradients are summed over the split heads at the end."""
+    Wide groups (`wide_forward.wide_eligible`: 32 or more heads per kv head) run the
+    wide kernels (`wide_backward.py`); there `v=None` with `value_dim = V` takes the
+    values as the first `V` latent features of `k`, as the forward does, and returns
+    `dv=None` (their gradient is in `dk`). Other groups of more than 16 heads run as
+    virtual kv heads (`plan.split_heads`): their key and value gradients are summed
+    over the split heads at the end."""
     if packing is not None and selections is None and packing.num_layers > 1:
         raise ValueError("the packed backward takes the forward's selections")
     B, T, H, K = q.shape
-    H_kv, V = k.shape[2], v.shape[-1]
+    H_kv = k.shape[2]
+    V = value_dim if v is None else v.shape[-1]
     block_sizes = block_sizes or BlockSizes.for_dims(K, V)
+    if wide_eligible(H // H_kv, block_sizes, packing, positions, False):
+        return wide_backward_pallas(q, k, v, o, lse, do, config, block_sizes, interpret, dead_rows, selections,
+                                    value_dim)
+    if v is None:
+        raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
+                         "kv head, BlockSizes.wide_rows > 0, one document per row, every query")
     if next_power_of_two(K, 32) > 256 or next_power_of_two(V, 16) > 256:
         # Wide heads: the backward's per-query kernels hold q, do and dq rows besides the
         # key and value tiles; two pipeline stages overflow shared memory (H200: 264992 B
@@ -263,4 +229,4 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-__all__ = ["htree_backward_pallas", "push_down"]
+__all__ = ["htree_backward_pallas"]

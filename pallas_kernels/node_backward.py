@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 
 from htree_jax.core.rope import apply_rope
 from pallas_kernels.common import LayerStatic, compiler_params, merge_score_precision
+from pallas_kernels.importance import feature_pieces
 from pallas_kernels.layer_backward import grads_of_block
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows
 
@@ -232,27 +233,49 @@ def _layer_node_kernel(bounds_ref, *refs, st: LayerStatic, bottom: bool, entries
     dv_out[...] = dv_in[...] + dv
 
 
-def _fold_kernel(segment_ref, pk_ref, pv_ref, dk_in, dv_in, dk_out, dv_out):
+def _fold_kernel(segment_ref, *refs, pieces: tuple):
     """The first segment of a unit that spilled adds the partials of all its segments,
     in order, to the unit's rows of the accumulators (whole `(b, h)` slices, aliased);
-    every other program writes nothing."""
-    x, count = pl.program_id(2), segment_ref[3]
-    half = pk_ref.shape[-1] // 2
+    every other program writes nothing. `pieces[a]`: array `a`'s power-of-two columns."""
+    count = len(pieces)
+    partial_refs, acc_in, acc_out = refs[:count], refs[count:2 * count], refs[2 * count:]
+    x, spilled = pl.program_id(2), segment_ref[3]
 
-    @pl.when(count > 0)
+    @pl.when(spilled > 0)
     def _():
-        def add(i, carry):
-            dk_lo, dk_hi, dv = carry
-            rows = pl.ds((x + i) * UNIT, UNIT)
-            return (dk_lo + pk_ref[rows, pl.ds(0, half)], dk_hi + pk_ref[rows, pl.ds(half, half)],
-                    dv + pv_ref[rows, :])
+        columns = [(a, piece) for a in range(count) for piece in pieces[a]]
 
-        zeros = lambda d: jnp.zeros((UNIT, d), jnp.float32)
-        dk_lo, dk_hi, dv = lax.fori_loop(0, count, add, (zeros(half), zeros(half), zeros(pv_ref.shape[-1])))
+        def add(i, sums):
+            rows = pl.ds((x + i) * UNIT, UNIT)
+            return tuple(total + partial_refs[a][rows, pl.ds(*piece)] for total, (a, piece) in zip(sums, columns))
+
+        zeros = tuple(jnp.zeros((UNIT, size), jnp.float32) for _, (_, size) in columns)
+        sums = lax.fori_loop(0, spilled, add, zeros)
         rows = pl.ds(segment_ref[0] * UNIT, UNIT)
-        dk_out[rows, pl.ds(0, half)] = dk_in[rows, pl.ds(0, half)] + dk_lo
-        dk_out[rows, pl.ds(half, half)] = dk_in[rows, pl.ds(half, half)] + dk_hi
-        dv_out[rows, :] = dv_in[rows, :] + dv
+        for total, (a, piece) in zip(sums, columns):
+            acc_out[a][rows, pl.ds(*piece)] = acc_in[a][rows, pl.ds(*piece)] + total
+
+
+def fold_spilled(segments, partials: tuple, accumulators: tuple, interpret: bool = False):
+    """Adds each spilled unit's partials (`partials[a] [B, H_kv, X * UNIT, D_a]`, segment
+    `x`'s rows `x*UNIT ...`), in segment order, to its rows of `accumulators[a] [B, H_kv,
+    units * UNIT, D_a]` (float32, updated in place). `segments [B, H_kv, X, 4]` as in
+    `NodeIndex`. Widths of any size, read in power-of-two pieces."""
+    whole = [_whole_slice(x) for x in (*partials, *accumulators)]
+    count = len(accumulators)
+    pair = pl.BlockSpec((None, None, None, segments.shape[-1]), lambda b, h, u: (b, h, u, 0))
+    B, H_kv, X, _ = segments.shape
+    out = pl.pallas_call(
+        functools.partial(_fold_kernel, pieces=tuple(feature_pieces(a.shape[-1]) for a in accumulators)),
+        grid=(B, H_kv, X),
+        in_specs=[pair, *whole],
+        out_specs=whole[count:],
+        out_shape=[jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in accumulators],
+        input_output_aliases={1 + count + a: a for a in range(count)},
+        compiler_params=compiler_params(4, 1),
+        interpret=interpret,
+    )(segments, *partials, *accumulators)
+    return tuple(out)
 
 
 def _per_head(x):
@@ -341,17 +364,7 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
         interpret=interpret,
     )(*args)
     if num_segments:
-        whole = [_whole_slice(x) for x in (*partials, dk_acc, dv_acc)]
-        dk_acc, dv_acc = pl.pallas_call(
-            _fold_kernel,
-            grid=(B, H_kv, num_segments),
-            in_specs=[pair(index.segments), *whole],
-            out_specs=whole[2:],
-            out_shape=out_shape,
-            input_output_aliases={3: 0, 4: 1},
-            compiler_params=compiler_params(4, 1),
-            interpret=interpret,
-        )(index.segments, *partials, dk_acc, dv_acc)
+        dk_acc, dv_acc = fold_spilled(index.segments, tuple(partials), (dk_acc, dv_acc), interpret)
     return dk_acc, dv_acc
 
 
@@ -451,5 +464,5 @@ def top_node_grads_pallas(q_rot, n, first, keys, tau, k_rot, v, lse, do, delta, 
     return dk_acc, dv_acc
 
 
-__all__ = ["UNIT", "UNIT_ENTRIES", "NodeIndex", "block_ranges", "layer_node_grads_pallas", "node_buffers", "node_gradient",
+__all__ = ["UNIT", "UNIT_ENTRIES", "NodeIndex", "block_ranges", "fold_spilled", "layer_node_grads_pallas", "node_buffers", "node_gradient",
            "node_index", "spill_segments", "top_node_grads_pallas", "units_per_pair"]

@@ -109,6 +109,13 @@ class BlockSizes:
     wide_num_warps: int = 8
     wide_num_stages: int = 2
     wide_importance_stages: int = 1
+    # The wide backward (`wide_backward.py`): heads per program of its `dq` and node
+    # kernels (each holds its rows' queries, `do` and a gradient besides the tiles), and
+    # their warps. H100, MLA shape, `benchmarks/probe_wide_backward.py`: 32 rows ran the
+    # dq kernel 20-40x slower than 64; H200, T=131072: fwd+bwd 9644 ms with 8 warps,
+    # 13465 with the node kernel at 4 (4 ran it 4% faster in the probe).
+    wide_backward_rows: int = 64
+    wide_backward_num_warps: int = 8
 
     def __post_init__(self):
         if not isinstance(self.node_entries, int) or self.node_entries < 0:

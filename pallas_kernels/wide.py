@@ -187,7 +187,7 @@ def _bound_inputs(bound, grid_spec_query, grid_spec_layer):
     return specs, (qn_lat, qn_pair, *rho_lat, *rho_pair)
 
 
-def _specs(ws: WideStatic):
+def query_specs(ws: WideStatic):
     """BlockSpec makers for a grid `(B, Q, H_kv, G / rows)`."""
     rows = ws.rows
     query_rows = lambda x: pl.BlockSpec((None, None, None, rows, x.shape[-1]), lambda b, t, h, j: (b, t, h, j, 0))
@@ -216,7 +216,7 @@ def wide_importance_pallas(queries, parents, n, lat, rope_imp, tables, ws: WideS
     B, Q, H_kv, G, _ = q_rope.shape
     Mp = tables[0].shape[0]
     blocks = G // ws.rows
-    query_rows, per_query, layer, table, _ = _specs(ws)
+    query_rows, per_query, layer, table, _ = query_specs(ws)
     in_specs = [query_rows(q_lat), query_rows(q_rope), query_rows(q_half), per_query(parents), per_query(n),
                 layer(lat), *[layer(x) for x in rope_imp], table(tables[0]), table(tables[1])]
     args = [q_lat, q_rope, q_half, parents, n, lat, *rope_imp, *tables]
@@ -250,19 +250,44 @@ def combine_importance(imp, shift, n, ws: WideStatic, log_n: int, export: bool =
     return packed_keys(jnp.sum(imp, axis=-2), n, ws.strict_causal, log_n, export)
 
 
+def layer_refs(refs, bottom: bool, rope_parts: int, own_values: bool):
+    """A merge-like kernel's layer refs, in the order the wrappers pass them: `(keys,
+    tau` (None at the bottom)`, lat, rope parts, values` (`lat` when the values are the
+    keys' latent features)`, the remaining refs)`."""
+    keys_ref = tau_ref = None
+    if not bottom:
+        keys_ref, tau_ref, *refs = refs
+    lat_ref, *refs = refs
+    rope_refs, refs = tuple(refs[:rope_parts]), refs[rope_parts:]
+    v_ref = lat_ref
+    if own_values:
+        v_ref, *refs = refs
+    return keys_ref, tau_ref, lat_ref, rope_refs, v_ref, refs
+
+
+def layer_inputs(keys, tau, lat, rope_parts, values, ws: WideStatic):
+    """`(BlockSpecs, arrays)` of a merge-like launch's layer inputs on the grid of
+    `query_specs`, in `layer_refs`'s order (`keys=None`: the bottom; `values=None`: the
+    keys' latent features)."""
+    _, per_query, layer, _, _ = query_specs(ws)
+    specs, arrays = [], []
+    if keys is not None:
+        specs += [per_query(keys), per_query(tau)]
+        arrays += [keys, tau]
+    specs += [layer(lat), *[layer(x) for x in rope_parts]]
+    arrays += [lat, *rope_parts]
+    if values is not None:
+        specs.append(layer(values))
+        arrays.append(values)
+    return specs, arrays
+
+
 def _merge_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, *refs, ws: WideStatic, bottom: bool, rope_parts: int,
                   own_values: bool, return_lse: bool):
     """One query's head block: the candidates this layer merges (every valid one at the
     bottom; else those with `keys < tau`), scored with the merge dots and folded into
     the state; the bottom writes `U / S` (and the rows' LSE), the others the state."""
-    keys_ref = tau_ref = None
-    if not bottom:
-        keys_ref, tau_ref, *refs = refs
-    lat_ref, *refs = refs
-    rope_refs, refs = refs[:rope_parts], refs[rope_parts:]
-    v_ref = lat_ref
-    if own_values:
-        v_ref, *refs = refs
+    keys_ref, tau_ref, lat_ref, rope_refs, v_ref, refs = layer_refs(refs, bottom, rope_parts, own_values)
     cf_ref, sf_ref, m_ref, s_ref, u_ref, *out_refs = refs
     precision, operands = ws.merge_precision, ws.merge_operands
     n = n_ref[0]
@@ -325,17 +350,12 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
     q_lat, q_rope, q_half = queries
     B, Q, H_kv, G, _ = q_rope.shape
     bottom = keys is None
-    query_rows, per_query, layer, table, row_vec = _specs(ws)
+    query_rows, per_query, layer, table, row_vec = query_specs(ws)
     in_specs = [query_rows(q_lat), query_rows(q_rope), query_rows(q_half), per_query(parents), per_query(n)]
     args = [q_lat, q_rope, q_half, parents, n]
-    if not bottom:
-        in_specs += [per_query(keys), per_query(tau)]
-        args += [keys, tau]
-    in_specs += [layer(lat), *[layer(x) for x in rope_merge]]
-    args += [lat, *rope_merge]
-    if values is not None:
-        in_specs.append(layer(values))
-        args.append(values)
+    specs, arrays = layer_inputs(keys, tau, lat, rope_merge, values, ws)
+    in_specs += specs
+    args += arrays
     in_specs += [table(tables[0]), table(tables[1]), row_vec, row_vec, query_rows(state[2])]
     args += [*tables, *state]
     vec = jax.ShapeDtypeStruct(state[0].shape, jnp.float32)
@@ -358,4 +378,5 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
     return tuple(out) if (not bottom or return_lse) else out[0]
 
 
-__all__ = ["WideStatic", "combine_importance", "head_block", "wide_importance_pallas", "wide_merge_pallas"]
+__all__ = ["WideStatic", "combine_importance", "head_block", "layer_inputs", "layer_refs", "query_specs",
+           "wide_importance_pallas", "wide_merge_pallas"]

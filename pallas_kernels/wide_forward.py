@@ -71,6 +71,28 @@ def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+PROGRAM_BYTES = 208 * 1024  # a program's query rows and one step's tiles (see `program_shape`)
+
+
+def program_shape(rows: int, tile: int, r: int, Wl: int, hp: int, Wv_own: int, itemsize: int) -> tuple:
+    """`(rows, tile)` of a wide program, halved (rows first) until its query rows' latent
+    part and one step's tiles (latent, RoPE, separate values) take at most
+    `PROGRAM_BYTES`. At the MLA shape (r=16) bfloat16 with separate values (204800 B)
+    compiles at 64 rows and 64 candidates; float32 (409600 B) asked 262144 B of shared
+    memory of 232448 there (H200), and compiled at 32 x 32."""
+    size = lambda rows, tile: itemsize * (rows * Wl + tile * (Wl + 2 * hp + Wv_own))
+    while size(rows, tile) > PROGRAM_BYTES:
+        if rows > 16 and rows >= tile:
+            rows //= 2
+        elif tile // 2 >= max(16, r) and (tile // 2) % r == 0:
+            tile //= 2
+        elif rows > 16:
+            rows //= 2
+        else:
+            break
+    return rows, tile
+
+
 def pool_any(x, r: int, interpret: bool):
     """`pool_layer_pallas` of `x [B, H_kv, N, D]` for any `D` (padded to a power of two
     for the pooling only)."""
@@ -129,14 +151,16 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
     r, top_k = config.compression_rate, config.top_k
     # At least 16 candidates a step (a dot's least width), as below the top elsewhere.
     tile = max(16, r, min(next_power_of_two(block_sizes.wide_tile), config.max_candidates))
-    P = round_up(top_k, tile // r)
-    Mp = P * r
     hp = next_power_of_two(R // 2, 16)
     Wl = round_up(split.unrotated, 16)
     V = value_dim if v is None else v.shape[-1]
     if v is None and V > split.unrotated:
         raise ValueError(f"value_dim {V} must be at most the latent features K - rope_dim = {split.unrotated}")
     Wv = round_up(V, 16)
+    rows, tile = program_shape(head_block(G, block_sizes.wide_rows), tile, r, Wl, hp, Wv if v is not None else 0,
+                               jnp.dtype(q.dtype).itemsize)
+    P = round_up(top_k, tile // r)
+    Mp = P * r
     # The merges' pipeline depth where its gathered tiles fit (`PIPELINE_BYTES`): 16-bit
     # inputs with the values read from the keys at the MLA shape; separate values double
     # a step's tiles (353024 B of shared memory asked with 2 stages on an H200).
@@ -152,7 +176,7 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
     while imp_tile > max(16, r) and imp_tile // 2 % r == 0 and imp_tile * imp_bytes > PIPELINE_BYTES:
         imp_tile //= 2
     ws = WideStatic(
-        r=r, tile=tile, rows=head_block(G, block_sizes.wide_rows), alpha=config.score_scale(K),
+        r=r, tile=tile, rows=rows, alpha=config.score_scale(K),
         importance=config.importance, strict_causal=config.strict_causal, lat_pieces=feature_pieces(Wl),
         value_pieces=feature_pieces(Wv), precision=precisions.scores,
         importance_operands=precisions.importance_operands, merge_precision=precisions.merge,

@@ -310,7 +310,7 @@ def test_backward_with_saved_selections_equals_recomputing_them_bitwise(rng, B, 
 
 
 def test_kept_keys_mark_the_selected_positions():
-    from pallas_kernels.backward import kept_keys
+    from pallas_kernels.tree_backward import kept_keys
 
     parents = jnp.asarray([[[[2, 5, 9, -1]]]], jnp.int32)  # [1, 1, 1, P], r = 4
     selected = jnp.asarray([[[[9, 21, 38, -1]]]], jnp.int32)  # nodes 2*4+1, 5*4+1, 9*4+2

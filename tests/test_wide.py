@@ -114,6 +114,15 @@ def test_head_block(G, rows, block):
     assert head_block(G, rows) == block
 
 
+@pytest.mark.parametrize("itemsize, Wv_own, shape", [(2, 512, (64, 64)), (2, 0, (64, 64)), (4, 0, (32, 64)),
+                                                    (4, 512, (32, 32))])
+def test_program_shape_fits_the_shared_memory(itemsize, Wv_own, shape):
+    """Rows, then candidates a step, halved until a program's bytes fit: the MLA shape
+    (Wl = 512, RoPE halves of 32) keeps 64 x 64 in bfloat16; float32 takes 32 rows with
+    the values read from the keys, 32 x 32 with separate values."""
+    assert wide_forward.program_shape(64, 64, 16, 512, 32, Wv_own, itemsize) == shape
+
+
 def test_wide_eligibility():
     bs = BlockSizes()
     assert not wide_eligible(16, bs, None, None, False)
@@ -191,3 +200,72 @@ def test_values_from_the_keys_compiled_at_the_mla_shape(rng):
     for a, b in zip(*grads):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+
+
+def _grads(q, k, v, config, backend, weights, block_sizes=None, value_dim=None):
+    def loss(q, k, v):
+        o = htree_attention(q, k, v, config, backend=backend, block_sizes=block_sizes, value_dim=value_dim)
+        return jnp.sum(o.astype(jnp.float32) * weights)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1) if v is None else (0, 1, 2)))(q, k, v)
+
+
+def assert_gradients_close(got, want, names):
+    for name, a, b in zip(names, got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("selection, importance, block_sizes, B, G, K, rope_dim, V", [
+    ("mean", "softmax", BlockSizes(), 2, 32, 64, 32, 32),
+    ("bound", "shared_max", BlockSizes(save_selections=False, wide_backward_rows=16), 1, 48, 96, 32, 48),
+    ("mean", "shared_max", BlockSizes(node_entries=3, chunk_budget_bytes=1 << 20), 1, 32, 64, 32, 48)])
+def test_wide_backward_equals_the_reference_gradients(rng, selection, importance, block_sizes, B, G, K, rope_dim, V):
+    """`dq, dk, dv` of the wide kernels (`wide_backward.py`) against autodiff of the JAX
+    reference, 3 layers at T=150 (r=4, top_k=4): the forward's selections saved or
+    recomputed, head blocks of 16 and 32, spilled node lists (3 entries a program) over
+    several chunks of queries, values of other widths than the latent pieces."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 150, G, 1, K, V))
+    assert wide_eligible(G, block_sizes, None, None, False)
+    weights = jnp.asarray(rng.standard_normal((B, 150, G, V)).astype(np.float32))
+    got = _grads(q, k, v, config, "pallas_interpret", weights, block_sizes)
+    assert_gradients_close(got, _grads(q, k, v, config, "reference", weights), "qkv")
+
+
+def test_wide_backward_with_values_from_the_keys(rng):
+    """`v=None, value_dim=V`: the gradients of q and k equal the reference's with `v =
+    k[..., :V]` (whose value gradient lands in the keys'), two kv heads too."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    G, H_kv = 32, 2
+    q, k, _ = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, G * H_kv, H_kv, 96, 8))
+    V = 48
+    weights = jnp.asarray(rng.standard_normal((1, 150, G * H_kv, V)).astype(np.float32))
+    got = _grads(q, k, None, config, "pallas_interpret", weights, value_dim=V)
+    want = jax.grad(lambda q, k: jnp.sum(htree_attention(q, k, k[..., :V], config, backend="reference") * weights),
+                    argnums=(0, 1))(q, k)
+    assert_gradients_close(got, want, "qk")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, G, T", [(jnp.bfloat16, 128, 2048), (jnp.float32, 64, 1024)])
+def test_wide_backward_compiled_at_the_mla_shape(rng, dtype, G, T):
+    """GPU: the wide backward at the MLA shape (K = 576, rope_dim=64, V = 512, top_k=32)
+    compiles for both dtypes. bfloat16: its gradients equal the virtual-head kernels'
+    (`wide_rows=0`) to 1e-2 in relative norm (each is 0.035 from the float32 reference's
+    there, H100: bfloat16 inputs); float32: the reference's (exact float32 dots) to 1e-3."""
+    config = HTreeConfig(top_k=32, rope_dim=64)
+    q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, 1, T, G, 1, 576, 512))
+    weights = jnp.asarray(rng.standard_normal((1, T, G, 512)).astype(np.float32))
+    got = _grads(q, k, v, config, "pallas", weights)
+    if dtype == jnp.bfloat16:
+        block_sizes = dataclasses.replace(BlockSizes.for_dims(576, 512), wide_rows=0)
+        want, tolerance = _grads(q, k, v, config, "pallas", weights, block_sizes), 1e-2
+    else:
+        with jax.default_matmul_precision("highest"):
+            want, tolerance = _grads(q, k, v, config, "reference", weights), 1e-3
+    for name, a, b in zip("qkv", got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < tolerance, name
