@@ -75,9 +75,9 @@ from pallas_kernels.node_backward import (
     top_node_grads_pallas,
 )
 from pallas_kernels.precision import Precisions
+from pallas_kernels.tree_backward import child_counts_by_layer, kept_keys, pad_nodes_list, push_down
 from pallas_kernels.wide_backward import wide_backward_pallas
 from pallas_kernels.wide_forward import wide_eligible
-from pallas_kernels.tree_backward import child_counts_by_layer, kept_keys, pad_nodes_list, push_down
 
 
 def _per_chunk(x, Qc: int, num_chunks: int):

@@ -464,5 +464,5 @@ def top_node_grads_pallas(q_rot, n, first, keys, tau, k_rot, v, lse, do, delta, 
     return dk_acc, dv_acc
 
 
-__all__ = ["UNIT", "UNIT_ENTRIES", "NodeIndex", "block_ranges", "fold_spilled", "layer_node_grads_pallas", "node_buffers", "node_gradient",
-           "node_index", "spill_segments", "top_node_grads_pallas", "units_per_pair"]
+__all__ = ["UNIT", "UNIT_ENTRIES", "NodeIndex", "block_ranges", "fold_spilled", "layer_node_grads_pallas",
+           "node_buffers", "node_gradient", "node_index", "spill_segments", "top_node_grads_pallas", "units_per_pair"]

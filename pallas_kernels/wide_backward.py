@@ -37,11 +37,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from htree_jax.core.config import HTreeConfig
-from pallas_kernels.tree_backward import kept_keys, pad_nodes_list, push_down
 from pallas_kernels.common import candidate_nodes, compiler_params, pad_axis
 from pallas_kernels.node_backward import UNIT, NodeIndex, fold_spilled, node_gradient, node_index
 from pallas_kernels.precision import Precisions, dot_rows, product, split_rows, whole_keys
 from pallas_kernels.top_k import select_top_k_pallas
+from pallas_kernels.tree_backward import kept_keys, pad_nodes_list, push_down
 from pallas_kernels.wide import (
     WideStatic,
     combine_importance,
