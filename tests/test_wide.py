@@ -223,13 +223,13 @@ def assert_gradients_close(got, want, names):
     ("mean", "shared_max", BlockSizes(node_entries=3, chunk_budget_bytes=1 << 20), 1, 32, 64, 32, 48)])
 def test_wide_backward_equals_the_reference_gradients(rng, selection, importance, block_sizes, B, G, K, rope_dim, V):
     """`dq, dk, dv` of the wide kernels (`wide_backward.py`) against autodiff of the JAX
-    reference, 3 layers at T=150 (r=4, top_k=4): the forward's selections saved or
+    reference, 3 layers at T=100 (r=4, top_k=4): the forward's selections saved or
     recomputed, head blocks of 16 and 32, spilled node lists (3 entries a program) over
     several chunks of queries, values of other widths than the latent pieces."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection)
-    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 150, G, 1, K, V))
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 100, G, 1, K, V))
     assert wide_eligible(G, block_sizes, None, None, False)
-    weights = jnp.asarray(rng.standard_normal((B, 150, G, V)).astype(np.float32))
+    weights = jnp.asarray(rng.standard_normal((B, 100, G, V)).astype(np.float32))
     got = _grads(q, k, v, config, "pallas_interpret", weights, block_sizes)
     assert_gradients_close(got, _grads(q, k, v, config, "reference", weights), "qkv")
 
@@ -239,9 +239,9 @@ def test_wide_backward_with_values_from_the_keys(rng):
     k[..., :V]` (whose value gradient lands in the keys'), two kv heads too."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
     G, H_kv = 32, 2
-    q, k, _ = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, G * H_kv, H_kv, 96, 8))
+    q, k, _ = (jnp.asarray(x) for x in random_qkv(rng, 1, 100, G * H_kv, H_kv, 96, 8))
     V = 48
-    weights = jnp.asarray(rng.standard_normal((1, 150, G * H_kv, V)).astype(np.float32))
+    weights = jnp.asarray(rng.standard_normal((1, 100, G * H_kv, V)).astype(np.float32))
     got = _grads(q, k, None, config, "pallas_interpret", weights, value_dim=V)
     want = jax.grad(lambda q, k: jnp.sum(htree_attention(q, k, k[..., :V], config, backend="reference") * weights),
                     argnums=(0, 1))(q, k)
