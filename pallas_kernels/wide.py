@@ -79,14 +79,19 @@ def latent_dots(q_pieces, k_ref, nodes, pieces, precision):
     gathered pieces)`: the latent part (stored values on both sides: exact products for
     16-bit inputs). The merge folds the values from the same tiles when they are the
     latent features (one gather a step, not two)."""
-    scores, tiles = None, []
-    for (start, size), q in zip(pieces, q_pieces):
-        k = k_ref[nodes, pl.ds(start, size)]
-        tiles.append(k)
+    tiles = [k_ref[nodes, pl.ds(start, size)] for start, size in pieces]
+    return latent_product(q_pieces, tiles, precision), tiles
+
+
+def latent_product(q_pieces, k_tiles, precision):
+    """`sum over pieces of q_piece @ k_tile.T` `[rows, C]` float32 (16-bit tiles: exact
+    products in their dtype; float32 ones at `precision`)."""
+    scores = None
+    for q, k in zip(q_pieces, k_tiles):
         prec = precision if k.dtype == jnp.float32 else None
         d = lax.dot_general(q, k.astype(q.dtype), _dims(), preferred_element_type=jnp.float32, precision=prec)
         scores = d if scores is None else scores + d
-    return scores, tiles
+    return scores
 
 
 def exact_left_dots(a_pieces, k_refs, nodes, pieces, precision):
@@ -378,5 +383,5 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
     return tuple(out) if (not bottom or return_lse) else out[0]
 
 
-__all__ = ["WideStatic", "combine_importance", "head_block", "layer_inputs", "layer_refs", "query_specs",
-           "wide_importance_pallas", "wide_merge_pallas"]
+__all__ = ["WideStatic", "combine_importance", "head_block", "latent_product", "layer_inputs", "layer_refs",
+           "query_specs", "wide_importance_pallas", "wide_merge_pallas"]

@@ -47,6 +47,7 @@ from pallas_kernels.wide import (
     combine_importance,
     head_block,
     latent_dots,
+    latent_product,
     layer_inputs,
     layer_refs,
     query_specs,
@@ -205,13 +206,7 @@ def _unit_grads(u, begin, end, refs, ws: WideStatic, bottom: bool, rope_parts: i
         q_lat = [ql_ref[block, pl.ds(*piece)] for piece in ws.lat_pieces]
         scores = _rope_scores(qr_lo, qr_hi, k_lo, k_hi, precision, operands)
         if ws.lat_pieces:
-            lat_scores = None
-            for q, k in zip(q_lat, k_lat):
-                prec = precision if k.dtype == jnp.float32 else None
-                d = lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32, precision=prec)
-                lat_scores = d if lat_scores is None else lat_scores + d
-            scores = scores + lat_scores
+            scores = scores + latent_product(q_lat, k_lat, precision)
         merged = (node >= lo) & (node < hi)
         if not bottom:
             position = jnp.clip(offset + node, 0, Mp - 1)
