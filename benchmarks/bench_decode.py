@@ -4,7 +4,8 @@ decode attention over the same context.
     python benchmarks/bench_decode.py [--contexts 32768,131072,524288] [--batches 1,8] [--top-k 512,64]
                                       [--backends pallas,reference]
 
-B rows, H=32, H_kv=4, K=V=128, bfloat16. Each side runs `--steps` consecutive jitted
+B rows, H=32, H_kv=4, K=V=128, bfloat16 (`--shape mla`: `run_mla`, latent attention's
+H=128 over one kv head, K=576 with rope_dim=64, V=512, against the byte floor). Each side runs `--steps` consecutive jitted
 steps with its cache donated (updated in place), one new token per row per step, the
 context growing from `ctx - steps`; the figure is the median over `--repeats` of the
 per-step mean. htree: `decode_step` (tree update + walk), per `--backends` (the Pallas
@@ -28,12 +29,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax import HTreeCache, HTreeConfig, build_tree, decode_step
+from htree_jax import DecodeBlockSizes, HTreeCache, HTreeConfig, build_tree, decode_step
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.core.bounds import tree_radii
 
 H, H_KV, K, V = 32, 4, 128, 128
 DTYPE = jnp.bfloat16
+MLA_DIMS = dict(H=128, H_kv=1, K=576, V=512)
+# HBM bandwidth by device kind (vendor figures), for the dense decode's byte floor.
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}
 
 
 def per_step_ms(step, state, steps: int, repeats: int):
@@ -50,12 +54,12 @@ def per_step_ms(step, state, steps: int, repeats: int):
     return statistics.median(times), state
 
 
-def filled_cache(B, ctx, config, lengths):
+def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V):
     """A cache whose tree is `build_tree` of `ctx` random tokens per row, each row at its
     `lengths[b]` (with `strict_causal`, the nodes past a row's length change nothing),
     with the tree's radii under `selection="bound"`."""
-    k = jax.random.normal(jax.random.key(0), (B, ctx, H_KV, K), DTYPE)
-    v = jax.random.normal(jax.random.key(1), (B, ctx, H_KV, V), DTYPE)
+    k = jax.random.normal(jax.random.key(0), (B, ctx, H_kv, K), DTYPE)
+    v = jax.random.normal(jax.random.key(1), (B, ctx, H_kv, V), DTYPE)
     layers = build_tree(k, v, config)
     keys = tuple(kl for kl, _ in layers)
     radii = tuple(tree_radii(keys, config.compression_rate, config.rope_dim)[1:]) if config.selection == "bound" else ()
@@ -71,13 +75,16 @@ def start_lengths(B, ctx, steps, repeats, spread: bool):
     return np.random.default_rng(0).integers(ctx // 8, top + 1, size=B).astype(np.int32)
 
 
-def htree_case(B, ctx, config, steps, repeats, backend, spread=False):
-    """`decode_step` under `jax.jit` with the cache donated."""
-    cache = filled_cache(B, ctx, config, start_lengths(B, ctx, steps, repeats, spread))
-    q_t = jax.random.normal(jax.random.key(2), (B, H, K), DTYPE)
-    k_t = jax.random.normal(jax.random.key(3), (B, H_KV, K), DTYPE)
-    v_t = jax.random.normal(jax.random.key(4), (B, H_KV, V), DTYPE)
-    fn = jax.jit(lambda c: decode_step(q_t, k_t, v_t, c, config, backend=backend), donate_argnums=0)
+def htree_case(B, ctx, config, steps, repeats, backend, spread=False, dims=None, block_sizes=None):
+    """`decode_step` under `jax.jit` with the cache donated (`dims`: `MLA_DIMS`-like, else
+    the GQA shape; `block_sizes`: the decode kernels')."""
+    d = dims or dict(H=H, H_kv=H_KV, K=K, V=V)
+    cache = filled_cache(B, ctx, config, start_lengths(B, ctx, steps, repeats, spread), d["H_kv"], d["K"], d["V"])
+    q_t = jax.random.normal(jax.random.key(2), (B, d["H"], d["K"]), DTYPE)
+    k_t = jax.random.normal(jax.random.key(3), (B, d["H_kv"], d["K"]), DTYPE)
+    v_t = jax.random.normal(jax.random.key(4), (B, d["H_kv"], d["V"]), DTYPE)
+    fn = jax.jit(lambda c: decode_step(q_t, k_t, v_t, c, config, backend=backend, block_sizes=block_sizes),
+                 donate_argnums=0)
 
     def step(i, c):
         return fn(c)[1]
@@ -182,6 +189,75 @@ def dense_case(B, ctx, steps, repeats):
     return float("nan"), "-"
 
 
+def dense_latent_case(B, ctx, steps, repeats):
+    """Dense decode at the MLA shape in DeepSeek's absorbed form: one latent cache `[B,
+    ctx, 576]`, the new row written, the 128 heads' scores over every valid row, the
+    values its first 512 features (XLA)."""
+    d = MLA_DIMS
+    kc = jax.random.normal(jax.random.key(0), (B, ctx, d["K"]), DTYPE)
+    q_t = jax.random.normal(jax.random.key(2), (B, d["H"], d["K"]), DTYPE)
+    k_t = jax.random.normal(jax.random.key(3), (B, 1, d["K"]), DTYPE)
+    start = ctx - (repeats + 1) * steps - 1
+    scale = d["K"] ** -0.5
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def fn(state):
+        kc, length = state
+        kc = jax.lax.dynamic_update_slice_in_dim(kc, k_t, length, axis=1)
+        logits = jnp.einsum("bhk,btk->bht", q_t, kc, preferred_element_type=jnp.float32) * scale
+        logits = jnp.where(jnp.arange(ctx)[None, None, :] <= length, logits, -jnp.inf)
+        p = jax.nn.softmax(logits, axis=-1).astype(DTYPE)
+        o = jnp.einsum("bht,btv->bhv", p, kc[..., :d["V"]], preferred_element_type=jnp.float32)
+        return (kc, length + 1), o
+
+    ms, _ = per_step_ms(lambda i, s: fn(s)[0], (kc, jnp.asarray(start, jnp.int32)), steps, repeats)
+    return ms
+
+
+def cache_read_ms(B, ctx, repeats):
+    """One pass over a `[B, ctx, 576]` bfloat16 latent cache (a sum): the measured read floor."""
+    kc = jax.random.normal(jax.random.key(0), (B, ctx, MLA_DIMS["K"]), DTYPE)
+    fn = jax.jit(lambda x: jnp.sum(x, axis=(0, 1), dtype=jnp.float32))
+    jax.block_until_ready(fn(kc))
+    times = []
+    for _ in range(max(3, repeats)):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(kc))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run_mla(args) -> int:
+    """`--shape mla`: per-token decode at latent attention's shape (H=128 over one kv
+    head, K=576 with rope_dim=64, V=512; the cache keeps the values apart), against the
+    dense decode's byte floor: every cached latent row (576 bfloat16) read once at the
+    device's HBM rate (`HBM_BYTES_PER_S`), beside the measured one-pass read of such a
+    cache and the measured dense (absorbed-form XLA) step."""
+    kind = jax.devices()[0].device_kind
+    rate = next((r for name, r in HBM_BYTES_PER_S.items() if name in kind), float("nan"))
+    rows = [int(x) for x in args.wide_rows.split(",") if x]
+    cols = [f"htree rows={r} ms" for r in rows]
+    lines = ["| context | B | top_k | layers | " + " | ".join(cols)
+             + " | byte floor ms | read ms | dense ms | " + " | ".join(f"floor/rows={r}" for r in rows) + " |",
+             "|---" * (7 + 2 * len(rows)) + "|"]
+    print(f"device {kind}: HBM rate {rate / 1e12:.2f} TB/s for the byte floor", flush=True)
+    for B in int_list(args.batches):
+        for ctx in int_list(args.contexts):
+            floor = B * ctx * MLA_DIMS["K"] * 2 / rate * 1e3
+            read = cache_read_ms(B, ctx, args.repeats)
+            dense = dense_latent_case(B, ctx, args.steps, args.repeats) if not args.no_dense else float("nan")
+            for top_k in int_list(args.top_k):
+                config = HTreeConfig(top_k=top_k, rope_dim=64)
+                ms = [htree_case(B, ctx, config, args.steps, args.repeats, "pallas", dims=MLA_DIMS,
+                                 block_sizes=DecodeBlockSizes(wide_rows=r)) for r in rows]
+                lines.append(f"| {ctx} | {B} | {top_k} | {', '.join(map(str, config.layer_sizes(ctx)))} | "
+                             + " | ".join(f"{x:.3f}" for x in ms) + f" | {floor:.3f} | {read:.3f} | {dense:.3f} | "
+                             + " | ".join(f"{floor / x:.2f}" for x in ms) + " |")
+                print(lines[-1], flush=True)
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--contexts", default="32768,131072,524288")
@@ -194,10 +270,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-module", action="store_true", help="skip the HTreeAttention(decode=True) column")
     p.add_argument("--spread", action="store_true",
                    help="also rows at lengths uniform in [ctx/8, ctx] (the pallas backend, batches > 1)")
+    p.add_argument("--shape", default="gqa", choices=["gqa", "mla"], help="mla: `run_mla`")
+    p.add_argument("--wide-rows", default="64,16", help="with --shape mla: DecodeBlockSizes.wide_rows to time")
+    p.add_argument("--no-dense", action="store_true", help="with --shape mla: skip the measured dense step")
     args = p.parse_args(argv)
     print(gpu_header("decode", f"H={H} H_kv={H_KV} K=V={K} bfloat16; per-token decode",
                      f"python benchmarks/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
           flush=True)
+    if args.shape == "mla":
+        return run_mla(args)
     parse = int_list
     backends = [b for b in args.backends.split(",") if b]
     extra = ([] if args.no_module else ["module pallas"]) + (["pallas, spread lengths"] if args.spread else [])

@@ -4,7 +4,8 @@ Public API: `HTreeConfig`, `build_tree`, `htree_attention` (and `BlockSizes`, th
 kernels' tuning), the Flax NNX module `HTreeAttention` (linen twin:
 `htree_jax.linen.HTreeAttention`), `attention_fn` for `nnx.MultiHeadAttention` /
 `nn.MultiHeadDotProductAttention`, and incremental decoding: `init_cache`, `prefill`,
-`decode_step`, `reset_rows` (`HTreeCache`). The function they compute is stated in
+`decode_step`, `reset_rows` (`HTreeCache`; `DecodeBlockSizes`, the decode kernels'
+tuning). The function they compute is stated in
 `docs/SPEC.md` ("SPEC n" in the code cites its section n).
 
 Layers, each importing only those below it (README, "Layout"):
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it.
 _EXPORTS = {
     "BlockSizes": "pallas_kernels.plan",
+    "DecodeBlockSizes": "pallas_kernels.decode",
     "HTreeAttention": "htree_jax.module",
     "HTreeCache": "htree_jax.decode",
     "HTreeConfig": "htree_jax.core.config",
@@ -66,4 +68,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill, reset_rows
     from htree_jax.flax_attention import attention_fn
     from htree_jax.module import HTreeAttention
+    from pallas_kernels.decode import DecodeBlockSizes
     from pallas_kernels.plan import BlockSizes

@@ -33,7 +33,7 @@ from htree_jax.reference import (
     htree_attention_reference_packed,
 )
 from pallas_kernels.backward import htree_backward_pallas
-from pallas_kernels.decode import attend_cache_pallas, check_pallas_decode_dims
+from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.plan import BlockSizes, check_pallas_dims
 from pallas_kernels.wide_forward import FeatureSplit, wide_eligible
@@ -242,15 +242,17 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
 
 
 @functools.partial(jax.jit, static_argnames=("config", "impl"))
-def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: str):
+def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: str,
+                 block_sizes: DecodeBlockSizes | None = None):
     """Queries `q [B, S, H, K]` (in `rope_layout` order) at `positions [B, S]` over a
     decode cache's tree layers (`keys`, `values`, bottom first, un-rotated; `radii` of
-    layers 1.. with `selection="bound"`, else `()`), on the concrete backend `impl`:
-    `(o [B, S, H, V], selections)`."""
+    layers 1.. with `selection="bound"`, else `()`), on the concrete backend `impl`
+    (the Pallas kernels' `block_sizes`, None: the defaults): `(o [B, S, H, V],
+    selections)`."""
     if impl != "reference":
         # One new token is the newest in the cache: nothing after it can be NaN, so the
         # decode kernels need not zero the values it does not merge (SPEC 10).
-        return attend_cache_pallas(q, keys, values, positions, config,
+        return attend_cache_pallas(q, keys, values, positions, config, block_sizes or DecodeBlockSizes(),
                                    interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1,
                                    radii=tuple(radii))
     B, S, H, K = q.shape

@@ -41,6 +41,7 @@ from htree_jax.core.rope import rope_layout
 from htree_jax.core.tree import child_reciprocals, round_to_storage
 from htree_jax.core.validation import check_config, check_dtype
 from htree_jax.sharding import partitioned_cache_attention
+from pallas_kernels.decode import DecodeBlockSizes
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths", "radii"],
@@ -298,15 +299,17 @@ def _resolve(backend, cache: HTreeCache, num_heads: int) -> str:
     return decode_backend(backend, K, V, num_heads // cache.num_kv_heads)
 
 
-def _walk(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str):
+def _walk(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block_sizes):
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
-        return partitioned_cache_attention(q, cache.keys, cache.values, cache.radii, positions, config, impl)
-    return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl)
+        return partitioned_cache_attention(q, cache.keys, cache.values, cache.radii, positions, config, impl,
+                                           block_sizes)
+    return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl, block_sizes)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl"), donate_argnames=("cache",))
-def _prefill(q, k, v, cache, counts, config, return_selected, impl):
+@functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl", "block_sizes"),
+                   donate_argnames=("cache",))
+def _prefill(q, k, v, cache, counts, config, return_selected, impl, block_sizes=None):
     """Rows append `counts [B]` tokens; a row that would overflow appends none and answers
     NaN (SPEC 9); outputs at a row's padding positions (`s >= counts[b]`) are 0."""
     B, S = q.shape[:2]
@@ -318,7 +321,7 @@ def _prefill(q, k, v, cache, counts, config, return_selected, impl):
     positions = cache.lengths[:, None] + jnp.minimum(s[None, :], jnp.maximum(counts[:, None] - 1, 0))
     positions = jnp.minimum(positions, cache.max_len - 1)
     cache = append_to_cache(cache, k, v, config, counts)
-    o, selected = _walk(q, cache, positions, config, impl)
+    o, selected = _walk(q, cache, positions, config, impl, block_sizes)
     answer = jnp.where(fits, 0.0, jnp.nan).astype(o.dtype)  # padding: 0; a row that overflows: NaN
     o = jnp.where((real & fits[:, None])[..., None, None], o, answer[:, None, None, None])
     selected = [jnp.where(real[..., None, None], x, -1) for x in selected]
@@ -326,7 +329,7 @@ def _prefill(q, k, v, cache, counts, config, return_selected, impl):
 
 
 def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, lengths=None, backend: str = "auto",
-            return_selected: bool = False):
+            return_selected: bool = False, block_sizes: DecodeBlockSizes | None = None):
     """Appends up to `S` tokens per row (`q [B, S, H, K]`, `k [B, S, H_kv, K]`, `v [B, S,
     H_kv, V]`, un-rotated, the cache's dtype), row `b` its first `lengths[b]` (`lengths`
     int `[B]`, right-padded prompts; `None`: all `S`), at that row's own length, and
@@ -344,7 +347,8 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     `pallas_kernels/decode.py`: CUDA GPUs, K in [32, 576] a multiple of 32, V in [32,
     512] a multiple of 16; up to 16 query heads per kv head, or a multiple of 16 up to
     128), `"pallas_interpret"` (the same kernels interpreted, any
-    platform) or `"auto"` (`"pallas"` on a GPU where the dims allow, else `"reference"`)."""
+    platform) or `"auto"` (`"pallas"` on a GPU where the dims allow, else `"reference"`).
+    `block_sizes`: the Pallas decode kernels' `DecodeBlockSizes` (None: the defaults)."""
     config = check_decode_config(config)
     check_cache(cache, config)
     S = _check_tokens(cache, q, k, v, step=False)
@@ -352,7 +356,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     impl = _resolve(backend, cache, q.shape[2])
     _check_room(cache, counts)
     q, k = rotation_layout(q, k, config)
-    return _prefill(q, k, v, cache, counts, config, return_selected, impl)
+    return _prefill(q, k, v, cache, counts, config, return_selected, impl, block_sizes)
 
 
 def rotation_layout(q, k, config: HTreeConfig):
@@ -364,11 +368,12 @@ def rotation_layout(q, k, config: HTreeConfig):
     return rope_layout(jnp.asarray(q), R), rope_layout(jnp.asarray(k), R)
 
 
-def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto"):
+def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto",
+                block_sizes: DecodeBlockSizes | None = None):
     """One token per batch row, at that row's own length: `q_t [B, H, K]`, `k_t [B, H_kv,
     K]`, `v_t [B, H_kv, V]`. Returns `(o_t [B, H, V], cache)`; each row equals
     `htree_attention` on its own whole sequence at that position (strict causality).
-    `backend` and the overflow rule as in `prefill`."""
+    `backend`, `block_sizes` and the overflow rule as in `prefill`."""
     config = check_decode_config(config)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
@@ -376,5 +381,5 @@ def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = N
     counts = jnp.ones((cache.batch_size,), jnp.int32)
     _check_room(cache, np.ones((cache.batch_size,), np.int32))
     q_t, k_t = rotation_layout(q_t, k_t, config)
-    o, cache = _prefill(q_t[:, None], k_t[:, None], v_t[:, None], cache, counts, config, False, impl)
+    o, cache = _prefill(q_t[:, None], k_t[:, None], v_t[:, None], cache, counts, config, False, impl, block_sizes)
     return o[:, 0], cache

@@ -260,7 +260,8 @@ def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: int, num_radii: int):
+def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: int, num_radii: int,
+                            block_sizes=None):
     """A custom-partitioned `backends.attend_cache` over `num_layers` cache layers (and
     `num_radii` layers of radii): `f(q5, positions, *keys, *values, *radii) -> (o5,
     *selections)`."""
@@ -269,7 +270,8 @@ def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: 
         B, S, H_kv, G, K = q5.shape
         keys, values = layers[:num_layers], layers[num_layers:2 * num_layers]
         radii = layers[2 * num_layers:]
-        o, selected = attend_cache(q5.reshape(B, S, H_kv * G, K), keys, values, radii, positions, config, impl)
+        o, selected = attend_cache(q5.reshape(B, S, H_kv * G, K), keys, values, radii, positions, config, impl,
+                                   block_sizes)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
 
     call = custom_partitioning(walk)
@@ -298,11 +300,11 @@ def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: 
     return call
 
 
-def partitioned_cache_attention(q, keys, values, radii, positions, config, impl: str):
+def partitioned_cache_attention(q, keys, values, radii, positions, config, impl: str, block_sizes=None):
     """`backends.attend_cache` through a custom-partitioned call: under `jit` with a cache
     (and queries) sharded along the batch and/or the kv heads, one local walk per shard."""
     B, S, H, K = q.shape
     H_kv, L = keys[0].shape[2], len(keys)
-    call = _partitioned_cache_call(config, impl, L, L - 1, len(radii))
+    call = _partitioned_cache_call(config, impl, L, L - 1, len(radii), block_sizes)
     o5, *selected = call(q.reshape(B, S, H_kv, H // H_kv, K), positions, *keys, *values, *radii)
     return o5.reshape(B, S, H, -1), list(selected)

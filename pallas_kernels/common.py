@@ -73,6 +73,9 @@ class LayerStatic:
     # Warps of the merge kernels (None: num_warps). With 16 rows and 64 keys per
     # product, 2 warps ran a bottom merge fastest (H200 probe: 338 ms vs 407 at 4).
     merge_num_warps: int | None = None
+    # Decode kernels: features at the start of each RoPE half that do not rotate (SPEC 7's
+    # partial RoPE in `rope_layout` order), scored without a rotation (`half_pieces`).
+    latent_half: int = 0
     # Operand dtype of the merge dots ("bfloat16"/"float16", float32 accumulation), as
     # flash attention does for such inputs; None: float32 operands at merge_precision.
     merge_operands: str | None = None

@@ -9,7 +9,16 @@ K]`, un-rotated, the layout `htree_jax.decode.HTreeCache` keeps) and rotated in 
 kernel after the gather: candidate position `p` of a product over `[p0, p0 + span)`
 is rotated by `p - p0`, the query once by `n - 1 - p0` (SPEC 2.2 is relative), the
 same arithmetic `rotate_phases` does ahead of time, so the scores are those of the
-full-sequence kernels.
+full-sequence kernels. Features that do not rotate (SPEC 7's partial RoPE: 512 of
+latent attention's 576) are read and scored as stored, with no rotation
+(`importance.half_pieces`): for 16-bit caches one exact product where a rotated piece
+takes three (`BF16X3`).
+
+Groups of more than 16 heads (latent attention's 64-128 over one latent key) run as
+virtual kv heads of `DecodeBlockSizes.wide_rows` heads (64) that read the cache in
+place: every gathered key row feeds 64 heads (the row count that makes a gathered tile
+worth its bytes, `../shared/probes/mla_sparse_feasibility.py`), and the whole group's
+importance decides one selection per kv head.
 
 A decode step has few queries (`B * H_kv` of them, 4 at `B = 1`), so each query's
 candidate buffer is split over `splits` programs (grid `(B, Q, H_kv, splits)`), as
@@ -29,7 +38,7 @@ flash-decoding splits the keys, and the per-split partial results are combined i
   the partial states fold into the running one in XLA, and the output is U / S.
 
 Layouts (the wrapper pads heads and candidates):
-  q        `[B, Q, H_kv, Gp, K]`  float32, un-rotated, `Gp = max(16, next_pow2(G))` rows
+  q        `[B, Q, H_kv, Gp, K]`  as stored, un-rotated, `Gp = max(16, next_pow2(G))` rows
   parents  `[B, Q, H_kv, Mp / r]` int32 ascending, `-1` padded
   n        `[B, Q, H_kv, 1]` int32 valid candidates (SPEC 2.1)
   layer    keys `[B, N, H_kv, K]`, values `[B, N, H_kv, V]` (the cache's, any N)
@@ -52,13 +61,13 @@ from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
 from htree_jax.core.rope import rope_table
 from pallas_kernels.common import (
+    KERNEL_GROUP,
     MAX_HEAD_DIM,
     MAX_VALUE_DIM,
     MIN_DIM,
     NEG_INF,
     LayerStatic,
     check_group,
-    head_split,
     next_power_of_two,
     pad_axis,
     real_heads,
@@ -68,6 +77,7 @@ from pallas_kernels.importance import combine_max_sum, decode_scores_pallas, gro
 from pallas_kernels.merge import decode_merge_pallas, fold_partials
 from pallas_kernels.precision import Precisions
 from pallas_kernels.top_k import select_top_k_pallas
+from pallas_kernels.wide import head_block, program_shape
 
 # Keys are read in power-of-two pieces of each RoPE half (`importance.feature_pieces`:
 # 288 = 256 + 32 for K = 576), values in pieces of V: K/2 and V multiples of 16 (a dot's least).
@@ -84,6 +94,12 @@ class DecodeBlockSizes:
     num_warps: int = 4
     # Scores and packed keys of a chunk of queries (prefill) stay under this.
     chunk_budget_bytes: int = 256 << 20
+    # Groups over 16 heads (latent attention's 64-128 over one latent key): heads per
+    # program (`wide.head_block`: the largest power of two up to this dividing G), every
+    # gathered key row feeding them all; 16: the 16-head virtual groups of the
+    # full-sequence kernels. Those programs' warps: `wide_num_warps`.
+    wide_rows: int = 64
+    wide_num_warps: int = 8
 
 
 def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int) -> None:
@@ -105,21 +121,37 @@ def candidate_layout(config: HTreeConfig, block_sizes: DecodeBlockSizes):
     return span, max(M, span)
 
 
-def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H_kv: int,
+def decode_program(config: HTreeConfig, G: int, K: int, V: int, itemsize: int, block_sizes: DecodeBlockSizes):
+    """`(rows, span)`: heads per program and candidates per score product. Groups of at
+    most 16 heads: all of them (padded to 16 rows), `candidate_layout`'s span. Larger
+    groups run as virtual kv heads of `head_block(G, wide_rows)` heads (the cache read in
+    place), rows and span halved (`wide.program_shape`) until the query rows and one
+    span's keys and values fit a program (float32 at the MLA shape: 32 x 32)."""
+    span, _ = candidate_layout(config, block_sizes)
+    if G <= KERNEL_GROUP:
+        return G, span
+    R = config.partial_rope(K) or K
+    rows = head_block(G, max(KERNEL_GROUP, block_sizes.wide_rows))
+    return program_shape(rows, span, config.compression_rate, K - R, next_power_of_two(R // 2, 16), V, itemsize)
+
+
+def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H_kv: int, span: int,
                    block_sizes: DecodeBlockSizes):
-    """`(LayerStatic, Mp)`: the span, the split width (`tile`) and the score precision
-    (those of the full-sequence forward for the cache dtype)."""
+    """`(LayerStatic, Mp)`: the span (`decode_program`'s), the split width (`tile`) and
+    the score precision (those of the full-sequence forward for the cache dtype)."""
     r = config.compression_rate
-    span, Mp = candidate_layout(config, block_sizes)
+    Mp = candidate_layout(config, block_sizes)[1]
     want = max(1, block_sizes.target_programs // max(1, B * Q * H_kv))
     splits = min(next_power_of_two(want), Mp // span)
     precisions = Precisions.for_dtype(dtype)
+    R = config.partial_rope(K)
     return LayerStatic(
         r=r, tile=Mp // splits, span=span, group=G, alpha=config.score_scale(K), importance=config.importance,
         strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
         precision=precisions.scores, merge_precision=precisions.merge,
         importance_operands=precisions.importance_operands, merge_operands=precisions.merge_operands,
-        num_warps=block_sizes.num_warps,
+        num_warps=block_sizes.num_warps if G <= KERNEL_GROUP else block_sizes.wide_num_warps,
+        latent_half=0 if R is None else (K - R) // 2,
     ), Mp
 
 
@@ -188,15 +220,16 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     n_groups]` of layers 1.. (`q` then in `rope_layout` order, as the cache's keys)."""
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], values[0].shape[-1]
-    split = head_split(H // H_kv)  # larger groups: virtual kv heads of 16, the cache read in place
+    rows, span = decode_program(config, H // H_kv, K, V, jnp.dtype(keys[0].dtype).itemsize, block_sizes)
+    split = H // (H_kv * rows) if rows < H // H_kv else 1  # virtual kv heads, the cache read in place
     H_kv, G = H_kv * split, H // (H_kv * split)
     gp = next_power_of_two(G, 16)
     C = query_chunk(config, B, S, H_kv, gp, candidate_layout(config, block_sizes)[1], block_sizes)
-    st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, block_sizes)
+    st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, span, block_sizes)
     cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base), config.partial_rope(K)))
     num_chunks = -(-S // C)
     per_query = lambda x: pad_axis(pad_axis(x.reshape((B, S, H_kv, G) + x.shape[3:]), 3, gp), 1, num_chunks * C)
-    q5 = per_query(q.astype(jnp.float32))
+    q5 = per_query(q)  # as stored: the kernels read the unrotated features so (`half_pieces`)
     qn = None
     if config.selection == "bound":
         if len(radii) != len(keys) - 1:

@@ -46,7 +46,7 @@ from pallas_kernels.common import (
     real_heads,
     shared_shift,
 )
-from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, score_dot, split_rows
+from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, score_dot, split_rows, stored_dot
 from pallas_kernels.rope import full_width_inputs
 
 
@@ -305,23 +305,39 @@ def feature_pieces(width: int) -> tuple:
     return tuple(pieces)
 
 
+def half_pieces(half: int, latent: int) -> tuple:
+    """`(start, size, rotated)` power-of-two pieces of a RoPE half `[0, half)` whose first
+    `latent` features do not rotate (SPEC 7's partial RoPE in `rope_layout` order): those
+    read as stored and scored without a rotation, when both parts split into pieces a
+    dot takes (multiples of 16); else every piece rotated (the unrotated features by the
+    tables' angle 0, an identity)."""
+    if 0 < latent < half and latent % 16 == 0 and (half - latent) % 16 == 0:
+        return (tuple((a, size, False) for a, size in feature_pieces(latent))
+                + tuple((latent + a, size, True) for a, size in feature_pieces(half - latent)))
+    return tuple((a, size, True) for a, size in feature_pieces(half))
+
+
 def cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision, operands):
     """Scores `[Gp, span]` of candidate positions `[p0, p0 + span)` (`p0` a multiple of
-    the span), their validity, positions and nodes. Keys are gathered un-rotated and
-    rotated here by `p - p0`; the query by `n - 1 - p0`."""
+    the span), their validity, positions and nodes. Keys are gathered un-rotated; the
+    rotated pieces are rotated here by `p - p0`, the query's by `n - 1 - p0`; the
+    unrotated ones (`st.latent_half`) are scored as stored (`stored_dot`)."""
     r, span = st.r, st.span
     half = cos_ref.shape[-1]
     positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
     angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked by the caller
     scores = None
-    for (start, size), q_lo, q_hi in zip(feature_pieces(half), q_lo, q_hi):  # the score sums over features
-        k_lo = k_ref[nodes, pl.ds(start, size)].astype(jnp.float32)
-        k_hi = k_ref[nodes, pl.ds(half + start, size)].astype(jnp.float32)
-        kc, ks = cos_ref[pl.ds(0, span), pl.ds(start, size)], sin_ref[pl.ds(0, span), pl.ds(start, size)]
-        k_lo, k_hi = k_lo * kc - k_hi * ks, k_lo * ks + k_hi * kc
-        c, s = cos_ref[pl.ds(angle, 1), pl.ds(start, size)], sin_ref[pl.ds(angle, 1), pl.ds(start, size)]
-        r_lo, r_hi = q_lo * c - q_hi * s, q_lo * s + q_hi * c
-        piece = score_dot(r_lo, (k_lo,), precision, operands) + score_dot(r_hi, (k_hi,), precision, operands)
+    for (start, size, rotated), q_lo, q_hi in zip(half_pieces(half, st.latent_half), q_lo, q_hi):
+        k_lo, k_hi = k_ref[nodes, pl.ds(start, size)], k_ref[nodes, pl.ds(half + start, size)]
+        if not rotated:
+            piece = stored_dot(q_lo, k_lo, precision, operands) + stored_dot(q_hi, k_hi, precision, operands)
+        else:
+            k_lo, k_hi = k_lo.astype(jnp.float32), k_hi.astype(jnp.float32)
+            kc, ks = cos_ref[pl.ds(0, span), pl.ds(start, size)], sin_ref[pl.ds(0, span), pl.ds(start, size)]
+            k_lo, k_hi = k_lo * kc - k_hi * ks, k_lo * ks + k_hi * kc
+            c, s = cos_ref[pl.ds(angle, 1), pl.ds(start, size)], sin_ref[pl.ds(angle, 1), pl.ds(start, size)]
+            r_lo, r_hi = q_lo * c - q_hi * s, q_lo * s + q_hi * c
+            piece = score_dot(r_lo, (k_lo,), precision, operands) + score_dot(r_hi, (k_hi,), precision, operands)
         scores = piece if scores is None else scores + piece
     return st.alpha * scores, valid, positions, nodes
 
@@ -334,12 +350,14 @@ def cache_split_spans(n, st: LayerStatic):
     return start, count
 
 
-def cache_query_halves(q_ref):
-    """The query's RoPE halves, each as its `feature_pieces`."""
+def cache_query_halves(q_ref, st: LayerStatic):
+    """The query's RoPE halves, each as its `half_pieces`: the rotated ones float32, the
+    unrotated ones as stored (`q_ref`'s dtype)."""
     half = q_ref.shape[-1] // 2
-    pieces = feature_pieces(half)
-    return ([q_ref[:, pl.ds(a, size)].astype(jnp.float32) for a, size in pieces],
-            [q_ref[:, pl.ds(half + a, size)].astype(jnp.float32) for a, size in pieces])
+    pieces = half_pieces(half, st.latent_half)
+    load = lambda a, size, rotated: q_ref[:, pl.ds(a, size)].astype(jnp.float32 if rotated else q_ref.dtype)
+    return ([load(a, size, rotated) for a, size, rotated in pieces],
+            [load(half + a, size, rotated) for a, size, rotated in pieces])
 
 
 def cache_specs(gp: int, Mp: int, st: LayerStatic, layer_n: int, K: int | None = None, V: int | None = None,
@@ -401,7 +419,7 @@ def _cache_scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, *refs, 
         s_ref, m_ref, t_ref = refs
     gp = q_ref.shape[0]
     n = n_ref[0]
-    q_lo, q_hi = cache_query_halves(q_ref)
+    q_lo, q_hi = cache_query_halves(q_ref, st)
     start, count = cache_split_spans(n, st)
     last_in_norm = n - 1 if st.strict_causal else n
     real_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[:, None], (gp, st.span))

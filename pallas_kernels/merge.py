@@ -291,7 +291,7 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
     if bottom:
         q_ref, par_ref, n_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref = refs
         gp = q_ref.shape[0]
-        q_lo, q_hi = cache_query_halves(q_ref)
+        q_lo, q_hi = cache_query_halves(q_ref, st)
     else:
         sc_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m_ref, s_ref, u_ref = refs
         gp = sc_ref.shape[0]

@@ -113,6 +113,16 @@ def score_dot(a, b_parts, precision, operands=None):
     return dot_rows(split_rows(a, precision, operands), b_parts, precision, operands)
 
 
+def stored_dot(a, b, precision, operands=None):
+    """`a [m, k] @ b [n, k].T` in float32 of operands as loaded: exact products of
+    stored 16-bit values of one dtype (float32 accumulation: what SPEC 7's unrotated
+    features of bfloat16 queries and keys need, one product where `BF16X3` takes three),
+    else `score_dot` at `precision` / `operands`."""
+    if a.dtype == b.dtype and a.dtype != jnp.float32:
+        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return score_dot(a.astype(jnp.float32), (b.astype(jnp.float32),), precision, operands)
+
+
 def weighted_values(w, values, score_precision, operands):
     """`w [R, tile] @ values [tile, Vp]` in float32. Values only need the output's
     precision: TF32 unless exact float32 is asked for, or `operands` (bf16/f16) dots."""

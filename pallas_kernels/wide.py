@@ -62,6 +62,28 @@ class WideStatic:
     importance_tile: int = 0  # the importance kernel's step (a multiple of r dividing `tile`); 0: `tile`
 
 
+PROGRAM_BYTES = 208 * 1024  # a program's query rows and one step's tiles (see `program_shape`)
+
+
+def program_shape(rows: int, tile: int, r: int, Wl: int, hp: int, Wv_own: int, itemsize: int) -> tuple:
+    """`(rows, tile)` of a wide program, halved (rows first) until its query rows' latent
+    part and one step's tiles (latent, RoPE, separate values) take at most
+    `PROGRAM_BYTES`. At the MLA shape (r=16) bfloat16 with separate values (204800 B)
+    compiles at 64 rows and 64 candidates; float32 (409600 B) asked 262144 B of shared
+    memory of 232448 there (H200), and compiled at 32 x 32."""
+    size = lambda rows, tile: itemsize * (rows * Wl + tile * (Wl + 2 * hp + Wv_own))
+    while size(rows, tile) > PROGRAM_BYTES:
+        if rows > 16 and rows >= tile:
+            rows //= 2
+        elif tile // 2 >= max(16, r) and (tile // 2) % r == 0:
+            tile //= 2
+        elif rows > 16:
+            rows //= 2
+        else:
+            break
+    return rows, tile
+
+
 def head_block(G: int, rows: int) -> int:
     """Heads per program: the largest power of two `<= rows` dividing `G`."""
     block = 1
@@ -383,5 +405,5 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
     return tuple(out) if (not bottom or return_lse) else out[0]
 
 
-__all__ = ["WideStatic", "combine_importance", "head_block", "latent_product", "layer_inputs", "layer_refs",
-           "query_specs", "wide_importance_pallas", "wide_merge_pallas"]
+__all__ = ["PROGRAM_BYTES", "WideStatic", "combine_importance", "head_block", "latent_product", "layer_inputs",
+           "layer_refs", "program_shape", "query_specs", "wide_importance_pallas", "wide_merge_pallas"]

@@ -29,7 +29,14 @@ from pallas_kernels.precision import Precisions, key_operands
 from pallas_kernels.rope import full_width, padded_rope_table, rotate_copies, rotate_half
 from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
-from pallas_kernels.wide import WideStatic, combine_importance, head_block, wide_importance_pallas, wide_merge_pallas
+from pallas_kernels.wide import (
+    WideStatic,
+    combine_importance,
+    head_block,
+    program_shape,
+    wide_importance_pallas,
+    wide_merge_pallas,
+)
 
 
 PIPELINE_BYTES = 160 * 1024  # gathered tiles of all stages of a wide merge (H200: 227 KB per program)
@@ -69,28 +76,6 @@ class FeatureSplit:
 
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
-
-
-PROGRAM_BYTES = 208 * 1024  # a program's query rows and one step's tiles (see `program_shape`)
-
-
-def program_shape(rows: int, tile: int, r: int, Wl: int, hp: int, Wv_own: int, itemsize: int) -> tuple:
-    """`(rows, tile)` of a wide program, halved (rows first) until its query rows' latent
-    part and one step's tiles (latent, RoPE, separate values) take at most
-    `PROGRAM_BYTES`. At the MLA shape (r=16) bfloat16 with separate values (204800 B)
-    compiles at 64 rows and 64 candidates; float32 (409600 B) asked 262144 B of shared
-    memory of 232448 there (H200), and compiled at 32 x 32."""
-    size = lambda rows, tile: itemsize * (rows * Wl + tile * (Wl + 2 * hp + Wv_own))
-    while size(rows, tile) > PROGRAM_BYTES:
-        if rows > 16 and rows >= tile:
-            rows //= 2
-        elif tile // 2 >= max(16, r) and (tile // 2) % r == 0:
-            tile //= 2
-        elif rows > 16:
-            rows //= 2
-        else:
-            break
-    return rows, tile
 
 
 def pool_any(x, r: int, interpret: bool):

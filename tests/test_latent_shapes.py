@@ -14,6 +14,10 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from htree_jax.backends import attend_cache
+from htree_jax.decode import rotation_layout
+from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas
+from pallas_kernels.importance import half_pieces
 from tests.conftest import random_qkv
 from tests.helpers import assert_mostly_agrees
 from tests.test_oracle_agreement import assert_matches_oracle
@@ -90,6 +94,35 @@ def test_decoding_large_groups_equals_the_full_sequence(rng, G, K, V, importance
     power-of-two feature pieces (288 = 256 + 32), values in pieces."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32, importance=importance)
     decode_against_full(rng, G, K, V, config, 60, 40, "pallas_interpret")
+
+
+@pytest.mark.parametrize("half, latent, pieces", [
+    (288, 256, ((0, 256, False), (256, 32, True))),  # the MLA shape: 512 latent, 64 RoPE features
+    (48, 32, ((0, 32, False), (32, 16, True))),
+    (48, 0, ((0, 32, True), (32, 16, True))),  # every feature rotates
+    (32, 20, ((0, 32, True),)),  # parts a dot cannot take: every piece rotated (angle 0: identity)
+    (32, 32, ((0, 32, True),))])
+def test_half_pieces(half, latent, pieces):
+    assert half_pieces(half, latent) == pieces
+
+
+@pytest.mark.parametrize("G, K, rope_dim, wide_rows", [(128, 576, 64, 16), (32, 64, 24, 64), (48, 64, 32, 64)])
+def test_decode_programs_and_feature_pieces(rng, G, K, rope_dim, wide_rows):
+    """The decode kernels (interpreted) at 16-head virtual groups (`wide_rows=16`), at a
+    RoPE part whose halves (12 features) no dot takes (every piece rotated), and at a
+    group (48) whose programs hold 16 heads, equal the reference walk."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim)
+    T, V = 40, 32
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, T, G, 1, K, V))
+    _, cache = prefill(q, k, v, init_cache(1, T, 1, K, V, config, jnp.float32), config, backend="reference")
+    q, _ = rotation_layout(q, k, config)
+    positions = jnp.arange(T - 8, T, dtype=jnp.int32)[None]
+    want, sel_want = attend_cache(q[:, -8:], cache.keys, cache.values, cache.radii, positions, config, "reference")
+    got, sel = attend_cache_pallas(q[:, -8:], cache.keys, cache.values, positions, config,
+                                   DecodeBlockSizes(wide_rows=wide_rows), interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for a, b in zip(sel, sel_want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("G, K, V, match", [(24, 64, 64, "multiple of 16"), (256, 64, 64, "multiple of 16"),

@@ -18,7 +18,7 @@ from htree_jax.core.rope import rope_layout
 from htree_jax.reference import htree_attention_reference
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.plan import BlockSizes
-from pallas_kernels import wide_forward
+from pallas_kernels import wide, wide_forward
 from pallas_kernels.wide import head_block
 from pallas_kernels.wide_forward import FeatureSplit, wide_eligible, wide_forward_pallas
 from tests.conftest import random_qkv
@@ -120,7 +120,7 @@ def test_program_shape_fits_the_shared_memory(itemsize, Wv_own, shape):
     """Rows, then candidates a step, halved until a program's bytes fit: the MLA shape
     (Wl = 512, RoPE halves of 32) keeps 64 x 64 in bfloat16; float32 takes 32 rows with
     the values read from the keys, 32 x 32 with separate values."""
-    assert wide_forward.program_shape(64, 64, 16, 512, 32, Wv_own, itemsize) == shape
+    assert wide.program_shape(64, 64, 16, 512, 32, Wv_own, itemsize) == shape
 
 
 def test_wide_eligibility():
