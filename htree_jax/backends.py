@@ -160,38 +160,41 @@ def latent_values(k, config: HTreeConfig, value_dim: int):
     return FeatureSplit(K, config.partial_rope(K) or K).values(k, value_dim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _pallas_latent_forward(q, k, config, interpret, block_sizes, value_dim):
-    """`(o, selected)` with the values the first `value_dim` latent features of `k`: the
-    wide kernels read them from the keys (no copy in the forward)."""
-    o, selected, _, _ = _guarded_latent_forward(q, k, config, interpret, block_sizes, value_dim)
-    return o, selected
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _pallas_latent_forward(q, k, positions, config, interpret, export, block_sizes, value_dim):
+    """`(o, selected)` (and the kept nodes' importance with `export`) with the values the
+    first `value_dim` latent features of `k`: the wide kernels read them from the keys
+    (no copy in the forward). `positions` as for `_pallas_forward`."""
+    o, selected, _, _, *exported = _guarded_latent_forward(q, k, positions, config, interpret, export, block_sizes,
+                                                           value_dim)
+    return (o, selected, *exported)
 
 
-def _guarded_latent_forward(q, k, config, interpret, block_sizes, value_dim):
+def _guarded_latent_forward(q, k, positions, config, interpret, export, block_sizes, value_dim):
     """SPEC 10's guard with the values inside the keys: a non-finite key row is a
     non-finite value row too."""
-    positions = jnp.arange(k.shape[1], dtype=jnp.int32)
-    first = first_non_finite(k, k[..., :0], positions)
-    o, selected, lse = htree_forward_pallas(q, zero_non_finite(k), None, config, block_sizes=block_sizes,
-                                            interpret=interpret, return_lse=True, value_dim=value_dim)
-    return poison_rows(o, positions, first), selected, lse, first
+    first = first_non_finite(k, k[..., :0], jnp.arange(k.shape[1], dtype=jnp.int32))
+    o, selected, lse, *exported = htree_forward_pallas(
+        q, zero_non_finite(k), None, config, block_sizes=block_sizes, interpret=interpret, return_lse=True,
+        positions=positions, return_importance=export, value_dim=value_dim)
+    return (poison_rows(o, query_positions(positions, q), first), selected, lse, first, *exported)
 
 
-def _pallas_latent_forward_fwd(q, k, config, interpret, block_sizes, value_dim):
-    o, selected, lse, first = _guarded_latent_forward(q, k, config, interpret, block_sizes, value_dim)
-    return (o, selected), (q, k, o, lse, first, selected if block_sizes.save_selections else None)
+def _pallas_latent_forward_fwd(q, k, positions, config, interpret, export, block_sizes, value_dim):
+    o, selected, lse, first, *exported = _guarded_latent_forward(q, k, positions, config, interpret, export,
+                                                                 block_sizes, value_dim)
+    saved = selected if block_sizes.save_selections else None
+    return (o, selected, *exported), (q, k, positions, o, lse, first, saved)
 
 
-def _pallas_latent_forward_bwd(config, interpret, block_sizes, value_dim, residuals, cotangents):
-    q, k, o, lse, first, saved = residuals
-    positions = jnp.arange(k.shape[1], dtype=jnp.int32)
-    dead = dead_rows(positions, first, q.shape[2])
+def _pallas_latent_forward_bwd(config, interpret, export, block_sizes, value_dim, residuals, cotangents):
+    q, k, positions, o, lse, first, saved = residuals
+    dead = dead_rows(query_positions(positions, q), first, q.shape[2])
     # The wide backward reads the values from the keys too; their gradient is in dk.
     dq, dk, _ = htree_backward_pallas(q, zero_non_finite(k), None, o, lse, cotangents[0], config,
                                       block_sizes=block_sizes, interpret=interpret, dead_rows=dead, selections=saved,
-                                      value_dim=value_dim)
-    return dq, jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
+                                      positions=positions, value_dim=value_dim)
+    return dq, jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype)), None
 
 
 _pallas_latent_forward.defvjp(_pallas_latent_forward_fwd, _pallas_latent_forward_bwd)
@@ -216,8 +219,10 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     (`pallas_kernels.wide_forward.wide_eligible`; elsewhere they are copied out first)."""
     if v is None:
         block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], value_dim)
-        if impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], block_sizes, packing, positions, export):
-            return _pallas_latent_forward(q, k, config, impl == "pallas_interpret", block_sizes, value_dim)
+        if impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], block_sizes, packing):
+            o, selected, *exported = _pallas_latent_forward(q, k, positions, config, impl == "pallas_interpret",
+                                                            export, block_sizes, value_dim)
+            return (o, selected, *(jax.lax.stop_gradient(x) for x in exported))
         v = latent_values(k, config, value_dim)
     if impl != "reference":
         block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], v.shape[-1])
@@ -241,7 +246,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     return (o, selected, *exported)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl"))
+@functools.partial(jax.jit, static_argnames=("config", "impl", "block_sizes"))
 def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: str,
                  block_sizes: DecodeBlockSizes | None = None):
     """Queries `q [B, S, H, K]` (in `rope_layout` order) at `positions [B, S]` over a

@@ -113,12 +113,12 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     H_kv = k.shape[2]
     V = value_dim if v is None else v.shape[-1]
     block_sizes = block_sizes or BlockSizes.for_dims(K, V)
-    if wide_eligible(H // H_kv, block_sizes, packing, positions, False):
+    if wide_eligible(H // H_kv, block_sizes, packing):
         return wide_backward_pallas(q, k, v, o, lse, do, config, block_sizes, interpret, dead_rows, selections,
-                                    value_dim)
+                                    value_dim, positions)
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
-                         "kv head, BlockSizes.wide_rows > 0, one document per row, every query")
+                         "kv head, BlockSizes.wide_rows > 0, one document per row")
     if next_power_of_two(K, 32) > 256 or next_power_of_two(V, 16) > 256:
         # Wide heads: the backward's per-query kernels hold q, do and dq rows besides the
         # key and value tiles; two pipeline stages overflow shared memory (H200: 264992 B

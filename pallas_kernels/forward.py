@@ -64,7 +64,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
 
     `v=None` with `value_dim = V`: the values are the first `V` latent (unrotated)
     features of `k`, read from the keys by the wide kernels (groups of 32 or more heads,
-    one document per row, no export: `wide_forward.wide_eligible`; refused elsewhere).
+    one document per row: `wide_forward.wide_eligible`; refused elsewhere).
     `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
     `htree_attention` runs); `block_sizes`: `None` for `BlockSizes.for_dims(K, V)`.
     Returns `(o [B, T, H, V] in q.dtype, selections)` like the
@@ -74,11 +74,12 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], value_dim if v is None else v.shape[-1]
     block_sizes = block_sizes or BlockSizes.for_dims(K, V)
-    if wide_eligible(H // H_kv, block_sizes, packing, positions, return_importance):
-        return wide_forward_pallas(q, k, v, config, block_sizes, interpret, precisions, return_lse, value_dim)
+    if wide_eligible(H // H_kv, block_sizes, packing):
+        return wide_forward_pallas(q, k, v, config, block_sizes, interpret, precisions, return_lse, value_dim,
+                                   positions, return_importance)
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
-                         "kv head, BlockSizes.wide_rows > 0, one document per row, every query, no importance export")
+                         "kv head, BlockSizes.wide_rows > 0, one document per row")
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
     prep = prepare(q, k, v, config, block_sizes, interpret, precisions or Precisions.for_dtype(q.dtype),

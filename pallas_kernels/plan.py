@@ -52,7 +52,7 @@ from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.node_backward import UNIT_ENTRIES
 from pallas_kernels.precision import Precisions, key_operands
 from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases, rotate_queries
-from pallas_kernels.top_k import select_top_k_pallas
+from pallas_kernels.top_k import kept_values, select_top_k_pallas
 from pallas_kernels.top_layer import top_importance_keys_pallas
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 
@@ -377,16 +377,6 @@ def split_heads(k, v, G: int):
 def valid_candidates(parents, t, layer: int, prep: Prepared):
     """`n` per query (SPEC 2.1), `[B, Q, H_kv, 1]` int32, from padded parent lists."""
     return candidate_count(num_parents(parents), t, prep.st.r, layer).astype(jnp.int32)
-
-
-def kept_values(keys, tau, values, top_k: int):
-    """`values [..., Mp]` at the positions a layer kept (`keys >= tau`), ascending
-    (the order of the kept nodes), 0 after: `[..., top_k]` (SPEC 8's export)."""
-    kept = keys >= tau
-    order = jnp.argsort(~kept, axis=-1, stable=True)[..., :top_k]
-    picked = jnp.take_along_axis(values, order, axis=-1)
-    slots = jnp.arange(top_k, dtype=jnp.int32)
-    return jnp.where(slots < jnp.sum(kept, axis=-1, keepdims=True, dtype=jnp.int32), picked, 0.0)
 
 
 def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, select: bool = True,

@@ -87,3 +87,12 @@ def select_top_k_twin(keys, parents, n, st: LayerStatic):
     next_parents = jnp.where(order < Mp, jnp.take_along_axis(nodes, jnp.minimum(order, Mp - 1), -1), -1)
     return next_parents, tau
 
+
+def kept_values(keys, tau, values, top_k: int):
+    """`values [..., Mp]` at the positions a layer kept (`keys >= tau`), ascending
+    (the order of the kept nodes), 0 after: `[..., top_k]` (SPEC 8's export)."""
+    kept = keys >= tau
+    order = jnp.argsort(~kept, axis=-1, stable=True)[..., :top_k]
+    picked = jnp.take_along_axis(values, order, axis=-1)
+    slots = jnp.arange(top_k, dtype=jnp.int32)
+    return jnp.where(slots < jnp.sum(kept, axis=-1, keepdims=True, dtype=jnp.int32), picked, 0.0)

@@ -372,17 +372,19 @@ def layer_gradient(acc, N: int, plan: WidePlan, split: FeatureSplit, values_from
 
 
 def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes, interpret: bool = False,
-                         dead_rows=None, selections=None, value_dim: int | None = None):
+                         dead_rows=None, selections=None, value_dim: int | None = None, positions=None):
     """`(dq, dk, dv)` of htree attention for wide groups, in the dtypes of `q, k, v`;
     `dv` is None for values read from the keys (`v=None`, `value_dim = V`: their gradient
     is in `dk`). Arguments as for `htree_backward_pallas` (which sends wide groups here):
     `o [B, T, H, V]`, `lse [B, T, H]` from the forward, `do` the cotangent of `o`,
     `dead_rows [B, T, H]` rows without a cotangent, `selections` the forward's (else
-    recomputed by the forward's kernels)."""
-    B, T, H, K = q.shape
+    recomputed by the forward's kernels), `positions [S]` the queries' positions among
+    `k`'s tokens (`q [B, S, H, K]`; None: all of them)."""
+    B, T, H, K = q.shape  # T: the queries (S)
     H_kv = k.shape[2]
     G = H // H_kv
-    plan = prepare_wide(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), value_dim)
+    plan = prepare_wide(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), value_dim,
+                        positions)
     ws, r, Qc, P, L = plan.ws, plan.ws.r, plan.chunk, plan.parents_width, plan.num_layers
     ws_b, dq_tile = backward_static(ws, G, block_sizes, q.dtype, v is not None)
     split = FeatureSplit(K, config.partial_rope(K) or K)

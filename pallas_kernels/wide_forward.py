@@ -27,7 +27,7 @@ from pallas_kernels.common import LayerStatic, next_power_of_two, pad_axis, pad_
 from pallas_kernels.importance import feature_pieces
 from pallas_kernels.precision import Precisions, key_operands
 from pallas_kernels.rope import full_width, padded_rope_table, rotate_copies, rotate_half
-from pallas_kernels.top_k import select_top_k_pallas
+from pallas_kernels.top_k import kept_values, select_top_k_pallas
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 from pallas_kernels.wide import (
     WideStatic,
@@ -85,16 +85,15 @@ def pool_any(x, r: int, interpret: bool):
     return pool_layer_pallas(pad_axis(x, -1, next_power_of_two(D)), r, PoolBlockSizes(), interpret)[..., :D]
 
 
-def wide_eligible(G: int, block_sizes, packing, positions, return_importance: bool) -> bool:
+def wide_eligible(G: int, block_sizes, packing) -> bool:
     """The wide kernels take groups of 32 or more heads (`BlockSizes.wide_rows > 0`),
-    one document per row, every query position, no importance export; other calls run
+    one document per row (any query positions, importance export too); other calls run
     the virtual-head kernels."""
-    return (G >= 32 and block_sizes.wide_rows > 0 and packing is None and positions is None
-            and not return_importance)
+    return G >= 32 and block_sizes.wide_rows > 0 and packing is None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["layers", "tables", "q_lat", "q_rope", "q_norms"],
+                   data_fields=["layers", "tables", "q_lat", "q_rope", "q_norms", "positions"],
                    meta_fields=["ws", "st_select", "chunk", "num_chunks", "seq_len", "parents_width", "value_dim",
                                 "log_n"])
 @dataclasses.dataclass(frozen=True)
@@ -102,18 +101,20 @@ class WidePlan:
     """What every chunk's launches share: the layers as the kernels read them (bottom
     first: `lat`, `rope_imp`, `rope_merge`, `values`, with the bound `radii`), the RoPE
     tables `[Mp, Wr]`, the queries' parts `[B, chunks * Qc, H_kv, G, *]` and, with the
-    bound, their feature-group norms."""
+    bound, their feature-group norms; the queries' positions among the tree's tokens
+    `[chunks * Qc]` (the last repeated past the real queries)."""
 
     layers: list
     tables: tuple
     q_lat: jax.Array
     q_rope: jax.Array
     q_norms: object
+    positions: jax.Array
     ws: WideStatic
     st_select: LayerStatic
     chunk: int  # Qc
     num_chunks: int
-    seq_len: int  # T
+    seq_len: int  # T, the tree's tokens
     parents_width: int  # P
     value_dim: int  # V
     log_n: int
@@ -124,11 +125,11 @@ class WidePlan:
 
 
 def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = False,
-                 precisions: Precisions | None = None, value_dim: int | None = None) -> WidePlan:
+                 precisions: Precisions | None = None, value_dim: int | None = None, positions=None) -> WidePlan:
     """The tree, keys and queries as the wide kernels read them (arguments as for
     `wide_forward_pallas`)."""
-    B, T, H, K = q.shape
-    H_kv = k.shape[2]
+    B, S, H, K = q.shape
+    T, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
     precisions = precisions or Precisions.for_dtype(q.dtype)
     R = config.partial_rope(K) or K
@@ -202,17 +203,19 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
     # Chunks of queries: the state, the queries' parts and the importance per chunk.
     blocks = G // ws.rows
     per_query = 4 * B * H_kv * (G * (2 * Wv + 2 * 2 * hp + Wl + 4) + Mp * (blocks + 3))
-    Qc = int(max(1, min(T, block_sizes.chunk_budget_bytes // per_query)))
-    num_chunks = -(-T // Qc)
-    rows = lambda x: pad_axis(x.reshape(B, T, H_kv, G, x.shape[-1]), 1, num_chunks * Qc)
+    Qc = int(max(1, min(S, block_sizes.chunk_budget_bytes // per_query)))
+    num_chunks = -(-S // Qc)
+    rows = lambda x: pad_axis(x.reshape(B, S, H_kv, G, x.shape[-1]), 1, num_chunks * Qc)
+    positions = jnp.arange(S, dtype=jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
+    positions = jnp.concatenate([positions, jnp.broadcast_to(positions[-1:], (num_chunks * Qc - S,))])
     q_lat = rows(pad_axis(split.latent(q), -1, Wl_stored))
     q_rope = rows(pad_rope_halves(split.rope(q).astype(jnp.float32), hp))
     q_norms = None
     if config.selection == "bound":
         pair = lambda x: jnp.sqrt(x[..., :hp] ** 2 + x[..., hp:] ** 2)
         q_norms = (jnp.abs(q_lat), pair(q_rope))
-    return WidePlan(layers, (full_width(cos), full_width(sin)), q_lat, q_rope, q_norms, ws, st_select, Qc, num_chunks,
-                    T, P, V, config.log_n)
+    return WidePlan(layers, (full_width(cos), full_width(sin)), q_lat, q_rope, q_norms, positions, ws, st_select, Qc,
+                    num_chunks, T, P, V, config.log_n)
 
 
 def chunk_start(plan: WidePlan, c):
@@ -225,7 +228,7 @@ def chunk_start(plan: WidePlan, c):
     B, _, H_kv, G, _ = qr.shape
     queries = (sl(plan.q_lat), qr, rotate_half(qr))
     norms = None if plan.q_norms is None else tuple(sl(x) for x in plan.q_norms)
-    t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), plan.seq_len - 1)[None, :, None, None]
+    t = lax.dynamic_slice_in_dim(plan.positions, c * Qc, Qc)[None, :, None, None]
     parents = top_layer_parents(t[..., 0], plan.ws.r, plan.num_layers, plan.parents_width)
     Wv = sum(size for _, size in plan.ws.value_pieces)
     state = (jnp.full((B, Qc, H_kv, G), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_kv, G), jnp.float32),
@@ -238,19 +241,24 @@ def valid_count(plan: WidePlan, parents, t, layer: int):
     return candidate_count(num_parents(parents), t, plan.ws.r, layer).astype(jnp.int32)
 
 
-def select_and_merge(plan: WidePlan, layer: int, queries, norms, parents, t, state, interpret: bool):
+def select_and_merge(plan: WidePlan, layer: int, queries, norms, parents, t, state, interpret: bool,
+                     export: bool = False):
     """A layer above the bottom: importance, shared top-K, the merge of what it did not
-    keep. Returns `(state, next parents [B, Qc, H_kv, P])`."""
+    keep. Returns `(state, next parents [B, Qc, H_kv, P])`, and with `export` the kept
+    nodes' importance `[B, Qc, H_kv, top_k]` (SPEC 8)."""
     kl, ws = plan.layers[layer], plan.ws
     n = valid_count(plan, parents, t, layer)
     bound = None if norms is None else (*norms, *kl["radii"])
     imp, shift = wide_importance_pallas(queries, parents, n, kl["lat"], kl["rope_imp"], plan.tables, ws, interpret,
                                         bound=bound)
-    keys = combine_importance(imp, shift, n, ws, plan.log_n)
+    keys = combine_importance(imp, shift, n, ws, plan.log_n, export)
+    if export:
+        keys, imp = keys
     next_parents, tau = select_top_k_pallas(keys, parents, n, plan.st_select, interpret)
     state = wide_merge_pallas(queries, parents, n, keys, tau, kl["lat"], kl["rope_merge"], kl["values"], plan.tables,
                               state, ws, interpret)
-    return state, next_parents[..., :plan.parents_width]
+    result = (state, next_parents[..., :plan.parents_width])
+    return result + (kept_values(keys, tau, imp, plan.st_select.top_k),) if export else result
 
 
 def bottom_merge(plan: WidePlan, queries, parents, t, state, interpret: bool, out_dtype):
@@ -264,31 +272,36 @@ def bottom_merge(plan: WidePlan, queries, parents, t, state, interpret: bool, ou
 
 
 def wide_forward_pallas(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = False,
-                        precisions: Precisions | None = None, return_lse: bool = False, value_dim: int | None = None):
-    """htree attention for wide groups. `q [B, T, H, K]`, `k [B, T, H_kv, K]` in
+                        precisions: Precisions | None = None, return_lse: bool = False, value_dim: int | None = None,
+                        positions=None, return_importance: bool = False):
+    """htree attention for wide groups. `q [B, S, H, K]`, `k [B, T, H_kv, K]` in
     `rope_layout` order (validated by the caller); `v [B, T, H_kv, V]`, or None with
     `value_dim = V`: the values are the first `V` latent features of `k` (read from the
-    keys, no copy). Returns what `htree_forward_pallas` does: `(o, selections[, lse])`."""
-    B, T, H, _ = q.shape
-    H_kv = k.shape[2]
-    plan = prepare_wide(q, k, v, config, block_sizes, interpret, precisions, value_dim)
+    keys, no copy); `positions [S]` the queries' positions among the `T` tokens (None:
+    `S = T`, all of them). Returns what `htree_forward_pallas` does: `(o, selections[,
+    lse][, importance])`."""
+    B, S, H, _ = q.shape
+    plan = prepare_wide(q, k, v, config, block_sizes, interpret, precisions, value_dim, positions)
     Qc, num_chunks, V = plan.chunk, plan.num_chunks, plan.value_dim
 
     def chunk(c):
         queries, norms, t, parents, state = chunk_start(plan, c)
-        selections = []
+        selections, exported = [], []
         for l in reversed(range(1, plan.num_layers)):
-            state, parents = select_and_merge(plan, l, queries, norms, parents, t, state, interpret)
+            state, parents, *imp = select_and_merge(plan, l, queries, norms, parents, t, state, interpret,
+                                                    return_importance)
             selections.append(parents[..., :config.top_k])
+            exported += imp
         o, lse = bottom_merge(plan, queries, parents, t, state, interpret, q.dtype)
-        return o, lse, selections
+        return o, lse, selections, exported
 
-    o, lse, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
-    o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H, V)[:, :T]
-    sels = [jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, config.top_k)[:, :T] for s in sels]
-    result = (o, sels)
+    o, lse, sels, imps = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
+    per_query = lambda x: jnp.moveaxis(x, 0, 1).reshape((B, num_chunks * Qc) + x.shape[3:])[:, :S]
+    result = (per_query(o).reshape(B, S, H, V), [per_query(s)[..., :config.top_k] for s in sels])
     if return_lse:
-        result += (jnp.moveaxis(lse, 0, 1).reshape(B, num_chunks * Qc, H)[:, :T],)
+        result += (per_query(lse).reshape(B, S, H),)
+    if return_importance:
+        result += ([per_query(x) for x in imps],)
     return result
 
 

@@ -78,3 +78,14 @@ def assert_mostly_agrees(o, sel, o_ref, sel_ref, group: int, share: float = 0.99
     rows = np.repeat(agree, group, axis=2)
     got, want = np.asarray(o, np.float32)[rows], np.asarray(o_ref, np.float32)[rows]
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < tol
+
+
+def assert_gradients_close(got, want, names, rtol: float = 1e-5, atol_share: float = 2e-5):
+    """Gradients `got` equal `want` (same shapes and dtypes) to `rtol` and an absolute
+    tolerance of `atol_share` of the largest `|want|`: a key's gradient sums over every
+    head and query that reads it, so float32 sums in another order differ by a share of
+    its scale, not of each (possibly near-cancelled) element."""
+    for name, a, b in zip(names, got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        scale = float(np.max(np.abs(np.asarray(b))))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol_share * scale, err_msg=name)

@@ -19,7 +19,7 @@ from htree_jax.decode import rotation_layout
 from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas
 from pallas_kernels.importance import half_pieces
 from tests.conftest import random_qkv
-from tests.helpers import assert_mostly_agrees
+from tests.helpers import assert_gradients_close, assert_mostly_agrees
 from tests.test_oracle_agreement import assert_matches_oracle
 
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
@@ -70,10 +70,11 @@ def test_mla_dims_equal_the_reference(rng):
     for a, b in zip(sel_r, sel_p):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
     w = jnp.asarray(rng.standard_normal(o_r.shape), jnp.float32)
-    grads = [jax.grad(lambda q, k, v, b=b: jnp.sum(htree_attention(q, k, v, config, backend=b) * w),
-                      argnums=(0, 1, 2))(q, k, v) for b in ("reference", "pallas_interpret")]
-    for a, b in zip(*grads):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+    want, got = [jax.grad(lambda q, k, v, b=b: jnp.sum(htree_attention(q, k, v, config, backend=b) * w),
+                          argnums=(0, 1, 2))(q, k, v) for b in ("reference", "pallas_interpret")]
+    # dk sums 128 heads' terms: float32 sums in another order (the wide backward's head
+    # blocks) differ by a share of its scale (1.5e-5 on one element of 23040, jax 0.12).
+    assert_gradients_close(got, want, "qkv", rtol=1e-4, atol_share=1e-5)
 
 
 def decode_against_full(rng, G, K, V, config, T, prefix, backend, dtype=jnp.float32, tol=1e-5):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
+from htree_jax.backends import attend
 from htree_jax.core.rope import rope_layout
 from htree_jax.reference import htree_attention_reference
 from pallas_kernels.forward import htree_forward_pallas
@@ -22,7 +23,7 @@ from pallas_kernels import wide, wide_forward
 from pallas_kernels.wide import head_block
 from pallas_kernels.wide_forward import FeatureSplit, wide_eligible, wide_forward_pallas
 from tests.conftest import random_qkv
-from tests.helpers import assert_mostly_agrees
+from tests.helpers import assert_gradients_close, assert_mostly_agrees
 
 
 def laid_out(q, k, config):
@@ -49,7 +50,7 @@ def test_wide_forward_equals_the_reference(rng, selection, importance, strict, B
     q, k, v = random_qkv(rng, B, 150, G, 1, K, V)
     q, k = laid_out(q, k, config)
     v = jnp.asarray(v)
-    assert wide_eligible(G, BlockSizes(), None, None, False)
+    assert wide_eligible(G, BlockSizes(), None)
     out = wide_forward_pallas(q, k, v, config, BlockSizes(), interpret=True, return_lse=True)
     assert_same(out, htree_attention_reference(q, k, v, config))
     assert out[2].shape == (B, 150, G)
@@ -125,12 +126,36 @@ def test_program_shape_fits_the_shared_memory(itemsize, Wv_own, shape):
 
 def test_wide_eligibility():
     bs = BlockSizes()
-    assert not wide_eligible(16, bs, None, None, False)
-    assert not wide_eligible(32, dataclasses.replace(bs, wide_rows=0), None, None, False)
-    assert not wide_eligible(32, bs, object(), None, False)  # packed rows: the virtual-head kernels
-    assert not wide_eligible(32, bs, None, jnp.arange(4), False)
-    assert not wide_eligible(32, bs, None, None, True)
-    assert wide_eligible(128, bs, None, None, False)
+    assert not wide_eligible(16, bs, None)
+    assert not wide_eligible(32, dataclasses.replace(bs, wide_rows=0), None)
+    assert not wide_eligible(32, bs, object())  # packed rows: the virtual-head kernels
+    assert wide_eligible(32, bs, None) and wide_eligible(128, bs, None)
+
+
+@pytest.mark.parametrize("from_keys", [False, True])
+def test_wide_kernels_at_query_positions_with_the_export(rng, from_keys):
+    """Queries at some positions only (a context-parallel shard's: `positions`) with the
+    importance export (SPEC 8) on the wide kernels: outputs, selections, the kept nodes'
+    importance equal the reference's (3 layers at T=100), the values their own or read
+    from the keys (there the gradients of q and k too)."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32, importance="shared_max")
+    q, k, v = random_qkv(rng, 1, 100, 32, 1, 64, 32)
+    q, k = laid_out(q, k, config)
+    positions = jnp.arange(37, 100, dtype=jnp.int32)
+    q, v = q[:, 37:], (None if from_keys else jnp.asarray(v))
+    V = 24 if from_keys else None
+    assert wide_eligible(32, BlockSizes(), None)
+    run = lambda impl, q, k, v: attend(q, k, v, config, impl, positions=positions, export=True, value_dim=V)
+    (o, sel, imp), (o_r, sel_r, imp_r) = run("pallas_interpret", q, k, v), run("reference", q, k, v)
+    assert_same((o, sel), (o_r, sel_r))
+    assert len(imp) == len(sel)
+    for a, b in zip(imp, imp_r):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    if from_keys:  # the gradients (one wide backward for both: the positions are its only change here)
+        w = jnp.asarray(rng.standard_normal(o.shape).astype(np.float32))
+        loss = lambda impl: lambda q, k: jnp.sum(run(impl, q, k, None)[0] * w)
+        assert_gradients_close(jax.grad(loss("pallas_interpret"), argnums=(0, 1))(q, k),
+                               jax.grad(loss("reference"), argnums=(0, 1))(q, k), "qk")
 
 
 @pytest.mark.gpu
@@ -210,13 +235,6 @@ def _grads(q, k, v, config, backend, weights, block_sizes=None, value_dim=None):
     return jax.jit(jax.grad(loss, argnums=(0, 1) if v is None else (0, 1, 2)))(q, k, v)
 
 
-def assert_gradients_close(got, want, names):
-    for name, a, b in zip(names, got, want):
-        assert a.shape == b.shape and a.dtype == b.dtype, name
-        scale = float(jnp.max(jnp.abs(b)))
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=2e-5 * scale, err_msg=name)
-
-
 @pytest.mark.parametrize("selection, importance, block_sizes, B, G, K, rope_dim, V", [
     ("mean", "softmax", BlockSizes(), 2, 32, 64, 32, 32),
     ("bound", "shared_max", BlockSizes(save_selections=False, wide_backward_rows=16), 1, 48, 96, 32, 48),
@@ -228,7 +246,7 @@ def test_wide_backward_equals_the_reference_gradients(rng, selection, importance
     several chunks of queries, values of other widths than the latent pieces."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 100, G, 1, K, V))
-    assert wide_eligible(G, block_sizes, None, None, False)
+    assert wide_eligible(G, block_sizes, None)
     weights = jnp.asarray(rng.standard_normal((B, 100, G, V)).astype(np.float32))
     got = _grads(q, k, v, config, "pallas_interpret", weights, block_sizes)
     assert_gradients_close(got, _grads(q, k, v, config, "reference", weights), "qkv")
