@@ -38,10 +38,10 @@ def test_large_groups_match_the_oracle(rng, G, K, V, importance):
                                                        (8, 2, 96, 40, "softmax")])
 def test_large_groups_equal_the_reference(rng, G, H_kv, K, V, importance):
     """Pallas (interpreted) vs the reference: outputs, selections, the importance export
-    (SPEC 8) and the gradients, B = 2, 3 layers."""
+    (SPEC 8) and the gradients, 3 layers (G >= 32: the wide kernels)."""
     config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, rope_dim=32)
     T = 100
-    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, T, G * H_kv, H_kv, K, V))
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, T, G * H_kv, H_kv, K, V))
     outs = [htree_attention(q, k, v, config, backend=b, return_selected=True, return_importance=True)
             for b in ("reference", "pallas_interpret")]
     (o_r, sel_r, imp_r), (o_p, sel_p, imp_p) = outs

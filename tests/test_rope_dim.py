@@ -20,8 +20,7 @@ K, V = 64, 32
 
 @pytest.mark.parametrize("backend, G", [("reference", 8), ("pallas_interpret", 8), ("reference", 32),
                                         ("reference", 64)])
-@pytest.mark.parametrize("importance", ["softmax", "shared_max"])
-@pytest.mark.parametrize("rope_dim", [32, 2])
+@pytest.mark.parametrize("rope_dim, importance", [(32, "softmax"), (2, "shared_max")])
 def test_partial_rope_matches_oracle(rng, backend, G, importance, rope_dim):
     config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, rope_dim=rope_dim)
     T = 150 if G <= 8 else 70  # 3 and 2 layers
