@@ -113,13 +113,18 @@ def test_packed_many_layers(rng):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_document_equals_unpacked(rng, backend):
-    """A row of one document is the unpacked call, bit for bit (and `segment_ids=None`
-    is the unpacked path itself)."""
+    """A row of one document is the unpacked call (and `segment_ids=None` is the unpacked
+    path itself): the same selections; the kernels' outputs bit for bit, the reference's
+    (two XLA programs) to float32 rounding: compiled without LLVM's optimisations (the
+    test suite's setting, `conftest.py`) they differ by 1.2e-7 on values of ~1."""
     q, k, v = random_qkv(rng, B, T, H, H_KV, K, V)
     o, sel = htree_attention(q, k, v, CONFIG, backend=backend, return_selected=True)
     o1, sel1 = htree_attention(q, k, v, CONFIG, segment_ids=np.zeros((B, T), np.int32), backend=backend,
                                return_selected=True)
-    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o))
+    if backend == "reference":
+        np.testing.assert_allclose(np.asarray(o1), np.asarray(o), rtol=0, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(np.asarray(o1), np.asarray(o))
     for a, b in zip(sel1, sel):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
