@@ -299,6 +299,11 @@ def _resolve(backend, cache: HTreeCache, num_heads: int) -> str:
     return decode_backend(backend, K, V, num_heads // cache.num_kv_heads)
 
 
+def _check_decode_block_sizes(block_sizes) -> None:
+    if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
+        raise TypeError(f"block_sizes must be an htree_jax.DecodeBlockSizes or None, got {type(block_sizes).__name__}")
+
+
 def _walk(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block_sizes):
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
@@ -352,6 +357,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     config = check_decode_config(config)
     check_cache(cache, config)
     S = _check_tokens(cache, q, k, v, step=False)
+    _check_decode_block_sizes(block_sizes)
     counts = check_lengths(lengths, cache.batch_size, S)
     impl = _resolve(backend, cache, q.shape[2])
     _check_room(cache, counts)
@@ -377,6 +383,7 @@ def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = N
     config = check_decode_config(config)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
+    _check_decode_block_sizes(block_sizes)
     impl = _resolve(backend, cache, q_t.shape[1])
     counts = jnp.ones((cache.batch_size,), jnp.int32)
     _check_room(cache, np.ones((cache.batch_size,), np.int32))

@@ -101,6 +101,11 @@ class DecodeBlockSizes:
     wide_rows: int = 64
     wide_num_warps: int = 8
 
+    def __post_init__(self):
+        rows = self.wide_rows
+        if not isinstance(rows, int) or rows < KERNEL_GROUP or rows & (rows - 1):
+            raise ValueError(f"DecodeBlockSizes.wide_rows must be a power of two >= {KERNEL_GROUP}, got {rows!r}")
+
 
 def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int) -> None:
     """The Pallas decode kernels' limits (checked before any launch)."""

@@ -107,6 +107,17 @@ def test_half_pieces(half, latent, pieces):
     assert half_pieces(half, latent) == pieces
 
 
+def test_decode_block_sizes_refused():
+    for rows in (0, 8, 48, 64.0):
+        with pytest.raises(ValueError, match="wide_rows must be a power of two >= 16"):
+            DecodeBlockSizes(wide_rows=rows)
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    cache = init_cache(1, 32, 1, 32, 32, config, jnp.float32)
+    with pytest.raises(TypeError, match="block_sizes must be an htree_jax.DecodeBlockSizes or None"):
+        decode_step(jnp.zeros((1, 2, 32)), jnp.zeros((1, 1, 32)), jnp.zeros((1, 1, 32)), cache, config,
+                    block_sizes=object())
+
+
 @pytest.mark.parametrize("G, K, rope_dim, wide_rows", [(128, 576, 64, 16), (32, 64, 24, 64), (48, 64, 32, 64)])
 def test_decode_programs_and_feature_pieces(rng, G, K, rope_dim, wide_rows):
     """The decode kernels (interpreted) at 16-head virtual groups (`wide_rows=16`), at a
