@@ -54,16 +54,32 @@ def per_step_ms(step, state, steps: int, repeats: int):
     return statistics.median(times), state
 
 
+FILL_ROWS = 8
+
+
+def random_rows(seed: int, shape):
+    """`jax.random.normal` of `shape` in blocks of `FILL_ROWS` rows: its float32 bits for
+    64 rows of 131072 x 576 would take 18 GiB at once."""
+    return jnp.concatenate([jax.random.normal(jax.random.key(seed + rows), (min(FILL_ROWS, shape[0] - rows),) + tuple(shape[1:]), DTYPE)
+                            for rows in range(0, shape[0], FILL_ROWS)], axis=0)
+
+
 def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V):
     """A cache whose tree is `build_tree` of `ctx` random tokens per row, each row at its
     `lengths[b]` (with `strict_causal`, the nodes past a row's length change nothing),
     with the tree's radii under `selection="bound"`."""
-    k = jax.random.normal(jax.random.key(0), (B, ctx, H_kv, K), DTYPE)
-    v = jax.random.normal(jax.random.key(1), (B, ctx, H_kv, V), DTYPE)
-    layers = build_tree(k, v, config)
-    keys = tuple(kl for kl, _ in layers)
-    radii = tuple(tree_radii(keys, config.compression_rate, config.rope_dim)[1:]) if config.selection == "bound" else ()
-    return HTreeCache(keys, tuple(vl for _, vl in layers), jnp.asarray(lengths, jnp.int32), radii)
+    parts = []
+    for rows in range(0, B, FILL_ROWS):  # in row blocks (`random_rows`), the tree's sums too
+        n = min(FILL_ROWS, B - rows)
+        k = jax.random.normal(jax.random.key(rows), (n, ctx, H_kv, K), DTYPE)
+        v = jax.random.normal(jax.random.key(B + rows), (n, ctx, H_kv, V), DTYPE)
+        layers = build_tree(k, v, config)
+        keys = tuple(kl for kl, _ in layers)
+        radii = tuple(tree_radii(keys, config.compression_rate, config.rope_dim)[1:]) if config.selection == "bound" else ()
+        parts.append((keys, tuple(vl for _, vl in layers), radii))
+        del k, v, layers
+    join = lambda i: tuple(jnp.concatenate(layer, axis=0) for layer in zip(*(p[i] for p in parts)))
+    return HTreeCache(join(0), join(1), jnp.asarray(lengths, jnp.int32), join(2))
 
 
 def start_lengths(B, ctx, steps, repeats, spread: bool):
@@ -194,7 +210,7 @@ def dense_latent_case(B, ctx, steps, repeats):
     ctx, 576]`, the new row written, the 128 heads' scores over every valid row, the
     values its first 512 features (XLA)."""
     d = MLA_DIMS
-    kc = jax.random.normal(jax.random.key(0), (B, ctx, d["K"]), DTYPE)
+    kc = random_rows(0, (B, ctx, d["K"]))
     q_t = jax.random.normal(jax.random.key(2), (B, d["H"], d["K"]), DTYPE)
     k_t = jax.random.normal(jax.random.key(3), (B, 1, d["K"]), DTYPE)
     start = ctx - (repeats + 1) * steps - 1
@@ -216,7 +232,7 @@ def dense_latent_case(B, ctx, steps, repeats):
 
 def cache_read_ms(B, ctx, repeats):
     """One pass over a `[B, ctx, 576]` bfloat16 latent cache (a sum): the measured read floor."""
-    kc = jax.random.normal(jax.random.key(0), (B, ctx, MLA_DIMS["K"]), DTYPE)
+    kc = random_rows(0, (B, ctx, MLA_DIMS["K"]))
     fn = jax.jit(lambda x: jnp.sum(x, axis=(0, 1), dtype=jnp.float32))
     jax.block_until_ready(fn(kc))
     times = []

@@ -219,7 +219,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     (`pallas_kernels.wide_forward.wide_eligible`; elsewhere they are copied out first)."""
     if v is None:
         block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], value_dim)
-        if impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], block_sizes, packing):
+        if impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], q.shape[-1], value_dim, block_sizes, packing):
             o, selected, *exported = _pallas_latent_forward(q, k, positions, config, impl == "pallas_interpret",
                                                             export, block_sizes, value_dim)
             return (o, selected, *(jax.lax.stop_gradient(x) for x in exported))

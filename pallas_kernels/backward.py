@@ -113,7 +113,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     H_kv = k.shape[2]
     V = value_dim if v is None else v.shape[-1]
     block_sizes = block_sizes or BlockSizes.for_dims(K, V)
-    if wide_eligible(H // H_kv, block_sizes, packing):
+    if wide_eligible(H // H_kv, K, V, block_sizes, packing):
         return wide_backward_pallas(q, k, v, o, lse, do, config, block_sizes, interpret, dead_rows, selections,
                                     value_dim, positions)
     if v is None:

@@ -91,6 +91,11 @@ def next_power_of_two(x: int, minimum: int = 1) -> int:
     return 1 << (x - 1).bit_length()
 
 
+def wide_head_dims(K: int, V: int) -> bool:
+    """Head dims past 256 features once padded (latent attention's K = 576, V = 512)."""
+    return next_power_of_two(K, 32) > 256 or next_power_of_two(V, 16) > 256
+
+
 def compiler_params(num_warps: int, num_stages: int):
     """Selects the Triton lowering (Pallas on GPU defaults to Mosaic GPU)."""
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -89,8 +89,12 @@ class DecodeBlockSizes:
     # Candidates per score product (one query rotation); raised to >= 16 and >= r.
     span: int = 64
     # Programs to aim for per launch: a query's candidates are split until
-    # B * Q * H_kv * splits reaches this (at most Mp / span splits).
+    # B * Q * H_kv * splits reaches this (at most Mp / span splits). Wide programs (64
+    # heads each, one per multiprocessor) aim for about one wave: the MLA step (T=131072,
+    # H100) took 707 us at B=64 unsplit against 955 in 4 splits (every split loads the
+    # queries and writes a partial state), 200 us at B=8 in 8 splits against 266 in 16.
     target_programs: int = 512
+    wide_target_programs: int = 128
     num_warps: int = 4
     # Scores and packed keys of a chunk of queries (prefill) stay under this.
     chunk_budget_bytes: int = 256 << 20
@@ -105,6 +109,10 @@ class DecodeBlockSizes:
         rows = self.wide_rows
         if not isinstance(rows, int) or rows < KERNEL_GROUP or rows & (rows - 1):
             raise ValueError(f"DecodeBlockSizes.wide_rows must be a power of two >= {KERNEL_GROUP}, got {rows!r}")
+        for name in ("target_programs", "wide_target_programs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodeBlockSizes.{name} must be a positive int, got {value!r}")
 
 
 def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int) -> None:
@@ -146,7 +154,8 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
     the score precision (those of the full-sequence forward for the cache dtype)."""
     r = config.compression_rate
     Mp = candidate_layout(config, block_sizes)[1]
-    want = max(1, block_sizes.target_programs // max(1, B * Q * H_kv))
+    target = block_sizes.target_programs if G <= KERNEL_GROUP else block_sizes.wide_target_programs
+    want = max(1, target // max(1, B * Q * H_kv))
     splits = min(next_power_of_two(want), Mp // span)
     precisions = Precisions.for_dtype(dtype)
     R = config.partial_rope(K)

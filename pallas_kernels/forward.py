@@ -74,7 +74,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], value_dim if v is None else v.shape[-1]
     block_sizes = block_sizes or BlockSizes.for_dims(K, V)
-    if wide_eligible(H // H_kv, block_sizes, packing):
+    if wide_eligible(H // H_kv, K, V, block_sizes, packing):
         return wide_forward_pallas(q, k, v, config, block_sizes, interpret, precisions, return_lse, value_dim,
                                    positions, return_importance)
     if v is None:

@@ -47,6 +47,7 @@ from pallas_kernels.common import (
     pad_rope_halves,
     real_heads,
     virtual_heads,
+    wide_head_dims,
 )
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.node_backward import UNIT_ENTRIES
@@ -127,7 +128,7 @@ class BlockSizes:
         features (padded), and for wider heads (latent attention, K = 576, V = 512) the
         sizes whose query rows, key tiles and value accumulator fit a program's registers
         and shared memory."""
-        shape = "head_dims<=256" if next_power_of_two(K, 32) <= 256 and next_power_of_two(V, 16) <= 256 else "wide"
+        shape = "wide" if wide_head_dims(K, V) else "head_dims<=256"
         return cls(**TUNED[shape])
 
 

@@ -23,7 +23,7 @@ from jax import lax
 from htree_jax.core.bounds import tree_radii
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
-from pallas_kernels.common import LayerStatic, next_power_of_two, pad_axis, pad_rope_halves
+from pallas_kernels.common import LayerStatic, next_power_of_two, pad_axis, pad_rope_halves, wide_head_dims
 from pallas_kernels.importance import feature_pieces
 from pallas_kernels.precision import Precisions, key_operands
 from pallas_kernels.rope import full_width, padded_rope_table, rotate_copies, rotate_half
@@ -85,11 +85,14 @@ def pool_any(x, r: int, interpret: bool):
     return pool_layer_pallas(pad_axis(x, -1, next_power_of_two(D)), r, PoolBlockSizes(), interpret)[..., :D]
 
 
-def wide_eligible(G: int, block_sizes, packing) -> bool:
-    """The wide kernels take groups of 32 or more heads (`BlockSizes.wide_rows > 0`),
-    one document per row (any query positions, importance export too); other calls run
-    the virtual-head kernels."""
-    return G >= 32 and block_sizes.wide_rows > 0 and packing is None
+def wide_eligible(G: int, K: int, V: int, block_sizes, packing) -> bool:
+    """The wide kernels take groups of 32 or more heads, and of 16 at head dims past 256
+    (`wide_head_dims`: the virtual-head kernels pad K = 576 to 1024, and in float32 their
+    bottom merge asks 270336 B of shared memory, H100), with `BlockSizes.wide_rows > 0`
+    and one document per row (any query positions, importance export too); other calls
+    run the virtual-head kernels."""
+    wide_group = G >= 32 or (G >= 16 and wide_head_dims(K, V))
+    return wide_group and block_sizes.wide_rows > 0 and packing is None
 
 
 @functools.partial(jax.tree_util.register_dataclass,

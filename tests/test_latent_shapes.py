@@ -111,6 +111,9 @@ def test_decode_block_sizes_refused():
     for rows in (0, 8, 48, 64.0):
         with pytest.raises(ValueError, match="wide_rows must be a power of two >= 16"):
             DecodeBlockSizes(wide_rows=rows)
+    for name in ("target_programs", "wide_target_programs"):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+            DecodeBlockSizes(**{name: 0})
     config = HTreeConfig(compression_rate=4, top_k=4)
     cache = init_cache(1, 32, 1, 32, 32, config, jnp.float32)
     with pytest.raises(TypeError, match="block_sizes must be an htree_jax.DecodeBlockSizes or None"):

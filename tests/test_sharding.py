@@ -24,9 +24,10 @@ def test_sharded_batch_and_heads_on_simulated_devices(backend):
     res = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_check.py"), backend], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for layout in ("batch", "heads", "batch+heads"):
+    every = backend == "reference"  # the kernels: `sharding_check.KERNEL_LAYOUTS`
+    for layout in ("batch", "heads", "batch+heads") if every else ("batch+heads",):
         assert f"ok {backend} {layout}: forward and gradients equal the unsharded run, no all-gather" in res.stdout
-    for layout in ("tokens", "batch+tokens", "tokens+heads"):
+    for layout in ("tokens", "batch+tokens", "tokens+heads") if every else ("tokens+heads",):
         assert f"ok {backend} {layout}: forward and gradients equal the unsharded run, k and v gathered" in res.stdout
     assert f"ok {backend} packed: sharded rows equal the unsharded packed call" in res.stdout
     assert f"ok {backend} values from the keys: sharded (batch, heads) equals the unsharded call" in res.stdout

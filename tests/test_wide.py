@@ -39,18 +39,20 @@ def assert_same(out, ref):
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_r), rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("selection, importance, strict", [("mean", "softmax", True), ("mean", "shared_max", True),
-                                                           ("bound", "softmax", True), ("bound", "shared_max", False)])
-@pytest.mark.parametrize("B, G, K, rope_dim, V", [(2, 32, 64, 32, 32), (1, 48, 96, 32, 64), (1, 32, 64, None, 48)])
+@pytest.mark.parametrize("selection, importance, strict, B, G, K, rope_dim, V", [
+    ("mean", "softmax", True, 2, 32, 64, 32, 32), ("bound", "shared_max", False, 2, 32, 64, 32, 32),
+    ("mean", "shared_max", True, 1, 48, 96, 32, 64), ("bound", "softmax", True, 1, 48, 96, 32, 64),
+    ("mean", "softmax", True, 1, 32, 64, None, 48), ("bound", "shared_max", False, 1, 32, 64, None, 48)])
 def test_wide_forward_equals_the_reference(rng, selection, importance, strict, B, G, K, rope_dim, V):
     """Outputs and every layer's selections (3 layers at T=150, r=4, top_k=4); G=48 runs
-    head blocks of 16, `rope_dim=None` has no latent part."""
+    head blocks of 16, `rope_dim=None` has no latent part. Each shape under both rules,
+    each rule with both importance modes (paired, not crossed: CI time)."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection,
                          strict_causal=strict)
     q, k, v = random_qkv(rng, B, 150, G, 1, K, V)
     q, k = laid_out(q, k, config)
     v = jnp.asarray(v)
-    assert wide_eligible(G, BlockSizes(), None)
+    assert wide_eligible(G, K, V, BlockSizes(), None)
     out = wide_forward_pallas(q, k, v, config, BlockSizes(), interpret=True, return_lse=True)
     assert_same(out, htree_attention_reference(q, k, v, config))
     assert out[2].shape == (B, 150, G)
@@ -81,6 +83,21 @@ def test_the_forward_takes_the_wide_kernels_for_wide_groups(rng):
     wide = htree_forward_pallas(q, k, v, config, BlockSizes(wide_rows=32), interpret=True)
     virtual = htree_forward_pallas(q, k, v, config, BlockSizes(wide_rows=0), interpret=True)
     assert_same(wide, virtual)
+
+
+def test_sixteen_heads_at_wide_head_dims_take_the_wide_kernels(rng):
+    """G=16 with K past 256 features (padded) runs the wide kernels (the virtual-head
+    ones pad K to the next power of two; in float32 at K=576 their bottom merge overflows
+    shared memory): outputs and gradients through `htree_attention` equal the
+    reference's, 3 layers at T=100."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 100, 16, 1, 320, 32))
+    assert wide_eligible(16, 320, 32, BlockSizes.for_dims(320, 32), None)
+    weights = jnp.asarray(rng.standard_normal((1, 100, 16, 32)).astype(np.float32))
+    o = htree_attention(q, k, v, config, backend="pallas_interpret")
+    np.testing.assert_allclose(o, htree_attention(q, k, v, config, backend="reference"), atol=2e-5, rtol=2e-5)
+    got = _grads(q, k, v, config, "pallas_interpret", weights)
+    assert_gradients_close(got, _grads(q, k, v, config, "reference", weights), "qkv")
 
 
 @pytest.mark.parametrize("V", [64, 48])
@@ -126,10 +143,12 @@ def test_program_shape_fits_the_shared_memory(itemsize, Wv_own, shape):
 
 def test_wide_eligibility():
     bs = BlockSizes()
-    assert not wide_eligible(16, bs, None)
-    assert not wide_eligible(32, dataclasses.replace(bs, wide_rows=0), None)
-    assert not wide_eligible(32, bs, object())  # packed rows: the virtual-head kernels
-    assert wide_eligible(32, bs, None) and wide_eligible(128, bs, None)
+    assert not wide_eligible(16, 128, 128, bs, None)  # GQA's 16 heads stay on the virtual-head kernels
+    assert wide_eligible(16, 576, 512, bs, None)  # at head dims past 256 they take the wide ones
+    assert not wide_eligible(8, 576, 512, bs, None)
+    assert not wide_eligible(32, 64, 64, dataclasses.replace(bs, wide_rows=0), None)
+    assert not wide_eligible(32, 64, 64, bs, object())  # packed rows: the virtual-head kernels
+    assert wide_eligible(32, 64, 64, bs, None) and wide_eligible(128, 64, 64, bs, None)
 
 
 @pytest.mark.parametrize("from_keys", [False, True])
@@ -144,7 +163,7 @@ def test_wide_kernels_at_query_positions_with_the_export(rng, from_keys):
     positions = jnp.arange(37, 100, dtype=jnp.int32)
     q, v = q[:, 37:], (None if from_keys else jnp.asarray(v))
     V = 24 if from_keys else None
-    assert wide_eligible(32, BlockSizes(), None)
+    assert wide_eligible(32, 64, V or 32, BlockSizes(), None)
     run = lambda impl, q, k, v: attend(q, k, v, config, impl, positions=positions, export=True, value_dim=V)
     (o, sel, imp), (o_r, sel_r, imp_r) = run("pallas_interpret", q, k, v), run("reference", q, k, v)
     assert_same((o, sel), (o_r, sel_r))
@@ -246,7 +265,7 @@ def test_wide_backward_equals_the_reference_gradients(rng, selection, importance
     several chunks of queries, values of other widths than the latent pieces."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 100, G, 1, K, V))
-    assert wide_eligible(G, block_sizes, None)
+    assert wide_eligible(G, K, V, block_sizes, None)
     weights = jnp.asarray(rng.standard_normal((B, 100, G, V)).astype(np.float32))
     got = _grads(q, k, v, config, "pallas_interpret", weights, block_sizes)
     assert_gradients_close(got, _grads(q, k, v, config, "reference", weights), "qkv")
