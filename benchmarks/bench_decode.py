@@ -64,10 +64,11 @@ def random_rows(seed: int, shape):
                             for rows in range(0, shape[0], FILL_ROWS)], axis=0)
 
 
-def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V):
+def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V, values_from_keys=False):
     """A cache whose tree is `build_tree` of `ctx` random tokens per row, each row at its
     `lengths[b]` (with `strict_causal`, the nodes past a row's length change nothing),
-    with the tree's radii under `selection="bound"`."""
+    with the tree's radii under `selection="bound"`; `values_from_keys`: no value
+    layers (the values are the keys' first `V` latent features)."""
     parts = []
     for rows in range(0, B, FILL_ROWS):  # in row blocks (`random_rows`), the tree's sums too
         n = min(FILL_ROWS, B - rows)
@@ -79,7 +80,8 @@ def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V):
         parts.append((keys, tuple(vl for _, vl in layers), radii))
         del k, v, layers
     join = lambda i: tuple(jnp.concatenate(layer, axis=0) for layer in zip(*(p[i] for p in parts)))
-    return HTreeCache(join(0), join(1), jnp.asarray(lengths, jnp.int32), join(2))
+    values = () if values_from_keys else join(1)
+    return HTreeCache(join(0), values, jnp.asarray(lengths, jnp.int32), join(2), V if values_from_keys else 0)
 
 
 def start_lengths(B, ctx, steps, repeats, spread: bool):
@@ -91,14 +93,17 @@ def start_lengths(B, ctx, steps, repeats, spread: bool):
     return np.random.default_rng(0).integers(ctx // 8, top + 1, size=B).astype(np.int32)
 
 
-def htree_case(B, ctx, config, steps, repeats, backend, spread=False, dims=None, block_sizes=None):
+def htree_case(B, ctx, config, steps, repeats, backend, spread=False, dims=None, block_sizes=None,
+               values_from_keys=False):
     """`decode_step` under `jax.jit` with the cache donated (`dims`: `MLA_DIMS`-like, else
-    the GQA shape; `block_sizes`: the decode kernels')."""
+    the GQA shape; `block_sizes`: the decode kernels'; `values_from_keys`: a cache of
+    keys only, `v_t=None`)."""
     d = dims or dict(H=H, H_kv=H_KV, K=K, V=V)
-    cache = filled_cache(B, ctx, config, start_lengths(B, ctx, steps, repeats, spread), d["H_kv"], d["K"], d["V"])
+    cache = filled_cache(B, ctx, config, start_lengths(B, ctx, steps, repeats, spread), d["H_kv"], d["K"], d["V"],
+                         values_from_keys)
     q_t = jax.random.normal(jax.random.key(2), (B, d["H"], d["K"]), DTYPE)
     k_t = jax.random.normal(jax.random.key(3), (B, d["H_kv"], d["K"]), DTYPE)
-    v_t = jax.random.normal(jax.random.key(4), (B, d["H_kv"], d["V"]), DTYPE)
+    v_t = None if values_from_keys else jax.random.normal(jax.random.key(4), (B, d["H_kv"], d["V"]), DTYPE)
     fn = jax.jit(lambda c: decode_step(q_t, k_t, v_t, c, config, backend=backend, block_sizes=block_sizes),
                  donate_argnums=0)
 
@@ -245,16 +250,17 @@ def cache_read_ms(B, ctx, repeats):
 
 def run_mla(args) -> int:
     """`--shape mla`: per-token decode at latent attention's shape (H=128 over one kv
-    head, K=576 with rope_dim=64, V=512; the cache keeps the values apart), against the
-    dense decode's byte floor: every cached latent row (576 bfloat16) read once at the
-    device's HBM rate (`HBM_BYTES_PER_S`), beside the measured one-pass read of such a
-    cache and the measured dense (absorbed-form XLA) step."""
+    head, K=576 with rope_dim=64, V=512; the cache keeps the values apart, and in the
+    last column (`rows=64, keys only`) reads them from the keys: DeepSeek's absorbed
+    form), against the dense decode's byte floor: every cached latent row (576 bfloat16)
+    read once at the device's HBM rate (`HBM_BYTES_PER_S`), beside the measured one-pass
+    read of such a cache and the measured dense (absorbed-form XLA) step."""
     kind = jax.devices()[0].device_kind
     rate = next((r for name, r in HBM_BYTES_PER_S.items() if name in kind), float("nan"))
-    rows = [int(x) for x in args.wide_rows.split(",") if x]
-    cols = [f"htree rows={r} ms" for r in rows]
+    rows = [(int(x), False) for x in args.wide_rows.split(",") if x] + [(64, True)]
+    cols = [f"htree rows={r}{', keys only' if from_keys else ''} ms" for r, from_keys in rows]
     lines = ["| context | B | top_k | layers | " + " | ".join(cols)
-             + " | byte floor ms | read ms | dense ms | " + " | ".join(f"floor/rows={r}" for r in rows) + " |",
+             + " | byte floor ms | read ms | dense ms | " + " | ".join(f"floor/{c.removeprefix('htree ').removesuffix(' ms')}" for c in cols) + " |",
              "|---" * (7 + 2 * len(rows)) + "|"]
     print(f"device {kind}: HBM rate {rate / 1e12:.2f} TB/s for the byte floor", flush=True)
     for B in int_list(args.batches):
@@ -265,7 +271,8 @@ def run_mla(args) -> int:
             for top_k in int_list(args.top_k):
                 config = HTreeConfig(top_k=top_k, rope_dim=64)
                 ms = [htree_case(B, ctx, config, args.steps, args.repeats, "pallas", dims=MLA_DIMS,
-                                 block_sizes=DecodeBlockSizes(wide_rows=r)) for r in rows]
+                                 block_sizes=DecodeBlockSizes(wide_rows=r), values_from_keys=from_keys)
+                      for r, from_keys in rows]
                 lines.append(f"| {ctx} | {B} | {top_k} | {', '.join(map(str, config.layer_sizes(ctx)))} | "
                              + " | ".join(f"{x:.3f}" for x in ms) + f" | {floor:.3f} | {read:.3f} | {dense:.3f} | "
                              + " | ".join(f"{floor / x:.2f}" for x in ms) + " |")

@@ -9,7 +9,7 @@ from htree_jax.backends import attend, check_block_sizes, full_sequence_backend,
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import check_fits, check_max_documents, check_segment_ids, pack_layout, virtual_length
 from htree_jax.core.rope import rope_layout
-from htree_jax.core.validation import check_config, check_qkv
+from htree_jax.core.validation import check_config, check_latent_value_dim, check_qkv
 from htree_jax.sharding import partitioned_attention
 from pallas_kernels.plan import BlockSizes
 
@@ -139,10 +139,7 @@ def values_stand_in(k, value_dim, config: HTreeConfig):
         raise ValueError(f"v=None reads the values from k: value_dim must be a positive int, got {value_dim!r}")
     shape = tuple(getattr(k, "shape", ()))
     if len(shape) == 4:
-        unrotated = shape[-1] - (config.partial_rope(shape[-1]) or shape[-1])
-        if value_dim > unrotated:
-            raise ValueError(f"value_dim must be at most the unrotated features of k, K - rope_dim = {unrotated} "
-                             f"(K = {shape[-1]}, rope_dim = {config.rope_dim}), got {value_dim}")
+        check_latent_value_dim(value_dim, shape[-1], config)
     return jax.ShapeDtypeStruct(shape[:-1] + (value_dim,), getattr(k, "dtype", jnp.float32))
 
 

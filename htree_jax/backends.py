@@ -91,10 +91,11 @@ def full_sequence_backend(backend: str, dims) -> str:
     return choose_backend(backend, lambda: check_pallas_dims(dims))
 
 
-def decode_backend(backend: str, head_dim: int, value_dim: int, group: int) -> str:
+def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, latent_half: int | None = None) -> str:
     """`choose_backend` for a decode call: the cache's `K`, `V` and the group size
-    (every `HTreeConfig.selection` decodes on the kernels)."""
-    return choose_backend(backend, lambda: check_pallas_decode_dims(head_dim, value_dim, group))
+    (every `HTreeConfig.selection` decodes on the kernels); `latent_half` for a cache
+    whose values are the keys' latent features (`(K - rope_dim) / 2`)."""
+    return choose_backend(backend, lambda: check_pallas_decode_dims(head_dim, value_dim, group, latent_half))
 
 
 def query_positions(positions, q):
@@ -246,20 +247,23 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     return (o, selected, *exported)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("config", "impl", "block_sizes", "value_dim"))
 def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: str,
-                 block_sizes: DecodeBlockSizes | None = None):
+                 block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0):
     """Queries `q [B, S, H, K]` (in `rope_layout` order) at `positions [B, S]` over a
     decode cache's tree layers (`keys`, `values`, bottom first, un-rotated; `radii` of
     layers 1.. with `selection="bound"`, else `()`), on the concrete backend `impl`
     (the Pallas kernels' `block_sizes`, None: the defaults): `(o [B, S, H, V],
-    selections)`."""
+    selections)`. `value_dim > 0`: `values` is `()`, the values are the keys' first
+    `value_dim` latent features (the kernels read them from the gathered keys)."""
     if impl != "reference":
         # One new token is the newest in the cache: nothing after it can be NaN, so the
         # decode kernels need not zero the values it does not merge (SPEC 10).
         return attend_cache_pallas(q, keys, values, positions, config, block_sizes or DecodeBlockSizes(),
                                    interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1,
-                                   radii=tuple(radii))
+                                   radii=tuple(radii), value_dim=value_dim)
+    if value_dim:
+        values = tuple(latent_values(kl, config, value_dim) for kl in keys)
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], values[0].shape[-1]
     chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))

@@ -39,20 +39,21 @@ from htree_jax.core.bounds import children_radii, num_groups
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.tree import child_reciprocals, round_to_storage
-from htree_jax.core.validation import check_config, check_dtype
+from htree_jax.core.validation import check_config, check_dtype, check_latent_value_dim
 from htree_jax.sharding import partitioned_cache_attention
 from pallas_kernels.decode import DecodeBlockSizes
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths", "radii"],
-                   meta_fields=[])
+                   meta_fields=["value_dim"])
 @dataclasses.dataclass(frozen=True)
 class HTreeCache:
     """The decode cache: the tree of every row's tokens so far, in buffers sized for `max_len`.
 
     keys:    per layer `l` (bottom first) `[B, N_l, H_kv, K]`, `N_l = config.layer_sizes(max_len)[l]`,
              in the cache dtype; nodes not yet reached are zero.
-    values:  per layer `[B, N_l, H_kv, V]`.
+    values:  per layer `[B, N_l, H_kv, V]`; `()` where the values are the keys' first
+             `value_dim` latent features (`init_cache(..., values_from_keys=True)`).
     radii:   with `selection="bound"` (SPEC 11), per layer `l >= 1` the nodes' radii
              float32 `[B, N_l, H_kv, n_groups]` (layer 0's are 0: not stored); else `()`.
     lengths: int32 `[B]`, the tokens each row holds (rows are independent sequences).
@@ -67,6 +68,17 @@ class HTreeCache:
     values: tuple
     lengths: jax.Array
     radii: tuple = ()
+    # > 0: no values stored; they are the first `value_dim` unrotated features of the keys
+    # (DeepSeek's absorbed form: one latent row per token, read once for both).
+    value_dim: int = 0
+
+    @property
+    def values_from_keys(self) -> bool:
+        return self.value_dim > 0
+
+    @property
+    def v_dim(self) -> int:
+        return self.value_dim or self.values[0].shape[-1]
 
     @property
     def max_len(self) -> int:
@@ -92,8 +104,12 @@ def _positive_int(name, x) -> int:
 
 
 def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_dim: int,
-               config: HTreeConfig | None = None, dtype=jnp.float32) -> HTreeCache:
-    """An empty cache for up to `max_len` tokens (the layers of `config.layer_sizes(max_len)`)."""
+               config: HTreeConfig | None = None, dtype=jnp.float32, *, values_from_keys: bool = False) -> HTreeCache:
+    """An empty cache for up to `max_len` tokens (the layers of `config.layer_sizes(max_len)`).
+    `values_from_keys=True` (DeepSeek's absorbed form, as `htree_attention(q, k, None,
+    value_dim=v_dim)`): no values are stored, they are the first `v_dim` unrotated
+    features of each key (`v_dim <= k_dim - config.rope_dim`); `prefill` and
+    `decode_step` then take `v=None`."""
     config = check_decode_config(config)
     B = _positive_int("batch_size", batch_size)
     T = _positive_int("max_len", max_len)
@@ -103,15 +119,19 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
     if K % 2:
         raise ValueError(f"k_dim must be even (htree applies rotate-half RoPE), got {K}")
     check_dtype("dtype", np.dtype(dtype))
+    if not isinstance(values_from_keys, bool):
+        raise TypeError(f"values_from_keys must be a bool, got {type(values_from_keys).__name__}")
+    if values_from_keys:
+        check_latent_value_dim(V, K, config)
     sizes = config.layer_sizes(T)
     keys = tuple(jnp.zeros((B, n, H_kv, K), dtype) for n in sizes)
-    values = tuple(jnp.zeros((B, n, H_kv, V), dtype) for n in sizes)
+    values = () if values_from_keys else tuple(jnp.zeros((B, n, H_kv, V), dtype) for n in sizes)
     radii = ()
     if config.selection == "bound":
         config.check_rope_dim(K)
         groups = num_groups(K, config.partial_rope(K))
         radii = tuple(jnp.zeros((B, n, H_kv, groups), jnp.float32) for n in sizes[1:])
-    return HTreeCache(keys, values, jnp.zeros((B,), jnp.int32), radii)
+    return HTreeCache(keys, values, jnp.zeros((B,), jnp.int32), radii, V if values_from_keys else 0)
 
 
 def check_cache(cache, config: HTreeConfig) -> None:
@@ -129,6 +149,11 @@ def check_cache(cache, config: HTreeConfig) -> None:
     if getattr(lengths, "shape", None) != (cache.batch_size,) or np.dtype(lengths.dtype) != np.int32:
         raise ValueError(f"cache.lengths must be int32 [B] = [{cache.batch_size}], got "
                          f"{getattr(lengths, 'dtype', type(lengths).__name__)} {list(getattr(lengths, 'shape', ()))}")
+    if len(cache.values) != (0 if cache.values_from_keys else len(cache.keys)):
+        raise ValueError("cache: its values do not match its value_dim (a cache from init_cache stores values per "
+                         "layer, or none with values_from_keys=True)")
+    if cache.values_from_keys:  # the config must leave that many unrotated features
+        check_latent_value_dim(cache.value_dim, cache.keys[0].shape[-1], config)
     sizes = config.layer_sizes(cache.max_len)
     got = tuple(k.shape[1] for k in cache.keys)
     if len(cache.radii) != (len(sizes) - 1 if config.selection == "bound" else 0):
@@ -144,29 +169,35 @@ def check_cache(cache, config: HTreeConfig) -> None:
 def _check_tokens(cache: HTreeCache, q, k, v, step: bool):
     """Shapes and dtypes of the new tokens against the cache; returns `S` (tokens added)."""
     B, H_kv = cache.batch_size, cache.num_kv_heads
-    K, V = cache.keys[0].shape[-1], cache.values[0].shape[-1]
+    K, V = cache.keys[0].shape[-1], cache.v_dim
+    if cache.values_from_keys != (v is None):
+        raise ValueError("v must be None: this cache reads the values from the keys (init_cache(..., "
+                         "values_from_keys=True))" if v is not None else
+                         "v=None needs a cache that reads the values from the keys (init_cache(..., "
+                         "values_from_keys=True))")
     axis = "" if step else "S, "
     want = {"q": f"[B, {axis}H, K] = [{B}, {axis}H, {K}]",
             "k": f"[B, {axis}H_kv, K] = [{B}, {axis}{H_kv}, {K}]",
             "v": f"[B, {axis}H_kv, V] = [{B}, {axis}{H_kv}, {V}]"}
     rank = 3 if step else 4
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    given = [(name, x) for name, x in (("q", q), ("k", k), ("v", v)) if x is not None]
+    for name, x in given:
         shape = tuple(getattr(x, "shape", ()))
         if len(shape) != rank:
             raise ValueError(f"{name} must have shape {want[name]}, got {list(shape)}")
     S = 1 if step else q.shape[1]
     if S == 0:
         raise ValueError("prefill needs at least one token (axis 1 of q, k, v), got 0")
-    qs, ks, vs = (x.shape if not step else x.shape[:1] + (1,) + x.shape[1:] for x in (q, k, v))
+    qs, ks, vs = (x.shape if not step else x.shape[:1] + (1,) + x.shape[1:] for x in (q, k, k if v is None else v))
     if ks != (B, S, H_kv, K):
         raise ValueError(f"k must have shape {want['k']} (the cache's), got {list(k.shape)}")
-    if vs != (B, S, H_kv, V):
+    if v is not None and vs != (B, S, H_kv, V):
         raise ValueError(f"v must have shape {want['v']} (the cache's), got {list(v.shape)}")
     if qs[0] != B or qs[1] != S or qs[3] != K:
         raise ValueError(f"q must have shape {want['q']}, got {list(q.shape)}")
     if qs[2] == 0 or qs[2] % H_kv:
         raise ValueError(f"query heads H must be a positive multiple of H_kv = {H_kv}, got H = {qs[2]}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in given:
         if np.dtype(x.dtype) != np.dtype(cache.dtype):
             raise TypeError(f"{name} must have the cache's dtype {np.dtype(cache.dtype).name}, got {np.dtype(x.dtype).name}")
     return S
@@ -221,7 +252,8 @@ def reset_rows(cache: HTreeCache, rows) -> HTreeCache:
                          f"{np.dtype(rows.dtype).name} {list(rows.shape)}")
     clear = lambda x: jnp.where(rows[:, None, None, None], jnp.zeros((), x.dtype), x)
     return HTreeCache(tuple(map(clear, cache.keys)), tuple(map(clear, cache.values)),
-                      jnp.where(rows, 0, cache.lengths).astype(jnp.int32), tuple(map(clear, cache.radii)))
+                      jnp.where(rows, 0, cache.lengths).astype(jnp.int32), tuple(map(clear, cache.radii)),
+                      cache.value_dim)
 
 
 def _set_rows(layer, index, rows):
@@ -246,7 +278,8 @@ def _append_row(keys, values, radii, start, k, v, count, r: int, rope_dim):
     s = jnp.arange(S, dtype=jnp.int32)
     positions = jnp.where(s < count, start + s, keys[0].shape[0])  # past the layer: dropped
     keys[0] = _set_rows(keys[0], positions, k)
-    values[0] = _set_rows(values[0], positions, v)
+    if values:  # else the values are the keys' latent features (`HTreeCache.value_dim`)
+        values[0] = _set_rows(values[0], positions, v)
     for l in range(1, len(keys)):
         N_l = keys[l].shape[0]
         width = min(N_l, (S - 1) // r**l + 2)  # nodes whose children changed, at most
@@ -259,7 +292,7 @@ def _append_row(keys, values, radii, start, k, v, count, r: int, rope_dim):
         reciprocal = jnp.asarray(child_reciprocals(r))[jnp.maximum(count_children, 1) - 1]
         rows_of = lambda layer: layer[jnp.minimum(children, layer.shape[0] - 1)]
         stored = {}
-        for name, layer in (("keys", keys), ("values", values)):
+        for name, layer in (("keys", keys), ("values", values))[:2 if values else 1]:
             rows = rows_of(layer[l - 1]).astype(jnp.float32)
             rows = jnp.where(exists[:, :, None, None], rows, 0.0)  # [W, r, H, D]
             sums = rows[:, 0]
@@ -287,7 +320,7 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None) -
     append = jax.vmap(functools.partial(_append_row, r=config.compression_rate,
                                         rope_dim=config.partial_rope(k.shape[-1])))
     keys, values, radii = append(cache.keys, cache.values, cache.radii, cache.lengths, k, v, counts)
-    return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32), radii)
+    return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32), radii, cache.value_dim)
 
 
 def check_decode_config(config) -> HTreeConfig:
@@ -301,11 +334,14 @@ def check_decode_config(config) -> HTreeConfig:
     return config
 
 
-def _resolve(backend, cache: HTreeCache, num_heads: int) -> str:
+def _resolve(backend, cache: HTreeCache, num_heads: int, config: HTreeConfig) -> str:
     """The concrete decode backend (`htree_jax.backends.decode_backend`: the rule of
     `htree_attention`, with the decode kernels' limits)."""
-    K, V = cache.keys[0].shape[-1], cache.values[0].shape[-1]
-    return decode_backend(backend, K, V, num_heads // cache.num_kv_heads)
+    K, V = cache.keys[0].shape[-1], cache.v_dim
+    latent_half = None
+    if cache.values_from_keys:
+        latent_half = (K - (config.partial_rope(K) or K)) // 2
+    return decode_backend(backend, K, V, num_heads // cache.num_kv_heads, latent_half)
 
 
 def _check_decode_block_sizes(block_sizes) -> None:
@@ -317,8 +353,9 @@ def _walk(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
         return partitioned_cache_attention(q, cache.keys, cache.values, cache.radii, positions, config, impl,
-                                           block_sizes)
-    return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl, block_sizes)
+                                           block_sizes, cache.value_dim)
+    return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl, block_sizes,
+                        cache.value_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl", "block_sizes"),
@@ -345,7 +382,8 @@ def _prefill(q, k, v, cache, counts, config, return_selected, impl, block_sizes=
 def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, lengths=None, backend: str = "auto",
             return_selected: bool = False, block_sizes: DecodeBlockSizes | None = None):
     """Appends up to `S` tokens per row (`q [B, S, H, K]`, `k [B, S, H_kv, K]`, `v [B, S,
-    H_kv, V]`, un-rotated, the cache's dtype), row `b` its first `lengths[b]` (`lengths`
+    H_kv, V]` or None for a cache made with `values_from_keys=True`; un-rotated, the
+    cache's dtype), row `b` its first `lengths[b]` (`lengths`
     int `[B]`, right-padded prompts; `None`: all `S`), at that row's own length, and
     attends with their queries. Returns `(o [B, S, H, V], cache)` (and the selections,
     as `htree_attention` returns them, with `return_selected=True`); row `b`'s outputs
@@ -368,7 +406,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     S = _check_tokens(cache, q, k, v, step=False)
     _check_decode_block_sizes(block_sizes)
     counts = check_lengths(lengths, cache.batch_size, S)
-    impl = _resolve(backend, cache, q.shape[2])
+    impl = _resolve(backend, cache, q.shape[2], config)
     _check_room(cache, counts)
     q, k = rotation_layout(q, k, config)
     return _prefill(q, k, v, cache, counts, config, return_selected, impl, block_sizes)
@@ -386,16 +424,17 @@ def rotation_layout(q, k, config: HTreeConfig):
 def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto",
                 block_sizes: DecodeBlockSizes | None = None):
     """One token per batch row, at that row's own length: `q_t [B, H, K]`, `k_t [B, H_kv,
-    K]`, `v_t [B, H_kv, V]`. Returns `(o_t [B, H, V], cache)`; each row equals
+    K]`, `v_t [B, H_kv, V]` (None for a cache that reads the values from the keys). Returns `(o_t [B, H, V], cache)`; each row equals
     `htree_attention` on its own whole sequence at that position (strict causality).
     `backend`, `block_sizes` and the overflow rule as in `prefill`."""
     config = check_decode_config(config)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
     _check_decode_block_sizes(block_sizes)
-    impl = _resolve(backend, cache, q_t.shape[1])
+    impl = _resolve(backend, cache, q_t.shape[1], config)
     counts = jnp.ones((cache.batch_size,), jnp.int32)
     _check_room(cache, np.ones((cache.batch_size,), np.int32))
     q_t, k_t = rotation_layout(q_t, k_t, config)
-    o, cache = _prefill(q_t[:, None], k_t[:, None], v_t[:, None], cache, counts, config, False, impl, block_sizes)
+    v = None if v_t is None else v_t[:, None]
+    o, cache = _prefill(q_t[:, None], k_t[:, None], v, cache, counts, config, False, impl, block_sizes)
     return o[:, 0], cache

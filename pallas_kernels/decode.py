@@ -74,7 +74,7 @@ from pallas_kernels.common import (
     virtual_heads,
 )
 from pallas_kernels.importance import combine_max_sum, decode_scores_pallas, group_keys_from_scores, importance_shift
-from pallas_kernels.merge import decode_merge_pallas, fold_partials
+from pallas_kernels.merge import cache_value_pieces, decode_merge_pallas, fold_partials
 from pallas_kernels.precision import Precisions
 from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.wide import head_block, program_shape
@@ -115,8 +115,11 @@ class DecodeBlockSizes:
                 raise ValueError(f"DecodeBlockSizes.{name} must be a positive int, got {value!r}")
 
 
-def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int) -> None:
-    """The Pallas decode kernels' limits (checked before any launch)."""
+def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int, latent_half: int | None = None) -> None:
+    """The Pallas decode kernels' limits (checked before any launch). `latent_half`: the
+    values are read from the keys, whose latent features lie in two runs of that many
+    (one per RoPE half): values reaching into the second need the first a multiple of
+    16 (a dot's least)."""
     if not MIN_DIM <= head_dim <= MAX_HEAD_DIM or head_dim % (2 * PIECE):
         raise ValueError(f"Pallas decoding supports head dim K in [{MIN_DIM}, {MAX_HEAD_DIM}], a multiple of "
                          f"{2 * PIECE}, got K = {head_dim}")
@@ -124,6 +127,10 @@ def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int) -> None:
         raise ValueError(f"Pallas decoding supports value dim V in [{MIN_DIM}, {MAX_VALUE_DIM}], a multiple of "
                          f"{PIECE}, got V = {value_dim}")
     check_group(group, "Pallas decoding")
+    if latent_half is not None and value_dim > latent_half and latent_half % PIECE:
+        raise ValueError(f"Pallas decoding reads values from the keys in pieces of {PIECE}: with value_dim = "
+                         f"{value_dim} > (K - rope_dim) / 2 = {latent_half}, (K - rope_dim) / 2 must be a multiple "
+                         f"of {PIECE}")
 
 
 def candidate_layout(config: HTreeConfig, block_sizes: DecodeBlockSizes):
@@ -170,14 +177,21 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
 
 
 def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos, sin, interpret: bool,
-          zero_unmerged: bool = True, qn=None, radii=()):
+          zero_unmerged: bool = True, qn=None, radii=(), value_dim: int = 0):
     """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [B, Q]`
     (each batch row its own). `selection="bound"`: `qn [B, Q, H_kv, Gp, n_groups]` the
-    query rows' group norms, `radii` the layers' from layer 1 up (SPEC 11). Returns
-    `(o [B, Q, H_kv, Gp, V] float32, selections)`."""
+    query rows' group norms, `radii` the layers' from layer 1 up (SPEC 11). `value_dim
+    > 0`: `values` is `()`, the values the keys' first `value_dim` latent features, read
+    from the key layers. Returns `(o [B, Q, H_kv, Gp, V] float32, selections)`."""
     r, L = config.compression_rate, len(keys)
     B, Q, H_kv, gp, _ = q.shape
-    V = values[0].shape[-1]
+    K = keys[0].shape[-1]
+    if value_dim:
+        V, pieces = value_dim, cache_value_pieces(value_dim, K, st.latent_half)
+        values = keys
+    else:
+        V = values[0].shape[-1]
+        pieces = cache_value_pieces(V)
     P = Mp // r
     split = H_kv // keys[0].shape[2]  # virtual kv heads per kv head of the cache
     parents = jnp.broadcast_to(top_layer_parents(t[:, :, None], r, L, P), (B, Q, H_kv, P))
@@ -190,7 +204,7 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
         n = candidate_count(num_parents(parents), t, r, l).astype(jnp.int32)
         if l == 0:
             partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, st, interpret,
-                                           zero_unmerged)
+                                           zero_unmerged, pieces)
         else:
             bound = None if qn is None else (qn, radii[l - 1])
             scores, *ranked, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret, bound)
@@ -201,7 +215,7 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
                                                     interpret)
             packed, next_parents, tau = (virtual_heads(x, split) for x in (packed, next_parents, tau))
             partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, st, interpret,
-                                           zero_unmerged)
+                                           zero_unmerged, pieces)
             parents = next_parents[..., :P]
             selections.append(real_heads(parents[..., : config.top_k], split))
         state = fold_partials(state, partials)
@@ -216,10 +230,10 @@ def query_chunk(config: HTreeConfig, B: int, S: int, H_kv: int, gp: int, Mp: int
     return int(max(1, min(S, block_sizes.chunk_budget_bytes // per_query)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "zero_unmerged"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "zero_unmerged", "value_dim"))
 def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
                         block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
-                        zero_unmerged: bool = True, radii=()):
+                        zero_unmerged: bool = True, radii=(), value_dim: int = 0):
     """htree attention of queries `q [B, S, H, K]` (un-rotated) at token positions
     `positions [S]`, or `[B, S]` per batch row (int32, may be traced; each row's
     candidates and work from its own positions), over a decode cache's tree: `keys`, `values`
@@ -231,9 +245,13 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     matters (SPEC 10: a NaN value times a weight of 0) where the cache holds tokens
     after a query: safe only when every query is the newest token, as in a one-token
     decode step. `selection="bound"` (SPEC 11) needs `radii`, the cache's `[B, N_l, H_kv,
-    n_groups]` of layers 1.. (`q` then in `rope_layout` order, as the cache's keys)."""
+    n_groups]` of layers 1.. (`q` then in `rope_layout` order, as the cache's keys).
+    `value_dim > 0`: no `values` (`()`); they are the keys' first `value_dim` latent
+    features, read from the key layers in place (DeepSeek's absorbed form)."""
     B, S, H, K = q.shape
-    H_kv, V = keys[0].shape[2], values[0].shape[-1]
+    H_kv, V = keys[0].shape[2], value_dim or values[0].shape[-1]
+    # Values read from the keys are gathered as a tile of their own (the same rows again):
+    # a program holds the same bytes as with a value layer.
     rows, span = decode_program(config, H // H_kv, K, V, jnp.dtype(keys[0].dtype).itemsize, block_sizes)
     split = H // (H_kv * rows) if rows < H // H_kv else 1  # virtual kv heads, the cache read in place
     H_kv, G = H_kv * split, H // (H_kv * split)
@@ -256,7 +274,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
         rows = lambda x: lax.dynamic_slice_in_dim(x, i * C, C, axis=1)
         qn_c = None if qn is None else rows(qn)
         return _walk(rows(q5), rows(padded), keys, values, config, st, Mp, cos, sin, interpret, zero_unmerged, qn_c,
-                     tuple(radii))
+                     tuple(radii), value_dim)
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, C, H_kv, Gp, V] -> [B, S, H, V]

@@ -361,9 +361,10 @@ def cache_query_halves(q_ref, st: LayerStatic):
 
 
 def cache_specs(gp: int, Mp: int, st: LayerStatic, layer_n: int, K: int | None = None, V: int | None = None,
-           heads_per_layer_head: int = 1):
+           heads_per_layer_head: int = 1, value_width: int | None = None):
     """BlockSpecs of a grid `(B, Q, H_kv, splits)`; those of the keys, queries and RoPE
-    tables need `K`, those of the values and states `V`. `heads_per_layer_head > 1`:
+    tables need `K`, those of the values and states `V` (the layer the values are read
+    from `value_width` features wide, `None`: `V`). `heads_per_layer_head > 1`:
     the grid's kv heads are virtual, that many per kv head of the layers
     (`plan.split_heads`), which are read in place, not repeated."""
     per = heads_per_layer_head
@@ -379,7 +380,7 @@ def cache_specs(gp: int, Mp: int, st: LayerStatic, layer_n: int, K: int | None =
     if K is not None:
         specs.update(q=query(gp, K), k=layer(K), table=pl.BlockSpec((Mp, K // 2), lambda b, i, h, s: (0, 0)))
     if V is not None:
-        specs.update(v=layer(V), mat=partial(gp, V))
+        specs.update(v=layer(value_width or V), mat=partial(gp, V))
     return specs
 
 

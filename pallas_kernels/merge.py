@@ -267,9 +267,21 @@ def merge_scored_twin(scores, parents, n, keys, tau, layer_v, state, st: LayerSt
 # cache's values, folded into the running state in XLA.
 
 
-def _cache_values(v_ref, nodes):
-    """The gathered values `[span, V]` as their `feature_pieces`."""
-    return [v_ref[nodes, pl.ds(a, size)] for a, size in feature_pieces(v_ref.shape[-1])]
+def cache_value_pieces(V: int, K: int | None = None, latent_half: int = 0) -> tuple:
+    """`(start in the layer read, size, start in V)` power-of-two pieces of the values:
+    a value layer's `feature_pieces` (`K=None`), or, read from a key layer `[.., K]` in
+    `rope_layout` order, the first `V` latent features, which lie in two runs,
+    `[0, latent_half)` and `[K/2, K/2 + latent_half)`."""
+    if K is None:
+        return tuple((a, size, a) for a, size in feature_pieces(V))
+    first = min(V, latent_half)
+    return (tuple((a, size, a) for a, size in feature_pieces(first))
+            + tuple((K // 2 + a, size, first + a) for a, size in feature_pieces(V - first)))
+
+
+def _cache_values(v_ref, nodes, pieces):
+    """The gathered values `[span, V]` as `pieces` (`cache_value_pieces`)."""
+    return [v_ref[nodes, pl.ds(a, size)] for a, size, _ in pieces]
 
 
 def _cache_fold(carry, scores, values, precision, operands):
@@ -284,10 +296,12 @@ def _cache_fold(carry, scores, values, precision, operands):
     return m_new, total, acc
 
 
-def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: bool):
+def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: bool, value_pieces: tuple):
     """One split's merged candidates folded into a partial state `(m, S, U)`: at the
     bottom every valid candidate, scored here; above it those not kept (`key < tau`),
-    from the scores `_cache_scores_kernel` stored (padding rows read as 0)."""
+    from the scores `_cache_scores_kernel` stored (padding rows read as 0). Values as
+    `value_pieces` of `v_ref` (at the bottom, values read from the keys are gathered
+    again from the same rows, which the cache serves)."""
     if bottom:
         q_ref, par_ref, n_ref, k_ref, v_ref, cos_ref, sin_ref, m_ref, s_ref, u_ref = refs
         gp = q_ref.shape[0]
@@ -311,7 +325,7 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
             _, valid, nodes = candidate_nodes(par_ref, p0, span, n, st.r)
             scores = plgpu.load(sc_ref.at[:, pl.ds(j * span, span)], mask=real_rows, other=0.0)
             merged = valid & (keys_ref[pl.ds(j * span, span)] < tau)
-        values = _cache_values(v_ref, nodes)
+        values = _cache_values(v_ref, nodes, value_pieces)
         if zero_unmerged:
             # A weight of 0 times a NaN value is still NaN (SPEC 10): where a query may
             # precede appended tokens, the values it does not merge are zeroed. Only then:
@@ -320,29 +334,31 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
             values = [jnp.where(merged[:, None], x, 0) for x in values]
         return _cache_fold(carry, jnp.where(merged[None, :], scores, NEG_INF), values, precision, operands)
 
-    pieces = feature_pieces(v_ref.shape[-1])
     init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),
-            tuple(jnp.zeros((gp, size), jnp.float32) for _, size in pieces))
+            tuple(jnp.zeros((gp, size), jnp.float32) for _, size, _ in value_pieces))
     m, total, acc = lax.fori_loop(0, count, merge_span, init)
     m_ref[...] = m
     s_ref[...] = total
-    for (a, size), u in zip(pieces, acc):
+    for (_, size, a), u in zip(value_pieces, acc):
         u_ref[:, pl.ds(a, size)] = u
 
 
-@functools.partial(jax.jit, static_argnames=("st", "interpret", "zero_unmerged"))
+@functools.partial(jax.jit, static_argnames=("st", "interpret", "zero_unmerged", "value_pieces"))
 def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, cos, sin, st: LayerStatic,
-                        interpret: bool = False, zero_unmerged: bool = True):
+                        interpret: bool = False, zero_unmerged: bool = True, value_pieces: tuple | None = None):
     """Partial states `(m, S [B, Q, H_kv, splits, Gp], U [..., Gp, V])` of a layer's
     merged candidates. Bottom layer (`keys=None`): `q_or_scores` is the queries
     `[B, Q, H_kv, Gp, K]` and every valid candidate merges; above it, the scores from
-    `decode_scores_pallas` and the candidates with `keys < tau` merge."""
+    `decode_scores_pallas` and the candidates with `keys < tau` merge. `value_pieces`
+    (`cache_value_pieces`; None: all of `layer_v`): where the values lie in `layer_v`,
+    which may be the key layer (values read from the keys)."""
     bottom = keys is None
     B, Q, H_kv, gp = q_or_scores.shape[:4]
-    V, Mp = layer_v.shape[-1], parents.shape[-1] * st.r
+    value_pieces = value_pieces or cache_value_pieces(layer_v.shape[-1])
+    V, Mp = sum(size for _, size, _ in value_pieces), parents.shape[-1] * st.r
     splits = Mp // st.tile
     sp = cache_specs(gp, Mp, st, layer_v.shape[1], K=layer_k.shape[-1] if bottom else None, V=V,
-                heads_per_layer_head=H_kv // layer_v.shape[2])
+                     heads_per_layer_head=H_kv // layer_v.shape[2], value_width=layer_v.shape[-1])
     if bottom:
         in_specs = [sp["q"], sp["parents"], sp["n"], sp["k"], sp["v"], sp["table"], sp["table"]]
         args = (q_or_scores, parents, n, layer_k, layer_v, cos, sin)
@@ -350,7 +366,8 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
         in_specs = [sp["scores"], sp["parents"], sp["n"], sp["keys"], sp["tau"], sp["v"]]
         args = (q_or_scores, parents, n, keys, tau, layer_v)
     return tuple(pl.pallas_call(
-        functools.partial(_cache_merge_kernel, st=st, bottom=bottom, zero_unmerged=zero_unmerged),
+        functools.partial(_cache_merge_kernel, st=st, bottom=bottom, zero_unmerged=zero_unmerged,
+                          value_pieces=value_pieces),
         grid=(B, Q, H_kv, splits),
         in_specs=in_specs,
         out_specs=[sp["vec"], sp["vec"], sp["mat"]],

@@ -112,21 +112,27 @@ def decode_check(backends) -> None:
                             cache)
 
     # selection="bound" (SPEC 11): the cache's radii shard like its layers.
-    runs = [(impl, CONFIG, "") for impl in backends]
-    runs += [(impl, dataclasses.replace(CONFIG, selection="bound"), " (bound)") for impl in backends]
-    for impl, config, label in runs:
+    # A cache that reads its values from the keys (no value layers; rope_dim 16 leaves 16
+    # latent features, under the kernels' least V): the partitioning, on the reference.
+    runs = [(impl, CONFIG, "", False) for impl in backends]
+    runs += [(impl, dataclasses.replace(CONFIG, selection="bound"), " (bound)", False) for impl in backends]
+    runs += [("reference", dataclasses.replace(CONFIG, rope_dim=K // 2), " (values from the keys)", True)]
+    for impl, config, label, from_keys in runs:
         outs = {}
         for sharded in (False, True):
-            cache = init_cache(B, max_len, H_KV, K, V, config, jnp.float32)
+            cache = init_cache(B, max_len, H_KV, K, K // 2 if from_keys else V, config, jnp.float32,
+                               values_from_keys=from_keys)
             put = (lambda x, s: jax.device_put(x, s)) if sharded else (lambda x, s: jnp.asarray(x))
             if sharded:
                 cache = shard_cache(cache)
             pre = jax.jit(lambda q, k, v, c, n: prefill(q, k, v, c, config, lengths=n, backend=impl))
-            o, cache = pre(put(q[:, :S], tok), put(k[:, :S], tok), put(v[:, :S], tok), cache, lengths)
+            o, cache = pre(put(q[:, :S], tok), put(k[:, :S], tok), None if from_keys else put(v[:, :S], tok), cache,
+                           lengths)
             step = jax.jit(lambda q, k, v, c: decode_step(q, k, v, c, config, backend=impl))
             got = [o]
             for i in range(steps):
-                args = (put(q[:, S + i], step_sh), put(k[:, S + i], step_sh), put(v[:, S + i], step_sh), cache)
+                args = (put(q[:, S + i], step_sh), put(k[:, S + i], step_sh),
+                        None if from_keys else put(v[:, S + i], step_sh), cache)
                 if sharded and i == 0:
                     text = step.lower(*args).compile().as_text()
                     assert "all-gather" not in text, f"{impl}: the sharded decode step gathers"

@@ -97,6 +97,57 @@ def test_decoding_large_groups_equals_the_full_sequence(rng, G, K, V, importance
     decode_against_full(rng, G, K, V, config, 60, 40, "pallas_interpret")
 
 
+@pytest.mark.parametrize("backend, G, K, rope_dim, V", [
+    ("pallas_interpret", 32, 96, 32, 48),  # values past the first latent run (32): read from both halves
+    ("pallas_interpret", 8, 96, 32, 32),  # 8 heads (the virtual-head decode), values the first run
+    ("reference", 32, 96, 32, 48)])
+def test_decoding_with_values_read_from_the_keys(rng, backend, G, K, rope_dim, V):
+    """A cache made with `values_from_keys=True` stores no values (DeepSeek's absorbed
+    form): prefill then decode steps equal the full-sequence `htree_attention(q, k,
+    None, value_dim=V)`, and a cache that stores `v = k[..., :V]` step for step."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim)
+    T, prefix = 60, 40
+    q, k, _ = (jnp.asarray(x) for x in random_qkv(rng, 2, T, G, 1, K, V))
+    full = np.asarray(htree_attention(q, k, None, config, backend=backend, value_dim=V))
+    latent = init_cache(2, T, 1, K, V, config, jnp.float32, values_from_keys=True)
+    stored = init_cache(2, T, 1, K, V, config, jnp.float32)
+    assert latent.values == () and latent.v_dim == V
+    o, latent = prefill(q[:, :prefix], k[:, :prefix], None, latent, config, backend=backend)
+    o_s, stored = prefill(q[:, :prefix], k[:, :prefix], k[:, :prefix, :, :V], stored, config, backend=backend)
+    got, want = [np.asarray(o)], [np.asarray(o_s)]
+    for t in range(prefix, T):
+        o_t, latent = decode_step(q[:, t], k[:, t], None, latent, config, backend=backend)
+        o_s, stored = decode_step(q[:, t], k[:, t], k[:, t, :, :V], stored, config, backend=backend)
+        got.append(np.asarray(o_t)[:, None])
+        want.append(np.asarray(o_s)[:, None])
+    got = np.concatenate(got, axis=1)
+    np.testing.assert_array_equal(got, np.concatenate(want, axis=1))
+    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
+    for a, b in zip(latent.keys, stored.keys):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_values_from_the_keys_cache_refusals():
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    with pytest.raises(ValueError, match="value_dim must be at most the unrotated features of k, K - rope_dim = 64"):
+        init_cache(1, 32, 1, 96, 80, config, values_from_keys=True)
+    with pytest.raises(ValueError, match="K - rope_dim = 0"):
+        init_cache(1, 32, 1, 96, 16, HTreeConfig(compression_rate=4, top_k=4), values_from_keys=True)
+    latent = init_cache(1, 32, 1, 96, 48, config, values_from_keys=True)
+    stored = init_cache(1, 32, 1, 96, 48, config)
+    q, k, v = jnp.zeros((1, 2, 96)), jnp.zeros((1, 1, 96)), jnp.zeros((1, 1, 48))
+    with pytest.raises(ValueError, match="v must be None: this cache reads the values from the keys"):
+        decode_step(q, k, v, latent, config)
+    with pytest.raises(ValueError, match="v=None needs a cache that reads the values from the keys"):
+        decode_step(q, k, None, stored, config)
+    with pytest.raises(ValueError, match=r"\(K - rope_dim\) / 2 must be a multiple of 16"):
+        # 40 latent features: runs of 20, values past the first need it a multiple of 16
+        decode_step(jnp.zeros((1, 16, 64)), jnp.zeros((1, 1, 64)), None,
+                    init_cache(1, 32, 1, 64, 32, HTreeConfig(compression_rate=4, top_k=4, rope_dim=24),
+                               values_from_keys=True),
+                    HTreeConfig(compression_rate=4, top_k=4, rope_dim=24), backend="pallas_interpret")
+
+
 @pytest.mark.parametrize("half, latent, pieces", [
     (288, 256, ((0, 256, False), (256, 32, True))),  # the MLA shape: 512 latent, 64 RoPE features
     (48, 32, ((0, 32, False), (32, 16, True))),

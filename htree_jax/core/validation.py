@@ -129,3 +129,15 @@ def check_qkv(q, k, v) -> Dims:
             f"got H = {H}, H_kv = {kv.num_kv_heads}"
         )
     return Dims(B, T, H, kv.num_kv_heads, K, kv.value_dim)
+
+
+def check_latent_value_dim(value_dim, K: int, config: HTreeConfig) -> int:
+    """Values read from the keys (DeepSeek's absorbed form): `value_dim` a positive int,
+    at most the features of `K` that do not rotate, `K - rope_dim`."""
+    if isinstance(value_dim, bool) or not isinstance(value_dim, (int, np.integer)) or value_dim < 1:
+        raise ValueError(f"values read from the keys: value_dim must be a positive int, got {value_dim!r}")
+    unrotated = K - (config.partial_rope(K) or K)
+    if value_dim > unrotated:
+        raise ValueError(f"value_dim must be at most the unrotated features of k, K - rope_dim = {unrotated} "
+                         f"(K = {K}, rope_dim = {config.rope_dim}), got {value_dim}")
+    return int(value_dim)
