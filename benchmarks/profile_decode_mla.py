@@ -23,7 +23,7 @@ def fusion_sources(compiled_text: str, times: dict, top: int = 4) -> None:
     """The shapes and source ops of the `top` slowest XLA fusions."""
     fusions = sorted(((t, name) for name, (t, _) in times.items() if "fusion" in name), reverse=True)[:top]
     for t, name in fusions:
-        hlo = name.rsplit("_", 1)[0] + "." + name.rsplit("_", 1)[1] if name[-1].isdigit() and "_" in name else name
+        hlo = re.sub(r"_(\d+)$", r".\1", name)  # the trace writes HLO's `fusion.1` as `fusion_1`
         for line in compiled_text.splitlines():
             if re.match(rf"\s*(ROOT )?%({re.escape(name)}|{re.escape(hlo)}) = ", line):
                 shape = line.split("=", 1)[1].split("fusion(")[0].strip()
