@@ -4,6 +4,7 @@ times it, then each kernel's device time (`kernel_trace`), and for the first var
 the sources of the largest XLA fusions.
 
     python benchmarks/profile_decode_mla.py --batch 64 --variants "" "wide_target_programs=512" "span=32"
+                                            [--values-from-keys]
 
 A variant is `DecodeBlockSizes` keyword arguments (`""`: the defaults)."""
 
@@ -37,16 +38,19 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--variants", nargs="*", default=[""])
+    p.add_argument("--values-from-keys", action="store_true",
+                   help="a cache of keys only (`init_cache(..., values_from_keys=True)`), v_t=None")
     args = p.parse_args(argv)
     d, ctx = MLA_DIMS, args.context
     config = HTreeConfig(top_k=64, rope_dim=64)
     variants = [eval(f"dict({v})") for v in args.variants]  # noqa: S307 - a command-line tuning knob
-    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: MLA decode, B={args.batch}, T={ctx}", flush=True)
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: MLA decode, B={args.batch}, T={ctx}"
+          f"{', keys only' if args.values_from_keys else ''}", flush=True)
     cache = filled_cache(args.batch, ctx, config, start_lengths(args.batch, ctx, 20, 3 + 2 * len(variants), False),
-                         d["H_kv"], d["K"], d["V"])
+                         d["H_kv"], d["K"], d["V"], args.values_from_keys)
     q_t = jax.random.normal(jax.random.key(2), (args.batch, d["H"], d["K"]), DTYPE)
     k_t = jax.random.normal(jax.random.key(3), (args.batch, d["H_kv"], d["K"]), DTYPE)
-    v_t = jax.random.normal(jax.random.key(4), (args.batch, d["H_kv"], d["V"]), DTYPE)
+    v_t = None if args.values_from_keys else jax.random.normal(jax.random.key(4), (args.batch, d["H_kv"], d["V"]), DTYPE)
     for i, kwargs in enumerate(variants):
         block_sizes = DecodeBlockSizes(**kwargs)
         fn = jax.jit(lambda c, bs=block_sizes: decode_step(q_t, k_t, v_t, c, config, backend="pallas", block_sizes=bs),

@@ -357,33 +357,53 @@ def bottom_merge_tflops(config, args, iters: int, value_dim: int | None = None) 
     return flops / ms / 1e9
 
 
-def run_mla(sizes, top_ks, iters: int, dense_max_t: int, grad: bool = True):
+MLA_VALUES = ("own", "keys")
+
+
+def mla_value_forms(choice: str) -> list[str]:
+    """`--values`: `own` (v its own array), `keys` (the keys' first V latent features,
+    `htree_attention(q, k, None, value_dim=V)`: DeepSeek's absorbed form) or `both`."""
+    forms = list(MLA_VALUES) if choice == "both" else [choice]
+    if any(f not in MLA_VALUES for f in forms):
+        raise ValueError(f"--values must be one of own, keys, both; got {choice!r}")
+    return forms
+
+
+def run_mla(sizes, top_ks, iters: int, dense_max_t: int, grad: bool = True, values=("own",)):
     """`--shape mla`: htree forward (and forward+backward) at the MLA shape against the
     ideal dense time and a measured dense baseline (cuDNN where it takes the shape, else
-    `chunked_dense_fn`), with XLA's planned memory."""
-    lines = ["| T | top_k | pass | htree ms | ideal dense ms | ideal/htree | bottom merge TFLOP/s | dense ms (which) | "
-             "dense/htree | htree GB | dense GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    `chunked_dense_fn`), with XLA's planned memory; `values` (`mla_value_forms`): the
+    value forms timed, each in the same run (the dense baseline reads `v` either way)."""
+    lines = ["| T | top_k | values | pass | htree ms | ideal dense ms | ideal/htree | bottom merge TFLOP/s | "
+             "dense ms (which) | dense/htree | htree GB | dense GB |", "|---" * 12 + "|"]
     for T in sizes:
         args = mla_inputs(T)
         dense_rows = {}
         for top_k in top_ks:
             config = HTreeConfig(top_k=top_k, rope_dim=MLA["rope_dim"])
-            htree = lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")
-            passes = [("forward", jax.jit(htree), False)]
-            if grad:
-                passes.append(("fwd+bwd", jax.jit(grad_of_sum(htree)), True))
-            rate = bottom_merge_tflops(config, args, iters)
-            for name, fn, backward in passes:
-                ms, gb = median_ms(fn, args, iters), planned_gb(fn, args)
-                if name not in dense_rows:
-                    dense_rows[name] = measure_dense_mla(config, args, backward, iters, T <= dense_max_t)
-                d_ms, d_which, d_gb = dense_rows[name]
-                ideal = ideal_dense_ms(T, backward)
-                fmt = lambda x, spec: "-" if x is None else format(x, spec)
-                lines.append(f"| {T} | {top_k} | {name} | {ms:.1f} | {ideal:.1f} | {ideal / ms:.3f} | {rate:.1f} | "
-                             f"{fmt(d_ms, '.1f')} ({d_which}) | {fmt(None if d_ms is None else d_ms / ms, '.3f')} | "
-                             f"{gb:.2f} | {fmt(d_gb, '.2f')} |")
-                print(lines[-1], flush=True)
+            for form in values:
+                if form == "own":
+                    htree = lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")
+                    form_args, fn_args = args, args
+                else:  # the values are the keys' first V latent features: no `v` read
+                    htree = lambda q, k, v, c=config: htree_attention(q, k, None, c, backend="pallas",
+                                                                      value_dim=MLA["V"])
+                    form_args, fn_args = args[:2] + (None,), args
+                passes = [("forward", jax.jit(htree), False)]
+                if grad:
+                    passes.append(("fwd+bwd", jax.jit(grad_of_sum(htree)), True))
+                rate = bottom_merge_tflops(config, form_args, iters, MLA["V"])
+                for name, fn, backward in passes:
+                    ms, gb = median_ms(fn, fn_args, iters), planned_gb(fn, fn_args)
+                    if name not in dense_rows:
+                        dense_rows[name] = measure_dense_mla(config, args, backward, iters, T <= dense_max_t)
+                    d_ms, d_which, d_gb = dense_rows[name]
+                    ideal = ideal_dense_ms(T, backward)
+                    fmt = lambda x, spec: "-" if x is None else format(x, spec)
+                    lines.append(f"| {T} | {top_k} | {form} | {name} | {ms:.1f} | {ideal:.1f} | {ideal / ms:.3f} | "
+                                 f"{rate:.1f} | {fmt(d_ms, '.1f')} ({d_which}) | "
+                                 f"{fmt(None if d_ms is None else d_ms / ms, '.3f')} | {gb:.2f} | {fmt(d_gb, '.2f')} |")
+                    print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -418,6 +438,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="mla: B=1, H=128, H_kv=1, K=576, rope_dim=64, V=512 (`run_mla`; --sizes default "
                         "32768,131072), against the ideal dense time and the best dense JAX runs")
     p.add_argument("--dense-max-t", type=int, default=32768, help="with --shape mla: the longest dense baseline")
+    p.add_argument("--values", default="own",
+                   help="with --shape mla: own (v its own array), keys (v=None, value_dim=V: the keys' latent "
+                        "features) or both (`mla_value_forms`)")
 
 
 def overlap_table(overlaps) -> str:
@@ -433,7 +456,8 @@ def run_bench(args, argv=()) -> int:
         sizes = int_list(args.sizes) if "--sizes" in " ".join(argv) else [32768, 131072]
         print(gpu_header("mla", ", ".join(f"{k}={v}" for k, v in MLA.items()) + " bfloat16, random inputs, "
                          f"ideal dense at {IDEAL_DENSE_TFLOPS:.0f} TFLOP/s", f"python -m htree_jax bench {' '.join(argv)}"))
-        print(run_mla(sizes, int_list(args.top_k), args.iters, args.dense_max_t, not args.no_grad))
+        print(run_mla(sizes, int_list(args.top_k), args.iters, args.dense_max_t, not args.no_grad,
+                      mla_value_forms(args.values)))
         return 0
     if args.packed:
         T = int_list(args.sizes)[0] if "--sizes" in " ".join(argv) else 131072

@@ -136,6 +136,12 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     # The top layer's backward holds q, do and dq for 128 rows: one pipeline stage fits
     # in shared memory at K = V = 128 (two asked 233472 B of 232448 on an H200).
     st_top = dataclasses.replace(st_top, num_stages=1)
+    # Its kernels also hold a tile's float32 dq or dk, dv sums: with float32 inputs at G =
+    # 16, 128 rows asked 262144 B of 232448 at K = V = 128 and 360448 B at K = 192 on an
+    # H100 (the GPU sweep, `tests/test_compile_sweep.py`), so float32 programs take 64
+    # rows of 128 features a step (32 of 256).
+    if jnp.dtype(q.dtype).itemsize > 2:
+        st_top = dataclasses.replace(st_top, block_queries=max(1, st_top.block_queries * min(64, kp) // kp))
 
     rows = lambda x: x.reshape((B, T, H_kv, G) + x.shape[3:])
     # `do` stays in its dtype and is masked chunk by chunk: no full-size copy of it is

@@ -45,8 +45,12 @@ def test_compiles_and_agrees(rng, G, K, V, dtype):
     _, got = grads(q, k, v, config, "pallas", weights)
     with jax.default_matmul_precision("highest"):
         _, want = grads(*(x.astype(jnp.float32) for x in (q, k, v)), config, "reference", weights)
-    for name, a, b in zip("qkv", got, want):
-        assert relative(a, b) < TOLERANCE[dtype], (name, relative(a, b))
+    # bf16 gradients are as far from the float32 ones as the reference's own bf16 run is
+    # (H100: dq 0.0537 for both at G=16, K=128, V=512): bounded by that, 20% over it.
+    own = grads(q, k, v, config, "reference", weights)[1] if dtype == "bfloat16" else want
+    for name, a, b, c in zip("qkv", got, want, own):
+        bound = max(TOLERANCE[dtype], 1.2 * relative(c, b))
+        assert relative(a, b) < bound, (name, relative(a, b), bound)
 
     full = htree_attention(q, k, v, config, backend="pallas")
     cache = init_cache(1, T, 1, K, V, config, q.dtype)
