@@ -79,11 +79,9 @@ def main(argv=None):
     p.add_argument("--importance-operands", default="auto",
                    help="bfloat16 inputs: operands of the importance dots: auto (the backend's default), "
                         "float32 (3xTF32), bf16x3, or a dtype name")
-    p.add_argument("--union-limit", type=float, default=BlockSizes.union_limit,
-                   help="the bottom's query blocks: 0 forces the per-query path, 1 the union path on every block")
     args = p.parse_args(argv)
-    block_sizes = BlockSizes(union_limit=args.union_limit)
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, union limit {args.union_limit}", flush=True)
+    block_sizes = BlockSizes()
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     ok = True
     for T in [int(s) for s in args.sizes.split(",")]:
         for mode in ["softmax", "shared_max"]:

@@ -28,7 +28,6 @@ from pallas_kernels.precision import Precisions
 from pallas_kernels.rope import rotate_queries
 from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.top_layer import top_importance_keys_pallas, top_merge_pallas
-from pallas_kernels.union import block_union, union_members, union_merge_pallas
 
 
 def precisions_from(merge_operands: str, importance_operands: str, dtype) -> Precisions:
@@ -41,32 +40,6 @@ def precisions_from(merge_operands: str, importance_operands: str, dtype) -> Pre
         chosen = dataclasses.replace(chosen, importance_operands=None if importance_operands == "float32"
                                      else importance_operands)
     return chosen
-
-
-def union_rows(prep, bargs, ip, iters, chunks, num_parent_nodes, dtype):
-    """Rows of the bottom merge over query blocks (`union.py`): the union build, the
-    union kernel, the per-query kernel on the other blocks, and how many blocks fit."""
-    q_rows, parents, n, k_merge, v0, cos, sin, state = bargs
-    bq, width = prep.union_queries, prep.union_width
-    build = jax.jit(lambda p: block_union(p, bq, width, num_parent_nodes))
-    union, size, slots = build(parents)
-    fits = float(jnp.mean(size <= width))
-    mean_union = float(jnp.mean(size)) / (bq * prep.parents_width)
-    rows = [(f"layer 0 query blocks: union build (sort of {bq} x {prep.parents_width} parents per block; "
-             f"{fits:.2f} of blocks fit {width}, mean union {mean_union:.2f} of BQ*P)", median_ms(build, (parents,), iters),
-             chunks)]
-    ucall = jax.jit(lambda *a: union_merge_pallas(*a, prep.st_union, prep.union_step, ip, out_dtype=dtype,
-                                                  return_lse=True))
-    uargs = (q_rows, union, size, slots, n, k_merge, v0, cos, sin, state)
-    rows.append((f"layer 0 union merge ({bq} queries/program, {prep.st_union.num_warps} warps, "
-                 f"{prep.union_step} nodes/step)", median_ms(ucall, uargs, iters), chunks))
-    prior = ucall(*uargs)
-    skip = union_members(size, width, bq)
-    rest = jax.jit(lambda *a: merge_pallas(*a[:-2], prep.st, ip, out_dtype=dtype, return_lse=True, skip=a[-2],
-                                           prior=a[-1]))
-    rows.append(("layer 0 per-query merge of the other blocks", median_ms(rest, bargs + (skip, prior), iters),
-                 chunks))
-    return rows
 
 
 def main(argv=None):
@@ -89,10 +62,6 @@ def main(argv=None):
     p.add_argument("--merge-variants", action="store_true", help="time warp/tile variants of the scored merge too")
     p.add_argument("--inputs", default="random", choices=sorted(INPUTS),
                    help="random, or correlated (htree_jax.bench.correlated_inputs)")
-    p.add_argument("--union-queries", type=int, default=BlockSizes.union_queries)
-    p.add_argument("--union-limit", type=float, default=BlockSizes.union_limit, help="0: union path off")
-    p.add_argument("--union-warps", type=int, default=BlockSizes.union_num_warps)
-    p.add_argument("--union-step", type=int, default=BlockSizes.union_step)
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip = args.interpret
@@ -101,8 +70,7 @@ def main(argv=None):
     bs = BlockSizes(span=args.span, tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, top_num_warps=args.top_warps,
                     top_keys_tile=args.top_keys_tile, chunk_budget_bytes=int(args.chunk_gb * 2**30), top_keys_stages=args.top_keys_stages,
                     num_warps=args.warps,
-                    merge_num_warps=args.merge_warps, union_queries=args.union_queries, union_limit=args.union_limit,
-                    union_num_warps=args.union_warps, union_step=args.union_step)
+                    merge_num_warps=args.merge_warps)
     precisions = precisions_from(args.merge_operands, args.importance_operands, q.dtype)
     prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, precisions))
     tree_ms = median_ms(prep_fn, (q, k, v), args.iters)
@@ -183,14 +151,12 @@ def main(argv=None):
             bargs = (q_rows, parents, n, kl_rot, vl, prep.cos, prep.sin, state)
             rows.append((f"layer 0 merge + normalise (1 query/program, 1 score pass + values, mean n={mean_n:.0f})",
                          median_ms(bottom, bargs, args.iters), chunks))
-            if prep.union_width:
-                rows += union_rows(prep, bargs, ip, args.iters, chunks, config.layer_sizes(T)[1], q.dtype)
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
     whole = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs, ip, precisions)[0])
     whole_ms = median_ms(whole, (q, k, v), args.iters)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: {args.inputs} inputs, T={T} top_k={args.top_k} "
           f"layers={config.layer_sizes(T)} B={B} H={H} H_kv={H_KV} K=V={K} bf16, score dots {st.precision}, "
-          f"span {st.span}, tile {st.tile} (top: {st_top.tile}), union blocks {bs.union_queries} (limit {bs.union_limit}), warps {st.num_warps}/{st.merge_num_warps}, merge operands {st.merge_operands}, importance operands {st.importance_operands}, {chunks} chunks of {Qc} positions")
+          f"span {st.span}, tile {st.tile} (top: {st_top.tile}), warps {st.num_warps}/{st.merge_num_warps}, merge operands {st.merge_operands}, importance operands {st.importance_operands}, {chunks} chunks of {Qc} positions")
     print("| stage | per chunk ms | chunks | total ms |\n|---|---|---|---|")
     total = 0.0
     for name, ms, times in rows:

@@ -16,7 +16,6 @@ Building blocks, one SPEC step each, every kernel beside its pure-JAX twin:
 - `merge`: the online-softmax merge below the top and the bottom's normalisation (SPEC 2.4);
   the decode walk's merges (`decode_merge_pallas`).
 - `top_layer`: the top layer's importance and merge over blocks of queries, flash-attention shaped.
-- `union`: the bottom merge over query blocks' union of parents (off by default).
 - `layer_backward`: `dq` per query (in registers); `node_backward`: `dk`, `dv` per node from
   an inverse index (no atomics, bitwise deterministic).
 

@@ -29,25 +29,16 @@ from pallas_kernels.plan import (
 )
 from pallas_kernels.precision import Precisions
 from pallas_kernels.top_layer import top_merge_pallas
-from pallas_kernels.union import block_union, union_members, union_merge_pallas
 from pallas_kernels.wide_forward import wide_eligible, wide_forward_pallas
 
 
-def bottom_merge(prep: Prepared, q_rows, parents, t, state, num_parent_nodes: int, interpret: bool, out_dtype):
-    """The bottom layer of a chunk: `(o, lse)` `[B, Qc, H_kv, Gp, Vp]`, `[B, Qc, H_kv, Gp]`.
-    Blocks of `union_queries` queries whose parents' union fits the buffer go through
-    `union_merge_pallas`, the other queries through the per-query `merge_pallas`
-    (writing into the same outputs)."""
+def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out_dtype):
+    """The bottom layer of a chunk, one program per query (`merge_pallas`): `(o, lse)`
+    `[B, Qc, H_kv, Gp, Vp]`, `[B, Qc, H_kv, Gp]`."""
     _, k_merge, v0 = prep.layers[0]
     n = valid_candidates(parents, t, 0, prep)
-    args = (q_rows, parents, n, k_merge, v0, prep.cos, prep.sin, state, prep.st, interpret)
-    if not prep.union_width:
-        return merge_pallas(*args, out_dtype=out_dtype, return_lse=True)
-    union, size, slots = block_union(parents, prep.union_queries, prep.union_width, num_parent_nodes)
-    prior = union_merge_pallas(q_rows, union, size, slots, n, k_merge, v0, prep.cos, prep.sin, state, prep.st_union,
-                               prep.union_step, interpret, out_dtype=out_dtype, return_lse=True)
-    skip = union_members(size, prep.union_width, prep.union_queries)
-    return merge_pallas(*args, out_dtype=out_dtype, return_lse=True, skip=skip, prior=prior)
+    return merge_pallas(q_rows, parents, n, k_merge, v0, prep.cos, prep.sin, state, prep.st, interpret,
+                        out_dtype=out_dtype, return_lse=True)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
@@ -89,7 +80,6 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     num_chunks = prep.q4.shape[1] // Qc
     vp = prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
-    layer_sizes = prep.sizes
 
     def empty_state(rows):
         return (jnp.full((B, Qc, H_kv, rows), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_kv, rows), jnp.float32),
@@ -120,7 +110,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
             state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
             parents = next_parents
             selections.append(parents[..., : config.top_k])
-        o, lse = bottom_merge(prep, q_rows, parents, t, state, layer_sizes[1], interpret, q.dtype)
+        o, lse = bottom_merge(prep, q_rows, parents, t, state, interpret, q.dtype)
         return o[:, :, :, :G], lse[..., :G], selections, exported
 
     o, lse, sels, imps = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))

@@ -104,34 +104,24 @@ def merge_outputs(specs, shape, bottom: bool, out_dtype, return_lse: bool = Fals
 
 
 
-def _merge_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic, skips: bool):
+def _merge_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic):
     """The bottom layer of one query (per program): every valid candidate, scored here,
-    folded into the state, then normalised. With `skips`, a query whose block the union
-    path served (`skip_ref`, then the prior outputs, aliased) is left as it is."""
+    folded into the state, then normalised."""
     score_precision, operands = merge_score_precision(st), st.merge_operands
     parts = key_parts(score_precision, operands)
     k_refs, (v_ref, cf_ref, sf_ref, m_ref, s_ref, u_ref, *out_refs) = refs[:parts], refs[parts:]
-    if skips:
-        skip_ref, out_refs = out_refs[0], out_refs[len(out_refs) // 2 + 1:]  # the prior outputs are not read
     rows = q_ref.shape[0] * q_ref.shape[1]
     n = n_ref[0]
+    q_parts = query_rows(q_ref, qh_ref)
 
-    def merge_query():
-        q_parts = query_rows(q_ref, qh_ref)
+    def merge_tile(i, carry):
+        units = score_tile(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, score_precision, operands)
+        blocks = [(jnp.where(jnp.broadcast_to(valid[None, :], (rows, st.span)), scores, NEG_INF),
+                   v_ref[nodes, :]) for scores, valid, _, nodes in units]
+        return fold_merged(carry, blocks, score_precision, operands)
 
-        def merge_tile(i, carry):
-            units = score_tile(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, score_precision, operands)
-            blocks = [(jnp.where(jnp.broadcast_to(valid[None, :], (rows, st.span)), scores, NEG_INF),
-                       v_ref[nodes, :]) for scores, valid, _, nodes in units]
-            return fold_merged(carry, blocks, score_precision, operands)
-
-        state = lax.fori_loop(0, (n + st.tile - 1) // st.tile, merge_tile, read_state(m_ref, s_ref, u_ref))
-        write_merged(state, out_refs, bottom=True)
-
-    if skips:
-        pl.when(skip_ref[0] == 0)(merge_query)
-    else:
-        merge_query()
+    state = lax.fori_loop(0, (n + st.tile - 1) // st.tile, merge_tile, read_state(m_ref, s_ref, u_ref))
+    write_merged(state, out_refs, bottom=True)
 
 
 
@@ -164,16 +154,12 @@ def _merge_scored_kernel(scores_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype", "return_lse"))
 def merge_pallas(q, parents, n, k_phases, layer_v, cos, sin, state, st: LayerStatic, interpret=False,
-                 out_dtype=jnp.float32, return_lse=False, skip=None, prior=None):
+                 out_dtype=jnp.float32, return_lse=False):
     """The bottom layer (SPEC 2.4, every valid candidate merges): the normalised output
     `[B, Q, H_kv, Gp, Vp]` in `out_dtype` (with `return_lse`, `(o, lse [B, Q, H_kv, Gp])`,
     the rows' log-sum-exp for the backward). `q, parents, n, cos, sin` as for
     `importance.importance_keys_pallas`; `k_phases` as `key_operands(rotate_phases(...),
-    merge precision, st.merge_operands)`; `state` the layers above's `(m, S, U)`.
-
-    `skip [B, Q, H_kv, 1]` int32 with `prior` (the outputs of `union.union_merge_pallas`,
-    same shapes as this call's): queries with `skip = 1` keep their prior outputs, which
-    are updated in place (aliased), the others are merged here."""
+    merge precision, st.merge_operands)`; `state` the layers above's `(m, S, U)`."""
     check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gp, _ = q.shape
     vp = layer_v.shape[-1]
@@ -183,19 +169,12 @@ def merge_pallas(q, parents, n, k_phases, layer_v, cos, sin, state, st: LayerSta
                 sp["vec"], sp["mat"]]
     out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gp, vp), True, out_dtype, return_lse)
     args = (*queries, parents, n, *k_phases, layer_v, *tables, *state)
-    aliases = {}
-    if skip is not None:
-        prior = tuple(prior) if return_lse else (prior,)
-        in_specs += [sp["n"], *(out_specs if return_lse else [out_specs])]
-        aliases = {len(args) + 1 + i: i for i in range(len(prior))}
-        args += (skip, *prior)
     return pl.pallas_call(
-        functools.partial(_merge_kernel, st=st, skips=skip is not None),
+        functools.partial(_merge_kernel, st=st),
         grid=(B, Q // st.block_queries, H_kv),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases=aliases,
         compiler_params=layer_params(st, st.merge_num_warps),
         interpret=interpret,
     )(*args)

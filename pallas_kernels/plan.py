@@ -84,12 +84,6 @@ class BlockSizes:
     num_stages: int = 2
     # Merges of stored scores (no key gathers) hide their latency best with 4 warps.
     scored_merge_num_warps: int = 4
-    # The bottom merge over query blocks (`union.py`): off (`union_limit=0`), it ran
-    # 1.6-2.2x slower than the per-query path on an H200; `1` sends every block through it.
-    union_queries: int = 8
-    union_limit: float = 0.0
-    union_num_warps: int = 4
-    union_step: int = 4  # union nodes folded per step
     # The backward reads the forward's selections (`(L-1) * B*T*H_kv*top_k` int32 kept)
     # instead of selecting again: 8-10% faster fwd+bwd.
     save_selections: bool = True
@@ -164,21 +158,11 @@ def layout(config: HTreeConfig, block_sizes: BlockSizes):
     return span, tile, P, P * r
 
 
-def union_width(block_sizes: BlockSizes, P: int) -> int:
-    """Parents a query block's union buffer holds (`union.block_union`), a power of two;
-    0 when the union path is off (`union_limit <= 0` or blocks of one query)."""
-    bq = block_sizes.union_queries
-    if block_sizes.union_limit <= 0 or bq <= 1:
-        return 0
-    return min(next_power_of_two(bq * P), next_power_of_two(max(1.0, block_sizes.union_limit * bq * P)))
-
-
-def chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows=0, union_bytes=0):
+def chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows=0):
     """Query positions per chunk: the per-chunk buffers (packed keys and next parents,
-    int32, `score_rows` float32 scores per candidate where a layer below the top
-    selects, and `union_bytes` per (query, kv head) for the bottom's query blocks)
-    within `chunk_budget_bytes`, and `Qc * Mp <= T * top_k`."""
-    per_query = (8 + 4 * score_rows) * B * H_kv * Mp + union_bytes * B * H_kv
+    int32, and `score_rows` float32 scores per candidate where a layer below the top
+    selects) within `chunk_budget_bytes`, and `Qc * Mp <= T * top_k`."""
+    per_query = (8 + 4 * score_rows) * B * H_kv * Mp
     limit = max(1, min(block_sizes.chunk_budget_bytes // per_query, T // config.compression_rate, T))
     return int(limit)
 
@@ -198,9 +182,8 @@ def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
                                 "top_local", "positions", "radii", "top_radii"],
-                   meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk", "union_width",
-                                "union_queries", "union_step", "st_union", "sizes", "head_split", "bound_rope",
-                                "bound_width"])
+                   meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk", "sizes", "head_split",
+                                "bound_rope", "bound_width"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
@@ -221,11 +204,7 @@ class Prepared:
     st_top: LayerStatic  # the top layer: `block_queries` queries per program
     st_top_keys: LayerStatic  # its importance kernel (its own tile and pipeline depth)
     parents_width: int  # P
-    chunk: int  # Qc, a multiple of st_top.block_queries and of union_queries
-    union_width: int  # parents per query block's union buffer; 0: the union path is off
-    union_queries: int  # queries per block of the bottom's union path
-    union_step: int  # union nodes per step
-    st_union: LayerStatic  # the union kernel's launch
+    chunk: int  # Qc, a multiple of st_top.block_queries
     sizes: tuple  # the tree's layer sizes (virtual ones when packed)
     packing: object = None  # `htree_jax.core.packing.Packing`, or None: one document per row
     top_local: object = None  # packed: `[B, N_top]` int32, each top node's place in its document
@@ -340,20 +319,13 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     # the bound, its scores beside them: the chunks are sized as without, twice the
     # buffer for half the launches).
     score_rows = next_power_of_two(G, 16) if num_layers >= 3 else 0
-    # The bottom's query blocks (L >= 2): the slots `[BQ, width]` per block, the sorted
-    # parent lists and their payloads (`block_union`'s temporaries), int32.
-    width = union_width(block_sizes, P) if num_layers >= 2 else 0
-    union_bytes = 4 * (width + 4 * P) if width else 0
-    multiple = max(bq, block_sizes.union_queries if width else 1)
-    Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows, union_bytes) // multiple) * multiple
+    Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows) // bq) * bq
     if q.size * q.dtype.itemsize >= block_sizes.chunk_budget_bytes:
-        Qc = dividing_chunk(T, Qc, multiple)
+        Qc = dividing_chunk(T, Qc, bq)
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
-    st_union = dataclasses.replace(st, num_warps=block_sizes.union_num_warps)
-    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc, width,
-                    block_sizes.union_queries, block_sizes.union_step, st_union, sizes, packing, top_local, positions,
-                    split, radii, top_radii, bound_rope, bound_width)
+    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc, sizes, packing,
+                    top_local, positions, split, radii, top_radii, bound_rope, bound_width)
 
 
 def query_group_norms(prep: Prepared, q_rows):
