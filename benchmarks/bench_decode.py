@@ -297,7 +297,9 @@ def main(argv=None) -> int:
     p.add_argument("--wide-rows", default="64,16", help="with --shape mla: DecodeBlockSizes.wide_rows to time")
     p.add_argument("--no-dense", action="store_true", help="with --shape mla: skip the measured dense step")
     args = p.parse_args(argv)
-    print(gpu_header("decode", f"H={H} H_kv={H_KV} K=V={K} bfloat16; per-token decode",
+    dims = ("H={H} H_kv={H_kv} K={K} rope_dim=64 V={V}".format(**MLA_DIMS) if args.shape == "mla"
+            else f"H={H} H_kv={H_KV} K=V={K}")
+    print(gpu_header("decode", f"{dims} bfloat16; per-token decode",
                      f"python benchmarks/bench_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
           flush=True)
     if args.shape == "mla":
