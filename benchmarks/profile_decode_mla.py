@@ -16,7 +16,7 @@ import re
 import jax
 
 from benchmarks.bench_decode import DTYPE, MLA_DIMS, filled_cache, per_step_ms, start_lengths
-from benchmarks.kernel_trace import kernel_times, print_kernel_times
+from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from htree_jax import DecodeBlockSizes, HTreeConfig, decode_step
 
 

@@ -11,7 +11,9 @@ two, the values read from the keys when they are the latent part (`v=None`).
 - `wide_node_grads_pallas`: one program per `UNIT` nodes visits the `(query, slot)`
   pairs that merged them (`node_backward.node_index`, its spilled segments summed by
   programs of their own and folded after), each pair's `G` rows in blocks of `rows`,
-  and sums `dk` (latent part, RoPE part in the frame of copy 0), `dv` in registers.
+  and sums `dk` (latent part, RoPE part in the frame of copy 0), `dv` in registers;
+  values that are the keys' latent part reach it as the latent layer passed again (a
+  value tile loaded apart from the key tile, which ran it 1.51x faster).
 No atomics, every sum in a fixed order: bitwise deterministic.
 
 With `p = exp(s - lse)` over a row's merged candidates (the forward's LSE), `dp = do .
@@ -168,13 +170,13 @@ def wide_dq_pallas(q_lat, q_rope, parents, n, keys, tau, lat, rope_merge, values
     return tuple(out)
 
 
-def _unit_grads(u, begin, end, refs, ws: WideStatic, bottom: bool, rope_parts: int, own_values: bool, G: int):
+def _unit_grads(u, begin, end, refs, ws: WideStatic, bottom: bool, rope_parts: int, G: int):
     """`(dk_lat pieces, dk_lo, dk_hi, dv pieces)` float32 `[UNIT, *]` of unit `u`'s nodes
     over the index's entries `[begin, end)`, each entry's `G` rows in blocks of
     `ws.rows`. Per-query arrays are flattened per `(b, h)`: row `t*G + g` of the queries,
     `lse, delta, do`; `t*Mp + p` of `keys`."""
     query_ref, angle_ref, offset_ref, span_ref, ql_ref, qr_ref, *refs = refs
-    keys_ref, tau_ref, lat_ref, rope_refs, v_ref, refs = layer_refs(refs, bottom, rope_parts, own_values)
+    keys_ref, tau_ref, lat_ref, rope_refs, v_ref, refs = layer_refs(refs, bottom, rope_parts, True)
     cos_ref, sin_ref, lse_ref, delta_ref, do_ref = refs
     precision, operands = ws.merge_precision, ws.merge_operands
     rows, hp = ws.rows, qr_ref.shape[-1] // 2
@@ -185,8 +187,7 @@ def _unit_grads(u, begin, end, refs, ws: WideStatic, bottom: bool, rope_parts: i
     k_lo = tuple(k[at, pl.ds(0, hp)] for k in rope_refs)  # copy 0: node j rotated by j mod r
     k_hi = tuple(k[at, pl.ds(hp, hp)] for k in rope_refs)
     k_lat = [lat_ref[at, pl.ds(*piece)] for piece in ws.lat_pieces]
-    gathered = {} if own_values else dict(zip(ws.lat_pieces, k_lat))
-    values = _value_tiles(gathered, v_ref, at, ws.value_pieces)
+    values = [v_ref[at, pl.ds(*piece)] for piece in ws.value_pieces]
 
     # Scalar `%` does not lower here (Triton asserts on an i1 operand): truncating
     # division (the counts are not negative) and bit fields instead.
@@ -242,18 +243,18 @@ def _store_unit(sums, outs, ws: WideStatic, rows, adds=None):
         outs[which][index] = a if adds is None else adds[which][index] + a
 
 
-def _node_kernel(bounds_ref, *refs, ws: WideStatic, bottom: bool, rope_parts: int, own_values: bool, G: int):
+def _node_kernel(bounds_ref, *refs, ws: WideStatic, bottom: bool, rope_parts: int, G: int):
     """One unit of `UNIT` nodes, its first entries, added to the accumulators."""
     data, acc_in, acc_out = refs[:-6], refs[-6:-3], refs[-3:]
-    sums = _unit_grads(pl.program_id(2), bounds_ref[0], bounds_ref[1], data, ws, bottom, rope_parts, own_values, G)
+    sums = _unit_grads(pl.program_id(2), bounds_ref[0], bounds_ref[1], data, ws, bottom, rope_parts, G)
     _store_unit(sums, acc_out, ws, slice(None), acc_in)
 
 
-def _spill_kernel(segment_ref, *refs, ws: WideStatic, bottom: bool, rope_parts: int, own_values: bool, G: int):
+def _spill_kernel(segment_ref, *refs, ws: WideStatic, bottom: bool, rope_parts: int, G: int):
     """One spilled segment of a unit's entries (`segment_ref`: unit, begin, end): its
     sums into a partial of its own."""
     data, outs = refs[:-3], refs[-3:]
-    sums = _unit_grads(segment_ref[0], segment_ref[1], segment_ref[2], data, ws, bottom, rope_parts, own_values, G)
+    sums = _unit_grads(segment_ref[0], segment_ref[1], segment_ref[2], data, ws, bottom, rope_parts, G)
     _store_unit(sums, outs, ws, slice(None))
 
 
@@ -289,16 +290,22 @@ def wide_node_grads_pallas(q_lat, q_rope, keys, tau, lat, rope_merge, values, ta
         raise ValueError(f"accumulators hold {accumulators[0].shape[2]} rows, the index {num_units} units of {UNIT}")
     if ws.merge_operands is not None:
         do = do.astype(ws.merge_operands)  # the products read it so
+    if values is None:
+        # Values that are the keys' latent part: the latent layer passed again as a value
+        # operand of its own, its tile loaded apart from the key tile. Reusing the key
+        # tile ran this kernel 1.51x slower (H200, MLA shape, `probe_wide_backward`:
+        # 109.6 against 72.5 ms; RESULTS, 2026-11-25 (7)).
+        values = lat
     data = [index.query, index.angle, index.offset, index.span, _per_head(q_lat), _per_head(q_rope)]
     if not bottom:
         data += [_per_head(keys), _per_head(tau)]
-    data += [lat, *rope_merge] + ([] if values is None else [values])
+    data += [lat, *rope_merge, values]
     whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda b, h, u: (b, h) + (0,) * (x.ndim - 2))
     table = lambda x: pl.BlockSpec(x.shape, lambda b, h, u: (0, 0))
     rows = [_per_head(lse), _per_head(delta), _per_head(do)]
     specs = [whole(x) for x in data] + [table(x) for x in tables] + [whole(x) for x in rows]
     data += [*tables, *rows]
-    kernel = dict(ws=ws, bottom=bottom, rope_parts=len(rope_merge), own_values=values is not None, G=G)
+    kernel = dict(ws=ws, bottom=bottom, rope_parts=len(rope_merge), G=G)
     params = compiler_params(ws.num_warps, ws.num_stages)
     pair = lambda x: pl.BlockSpec((None, None, None, x.shape[-1]), lambda b, h, u: (b, h, u, 0))
     unit_rows = lambda x: pl.BlockSpec((None, None, UNIT, x.shape[-1]), lambda b, h, u: (b, h, u, 0))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from htree_jax.core.rope import rope_layout, rope_permutation
 from tests.conftest import random_qkv
 from tests.test_oracle_agreement import assert_matches_oracle
 
@@ -26,6 +27,17 @@ def test_partial_rope_matches_oracle(rng, backend, G, importance, rope_dim):
     T = 150 if G <= 8 else 70  # 3 and 2 layers
     q, k, v = random_qkv(rng, 2 if G <= 8 else 1, T, G, 1, K, V)
     assert_matches_oracle(q, k, v, config, backend=backend)
+
+
+@pytest.mark.parametrize("head_dim, rope_dim", [(576, 64), (64, 32), (64, 64), (96, 2)])
+def test_rope_layout_is_the_permutation_and_its_gradient_no_scatter(rng, head_dim, rope_dim):
+    """`rope_layout` equals indexing by `rope_permutation`, and its transpose is slices,
+    not a scatter-add over all of q (743 ms at the MLA shape, T=131072, H200)."""
+    x = jnp.asarray(rng.standard_normal((2, 3, head_dim)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(rope_layout(x, rope_dim)),
+                                  np.asarray(x)[..., rope_permutation(head_dim, rope_dim)])
+    grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(rope_layout(x, rope_dim) * jnp.arange(head_dim))))(x)
+    assert "scatter" not in str(grad)
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])

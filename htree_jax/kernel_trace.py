@@ -2,7 +2,8 @@
 `kernel_times(fn, steps)` runs `fn()` `steps` times under the profiler and returns each
 kernel's mean time per step (us) from the GPU plane's stream lines.
 
-Used by `profile_decode_mla.py`; `print_kernel_times` prints the heaviest."""
+Used by `bench --shape mla` (the bottom merge kernel's rate) and
+`benchmarks/profile_decode_mla.py`; `print_kernel_times` prints the heaviest."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ def kernel_times(fn, steps: int = 3) -> dict:
                 total[event.name] += event.duration_ns / 1e3
                 launches[event.name] += 1
     return {name: (t / steps, launches[name] / steps) for name, t in total.items()}
+
+
+def kernel_ms(fn, name_part: str, steps: int = 3) -> float:
+    """Device ms per call of `fn()` in the kernels whose names hold `name_part` (no host
+    dispatch or other kernels counted); an error where none ran (no GPU trace)."""
+    times = kernel_times(fn, steps)
+    us = [t for name, (t, _) in times.items() if name_part in name]
+    if not us:
+        raise RuntimeError(f"no kernel named like {name_part!r} in the trace ({len(times)} kernels): a GPU is needed")
+    return sum(us) / 1e3
 
 
 def print_kernel_times(times: dict, label: str, top: int = 14) -> None:
