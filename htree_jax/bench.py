@@ -333,7 +333,7 @@ def chunked_dense_fn(config, block: int = 512):
     return f
 
 
-def bottom_merge_tflops(config, args, iters: int, value_dim: int | None = None) -> float:
+def bottom_merge_tflops(config, args, iters: int, value_dim: int | None = None) -> tuple[float, float]:
     """Useful TFLOP/s of the wide kernels' bottom merge (`pallas_kernels.wide`) on the
     middle chunk of one MLA-shaped call: every valid candidate's score (K features) and
     value (V) for each of the 128 heads, over the kernel's mean device time in `iters`
