@@ -18,15 +18,16 @@ from jax.profiler import ProfileData
 
 def kernel_times(fn, steps: int = 3) -> dict:
     """`{kernel name: (us per step, launches per step)}` of `steps` calls of `fn()`."""
-    trace_dir = tempfile.mkdtemp()
-    jax.profiler.start_trace(trace_dir)
-    for _ in range(steps):
-        out = fn()
-    jax.block_until_ready(out)
-    jax.profiler.stop_trace()
-    path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(steps):
+            out = fn()
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        path = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+        planes = ProfileData.from_file(path).planes
     total, launches = collections.defaultdict(float), collections.Counter()
-    for plane in ProfileData.from_file(path).planes:
+    for plane in planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:

@@ -34,6 +34,9 @@ def test_rope_layout_is_the_permutation_and_its_gradient_no_scatter(rng, head_di
     """`rope_layout` equals indexing by `rope_permutation`, and its transpose is slices,
     not a scatter-add over all of q (743 ms at the MLA shape, T=131072, H200)."""
     x = jnp.asarray(rng.standard_normal((2, 3, head_dim)), jnp.float32)
+    K, R = head_dim, rope_dim
+    order = np.r_[0:(K - R) // 2, K - R:K - R // 2, (K - R) // 2:K - R, K - R // 2:K]  # [nope_lo, rope_lo, nope_hi, rope_hi]
+    np.testing.assert_array_equal(rope_permutation(K, R), order)
     np.testing.assert_array_equal(np.asarray(rope_layout(x, rope_dim)),
                                   np.asarray(x)[..., rope_permutation(head_dim, rope_dim)])
     grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(rope_layout(x, rope_dim) * jnp.arange(head_dim))))(x)

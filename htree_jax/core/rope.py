@@ -51,10 +51,7 @@ def rope_permutation(head_dim: int, rope_dim: int) -> np.ndarray:
     themselves: `[nope_lo, rope_lo, nope_hi, rope_hi]`, `nope` the first `K-R` features
     in halves, `rope_lo/hi` the halves of the last `R`. The same order for q and k keeps
     their dot products; with `rope_angles(..., rope_dim)` the unrotated pairs get angle 0."""
-    K, R = head_dim, rope_dim
-    nope = (K - R) // 2
-    return np.concatenate([np.arange(0, nope), np.arange(K - R, K - R // 2), np.arange(nope, K - R),
-                           np.arange(K - R // 2, K)])
+    return np.concatenate([np.arange(a, b) for a, b in rope_runs(head_dim, rope_dim)])
 
 
 def rope_layout(x, rope_dim: int | None):
