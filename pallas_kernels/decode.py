@@ -22,7 +22,10 @@ importance decides one selection per kv head.
 
 A decode step has few queries (`B * H_kv` of them, 4 at `B = 1`), so each query's
 candidate buffer is split over `splits` programs (grid `(B, Q, H_kv, splits)`), as
-flash-decoding splits the keys, and the per-split partial results are combined in XLA:
+flash-decoding splits the keys, and the per-split partial results are combined in XLA
+(with one split, the wide merges fold into the running state themselves, the bottom one
+writing the output). The wide kernels of 16-bit caches run two pipeline stages where
+they fit (`pipelined`):
 
   per layer that selects (top down):
     `decode_scores_pallas` scores of the split's candidates, stored, and the split's
@@ -30,11 +33,15 @@ flash-decoding splits the keys, and the per-split partial results are combined i
                        `selection="bound"` (SPEC 11) the bound scores too (the
                        cache's radii against the query rows' group norms, one more
                        product), which the (max, sum) and the keys rank by
-    XLA                the rows' importance shift, packed keys (`keys_from_scores`)
+    XLA                the rows' importance shift (from the splits' max and sum)
+    `decode_keys_pallas` packed keys from the stored scores (groups over 16 heads;
+                       GQA's in XLA, `group_keys_from_scores`)
     `top_k.select_top_k_pallas` (shared with the forward): the kept nodes, `tau`
     `decode_merge_pallas` the split's merged candidates (stored scores, gathered values)
                        folded into a partial softmax state (m, S, U)
-  bottom layer: `decode_merge_pallas` scoring its keys, every valid candidate merged;
+  bottom layer: `decode_merge_pallas` scoring its keys, every valid candidate merged
+                       (values read from the keys: its key tiles are the values where
+                       they can be, `merge.values_in_key_tiles`);
   the partial states fold into the running one in XLA, and the output is U / S.
 
 Layouts (the wrapper pads heads and candidates):
@@ -51,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +81,14 @@ from pallas_kernels.common import (
     real_heads,
     virtual_heads,
 )
-from pallas_kernels.importance import combine_max_sum, decode_scores_pallas, group_keys_from_scores, importance_shift
-from pallas_kernels.merge import cache_value_pieces, decode_merge_pallas, fold_partials
+from pallas_kernels.importance import (
+    combine_max_sum,
+    decode_keys_pallas,
+    decode_scores_pallas,
+    group_keys_from_scores,
+    importance_shift,
+)
+from pallas_kernels.merge import cache_value_pieces, decode_merge_pallas, fold_partials, values_in_key_tiles
 from pallas_kernels.precision import Precisions
 from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.wide import head_block, program_shape
@@ -155,6 +169,47 @@ def decode_program(config: HTreeConfig, G: int, K: int, V: int, itemsize: int, b
     return program_shape(rows, span, config.compression_rate, K - R, next_power_of_two(R // 2, 16), V, itemsize)
 
 
+class WalkStatics(NamedTuple):
+    """The `LayerStatic`s of a walk's three kernels: they share everything but their
+    pipeline stages and the bottom merge's span (`pipelined`)."""
+
+    scores: LayerStatic  # `decode_scores_pallas` (and the top-K, which reads its warps)
+    merge: LayerStatic  # `decode_merge_pallas` of the selecting layers (stored scores)
+    bottom: LayerStatic  # `decode_merge_pallas` of the bottom layer (scoring its keys)
+
+
+# Two pipeline stages of a wide decode kernel: two steps' gathered tiles take at most
+# this. Beside them a program holds its query rows (73728 B at the MLA shape) and the
+# rotated RoPE operands, within Hopper's 232448 B; the MLA step's kernels compile at
+# 147456 (scores; bottom merge, values the key tiles) and 139264 (bottom merge with a
+# value layer, span 32); at a span of 64 that merge asks 348416 B.
+STAGED_BYTES = 160 * 1024
+
+
+def pipelined(st: LayerStatic, K: int, V: int, itemsize: int, values_in_keys: bool) -> WalkStatics:
+    """Two pipeline stages for the wide kernels of 16-bit caches (`G > 16`) where two
+    steps' gathered tiles take at most `STAGED_BYTES`, else one (the GQA kernels and
+    float32 keep one, as measured before). The bottom merge gathers keys and, unless
+    the values are its key tiles (`merge.values_in_key_tiles`), values: its span halves
+    (not below 16 or r) until two steps fit. H200, the MLA step at B=64 (128 programs
+    of 1024 candidates), one stage -> two, each pair in one run: layer-1 scores 131.8 ->
+    115.1 us, selecting merge 68.4 -> 57.8, bottom merge with values from the keys
+    (folding its key tiles) 240.2 -> 130.4, with a value layer (span 64 -> 32) 216.4 ->
+    167.4 (RESULTS, 2026-11-25 (8))."""
+    if st.group <= KERNEL_GROUP or itemsize > 2:
+        return WalkStatics(st, st, st)
+    fits = lambda span, features: 2 * span * features * itemsize <= STAGED_BYTES
+    two = lambda x, span: dataclasses.replace(x, num_stages=2, span=span)
+    scores = two(st, st.span) if fits(st.span, K) else st
+    merge = two(st, st.span) if fits(st.span, V) else st
+    per_candidate = K if values_in_keys else K + V
+    span = st.span
+    while not fits(span, per_candidate) and span // 2 >= max(16, st.r):
+        span //= 2
+    bottom = two(st, span) if fits(span, per_candidate) else st
+    return WalkStatics(scores, merge, bottom)
+
+
 def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H_kv: int, span: int,
                    block_sizes: DecodeBlockSizes):
     """`(LayerStatic, Mp)`: the span (`decode_program`'s), the split width (`tile`) and
@@ -172,18 +227,19 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
         precision=precisions.scores, merge_precision=precisions.merge,
         importance_operands=precisions.importance_operands, merge_operands=precisions.merge_operands,
         num_warps=block_sizes.num_warps if G <= KERNEL_GROUP else block_sizes.wide_num_warps,
-        latent_half=0 if R is None else (K - R) // 2,
+        num_stages=1, latent_half=0 if R is None else (K - R) // 2,
     ), Mp
 
 
-def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos, sin, interpret: bool,
+def _walk(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: int, cos, sin, interpret: bool,
           zero_unmerged: bool = True, qn=None, radii=(), value_dim: int = 0):
     """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [B, Q]`
-    (each batch row its own). `selection="bound"`: `qn [B, Q, H_kv, Gp, n_groups]` the
-    query rows' group norms, `radii` the layers' from layer 1 up (SPEC 11). `value_dim
+    (each batch row its own), the kernels' statics `sts`. `selection="bound"`: `qn [B,
+    Q, H_kv, Gp, n_groups]` the query rows' group norms, `radii` the layers' from layer 1 up (SPEC 11). `value_dim
     > 0`: `values` is `()`, the values the keys' first `value_dim` latent features, read
-    from the key layers. Returns `(o [B, Q, H_kv, Gp, V] float32, selections)`."""
+    from the key layers. Returns `(o [B, Q, H_kv, Gp, V] in q's dtype, selections)`."""
     r, L = config.compression_rate, len(keys)
+    st = sts.scores
     B, Q, H_kv, gp, _ = q.shape
     K = keys[0].shape[-1]
     if value_dim:
@@ -196,31 +252,48 @@ def _walk(q, t, keys, values, config: HTreeConfig, st: LayerStatic, Mp: int, cos
     split = H_kv // keys[0].shape[2]  # virtual kv heads per kv head of the cache
     parents = jnp.broadcast_to(top_layer_parents(t[:, :, None], r, L, P), (B, Q, H_kv, P))
     t = t[:, :, None, None]
-    state = (jnp.full((B, Q, H_kv, gp), NEG_INF, jnp.float32), jnp.zeros((B, Q, H_kv, gp), jnp.float32),
-             jnp.zeros((B, Q, H_kv, gp, V), jnp.float32))
     real_head = jnp.arange(B * Q * H_kv * gp, dtype=jnp.int32) % gp < st.group  # rows flattened
+    # The wide kernels (measured there) with one split fold into the running state
+    # themselves, the bottom one writing the output; else per-split partial states
+    # folded in XLA.
+    wide = split > 1 or st.group > KERNEL_GROUP
+    carried = wide and st.tile == Mp
+    # The top layer's one split is the first state (no empty state made and read).
+    state = None if carried else (jnp.full((B, Q, H_kv, gp), NEG_INF, jnp.float32),
+                                  jnp.zeros((B, Q, H_kv, gp), jnp.float32), jnp.zeros((B, Q, H_kv, gp, V), jnp.float32))
     selections = []
     for l in reversed(range(L)):
         n = candidate_count(num_parents(parents), t, r, l).astype(jnp.int32)
         if l == 0:
-            partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, st, interpret,
-                                           zero_unmerged, pieces)
+            partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, sts.bottom,
+                                           interpret, zero_unmerged, pieces, values_from_keys=bool(value_dim),
+                                           state=state if carried else None)
+            if carried and state is not None:
+                return partials, selections
         else:
             bound = None if qn is None else (qn, radii[l - 1])
             scores, *ranked, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret, bound)
             m, total = combine_max_sum(m, total)
             shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
-            packed = group_keys_from_scores(ranked[0] if ranked else scores, shift.reshape(m.shape), n, st, split)
+            ranking, shift = ranked[0] if ranked else scores, shift.reshape(m.shape)
+            if wide:  # H200, MLA B=64: 23.5 us against XLA's 49
+                packed = decode_keys_pallas(ranking, shift, n, st, split, interpret)
+            else:  # GQA: XLA's fusion, not measured against the kernel closely enough to swap
+                packed = group_keys_from_scores(ranking, shift, n, st, split)
             next_parents, tau = select_top_k_pallas(packed, real_heads(parents, split), real_heads(n, split), st,
                                                     interpret)
             packed, next_parents, tau = (virtual_heads(x, split) for x in (packed, next_parents, tau))
-            partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, st, interpret,
-                                           zero_unmerged, pieces)
+            partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, sts.merge,
+                                           interpret, zero_unmerged, pieces, values_from_keys=bool(value_dim),
+                                           state=state if carried else None)
             parents = next_parents[..., :P]
             selections.append(real_heads(parents[..., : config.top_k], split))
-        state = fold_partials(state, partials)
+        if not carried:
+            state = fold_partials(state, partials)
+        else:  # the new state, or the first one: a single split's partial state
+            state = partials if state is not None else tuple(x.squeeze(3) for x in partials)
     _, S, U = state
-    return U / S[..., None], selections
+    return (U / S[..., None]).astype(q.dtype), selections
 
 
 def query_chunk(config: HTreeConfig, B: int, S: int, H_kv: int, gp: int, Mp: int, block_sizes: DecodeBlockSizes):
@@ -258,6 +331,8 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     gp = next_power_of_two(G, 16)
     C = query_chunk(config, B, S, H_kv, gp, candidate_layout(config, block_sizes)[1], block_sizes)
     st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, span, block_sizes)
+    reuse = bool(value_dim) and values_in_key_tiles(cache_value_pieces(V, K, st.latent_half), K, st.latent_half)
+    sts = pipelined(st, K, V, jnp.dtype(keys[0].dtype).itemsize, reuse)
     cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base), config.partial_rope(K)))
     num_chunks = -(-S // C)
     per_query = lambda x: pad_axis(pad_axis(x.reshape((B, S, H_kv, G) + x.shape[3:]), 3, gp), 1, num_chunks * C)
@@ -273,7 +348,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     def chunk(i):
         rows = lambda x: lax.dynamic_slice_in_dim(x, i * C, C, axis=1)
         qn_c = None if qn is None else rows(qn)
-        return _walk(rows(q5), rows(padded), keys, values, config, st, Mp, cos, sin, interpret, zero_unmerged, qn_c,
+        return _walk(rows(q5), rows(padded), keys, values, config, sts, Mp, cos, sin, interpret, zero_unmerged, qn_c,
                      tuple(radii), value_dim)
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))

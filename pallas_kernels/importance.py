@@ -181,12 +181,14 @@ def keys_from_scores(scores, shift, n, st: LayerStatic, export: bool = False):
     return packed_keys(jnp.sum(weights, axis=-2), n, st.strict_causal, st.log_n, export)
 
 
-def packed_keys(imp, n, strict_causal: bool, log_n: int, export: bool = False):
+def packed_keys(imp, n, strict_causal: bool, log_n: int, export: bool = False, positions=None):
     """SPEC 2.3's packed keys `[..., Mp]` int32 from the candidates' importance `imp
     [..., Mp]` (read where valid) and `n [..., 1]`: 0 where R is empty, the rightmost
     forced in, `-1` where invalid; with `export` also the importance (SPEC 8: the formula
-    value everywhere valid, the rightmost's included; 0 elsewhere)."""
-    positions = jnp.arange(imp.shape[-1], dtype=jnp.int32)
+    value everywhere valid, the rightmost's included; 0 elsewhere). `positions`: those
+    of `imp`'s last axis (None: `0 .. Mp - 1`)."""
+    if positions is None:
+        positions = jnp.arange(imp.shape[-1], dtype=jnp.int32)
     valid = positions < n
     imp = jnp.where(valid & ((n - 1 if strict_causal else n) > 0), imp, 0.0)
     keys = jnp.where(valid, pack_importance(jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp), positions, log_n),
@@ -319,17 +321,20 @@ def half_pieces(half: int, latent: int) -> tuple:
 
 def cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision, operands):
     """Scores `[Gp, span]` of candidate positions `[p0, p0 + span)` (`p0` a multiple of
-    the span), their validity, positions and nodes. Keys are gathered un-rotated; the
-    rotated pieces are rotated here by `p - p0`, the query's by `n - 1 - p0`; the
-    unrotated ones (`st.latent_half`) are scored as stored (`stored_dot`)."""
+    the span), their validity, positions, nodes and the unrotated key tiles as gathered
+    (`{start in the row: [span, size]}`, which a merge of values read from the keys folds
+    again). Keys are gathered un-rotated; the rotated pieces are rotated here by
+    `p - p0`, the query's by `n - 1 - p0`; the unrotated ones (`st.latent_half`) are
+    scored as stored (`stored_dot`)."""
     r, span = st.r, st.span
     half = cos_ref.shape[-1]
     positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
     angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked by the caller
-    scores = None
+    scores, tiles = None, {}
     for (start, size, rotated), q_lo, q_hi in zip(half_pieces(half, st.latent_half), q_lo, q_hi):
         k_lo, k_hi = k_ref[nodes, pl.ds(start, size)], k_ref[nodes, pl.ds(half + start, size)]
         if not rotated:
+            tiles[start], tiles[half + start] = k_lo, k_hi
             piece = stored_dot(q_lo, k_lo, precision, operands) + stored_dot(q_hi, k_hi, precision, operands)
         else:
             k_lo, k_hi = k_lo.astype(jnp.float32), k_hi.astype(jnp.float32)
@@ -339,7 +344,24 @@ def cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: L
             r_lo, r_hi = q_lo * c - q_hi * s, q_lo * s + q_hi * c
             piece = score_dot(r_lo, (k_lo,), precision, operands) + score_dot(r_hi, (k_hi,), precision, operands)
         scores = piece if scores is None else scores + piece
-    return st.alpha * scores, valid, positions, nodes
+    return st.alpha * scores, valid, positions, nodes, tiles
+
+
+def stored_tile_starts(half: int, latent: int) -> set:
+    """`(start, size)` of the key tiles `cache_span_scores` gathers as stored (both RoPE
+    halves' unrotated pieces)."""
+    return {(h + a, size) for a, size, rotated in half_pieces(half, latent) if not rotated for h in (0, half)}
+
+
+def held_query_rows(q_pieces, keep):
+    """The query's stored (16-bit) pieces through a select on `keep`, a scalar the
+    compiler cannot fold (always true where it is used). Without it two pipeline stages
+    of the MLA step's scores do not fit (237824 B of shared memory asked of 232448, as
+    much as two key tiles, the query rows and the rotated RoPE operands take); with it
+    they do, so the rows are then presumably not held in shared memory for the whole
+    loop (not verified). H200, layer-1 scores at B=64: 115.1 against 131.8 us at one
+    stage. The bottom merge does without it (`merge._cache_merge_kernel`)."""
+    return [x if x.dtype == jnp.float32 else jnp.where(keep, x, jnp.zeros_like(x)) for x in q_pieces]
 
 
 def cache_split_spans(n, st: LayerStatic):
@@ -426,8 +448,11 @@ def _cache_scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, *refs, 
     real_rows = jnp.broadcast_to((jnp.arange(gp, dtype=jnp.int32) < st.group)[:, None], (gp, st.span))
 
     def score_span(j, carry):
-        scores, _, positions, nodes = cache_span_scores(start + j * st.span, q_lo, q_hi, par_ref, k_ref, cos_ref,
-                                                        sin_ref, n, st, st.precision, st.importance_operands)
+        lo, hi = q_lo, q_hi
+        if st.num_stages > 1:
+            lo, hi = held_query_rows(q_lo, j < count), held_query_rows(q_hi, j < count)
+        scores, _, positions, nodes, _ = cache_span_scores(start + j * st.span, lo, hi, par_ref, k_ref, cos_ref,
+                                                           sin_ref, n, st, st.precision, st.importance_operands)
         plgpu.store(s_ref.at[:, pl.ds(j * st.span, st.span)], scores, mask=real_rows)
         if bound:
             scores = scores + st.alpha * cache_bound_reach(qn_ref, rho_ref, nodes, st)
@@ -467,9 +492,62 @@ def decode_scores_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, inte
         in_specs=[sp["q"], sp["parents"], sp["n"], sp["k"], sp["table"], sp["table"], *extra_specs],
         out_specs=[sp["scores"]] * (1 + len(extra_out)) + [sp["vec"], sp["vec"]],
         out_shape=[score_shape, *extra_out] + partial_shapes(B, Q, H_kv, splits, gp),
-        compiler_params=compiler_params(st.num_warps, 1),
+        compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
     )(q, parents, n, layer_k, cos, sin, *extra)
+
+
+def _cache_keys_kernel(s_ref, shift_ref, n_ref, keys_ref, *, group: int, st: LayerStatic):
+    """`keys_from_scores` of one tile of candidates: the real rows' `exp(score - shift)`
+    summed, packed (SPEC 2.3). Rows `>= group` and positions `>= n` were never stored
+    (read, then masked); a tile wholly past `n` reads nothing (the top layer's buffer is
+    half empty at T=131072)."""
+    n = n_ref[0]
+    rows, tile = s_ref.shape
+    first = pl.program_id(3) * tile
+
+    @pl.when(first < n)
+    def _():
+        positions = first + jnp.arange(tile, dtype=jnp.int32)
+        take = (jnp.arange(rows, dtype=jnp.int32) < group)[:, None] & (positions < n)[None, :]
+        weights = jnp.where(take, jnp.exp(s_ref[...] - shift_ref[...][:, None]), 0.0)
+        keys_ref[...] = packed_keys(jnp.sum(weights, axis=0), n, st.strict_causal, st.log_n, positions=positions)
+
+    @pl.when(first >= n)
+    def _():
+        keys_ref[...] = jnp.full((tile,), -1, jnp.int32)
+
+
+# Candidates per program of `decode_keys_pallas` (128 rows of float32 scores: 32 KiB).
+KEYS_TILE = 64
+
+
+@functools.partial(jax.jit, static_argnames=("st", "split", "interpret"))
+def decode_keys_pallas(scores, shift, n, st: LayerStatic, split: int = 1, interpret: bool = False):
+    """`group_keys_from_scores` in a kernel: packed keys `[B, Q, H_kv / split, Mp]` of the
+    stored scores `[B, Q, H_kv, Gp, Mp]`, shifts `[B, Q, H_kv, Gp]` and `n [B, Q, H_kv,
+    1]` (kv heads virtual, `split` per kv head, as `group_keys_from_scores`). XLA's
+    fusion put the heads minor first (a transpose of every score: 49 us of the MLA
+    decode step at B=64, H200)."""
+    B, Q, H_kv, gp, Mp = scores.shape
+    group = st.group
+    if split > 1:
+        scores = scores.reshape(B, Q, H_kv // split, split * gp, Mp)
+        shift = shared_shift(shift, split, st.importance)
+        n, group = real_heads(n, split), split * st.group
+    rows, tile = scores.shape[3], min(KEYS_TILE, Mp)
+    grid = (B, Q, scores.shape[2], Mp // tile)
+    return pl.pallas_call(
+        functools.partial(_cache_keys_kernel, group=group, st=st),
+        grid=grid,
+        in_specs=[pl.BlockSpec((None, None, None, rows, tile), lambda b, i, h, c: (b, i, h, 0, c)),
+                  pl.BlockSpec((None, None, None, rows), lambda b, i, h, c: (b, i, h, 0)),
+                  pl.BlockSpec((None, None, None, 1), lambda b, i, h, c: (b, i, h, 0))],
+        out_specs=pl.BlockSpec((None, None, None, tile), lambda b, i, h, c: (b, i, h, c)),
+        out_shape=jax.ShapeDtypeStruct(grid[:3] + (Mp,), jnp.int32),
+        compiler_params=compiler_params(4, 1),
+        interpret=interpret,
+    )(scores, shift, n)
 
 
 def combine_max_sum(m, total):

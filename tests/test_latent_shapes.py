@@ -8,6 +8,8 @@ V = 512)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +18,10 @@ import pytest
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from htree_jax.backends import attend_cache
 from htree_jax.decode import rotation_layout
-from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas
-from pallas_kernels.importance import half_pieces
+from pallas_kernels.common import LayerStatic
+from pallas_kernels.decode import STAGED_BYTES, DecodeBlockSizes, attend_cache_pallas, pipelined
+from pallas_kernels.importance import decode_keys_pallas, group_keys_from_scores, half_pieces
+from pallas_kernels.merge import cache_value_pieces, values_in_key_tiles
 from tests.conftest import random_qkv
 from tests.helpers import assert_gradients_close, assert_mostly_agrees
 from tests.test_oracle_agreement import assert_matches_oracle
@@ -99,6 +103,7 @@ def test_decoding_large_groups_equals_the_full_sequence(rng, G, K, V, importance
 
 @pytest.mark.parametrize("backend, G, K, rope_dim, V", [
     ("pallas_interpret", 32, 96, 32, 48),  # values past the first latent run (32): read from both halves
+    ("pallas_interpret", 32, 96, 32, 64),  # every latent feature: the bottom's key tiles are the value tiles
     ("pallas_interpret", 8, 96, 32, 32),  # 8 heads (the virtual-head decode), values the first run
     ("reference", 32, 96, 32, 48)])
 def test_decoding_with_values_read_from_the_keys(rng, backend, G, K, rope_dim, V):
@@ -156,6 +161,80 @@ def test_values_from_the_keys_cache_refusals():
     (32, 32, ((0, 32, True),))])
 def test_half_pieces(half, latent, pieces):
     assert half_pieces(half, latent) == pieces
+
+
+def test_values_in_key_tiles():
+    """The bottom merge folds its key tiles as values only where every value piece is
+    one of them (a whole run, or both), not a part of a run."""
+    assert values_in_key_tiles(cache_value_pieces(512, 576, 256), 576, 256)  # the MLA shape
+    assert values_in_key_tiles(cache_value_pieces(64, 96, 32), 96, 32)
+    assert not values_in_key_tiles(cache_value_pieces(48, 96, 32), 96, 32)  # 16 of the second run
+    assert values_in_key_tiles(cache_value_pieces(256, 576, 256), 576, 256)  # the first run: one tile
+    assert not values_in_key_tiles(cache_value_pieces(128, 576, 256), 576, 256)  # half of a tile
+    assert not values_in_key_tiles(cache_value_pieces(64), 96, 0)  # no latent part: a value layer
+
+
+def test_pipeline_stages_of_the_wide_decode():
+    """Two stages where two steps' gathered tiles take at most STAGED_BYTES (16-bit,
+    G > 16), the bottom merge's span halved for a value layer; else one stage."""
+    st = LayerStatic(r=16, tile=1024, group=64, alpha=1.0, importance="softmax", strict_causal=True, log_n=10,
+                     top_k=64, precision=None, span=64, num_stages=1, latent_half=256)
+    own, keys = pipelined(st, 576, 512, 2, False), pipelined(st, 576, 512, 2, True)
+    assert (own.scores.num_stages, own.scores.span, own.merge.num_stages) == (2, 64, 2)
+    assert (own.bottom.num_stages, own.bottom.span) == (2, 32)  # 2 * 64 * 1088 * 2 B > STAGED_BYTES
+    assert (keys.bottom.num_stages, keys.bottom.span) == (2, 64)
+    assert 2 * 64 * 1088 * 2 > STAGED_BYTES >= 2 * 64 * 576 * 2
+    for one in (st, dataclasses.replace(st, group=16)):  # float32; a GQA group
+        x = pipelined(one, 576, 512, 4 if one is st else 2, True)
+        assert x.scores == x.merge == x.bottom == one
+
+
+@pytest.mark.parametrize("split, importance", [(1, "softmax"), (2, "shared_max"), (4, "softmax")])
+def test_decode_keys_kernel_equals_the_xla_keys(rng, split, importance):
+    """`decode_keys_pallas` (interpreted) packs the keys `group_keys_from_scores` does,
+    with garbage (NaN) where no score was stored: padding rows, positions >= n."""
+    B, Q, H, gp, Mp, G = 2, 2, 2 * split, 16, 128, 12 if split == 1 else 16
+    st = LayerStatic(r=4, tile=Mp, group=G, alpha=1.0, importance=importance, strict_causal=True, log_n=7,
+                     top_k=8, precision=None)
+    n = jnp.asarray(rng.integers(0, Mp + 1, (B, Q, H // split, 1)), jnp.int32)
+    n = jnp.repeat(n.at[0, 0].set(1), split, axis=2)  # one query with R empty (n = 1)
+    scores = rng.standard_normal((B, Q, H, gp, Mp)).astype(np.float32) * 3
+    scores[..., G:, :] = np.nan
+    scores = jnp.where(jnp.arange(Mp) < n[..., None], jnp.asarray(scores), jnp.nan)
+    shift = jnp.asarray(rng.standard_normal((B, Q, H, gp)), jnp.float32)
+    want = np.asarray(group_keys_from_scores(scores, shift, n, st, split))
+    got = np.asarray(decode_keys_pallas(scores, shift, n, st, split, interpret=True))
+    np.testing.assert_array_equal(got == -1, want == -1)
+    # the same importance up to float32 sums in another order: the packed float bits
+    # (positions in the low log_n bits) within a few steps of 2**log_n
+    assert np.max(np.abs(got.astype(np.int64) - want)) <= 4 << st.log_n
+    assert np.mean(got == want) > 0.95
+
+
+@pytest.mark.parametrize("r, top_k, span, T, K, rope_dim, V", [
+    (4, 4, 64, 40, 96, 32, 64),
+    (4, 8, 16, 60, 96, 32, 64),  # 2 splits a query: partial states folded in XLA
+    (16, 4, 64, 300, 576, 64, 512)])
+def test_two_stage_decode_kernels_equal_the_reference_walk(rng, r, top_k, span, T, K, rope_dim, V):
+    """bfloat16 at G = 32 (two stages: the scores' held query rows, the selecting merges,
+    the bottom merge with its key tiles as values or, at K = 576, V = 512, gathering a
+    value layer at half the span; one split: the state carried through the merges),
+    interpreted, against the reference walk of the same cache."""
+    config = HTreeConfig(compression_rate=r, top_k=top_k, rope_dim=rope_dim)
+    G = 32
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, 1, T, G, 1, K, V))
+    for values_from_keys in (False, True):
+        cache = init_cache(1, T, 1, K, V, config, jnp.bfloat16, values_from_keys=values_from_keys)
+        _, cache = prefill(q, k, None if values_from_keys else v, cache, config, backend="reference")
+        qr, _ = rotation_layout(q, k, config)
+        positions = jnp.arange(T - 8, T, dtype=jnp.int32)[None]
+        want, sel_want = attend_cache(qr[:, -8:], cache.keys, cache.values, cache.radii, positions, config,
+                                      "reference", value_dim=cache.value_dim)
+        got, sel = attend_cache_pallas(qr[:, -8:], cache.keys, cache.values, positions, config,
+                                       DecodeBlockSizes(span=span), interpret=True, value_dim=cache.value_dim)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+        for a, b in zip(sel, sel_want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_decode_block_sizes_refused():
