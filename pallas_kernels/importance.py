@@ -196,15 +196,22 @@ def packed_keys(imp, n, strict_causal: bool, log_n: int, export: bool = False, p
     return (keys, imp) if export else keys
 
 
-def group_keys_from_scores(scores, shift, n, st: LayerStatic, split: int = 1, export: bool = False):
-    """`keys_from_scores` of the real kv heads where the kv heads `[B, Q, H_kv * split,
-    ...]` are virtual (`plan.split_heads`, every row a real head): each kv head's
-    `split * Gp` rows taken as one group (`shared_shift`), `n` as a virtual layout's."""
+def whole_groups(scores, shift, n, st: LayerStatic, split: int):
+    """Virtual kv heads `[B, Q, H_kv * split, Gp, ...]` (`plan.split_heads`, every row a
+    real head) as their real kv heads: `(scores [B, Q, H_kv, split * Gp, Mp], shifts
+    (shared_shift), n, the static with the whole group)`."""
     if split == 1:
-        return keys_from_scores(scores, shift, n, st, export)
-    whole = lambda x: x.reshape(x.shape[:2] + (x.shape[2] // split, split * x.shape[3]) + x.shape[4:])
-    return keys_from_scores(whole(scores), shared_shift(shift, split, st.importance), real_heads(n, split),
-                            dataclasses.replace(st, group=split * st.group), export)
+        return scores, shift, n, st
+    whole = scores.reshape(scores.shape[:2] + (scores.shape[2] // split, split * scores.shape[3]) + scores.shape[4:])
+    return (whole, shared_shift(shift, split, st.importance), real_heads(n, split),
+            dataclasses.replace(st, group=split * st.group))
+
+
+def group_keys_from_scores(scores, shift, n, st: LayerStatic, split: int = 1, export: bool = False):
+    """`keys_from_scores` of the real kv heads where the kv heads are virtual
+    (`whole_groups`): each kv head's `split * Gp` rows taken as one group, `n` as a
+    virtual layout's."""
+    return keys_from_scores(*whole_groups(scores, shift, n, st, split), export)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores", "export", "split"))
@@ -497,9 +504,9 @@ def decode_scores_pallas(q, parents, n, layer_k, cos, sin, st: LayerStatic, inte
     )(q, parents, n, layer_k, cos, sin, *extra)
 
 
-def _cache_keys_kernel(s_ref, shift_ref, n_ref, keys_ref, *, group: int, st: LayerStatic):
+def _cache_keys_kernel(s_ref, shift_ref, n_ref, keys_ref, *, st: LayerStatic):
     """`keys_from_scores` of one tile of candidates: the real rows' `exp(score - shift)`
-    summed, packed (SPEC 2.3). Rows `>= group` and positions `>= n` were never stored
+    summed, packed (SPEC 2.3). Rows `>= st.group` and positions `>= n` were never stored
     (read, then masked); a tile wholly past `n` reads nothing (the top layer's buffer is
     half empty at T=131072)."""
     n = n_ref[0]
@@ -509,7 +516,7 @@ def _cache_keys_kernel(s_ref, shift_ref, n_ref, keys_ref, *, group: int, st: Lay
     @pl.when(first < n)
     def _():
         positions = first + jnp.arange(tile, dtype=jnp.int32)
-        take = (jnp.arange(rows, dtype=jnp.int32) < group)[:, None] & (positions < n)[None, :]
+        take = (jnp.arange(rows, dtype=jnp.int32) < st.group)[:, None] & (positions < n)[None, :]
         weights = jnp.where(take, jnp.exp(s_ref[...] - shift_ref[...][:, None]), 0.0)
         keys_ref[...] = packed_keys(jnp.sum(weights, axis=0), n, st.strict_causal, st.log_n, positions=positions)
 
@@ -529,16 +536,12 @@ def decode_keys_pallas(scores, shift, n, st: LayerStatic, split: int = 1, interp
     1]` (kv heads virtual, `split` per kv head, as `group_keys_from_scores`). XLA's
     fusion put the heads minor first (a transpose of every score: 49 us of the MLA
     decode step at B=64, H200)."""
-    B, Q, H_kv, gp, Mp = scores.shape
-    group = st.group
-    if split > 1:
-        scores = scores.reshape(B, Q, H_kv // split, split * gp, Mp)
-        shift = shared_shift(shift, split, st.importance)
-        n, group = real_heads(n, split), split * st.group
-    rows, tile = scores.shape[3], min(KEYS_TILE, Mp)
-    grid = (B, Q, scores.shape[2], Mp // tile)
+    scores, shift, n, st = whole_groups(scores, shift, n, st, split)
+    B, Q, H_kv, rows, Mp = scores.shape
+    tile = min(KEYS_TILE, Mp)
+    grid = (B, Q, H_kv, Mp // tile)
     return pl.pallas_call(
-        functools.partial(_cache_keys_kernel, group=group, st=st),
+        functools.partial(_cache_keys_kernel, st=st),
         grid=grid,
         in_specs=[pl.BlockSpec((None, None, None, rows, tile), lambda b, i, h, c: (b, i, h, 0, c)),
                   pl.BlockSpec((None, None, None, rows), lambda b, i, h, c: (b, i, h, 0)),
