@@ -79,8 +79,10 @@ def main(argv=None):
     p.add_argument("--importance-operands", default="auto",
                    help="bfloat16 inputs: operands of the importance dots: auto (the backend's default), "
                         "float32 (3xTF32), bf16x3, or a dtype name")
+    p.add_argument("--min-rows", type=int, default=BlockSizes.min_query_rows,
+                   help="BlockSizes.min_query_rows: the per-query kernels' least product rows")
     args = p.parse_args(argv)
-    block_sizes = BlockSizes()
+    block_sizes = BlockSizes(min_query_rows=args.min_rows)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     ok = True
     for T in [int(s) for s in args.sizes.split(",")]:

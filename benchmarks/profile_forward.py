@@ -19,9 +19,10 @@ import jax.numpy as jnp
 from htree_jax import HTreeConfig
 from htree_jax.bench import H_KV, INPUTS, B, H, K, dense_fn, median_ms
 from htree_jax.core.indexing import top_layer_parents
+from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import BlockSizes, prepare, valid_candidates
+from pallas_kernels.plan import BlockSizes, group_rows, prepare, valid_candidates
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.merge import merge_pallas, merge_scored_pallas
 from pallas_kernels.precision import Precisions
@@ -42,6 +43,21 @@ def precisions_from(merge_operands: str, importance_operands: str, dtype) -> Pre
     return chosen
 
 
+def variants(spec: str, st, warps_field: str):
+    """`(LayerStatic, label)` per `tile:warps:stages` of `spec`."""
+    for item in [x for x in spec.split(",") if x]:
+        tile, warps, stages = (int(x) for x in item.split(":"))
+        yield (dataclasses.replace(st, tile=tile, num_stages=stages, **{warps_field: warps}),
+               f"tile {tile}, {warps} warps, {stages} stages")
+
+
+def gathered(n, arrays) -> float:
+    """Bytes a chunk gathers: the rows of `arrays` (key parts, values) at every valid
+    candidate of its queries and kv heads."""
+    row_bytes = sum(x.shape[-1] * x.dtype.itemsize for x in arrays)
+    return float(jnp.sum(n.astype(jnp.float32))) * row_bytes
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--T", type=int, default=131072)
@@ -56,18 +72,22 @@ def main(argv=None):
     p.add_argument("--chunk-gb", type=float, default=BlockSizes.chunk_budget_bytes / 2**30)
     p.add_argument("--top-keys-stages", type=int, default=BlockSizes.top_keys_stages)
     p.add_argument("--warps", type=int, default=BlockSizes.num_warps, help="per-query importance kernel")
+    p.add_argument("--min-rows", type=int, default=BlockSizes.min_query_rows, help="per-query kernels' least rows")
     p.add_argument("--merge-warps", type=int, default=BlockSizes.merge_num_warps, help="per-query merges")
     p.add_argument("--merge-operands", default="auto", help="auto, float32, or a dtype name")
     p.add_argument("--importance-operands", default="auto", help="auto, float32 (3xTF32), bf16x3 or a dtype name")
     p.add_argument("--merge-variants", action="store_true", help="time warp/tile variants of the scored merge too")
     p.add_argument("--inputs", default="random", choices=sorted(INPUTS),
                    help="random, or correlated (htree_jax.bench.correlated_inputs)")
+    p.add_argument("--bottom-variants", default="", help="bottom merge variants to time, tile:warps:stages,...")
+    p.add_argument("--keys-variants", default="", help="importance kernel variants below the top, tile:warps:stages")
+    p.add_argument("--kernels", action="store_true", help="also each kernel's device time in the end-to-end call")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip = args.interpret
     T, config = args.T, HTreeConfig(top_k=args.top_k)
     q, k, v = INPUTS[args.inputs](T)
-    bs = BlockSizes(span=args.span, tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, top_num_warps=args.top_warps,
+    bs = BlockSizes(min_query_rows=args.min_rows, span=args.span, tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, top_num_warps=args.top_warps,
                     top_keys_tile=args.top_keys_tile, chunk_budget_bytes=int(args.chunk_gb * 2**30), top_keys_stages=args.top_keys_stages,
                     num_warps=args.warps,
                     merge_num_warps=args.merge_warps)
@@ -77,7 +97,7 @@ def main(argv=None):
     prep = prep_fn(q, k, v)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     G = H // H_KV
-    gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
+    gt, gp = next_power_of_two(G), group_rows(G, bs)
     chunks = prep.q4.shape[1] // Qc
     c = chunks // 2
     qc = prep.q4[:, c * Qc : (c + 1) * Qc]
@@ -90,7 +110,7 @@ def main(argv=None):
     rot_call = jax.jit(lambda qc, n: rotate_queries(pad_axis(qc, 3, gt), n, prep.cos, prep.sin))
     rows.append(("top layer query rotation", median_ms(rot_call, (qc, n_top), args.iters), chunks))
     q_top = rot_call(qc, n_top)
-    first = jnp.zeros_like(n_top)
+    first = None  # one document per row (what the forward passes without packing)
     mean_n = float(jnp.mean(n_top))
     blk = f"{st_top.block_queries} queries/program, tile {st_top.tile}"
     kblk = f"{st_top.block_queries} queries/program, tile {prep.st_top_keys.tile}, {prep.st_top_keys.num_stages} stages"
@@ -106,8 +126,8 @@ def main(argv=None):
                      median_ms(keys_call, kargs, args.iters), chunks))
         keys = keys_call(*kargs)
         parents = jnp.broadcast_to(top_layer_parents(t[..., 0], st.r, L, P), (B, Qc, H_KV, P))
-        select_call = jax.jit(lambda *a: select_top_k_pallas(*a, st, ip))
-        rows.append((f"layer {L - 1} shared top-K (31-step search + compaction)",
+        select_call = jax.jit(lambda *a: select_top_k_pallas(*a, prep.st_select, ip))
+        rows.append((f"layer {L - 1} shared top-K (threshold search + compaction)",
                      median_ms(select_call, (keys, parents, n_top), args.iters), chunks))
         nxt, tau = select_call(keys, parents, n_top)
         merge_call = jax.jit(lambda *a: top_merge_pallas(*a, st_top, ip))
@@ -125,10 +145,13 @@ def main(argv=None):
             keys_call = jax.jit(lambda *a: importance_keys_pallas(*a, st, ip, return_scores=True))
             kargs = (q_rows, parents, n, kl, prep.cos, prep.sin)
             rows.append((f"layer {l} importance keys (1 query/program, 1 score pass, scores stored, "
-                         f"mean n={mean_n:.0f})", median_ms(keys_call, kargs, args.iters), chunks))
+                         f"mean n={mean_n:.0f})", median_ms(keys_call, kargs, args.iters), chunks, gathered(n, kl)))
+            for stv, label in variants(args.keys_variants, st, "num_warps"):
+                call = jax.jit(lambda *a, stv=stv: importance_keys_pallas(*a, stv, ip, return_scores=True))
+                rows.append((f"  variant: {label}", median_ms(call, kargs, args.iters), chunks, gathered(n, kl)))
             keys, scores = keys_call(*kargs)
-            select_call = jax.jit(lambda *a: select_top_k_pallas(*a, st, ip))
-            rows.append((f"layer {l} shared top-K (31-step search + compaction)",
+            select_call = jax.jit(lambda *a: select_top_k_pallas(*a, prep.st_select, ip))
+            rows.append((f"layer {l} shared top-K (threshold search + compaction)",
                          median_ms(select_call, (keys, parents, n), args.iters), chunks))
             nxt, tau = select_call(keys, parents, n)
             st_scored = dataclasses.replace(st, merge_num_warps=bs.scored_merge_num_warps)
@@ -150,18 +173,25 @@ def main(argv=None):
             bottom = jax.jit(lambda *a: merge_pallas(*a, st, ip, out_dtype=q.dtype))
             bargs = (q_rows, parents, n, kl_rot, vl, prep.cos, prep.sin, state)
             rows.append((f"layer 0 merge + normalise (1 query/program, 1 score pass + values, mean n={mean_n:.0f})",
-                         median_ms(bottom, bargs, args.iters), chunks))
+                         median_ms(bottom, bargs, args.iters), chunks, gathered(n, (*kl_rot, vl))))
+            for stv, label in variants(args.bottom_variants, st, "merge_num_warps"):
+                call = jax.jit(lambda *a, stv=stv: merge_pallas(*a, stv, ip, out_dtype=q.dtype))
+                rows.append((f"  variant: {label}", median_ms(call, bargs, args.iters), chunks,
+                             gathered(n, (*kl_rot, vl))))
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
     whole = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs, ip, precisions)[0])
     whole_ms = median_ms(whole, (q, k, v), args.iters)
+    if args.kernels and not ip:  # device time per kernel inside the end-to-end call
+        print_kernel_times(kernel_times(lambda: whole(q, k, v), 2), "the end-to-end call's kernels", top=12)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: {args.inputs} inputs, T={T} top_k={args.top_k} "
           f"layers={config.layer_sizes(T)} B={B} H={H} H_kv={H_KV} K=V={K} bf16, score dots {st.precision}, "
           f"span {st.span}, tile {st.tile} (top: {st_top.tile}), warps {st.num_warps}/{st.merge_num_warps}, merge operands {st.merge_operands}, importance operands {st.importance_operands}, {chunks} chunks of {Qc} positions")
-    print("| stage | per chunk ms | chunks | total ms |\n|---|---|---|---|")
+    print("| stage | per chunk ms | chunks | total ms | TB/s gathered |\n|---|---|---|---|---|")
     total = 0.0
-    for name, ms, times in rows:
+    for name, ms, times, *moved in rows:
         total += 0.0 if name.startswith("  variant") else ms * times
-        print(f"| {name} | {ms:.2f} | {times} | {ms * times:.1f} |")
+        rate = f"{moved[0] / ms / 1e9:.2f}" if moved else ""
+        print(f"| {name} | {ms:.2f} | {times} | {ms * times:.1f} | {rate} |")
     print(f"| sum | | | {total:.1f} |\n| end to end (one call) | | | {whole_ms:.1f} |\n"
           f"| dense cuDNN (whole attention) | | | {dense_ms:.1f} |")
 

@@ -22,9 +22,11 @@ from pallas_kernels.plan import (
     BlockSizes,
     Prepared,
     chunk_queries,
+    group_rows,
     prepare,
     select_below_top,
     split_heads,
+    top_documents,
     valid_candidates,
 )
 from pallas_kernels.precision import Precisions
@@ -79,7 +81,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     st_scored = dataclasses.replace(st, merge_num_warps=block_sizes.scored_merge_num_warps)
     num_chunks = prep.q4.shape[1] // Qc
     vp = prep.top_v.shape[-1]
-    gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
+    gt, gp = next_power_of_two(G), group_rows(G, block_sizes)
 
     def empty_state(rows):
         return (jnp.full((B, Qc, H_kv, rows), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_kv, rows), jnp.float32),
@@ -89,6 +91,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
         qc, t, n_top, first, q_top, top = chunk_queries(prep, c, T, L, interpret, export=return_importance)
         keys, tau, parents = top[:3]
         exported = list(top[3:])
+        first = top_documents(prep, first)
         if L == 1:
             o, lse = top_merge_pallas(q_top, n_top, first, None, None, prep.top_k_merge, prep.top_v, empty_state(gt),
                                       st_top, interpret, out_dtype=q.dtype, return_lse=True)

@@ -86,21 +86,22 @@ def query_rows(q_ref, qh_ref):
     return (q_ref[...].astype(jnp.float32).reshape(bq * gp, kp), qh_ref[...].astype(jnp.float32).reshape(bq * gp, kp))
 
 
-def online_max_sum(m, total, scores):
-    """Fold `scores [R, tile]` (-inf where excluded) into a running max and sum."""
+def online_max_sum(m, total, scores, exp=jnp.exp):
+    """Fold `scores [R, tile]` (-inf where excluded) into a running max and sum (`exp`:
+    `jnp.exp2` for scores in base 2, `log2(e)` times the natural ones)."""
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    total = total * jnp.exp(m - m_safe) + jnp.sum(jnp.exp(scores - m_safe[:, None]), axis=1)
+    total = total * exp(m - m_safe) + jnp.sum(exp(scores - m_safe[:, None]), axis=1)
     return m_new, total
 
 
-def importance_shift(m, total, real_head, group_rows: int, importance: str):
+def importance_shift(m, total, real_head, group_rows: int, importance: str, log=jnp.log):
     """Per row, what the importance subtracts from scores (SPEC 2.3): the row's LSE over
     R (`softmax`), or the max over the real heads of its query's group (`shared_max`);
     0 where R is empty. `m, total [rows]` from `online_max_sum`, rows grouped by query
-    in blocks of `group_rows`."""
+    in blocks of `group_rows` (`log=jnp.log2` for scores in base 2)."""
     if importance == "softmax":
-        return jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), 0.0)
+        return jnp.where(total > 0, m + log(jnp.where(total > 0, total, 1.0)), 0.0)
     queries = m.shape[0] // group_rows
     group_max = jnp.max(jnp.where(real_head, m, NEG_INF).reshape(queries, group_rows), axis=1)
     shift = jnp.broadcast_to(group_max[:, None], (queries, group_rows)).reshape(m.shape[0])

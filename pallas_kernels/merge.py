@@ -51,19 +51,20 @@ from pallas_kernels.precision import check_key_parts, key_parts, weighted_values
 from pallas_kernels.rope import full_width_inputs
 
 
-def fold_merged(carry, blocks, score_precision, operands):
+def fold_merged(carry, blocks, score_precision, operands, exp=jnp.exp):
     """Online-softmax merge (SPEC 2.4) of score blocks into `(m, S, U)` `[rows]`,
     `[rows]`, `[rows, Vp]`: `blocks` is a list of `(scores [rows, n], values [n, Vp])`,
-    scores `-inf` where not merged; they fold as one step (one rescale)."""
+    scores `-inf` where not merged; they fold as one step (one rescale). `exp=jnp.exp2`:
+    scores and `m` in base 2 (`log2(e)` times the natural ones)."""
     m, total, acc = carry
     m_new = m
     for s_m, _ in blocks:
         m_new = jnp.maximum(m_new, jnp.max(s_m, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    decay = jnp.exp(m - m_safe)
+    decay = exp(m - m_safe)
     total, acc = total * decay, acc * decay[:, None]
     for s_m, values in blocks:
-        w = jnp.exp(s_m - m_safe[:, None])
+        w = exp(s_m - m_safe[:, None])
         total = total + jnp.sum(w, axis=1)
         acc = acc + weighted_values(w, values, score_precision, operands)
     return m_new, total, acc

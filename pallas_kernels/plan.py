@@ -7,9 +7,10 @@ Device memory beyond inputs, tree and output: the rotated copies of the tree's k
 (the top layer once in float32, and as the merge and importance dots read it; each lower
 layer in `span / r` copies, `rotate_phases`, as the dots that read them take them, the
 bottom's merge dots and the other layers' importance dots: one bfloat16 array or two
-bfloat16 / float32 parts, `key_operands`); per chunk of `Qc` positions the packed keys and next-parent
-buffers (`2 * B * Qc * H_kv * Mp` int32), the scores of a layer below the top that
-selects (`B * Qc * H_kv * Gp * Mp` float32, `Gp = max(16, G)`, only when `L >= 3`),
+bfloat16 / float32 parts, `key_operands`); per chunk of `Qc` positions the packed keys
+(`B * Qc * H_kv * Mp` int32) and next parents (`2 * B * Qc * H_kv * P`), the scores of
+a layer below the top that selects (`B * Qc * H_kv * Gp * Mp` float32, `Gp` the
+query rows, `group_rows`, only when `L >= 3`; the chunk sized as for 16 rows),
 the queries padded and rotated for the top layer (`B * Qc * H_kv * Gt * Kp` float32)
 and the softmax state (`B * Qc * H * (V + 2)` float32); the selections
 (`(L-1) * B*T*H_kv*top_k` int32).
@@ -71,14 +72,21 @@ class BlockSizes:
     # the keys are stored in span/r rotated copies) and per inner step.
     span: int = 64
     tile: int = 64
-    # Top layer: query rows per program (256 overflow shared memory), candidates per step.
+    # Top layer: query rows per program (256 overflow shared memory), candidates per step,
+    # the merge's warps and pipeline stages.
     top_rows: int = 128
     top_tile: int = 64
     top_num_warps: int = 8
-    # The top layer's importance kernel is product-bound: 3xTF32 split in the kernel, 2 stages.
-    top_keys_tile: int = 64
+    top_num_stages: int = 3
+    # The top layer's importance kernel is product-bound: 128 candidates a step, 2 stages.
+    top_keys_tile: int = 128
     top_keys_stages: int = 2
-    # Per-query kernels below the top: 16-row products keep 2 warps busiest.
+    # The shared top-K kernel (one query per program, every layer).
+    select_num_warps: int = 4
+    # Per-query kernels below the top: a query's G heads padded to at least this many
+    # product rows (8 or 16; 8 ran T=131072, top_k=64 at 125.6 ms against 152.1), and
+    # their warps (2 keep such products busiest).
+    min_query_rows: int = 8
     num_warps: int = 2
     merge_num_warps: int = 2
     num_stages: int = 2
@@ -113,6 +121,8 @@ class BlockSizes:
     wide_backward_num_warps: int = 8
 
     def __post_init__(self):
+        if self.min_query_rows not in (8, 16):
+            raise ValueError(f"BlockSizes.min_query_rows must be 8 or 16, got {self.min_query_rows!r}")
         if not isinstance(self.node_entries, int) or self.node_entries < 0:
             raise ValueError(f"BlockSizes.node_entries must be an int >= 0 (0: never spill), got {self.node_entries!r}")
 
@@ -134,6 +144,26 @@ TUNED = {
     "wide": dict(span=32, tile=32, top_rows=16, top_tile=16, top_num_warps=4, top_keys_tile=16, top_keys_stages=2,
                  num_warps=4, merge_num_warps=4, num_stages=2, scored_merge_num_warps=4),
 }
+
+
+def top_pipeline(block_sizes: BlockSizes, precisions: Precisions, kp: int, vp: int) -> tuple:
+    """`(merge stages, importance tile, importance stages)` of the top layer for padded
+    head dims `kp, vp`, as compiled on an H200: the block sizes' for heads up to 128
+    features (float32 operands, twice the bytes: 2 merge stages and an importance tile of
+    64); wider heads one stage each (pipelined, their tiles overflowed shared memory at
+    K=192: 264192 bytes asked, 232448 there)."""
+    tile = next_power_of_two(block_sizes.top_keys_tile, 16)
+    if kp > 128 or vp > 128:
+        return 1, min(tile, 64), 1
+    if precisions.importance_operands is None:
+        tile = min(tile, 64)
+    stages = block_sizes.top_num_stages if precisions.merge_operands else min(block_sizes.top_num_stages, 2)
+    return stages, tile, block_sizes.top_keys_stages
+
+
+def group_rows(G: int, block_sizes: BlockSizes) -> int:
+    """`Gp`: the product rows of one query's `G` heads in the kernels below the top layer."""
+    return next_power_of_two(G, block_sizes.min_query_rows)
 
 
 def check_pallas_dims(dims) -> None:
@@ -182,7 +212,8 @@ def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
                                 "top_local", "positions", "radii", "top_radii"],
-                   meta_fields=["st", "st_top", "st_top_keys", "parents_width", "chunk", "sizes", "head_split",
+                   meta_fields=["st", "st_top", "st_top_keys", "st_select", "parents_width", "chunk", "sizes",
+                                "head_split",
                                 "bound_rope", "bound_width"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
@@ -203,6 +234,7 @@ class Prepared:
     st: LayerStatic  # the layers below the top: one query per program
     st_top: LayerStatic  # the top layer: `block_queries` queries per program
     st_top_keys: LayerStatic  # its importance kernel (its own tile and pipeline depth)
+    st_select: LayerStatic  # the shared top-K kernel of every layer (its own warps)
     parents_width: int  # P
     chunk: int  # Qc, a multiple of st_top.block_queries
     sizes: tuple  # the tree's layer sizes (virtual ones when packed)
@@ -277,18 +309,21 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     gt = next_power_of_two(G)
     bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
     top_tile = min(next_power_of_two(block_sizes.top_tile, 16), Mp)
-    st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps)
-    st_top_keys = dataclasses.replace(st_top, tile=min(next_power_of_two(block_sizes.top_keys_tile, 16), top_tile),
-                                      num_stages=block_sizes.top_keys_stages)
-    extra = 0 if packing is None else top_tile  # packed: tiles start at a document's first node
-    top_v = pad_axis(pad_nodes(layers[-1][1], top_tile), 2, -(-sizes[-1] // top_tile) * top_tile + extra)
+    merge_stages, keys_tile, keys_stages = top_pipeline(block_sizes, precisions, kp, vp)
+    st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps,
+                                 num_stages=merge_stages)
+    st_top_keys = dataclasses.replace(st_top, tile=min(keys_tile, Mp), num_stages=keys_stages)
+    # The top layer's nodes padded to a multiple of both kernels' tiles (powers of two).
+    top_pad = max(top_tile, st_top_keys.tile)
+    extra = 0 if packing is None else top_pad  # packed: tiles start at a document's first node
+    top_v = pad_axis(pad_nodes(layers[-1][1], top_pad), 2, -(-sizes[-1] // top_pad) * top_pad + extra)
     # The keys as the products read them: rotated, then split for 3xTF32 or cast to the
     # operand dtype, once per layer (one array when both dots take the same operands).
     imp_spec = (precisions.scores, precisions.importance_operands)
     merge_spec = (precisions.merge, precisions.merge_operands)
 
     if packing is None:
-        top_rotated = rotate_keys(layers[-1][0], cos, sin, top_tile)
+        top_rotated = rotate_keys(layers[-1][0], cos, sin, top_pad)
     else:
         top_rotated = apply_rope(layers[-1][0].astype(jnp.float32), cos[top_local][:, None], sin[top_local][:, None])
         top_rotated = pad_axis(top_rotated, 2, top_v.shape[2])
@@ -318,13 +353,18 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     # Layers below the top that select (L >= 3) store their scores per chunk (and, with
     # the bound, its scores beside them: the chunks are sized as without, twice the
     # buffer for half the launches).
+    # (Sized as for 16 score rows whatever `min_query_rows`: the buffers beside the scores,
+    # the rotated queries and the softmax state, grow with the chunk; sized by 8 rows, the
+    # forward at T=1M, top_k=64 planned 1.4 GiB more.)
     score_rows = next_power_of_two(G, 16) if num_layers >= 3 else 0
     Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows) // bq) * bq
     if q.size * q.dtype.itemsize >= block_sizes.chunk_budget_bytes:
         Qc = dividing_chunk(T, Qc, bq)
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
-    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, P, Qc, sizes, packing,
+    st_select = dataclasses.replace(st, num_warps=block_sizes.select_num_warps)
+    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, st_select, P, Qc,
+                    sizes, packing,
                     top_local, positions, split, radii, top_radii, bound_rope, bound_width)
 
 
@@ -388,11 +428,17 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
     keys, imp = top_keys(prep, q_top, n_top, first, interpret, export)
     parents = jnp.broadcast_to(top_layer_parents(offset[..., 0], st.r, num_layers, prep.parents_width),
                                (B, Qc, H_kv // split, prep.parents_width))
-    next_parents, tau = select_top_k_pallas(keys, parents, real_heads(n_top, split), st, interpret)
+    next_parents, tau = select_top_k_pallas(keys, parents, real_heads(n_top, split), prep.st_select, interpret)
     next_parents = next_parents[..., : prep.parents_width]
     next_parents = jnp.where(next_parents >= 0, next_parents + real_heads(first, split), -1)  # tree rows
     top = [keys, tau, next_parents] + ([kept_values(keys, tau, imp, st.top_k)] if export else [])
     return qc, t, n_top, first, q_top, tuple(virtual_heads(x, split) for x in top)
+
+
+def top_documents(prep: Prepared, first):
+    """What the top layer's kernels take as `first`: None without packing (one document
+    per row: no per-document loop around their tiles)."""
+    return None if prep.packing is None else first
 
 
 def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool):
@@ -402,6 +448,7 @@ def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool)
     split's rescaled from its own group max to the largest), then packed as the kernel
     packs it."""
     split, st, width = prep.head_split, prep.st_top_keys, prep.cos.shape[0]
+    first = top_documents(prep, first)
     qn = query_group_norms(prep, q_top)
     bound = None if qn is None else (qn, prep.top_radii)
     if split == 1:
@@ -437,7 +484,7 @@ def select_below_top(prep: Prepared, q_rows, parents, n, layer: int, interpret: 
     imp = None
     if export:
         keys, imp = keys
-    next_parents, tau = select_top_k_pallas(keys, real_heads(parents, split), real_heads(n, split), prep.st,
+    next_parents, tau = select_top_k_pallas(keys, real_heads(parents, split), real_heads(n, split), prep.st_select,
                                             interpret)
     if export:
         imp = virtual_heads(kept_values(keys, tau, imp, prep.st.top_k), split)

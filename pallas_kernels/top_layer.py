@@ -37,6 +37,7 @@ virtual parents (`htree_jax.reference.top_layer_parents`); the tests compare the
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +54,18 @@ from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, split
 
 def _block_rows(q_ref, n_ref, first_ref):
     """The block's rotated queries `[BQ*Gt, Kp]` (row `b*Gt + g`), `n` and `first` per
-    query `[BQ]`."""
+    query `[BQ]` (`first` None: one document per row)."""
     bq, gt, kp = q_ref.shape
-    return q_ref[...].reshape(bq * gt, kp), n_ref[...].reshape(bq), first_ref[...].reshape(bq)
+    first = None if first_ref is None else first_ref[...].reshape(bq)
+    return q_ref[...].reshape(bq * gt, kp), n_ref[...].reshape(bq), first
+
+
+def _query_refs(refs, documents: bool):
+    """`((q_ref, n_ref, first_ref), rest)` of a top-layer kernel's refs; `first_ref` is
+    None where each row holds one document (no `first` input)."""
+    if documents:
+        return tuple(refs[:3]), refs[3:]
+    return (refs[0], refs[1], None), refs[2:]
 
 
 def _per_row(x, gt: int):
@@ -64,11 +74,18 @@ def _per_row(x, gt: int):
 
 
 _NO_DOCUMENT = 2**30
+# The kernels score in base 2: `alpha * log2(e)` folded into the queries, `exp2` for
+# `exp` (one multiply less per score, where the exponentials are half the work).
+BASE2 = math.log2(math.e)
 
 
 def by_document(first_q, body, init):
-    """`body(f, carry)` once per distinct value `f` of `first_q [BQ]`, ascending (one
-    call without packing): a while loop, so a block inside one document pays one pass."""
+    """`body(f, carry)` once per distinct value `f` of `first_q [BQ]`, ascending: a while
+    loop, so a block inside one document pays one pass. `first_q=None` (one document
+    per row): `body(0, init)`, no loop; a loop around the tile's loads keeps Triton from
+    pipelining them."""
+    if first_q is None:
+        return body(0, init)
 
     def step(c):
         f, carry = c
@@ -85,27 +102,29 @@ def _tile_rows(i, f, refs, st: LayerStatic):
 
 def _scores_by_document(i, q_parts, first_q, k_refs, st: LayerStatic, precision, operands=None, bound=None):
     """Scores `[BQ*Gt, tile]` of candidate positions `[i*tile, (i+1)*tile)` of each row's
-    own document, and those positions `[tile]`. `bound`: `(query group norms prepared by
-    `split_rows`, the layer's radii refs)`: the bound scores of SPEC 11 instead."""
-    rows_first = _per_row(first_q, q_parts[0].shape[0] // first_q.shape[0])
+    own document (in the units of `q_parts`: the kernels fold `alpha * log2(e)` into the
+    queries), and those positions `[tile]`. `bound`: `(query group norms prepared by
+    `split_rows`, scaled likewise, the layer's radii refs)`: the bound scores of SPEC 11 instead."""
+    rows_first = None if first_q is None else _per_row(first_q, q_parts[0].shape[0] // first_q.shape[0])
 
     def one(f, scores):
         s = dot_rows(q_parts, _tile_rows(i, f, k_refs, st), precision, operands)
         if bound is not None:  # + sum over feature groups of |q| * rho: one more product
             s = s + dot_rows(bound[0], _tile_rows(i, f, bound[1], st), precision, operands)
-        return jnp.where((rows_first == f)[:, None], st.alpha * s, scores)
+        return s if rows_first is None else jnp.where((rows_first == f)[:, None], s, scores)
 
     scores = by_document(first_q, one, jnp.zeros((q_parts[0].shape[0], st.tile), jnp.float32))
     return scores, i * st.tile + jnp.arange(st.tile, dtype=jnp.int32)
 
 
-def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bool = False,
+def _top_keys_kernel(*refs, st: LayerStatic, documents: bool, export: bool = False,
                      with_shift: bool = False, bound_parts: int = 0):
     """Packed importance keys of a block's queries; with `export`, also every valid
     position's importance (SPEC 8: the formula value, the rightmost's included), and
     with `with_shift` the rows' importance shifts `[BQ, Gt]` (`importance_shift`).
     `bound_parts > 0`: the key refs are followed by the query rows' feature-group norms
     and the layer's radii (that many parts), and the importance is the bound's (SPEC 11)."""
+    (q_ref, n_ref, first_ref), refs = _query_refs(refs, documents)
     outputs = 1 + export + with_shift
     refs, (keys_ref, *out_refs) = refs[:-outputs], refs[-outputs:]
     imp_ref = out_refs[0] if export else None
@@ -114,14 +133,14 @@ def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bo
     if bound_parts:
         refs, qn_ref, rho_refs = refs[:-bound_parts - 1], refs[-bound_parts - 1], refs[-bound_parts:]
         bq, gt, _ = qn_ref.shape
-        bound = (split_rows(qn_ref[...].reshape(bq * gt, qn_ref.shape[-1]), st.precision, st.importance_operands),
-                 rho_refs)
+        bound = (split_rows(BASE2 * st.alpha * qn_ref[...].reshape(bq * gt, qn_ref.shape[-1]), st.precision,
+                            st.importance_operands), rho_refs)
     k_refs = refs
     bq, gt, _ = q_ref.shape
     rows = bq * gt
     q, n_q, first_q = _block_rows(q_ref, n_ref, first_ref)
     n_rows = _per_row(n_q, gt)
-    q_parts = split_rows(q, st.precision, st.importance_operands)
+    q_parts = split_rows(BASE2 * st.alpha * q, st.precision, st.importance_operands)
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
     real_head = jnp.arange(rows, dtype=jnp.int32) % gt < st.group
     # R, the normaliser set, per row: valid positions, less the rightmost when strict.
@@ -134,25 +153,25 @@ def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bo
     def norm_stats(i, carry):
         scores, positions = scored(i)
         in_norm = positions[None, :] < norm_end[:, None]
-        return online_max_sum(*carry, jnp.where(in_norm, scores, NEG_INF))
+        return online_max_sum(*carry, jnp.where(in_norm, scores, NEG_INF), exp=jnp.exp2)
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
-    shift = importance_shift(m, total, real_head, gt, st.importance)
-    if with_shift:
-        shift_ref[...] = shift.reshape(bq, gt)
+    shift = importance_shift(m, total, real_head, gt, st.importance, log=jnp.log2)
+    if with_shift:  # in natural units, as the scores of SPEC 2.3
+        shift_ref[...] = (shift / BASE2).reshape(bq, gt)
 
     def write_keys(i, carry):
         scores, positions = scored(i)
         in_norm = positions[None, :] < norm_end[:, None]
         # Rows' weights outside R may overflow; they are never kept (masked below).
-        weights = jnp.where(real_head[:, None] & in_norm, jnp.exp(scores - shift[:, None]), 0.0)
+        weights = jnp.where(real_head[:, None] & in_norm, jnp.exp2(scores - shift[:, None]), 0.0)
         imp = jnp.sum(weights.reshape(bq, gt, st.tile), axis=1)  # [BQ, tile]
         imp = jnp.where(has_norm[:, None], imp, 0.0)
         valid = positions[None, :] < n_q[:, None]
         if export:  # the rightmost's own value, not the forced one
             rightmost = jnp.where(real_head[:, None] & (positions[None, :] == n_rows[:, None] - 1),
-                                  jnp.exp(scores - shift[:, None]), 0.0)
+                                  jnp.exp2(scores - shift[:, None]), 0.0)
             exported = imp + jnp.sum(rightmost.reshape(bq, gt, st.tile), axis=1) if st.strict_causal else imp
             imp_ref[:, pl.ds(i * st.tile, st.tile)] = jnp.where(valid & has_norm[:, None], exported, 0.0)
         imp = jnp.where(positions[None, :] == n_q[:, None] - 1, FORCED_IMPORTANCE, imp)
@@ -162,19 +181,21 @@ def _top_keys_kernel(q_ref, n_ref, first_ref, *refs, st: LayerStatic, export: bo
     write_key_tiles(keys_ref, num_tiles, write_keys, st)
 
 
-def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
+def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool, documents: bool):
     """Online-softmax merge of the candidates not kept (all valid ones at the bottom)."""
     score_precision, operands = merge_score_precision(st), st.merge_operands
-    (q_ref, n_ref, first_ref), keys_ref, tau_ref, k_refs, (v_ref, m_ref, s_ref, u_ref, *out_refs) = layer_refs(
-        refs, 3, st, bottom)
+    leading, keys_ref, tau_ref, k_refs, (v_ref, m_ref, s_ref, u_ref, *out_refs) = layer_refs(
+        refs, 2 + documents, st, bottom)
+    (q_ref, n_ref, first_ref), _ = _query_refs(leading, documents)
     bq, gt, _ = q_ref.shape
     rows = bq * gt
     q, n_q, first_q = _block_rows(q_ref, n_ref, first_ref)
-    n_rows, rows_first = _per_row(n_q, gt), _per_row(first_q, gt)
+    n_rows = _per_row(n_q, gt)
+    rows_first = None if first_q is None else _per_row(first_q, gt)
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
     if not bottom:
         tau = tau_ref[...]  # [BQ, 1]
-    q_parts = split_rows(q, score_precision, operands)
+    q_parts = split_rows(BASE2 * st.alpha * q, score_precision, operands)
 
     def merge_tile(i, carry):
         positions = i * st.tile + jnp.arange(st.tile, dtype=jnp.int32)
@@ -187,15 +208,17 @@ def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool):
 
         def fold_document(f, state):  # rows of other documents fold nothing (all -inf)
             k = _tile_rows(i, f, k_refs, st)
-            scores = st.alpha * dot_rows(q_parts, k, score_precision, operands)
+            scores = dot_rows(q_parts, k, score_precision, operands)
             values = v_ref[pl.ds(f + i * st.tile, st.tile), :]
-            mine = merged & (rows_first == f)[:, None]
-            return fold_merged(state, [(jnp.where(mine, scores, NEG_INF), values)], score_precision, operands)
+            mine = merged if rows_first is None else merged & (rows_first == f)[:, None]
+            return fold_merged(state, [(jnp.where(mine, scores, NEG_INF), values)], score_precision, operands,
+                               exp=jnp.exp2)
 
         return by_document(first_q, fold_document, carry)
 
-    state = lax.fori_loop(0, num_tiles, merge_tile, read_state(m_ref, s_ref, u_ref))
-    write_merged(state, out_refs, bottom)
+    m, total, acc = read_state(m_ref, s_ref, u_ref)
+    m, total, acc = lax.fori_loop(0, num_tiles, merge_tile, (BASE2 * m, total, acc))
+    write_merged((m / BASE2, total, acc), out_refs, bottom)
 
 
 def top_specs(st: LayerStatic, q, k_parts, v, width: int):
@@ -229,9 +252,11 @@ def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStat
     key_operands(rotate_keys(...), st.precision, st.importance_operands, split)`.
     `bound` (SPEC 11, `selection="bound"`): `(qn [B, Q, H_kv, Gt, Gn] float32, rho)`, the
     query rows' feature-group norms and `key_operands` of the layer's radii `[B, H_kv,
-    Np, Gn]` (padded like `k_rot`): the importance is then the bound scores'."""
+    Np, Gn]` (padded like `k_rot`): the importance is then the bound scores'.
+    `first=None`: one document per row (candidate `p` is row `p`), one pass per tile."""
     check_top_inputs(st, q_rot, k_rot, width, (1, key_parts(st.precision, st.importance_operands)))
     B, Q, H_kv = q_rot.shape[:3]
+    documents = first is not None
     sp = top_specs(st, q_rot, k_rot, None, width)
     keys_shape = jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.int32)
     imp_shape = jax.ShapeDtypeStruct((B, Q, H_kv, width), jnp.float32)
@@ -247,15 +272,16 @@ def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStat
         bound_specs = top_specs(st, qn, rho, None, width)
         extra_specs, extra = [bound_specs["q"], *bound_specs["k"]], (qn, *rho)
     return pl.pallas_call(
-        functools.partial(_top_keys_kernel, st=st, export=export or with_shift, with_shift=with_shift,
+        functools.partial(_top_keys_kernel, st=st, documents=documents, export=export or with_shift,
+                          with_shift=with_shift,
                           bound_parts=0 if bound is None else len(bound[1])),
         grid=(B, Q // st.block_queries, H_kv),
-        in_specs=[sp["q"], sp["n"], sp["first"], *sp["k"], *extra_specs],
+        in_specs=[sp["q"], sp["n"], *([sp["first"]] if documents else []), *sp["k"], *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
-    )(q_rot, n, first, *k_rot, *extra)
+    )(q_rot, n, *([first] if documents else []), *k_rot, *extra)
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype", "return_lse"))
@@ -264,19 +290,22 @@ def top_merge_pallas(q_rot, n, first, keys, tau, k_rot, v, state, st: LayerStati
     """With `keys [B, Q, H_kv, width], tau`: the state after merging the top layer's
     candidates not kept. With `keys=None` (`L = 1`): the normalised output
     `[B, Q, H_kv, Gt, Vp]` in `out_dtype` (and its rows' log-sum-exp with `return_lse`). `v` padded like `k_rot` (`pad_nodes`), `k_rot =
-    key_operands(rotate_keys(...), merge precision, st.merge_operands)`."""
+    key_operands(rotate_keys(...), merge precision, st.merge_operands)`; `first=None`: one
+    document per row."""
     bottom = keys is None
     width = st.tile if bottom else keys.shape[-1]
     check_top_inputs(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gt, _ = q_rot.shape
     vp = v.shape[-1]
     sp = top_specs(st, q_rot, k_rot, v, width)
-    in_specs = [sp["q"], sp["n"], sp["first"]] + ([] if bottom else [sp["keys"], sp["tau"]])
+    documents = first is not None
+    in_specs = [sp["q"], sp["n"]] + ([sp["first"]] if documents else []) + ([] if bottom else [sp["keys"], sp["tau"]])
     in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
-    args = (q_rot, n, first) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v,) + tuple(state)
+    args = (q_rot, n) + ((first,) if documents else ()) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v,)
+    args += tuple(state)
     out_specs, out_shape = merge_outputs(sp, (B, Q, H_kv, gt, vp), bottom, out_dtype, return_lse)
     out = pl.pallas_call(
-        functools.partial(_top_merge_kernel, st=st, bottom=bottom),
+        functools.partial(_top_merge_kernel, st=st, bottom=bottom, documents=documents),
         grid=(B, Q // st.block_queries, H_kv),
         in_specs=in_specs,
         out_specs=out_specs,

@@ -174,7 +174,7 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
         importance_stages=block_sizes.wide_importance_stages if narrow else 1, importance_tile=imp_tile)
     st_select = LayerStatic(r=r, tile=tile, group=G, alpha=ws.alpha, importance=config.importance,
                             strict_causal=config.strict_causal, log_n=config.log_n, top_k=top_k,
-                            precision=precisions.scores)
+                            precision=precisions.scores, num_warps=block_sizes.select_num_warps)
 
     # The tree, per real kv head: latent part, RoPE part (halves padded), values.
     per_head = lambda x: jnp.swapaxes(x, 1, 2)  # [B, N, H_kv, D] -> [B, H_kv, N, D]

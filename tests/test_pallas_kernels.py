@@ -214,33 +214,34 @@ def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
     rotated = rotate_keys(layer_k, a["cos"], a["sin"], top_tile)
     k_rot = key_operands(rotated, st.precision)
 
-    first = jnp.zeros_like(n)
-    keys = top_importance_keys_pallas(q_rot, n, first, k_rot, Mp, st_top, interpret=True)
-    keys_twin = importance_keys_twin(q, parents, n, layer_k, a["cos"], a["sin"], st)
-    _assert_same_keys(keys, keys_twin, st.log_n)
-    st_high = dataclasses.replace(st_top, precision=jax.lax.Precision.HIGH)
-    keys_high = top_importance_keys_pallas(q_rot, n, first, key_operands(rotated, st_high.precision), Mp, st_high,
-                                           interpret=True)
-    _assert_same_keys(keys_high, keys_twin, st.log_n)
-    st_x3 = dataclasses.replace(st_high, importance_operands=BF16X3)
-    keys_x3 = top_importance_keys_pallas(q_rot, n, first, key_operands(rotated, st_high.precision, BF16X3), Mp, st_x3,
-                                         interpret=True)
-    _assert_same_keys(keys_x3, keys_twin, st.log_n)
+    # first=None: one document per row (no per-document loop); zeros: the packed form.
+    for first in (None, jnp.zeros_like(n)):
+        keys = top_importance_keys_pallas(q_rot, n, first, k_rot, Mp, st_top, interpret=True)
+        keys_twin = importance_keys_twin(q, parents, n, layer_k, a["cos"], a["sin"], st)
+        _assert_same_keys(keys, keys_twin, st.log_n)
+        st_high = dataclasses.replace(st_top, precision=jax.lax.Precision.HIGH)
+        keys_high = top_importance_keys_pallas(q_rot, n, first, key_operands(rotated, st_high.precision), Mp, st_high,
+                                               interpret=True)
+        _assert_same_keys(keys_high, keys_twin, st.log_n)
+        st_x3 = dataclasses.replace(st_high, importance_operands=BF16X3)
+        keys_x3 = top_importance_keys_pallas(q_rot, n, first, key_operands(rotated, st_high.precision, BF16X3), Mp, st_x3,
+                                             interpret=True)
+        _assert_same_keys(keys_x3, keys_twin, st.log_n)
 
-    _, tau = select_top_k_twin(keys, parents, n, st)
-    state = tuple(x[:, :, :, : q.shape[3]] for x in a["state"])
-    got = top_merge_pallas(q_rot, n, first, keys, tau, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
-    want = merge_twin(q, parents, n, keys, tau, layer_k, layer_v, a["cos"], a["sin"], state, st)
-    for x, y in zip(got, want):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+        _, tau = select_top_k_twin(keys, parents, n, st)
+        state = tuple(x[:, :, :, : q.shape[3]] for x in a["state"])
+        got = top_merge_pallas(q_rot, n, first, keys, tau, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
+        want = merge_twin(q, parents, n, keys, tau, layer_k, layer_v, a["cos"], a["sin"], state, st)
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
-    o = top_merge_pallas(q_rot, n, first, None, None, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
-    o_t = merge_twin(q, parents, n, None, None, layer_k, layer_v, a["cos"], a["sin"], state, st)
-    np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
-    st_bf16 = dataclasses.replace(st_top, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
-    k_bf16 = key_operands(rotated, st_bf16.merge_precision, "bfloat16")
-    o = top_merge_pallas(q_rot, n, first, None, None, k_bf16, pad_nodes(layer_v, top_tile), state, st_bf16, interpret=True)
-    np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
+        o = top_merge_pallas(q_rot, n, first, None, None, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
+        o_t = merge_twin(q, parents, n, None, None, layer_k, layer_v, a["cos"], a["sin"], state, st)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
+        st_bf16 = dataclasses.replace(st_top, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
+        k_bf16 = key_operands(rotated, st_bf16.merge_precision, "bfloat16")
+        o = top_merge_pallas(q_rot, n, first, None, None, k_bf16, pad_nodes(layer_v, top_tile), state, st_bf16, interpret=True)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
 
 
 BACKEND_CASES = [
@@ -263,6 +264,23 @@ def test_pallas_backend_equals_reference_and_oracle(rng, r, top_k, T, G, importa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
     assert_matches_oracle(q, k, v, config, backend="pallas_interpret")
+
+
+@pytest.mark.parametrize("G", [2, 8])
+def test_pallas_backend_eight_query_rows(rng, G):
+    """A group padded to 8 product rows below the top layer (`BlockSizes.min_query_rows`)
+    instead of 16, through a 3-layer tree: the same selections and output."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    assert config.num_layers(150) >= 3
+    q, k, v = random_qkv(rng, 1, 150, 2 * G, 2, 32, 32)
+    o, sel = htree_attention(q, k, v, config, backend="pallas_interpret", return_selected=True,
+                             block_sizes=BlockSizes(min_query_rows=8))
+    o_ref, sel_ref = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    for a, b in zip(sel, sel_ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="min_query_rows must be 8 or 16"):
+        BlockSizes(min_query_rows=4)
 
 
 def test_pallas_backend_bfloat16(rng):

@@ -13,6 +13,7 @@ import pytest
 
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from htree_jax.core.rope import rope_layout, rope_permutation
+from reference_numpy import htree_attention_numpy
 from tests.conftest import random_qkv
 from tests.test_oracle_agreement import assert_matches_oracle
 
@@ -110,15 +111,27 @@ def test_rope_dim_above_k_is_refused_before_any_work(rng):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_partial_rope_compiled_kernels_match_the_reference(rng):
     """GPU: the compiled forward and backward with rope_dim=32 (K=64, V=32) against the
-    reference, float32 (exact float32 products); selections identical but at near-ties."""
+    reference, float32 (exact float32 products); selections identical but at near-ties:
+    a query whose selections differ must be one the float64 oracle flags as fragile, and
+    the outputs are compared where every layer agrees."""
     config = HTreeConfig(compression_rate=4, top_k=16, rope_dim=32)  # M = 64: 3 layers at T=2048
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 2048, 8, 2, K, V))
     o, sel = htree_attention(q, k, v, config, backend="pallas", return_selected=True)
     o_ref, sel_ref = htree_attention(q, k, v, config, backend="reference", return_selected=True)
-    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-4, atol=1e-4)
+    agree = np.ones((1, 2048, 2), bool)  # [B, T, H_kv]: every layer's parent list identical
     for a, b in zip(sel, sel_ref):
-        assert np.mean(np.all(np.asarray(a) == np.asarray(b), axis=-1)) > 0.999
-    w = jnp.asarray(rng.standard_normal((1, 2048, 8, V)), jnp.float32)
+        agree &= np.all(np.asarray(a) == np.asarray(b), axis=-1)
+    assert agree.mean() > 0.999
+    _, t_idx, _ = np.nonzero(~agree)
+    if len(t_idx):
+        picked = np.unique(t_idx)
+        _, fragile = htree_attention_numpy(np.asarray(q), np.asarray(k), np.asarray(v), config,
+                                           query_positions=picked, return_fragile=True)
+        assert np.all(fragile[~agree[:, picked]]), "a selection differs at a query that is not a near-tie"
+    heads = np.repeat(agree, 4, axis=2)
+    np.testing.assert_allclose(np.asarray(o)[heads], np.asarray(o_ref)[heads], rtol=1e-4, atol=1e-4)
+    # The loss leaves out the queries whose selections differ: every gradient comparable.
+    w = jnp.asarray(rng.standard_normal((1, 2048, 8, V)) * heads[..., None], jnp.float32)
     grads = [jax.grad(lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=b) * w), argnums=(0, 1, 2))(
         q, k, v) for b in ("pallas", "reference")]
     for a, b in zip(*grads):
