@@ -14,6 +14,14 @@ Steps (each adds to the one before unless said):
   rotate     the query rotated once per span (two table rows loaded at `n - 1 - p0`)
   mask       positions past `n` masked
   library    `merge_pallas` itself
+
+`--layer 1` (a three-layer tree, e.g. `--top-k 64`): the importance pass of the layer below
+the top, grown from the `rotate` step's scores without the values:
+  one part   the keys' first bfloat16 part gathered, one product, online max / sum
+  bf16x3     both parts gathered, the query split per span, three products (`BF16X3`)
+  store      the scores stored (what the merge of the layer reads)
+  library    `importance_keys_pallas(..., return_scores=True)` (with its XLA pass from the
+             stored scores to the packed keys)
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ from jax.experimental.pallas import triton as plgpu
 from htree_jax import HTreeConfig
 from htree_jax.bench import H_KV, INPUTS, B, H, median_ms
 from pallas_kernels.common import next_power_of_two, pad_axis
+from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.merge import merge_pallas
-from pallas_kernels.plan import BlockSizes, chunk_queries, prepare, valid_candidates
+from pallas_kernels.plan import BlockSizes, chunk_queries, group_rows, prepare, valid_candidates
 from pallas_kernels.precision import Precisions
 from pallas_kernels.rope import full_width_inputs
 from pallas_kernels.top_layer import top_merge_pallas
@@ -148,6 +157,118 @@ def rotation_kernel(q_ref, qh_ref, par_ref, n_ref, k_ref, v_ref, c_ref, s_ref, o
     o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
 
 
+IMPORTANCE_STEPS = ("one part", "bf16x3", "store")
+
+
+def importance_kernel(q_ref, qh_ref, par_ref, n_ref, kh_ref, kl_ref, c_ref, s_ref, out_ref, shift_ref, *, upto: int,
+                      span: int, r: int, alpha: float):
+    from pallas_kernels.precision import bf16_split
+    n = n_ref[0]
+    rows, _ = q_ref.shape
+    q, qh = q_ref[...].astype(jnp.float32), qh_ref[...].astype(jnp.float32)
+    N = kh_ref.shape[0] // (span // r)
+    dims = (((1,), (1,)), ((), ()))
+    dot = lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+    def body(i, carry):
+        m, total = carry
+        p0 = i * span
+        nodes = (par_ref[pl.ds(p0 // r, span // r)][:, None] * r + jnp.arange(r, dtype=jnp.int32)[None, :]).reshape(span)
+        nodes = nodes + (jnp.arange(span, dtype=jnp.int32) // r) * N
+        angle = jnp.maximum(n - 1 - p0, 0)
+        qq = q * c_ref[pl.ds(angle, 1), :] + qh * s_ref[pl.ds(angle, 1), :]
+        if upto == 0:
+            scores = dot(qq.astype(jnp.bfloat16), kh_ref[nodes, :])
+        else:
+            q_hi, q_lo = bf16_split(qq)
+            k_hi, k_lo = kh_ref[nodes, :], kl_ref[nodes, :]
+            scores = dot(q_hi, k_hi) + (dot(q_hi, k_lo) + dot(q_lo, k_hi))
+        scores = alpha * scores
+        if upto >= 2:
+            out_ref[:, pl.ds(p0, span)] = scores
+        positions = p0 + jnp.arange(span, dtype=jnp.int32)
+        masked = jnp.where(jnp.broadcast_to((positions < n - 1)[None, :], (rows, span)), scores, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(masked, axis=1))
+        safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        return m_new, total * jnp.exp(m - safe) + jnp.sum(jnp.exp(masked - safe[:, None]), axis=1)
+
+    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    m, total = lax.fori_loop(0, (n + span - 1) // span, body, init)
+    shift_ref[...] = m + jnp.log(total)
+
+
+def run_importance(inputs, upto, warps, stages, span, r, alpha, iters, interpret=False):
+    q, qh, parents, n, kh, kl, cos, sin = inputs
+    Bq, Qc, Hkv, rows, kp = q.shape
+    Mp = cos.shape[0]
+    per_query = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda b, i, h: (b, i, h) + (0,) * len(tail))
+    per_head = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda b, i, h: (b, h, 0, 0))
+    table = pl.BlockSpec(cos.shape, lambda b, i, h: (0, 0))
+    call = pl.pallas_call(
+        functools.partial(importance_kernel, upto=upto, span=span, r=r, alpha=alpha),
+        grid=(Bq, Qc, Hkv),
+        in_specs=[per_query(rows, kp), per_query(rows, kp), per_query(parents.shape[-1]), per_query(1), per_head(kh),
+                  per_head(kl), table, table],
+        out_specs=[per_query(rows, Mp), per_query(rows)],
+        out_shape=[jax.ShapeDtypeStruct((Bq, Qc, Hkv, rows, Mp), jnp.float32),
+                   jax.ShapeDtypeStruct((Bq, Qc, Hkv, rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+    )
+    f = jax.jit(call)
+    args = (q, qh, parents, n, kh, kl, cos, sin)
+    out = f(*args)
+    return lambda: median_ms(f, args, iters), out
+
+
+def importance_growth(args, prep, q, T, config, c, ip):
+    """`--layer 1`: the importance pass of the layer below the top, grown (see above)."""
+    st, Qc, L = prep.st, prep.chunk, len(prep.layers) + 1
+    if L != 3:
+        raise ValueError("--layer 1 takes a three-layer tree (top, layer 1, bottom): e.g. T=131072, top_k=64")
+    gp = group_rows(H // H_KV, BlockSizes())
+
+    @jax.jit
+    def layer_inputs(prep):
+        qc, t, n_top, first, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, ip)
+        return pad_axis(qc, 3, gp), parents, valid_candidates(parents, t, 1, prep)
+
+    q_rows, parents, n = layer_inputs(prep)
+    k_imp = prep.layers[1][0]
+    library = jax.jit(lambda *a: importance_keys_pallas(*a, st, ip, return_scores=True))
+    largs = (q_rows, parents, n, k_imp, prep.cos, prep.sin)
+    (qf, qh), (cos, sin) = full_width_inputs(q_rows.astype(jnp.float32), prep.cos, prep.sin)
+    inputs = (qf, qh, parents, n, *k_imp, cos, sin)
+    want = library(*largs)[1]
+    moved = float(jnp.sum(n.astype(jnp.float32))) * sum(x.shape[-1] * x.dtype.itemsize for x in k_imp)
+    timed = [("library importance_keys_pallas (scores kernel + XLA keys)", lambda: median_ms(library, largs,
+                                                                                           args.iters))]
+    for spec in args.variants.split(","):
+        _, warps, stages = (int(x) for x in spec.split(":"))
+        for upto, step in enumerate(IMPORTANCE_STEPS):
+            try:
+                fn, (scores, _) = run_importance(inputs, upto, warps, stages, st.span, st.r, st.alpha, args.iters, ip)
+                label = f"{step}, span {st.span}, {warps} warps, {stages} stages"
+                if step == "store":  # the stored scores against the library's, where valid
+                    valid = jnp.arange(scores.shape[-1]) < n[..., None]
+                    error = float(jnp.max(jnp.where(valid, jnp.abs(scores - want), 0.0)))
+                    label += f" (max abs difference from the library's scores {error:.1e})"
+                timed.append((label, fn))
+            except Exception as e:
+                print(f"| {step}, {warps} warps, {stages} stages | FAIL {type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:120]} | | |", flush=True)
+    rounds = [[fn() for _, fn in timed] for _ in range(args.rounds)]
+    chunks = prep.q4.shape[1] // Qc
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: T={T} top_k={config.top_k}, layer 1, chunk {c} of "
+          f"{chunks} ({Qc} queries, mean n {float(jnp.mean(n)):.0f}), {moved / 1e12:.3f} TB of key rows (both "
+          f"parts) a chunk")
+    print("| step | ms a chunk | whole sequence ms | TB/s of both key parts | spread |\n|---|---|---|---|---|")
+    for j, (name, _) in enumerate(timed):
+        ms = statistics.median(r[j] for r in rounds)
+        spread = max(r[j] for r in rounds) / min(r[j] for r in rounds) - 1
+        print(f"| {name} | {ms:.2f} | {ms * chunks:.1f} | {moved / ms / 1e9:.2f} | {100 * spread:.0f}% |", flush=True)
+
+
 def run_grown(inputs, upto, tile, warps, stages, span, r, alpha, iters, interpret=False):
     q, qh, parents, idx, n, k, v, cos, sin = inputs
     rows = q.shape[3] if upto in ROTATIONS or STEPS.index("rows16") <= upto else 8
@@ -179,6 +300,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="64:2:2,128:4:3", help="tile:warps:stages for every step")
+    p.add_argument("--layer", type=int, default=0, choices=[0, 1], help="0: the bottom merge; 1: layer 1's importance")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test")
     args = p.parse_args(argv)
     ip = args.interpret
@@ -187,11 +309,13 @@ def main(argv=None):
     bs = BlockSizes()
     prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, Precisions.for_dtype(q.dtype)))(q, k, v)
     st, Qc, L = prep.st, prep.chunk, len(prep.layers) + 1
+    c = prep.q4.shape[1] // Qc // 2
+    if args.layer == 1:
+        return importance_growth(args, prep, q, T, config, c, ip)
     if L != 2:
         raise ValueError("the probe takes a two-layer tree (top layer, bottom): e.g. T=131072, top_k=512")
     G = H // H_KV
-    gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
-    c = prep.q4.shape[1] // Qc // 2
+    gt, gp = next_power_of_two(G), group_rows(G, bs)
 
     @jax.jit
     def bottom_inputs(prep):
