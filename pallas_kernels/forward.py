@@ -98,7 +98,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
             return o[:, :, :, :G], lse[..., :G], [], []
         state = top_merge_pallas(q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
                                  interpret)
-        # The layers below: one query per program, its G heads padded to >= 16 rows.
+        # The layers below: one query per program, its G heads padded to Gp rows (`group_rows`).
         state = tuple(pad_axis(x, 3, gp) for x in state)
         selections = [parents[..., : config.top_k]]
         q_rows = pad_axis(qc, 3, gp)
