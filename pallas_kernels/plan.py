@@ -78,7 +78,7 @@ class BlockSizes:
     top_tile: int = 64
     top_num_warps: int = 8
     top_num_stages: int = 3
-    # The top layer's importance kernel is product-bound: 128 candidates a step, 2 stages.
+    # The top layer's importance kernel: 128 candidates a step, 2 stages (RESULTS 2026-11-26).
     top_keys_tile: int = 128
     top_keys_stages: int = 2
     # The shared top-K kernel (one query per program, every layer).
