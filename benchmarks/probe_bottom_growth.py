@@ -44,7 +44,7 @@ from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.merge import merge_pallas
 from pallas_kernels.plan import BlockSizes, chunk_queries, group_rows, prepare, valid_candidates
-from pallas_kernels.precision import Precisions
+from pallas_kernels.precision import Precisions, bf16_split
 from pallas_kernels.rope import full_width_inputs
 from pallas_kernels.top_layer import top_merge_pallas
 
@@ -92,13 +92,7 @@ def grown_kernel(q_ref, qh_ref, par_ref, idx_ref, n_ref, k_ref, v_ref, c_ref, s_
             if has("mask"):
                 valid = p0 + jnp.arange(span, dtype=jnp.int32) < n
                 scores = jnp.where(jnp.broadcast_to(valid[None, :], (rows, span)), scores, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-            decay = jnp.exp(m - m_new)
-            w = jnp.exp(scores - m_new[:, None])
-            total = total * decay + jnp.sum(w, axis=1)
-            acc = acc * decay[:, None] + lax.dot_general(w.astype(jnp.bfloat16), v_ref[nodes, :],
-                                                         (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            m = m_new
+            m, total, acc = fold((m, total, acc), scores, v_ref[nodes, :])
         return m, total, acc
 
     init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32),
@@ -162,7 +156,6 @@ IMPORTANCE_STEPS = ("one part", "bf16x3", "store")
 
 def importance_kernel(q_ref, qh_ref, par_ref, n_ref, kh_ref, kl_ref, c_ref, s_ref, out_ref, shift_ref, *, upto: int,
                       span: int, r: int, alpha: float):
-    from pallas_kernels.precision import bf16_split
     n = n_ref[0]
     rows, _ = q_ref.shape
     q, qh = q_ref[...].astype(jnp.float32), qh_ref[...].astype(jnp.float32)

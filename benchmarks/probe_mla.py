@@ -18,6 +18,7 @@ import jax
 
 from htree_jax import HTreeConfig
 from htree_jax.bench import MLA, ideal_dense_ms, median_ms, mla_inputs
+from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.plan import BlockSizes
 from pallas_kernels.precision import Precisions
@@ -109,8 +110,6 @@ def main(argv=None):
               f"{flops / ms / 1e9:.1f} | {ideal_dense_ms(T) / ms:.4f} |  (with compile {time.perf_counter() - t0:.0f} s)",
               flush=True)
         if args.backward:  # does the backward compile and run with these sizes?
-            from pallas_kernels.backward import htree_backward_pallas
-
             o, _, lse = htree_forward_pallas(q, k, v, config, bs, precisions=prec, return_lse=True)
             try:
                 bwd = jax.jit(lambda q, k, v, o, lse, c=config, bs=bs: htree_backward_pallas(q, k, v, o, lse, o, c, bs))
