@@ -31,6 +31,7 @@ from htree_jax.bench import (
     median_ms,
     planned_gb,
 )
+from htree_jax.kernel_trace import kernel_times, print_kernel_times
 
 
 def grad_fn(forward, cotangent: str = "weights"):
@@ -75,6 +76,8 @@ def main(argv=None) -> int:
                    help="weights: grad of sum(o * w), w float32; bf16: vjp with a bfloat16 cotangent argument")
     p.add_argument("--no-dense", action="store_true", help="htree only (e.g. T=1M, where dense takes a minute)")
     p.add_argument("--rules", default="mean", help="HTreeConfig.selection rules, comma-separated (mean, bound)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also each kernel's device time in the htree call (a profiler trace; htree_jax.kernel_trace)")
     p.add_argument("--selections", action="store_true",
                    help="also time the kernels alone, the backward given / recomputing the forward's selections")
     args = p.parse_args(argv)
@@ -116,6 +119,9 @@ def main(argv=None) -> int:
             lines.append(f"| {kind} | {T} | {label} | {', '.join(map(str, config.layer_sizes(T)))} | {h_ms:.1f} | "
                          f"{d_ms:.1f} | {ratio} | {h_gb:.2f} | {d_gb:.2f} | {peak:.1f} |")
             print(lines[-1], flush=True)
+            if args.kernels:
+                print_kernel_times(kernel_times(lambda: htree(q, k, v, w), 2), f"{kind} T={T} top_k={label}: "
+                                   "the htree forward+backward's kernels", top=16)
             if args.selections:
                 do = w.astype(q.dtype)
                 for save in (True, False):

@@ -27,9 +27,7 @@ the top, grown from the `rotate` step's scores without the values:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import math
 import statistics
 
 import jax

@@ -30,6 +30,23 @@ from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.top_layer import top_importance_keys_pallas, top_merge_pallas
 
 
+def middle_chunk(prep, T: int):
+    """The chunk of queries in the middle of the sequence (the top layer's work grows
+    linearly with `t`, so it is the mean chunk) as the top layer's kernels take it: `(c,
+    chunks, t [1, Qc, 1, 1], n_top [B, Qc, H_kv, 1], q_top (rotated, Gt rows),
+    product_tflop)`, the last one product over the chunk's valid candidates."""
+    Qc, L = prep.chunk, len(prep.layers) + 1
+    chunks = prep.q4.shape[1] // Qc
+    c = chunks // 2
+    qc = prep.q4[:, c * Qc: (c + 1) * Qc]
+    t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
+    n_top = jnp.broadcast_to(t // prep.st.r ** (L - 1) + 1, (B, Qc, H_KV, 1))
+    gt = next_power_of_two(H // H_KV)
+    q_top = jax.jit(lambda qc, n: rotate_queries(pad_axis(qc, 3, gt), n, prep.cos, prep.sin))(qc, n_top)
+    product_tflop = float(jnp.sum(n_top[0, :, 0, 0].astype(jnp.float32))) * H * K * 2 / 1e12
+    return c, chunks, t, n_top, q_top, product_tflop
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--T", type=int, default=131072)
@@ -50,17 +67,10 @@ def main(argv=None):
     q, k, v = INPUTS[args.inputs](T)
     prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, BlockSizes(), ip, Precisions.for_dtype(q.dtype)))(q, k, v)
     st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers) + 1
-    G = H // H_KV
-    gt = next_power_of_two(G)
-    chunks = prep.q4.shape[1] // Qc
-    c = chunks // 2
-    qc = prep.q4[:, c * Qc: (c + 1) * Qc]
-    t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
+    gt = next_power_of_two(H // H_KV)
+    c, chunks, t, n_top, q_top, product_tflop = middle_chunk(prep, T)
     vp, Mp = prep.top_v.shape[-1], prep.cos.shape[0]
-    n_top = jnp.broadcast_to(t // st.r ** (L - 1) + 1, (B, Qc, H_KV, 1))
-    q_top = jax.jit(lambda qc, n: rotate_queries(pad_axis(qc, 3, gt), n, prep.cos, prep.sin))(qc, n_top)
     zeros = jnp.zeros_like(n_top)
-    product_tflop = float(jnp.sum(n_top[0, :, 0, 0].astype(jnp.float32))) * H * K * 2 / 1e12
     empty = (jnp.full((B, Qc, H_KV, gt), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_KV, gt), jnp.float32),
              jnp.zeros((B, Qc, H_KV, gt, vp), jnp.float32))
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: {args.inputs} inputs, T={T} top_k={args.top_k}, "

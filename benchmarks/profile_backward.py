@@ -23,8 +23,16 @@ from htree_jax.bench import H_KV, INPUTS, B, H, V, median_ms
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import BlockSizes, chunk_queries, prepare, select_below_top, valid_candidates
-from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
+from pallas_kernels.plan import (
+    BlockSizes,
+    chunk_queries,
+    group_rows,
+    prepare,
+    select_below_top,
+    top_documents,
+    valid_candidates,
+)
+from pallas_kernels.layer_backward import layer_backward_pallas
 from pallas_kernels.precision import Precisions
 from pallas_kernels.node_backward import (
     UNIT,
@@ -32,6 +40,11 @@ from pallas_kernels.node_backward import (
     layer_node_grads_pallas,
     node_buffers,
     node_index,
+)
+from pallas_kernels.top_backward import (
+    top_backward_queries,
+    top_backward_statics,
+    top_dq_pallas,
     top_node_grads_pallas,
 )
 
@@ -58,7 +71,9 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--node-variants", default="", help="also time the node kernel at entries:warps, e.g. 32:4,8:2")
+    p.add_argument("--node-variants", default="",
+                   help="also time the node kernel at entries:warps[:stages], e.g. 32:4,8:2:3")
+    p.add_argument("--dq-variants", default="", help="also time the per-query dq kernel at warps:stages, e.g. 4:2")
     p.add_argument("--inputs", default="random", choices=sorted(INPUTS),
                    help="random, or correlated (htree_jax.bench.correlated_inputs)")
     p.add_argument("--entries-per-program", type=int, default=UNIT_ENTRIES,
@@ -73,9 +88,11 @@ def main(argv=None):
     prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, Precisions.for_dtype(q.dtype),
                                            for_backward=True))(q, k, v)
     st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers) + 1
-    st_top = dataclasses.replace(prep.st_top, num_stages=1)  # as the backward runs it
+    st_dq, st_dkv, segments = top_backward_statics(prep.st_top, bs, jnp.dtype(q.dtype).itemsize, prep.q4.shape[-1],
+                                                   prep.top_v.shape[-1], prep.top_v.shape[2], prep.cos.shape[0],
+                                                   B * H_KV, Qc)
     G = H // H_KV
-    gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
+    gt, gp = next_power_of_two(G), group_rows(G, bs)
     chunks = prep.q4.shape[1] // Qc
     c = jnp.int32(chunks // 2)
     vp, kp = prep.top_v.shape[-1], prep.q4.shape[-1]
@@ -95,10 +112,11 @@ def main(argv=None):
           f"chunk {Qc} x {chunks}", flush=True)
     qc, t, n_top, first, q_top, (keys, tau, parents) = timed(
         "chunk set-up + top layer importance and top-K (recomputed)", lambda: chunk_queries(prep, c, T, L, ip))
-    top = (q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, *stats(gt))
+    top = (top_backward_queries(q_top, prep.st_top), n_top, top_documents(prep, first), keys, tau, prep.top_k_merge,
+           prep.top_v, *stats(gt))
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
-    timed("top: dq kernel", lambda *a: top_backward_pallas(*a, st_top, ip), *top)
-    timed("top: node kernel (dk, dv)", lambda *a: top_node_grads_pallas(*a, top_acc, st_top, ip), *top)
+    timed("top: dq kernel", lambda *a: top_dq_pallas(*a, st_dq, ip), *top)
+    timed("top: node kernel (dk, dv)", lambda *a: top_node_grads_pallas(*a, top_acc, st_dkv, ip, segments), *top)
     if L > 1:
         q_rows = pad_axis(qc, 3, gp)
         for l in reversed(range(L - 1)):
@@ -110,18 +128,25 @@ def main(argv=None):
                                              lambda *a: select_below_top(prep, *a, l, ip), q_rows, parents, n)
             la = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
             timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, *stats(gp), st, ip), *la)
+            for variant in filter(None, args.dq_variants.split(",")):
+                w, stages = (int(x) for x in variant.split(":"))
+                stv = dataclasses.replace(st, merge_num_warps=w, num_stages=stages)
+                timed(f"  variant: layer {l} dq kernel, {w} warps, {stages} stages",
+                      lambda *a, stv=stv: layer_backward_pallas(q_rows, *a, *stats(gp), stv, ip), *la)
             units = -(-sizes[l] // UNIT)
             index = timed(f"layer {l}: inverse index (sort)",
                           lambda p_, n_: node_index(p_, n_, st.r, units, args.entries_per_program), parents, n)
             print(f"layer {l}: inverse index of the chunk: {node_index_load(index)}", flush=True)
             nacc = node_buffers(B, H_KV, sizes[l], kp, vp)
             timed(f"layer {l}: node kernel (dk, dv)",
-                  lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st, ip), *la)
+                  lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st, ip,
+                                                     num_warps=bs.node_num_warps), *la)
             for variant in filter(None, args.node_variants.split(",")):
-                e, w = (int(x) for x in variant.split(":"))
-                timed(f"  variant: layer {l} node kernel, {e} pairs/step, {w} warps",
-                      lambda *a, e=e, w=w: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc,
-                                                                   st, ip, e, w), *la)
+                e, w, *stages = (int(x) for x in variant.split(":"))
+                stv = dataclasses.replace(st, num_stages=stages[0]) if stages else st
+                timed(f"  variant: layer {l} node kernel, {e} pairs/step, {w} warps, {stv.num_stages} stages",
+                      lambda *a, e=e, w=w, stv=stv: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt),
+                                                                            index, nacc, stv, ip, e, w), *la)
             if l > 0:
                 parents = nxt[..., :P]
     for name, ms, times in rows:

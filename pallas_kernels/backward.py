@@ -16,9 +16,10 @@ bfloat16 inputs). Between the top and the bottom the forward merged from the imp
 so there `p = exp(s - lse)` mixes the two: a bfloat16-level difference, bounded by
 `tests/test_pallas_backward.py` (scoring those layers with `BF16X3` here made the whole
 backward 5.5x slower on an H200 at T=131072, top_k=64: benchmarks/RESULTS.md). The forward saves `o` and the rows'
-log-sum-exp `lse`; `delta = rowsum(do * o)`. Then per chunk, top layer first, each
-layer's `dq` kernel (`layer_backward.py`: one program per query, or per block of
-queries on the top layer, summing in registers) and its `dk`, `dv` kernel
+log-sum-exp `lse`; `delta = rowsum(do * o)`. Then per chunk, top layer first (flash
+attention's dq and dk/dv loops on the forward's top-layer layouts, `top_backward.py`),
+each lower layer's `dq` kernel (`layer_backward.py`: one program per query, its G
+heads on `group_rows` rows, summing in registers) and its `dk`, `dv` kernel
 (`node_backward.py`: one program per block of nodes, visiting in a fixed order the
 queries that merged them, found through an inverse index of the chunk's parent lists)
 add into per-layer float32 accumulators; after the last chunk those are rotated back
@@ -31,11 +32,14 @@ the same run to run (checked on an H200, `benchmarks/check_backward_gpu.py`).
 Memory beyond the forward's, per `(b, h_kv)`, O(T): the float32 accumulators (a layer's
 keys and values, rounded up to 16 rows; the top layer's tile-padded). Per chunk of `Qc`
 queries: `dq`, the selections, and the inverse index, five int32 arrays of `Qc * P *
-max(1, r/16)` entries (plus the sort's own buffers). `do` is read in its own dtype and
+max(1, r/16)` entries (plus the sort's own buffers), and the top node kernel's partial
+sums (at most `top_dkv_programs` tiles of `tile x (Kp + Vp)` float32: 256 MiB at the
+defaults, K = V = 128). `do` is read in its own dtype and
 masked chunk by chunk, and each chunk's `dq` is finished in q's dtype: no float32 copy
 of either exists. What lives at the peak of one training step's attention, T=1M,
 top_k=64, B=1, H=32, H_kv=4, K=V=128, bfloat16 (XLA's plan on an H100,
-`benchmarks/memory_plan.py`; device peak 46.4 GiB measured): arguments 18 GiB (q, k, v,
+`benchmarks/memory_plan.py`; device peak 46.4 GiB measured, 45.2 GiB on 2026-11-26
+with the top node kernel's partials and 8-row dq kernels): arguments 18 GiB (q, k, v,
 the cotangent), outputs 10 GiB (dq, dk, dv), temporaries 18.4 GiB (XLA reuses a
 buffer once its value is dead, the saved output's among them): dq's chunks 8 GiB, the
 bottom's keys in `span/r` = 4 rotated copies 4 GiB, the bottom's float32 dk/dv
@@ -60,21 +64,23 @@ from pallas_kernels.common import next_power_of_two, pad_axis, unpad_rope_halves
 from pallas_kernels.plan import (
     BlockSizes,
     chunk_queries,
+    group_rows,
     prepare,
     select_below_top,
     split_heads,
+    top_documents,
     valid_candidates,
 )
-from pallas_kernels.layer_backward import layer_backward_pallas, top_backward_pallas
+from pallas_kernels.layer_backward import layer_backward_pallas
 from pallas_kernels.node_backward import (
     UNIT,
     layer_node_grads_pallas,
     node_buffers,
     node_gradient,
     node_index,
-    top_node_grads_pallas,
 )
 from pallas_kernels.precision import Precisions
+from pallas_kernels.top_backward import top_backward_queries, top_backward_statics, top_dq_pallas, top_node_grads_pallas
 from pallas_kernels.tree_backward import child_counts_by_layer, kept_keys, pad_nodes_list, push_down
 from pallas_kernels.wide_backward import wide_backward_pallas
 from pallas_kernels.wide_forward import wide_eligible
@@ -131,17 +137,10 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
     kp, vp = prep.q4.shape[-1], prep.top_v.shape[-1]
-    gt, gp = next_power_of_two(G), next_power_of_two(G, 16)
-    sizes = prep.sizes
-    # The top layer's backward holds q, do and dq for 128 rows: one pipeline stage fits
-    # in shared memory at K = V = 128 (two asked 233472 B of 232448 on an H200).
-    st_top = dataclasses.replace(st_top, num_stages=1)
-    # Its kernels also hold a tile's float32 dq or dk, dv sums: with float32 inputs at G =
-    # 16, 128 rows asked 262144 B of 232448 at K = V = 128 and 360448 B at K = 192 on an
-    # H100 (the GPU sweep, `tests/test_compile_sweep.py`), so float32 programs take 64
-    # rows of 128 features a step (32 of 256).
-    if jnp.dtype(q.dtype).itemsize > 2:
-        st_top = dataclasses.replace(st_top, block_queries=max(1, st_top.block_queries * min(64, kp) // kp))
+    gt, gp = next_power_of_two(G), group_rows(G, block_sizes)
+    sizes, Mp = prep.sizes, prep.cos.shape[0]
+    st_dq, st_dkv, segments = top_backward_statics(st_top, block_sizes, jnp.dtype(q.dtype).itemsize, kp, vp,
+                                                   prep.top_v.shape[2], Mp, B * H_kv, Qc)
 
     rows = lambda x: x.reshape((B, T, H_kv, G) + x.shape[3:])
     # `do` stays in its dtype and is masked chunk by chunk: no full-size copy of it is
@@ -156,7 +155,6 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     dead4 = None if dead is None else _per_chunk(dead, Qc, num_chunks)
     lse4, delta4 = (_per_chunk(x, Qc, num_chunks) for x in (rows(lse.astype(jnp.float32)), delta))
     saved = None if selections is None else [_per_chunk(virtual_heads(x, split), Qc, num_chunks) for x in selections]
-    Mp = prep.cos.shape[0]
 
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
     layer_acc = [node_buffers(B, H_kv, sizes[l], kp, vp) for l in range(L - 1)]
@@ -180,8 +178,10 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
             parents = pad_nodes_list(kept[0], P)
         stats = lambda g: (pad_axis(lse_c, 3, g), pad_axis(do_c, 3, g), pad_axis(delta_c, 3, g))
         top_data = (prep.top_k_merge, prep.top_v, *stats(gt))
-        dq_rot = top_backward_pallas(q_top, n_top, first, keys, tau, *top_data, st_top, interpret)
-        top_acc = top_node_grads_pallas(q_top, n_top, first, rows_keys, tau, *top_data, top_acc, st_top, interpret)
+        q_ops, documents = top_backward_queries(q_top, st_top), top_documents(prep, first)
+        dq_rot = top_dq_pallas(q_ops, n_top, documents, keys, tau, *top_data, st_dq, interpret)
+        top_acc = top_node_grads_pallas(q_ops, n_top, documents, rows_keys, tau, *top_data, top_acc, st_dkv,
+                                        interpret, segments)
         position = n_top - 1
         dq = apply_rope(dq_rot, prep.cos[position], -prep.sin[position])[:, :, :, :G]
         if L > 1:
@@ -199,7 +199,8 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                 dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st, interpret)
                 index = node_index(parents, n, st.r, -(-sizes[l] // UNIT), block_sizes.node_entries)
                 layer_acc[l] = layer_node_grads_pallas(pad_axis(qc, 3, gt), *layer_args, *stats(gt), index,
-                                                       layer_acc[l], st, interpret)
+                                                       layer_acc[l], st, interpret,
+                                                       num_warps=block_sizes.node_num_warps)
                 dq = dq + dq_l[:, :, :, :G]
                 if l > 0:
                     parents = next_parents

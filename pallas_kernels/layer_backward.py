@@ -6,12 +6,11 @@ and `delta = rowsum(do * o)`, a merged candidate `j` of row `i` has weight
 (rotated back to the query's frame), and the node's `dk_j += alpha * ds * rope(q)`,
 `dv_j += p * do`.
 
-Here each query's program sums its `dq` in registers:
-- per-query layers (below the top, `layer_backward_pallas`): one program per `(b, t,
-  h_kv)` walks the candidates like `merge_pallas`;
-- the top layer (`top_backward_pallas`): blocks of queries like `top_merge_pallas`.
-`dk`, `dv` are summed per node by the transposed kernels of `node_backward.py` (each
-program owns a block of nodes), so the backward is deterministic and issues no atomics.
+Here each query's program sums its `dq` in registers (`layer_backward_pallas`, the
+layers below the top: one program per `(b, t, h_kv)` walks the candidates like
+`merge_pallas`; the top layer's backward is `top_backward.py`). `dk`, `dv` are summed per
+node by the transposed kernels of `node_backward.py` (each program owns a block of
+nodes), so the backward is deterministic and issues no atomics.
 An earlier version added `dk`, `dv` from these programs with float32 atomics: on an
 H200 at T=131072 that backward ran 7.6 s (top_k=512) and 1.7 s (top_k=64), against
 1.14 s and 0.41 s by node (benchmarks/RESULTS.md).
@@ -38,7 +37,6 @@ from pallas_kernels.common import (
 )
 from pallas_kernels.importance import gather_nodes, scores_twin
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
-from pallas_kernels.top_layer import by_document, check_top_inputs, top_specs
 
 
 def grads_of_block(scores, values, do, lse, delta, merged, st: LayerStatic):
@@ -132,75 +130,6 @@ def layer_backward_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin,
     )(*args)
 
 
-def _top_backward_kernel(*refs, st: LayerStatic, bottom: bool):
-    """The top layer for a block of `BQ` queries (rows `b*Gt + g`), queries rotated by
-    their own `n - 1`, keys by their position (`top_merge_pallas`'s layouts, `first`
-    included): `dq` in the rotated frame."""
-    precision, operands = merge_score_precision(st), st.merge_operands
-    (q_ref, n_ref, first_ref), keys_ref, tau_ref, k_refs, rest = layer_refs(refs, 3, st, bottom)
-    v_ref, lse_ref, delta_ref, do_ref, dq_ref = rest
-    bq, gt, kp = q_ref.shape
-    rows, vp, tile = bq * gt, do_ref.shape[-1], st.tile
-    q = q_ref[...].reshape(rows, kp)
-    n_q = n_ref[...].reshape(bq)
-    first_q = first_ref[...].reshape(bq)
-    n_rows = jnp.broadcast_to(n_q[:, None], (bq, gt)).reshape(rows)
-    rows_first = jnp.broadcast_to(first_q[:, None], (bq, gt)).reshape(rows)
-    real = jnp.arange(rows, dtype=jnp.int32) % gt < st.group
-    lse = jnp.where(real, lse_ref[...].reshape(rows), 0.0)
-    delta = delta_ref[...].reshape(rows)
-    do = do_ref[...].astype(jnp.float32).reshape(rows, vp)
-    q_parts = split_rows(q, precision, operands)
-    if not bottom:
-        tau = tau_ref[...]  # [BQ, 1]
-
-    def body(i, dq):
-        positions = i * tile + jnp.arange(tile, dtype=jnp.int32)
-        if bottom:
-            merged = positions[None, :] < n_rows[:, None]
-        else:
-            kept = keys_ref[:, pl.ds(i * tile, tile)] >= tau
-            merged_q = (positions[None, :] < n_q[:, None]) & ~kept
-            merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gt, tile)).reshape(rows, tile)
-        merged = merged & real[:, None]
-
-        def document(f, dq):  # rows of other documents get ds = 0
-            k_parts = tuple(k_ref[pl.ds(f + i * tile, tile), :] for k_ref in k_refs)
-            values = v_ref[pl.ds(f + i * tile, tile), :]
-            scores = st.alpha * dot_rows(q_parts, k_parts, precision, operands)
-            _, ds = grads_of_block(scores, values, do, lse, delta, merged & (rows_first == f)[:, None], st)
-            return dq + product(ds, whole_keys(k_parts), (1, 0), precision, operands)
-
-        return by_document(first_q, document, dq)
-
-    dq = lax.fori_loop(0, (jnp.max(n_q) + tile - 1) // tile, body, jnp.zeros((rows, kp), jnp.float32))
-    dq_ref[...] = dq.reshape(dq_ref.shape)
-
-
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def top_backward_pallas(q_rot, n, first, keys, tau, k_rot, v, lse, do, delta, st: LayerStatic, interpret=False):
-    """`dq_rot` from the top layer's merged candidates (all valid ones with `keys=None`,
-    `L = 1`), in the rotated queries' frame (`rotate_queries`; the caller rotates it
-    back); inputs as for `top_merge_pallas`, `lse, delta [B, Q, H_kv, Gt]`, `do [B, Q,
-    H_kv, Gt, Vp]`."""
-    bottom = keys is None
-    width = st.tile if bottom else keys.shape[-1]
-    check_top_inputs(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))
-    sp = top_specs(st, q_rot, k_rot, v, width)
-    in_specs = [sp["q"], sp["n"], sp["first"]] + ([] if bottom else [sp["keys"], sp["tau"]])
-    in_specs += [*sp["k"], sp["v"], sp["vec"], sp["vec"], sp["mat"]]
-    args = (q_rot, n, first) + (() if bottom else (keys, tau)) + tuple(k_rot) + (v, lse, delta, do)
-    return pl.pallas_call(
-        functools.partial(_top_backward_kernel, st=st, bottom=bottom),
-        grid=(q_rot.shape[0], q_rot.shape[1] // st.block_queries, q_rot.shape[2]),
-        in_specs=in_specs,
-        out_specs=sp["q"],
-        out_shape=jax.ShapeDtypeStruct(q_rot.shape, jnp.float32),
-        compiler_params=compiler_params(st.num_warps, st.num_stages),
-        interpret=interpret,
-    )(*args)
-
-
 # ---------------------------------------------------------------------------------------
 # The twin: autodiff of the layer's share of the output with `lse` held constant.
 
@@ -224,4 +153,4 @@ def layer_backward_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, ls
                                                 layer_v.astype(jnp.float32))
 
 
-__all__ = ["grads_of_block", "layer_backward_pallas", "layer_backward_twin", "top_backward_pallas"]
+__all__ = ["grads_of_block", "layer_backward_pallas", "layer_backward_twin"]

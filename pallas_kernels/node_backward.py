@@ -28,9 +28,8 @@ H200, benchmarks/RESULTS.md).
   1002 / 347; cut after 512 entries, 1040 / 339 against 1029 / 329 (after 2048: 1231 /
   383; benchmarks/RESULTS.md, 2026-11-25). Adding the partials inside the unit kernel
   instead slowed it by 63% where nothing spilled.
-- The top layer (`top_node_grads_pallas`): flash attention's `dk`/`dv` loop: a program
-  per tile of nodes walks the chunk's queries in blocks, skipping the leading blocks
-  whose queries all see fewer nodes than the tile's first.
+The top layer's `dk`, `dv` (flash attention's loop over query blocks) are in
+`top_backward.py`.
 """
 
 from __future__ import annotations
@@ -321,8 +320,9 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
     num_units = index.bounds.shape[2]
     if dk_acc.shape[2] != num_units * UNIT:
         raise ValueError(f"accumulators hold {dk_acc.shape[2]} rows, the index {num_units} units of {UNIT}")
-    # 64 rows per step at 2 warps: H200, T=131072, top_k=512, bottom layer per chunk of
-    # 8192 queries: 27 ms; 128 rows at 2 warps 957 ms (spilled), at 4 warps 50 ms.
+    # 64 rows per step (H200, T=131072, top_k=512, the bottom layer per chunk of 8192
+    # queries: 27 ms at 2 warps; 128 rows at 2 warps 957 ms (spilled), at 4 warps 50
+    # ms). Warps: `BlockSizes.node_num_warps`, passed by the backward.
     E = entries_per_step or max(1, 64 // gt)
     if st.merge_operands is not None:
         do = do.astype(st.merge_operands)  # the products read it so: half the bytes gathered
@@ -368,101 +368,5 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
     return dk_acc, dv_acc
 
 
-def _top_node_kernel(*refs, st: LayerStatic, bottom: bool):
-    """One tile of the top layer's nodes against the chunk's queries, `BQ` per step,
-    over the blocks `[blocks[0], blocks[1])` (the others see none of the tile). Node
-    rows are absolute here: a row's candidates are rows `[first, first + n)`, and
-    `keys` (kept or not) are indexed by row."""
-    precision, operands = merge_score_precision(st), st.merge_operands
-    blocks_ref, q_ref, n_ref, first_ref, *refs = refs
-    keys_ref = tau_ref = None
-    if not bottom:
-        keys_ref, tau_ref, *refs = refs
-    parts = key_parts(precision, operands)
-    k_refs, refs = refs[:parts], refs[parts:]
-    v_ref, lse_ref, delta_ref, do_ref, dk_in, dv_in, dk_out, dv_out = refs
-    Q, gt, kp = q_ref.shape
-    bq, tile, vp = st.block_queries, st.tile, do_ref.shape[-1]
-    rows = bq * gt
-    start = pl.program_id(1) * tile
-    positions = start + jnp.arange(tile, dtype=jnp.int32)
-    k_parts = tuple(k_ref[pl.ds(start, tile), :] for k_ref in k_refs)
-    values = v_ref[pl.ds(start, tile), :]
-    real = (jnp.arange(rows, dtype=jnp.int32) % gt < st.group)[:, None]
-
-    def step(i, carry):
-        dk, dv = carry
-        block = pl.ds(i * bq, bq)
-        q = q_ref[block, :, :].reshape(rows, kp)
-        n_q, first_q = n_ref[block, :], first_ref[block, :]  # [BQ, 1]
-        merged = (positions[None, :] >= first_q) & (positions[None, :] < first_q + n_q)
-        if not bottom:
-            merged = merged & (keys_ref[block, pl.ds(start, tile)] < tau_ref[block, :])
-        merged = jnp.broadcast_to(merged[:, None, :], (bq, gt, tile)).reshape(rows, tile) & real
-        do = do_ref[block, :, :].reshape(rows, vp)
-        lse = jnp.where(real[:, 0], lse_ref[block, :].reshape(rows), 0.0)
-        scores = st.alpha * dot_rows(split_rows(q, precision, operands), k_parts, precision, operands)
-        p, ds = grads_of_block(scores, values, do, lse, delta_ref[block, :].reshape(rows), merged, st)
-        return dk + product(ds, q, (0, 0), precision, operands), dv + product(p, do, (0, 0), precision, operands)
-
-    init = (jnp.zeros((tile, kp), jnp.float32), jnp.zeros((tile, vp), jnp.float32))
-    dk, dv = lax.fori_loop(blocks_ref[0], blocks_ref[1], step, init)
-    dk_out[...] = dk_in[...] + dk
-    dv_out[...] = dv_in[...] + dv
-
-
-def block_ranges(n, first, block_queries: int, tile: int, num_tiles: int):
-    """`[B, H_kv, num_tiles, 2]`: per node tile, the blocks of queries that may see it,
-    `[lead, end)`: the leading blocks (every query of them and of the blocks before
-    ends at or before the tile's start) and the trailing ones (every query of them and
-    after starts at or after the tile's end: later documents of a packed row; `first`
-    never decreases along the queries) see none of it. `n, first [B, Q, H_kv, 1]`."""
-    B, Q, H_kv, _ = n.shape
-    per_block = lambda x: jnp.moveaxis(x[..., 0], 2, 1).reshape(B, H_kv, Q // block_queries, block_queries)
-    reach = lax.cummax(jnp.max(per_block(first + n), axis=-1), axis=2)  # [B, H_kv, blocks]
-    begin = lax.cummin(jnp.min(per_block(first), axis=-1), axis=2, reverse=True)
-    starts = jnp.arange(num_tiles, dtype=jnp.int32) * tile
-    lead = jnp.sum(reach[:, :, None, :] <= starts[:, None], axis=-1, dtype=jnp.int32)
-    end = Q // block_queries - jnp.sum(begin[:, :, None, :] >= starts[:, None] + tile, axis=-1, dtype=jnp.int32)
-    return jnp.stack([lead, jnp.maximum(lead, end)], axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def top_node_grads_pallas(q_rot, n, first, keys, tau, k_rot, v, lse, do, delta, accumulators, st: LayerStatic,
-                          interpret=False):
-    """`dk`, `dv` of the top layer (all valid candidates with `keys=None`) added to
-    `accumulators` (float32, shaped like `k_rot [B, H_kv, Np, Kp]` and `v`),
-    deterministically; inputs as for `top_backward_pallas`. `dk` in the rotated keys'
-    frame (`rotate_keys`)."""
-    check_key_parts(k_rot, (key_parts(merge_score_precision(st), st.merge_operands),))
-    B, Q, H_kv, gt, kp = q_rot.shape
-    tile, bq = st.tile, st.block_queries
-    Np = k_rot[0].shape[2]
-    if Q % bq or Np % tile:
-        raise ValueError(f"queries {Q} / nodes {Np} must be multiples of block_queries {bq} / tile {tile}")
-    bottom = keys is None
-    dk_acc, dv_acc = accumulators
-    chunk = lambda *tail: pl.BlockSpec((None, Q, None) + tail, lambda b, j, h: (b, 0, h) + (0,) * len(tail))
-    nodes = lambda x: pl.BlockSpec((None, None, tile, x.shape[-1]), lambda b, j, h: (b, h, j, 0))
-    whole_nodes = lambda x: pl.BlockSpec((None, None, Np, x.shape[-1]), lambda b, j, h: (b, h, 0, 0))
-    blocks = block_ranges(n, first, bq, tile, Np // tile)
-    args = [blocks, q_rot, n, first] + ([] if bottom else [keys, tau]) + list(k_rot) + [v, lse, delta, do, dk_acc, dv_acc]
-    in_specs = [pl.BlockSpec((None, None, None, 2), lambda b, j, h: (b, h, j, 0)), chunk(gt, kp), chunk(1), chunk(1)]
-    in_specs += [] if bottom else [chunk(keys.shape[-1]), chunk(1)]
-    in_specs += [whole_nodes(x) for x in k_rot] + [whole_nodes(v), chunk(gt), chunk(gt), chunk(gt, do.shape[-1])]
-    in_specs += [nodes(dk_acc), nodes(dv_acc)]
-    dk_acc, dv_acc = pl.pallas_call(
-        functools.partial(_top_node_kernel, st=st, bottom=bottom),
-        grid=(B, Np // tile, H_kv),
-        in_specs=in_specs,
-        out_specs=[nodes(dk_acc), nodes(dv_acc)],
-        out_shape=[jax.ShapeDtypeStruct(dk_acc.shape, jnp.float32), jax.ShapeDtypeStruct(dv_acc.shape, jnp.float32)],
-        input_output_aliases={len(args) - 2: 0, len(args) - 1: 1},
-        compiler_params=compiler_params(st.num_warps, st.num_stages),
-        interpret=interpret,
-    )(*args)
-    return dk_acc, dv_acc
-
-
-__all__ = ["UNIT", "UNIT_ENTRIES", "NodeIndex", "block_ranges", "fold_spilled", "layer_node_grads_pallas",
-           "node_buffers", "node_gradient", "node_index", "spill_segments", "top_node_grads_pallas", "units_per_pair"]
+__all__ = ["UNIT", "UNIT_ENTRIES", "NodeIndex", "fold_spilled", "layer_node_grads_pallas", "node_buffers",
+           "node_gradient", "node_index", "spill_segments", "units_per_pair"]

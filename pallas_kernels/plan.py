@@ -81,6 +81,22 @@ class BlockSizes:
     # The top layer's importance kernel: 128 candidates a step, 2 stages (RESULTS 2026-11-26).
     top_keys_tile: int = 128
     top_keys_stages: int = 2
+    # The top layer's backward (`top_backward.py`): its dq kernel's query rows per
+    # program, nodes per step, warps and pipeline stages; its node kernel's (dk, dv)
+    # nodes per program, query rows per step, warps, stages, and about how many
+    # programs share a chunk's work (each tile's queries split among several). H200,
+    # T=131072, top_k=512, `benchmarks/probe_top_backward.py`: dq 39.4 ms (128 rows, 8
+    # warps, 2 stages: 51.8); dk, dv 66.7 ms with 8 programs per tile, 70.5 with 4,
+    # 94.1 with one.
+    top_dq_rows: int = 64
+    top_dq_tile: int = 64
+    top_dq_warps: int = 4
+    top_dq_stages: int = 2
+    top_dkv_tile: int = 64
+    top_dkv_rows: int = 64
+    top_dkv_warps: int = 4
+    top_dkv_stages: int = 2
+    top_dkv_programs: int = 4096
     # The shared top-K kernel (one query per program, every layer).
     select_num_warps: int = 4
     # Per-query kernels below the top: a query's G heads padded to at least this many
@@ -101,6 +117,9 @@ class BlockSizes:
     # before the rest of a unit's list spills to programs of its own (`node_backward`);
     # 0 never spills.
     node_entries: int = UNIT_ENTRIES
+    # Their warps: H200, T=131072, 8 pairs (64 rows) a step: top_k=512 395 ms with 4,
+    # 455 with 2; top_k=64 layer 1 59.6 / 105.2 ms (`benchmarks/profile_backward.py`).
+    node_num_warps: int = 4
     # Wide groups (G >= 32, latent attention; `wide.py`): heads per program (one gathered
     # key row feeds them all; 0 runs such groups as virtual kv heads of 16 instead),
     # candidates per step, launch. H200, MLA shape, `benchmarks/probe_wide.py`: 64 rows,
@@ -125,6 +144,14 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.min_query_rows must be 8 or 16, got {self.min_query_rows!r}")
         if not isinstance(self.node_entries, int) or self.node_entries < 0:
             raise ValueError(f"BlockSizes.node_entries must be an int >= 0 (0: never spill), got {self.node_entries!r}")
+        for name in ("top_dq_rows", "top_dq_tile", "top_dq_stages", "top_dkv_rows", "top_dkv_tile", "top_dkv_stages",
+                     "top_dkv_programs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"BlockSizes.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("top_dq_warps", "top_dkv_warps", "node_num_warps"):
+            warps = getattr(self, name)
+            if not isinstance(warps, int) or warps < 1 or warps & (warps - 1) or warps > 32:
+                raise ValueError(f"BlockSizes.{name} must be a power of two from 1 to 32 (warps), got {warps!r}")
 
     @classmethod
     def for_dims(cls, K: int, V: int) -> "BlockSizes":
@@ -142,7 +169,8 @@ TUNED = {
     # `benchmarks/probe_mla.py` at T=8192: 303 ms, against 388 with 16-candidate tiles;
     # 64-candidate tiles overflow shared memory.
     "wide": dict(span=32, tile=32, top_rows=16, top_tile=16, top_num_warps=4, top_keys_tile=16, top_keys_stages=2,
-                 num_warps=4, merge_num_warps=4, num_stages=2, scored_merge_num_warps=4),
+                 num_warps=4, merge_num_warps=4, num_stages=2, scored_merge_num_warps=4,
+                 top_dq_rows=16, top_dq_tile=16, top_dq_warps=4, top_dkv_tile=16, top_dkv_rows=16, top_dkv_warps=4),
 }
 
 

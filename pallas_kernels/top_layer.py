@@ -52,7 +52,7 @@ from pallas_kernels.merge import fold_merged, merge_outputs, read_state, write_m
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, split_rows
 
 
-def _block_rows(q_ref, n_ref, first_ref):
+def block_rows(q_ref, n_ref, first_ref):
     """The block's rotated queries `[BQ*Gt, Kp]` (row `b*Gt + g`), `n` and `first` per
     query `[BQ]` (`first` None: one document per row)."""
     bq, gt, kp = q_ref.shape
@@ -60,7 +60,7 @@ def _block_rows(q_ref, n_ref, first_ref):
     return q_ref[...].reshape(bq * gt, kp), n_ref[...].reshape(bq), first
 
 
-def _query_refs(refs, documents: bool):
+def query_refs(refs, documents: bool):
     """`((q_ref, n_ref, first_ref), rest)` of a top-layer kernel's refs; `first_ref` is
     None where each row holds one document (no `first` input)."""
     if documents:
@@ -68,7 +68,7 @@ def _query_refs(refs, documents: bool):
     return (refs[0], refs[1], None), refs[2:]
 
 
-def _per_row(x, gt: int):
+def per_row(x, gt: int):
     """A per-query `[BQ]` value repeated for the `Gt` rows of each query."""
     return jnp.broadcast_to(x[:, None], (x.shape[0], gt)).reshape(x.shape[0] * gt)
 
@@ -95,7 +95,7 @@ def by_document(first_q, body, init):
     return lax.while_loop(lambda c: c[0] < _NO_DOCUMENT, step, (jnp.min(first_q), init))[1]
 
 
-def _tile_rows(i, f, refs, st: LayerStatic):
+def tile_rows(i, f, refs, st: LayerStatic):
     """Tile `i` of the candidates of a document whose candidate 0 is row `f`."""
     return tuple(ref[pl.ds(f + i * st.tile, st.tile), :] for ref in refs)
 
@@ -105,12 +105,12 @@ def _scores_by_document(i, q_parts, first_q, k_refs, st: LayerStatic, precision,
     own document (in the units of `q_parts`: the kernels fold `alpha * log2(e)` into the
     queries), and those positions `[tile]`. `bound`: `(query group norms prepared by
     `split_rows`, scaled likewise, the layer's radii refs)`: the bound scores of SPEC 11 instead."""
-    rows_first = None if first_q is None else _per_row(first_q, q_parts[0].shape[0] // first_q.shape[0])
+    rows_first = None if first_q is None else per_row(first_q, q_parts[0].shape[0] // first_q.shape[0])
 
     def one(f, scores):
-        s = dot_rows(q_parts, _tile_rows(i, f, k_refs, st), precision, operands)
+        s = dot_rows(q_parts, tile_rows(i, f, k_refs, st), precision, operands)
         if bound is not None:  # + sum over feature groups of |q| * rho: one more product
-            s = s + dot_rows(bound[0], _tile_rows(i, f, bound[1], st), precision, operands)
+            s = s + dot_rows(bound[0], tile_rows(i, f, bound[1], st), precision, operands)
         return s if rows_first is None else jnp.where((rows_first == f)[:, None], s, scores)
 
     scores = by_document(first_q, one, jnp.zeros((q_parts[0].shape[0], st.tile), jnp.float32))
@@ -124,7 +124,7 @@ def _top_keys_kernel(*refs, st: LayerStatic, documents: bool, export: bool = Fal
     with `with_shift` the rows' importance shifts `[BQ, Gt]` (`importance_shift`).
     `bound_parts > 0`: the key refs are followed by the query rows' feature-group norms
     and the layer's radii (that many parts), and the importance is the bound's (SPEC 11)."""
-    (q_ref, n_ref, first_ref), refs = _query_refs(refs, documents)
+    (q_ref, n_ref, first_ref), refs = query_refs(refs, documents)
     outputs = 1 + export + with_shift
     refs, (keys_ref, *out_refs) = refs[:-outputs], refs[-outputs:]
     imp_ref = out_refs[0] if export else None
@@ -138,8 +138,8 @@ def _top_keys_kernel(*refs, st: LayerStatic, documents: bool, export: bool = Fal
     k_refs = refs
     bq, gt, _ = q_ref.shape
     rows = bq * gt
-    q, n_q, first_q = _block_rows(q_ref, n_ref, first_ref)
-    n_rows = _per_row(n_q, gt)
+    q, n_q, first_q = block_rows(q_ref, n_ref, first_ref)
+    n_rows = per_row(n_q, gt)
     q_parts = split_rows(BASE2 * st.alpha * q, st.precision, st.importance_operands)
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
     real_head = jnp.arange(rows, dtype=jnp.int32) % gt < st.group
@@ -186,12 +186,12 @@ def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool, documents: bool):
     score_precision, operands = merge_score_precision(st), st.merge_operands
     leading, keys_ref, tau_ref, k_refs, (v_ref, m_ref, s_ref, u_ref, *out_refs) = layer_refs(
         refs, 2 + documents, st, bottom)
-    (q_ref, n_ref, first_ref), _ = _query_refs(leading, documents)
+    (q_ref, n_ref, first_ref), _ = query_refs(leading, documents)
     bq, gt, _ = q_ref.shape
     rows = bq * gt
-    q, n_q, first_q = _block_rows(q_ref, n_ref, first_ref)
-    n_rows = _per_row(n_q, gt)
-    rows_first = None if first_q is None else _per_row(first_q, gt)
+    q, n_q, first_q = block_rows(q_ref, n_ref, first_ref)
+    n_rows = per_row(n_q, gt)
+    rows_first = None if first_q is None else per_row(first_q, gt)
     num_tiles = (jnp.max(n_q) + st.tile - 1) // st.tile
     if not bottom:
         tau = tau_ref[...]  # [BQ, 1]
@@ -207,7 +207,7 @@ def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool, documents: bool):
             merged = jnp.broadcast_to(merged_q[:, None, :], (bq, gt, st.tile)).reshape(rows, st.tile)
 
         def fold_document(f, state):  # rows of other documents fold nothing (all -inf)
-            k = _tile_rows(i, f, k_refs, st)
+            k = tile_rows(i, f, k_refs, st)
             scores = dot_rows(q_parts, k, score_precision, operands)
             values = v_ref[pl.ds(f + i * st.tile, st.tile), :]
             mine = merged if rows_first is None else merged & (rows_first == f)[:, None]
@@ -233,13 +233,16 @@ def top_specs(st: LayerStatic, q, k_parts, v, width: int):
                 vec=queries(gt), mat=queries(gt, vp))
 
 
-def check_top_inputs(st: LayerStatic, q, k_parts, width: int, expected_parts: tuple):
+def check_top_inputs(st: LayerStatic, q, k_parts, width: int, expected_parts: tuple, rotated_dtype=jnp.float32):
+    """The shapes the top-layer kernels tile, the keys' parts, and `q` rotated in
+    `rotated_dtype` (float32: `rotate_queries`; the backward's `top_backward_queries`
+    may cast it to the merge operands')."""
     check_key_parts(k_parts, expected_parts)
     if q.shape[1] % st.block_queries or k_parts[0].shape[2] % st.tile or width % st.tile:
         raise ValueError(f"queries {q.shape[1]} / nodes {k_parts[0].shape[2]} and width {width} must be multiples "
                          f"of block_queries {st.block_queries} / tile {st.tile}")
-    if q.dtype != jnp.float32:
-        raise TypeError("q must be rotated float32 (rotate_queries)")
+    if q.dtype != rotated_dtype:
+        raise TypeError(f"q must be rotated {jnp.dtype(rotated_dtype).name} (rotate_queries), got {q.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("width", "st", "interpret", "export", "with_shift"))

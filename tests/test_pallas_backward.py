@@ -117,42 +117,54 @@ def test_node_entries_must_be_a_count(bad):
         BlockSizes(node_entries=bad)
 
 
+@pytest.mark.parametrize("field, bad, rule", [("top_dq_rows", 0, "int >= 1"), ("top_dkv_programs", 1.5, "int >= 1"),
+                                              ("top_dkv_warps", 3, "power of two"), ("node_num_warps", 0, "power of two")])
+def test_top_backward_block_sizes_are_checked(field, bad, rule):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field} must be .*{rule}"):
+        BlockSizes(**{field: bad})
+
+
 def _random_accumulators(rng, zeros):
     """Accumulators holding earlier sums: values of order 1 (exactly representable
     differences after adding gradients of order 1, to within float32 rounding)."""
     return tuple(jnp.asarray(rng.integers(-4, 5, size=x.shape).astype(np.float32)) for x in zeros)
 
 
-@pytest.mark.parametrize("config, G, block_queries, top_tile",
-                         paired(LAYER_CONFIGS, [(1, 16, 16), (3, 4, 32), (8, 2, 16)]), ids=str)
-def test_top_backward_equals_twin(rng, config, G, block_queries, top_tile):
-    """The top layer's block kernel against the per-query twin with virtual parents;
-    every query of a block has its own `n`."""
+@pytest.mark.parametrize("config, G, dq_launch, dkv_launch, documents",
+                         paired(LAYER_CONFIGS, [(1, (16, 16), (4, 32, 1), False), (3, (4, 32), (8, 16, 3), True),
+                                                (8, (2, 16), (1, 16, 2), False)]), ids=str)
+def test_top_backward_equals_twin(rng, config, G, dq_launch, dkv_launch, documents):
+    """The top layer's dq and node kernels (`(block_queries, tile)`; the node kernel's
+    also its query segments per tile) against the per-query twin with virtual parents;
+    every query of a block has its own `n`. `documents`: `first` given (zeros: the
+    packed form's per-document pass)."""
     from htree_jax.core.rope import apply_rope
-    from pallas_kernels.layer_backward import top_backward_pallas
-    from pallas_kernels.node_backward import top_node_grads_pallas
     from pallas_kernels.common import pad_nodes
     from pallas_kernels.rope import rotate_keys, rotate_queries
+    from pallas_kernels.top_backward import top_backward_queries, top_dq_pallas, top_node_grads_pallas
     from pallas_kernels.top_k import select_top_k_twin
     from pallas_kernels.top_layer import top_importance_keys_pallas
     from tests.test_pallas_kernels import top_layer_inputs
 
     a, layer_k, layer_v, n, parents, q = top_layer_inputs(rng, config, G)
     st, Mp, N = a["st"], a["cos"].shape[0], layer_k.shape[2]
-    top_tile = min(top_tile, Mp)
-    st_top = dataclasses.replace(st, block_queries=block_queries, tile=top_tile)
+    launch = lambda bq, tile: dataclasses.replace(st, block_queries=bq, tile=min(tile, Mp))
+    st_dq, st_dkv = launch(*dq_launch), launch(*dkv_launch[:2])
+    segments = dkv_launch[2]
+    pad = max(st_dq.tile, st_dkv.tile)
     q_rot = rotate_queries(q, n, a["cos"], a["sin"])
-    k_rot = key_operands(rotate_keys(layer_k, a["cos"], a["sin"], top_tile), st.precision)
-    v = pad_nodes(layer_v, top_tile)
+    k_rot = key_operands(rotate_keys(layer_k, a["cos"], a["sin"], pad), st.precision)
+    v = pad_nodes(layer_v, pad)
     first = jnp.zeros_like(n)
-    keys = top_importance_keys_pallas(q_rot, n, first, k_rot, Mp, st_top, interpret=True)
+    keys = top_importance_keys_pallas(q_rot, n, first, k_rot, Mp, st_dq, interpret=True)
     _, tau = select_top_k_twin(keys, parents, n, st)
     lse, delta, do = _row_stats(rng, q.shape[:4], v.shape[-1])
+    q_ops, documents = top_backward_queries(q_rot, st), first if documents else None
     for k_, t_ in [(keys, tau), (None, None)]:
-        dq_rot = top_backward_pallas(q_rot, n, first, k_, t_, k_rot, v, lse, do, delta, st_top, interpret=True)
+        dq_rot = top_dq_pallas(q_ops, n, documents, k_, t_, k_rot, v, lse, do, delta, st_dq, interpret=True)
         before = _random_accumulators(rng, (k_rot[0], v))
-        dk_acc, dv_acc = top_node_grads_pallas(q_rot, n, first, k_, t_, k_rot, v, lse, do, delta, before, st_top,
-                                               interpret=True)
+        dk_acc, dv_acc = top_node_grads_pallas(q_ops, n, documents, k_, t_, k_rot, v, lse, do, delta, before, st_dkv,
+                                               interpret=True, segments=segments)
         dk_acc, dv_acc = dk_acc - before[0], dv_acc - before[1]
         position = n - 1
         dq = apply_rope(dq_rot, a["cos"][position], -a["sin"][position])
@@ -318,3 +330,29 @@ def test_kept_keys_mark_the_selected_positions():
     assert keys.tolist() == [0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
     top = np.asarray(kept_keys(None, jnp.asarray([[[[0, 3, -1]]]], jnp.int32), 8, 4))[0, 0, 0]
     assert top.tolist() == [1, 0, 0, 1, 0, 0, 0, 0]
+
+
+def test_top_backward_launches():
+    """The top layer's backward launches (`top_backward_statics`): the node kernel's
+    programs per tile fill `top_dkv_programs` at most, capped by `MAX_SEGMENTS` and the
+    chunk's query blocks; float32 inputs take half the rows and one stage; tiles divide
+    the padded nodes and the keys' width; blocks divide the forward's."""
+    from pallas_kernels.common import LayerStatic
+    from pallas_kernels.top_backward import MAX_SEGMENTS, top_backward_statics
+
+    st_top = LayerStatic(r=16, tile=64, group=8, alpha=0.1, importance="softmax", strict_causal=True, log_n=13,
+                         top_k=512, precision=None, block_queries=16)
+    bs = BlockSizes()
+    st_dq, st_dkv, segments = top_backward_statics(st_top, bs, 2, 128, 128, 8192, 8192, 4, 8192)
+    assert (st_dq.block_queries, st_dq.tile, st_dq.num_warps, st_dq.num_stages) == (8, 64, 4, 2)
+    assert (st_dkv.block_queries, st_dkv.tile) == (8, 64)
+    assert segments == bs.top_dkv_programs // (4 * 8192 // 64) == 8
+    _, _, segments = top_backward_statics(st_top, bs, 2, 128, 128, 512, 8192, 4, 8192)
+    assert segments == MAX_SEGMENTS  # 8 tiles a head: 4096 / 32 wanted
+    _, _, segments = top_backward_statics(st_top, bs, 2, 128, 128, 128, 128, 1, 24)
+    assert segments == 24 // 8  # the chunk's blocks
+    st_dq, st_dkv, _ = top_backward_statics(st_top, bs, 4, 128, 128, 8192, 8192, 4, 8192)
+    assert (st_dq.block_queries, st_dq.num_stages, st_dkv.block_queries, st_dkv.num_stages) == (4, 1, 4, 1)
+    st_dq, st_dkv, _ = top_backward_statics(st_top, BlockSizes(top_dq_tile=256, top_dkv_tile=256), 2, 256, 128,
+                                            384, 8192, 4, 8192)
+    assert (st_dq.tile, st_dkv.tile, st_dq.num_stages) == (128, 128, 1)  # 384 = 3 x 128
