@@ -117,8 +117,9 @@ def test_node_entries_must_be_a_count(bad):
         BlockSizes(node_entries=bad)
 
 
-@pytest.mark.parametrize("field, bad, rule", [("top_dq_rows", 0, "int >= 1"), ("top_dkv_programs", 1.5, "int >= 1"),
-                                              ("top_dkv_warps", 3, "power of two"), ("node_num_warps", 0, "power of two")])
+@pytest.mark.parametrize("field, bad, rule", [
+    ("top_dq_rows", 0, "int >= 1"), ("top_dkv_programs", 1.5, "int >= 1"), ("top_dkv_warps", 3, "power of two"),
+    ("node_num_warps", 0, "power of two")])
 def test_top_backward_block_sizes_are_checked(field, bad, rule):
     with pytest.raises(ValueError, match=f"BlockSizes.{field} must be .*{rule}"):
         BlockSizes(**{field: bad})
