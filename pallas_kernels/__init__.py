@@ -17,7 +17,8 @@ Building blocks, one SPEC step each, every kernel beside its pure-JAX twin:
   the decode walk's merges (`decode_merge_pallas`).
 - `top_layer`: the top layer's importance and merge over blocks of queries, flash-attention shaped.
 - `layer_backward`: `dq` per query (in registers); `node_backward`: `dk`, `dv` per node from
-  an inverse index (no atomics, bitwise deterministic).
+  an inverse index (no atomics, bitwise deterministic); `top_backward`: the top layer's
+  `dq` and `dk`, `dv`, flash attention's two backward loops.
 
 What the passes share: `plan` (`BlockSizes`, the padded tree and keys, each chunk's top
 layer and selections).

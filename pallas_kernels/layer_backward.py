@@ -39,12 +39,13 @@ from pallas_kernels.importance import gather_nodes, scores_twin
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
 
 
-def grads_of_block(scores, values, do, lse, delta, merged, st: LayerStatic):
+def grads_of_block(scores, values, do, lse, delta, merged, st: LayerStatic, exp=jnp.exp, alpha: bool = True):
     """One block of candidates, `scores [rows, n]` (scaled): `(p, alpha * ds)`;
-    `merged [rows, n]` already excludes padding rows."""
-    p = jnp.where(merged, jnp.exp(scores - lse[:, None]), 0.0)
+    `merged [rows, n]` already excludes padding rows. `exp=jnp.exp2`: `scores` and
+    `lse` in base 2; `alpha=False`: `ds` itself (the caller scales its sums once)."""
+    p = jnp.where(merged, exp(scores - lse[:, None]), 0.0)
     dp = product(do, values, (1, 1), merge_score_precision(st), st.merge_operands)  # [rows, n]
-    return p, st.alpha * p * (dp - delta[:, None])
+    return p, (st.alpha * p * (dp - delta[:, None]) if alpha else p * (dp - delta[:, None]))
 
 
 def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):

@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import LayerStatic, compiler_params, layer_refs, merge_score_precision, next_power_of_two
+from pallas_kernels.layer_backward import grads_of_block
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
 from pallas_kernels.top_layer import BASE2, block_rows, by_document, check_top_inputs, per_row, query_refs, tile_rows, \
     top_specs
@@ -116,8 +117,8 @@ def _top_dq_kernel(*refs, st: LayerStatic, bottom: bool, documents: bool):
             k_parts = tile_rows(i, f, k_refs, st)
             values = v_ref[pl.ds(f + i * tile, tile), :]
             mine = merged if rows_first is None else merged & (rows_first == f)[:, None]
-            p = jnp.where(mine, jnp.exp2(dot_rows(q_parts, k_parts, precision, operands) - lse[:, None]), 0.0)
-            ds = p * (product(do, values, (1, 1), precision, operands) - delta[:, None])
+            _, ds = grads_of_block(dot_rows(q_parts, k_parts, precision, operands), values, do, lse, delta, mine, st,
+                                   exp=jnp.exp2, alpha=False)
             return dq + product(ds, whole_keys(k_parts), (1, 0), precision, operands)
 
         return by_document(first_q, document, dq)
@@ -197,8 +198,7 @@ def _top_node_kernel(*refs, st: LayerStatic, bottom: bool, documents: bool, segm
         delta = delta_ref[block, :].reshape(rows)
         merged = jnp.broadcast_to(merged_of(block)[:, None, :], (bq, gt, tile)).reshape(rows, tile) & real[:, None]
         scores = dot_rows(split_rows(q, precision, operands), k_parts, precision, operands)  # base 2
-        p = jnp.where(merged, jnp.exp2(scores - lse[:, None]), 0.0)
-        ds = p * (product(do, values, (1, 1), precision, operands) - delta[:, None])
+        p, ds = grads_of_block(scores, values, do, lse, delta, merged, st, exp=jnp.exp2, alpha=False)
         return dk + product(ds, q, (0, 0), precision, operands), dv + product(p, do, (0, 0), precision, operands)
 
     lead, end = blocks_ref[0], blocks_ref[1]

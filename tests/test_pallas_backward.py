@@ -10,14 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from htree_jax import HTreeConfig
-from pallas_kernels.common import next_power_of_two
-from pallas_kernels.plan import BlockSizes
-from pallas_kernels.layer_backward import layer_backward_pallas, layer_backward_twin
+from htree_jax import HTreeConfig, htree_attention
+from htree_jax.core.rope import apply_rope
+from pallas_kernels.backward import htree_backward_pallas
+from pallas_kernels.common import LayerStatic, next_power_of_two, pad_nodes
+from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.importance import importance_keys_pallas
-from pallas_kernels.precision import key_operands
-from pallas_kernels.rope import rotate_phases
-from pallas_kernels.top_k import select_top_k_pallas
+from pallas_kernels.layer_backward import layer_backward_pallas, layer_backward_twin
 from pallas_kernels.node_backward import (
     UNIT,
     UNIT_ENTRIES,
@@ -27,7 +26,21 @@ from pallas_kernels.node_backward import (
     node_index,
     spill_segments,
 )
-from tests.test_pallas_kernels import LAYER_CONFIGS, layer_inputs, paired
+from pallas_kernels.plan import BlockSizes
+from pallas_kernels.precision import BF16X3, key_operands
+from pallas_kernels.rope import rotate_keys, rotate_phases, rotate_queries
+from pallas_kernels.top_backward import (
+    MAX_SEGMENTS,
+    top_backward_queries,
+    top_backward_statics,
+    top_dq_pallas,
+    top_node_grads_pallas,
+)
+from pallas_kernels.top_k import select_top_k_pallas, select_top_k_twin
+from pallas_kernels.top_layer import top_importance_keys_pallas
+from pallas_kernels.tree_backward import kept_keys
+from tests.conftest import random_qkv
+from tests.test_pallas_kernels import LAYER_CONFIGS, layer_inputs, paired, top_layer_inputs
 
 
 def _row_stats(rng, shape, vp):
@@ -139,13 +152,6 @@ def test_top_backward_equals_twin(rng, config, G, dq_launch, dkv_launch, documen
     also its query segments per tile) against the per-query twin with virtual parents;
     every query of a block has its own `n`. `documents`: `first` given (zeros: the
     packed form's per-document pass)."""
-    from htree_jax.core.rope import apply_rope
-    from pallas_kernels.common import pad_nodes
-    from pallas_kernels.rope import rotate_keys, rotate_queries
-    from pallas_kernels.top_backward import top_backward_queries, top_dq_pallas, top_node_grads_pallas
-    from pallas_kernels.top_k import select_top_k_twin
-    from pallas_kernels.top_layer import top_importance_keys_pallas
-    from tests.test_pallas_kernels import top_layer_inputs
 
     a, layer_k, layer_v, n, parents, q = top_layer_inputs(rng, config, G)
     st, Mp, N = a["st"], a["cos"].shape[0], layer_k.shape[2]
@@ -184,7 +190,6 @@ GRADIENT_CASES = [
 
 
 def _loss_grads(q, k, v, config, backend, weights):
-    from htree_jax import htree_attention
 
     def loss(q, k, v):
         return jnp.sum(htree_attention(q, k, v, config, backend=backend).astype(jnp.float32) * weights)
@@ -194,7 +199,6 @@ def _loss_grads(q, k, v, config, backend, weights):
 
 @pytest.mark.parametrize("B, T, r, top_k, G, importance, strict_causal", GRADIENT_CASES)
 def test_pallas_gradients_equal_reference(rng, B, T, r, top_k, G, importance, strict_causal):
-    from tests.conftest import random_qkv
 
     config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, 2 * G, 2, 40, 36))  # padded dims inside
@@ -214,7 +218,6 @@ def test_pallas_gradients_bfloat16(rng, r, top_k, T):
     The 3-layer tree has a layer the forward merges from its importance scores."""
     import ml_dtypes
 
-    from tests.conftest import random_qkv
 
     config = HTreeConfig(compression_rate=r, top_k=top_k)
     assert config.num_layers(T) == (2 if r == 16 else 3)
@@ -238,7 +241,6 @@ def test_middle_layer_backward_error_from_mixed_precisions_is_bounded(rng):
     again with bfloat16 operands, so `p = exp(s_bwd - lse_fwd)` mixes two precisions.
     Bounded here at large scores (~10, where bf16 operands err by ~3e-2): `dq` against the
     twin with `lse` from the stored scores stays within a few bfloat16 steps."""
-    from pallas_kernels.precision import BF16X3
 
     config = HTreeConfig(compression_rate=4, top_k=4)
     a = layer_inputs(rng, config, G=2, K=24, V=20)
@@ -267,7 +269,6 @@ def test_middle_layer_backward_error_from_mixed_precisions_is_bounded(rng):
 def test_pallas_grad_of_a_small_model_jits_without_nan(rng):
     """`jax.jit(jax.grad(loss))` of a Flax-free model (projections, htree, output), for
     T = 1 and a multi-layer T: finite gradients."""
-    from htree_jax import htree_attention
 
     config = HTreeConfig(compression_rate=4, top_k=2)
     D, H, H_kv, K = 16, 4, 2, 32
@@ -303,9 +304,6 @@ def test_backward_with_saved_selections_equals_recomputing_them_bitwise(rng, B, 
     `htree_attention` runs) marks the same merged candidates as the one that runs the
     importance and top-K kernels again: bitwise the same gradients (2- to 5-layer trees,
     several chunks, non-finite rows masked)."""
-    from pallas_kernels.backward import htree_backward_pallas
-    from pallas_kernels.forward import htree_forward_pallas
-    from tests.conftest import random_qkv
 
     config = HTreeConfig(compression_rate=r, top_k=top_k)
     assert config.num_layers(T) >= 2
@@ -323,7 +321,6 @@ def test_backward_with_saved_selections_equals_recomputing_them_bitwise(rng, B, 
 
 
 def test_kept_keys_mark_the_selected_positions():
-    from pallas_kernels.tree_backward import kept_keys
 
     parents = jnp.asarray([[[[2, 5, 9, -1]]]], jnp.int32)  # [1, 1, 1, P], r = 4
     selected = jnp.asarray([[[[9, 21, 38, -1]]]], jnp.int32)  # nodes 2*4+1, 5*4+1, 9*4+2
@@ -338,8 +335,6 @@ def test_top_backward_launches():
     programs per tile fill `top_dkv_programs` at most, capped by `MAX_SEGMENTS` and the
     chunk's query blocks; float32 inputs take half the rows and one stage; tiles divide
     the padded nodes and the keys' width; blocks divide the forward's."""
-    from pallas_kernels.common import LayerStatic
-    from pallas_kernels.top_backward import MAX_SEGMENTS, top_backward_statics
 
     st_top = LayerStatic(r=16, tile=64, group=8, alpha=0.1, importance="softmax", strict_causal=True, log_n=13,
                          top_k=512, precision=None, block_queries=16)
