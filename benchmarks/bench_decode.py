@@ -32,6 +32,7 @@ import numpy as np
 from htree_jax import DecodeBlockSizes, HTreeCache, HTreeConfig, build_tree, decode_step
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.core.bounds import tree_radii
+from htree_jax.core.quantize import FP8, quantize_rows
 
 H, H_KV, K, V = 32, 4, 128, 128
 DTYPE = jnp.bfloat16
@@ -64,12 +65,14 @@ def random_rows(seed: int, shape):
                             for rows in range(0, shape[0], FILL_ROWS)], axis=0)
 
 
-def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V, values_from_keys=False):
+def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V, values_from_keys=False, token_dtype=None):
     """A cache whose tree is `build_tree` of `ctx` random tokens per row, each row at its
     `lengths[b]` (with `strict_causal`, the nodes past a row's length change nothing),
     with the tree's radii under `selection="bound"`; `values_from_keys`: no value
-    layers (the values are the keys' first `V` latent features)."""
-    parts = []
+    layers (the values are the keys' first `V` latent features). `token_dtype=FP8`: the
+    tokens stored in e4m3 with their scales (the nodes those of the bf16 tokens: the
+    same work per step as nodes of the tokens read back)."""
+    parts, scales = [], []
     for rows in range(0, B, FILL_ROWS):  # in row blocks (`random_rows`), the tree's sums too
         n = min(FILL_ROWS, B - rows)
         k = jax.random.normal(jax.random.key(rows), (n, ctx, H_kv, K), DTYPE)
@@ -77,11 +80,19 @@ def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V, values_from_keys=
         layers = build_tree(k, v, config)
         keys = tuple(kl for kl, _ in layers)
         radii = tuple(tree_radii(keys, config.compression_rate, config.rope_dim)[1:]) if config.selection == "bound" else ()
-        parts.append((keys, tuple(vl for _, vl in layers), radii))
+        values = tuple(vl for _, vl in layers)
+        if token_dtype is not None:
+            (k0, ks), (v0, vs) = quantize_rows(keys[0]), quantize_rows(values[0])
+            keys, values = (k0,) + keys[1:], (v0,) + values[1:]
+            ks, vs = jnp.swapaxes(ks, 1, 2), jnp.swapaxes(vs, 1, 2)  # `HTreeCache.scales`: [B, H_kv, N_0]
+            scales.append((ks,) if values_from_keys else (ks, vs))
+        parts.append((keys, values, radii))
         del k, v, layers
     join = lambda i: tuple(jnp.concatenate(layer, axis=0) for layer in zip(*(p[i] for p in parts)))
     values = () if values_from_keys else join(1)
-    return HTreeCache(join(0), values, jnp.asarray(lengths, jnp.int32), join(2), V if values_from_keys else 0)
+    joined_scales = tuple(jnp.concatenate(x, axis=0) for x in zip(*scales))
+    return HTreeCache(join(0), values, jnp.asarray(lengths, jnp.int32), join(2), V if values_from_keys else 0,
+                      joined_scales, np.dtype(DTYPE).name if token_dtype is not None else "")
 
 
 def start_lengths(B, ctx, steps, repeats, spread: bool):
@@ -94,13 +105,13 @@ def start_lengths(B, ctx, steps, repeats, spread: bool):
 
 
 def htree_case(B, ctx, config, steps, repeats, backend, spread=False, dims=None, block_sizes=None,
-               values_from_keys=False):
+               values_from_keys=False, token_dtype=None):
     """`decode_step` under `jax.jit` with the cache donated (`dims`: `MLA_DIMS`-like, else
     the GQA shape; `block_sizes`: the decode kernels'; `values_from_keys`: a cache of
-    keys only, `v_t=None`)."""
+    keys only, `v_t=None`; `token_dtype=FP8`: the tokens in e4m3)."""
     d = dims or dict(H=H, H_kv=H_KV, K=K, V=V)
     cache = filled_cache(B, ctx, config, start_lengths(B, ctx, steps, repeats, spread), d["H_kv"], d["K"], d["V"],
-                         values_from_keys)
+                         values_from_keys, token_dtype)
     q_t = jax.random.normal(jax.random.key(2), (B, d["H"], d["K"]), DTYPE)
     k_t = jax.random.normal(jax.random.key(3), (B, d["H_kv"], d["K"]), DTYPE)
     v_t = None if values_from_keys else jax.random.normal(jax.random.key(4), (B, d["H_kv"], d["V"]), DTYPE)
@@ -111,6 +122,14 @@ def htree_case(B, ctx, config, steps, repeats, backend, spread=False, dims=None,
         return fn(c)[1]
     ms, _ = per_step_ms(step, cache, steps, repeats)
     return ms
+
+
+def cache_bytes(B, ctx, config, token_dtype) -> int:
+    """The bytes of an empty `init_cache` of the GQA shape (no buffers made)."""
+    from htree_jax import init_cache
+
+    shapes = jax.eval_shape(lambda: init_cache(B, ctx, H_KV, K, V, config, DTYPE, token_dtype=token_dtype))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
 
 
 def decode_module(B, ctx, config, backend):
@@ -291,6 +310,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-module", action="store_true", help="skip the HTreeAttention(decode=True) column")
+    p.add_argument("--fp8", action="store_true",
+                   help="also the pallas step from a cache of e4m3 tokens (init_cache(token_dtype=float8_e4m3fn)), "
+                        "and its bytes against the bf16 cache's")
     p.add_argument("--spread", action="store_true",
                    help="also rows at lengths uniform in [ctx/8, ctx] (the pallas backend, batches > 1)")
     p.add_argument("--shape", default="gqa", choices=["gqa", "mla"], help="mla: `run_mla`")
@@ -306,7 +328,8 @@ def main(argv=None) -> int:
         return run_mla(args)
     parse = int_list
     backends = [b for b in args.backends.split(",") if b]
-    extra = ([] if args.no_module else ["module pallas"]) + (["pallas, spread lengths"] if args.spread else [])
+    extra = (([] if args.no_module else ["module pallas"]) + (["pallas, spread lengths"] if args.spread else [])
+             + (["pallas fp8 tokens"] if args.fp8 else []))
     if not args.no_module:
         lines_note = ("module: HTreeAttention(decode=True) with its projections; dense module: the same "
                       "projections around cuDNN decode attention")
@@ -329,6 +352,12 @@ def main(argv=None) -> int:
                 if args.spread:
                     h_ms.append(htree_case(B, ctx, config, args.steps, args.repeats, "pallas", spread=True)
                                 if B > 1 else float("nan"))
+                if args.fp8:
+                    h_ms.append(htree_case(B, ctx, config, args.steps, args.repeats, "pallas", token_dtype=FP8))
+                    bf16, fp8 = (cache_bytes(B, ctx, config, t) for t in (None, FP8))
+                    print(f"B={B} ctx={ctx} top_k={top_k}: cache bytes bf16 {bf16 / 2**30:.2f} GiB, fp8 tokens "
+                          f"{fp8 / 2**30:.2f} GiB ({fp8 / bf16:.3f}); fp8 step / bf16 step "
+                          f"{h_ms[-1] / h_ms[backends.index('pallas')]:.3f}" if "pallas" in backends else "", flush=True)
                 lines.append(f"| {ctx} | {B} | {top_k} | {selection} | {', '.join(map(str, config.layer_sizes(ctx)))} | "
                              + " | ".join(f"{x:.3f}" for x in h_ms) + f" | {d_ms:.3f} | {impl} | "
                              + " | ".join(f"{d_ms / x:.2f}" for x in h_ms)

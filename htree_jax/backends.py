@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.non_finite import dead_rows, first_non_finite, poison_rows, zero_non_finite
 from htree_jax.core.packing import local_selections
+from htree_jax.core.quantize import dequantize_rows
 from htree_jax.reference import (
     attend_tree,
     default_query_chunk,
@@ -249,19 +250,27 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
 
 @functools.partial(jax.jit, static_argnames=("config", "impl", "block_sizes", "value_dim"))
 def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: str,
-                 block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0):
+                 block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0, scales=()):
     """Queries `q [B, S, H, K]` (in `rope_layout` order) at `positions [B, S]` over a
     decode cache's tree layers (`keys`, `values`, bottom first, un-rotated; `radii` of
     layers 1.. with `selection="bound"`, else `()`), on the concrete backend `impl`
     (the Pallas kernels' `block_sizes`, None: the defaults): `(o [B, S, H, V],
     selections)`. `value_dim > 0`: `values` is `()`, the values are the keys' first
-    `value_dim` latent features (the kernels read them from the gathered keys)."""
+    `value_dim` latent features (the kernels read them from the gathered keys).
+    `scales` (FP8 tokens, `htree_jax.core.quantize`): layer 0's keys (and values) are
+    e4m3, these their float32 row scales `[B, H_kv, N_0]`; the reference reads them
+    back in q's dtype, the kernels scale each token's score and weight."""
     if impl != "reference":
         # One new token is the newest in the cache: nothing after it can be NaN, so the
         # decode kernels need not zero the values it does not merge (SPEC 10).
         return attend_cache_pallas(q, keys, values, positions, config, block_sizes or DecodeBlockSizes(),
                                    interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1,
-                                   radii=tuple(radii), value_dim=value_dim)
+                                   radii=tuple(radii), value_dim=value_dim, scales=tuple(scales))
+    if scales:
+        read_back = lambda x, scale: dequantize_rows(x, jnp.swapaxes(scale, 1, 2), q.dtype)
+        keys = (read_back(keys[0], scales[0]),) + tuple(keys[1:])
+        if values:
+            values = (read_back(values[0], scales[1]),) + tuple(values[1:])
     if value_dim:
         values = tuple(latent_values(kl, config, value_dim) for kl in keys)
     B, S, H, K = q.shape

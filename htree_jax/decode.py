@@ -18,7 +18,7 @@ not depend on tokens after it, nor on the number of layers (SPEC 3), so decoding
 by token reproduces `htree_attention` on the full sequence, position by position.
 
 Appending `S` tokens rewrites, per layer `l >= 1`, only the nodes whose children
-changed (at most `(S - 1) // r**l + 2`), each the mean of its existing children read
+changed (at most `ceil((S - 1) / r**l) + 1`), each the mean of its existing children read
 back from the layer below: `r` stored children, summed in order in float32 and scaled by
 the reciprocal of their count, exactly as `build_tree` does, so the cache's tree equals `build_tree`
 of the prefix bit for bit, ragged last nodes included. A decode step costs
@@ -37,6 +37,7 @@ import numpy as np
 from htree_jax.backends import attend_cache, decode_backend
 from htree_jax.core.bounds import children_radii, num_groups
 from htree_jax.core.config import HTreeConfig
+from htree_jax.core.quantize import FP8, dequantize_rows, is_fp8, quantize_rows
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.tree import child_reciprocals, round_to_storage
 from htree_jax.core.validation import check_config, check_dtype, check_latent_value_dim
@@ -44,8 +45,8 @@ from htree_jax.sharding import partitioned_cache_attention
 from pallas_kernels.decode import DecodeBlockSizes
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths", "radii"],
-                   meta_fields=["value_dim"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths", "radii", "scales"],
+                   meta_fields=["value_dim", "compute_dtype"])
 @dataclasses.dataclass(frozen=True)
 class HTreeCache:
     """The decode cache: the tree of every row's tokens so far, in buffers sized for `max_len`.
@@ -57,6 +58,12 @@ class HTreeCache:
     radii:   with `selection="bound"` (SPEC 11), per layer `l >= 1` the nodes' radii
              float32 `[B, N_l, H_kv, n_groups]` (layer 0's are 0: not stored); else `()`.
     lengths: int32 `[B]`, the tokens each row holds (rows are independent sequences).
+    scales:  with FP8 tokens (`init_cache(..., token_dtype=jnp.float8_e4m3fn)`), layer 0's
+             keys (and values) are e4m3 and these are their float32 per-row scales
+             `[B, H_kv, N_0]` (keys', then values' unless the values are the keys';
+             heads first, so a parent's children's scales are adjacent for the kernels),
+             `htree_jax.core.quantize`; else `()`. The tree's nodes (layers >= 1) stay in
+             the compute dtype (`compute_dtype`, the dtype of q, k, v).
 
     A NaN or infinity appended at position `p` stays in the tree (SPEC 10): no output
     before `p` reads it (every merge zeroes the values it does not merge, and the node
@@ -71,10 +78,18 @@ class HTreeCache:
     # > 0: no values stored; they are the first `value_dim` unrotated features of the keys
     # (DeepSeek's absorbed form: one latent row per token, read once for both).
     value_dim: int = 0
+    scales: tuple = ()
+    # With FP8 tokens: the name of the dtype the cache computes in (q, k, v and the
+    # tree's nodes); "" where that is the tokens' own dtype.
+    compute_dtype: str = ""
 
     @property
     def values_from_keys(self) -> bool:
         return self.value_dim > 0
+
+    @property
+    def fp8_tokens(self) -> bool:
+        return bool(self.scales)
 
     @property
     def v_dim(self) -> int:
@@ -94,7 +109,8 @@ class HTreeCache:
 
     @property
     def dtype(self):
-        return self.keys[0].dtype
+        """The dtype of q, k, v and of the tree's nodes (the tokens' too unless FP8)."""
+        return np.dtype(self.compute_dtype) if self.compute_dtype else self.keys[0].dtype
 
 
 def _positive_int(name, x) -> int:
@@ -104,12 +120,24 @@ def _positive_int(name, x) -> int:
 
 
 def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_dim: int,
-               config: HTreeConfig | None = None, dtype=jnp.float32, *, values_from_keys: bool = False) -> HTreeCache:
+               config: HTreeConfig | None = None, dtype=jnp.float32, *, values_from_keys: bool = False,
+               token_dtype=None) -> HTreeCache:
     """An empty cache for up to `max_len` tokens (the layers of `config.layer_sizes(max_len)`).
     `values_from_keys=True` (DeepSeek's absorbed form, as `htree_attention(q, k, None,
     value_dim=v_dim)`): no values are stored, they are the first `v_dim` unrotated
     features of each key (`v_dim <= k_dim - config.rope_dim`); `prefill` and
-    `decode_step` then take `v=None`."""
+    `decode_step` then take `v=None`.
+
+    `token_dtype=jnp.float8_e4m3fn`: the tokens' keys and values (layer 0, nearly all of
+    the cache's bytes) are stored in e4m3 with a float32 scale per token and kv head
+    (`htree_jax.core.quantize`), the tree's nodes in `dtype` (16-bit): (K + 4) / 2K of
+    the tokens' bytes. Such a cache decodes what a `dtype` cache of the tokens as read
+    back in `dtype` decodes (the same tree and selections; the kernels scale each
+    token's score and weight in float32 where the reference rounds the token). Against
+    a `dtype` cache of the tokens themselves (e4m3 keeps 3 mantissa bits: each feature
+    within 1/16 of itself): within 0.05 relative RMS of the outputs where every token is
+    attended exactly, within 0.25 where the walk selects, as near ties flip (random
+    normal tokens, `tests/test_fp8_cache.py`). `None`: the tokens in `dtype`."""
     config = check_decode_config(config)
     B = _positive_int("batch_size", batch_size)
     T = _positive_int("max_len", max_len)
@@ -119,19 +147,29 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
     if K % 2:
         raise ValueError(f"k_dim must be even (htree applies rotate-half RoPE), got {K}")
     check_dtype("dtype", np.dtype(dtype))
+    fp8 = token_dtype is not None
+    if fp8 and not is_fp8(token_dtype):
+        raise ValueError(f"token_dtype must be None or jnp.float8_e4m3fn (e4m3 tokens with per-token scales), got "
+                         f"{token_dtype!r}")
+    if fp8 and np.dtype(dtype).itemsize != 2:
+        raise ValueError(f"token_dtype=float8_e4m3fn needs a 16-bit dtype (bfloat16 or float16) for the tree and "
+                         f"the queries, got dtype {np.dtype(dtype).name}")
     if not isinstance(values_from_keys, bool):
         raise TypeError(f"values_from_keys must be a bool, got {type(values_from_keys).__name__}")
     if values_from_keys:
         check_latent_value_dim(V, K, config)
     sizes = config.layer_sizes(T)
-    keys = tuple(jnp.zeros((B, n, H_kv, K), dtype) for n in sizes)
-    values = () if values_from_keys else tuple(jnp.zeros((B, n, H_kv, V), dtype) for n in sizes)
+    layer_dtype = lambda l: FP8 if fp8 and l == 0 else dtype
+    keys = tuple(jnp.zeros((B, n, H_kv, K), layer_dtype(l)) for l, n in enumerate(sizes))
+    values = () if values_from_keys else tuple(jnp.zeros((B, n, H_kv, V), layer_dtype(l)) for l, n in enumerate(sizes))
+    scales = tuple(jnp.zeros((B, H_kv, T), jnp.float32) for _ in range(1 if values_from_keys else 2)) if fp8 else ()
     radii = ()
     if config.selection == "bound":
         config.check_rope_dim(K)
         groups = num_groups(K, config.partial_rope(K))
         radii = tuple(jnp.zeros((B, n, H_kv, groups), jnp.float32) for n in sizes[1:])
-    return HTreeCache(keys, values, jnp.zeros((B,), jnp.int32), radii, V if values_from_keys else 0)
+    return HTreeCache(keys, values, jnp.zeros((B,), jnp.int32), radii, V if values_from_keys else 0, scales,
+                      np.dtype(dtype).name if fp8 else "")
 
 
 def check_cache(cache, config: HTreeConfig) -> None:
@@ -154,6 +192,13 @@ def check_cache(cache, config: HTreeConfig) -> None:
                          "layer, or none with values_from_keys=True)")
     if cache.values_from_keys:  # the config must leave that many unrotated features
         check_latent_value_dim(cache.value_dim, cache.keys[0].shape[-1], config)
+    if cache.fp8_tokens:
+        want = (cache.batch_size, cache.num_kv_heads, cache.max_len)
+        if (len(cache.scales) != (1 if cache.values_from_keys else 2)
+                or any(x.shape != want or np.dtype(x.dtype) != np.float32 for x in cache.scales)
+                or any(not is_fp8(x.dtype) for x in (cache.keys[0],) + cache.values[:1]) or not cache.compute_dtype):
+            raise ValueError(f"cache: its FP8 tokens need float32 scales {list(want)} for the keys (and values) "
+                             "and a compute dtype; make the cache with init_cache(..., token_dtype=jnp.float8_e4m3fn)")
     sizes = config.layer_sizes(cache.max_len)
     got = tuple(k.shape[1] for k in cache.keys)
     if len(cache.radii) != (len(sizes) - 1 if config.selection == "bound" else 0):
@@ -250,10 +295,10 @@ def reset_rows(cache: HTreeCache, rows) -> HTreeCache:
     if rows.shape != (cache.batch_size,) or rows.dtype != jnp.bool_:
         raise ValueError(f"rows must be a bool array of shape [B] = [{cache.batch_size}], got "
                          f"{np.dtype(rows.dtype).name} {list(rows.shape)}")
-    clear = lambda x: jnp.where(rows[:, None, None, None], jnp.zeros((), x.dtype), x)
+    clear = lambda x: jnp.where(rows.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
     return HTreeCache(tuple(map(clear, cache.keys)), tuple(map(clear, cache.values)),
                       jnp.where(rows, 0, cache.lengths).astype(jnp.int32), tuple(map(clear, cache.radii)),
-                      cache.value_dim)
+                      cache.value_dim, tuple(map(clear, cache.scales)), cache.compute_dtype)
 
 
 def _set_rows(layer, index, rows):
@@ -265,24 +310,30 @@ def _set_rows(layer, index, rows):
     return jax.lax.bitcast_convert_type(as_bits(layer).at[index].set(as_bits(rows), mode="drop"), layer.dtype)
 
 
-def _append_row(keys, values, radii, start, k, v, count, r: int, rope_dim):
+def _append_row(keys, values, radii, scales, start, k, v, count, r: int, rope_dim):
     """One row: appends the first `count` of `k [S, H_kv, K]`, `v [S, H_kv, V]` at
     `start` and updates the tree above them (layers `[N_l, H_kv, D]`), and the radii of
     the rewritten nodes where `radii` holds them (SPEC 11: `rho_i = max over the existing
     children of rho_j + ||K_j - K_i||`, from the stored keys, as `core.bounds` computes
-    them for a whole tree). `count = 0` changes nothing (the nodes it rewrites get their
-    own values back)."""
+    them for a whole tree). `scales` (FP8 tokens, `[H_kv, N_0]` each): the tokens are
+    stored quantized, and the nodes above them are those of the tokens as read back
+    in the nodes' dtype (the tree is `build_tree` of those tokens, bit for bit).
+    `count = 0` changes nothing (the nodes it rewrites get their own values back)."""
     S = k.shape[0]
     end = start + count  # tokens after the append
-    keys, values, radii = list(keys), list(values), list(radii)
+    keys, values, radii, scales = list(keys), list(values), list(radii), list(scales)
     s = jnp.arange(S, dtype=jnp.int32)
     positions = jnp.where(s < count, start + s, keys[0].shape[0])  # past the layer: dropped
-    keys[0] = _set_rows(keys[0], positions, k)
-    if values:  # else the values are the keys' latent features (`HTreeCache.value_dim`)
-        values[0] = _set_rows(values[0], positions, v)
+    for i, (layer, rows) in enumerate(((keys, k), (values, v))[:2 if values else 1]):
+        # (no values: they are the keys' latent features, `HTreeCache.value_dim`)
+        if scales:
+            rows, scale = quantize_rows(rows)
+            scales[i] = scales[i].at[:, positions].set(scale.T, mode="drop")  # float32: in place
+        layer[0] = _set_rows(layer[0], positions, rows)
     for l in range(1, len(keys)):
         N_l = keys[l].shape[0]
-        width = min(N_l, (S - 1) // r**l + 2)  # nodes whose children changed, at most
+        # nodes whose children changed, at most: those S positions can meet (one for one token)
+        width = min(N_l, -(-(S - 1) // r**l) + 1)
         first = start // r**l
         nodes = first + jnp.arange(width, dtype=jnp.int32)  # [W]
         existing_below = (end + r ** (l - 1) - 1) // r ** (l - 1)  # children that exist
@@ -291,10 +342,17 @@ def _append_row(keys, values, radii, start, k, v, count, r: int, rope_dim):
         count_children = jnp.sum(exists, axis=1)  # [W]
         reciprocal = jnp.asarray(child_reciprocals(r))[jnp.maximum(count_children, 1) - 1]
         rows_of = lambda layer: layer[jnp.minimum(children, layer.shape[0] - 1)]
+        N0 = keys[0].shape[0]
+
+        def children_of(i, layer):  # [W, r, H, D] float32; FP8 tokens as read back in the nodes' dtype
+            if l == 1 and scales:
+                scale = jnp.moveaxis(scales[i][:, jnp.minimum(children, N0 - 1)], 0, -1)  # [W, r, H]
+                return dequantize_rows(rows_of(layer[0]), scale, layer[1].dtype).astype(jnp.float32)
+            return rows_of(layer[l - 1]).astype(jnp.float32)
+
         stored = {}
-        for name, layer in (("keys", keys), ("values", values))[:2 if values else 1]:
-            rows = rows_of(layer[l - 1]).astype(jnp.float32)
-            rows = jnp.where(exists[:, :, None, None], rows, 0.0)  # [W, r, H, D]
+        for i, (name, layer) in enumerate((("keys", keys), ("values", values))[:2 if values else 1]):
+            rows = jnp.where(exists[:, :, None, None], children_of(i, layer), 0.0)  # [W, r, H, D]
             sums = rows[:, 0]
             for c in range(1, r):
                 sums = sums + rows[:, c]
@@ -305,9 +363,9 @@ def _append_row(keys, values, radii, start, k, v, count, r: int, rope_dim):
             layer[l] = _set_rows(layer[l], nodes, stored[name])
         if radii:
             below = rows_of(radii[l - 2]) if l > 1 else 0.0  # layer 0's radii are 0
-            rho = children_radii(rows_of(keys[l - 1]), below, stored["keys"], exists, rope_dim)
+            rho = children_radii(children_of(0, keys), below, stored["keys"], exists, rope_dim)
             radii[l - 1] = _set_rows(radii[l - 1], nodes, rho)
-    return tuple(keys), tuple(values), tuple(radii)
+    return tuple(keys), tuple(values), tuple(radii), tuple(scales)
 
 
 def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None) -> HTreeCache:
@@ -319,8 +377,10 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None) -
     counts = jnp.full((B,), S, jnp.int32) if counts is None else counts
     append = jax.vmap(functools.partial(_append_row, r=config.compression_rate,
                                         rope_dim=config.partial_rope(k.shape[-1])))
-    keys, values, radii = append(cache.keys, cache.values, cache.radii, cache.lengths, k, v, counts)
-    return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32), radii, cache.value_dim)
+    keys, values, radii, scales = append(cache.keys, cache.values, cache.radii, cache.scales, cache.lengths, k, v,
+                                         counts)
+    return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32), radii, cache.value_dim, scales,
+                      cache.compute_dtype)
 
 
 def check_decode_config(config) -> HTreeConfig:
@@ -353,9 +413,9 @@ def _walk(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
         return partitioned_cache_attention(q, cache.keys, cache.values, cache.radii, positions, config, impl,
-                                           block_sizes, cache.value_dim)
+                                           block_sizes, cache.value_dim, cache.scales)
     return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl, block_sizes,
-                        cache.value_dim)
+                        cache.value_dim, cache.scales)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl", "block_sizes"),

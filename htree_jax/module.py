@@ -95,14 +95,16 @@ class HTreeAttention(nnx.Module):
         self.out = nnx.LinearGeneral((dims.num_heads, dims.head_dim), dims.out_features, axis=(-2, -1),
                                      **linear)
 
-    def init_cache(self, batch_size: int, max_len: int, dtype=None):
+    def init_cache(self, batch_size: int, max_len: int, dtype=None, token_dtype=None):
         """Makes an empty decode cache (`htree_jax.init_cache`) for `batch_size` rows of up
         to `max_len` tokens, in `dtype` (default: the module's `dtype`, else `param_dtype`:
         the projections' dtype). Then `module(x, decode=True)` appends `x [B, S, in_features]`
-        (a prompt, or one token) and attends with it."""
+        (a prompt, or one token) and attends with it. `token_dtype=jnp.float8_e4m3fn`:
+        the tokens stored in e4m3 with per-token scales, about half the bytes (`dtype`
+        16-bit; `htree_jax.init_cache` says what it computes)."""
         dtype = dtype or self.dtype or self.param_dtype
         self.cache = nnx.Cache(init_cache(batch_size, max_len, self.num_kv_heads, self.head_dim,
-                                          self.head_dim, self.config, dtype))
+                                          self.head_dim, self.config, dtype, token_dtype=token_dtype))
 
     def __call__(self, inputs, *, mask=None, decode: bool | None = None, lengths=None, segment_ids=None,
                  max_documents: int | None = None, max_document_len: int | None = None):

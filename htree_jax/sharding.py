@@ -261,18 +261,20 @@ def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_
 
 @functools.lru_cache(maxsize=None)
 def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: int, num_radii: int,
-                            block_sizes=None, value_dim: int = 0):
+                            block_sizes=None, value_dim: int = 0, num_scales: int = 0):
     """A custom-partitioned `backends.attend_cache` over `num_layers` cache layers (and
-    `num_radii` layers of radii): `f(q5, positions, *keys, *values, *radii) -> (o5,
-    *selections)`; `value_dim > 0`: no values (read from the keys)."""
+    `num_radii` layers of radii, `num_scales` FP8 row scales): `f(q5, positions, *keys,
+    *values, *radii, *scales) -> (o5, *selections)`; `value_dim > 0`: no values (read
+    from the keys)."""
     num_values = 0 if value_dim else num_layers
 
     def walk(q5, positions, *layers):
         B, S, H_kv, G, K = q5.shape
         keys, values = layers[:num_layers], layers[num_layers:num_layers + num_values]
-        radii = layers[num_layers + num_values:]
+        radii = layers[num_layers + num_values:len(layers) - num_scales]
+        scales = layers[len(layers) - num_scales:]
         o, selected = attend_cache(q5.reshape(B, S, H_kv * G, K), keys, values, radii, positions, config, impl,
-                                   block_sizes, value_dim)
+                                   block_sizes, value_dim, scales)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
 
     call = custom_partitioning(walk)
@@ -291,23 +293,26 @@ def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: 
 
     def partition(mesh, arg_shapes, result_shape):
         q5, kv, rows = shardings(mesh, arg_shapes)
-        return mesh, walk, (q5,) + (kv,) * num_selections, (q5, rows) + (kv,) * (num_layers + num_values + num_radii)
+        scale = NamedSharding(mesh, P(kv.spec[0], kv.spec[2], None))
+        return (mesh, walk, (q5,) + (kv,) * num_selections,
+                (q5, rows) + (kv,) * (num_layers + num_values + num_radii) + (scale,) * num_scales)
 
     names = [f"n{chr(ord('a') + l)}" for l in range(num_layers)]
     rule = ", ".join(["b s g r k", "b s"] + [f"b {n} g k" for n in names] + [f"b {n} g v" for n in names[:num_values]]
-                     + [f"b {n} g x" for n in names[1:1 + num_radii]])
+                     + [f"b {n} g x" for n in names[1:1 + num_radii]] + ["b g na"] * num_scales)
     rule += " -> " + ", ".join(["b s g r v"] + ["b s g t"] * num_selections)
     call.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
     return call
 
 
 def partitioned_cache_attention(q, keys, values, radii, positions, config, impl: str, block_sizes=None,
-                                value_dim: int = 0):
+                                value_dim: int = 0, scales=()):
     """`backends.attend_cache` through a custom-partitioned call: under `jit` with a cache
     (and queries) sharded along the batch and/or the kv heads, one local walk per shard
-    (`value_dim > 0`: `values` is `()`, read from the keys)."""
+    (`value_dim > 0`: `values` is `()`, read from the keys; `scales`: FP8 tokens' row
+    scales `[B, H_kv, N_0]`, sharded as the layers)."""
     B, S, H, K = q.shape
     H_kv, L = keys[0].shape[2], len(keys)
-    call = _partitioned_cache_call(config, impl, L, L - 1, len(radii), block_sizes, value_dim)
-    o5, *selected = call(q.reshape(B, S, H_kv, H // H_kv, K), positions, *keys, *values, *radii)
+    call = _partitioned_cache_call(config, impl, L, L - 1, len(radii), block_sizes, value_dim, len(scales))
+    o5, *selected = call(q.reshape(B, S, H_kv, H // H_kv, K), positions, *keys, *values, *radii, *scales)
     return o5.reshape(B, S, H, -1), list(selected)

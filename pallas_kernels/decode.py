@@ -232,12 +232,12 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
 
 
 def _walk(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: int, cos, sin, interpret: bool,
-          zero_unmerged: bool = True, qn=None, radii=(), value_dim: int = 0):
+          zero_unmerged: bool = True, qn=None, radii=(), value_dim: int = 0, scales=()):
     """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [B, Q]`
     (each batch row its own), the kernels' statics `sts`. `selection="bound"`: `qn [B,
     Q, H_kv, Gp, n_groups]` the query rows' group norms, `radii` the layers' from layer 1 up (SPEC 11). `value_dim
     > 0`: `values` is `()`, the values the keys' first `value_dim` latent features, read
-    from the key layers. Returns `(o [B, Q, H_kv, Gp, V] in q's dtype, selections)`."""
+    from the key layers. `scales`: FP8 tokens' row scales (the bottom merge's). Returns `(o [B, Q, H_kv, Gp, V] in q's dtype, selections)`."""
     r, L = config.compression_rate, len(keys)
     st = sts.scores
     B, Q, H_kv, gp, _ = q.shape
@@ -267,7 +267,7 @@ def _walk(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: int, co
         if l == 0:
             partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, sts.bottom,
                                            interpret, zero_unmerged, pieces, values_from_keys=bool(value_dim),
-                                           state=state if carried else None)
+                                           state=state if carried else None, scales=scales or None)
             if carried and state is not None:
                 return partials, selections
         else:
@@ -306,7 +306,7 @@ def query_chunk(config: HTreeConfig, B: int, S: int, H_kv: int, gp: int, Mp: int
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "zero_unmerged", "value_dim"))
 def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
                         block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
-                        zero_unmerged: bool = True, radii=(), value_dim: int = 0):
+                        zero_unmerged: bool = True, radii=(), value_dim: int = 0, scales=()):
     """htree attention of queries `q [B, S, H, K]` (un-rotated) at token positions
     `positions [S]`, or `[B, S]` per batch row (int32, may be traced; each row's
     candidates and work from its own positions), over a decode cache's tree: `keys`, `values`
@@ -320,19 +320,24 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     decode step. `selection="bound"` (SPEC 11) needs `radii`, the cache's `[B, N_l, H_kv,
     n_groups]` of layers 1.. (`q` then in `rope_layout` order, as the cache's keys).
     `value_dim > 0`: no `values` (`()`); they are the keys' first `value_dim` latent
-    features, read from the key layers in place (DeepSeek's absorbed form)."""
+    features, read from the key layers in place (DeepSeek's absorbed form). `scales`: FP8
+    tokens (`htree_jax.core.quantize`): layer 0's keys (and values) e4m3, these their
+    float32 row scales `[B, H_kv, N_0]` (keys', then values' unless read from the keys);
+    the bottom merge widens each gathered row to q's dtype (exact) and scales its score
+    and its weight. The statics are those of q's dtype."""
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], value_dim or values[0].shape[-1]
+    itemsize = jnp.dtype(q.dtype).itemsize  # FP8 tokens are widened to it in the kernel
     # Values read from the keys are gathered as a tile of their own (the same rows again):
     # a program holds the same bytes as with a value layer.
-    rows, span = decode_program(config, H // H_kv, K, V, jnp.dtype(keys[0].dtype).itemsize, block_sizes)
+    rows, span = decode_program(config, H // H_kv, K, V, itemsize, block_sizes)
     split = H // (H_kv * rows) if rows < H // H_kv else 1  # virtual kv heads, the cache read in place
     H_kv, G = H_kv * split, H // (H_kv * split)
     gp = next_power_of_two(G, 16)
     C = query_chunk(config, B, S, H_kv, gp, candidate_layout(config, block_sizes)[1], block_sizes)
-    st, Mp = decode_statics(config, keys[0].dtype, K, G, C, B, H_kv, span, block_sizes)
+    st, Mp = decode_statics(config, q.dtype, K, G, C, B, H_kv, span, block_sizes)
     reuse = bool(value_dim) and values_in_key_tiles(cache_value_pieces(V, K, st.latent_half), K, st.latent_half)
-    sts = pipelined(st, K, V, jnp.dtype(keys[0].dtype).itemsize, reuse)
+    sts = pipelined(st, K, V, itemsize, reuse)
     cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base), config.partial_rope(K)))
     num_chunks = -(-S // C)
     per_query = lambda x: pad_axis(pad_axis(x.reshape((B, S, H_kv, G) + x.shape[3:]), 3, gp), 1, num_chunks * C)
@@ -349,7 +354,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
         rows = lambda x: lax.dynamic_slice_in_dim(x, i * C, C, axis=1)
         qn_c = None if qn is None else rows(qn)
         return _walk(rows(q5), rows(padded), keys, values, config, sts, Mp, cos, sin, interpret, zero_unmerged, qn_c,
-                     tuple(radii), value_dim)
+                     tuple(radii), value_dim, tuple(scales))
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, C, H_kv, Gp, V] -> [B, S, H, V]

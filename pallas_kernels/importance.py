@@ -327,20 +327,24 @@ def half_pieces(half: int, latent: int) -> tuple:
     return tuple((a, size, True) for a, size in feature_pieces(half))
 
 
-def cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision, operands):
+def cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: LayerStatic, precision, operands,
+                      k_scale_ref=None):
     """Scores `[Gp, span]` of candidate positions `[p0, p0 + span)` (`p0` a multiple of
     the span), their validity, positions, nodes and the unrotated key tiles as gathered
     (`{start in the row: [span, size]}`, which a merge of values read from the keys folds
     again). Keys are gathered un-rotated; the rotated pieces are rotated here by
     `p - p0`, the query's by `n - 1 - p0`; the unrotated ones (`st.latent_half`) are
-    scored as stored (`stored_dot`)."""
+    scored as stored (`stored_dot`). `k_scale_ref` (FP8 keys, `[N]` float32 row scales):
+    the gathered rows are widened to the query's dtype (exact: every e4m3 value is a
+    bfloat16 and a float16), and each candidate's score is scaled by its row's scale."""
     r, span = st.r, st.span
     half = cos_ref.shape[-1]
     positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
     angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked by the caller
     scores, tiles = None, {}
+    widen = (lambda x, like: x.astype(like.dtype)) if k_scale_ref is not None else (lambda x, like: x)
     for (start, size, rotated), q_lo, q_hi in zip(half_pieces(half, st.latent_half), q_lo, q_hi):
-        k_lo, k_hi = k_ref[nodes, pl.ds(start, size)], k_ref[nodes, pl.ds(half + start, size)]
+        k_lo, k_hi = widen(k_ref[nodes, pl.ds(start, size)], q_lo), widen(k_ref[nodes, pl.ds(half + start, size)], q_hi)
         if not rotated:
             tiles[start], tiles[half + start] = k_lo, k_hi
             piece = stored_dot(q_lo, k_lo, precision, operands) + stored_dot(q_hi, k_hi, precision, operands)
@@ -352,6 +356,8 @@ def cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: L
             r_lo, r_hi = q_lo * c - q_hi * s, q_lo * s + q_hi * c
             piece = score_dot(r_lo, (k_lo,), precision, operands) + score_dot(r_hi, (k_hi,), precision, operands)
         scores = piece if scores is None else scores + piece
+    if k_scale_ref is not None:
+        scores = scores * k_scale_ref[nodes][None, :]
     return st.alpha * scores, valid, positions, nodes, tiles
 
 

@@ -260,25 +260,30 @@ def cache_value_pieces(V: int, K: int | None = None, latent_half: int = 0) -> tu
             + tuple((K // 2 + a, size, first + a) for a, size in feature_pieces(V - first)))
 
 
-def _cache_values(v_ref, nodes, pieces):
-    """The gathered values `[span, V]` as `pieces` (`cache_value_pieces`)."""
-    return [v_ref[nodes, pl.ds(a, size)] for a, size, _ in pieces]
+def _cache_values(v_ref, nodes, pieces, widen_to=None):
+    """The gathered values `[span, V]` as `pieces` (`cache_value_pieces`); `widen_to`: FP8
+    values widened to that dtype (exact)."""
+    tiles = [v_ref[nodes, pl.ds(a, size)] for a, size, _ in pieces]
+    return tiles if widen_to is None else [x.astype(widen_to) for x in tiles]
 
 
-def _cache_fold(carry, scores, values, precision, operands):
-    """`merge.fold_merged` of one block, the values and `U` in pieces."""
+def _cache_fold(carry, scores, values, precision, operands, value_scale=None):
+    """`merge.fold_merged` of one block, the values and `U` in pieces. `value_scale
+    [span]` (FP8 values): each candidate's weight in `U` times its row's scale (the
+    normaliser's weights unscaled)."""
     m, total, acc = carry
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
     decay = jnp.exp(m - m_safe)
     w = jnp.exp(scores - m_safe[:, None])
     total = total * decay + jnp.sum(w, axis=1)
-    acc = tuple(u * decay[:, None] + weighted_values(w, x, precision, operands) for u, x in zip(acc, values))
+    wv = w if value_scale is None else w * value_scale[None, :]
+    acc = tuple(u * decay[:, None] + weighted_values(wv, x, precision, operands) for u, x in zip(acc, values))
     return m_new, total, acc
 
 
 def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: bool, value_pieces: tuple,
-                        values_in_key_tiles: bool = False, carried: bool = False):
+                        values_in_key_tiles: bool = False, carried: bool = False, scale_refs: int = 0):
     """One split's merged candidates folded into a partial state `(m, S, U)`: at the
     bottom every valid candidate, scored here; above it those not kept (`key < tau`),
     from the scores `_cache_scores_kernel` stored (padding rows read as 0). Values as
@@ -288,10 +293,15 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
     MLA shape (H200, B=64: 130.4 us against 240.2 gathering the values again at one).
     `carried` (one split): the running state `(m, S, U)` follows the inputs and the
     fold goes on from it; the outputs are the new state, or at the bottom the output
-    `U / S` in its dtype."""
+    `U / S` in its dtype. `scale_refs` (bottom, FP8 tokens): the inputs end with the
+    keys' row scales `[N]` and, where `2`, the values'; else the values' are the keys'
+    (values read from the keys)."""
     outputs = 1 if carried and bottom else 3
     inputs = len(refs) - outputs - (3 if carried else 0)
     refs, state_refs, out_refs = refs[:inputs], refs[inputs:len(refs) - outputs], refs[len(refs) - outputs:]
+    refs, scale = refs[:len(refs) - scale_refs], refs[len(refs) - scale_refs:]
+    k_scale_ref = scale[0] if scale else None
+    v_scale_ref = scale[-1] if scale else None
     init = None
     if carried:
         m_in, s_in, u_in = state_refs
@@ -319,7 +329,7 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
             # (No `importance.held_query_rows` here: with it the bottom merge of a value
             # layer took 299.9 us at two stages against 165.3 without, H200, MLA B=64.)
             scores, merged, _, nodes, tiles = cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st,
-                                                                precision, operands)
+                                                                precision, operands, k_scale_ref)
         else:
             _, valid, nodes = candidate_nodes(par_ref, p0, span, n, st.r)
             scores = plgpu.load(sc_ref.at[:, pl.ds(j * span, span)], mask=real_rows, other=0.0)
@@ -327,14 +337,16 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
         if values_in_key_tiles:
             values = [tiles[a] for a, _, _ in value_pieces]
         else:
-            values = _cache_values(v_ref, nodes, value_pieces)
+            values = _cache_values(v_ref, nodes, value_pieces, None if v_scale_ref is None else q_ref.dtype)
         if zero_unmerged:
             # A weight of 0 times a NaN value is still NaN (SPEC 10): where a query may
             # precede appended tokens, the values it does not merge are zeroed. Only then:
             # the select puts the tile through registers before the product (H200: +12 us
             # a decode step).
             values = [jnp.where(merged[:, None], x, 0) for x in values]
-        return _cache_fold(carry, jnp.where(merged[None, :], scores, NEG_INF), values, precision, operands)
+        value_scale = None if v_scale_ref is None else v_scale_ref[nodes]
+        return _cache_fold(carry, jnp.where(merged[None, :], scores, NEG_INF), values, precision, operands,
+                           value_scale)
 
     if init is None:
         init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),
@@ -362,7 +374,7 @@ def values_in_key_tiles(value_pieces: tuple, K: int, latent_half: int) -> bool:
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "zero_unmerged", "value_pieces", "values_from_keys"))
 def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, cos, sin, st: LayerStatic,
                         interpret: bool = False, zero_unmerged: bool = True, value_pieces: tuple | None = None,
-                        values_from_keys: bool = False, state=None):
+                        values_from_keys: bool = False, state=None, scales=None):
     """Partial states `(m, S [B, Q, H_kv, splits, Gp], U [..., Gp, V])` of a layer's
     merged candidates. Bottom layer (`keys=None`): `q_or_scores` is the queries
     `[B, Q, H_kv, Gp, K]` and every valid candidate merges; above it, the scores from
@@ -374,8 +386,12 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
     running `(m, S [B, Q, H_kv, Gp], U [..., Gp, V])` the layer folds into in the kernel;
     then the new state is returned, or at the bottom the output `U / S` `[B, Q, H_kv,
     Gp, V]` in the queries' dtype (no partial states, no fold in XLA: H200, the MLA step
-    at B=64 from a cache of keys only, 486.9 -> 467.2 us of kernels)."""
+    at B=64 from a cache of keys only, 486.9 -> 467.2 us of kernels). `scales` (bottom,
+    FP8 tokens): the keys' (and, unless `values_from_keys`, the values') float32 row
+    scales `[B, H_kv, N]`."""
     bottom = keys is None
+    if scales is not None and not bottom:
+        raise ValueError("decode_merge_pallas: FP8 row scales are the bottom layer's (the tokens')")
     B, Q, H_kv, gp = q_or_scores.shape[:4]
     value_pieces = value_pieces or cache_value_pieces(layer_v.shape[-1])
     V, Mp = sum(size for _, size, _ in value_pieces), parents.shape[-1] * st.r
@@ -388,6 +404,11 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
         args = (q_or_scores, parents, n, layer_k, layer_v, cos, sin)
         if reuse:
             in_specs, args = in_specs[:4] + in_specs[5:], args[:4] + args[5:]
+        if scales is not None:
+            scales = tuple(scales[:1] if values_from_keys else scales[:2])
+            per = H_kv // layer_k.shape[2]
+            scale_spec = pl.BlockSpec((None, None, layer_k.shape[1]), lambda b, i, h, s: (b, h // per, 0))
+            in_specs, args = in_specs + [scale_spec] * len(scales), args + scales
     else:
         in_specs = [sp["scores"], sp["parents"], sp["n"], sp["keys"], sp["tau"], sp["v"]]
         args = (q_or_scores, parents, n, keys, tau, layer_v)
@@ -403,7 +424,8 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
             out_specs, out_shape = mat, jax.ShapeDtypeStruct((B, Q, H_kv, gp, V), q_or_scores.dtype)
     out = pl.pallas_call(
         functools.partial(_cache_merge_kernel, st=st, bottom=bottom, zero_unmerged=zero_unmerged,
-                          value_pieces=value_pieces, values_in_key_tiles=reuse, carried=state is not None),
+                          value_pieces=value_pieces, values_in_key_tiles=reuse, carried=state is not None,
+                          scale_refs=0 if scales is None else len(scales)),
         grid=(B, Q, H_kv, splits),
         in_specs=in_specs,
         out_specs=out_specs,

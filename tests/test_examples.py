@@ -112,9 +112,12 @@ def test_generate_decodes_ragged_prompts_as_the_full_model_would():
     spec = importlib.util.spec_from_file_location("generate", SCRIPT.parent / "generate.py")
     generate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generate)
-    result = generate.main(["--prompt-lengths", "3,11,20", "--new-tokens", "6", "--max-len", "64", "--check"])
+    result = generate.main(["--prompt-lengths", "3,11,20", "--new-tokens", "6", "--max-len", "64", "--check",
+                            "--per-step"])
     assert result["tokens"].shape == (3, 6)
     assert result["max_abs_diff"] < 1e-4
+    # the compiled loop and one call per token give the same tokens
+    assert result["per_step_same_tokens"]
 
 
 def test_train_quality_runs_the_grid_and_writes_what_it_draws(tmp_path):
