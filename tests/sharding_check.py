@@ -108,21 +108,26 @@ def decode_check(backends) -> None:
 
     def shard_cache(cache):
         layer = NamedSharding(mesh, P("data", None, "model", None))
-        return jax.tree.map(lambda x: jax.device_put(x, layer if x.ndim == 4 else NamedSharding(mesh, P("data"))),
-                            cache)
+        scales = NamedSharding(mesh, P("data", "model", None))  # FP8 tokens' [B, H_kv, N_0]
+        rows = NamedSharding(mesh, P("data"))
+        return jax.tree.map(lambda x: jax.device_put(x, {4: layer, 3: scales}.get(x.ndim, rows)), cache)
 
     # selection="bound" (SPEC 11): the cache's radii shard like its layers.
     # A cache that reads its values from the keys (no value layers; rope_dim 16 leaves 16
     # latent features, under the kernels' least V): the partitioning, on the reference.
-    runs = [(impl, CONFIG, "", False) for impl in backends]
-    runs += [(impl, dataclasses.replace(CONFIG, selection="bound"), " (bound)", False) for impl in backends]
-    runs += [("reference", dataclasses.replace(CONFIG, rope_dim=K // 2), " (values from the keys)", True)]
-    for impl, config, label, from_keys in runs:
+    # FP8 tokens (bf16 queries and nodes): the scales shard like the layers.
+    runs = [(impl, CONFIG, "", False, None) for impl in backends]
+    runs += [(impl, dataclasses.replace(CONFIG, selection="bound"), " (bound)", False, None) for impl in backends]
+    runs += [("reference", dataclasses.replace(CONFIG, rope_dim=K // 2), " (values from the keys)", True, None)]
+    runs += [(impl, CONFIG, " (fp8 tokens)", False, jnp.float8_e4m3fn) for impl in backends]
+    for impl, config, label, from_keys, token_dtype in runs:
         outs = {}
+        dtype = jnp.float32 if token_dtype is None else jnp.bfloat16
         for sharded in (False, True):
-            cache = init_cache(B, max_len, H_KV, K, K // 2 if from_keys else V, config, jnp.float32,
-                               values_from_keys=from_keys)
-            put = (lambda x, s: jax.device_put(x, s)) if sharded else (lambda x, s: jnp.asarray(x))
+            cache = init_cache(B, max_len, H_KV, K, K // 2 if from_keys else V, config, dtype,
+                               values_from_keys=from_keys, token_dtype=token_dtype)
+            put = ((lambda x, s: jax.device_put(jnp.asarray(x, dtype), s)) if sharded
+                   else (lambda x, s: jnp.asarray(x, dtype)))
             if sharded:
                 cache = shard_cache(cache)
             pre = jax.jit(lambda q, k, v, c, n: prefill(q, k, v, c, config, lengths=n, backend=impl))
