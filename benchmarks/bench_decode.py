@@ -355,9 +355,9 @@ def main(argv=None) -> int:
                 if args.fp8:
                     h_ms.append(htree_case(B, ctx, config, args.steps, args.repeats, "pallas", token_dtype=FP8))
                     bf16, fp8 = (cache_bytes(B, ctx, config, t) for t in (None, FP8))
+                    ratio = h_ms[-1] / h_ms[backends.index("pallas")] if "pallas" in backends else float("nan")
                     print(f"B={B} ctx={ctx} top_k={top_k}: cache bytes bf16 {bf16 / 2**30:.2f} GiB, fp8 tokens "
-                          f"{fp8 / 2**30:.2f} GiB ({fp8 / bf16:.3f}); fp8 step / bf16 step "
-                          f"{h_ms[-1] / h_ms[backends.index('pallas')]:.3f}" if "pallas" in backends else "", flush=True)
+                          f"{fp8 / 2**30:.2f} GiB ({fp8 / bf16:.3f}); fp8 step / bf16 step {ratio:.3f}", flush=True)
                 lines.append(f"| {ctx} | {B} | {top_k} | {selection} | {', '.join(map(str, config.layer_sizes(ctx)))} | "
                              + " | ".join(f"{x:.3f}" for x in h_ms) + f" | {d_ms:.3f} | {impl} | "
                              + " | ".join(f"{d_ms / x:.2f}" for x in h_ms)

@@ -187,19 +187,28 @@ STAGED_BYTES = 160 * 1024
 
 
 def pipelined(st: LayerStatic, K: int, V: int, itemsize: int, values_in_keys: bool) -> WalkStatics:
-    """Two pipeline stages for the wide kernels of 16-bit caches (`G > 16`) where two
-    steps' gathered tiles take at most `STAGED_BYTES`, else one (the GQA kernels and
-    float32 keep one, as measured before). The bottom merge gathers keys and, unless
-    the values are its key tiles (`merge.values_in_key_tiles`), values: its span halves
+    """Two pipeline stages for the kernels of 16-bit caches where two steps' gathered
+    tiles take at most `STAGED_BYTES`, else one (float32 keeps one).
+
+    Wide (`G > 16`): all three kernels; the bottom merge gathers keys and, unless the
+    values are its key tiles (`merge.values_in_key_tiles`), values: its span halves
     (not below 16 or r) until two steps fit. H200, the MLA step at B=64 (128 programs
     of 1024 candidates), one stage -> two, each pair in one run: layer-1 scores 131.8 ->
     115.1 us, selecting merge 68.4 -> 57.8, bottom merge with values from the keys
     (folding its key tiles) 240.2 -> 130.4, with a value layer (span 64 -> 32) 216.4 ->
-    167.4 (RESULTS, 2026-11-25 (8))."""
-    if st.group <= KERNEL_GROUP or itemsize > 2:
+    167.4 (RESULTS, 2026-11-25 (8)).
+
+    GQA (`G <= 16`): the two merges, at their span (the scores kernel keeps one stage:
+    at two, B=64 took 1.531 ms a step against 1.310). H200, `decode_step` at 128K, K = V
+    = 128, one stage -> two merges: B=64 top_k=512 1.502 -> 1.310 ms, B=8 top_k=512
+    0.261 -> 0.239, B=8 top_k=64 0.134 -> 0.133 (RESULTS, 2026-11-26 (3))."""
+    if itemsize > 2:
         return WalkStatics(st, st, st)
     fits = lambda span, features: 2 * span * features * itemsize <= STAGED_BYTES
     two = lambda x, span: dataclasses.replace(x, num_stages=2, span=span)
+    if st.group <= KERNEL_GROUP:
+        merge = two(st, st.span) if fits(st.span, V) else st
+        return WalkStatics(st, merge, two(st, st.span) if fits(st.span, K + V) else st)
     scores = two(st, st.span) if fits(st.span, K) else st
     merge = two(st, st.span) if fits(st.span, V) else st
     per_candidate = K if values_in_keys else K + V
@@ -237,7 +246,8 @@ def _walk(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: int, co
     (each batch row its own), the kernels' statics `sts`. `selection="bound"`: `qn [B,
     Q, H_kv, Gp, n_groups]` the query rows' group norms, `radii` the layers' from layer 1 up (SPEC 11). `value_dim
     > 0`: `values` is `()`, the values the keys' first `value_dim` latent features, read
-    from the key layers. `scales`: FP8 tokens' row scales (the bottom merge's). Returns `(o [B, Q, H_kv, Gp, V] in q's dtype, selections)`."""
+    from the key layers. `scales`: FP8 tokens' row scales (the bottom merge's). Returns
+    `(o [B, Q, H_kv, Gp, V] in q's dtype, selections)`."""
     r, L = config.compression_rate, len(keys)
     st = sts.scores
     B, Q, H_kv, gp, _ = q.shape

@@ -174,9 +174,10 @@ def test_values_in_key_tiles():
     assert not values_in_key_tiles(cache_value_pieces(64), 96, 0)  # no latent part: a value layer
 
 
-def test_pipeline_stages_of_the_wide_decode():
-    """Two stages where two steps' gathered tiles take at most STAGED_BYTES (16-bit,
-    G > 16), the bottom merge's span halved for a value layer; else one stage."""
+def test_pipeline_stages_of_the_decode():
+    """Two stages where two steps' gathered tiles take at most STAGED_BYTES (16-bit):
+    G > 16 every kernel, the bottom merge's span halved for a value layer; G <= 16 the
+    merges at their span, the scores at one; float32 one stage."""
     st = LayerStatic(r=16, tile=1024, group=64, alpha=1.0, importance="softmax", strict_causal=True, log_n=10,
                      top_k=64, precision=None, span=64, num_stages=1, latent_half=256)
     own, keys = pipelined(st, 576, 512, 2, False), pipelined(st, 576, 512, 2, True)
@@ -184,9 +185,13 @@ def test_pipeline_stages_of_the_wide_decode():
     assert (own.bottom.num_stages, own.bottom.span) == (2, 32)  # 2 * 64 * 1088 * 2 B > STAGED_BYTES
     assert (keys.bottom.num_stages, keys.bottom.span) == (2, 64)
     assert 2 * 64 * 1088 * 2 > STAGED_BYTES >= 2 * 64 * 576 * 2
-    for one in (st, dataclasses.replace(st, group=16)):  # float32; a GQA group
-        x = pipelined(one, 576, 512, 4 if one is st else 2, True)
-        assert x.scores == x.merge == x.bottom == one
+    x = pipelined(st, 576, 512, 4, True)  # float32
+    assert x.scores == x.merge == x.bottom == st
+    gqa = dataclasses.replace(st, group=16)
+    x = pipelined(gqa, 128, 128, 2, False)
+    assert (x.scores, x.merge.num_stages, x.bottom.num_stages, x.bottom.span) == (gqa, 2, 2, 64)
+    x = pipelined(gqa, 576, 512, 2, False)  # the bottom's keys and values do not fit twice: one stage
+    assert (x.scores, x.merge.num_stages, x.bottom) == (gqa, 2, gqa)
 
 
 @pytest.mark.parametrize("split, importance", [(1, "softmax"), (2, "shared_max"), (4, "softmax")])
