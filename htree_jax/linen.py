@@ -42,6 +42,9 @@ class HTreeAttention(nn.Module):
     backend: str = "auto"
     block_sizes: Any = None
     decode: bool = False
+    # The decode cache's tokens: None (the inputs' dtype) or jnp.float8_e4m3fn (e4m3 with
+    # per-token scales, 16-bit inputs; `htree_jax.init_cache(..., token_dtype=)`).
+    cache_token_dtype: Any = None
 
     def _checked(self):
         dims = module_dims(self.num_heads, self.in_features, self.num_kv_heads, self.head_dim,
@@ -87,7 +90,8 @@ class HTreeAttention(nn.Module):
             initialized = self.has_variable("cache", "tree")
             B, S = inputs.shape[:2]
             tree = self.variable("cache", "tree", lambda: init_cache(
-                B, S, dims.num_kv_heads, dims.head_dim, dims.head_dim, config, k.dtype))
+                B, S, dims.num_kv_heads, dims.head_dim, dims.head_dim, config, k.dtype,
+                token_dtype=self.cache_token_dtype))
             if initialized:
                 o, tree.value = prefill(q, k, v, tree.value, config, lengths=lengths, backend=self.backend)
                 return out(o)

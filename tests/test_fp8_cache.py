@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from htree_jax import HTreeAttention, HTreeConfig, build_tree, htree_attention
+from htree_jax import linen as htree_linen
 from htree_jax.core.quantize import FP8, dequantize_rows, quantize_rows
 from htree_jax.decode import decode_step, init_cache, prefill, reset_rows
 from tests.conftest import random_qkv
@@ -175,4 +176,24 @@ def test_module_with_an_fp8_cache(rng):
         ys = [y] + [m(x[:, t:t + 1], decode=True) for t in range(30, 40)]
         outs.append(np.asarray(jnp.concatenate(ys, axis=1), np.float32))
     assert m.cache.get_value().keys[0].dtype == FP8
+    assert relative_rms(outs[1], outs[0]) <= 0.25
+
+
+def test_linen_module_with_an_fp8_cache(rng):
+    """The linen twin's `cache_token_dtype`: its `cache` collection holds FP8 tokens, and
+    its decoding stays within the stated tolerance of its bf16 cache (same weights)."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    x = jnp.asarray(rng.standard_normal((2, 40, 32)), DTYPE)
+    outs = []
+    for token_dtype in (None, FP8):
+        twin = htree_linen.HTreeAttention(4, 32, num_kv_heads=2, head_dim=16, config=config, dtype=DTYPE,
+                                          cache_token_dtype=token_dtype)
+        variables = twin.init(jax.random.key(0), jnp.zeros((2, 64, 32), DTYPE), decode=True)
+        params, cache = {"params": variables["params"]}, {"cache": variables["cache"]}
+        ys = []
+        for chunk in (x[:, :30],) + tuple(x[:, t:t + 1] for t in range(30, 40)):
+            y, cache = twin.apply({**params, **cache}, chunk, decode=True, mutable=["cache"])
+            ys.append(y)
+        outs.append(np.asarray(jnp.concatenate(ys, axis=1), np.float32))
+        assert cache["cache"]["tree"].keys[0].dtype == (token_dtype or DTYPE)
     assert relative_rms(outs[1], outs[0]) <= 0.25
