@@ -342,11 +342,10 @@ def _append_row(keys, values, radii, scales, start, k, v, count, r: int, rope_di
         count_children = jnp.sum(exists, axis=1)  # [W]
         reciprocal = jnp.asarray(child_reciprocals(r))[jnp.maximum(count_children, 1) - 1]
         rows_of = lambda layer: layer[jnp.minimum(children, layer.shape[0] - 1)]
-        N0 = keys[0].shape[0]
 
         def children_of(i, layer):  # [W, r, H, D] float32; FP8 tokens as read back in the nodes' dtype
             if l == 1 and scales:
-                scale = jnp.moveaxis(scales[i][:, jnp.minimum(children, N0 - 1)], 0, -1)  # [W, r, H]
+                scale = jnp.moveaxis(scales[i][:, jnp.minimum(children, scales[i].shape[1] - 1)], 0, -1)  # [W, r, H]
                 return dequantize_rows(rows_of(layer[0]), scale, layer[1].dtype).astype(jnp.float32)
             return rows_of(layer[l - 1]).astype(jnp.float32)
 
