@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax import DecodeBlockSizes, HTreeCache, HTreeConfig, build_tree, decode_step
+from htree_jax import DecodeBlockSizes, HTreeCache, HTreeConfig, build_tree, decode_step, init_cache
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.core.bounds import tree_radii
 from htree_jax.core.quantize import FP8, quantize_rows
@@ -126,8 +126,6 @@ def htree_case(B, ctx, config, steps, repeats, backend, spread=False, dims=None,
 
 def cache_bytes(B, ctx, config, token_dtype) -> int:
     """The bytes of an empty `init_cache` of the GQA shape (no buffers made)."""
-    from htree_jax import init_cache
-
     shapes = jax.eval_shape(lambda: init_cache(B, ctx, H_KV, K, V, config, DTYPE, token_dtype=token_dtype))
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
 
