@@ -24,8 +24,8 @@ A decode step has few queries (`B * H_kv` of them, 4 at `B = 1`), so each query'
 candidate buffer is split over `splits` programs (grid `(B, Q, H_kv, splits)`), as
 flash-decoding splits the keys, and the per-split partial results are combined in XLA
 (with one split, the wide merges fold into the running state themselves, the bottom one
-writing the output). The wide kernels of 16-bit caches run two pipeline stages where
-they fit (`pipelined`):
+writing the output). The kernels of 16-bit caches run two pipeline stages where they
+fit (`pipelined`: all three of the wide ones, the two merges of GQA's):
 
   per layer that selects (top down):
     `decode_scores_pallas` scores of the split's candidates, stored, and the split's
@@ -41,7 +41,8 @@ they fit (`pipelined`):
                        folded into a partial softmax state (m, S, U)
   bottom layer: `decode_merge_pallas` scoring its keys, every valid candidate merged
                        (values read from the keys: its key tiles are the values where
-                       they can be, `merge.values_in_key_tiles`);
+                       they can be, `merge.values_in_key_tiles`; FP8 tokens: each
+                       gathered row widened, its score and weight times its scale);
   the partial states fold into the running one in XLA, and the output is U / S.
 
 Layouts (the wrapper pads heads and candidates):
@@ -49,6 +50,7 @@ Layouts (the wrapper pads heads and candidates):
   parents  `[B, Q, H_kv, Mp / r]` int32 ascending, `-1` padded
   n        `[B, Q, H_kv, 1]` int32 valid candidates (SPEC 2.1)
   layer    keys `[B, N, H_kv, K]`, values `[B, N, H_kv, V]` (the cache's, any N)
+  scales   `[B, H_kv, N_0]` float32, FP8 tokens' row scales (layer 0 in e4m3)
   cos, sin `[Mp, K/2]` float32  RoPE at `0 .. Mp - 1` (exactly rounded)
   scores   `[B, Q, H_kv, Gp, Mp]` float32 (real heads' rows of valid spans written)
   partial  m, S `[B, Q, H_kv, splits, Gp]`, U `[B, Q, H_kv, splits, Gp, V]` float32
