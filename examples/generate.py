@@ -46,6 +46,15 @@ def decode_logits(model: TinyLM, tokens, lengths=None):
     return model.head(model.norm(x))
 
 
+def greedy_step(graphdef, state, token):
+    """One greedy decode step of the model `nnx.merge(graphdef, state)` from `token [B]`
+    (each row's newest, not yet in the caches): `(state, next token [B], logits [B,
+    vocab])`. Traced inside the compiled loop and the per-call step alike."""
+    model = nnx.merge(graphdef, state)
+    logits = decode_logits(model, token[:, None])[:, 0]
+    return nnx.state(model), jnp.argmax(logits, -1).astype(jnp.int32), logits
+
+
 def make_generate(graphdef):
     """`generate(state, token [B], num_steps) -> (state, tokens [B, num_steps], logits [B,
     num_steps, vocab])`: `num_steps` greedy decode steps of the model `nnx.merge(graphdef,
@@ -55,11 +64,8 @@ def make_generate(graphdef):
     @functools.partial(jax.jit, static_argnames="num_steps", donate_argnums=0)
     def generate(state, token, num_steps: int):
         def step(carry, _):
-            state, token = carry
-            model = nnx.merge(graphdef, state)
-            logits = decode_logits(model, token[:, None])[:, 0]
-            following = jnp.argmax(logits, -1).astype(jnp.int32)
-            return (nnx.state(model), following), (following, logits)
+            state, following, logits = greedy_step(graphdef, *carry)
+            return (state, following), (following, logits)
 
         (state, _), (tokens, logits) = jax.lax.scan(step, (state, token), None, length=num_steps)
         return state, tokens.T, jnp.swapaxes(logits, 0, 1)
@@ -90,9 +96,7 @@ def per_step(graphdef, prefill, initial, prompts, lengths, steps: int, want) -> 
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state, token):
-        model = nnx.merge(graphdef, state)
-        logits = decode_logits(model, token[:, None])[:, 0]
-        return nnx.state(model), jnp.argmax(logits, -1).astype(jnp.int32)
+        return greedy_step(graphdef, state, token)[:2]
 
     state, _, token = prefill(initial, jnp.asarray(prompts), jnp.asarray(lengths))
     generated = [token]

@@ -20,8 +20,8 @@ from htree_jax.decode import decode_step, init_cache, prefill, reset_rows
 from tests.conftest import random_qkv
 
 DTYPE = jnp.bfloat16
-ON_GPU = [pytest.param("pallas", selection, marks=[pytest.mark.gpu, pytest.mark.skipif(
-    jax.default_backend() != "gpu", reason="needs a CUDA GPU")]) for selection in ("mean", "bound")]
+GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
+ON_GPU = [pytest.param("pallas", selection, marks=GPU) for selection in ("mean", "bound")]
 
 
 def read_back(x):
@@ -110,9 +110,6 @@ def test_fp8_cache_within_the_stated_tolerance_of_the_bf16_cache(rng, backend):
             o, _ = prefill(q, k, v, cache, config, backend=backend)
             outs.append(np.asarray(o, np.float32))
         assert relative_rms(outs[1], outs[0]) <= bound, (config.top_k, relative_rms(outs[1], outs[0]))
-
-
-GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("backend, G, V", [("pallas_interpret", 8, 32), ("pallas_interpret", 32, 64),
