@@ -30,11 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from htree_jax.core.bounds import group_norms, tree_radii
+from htree_jax.core.bounds import group_count, group_norms, tree_radii
 from htree_jax.core.config import FORCED_IMPORTANCE, HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, pack_importance, top_layer_parents
 from htree_jax.core.packing import build_packed_tree, layer_exists, tokens_to_virtual, virtual_exists
 from htree_jax.core.rope import apply_rope
+from pallas_kernels import shared_memory
 from pallas_kernels.common import (
     MAX_HEAD_DIM,
     MAX_VALUE_DIM,
@@ -174,19 +175,40 @@ TUNED = {
 }
 
 
-def top_pipeline(block_sizes: BlockSizes, precisions: Precisions, kp: int, vp: int) -> tuple:
-    """`(merge stages, importance tile, importance stages)` of the top layer for padded
-    head dims `kp, vp`, as compiled on an H200: the block sizes' for heads up to 128
-    features (float32 operands, twice the bytes: 2 merge stages and an importance tile of
-    64); wider heads one stage each (pipelined, their tiles overflowed shared memory at
-    K=192: 264192 bytes asked, 232448 there)."""
-    tile = next_power_of_two(block_sizes.top_keys_tile, 16)
+def top_pipeline(block_sizes: BlockSizes, precisions: Precisions, kp: int, vp: int, G: int, Mp: int,
+                 bound_width: int = 0) -> tuple:
+    """`(merge stages, (importance queries per program, tile, stages))` of the top layer
+    for padded head dims `kp, vp`, `G` heads per kv head and `bound_width` feature
+    groups of `selection="bound"` (0 without). The merge: the block sizes' stages for
+    heads up to 128 features (float32 operands at most 2), one stage past them (K=192
+    asked 264192 bytes of 232448 on an H200). The importance kernel: the first of
+    `top_importance_candidates` that fits shared memory (`shared_memory.top_importance`)."""
+    stages = block_sizes.top_num_stages if precisions.merge_operands else min(block_sizes.top_num_stages, 2)
     if kp > 128 or vp > 128:
-        return 1, min(tile, 64), 1
+        stages = 1
+    gt = next_power_of_two(G)
+    footprint = lambda c: shared_memory.top_importance(c[0] * gt, c[0], c[1], kp, bound_width, precisions.scores,
+                                                       precisions.importance_operands)
+    return stages, shared_memory.first_fitting(top_importance_candidates(block_sizes, precisions, gt, Mp), footprint)
+
+
+def top_importance_candidates(block_sizes: BlockSizes, precisions: Precisions, gt: int, Mp: int) -> list:
+    """`(queries per program, tile, stages)` of the top layer's importance kernel, fastest
+    first: the block sizes' (float32 operands at most 64 candidates a step, the H200
+    sweep's), then 64 candidates in two stages (the bound's setting before 2026-11-26:
+    41.9 ms at T=32768, H100), one stage, smaller tiles, then half and a quarter of the
+    query rows (wide heads with the bound)."""
+    bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
+    tile = next_power_of_two(block_sizes.top_keys_tile, 16)
     if precisions.importance_operands is None:
         tile = min(tile, 64)
-    stages = block_sizes.top_num_stages if precisions.merge_operands else min(block_sizes.top_num_stages, 2)
-    return stages, tile, block_sizes.top_keys_stages
+    out = []
+    for queries in (bq, max(1, bq // 2, 16 // gt), max(1, bq // 4, 16 // gt)):
+        for t, s in ((tile, block_sizes.top_keys_stages), (64, 2), (tile, 1), (64, 1), (32, 1), (16, 1)):
+            c = (queries, min(t, tile, Mp), s)
+            if c not in out:
+                out.append(c)
+    return out
 
 
 def group_rows(G: int, block_sizes: BlockSizes) -> int:
@@ -337,10 +359,17 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     gt = next_power_of_two(G)
     bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
     top_tile = min(next_power_of_two(block_sizes.top_tile, 16), Mp)
-    merge_stages, keys_tile, keys_stages = top_pipeline(block_sizes, precisions, kp, vp)
+    bound_width = 0
+    if config.selection == "bound":
+        R = config.partial_rope(K) or K
+        bound_rope = kp - (K - R)
+        bound_width = next_power_of_two(group_count(kp, bound_rope), 16)
+    merge_stages, (keys_queries, keys_tile, keys_stages) = top_pipeline(block_sizes, precisions, kp, vp, G, Mp,
+                                                                        bound_width)
     st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps,
                                  num_stages=merge_stages)
-    st_top_keys = dataclasses.replace(st_top, tile=min(keys_tile, Mp), num_stages=keys_stages)
+    st_top_keys = dataclasses.replace(st_top, block_queries=min(bq, keys_queries), tile=keys_tile,
+                                      num_stages=keys_stages)
     # The top layer's nodes padded to a multiple of both kernels' tiles (powers of two).
     top_pad = max(top_tile, st_top_keys.tile)
     extra = 0 if packing is None else top_pad  # packed: tiles start at a document's first node
@@ -366,7 +395,7 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         lower.append((key_operands(phases, *imp_spec) if l > 0 else None,
                       key_operands(phases, *merge_spec) if l == 0 or for_backward else None, vl))
     radii = top_radii = None
-    bound_rope = bound_width = 0
+    bound_rope = 0
     if config.selection == "bound":
         # The radii of the stored layers, in the kernels' layout: each RoPE half padded,
         # the padding pairs being rotated groups of norm 0.
@@ -374,7 +403,6 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         bound_rope = kp - (K - R)
         exists = None if packing is None else layer_exists(virtual_exists(packing), num_layers, r)
         rho = tree_radii([jnp.swapaxes(kl, 1, 2) for kl, _ in layers], r, bound_rope, exists)
-        bound_width = next_power_of_two(rho[0].shape[-1], 16)
         rho = [pad_axis(jnp.swapaxes(x, 1, 2), -1, bound_width) for x in rho]  # [B, H_kv, N_l, width]
         radii = [key_operands(x, *imp_spec) if l > 0 else None for l, x in enumerate(rho[:-1])]
         top_radii = key_operands(pad_axis(rho[-1], 2, top_rotated.shape[2]), *imp_spec, split=False)

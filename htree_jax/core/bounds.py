@@ -21,6 +21,13 @@ def num_groups(head_dim: int, rope_dim: int | None) -> int:
     return head_dim - R + R // 2
 
 
+def group_count(K: int, rope_dim: int | None) -> int:
+    """How many feature groups `group_norms` gives for `K` features: each unrotated
+    feature alone, each rotated pair together."""
+    unrotated = (K - (K if rope_dim is None else rope_dim)) // 2
+    return K // 2 + unrotated
+
+
 def group_norms(x, rope_dim: int | None):
     """The L2 norm of each feature group of `x [..., K]` (`rope_layout` order), float32
     `[..., n_groups]`."""
