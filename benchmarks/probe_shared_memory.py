@@ -11,6 +11,7 @@ is checked against (`tests/test_shared_memory.py`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -60,6 +61,8 @@ def attempt(fn, seen):
 
 
 def grid(only_failing=False):
+    """The probe's cases; `only_failing`: those that overflowed at `c9ea24a`, and the
+    latent-attention shapes."""
     if only_failing:
         for G, K, V, rope, dtype, sel in [(8, 128, 128, None, "bfloat16", "bound"), (8, 96, 96, 32, "bfloat16", "bound"),
                                           (8, 192, 128, None, "bfloat16", "bound"), (8, 192, 128, None, "float32", "bound"),
@@ -104,7 +107,6 @@ def main():
                    for h, d in ((H, c["K"]), (H_kv, c["K"]), (H_kv, c["V"])))
         bs = BlockSizes.for_dims(c["K"], c["V"])
         if overrides:
-            import dataclasses
             bs = dataclasses.replace(bs, **overrides)
         loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend="pallas",
                                                        block_sizes=bs).astype(jnp.float32))
