@@ -359,10 +359,12 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     gt = next_power_of_two(G)
     bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
     top_tile = min(next_power_of_two(block_sizes.top_tile, 16), Mp)
-    bound_width = 0
+    # `selection="bound"`: the radii's groups in the kernels' layout, each RoPE half
+    # padded (the padding pairs rotated groups of norm 0); their count, padded, is what
+    # the importance dots read per node (0 without the bound).
+    bound_rope = bound_width = 0
     if config.selection == "bound":
-        R = config.partial_rope(K) or K
-        bound_rope = kp - (K - R)
+        bound_rope = kp - (K - (config.partial_rope(K) or K))
         bound_width = next_power_of_two(group_count(kp, bound_rope), 16)
     merge_stages, (keys_queries, keys_tile, keys_stages) = top_pipeline(block_sizes, precisions, kp, vp, G, Mp,
                                                                         bound_width)
@@ -395,12 +397,7 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         lower.append((key_operands(phases, *imp_spec) if l > 0 else None,
                       key_operands(phases, *merge_spec) if l == 0 or for_backward else None, vl))
     radii = top_radii = None
-    bound_rope = 0
-    if config.selection == "bound":
-        # The radii of the stored layers, in the kernels' layout: each RoPE half padded,
-        # the padding pairs being rotated groups of norm 0.
-        R = config.partial_rope(K) or K
-        bound_rope = kp - (K - R)
+    if config.selection == "bound":  # the radii of the stored layers, in the kernels' layout
         exists = None if packing is None else layer_exists(virtual_exists(packing), num_layers, r)
         rho = tree_radii([jnp.swapaxes(kl, 1, 2) for kl, _ in layers], r, bound_rope, exists)
         rho = [pad_axis(jnp.swapaxes(x, 1, 2), -1, bound_width) for x in rho]  # [B, H_kv, N_l, width]
