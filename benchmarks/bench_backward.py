@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--cotangent", default="weights", choices=["weights", "bf16"],
                    help="weights: grad of sum(o * w), w float32; bf16: vjp with a bfloat16 cotangent argument")
     p.add_argument("--no-dense", action="store_true", help="htree only (e.g. T=1M, where dense takes a minute)")
-    p.add_argument("--rules", default="mean", help="HTreeConfig.selection rules, comma-separated (mean, bound)")
+    p.add_argument("--rules", default="bound", help="HTreeConfig.selection rules, comma-separated (bound, mean)")
     p.add_argument("--kernels", action="store_true",
                    help="also each kernel's device time in the htree call (a profiler trace; htree_jax.kernel_trace)")
     p.add_argument("--selections", action="store_true",

@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--top-k", default="512,64")
     p.add_argument("--backends", default="pallas,reference")
-    p.add_argument("--selections", default="mean", help="HTreeConfig.selection rules, comma-separated")
+    p.add_argument("--selections", default="bound", help="HTreeConfig.selection rules, comma-separated")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-module", action="store_true", help="skip the HTreeAttention(decode=True) column")

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="4096,32768")
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--selection", default="mean", choices=("mean", "bound"), help="HTreeConfig.selection")
+    p.add_argument("--selection", default="bound", choices=("mean", "bound"), help="HTreeConfig.selection")
     args = p.parse_args(argv)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}")
     ok = True

@@ -15,24 +15,40 @@ decode steps, against the float32 JAX reference with exact dots:
 - decode steps against the full-sequence call.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
 rules and both `top_k` (forward and fwd+bwd compiled and run, outputs finite).
+Every case also reads, from XLA's thunk dump, the shared memory each of its kernels
+took: the table gives the largest (and its margin to the 232448 B a program may take is
+what RESULTS quotes), and, on the GQA kernels, the model's bytes of the top layer's
+importance launch (`pallas_kernels/shared_memory.py`) beside the compiler's: a case
+fails if its launch was not predicted to fit, or the compiler took more than the model
+counted.
 Prints one table and a last line `gpu gate: N/N cases pass`; exits non-zero on a failure.
-On an H100 a case takes 17-30 s, most of it compiling (63 s for latent attention's), so
-the 28 cases take about 11 minutes: past one device command's 10, run it in two
-(`--only "mean"`, `--only "bound"`), each with its own last line.
+The small cases run in `--workers` processes at once (compiling is most of a case's
+time: 17-30 s each, 63 s for latent attention's, on an H100); the benchmark shape runs
+after them, alone.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
+import glob
 import json
+import multiprocessing
+import os
 import re
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from benchmarks.probe_shared_memory import dumped_kernels
+from htree_jax import BlockSizes, HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from pallas_kernels.common import KERNEL_GROUP, wide_head_dims
+from pallas_kernels.plan import top_importance_launch
+from pallas_kernels.shared_memory import LIMIT
 
 TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 2e-2}
 AGREE = 0.99
@@ -46,18 +62,22 @@ WIDE_SHAPES = [(64, 576, 512, 64)]
 
 
 def matrix(full: bool):
-    """Every shape class with each rule in bfloat16; float32 on K=64 and K=128 and
-    float16 on K=128 with each rule (`--full`: float32 and float16 on every GQA shape
-    class; about 15 s a case on an H100, so past the gate's 8 minutes)."""
+    """`(shape, dtype, rule, packed)`: every shape class with each rule in bfloat16;
+    float32 on K=64, 128 and 256 (float32 past 128 features takes one pipeline stage in
+    the backward) and float16 on K=128 with each rule; latent attention packed (two
+    documents: the GQA kernels on virtual heads of 16 at K=576) with each rule
+    (`--full`: float32 and float16 on every GQA shape class; about 15 s a case more)."""
     for sel in ("mean", "bound"):
         for shape in GQA_SHAPES + WIDE_SHAPES:
-            yield shape, "bfloat16", sel
+            yield shape, "bfloat16", sel, False
         for shape in GQA_SHAPES:
-            if full or shape in ((4, 64, 64, None), (8, 128, 128, None)):
-                yield shape, "float32", sel
+            if full or shape in ((4, 64, 64, None), (8, 128, 128, None), (8, 256, 256, None)):
+                yield shape, "float32", sel, False
         for shape in GQA_SHAPES:
             if full or shape == (8, 128, 128, None):
-                yield shape, "float16", sel
+                yield shape, "float16", sel, False
+        for shape in WIDE_SHAPES:
+            yield shape, "bfloat16", sel, True
 
 
 def relative(a, b) -> float:
@@ -65,23 +85,26 @@ def relative(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run_case(rng, shape, dtype, sel):
+def run_case(rng, shape, dtype, sel, packed):
     G, K, V, rope = shape
     H_kv = 1 if G > 16 else 2
     config = HTreeConfig(top_k=8, rope_dim=rope, selection=sel)
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
                for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, V)))
     weights = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
+    # Packed: two documents, each its own tree (SPEC 6).
+    documents = dict(segment_ids=jnp.asarray(np.arange(T) >= T // 3, jnp.int32)[None], max_documents=2) if packed else {}
+    attend = functools.partial(htree_attention, config=config, **documents)
 
     def grads(q, k, v, backend):
-        loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=backend).astype(jnp.float32) * weights)
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v, backend=backend).astype(jnp.float32) * weights)
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     out = {}
-    o, sel_p = htree_attention(q, k, v, config, backend="pallas", return_selected=True)
+    o, sel_p = attend(q, k, v, backend="pallas", return_selected=True)
     with jax.default_matmul_precision("highest"):
         f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
-        o_ref, sel_ref = htree_attention(*f32, config, backend="reference", return_selected=True)
+        o_ref, sel_ref = attend(*f32, backend="reference", return_selected=True)
         g_ref = grads(*f32, "reference")
     same = np.ones((1, T, H_kv), bool)  # every layer's parent list equal to the reference's
     for a, b in zip(sel_p, sel_ref):
@@ -90,7 +113,7 @@ def run_case(rng, shape, dtype, sel):
     # Outputs on the rows whose selections agree: a flipped near-tie moves its row by
     # far more than rounding (H100, float32, G=8, K=128: 1.9e-2 over all rows at 0.9992).
     rows = np.repeat(same, G, axis=2)
-    own_o = htree_attention(q, k, v, config, backend="reference") if dtype != "float32" else o_ref
+    own_o = attend(q, k, v, backend="reference") if dtype != "float32" else o_ref
     on_rows = lambda x: np.asarray(x, np.float64)[rows]
     out["o"] = relative(on_rows(o), on_rows(o_ref))
     out["o_bar"] = max(TOLERANCE[dtype], 1.2 * relative(on_rows(own_o), on_rows(o_ref)))
@@ -98,17 +121,18 @@ def run_case(rng, shape, dtype, sel):
     own_g = grads(q, k, v, "reference") if dtype != "float32" else g_ref
     out["grad"] = max(relative(a, b) for a, b in zip(g, g_ref))
     out["grad_bar"] = max(TOLERANCE[dtype], 1.2 * max(relative(a, b) for a, b in zip(own_g, g_ref)))
-    cache = init_cache(1, T, H_kv, K, V, config, q.dtype)
-    o_pre, cache = prefill(q[:, :PREFIX], k[:, :PREFIX], v[:, :PREFIX], cache, config, backend="pallas")
-    steps = [o_pre]
-    for t in range(PREFIX, T):
-        o_t, cache = decode_step(q[:, t], k[:, t], v[:, t], cache, config, backend="pallas")
-        steps.append(o_t[:, None])
-    out["decode"] = relative(jnp.concatenate(steps, axis=1), o)
-    # Steps against the full call: equal but where a near-tie of the packed importance
-    # flips a selection between the two (H100, G=1, K=32, bf16: 1.1e-2 where the other
-    # shapes gave 3e-4), hence the dtype's tolerance.
-    out["decode_bar"] = TOLERANCE[dtype]
+    out["decode"], out["decode_bar"] = 0.0, TOLERANCE[dtype]
+    if not packed:  # a decode cache holds one document a row
+        cache = init_cache(1, T, H_kv, K, V, config, q.dtype)
+        o_pre, cache = prefill(q[:, :PREFIX], k[:, :PREFIX], v[:, :PREFIX], cache, config, backend="pallas")
+        steps = [o_pre]
+        for t in range(PREFIX, T):
+            o_t, cache = decode_step(q[:, t], k[:, t], v[:, t], cache, config, backend="pallas")
+            steps.append(o_t[:, None])
+        # Steps against the full call: equal but where a near-tie of the packed importance
+        # flips a selection between the two (H100, G=1, K=32, bf16: 1.1e-2 where the other
+        # shapes gave 3e-4), hence the dtype's tolerance.
+        out["decode"] = relative(jnp.concatenate(steps, axis=1), o)
     ok = (out["agree"] >= AGREE and out["o"] <= out["o_bar"] and out["grad"] <= out["grad_bar"]
           and out["decode"] <= out["decode_bar"])
     return ok, out
@@ -127,8 +151,8 @@ def run_benchmark_shape(rng, sel, top_k, T_big):
 
 def case_name(kind: str, c, big_T: int) -> str:
     if kind == "small":
-        (G, K, V, rope), dtype, sel = c
-        return f"G={G} K={K} V={V} rope={rope} {dtype} {sel}"
+        (G, K, V, rope), dtype, sel, packed = c
+        return f"G={G} K={K} V={V} rope={rope} {dtype} {sel}" + (" packed" if packed else "")
     sel, top_k = c
     return f"bench T={big_T} top_k={top_k} bf16 {sel}"
 
@@ -139,39 +163,96 @@ def short_error(e: Exception) -> str:
     return m.group(0) if m else f"{type(e).__name__}: {text[:160]}"
 
 
+def run_one(kind: str, c, big_T: int, seed: int, dump: str | None):
+    """One case: `(name, ok, figures)`; the figures hold the largest shared memory any
+    of its kernels took (`smem`, `smem_kernel`, from XLA's thunk dump in `dump`) and, for
+    the GQA kernels, the model's bytes of the top layer's importance launch beside the
+    compiler's (`model`, `compiled`)."""
+    name = case_name(kind, c, big_T)
+    seen = set(glob.glob(os.path.join(dump, "*thunk_sequence.txt"))) if dump else set()
+    t0 = time.perf_counter()
+    try:
+        rng = np.random.default_rng(seed)
+        ok, out = run_case(rng, *c) if kind == "small" else run_benchmark_shape(rng, *c, big_T)
+    except Exception as e:  # noqa: BLE001 - a compile or run failure is a failed case
+        ok, out = False, {"error": short_error(e)}
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    kernels = dumped_kernels(seen, dump) if dump else {}
+    if kernels:
+        out["smem_kernel"], out["smem"] = max(kernels.items(), key=lambda x: x[1])
+    if kind == "small" and (c[3] or not wide_head_dims(c[0][1], c[0][2])):  # the GQA kernels
+        (G, K, V, rope), dtype, sel, _ = c
+        config = HTreeConfig(top_k=8, rope_dim=rope, selection=sel)
+        _, out["model"] = top_importance_launch(config, BlockSizes.for_dims(K, V), dtype, K, V, min(G, KERNEL_GROUP))
+        if "_top_keys_kernel" in kernels:
+            out["compiled"] = kernels["_top_keys_kernel"]
+        # Every launch that compiled was predicted to fit, and the model is not below the compiler.
+        if ok and (out["model"] > LIMIT or out.get("compiled", 0) > out["model"]):
+            ok, out["error"] = False, f"model {out['model']} B against the compiler's {out.get('compiled')} B"
+    return name, ok, out
+
+
+def _init_worker(dump_root: str):
+    """A worker process: its own dump directory (a case's kernels are told apart by the
+    files that appear while it runs) and no preallocated GPU memory (workers share it)."""
+    directory = os.path.join(dump_root, str(os.getpid()))
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={directory}").strip()
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    os.environ["GATE_DUMP"] = directory
+
+
+def _worker_case(kind, c, big_T, seed):
+    return run_one(kind, c, big_T, seed, os.environ.get("GATE_DUMP"))
+
+
+def report(name, ok, out, kind):
+    if "error" in out and not ok:
+        detail = out["error"]
+    elif kind == "big":
+        detail = "outputs and gradients finite" if out["finite"] else "NON-FINITE"
+    else:
+        detail = f"{out['agree']:6.4f} {out['o']:9.2e} {out['grad']:9.2e} {out['decode']:9.2e}"
+    smem = f"{out['smem']:>7d} {out['smem_kernel']}" if "smem" in out else ""
+    model = f"{out['model']:>7d}/{out.get('compiled', '-')}" if "model" in out else ""
+    print(f"{name:44s} {'ok' if ok else 'FAIL':4s} {detail}  {out['seconds']:.0f}  {smem}  {model}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="float32 and float16 on every GQA shape class")
     ap.add_argument("--big-T", type=int, default=131072, help="the benchmark shape's T (0: leave it out)")
     ap.add_argument("--json", default=None, help="write every case's figures here")
     ap.add_argument("--only", default=None, help="the cases whose name matches this regular expression")
+    ap.add_argument("--workers", type=int, default=6,
+                    help="processes compiling the small cases at once (compiling is most of a case's time)")
     args = ap.parse_args()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share the GPU
     if jax.default_backend() != "gpu":
         sys.exit("gpu gate: needs a CUDA GPU")
-    rng = np.random.default_rng(int(time.time()))  # fresh inputs every run
-    rows = []
+    seed = int(time.time())  # fresh inputs every run
     cases = [("small", c) for c in matrix(args.full)]
     if args.big_T:
         cases += [("big", (sel, top_k)) for sel in ("mean", "bound") for top_k in (512, 64)]
     if args.only:
         cases = [(kind, c) for kind, c in cases if re.search(args.only, case_name(kind, c, args.big_T))]
-    print(f"{'case':44s} {'ok':4s} {'agree':>6s} {'o':>9s} {'grad':>9s} {'decode':>9s}  s", flush=True)
-    for kind, c in cases:
-        t0 = time.perf_counter()
-        name = case_name(kind, c, args.big_T)
-        try:
-            ok, out = run_case(rng, *c) if kind == "small" else run_benchmark_shape(rng, *c, args.big_T)
-        except Exception as e:  # noqa: BLE001 - a compile or run failure is a failed case
-            ok, out = False, {"error": short_error(e)}
-        secs = time.perf_counter() - t0
-        rows.append(dict(case=name, ok=ok, seconds=round(secs, 1), **out))
-        if "error" in out:
-            detail = out["error"]
-        elif kind == "big":
-            detail = "outputs and gradients finite" if out["finite"] else "NON-FINITE"
-        else:
-            detail = (f"{out['agree']:6.4f} {out['o']:9.2e} {out['grad']:9.2e} {out['decode']:9.2e}")
-        print(f"{name:44s} {'ok' if ok else 'FAIL':4s} {detail}  {secs:.0f}", flush=True)
+    dump_root = tempfile.mkdtemp(prefix="gpu_gate_")
+    rows = []
+    print(f"{'case':44s} {'ok':4s} {'agree':>6s} {'o':>9s} {'grad':>9s} {'decode':>9s}  s  "
+          f"smem (largest kernel)  model/compiled (top importance)", flush=True)
+    small = [(i, kind, c) for i, (kind, c) in enumerate(cases) if kind == "small"]
+    with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_init_worker, initargs=(dump_root,)) as pool:
+        futures = {pool.submit(_worker_case, kind, c, args.big_T, seed + i): (i, kind) for i, kind, c in small}
+        for f in concurrent.futures.as_completed(futures):
+            name, ok, out = f.result()
+            report(name, ok, out, futures[f][1])
+            rows.append(dict(case=name, ok=ok, **out))
+    # The benchmark shape alone, after the workers are gone: it needs the GPU's memory.
+    for i, (kind, c) in enumerate(cases):
+        if kind == "big":
+            name, ok, out = run_one(kind, c, args.big_T, seed + i, None)
+            report(name, ok, out, kind)
+            rows.append(dict(case=name, ok=ok, **out))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

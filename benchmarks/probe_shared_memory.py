@@ -23,17 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import BlockSizes, HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from pallas_kernels.shared_memory import LIMIT
 
 DUMP = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
 KERNEL = re.compile(r"kCustomKernel \[[^\]]*\] (\S+) grid: .*shared_memory: (\d+) bytes")
 
 
-def dumped_kernels(seen: set) -> dict:
-    """{Pallas kernel name: shared bytes} from thunk sequences dumped since `seen`."""
+def dumped_kernels(seen: set, directory: str | None = None) -> dict:
+    """{Pallas kernel name: shared bytes} from thunk sequences dumped (in `directory`,
+    default XLA_FLAGS' `--xla_dump_to`) since `seen`."""
     out = {}
-    if not DUMP:
+    directory = directory or (DUMP.group(1) if DUMP else None)
+    if not directory:
         return out
-    for path in glob.glob(os.path.join(DUMP.group(1), "*thunk_sequence.txt")):
+    for path in glob.glob(os.path.join(directory, "*thunk_sequence.txt")):
         if path in seen:
             continue
         seen.add(path)
@@ -54,15 +57,26 @@ def attempt(fn, seen):
         text = str(e)
         if m:
             i = text.find("requested")
-            status = f"requested {m.group(1)} :: " + " ".join(text[max(0, i - 700): i + 60].split())
+            status = f"requested {m.group(1)} :: " + " ".join(text[max(0, i - 2500): i + 60].split())
         else:
             status = f"error {type(e).__name__}: {text[:300]}"
     return status, dumped_kernels(seen), round(time.perf_counter() - t0, 1)
 
 
-def grid(only_failing=False):
+def grid(only_failing=False, only_open=False):
     """The probe's cases; `only_failing`: those that overflowed at `c9ea24a`, and the
-    latent-attention shapes."""
+    latent-attention shapes; `only_open`: those that still overflowed at `70d29d0` (the
+    float32 backward at K = 192 and 256, latent attention's decode step with the bound)
+    and packed latent attention (virtual heads of 16) with each rule."""
+    if only_open:
+        for sel in ("mean", "bound"):
+            yield dict(G=16, K=192, V=192, rope=64, dtype="float32", sel=sel, top_k=8, T=4096)
+            yield dict(G=8, K=256, V=256, rope=None, dtype="float32", sel=sel, top_k=8, T=4096)
+        for G in (32, 128):
+            yield dict(G=G, K=576, V=512, rope=64, dtype="bfloat16", sel="bound", top_k=8, T=4096)
+        for sel in ("mean", "bound"):
+            yield dict(G=64, K=576, V=512, rope=64, dtype="bfloat16", sel=sel, top_k=8, T=4096, packed=True)
+        return
     if only_failing:
         for G, K, V, rope, dtype, sel in [(8, 128, 128, None, "bfloat16", "bound"), (8, 96, 96, 32, "bfloat16", "bound"),
                                           (8, 192, 128, None, "bfloat16", "bound"), (8, 192, 128, None, "float32", "bound"),
@@ -91,6 +105,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--failing", action="store_true", help="only the cases that overflowed, forward and backward apart")
+    ap.add_argument("--open", action="store_true", help="only the cases still open at 70d29d0, and packed latent")
+    ap.add_argument("--case", default=None, help='one case as JSON, e.g. {"G": 8, "K": 256, "V": 256, "rope": null, '
+                    '"dtype": "float32", "sel": "mean", "top_k": 8, "T": 4096}')
+    ap.add_argument("--try", dest="tries", default=None,
+                    help="with --case: a JSON list of BlockSizes overrides, each compiled alone (which kernel overflows)")
     ap.add_argument("--keys-tile", type=int, default=None, help="BlockSizes.top_keys_tile for every case")
     ap.add_argument("--keys-stages", type=int, default=None, help="BlockSizes.top_keys_stages for every case")
     args = ap.parse_args()
@@ -99,20 +118,27 @@ def main():
     rng = np.random.default_rng(0)
     overrides = {k: v for k, v in (("top_keys_tile", args.keys_tile), ("top_keys_stages", args.keys_stages)) if v}
     out = open(args.out, "w") if args.out else None
-    for c in grid(args.failing):
+    cases = grid(args.failing, args.open)
+    if args.case:
+        tries = json.loads(args.tries) if args.tries else [{}]
+        cases = [dict(json.loads(args.case), overrides=t) for t in tries]
+    for c in cases:
         config = HTreeConfig(top_k=c["top_k"], selection=c["sel"], rope_dim=c["rope"])
         H_kv = 1 if c["G"] > 16 else 2
         H, T, dtype = c["G"] * H_kv, c["T"], jnp.dtype(c["dtype"])
         q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)), dtype)
                    for h, d in ((H, c["K"]), (H_kv, c["K"]), (H_kv, c["V"])))
         bs = BlockSizes.for_dims(c["K"], c["V"])
-        if overrides:
-            bs = dataclasses.replace(bs, **overrides)
-        loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend="pallas",
-                                                       block_sizes=bs).astype(jnp.float32))
+        if overrides or c.get("overrides"):
+            bs = dataclasses.replace(bs, **overrides, **c.get("overrides", {}))
+        # Packed: two documents (SPEC 6), each its own tree.
+        packed = (dict(segment_ids=jnp.asarray(np.arange(T) >= T // 3, jnp.int32)[None], max_documents=2)
+                  if c.get("packed") else {})
+        loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend="pallas", block_sizes=bs,
+                                                       **packed).astype(jnp.float32))
         grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         row = dict(c, H_kv=H_kv)
-        fwd = jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend="pallas", block_sizes=bs))
+        fwd = jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend="pallas", block_sizes=bs, **packed))
         row["forward"], row["forward_kernels"], row["forward_s"] = attempt(lambda: fwd(q, k, v), seen)
         row["train"], row["train_kernels"], row["train_s"] = attempt(lambda: grads(q, k, v), seen)
 
@@ -121,7 +147,10 @@ def main():
             o, cache = prefill(q[:, :1000], k[:, :1000], v[:, :1000], cache, config, backend="pallas")
             return decode_step(q[:, 1000], k[:, 1000], v[:, 1000], cache, config, backend="pallas")[0]
 
-        row["decode"], row["decode_kernels"], row["decode_s"] = attempt(decode, seen)
+        if not c.get("packed") and "overrides" not in c:
+            row["decode"], row["decode_kernels"], row["decode_s"] = attempt(decode, seen)
+        row["over_limit"] = {k: b for part in ("forward", "train", "decode")
+                             for k, b in row.get(part + "_kernels", {}).items() if b > LIMIT}
         print(json.dumps(row), flush=True)
         if out:
             out.write(json.dumps(row) + "\n")

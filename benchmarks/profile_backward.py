@@ -78,7 +78,7 @@ def main(argv=None):
                    help="random, or correlated (htree_jax.bench.correlated_inputs)")
     p.add_argument("--entries-per-program", type=int, default=UNIT_ENTRIES,
                    help="the node kernels' entries per program before a unit's list spills (node_index)")
-    p.add_argument("--selection", default="mean", choices=("mean", "bound"), help="HTreeConfig.selection")
+    p.add_argument("--selection", default="bound", choices=("mean", "bound"), help="HTreeConfig.selection")
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script")
     args = p.parse_args(argv)
     ip, T = args.interpret, args.T

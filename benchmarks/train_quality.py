@@ -87,8 +87,9 @@ def smooth(values, window: int):
 def label(result: dict) -> str:
     if result["attention"] == "dense":
         return "dense"
+    # Runs written before the bound became the default (2026-11-26) name no rule: the mean.
     rule = result.get("selection") or "mean"
-    return f"htree top_k={result['top_k']}" + ("" if rule == "mean" else f" {rule}")
+    return f"htree top_k={result['top_k']}" + ("" if rule == "bound" else f" {rule}")
 
 
 def plot(results: list[dict], png: str | None = None, window: int = 20):

@@ -212,7 +212,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression-rate", type=int, default=4)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--rope-base", type=float, default=10000.0)
-    p.add_argument("--selection", choices=("mean", "bound"), default="mean",
+    p.add_argument("--selection", choices=("mean", "bound"), default="bound",
                    help="htree's ranking of nodes for refinement (HTreeConfig.selection)")
 
 

@@ -60,7 +60,8 @@ from jax import lax
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import apply_rope
-from pallas_kernels.common import next_power_of_two, pad_axis, unpad_rope_halves, virtual_heads
+from pallas_kernels import shared_memory
+from pallas_kernels.common import KERNEL_GROUP, next_power_of_two, pad_axis, unpad_rope_halves, virtual_heads
 from pallas_kernels.plan import (
     BlockSizes,
     chunk_queries,
@@ -125,11 +126,15 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
                          "kv head, BlockSizes.wide_rows > 0, one document per row")
-    if next_power_of_two(K, 32) > 256 or next_power_of_two(V, 16) > 256:
-        # Wide heads: the backward's per-query kernels hold q, do and dq rows besides the
-        # key and value tiles; two pipeline stages overflow shared memory (H200: 264992 B
-        # asked of 232448 at K = 576, V = 512, `benchmarks/probe_mla.py --backward`).
-        block_sizes = dataclasses.replace(block_sizes, num_stages=1)
+    # The backward's per-query kernels hold q, do and dq rows besides the key and value
+    # tiles: two pipeline stages overflow shared memory at wide heads (H200: 264992 B
+    # asked of 232448 at K = 576, V = 512, `benchmarks/probe_mla.py --backward`) and in
+    # float32 past 128 features (H100: 246848 B at K = V = 256); one stage there.
+    footprint = shared_memory.per_query(group_rows(min(H // H_kv, KERNEL_GROUP), block_sizes), block_sizes.tile,
+                                        next_power_of_two(K, 32), next_power_of_two(V, 16),
+                                        jnp.dtype(q.dtype).itemsize, backward=True)
+    block_sizes = dataclasses.replace(block_sizes,
+                                      num_stages=shared_memory.per_query_stages(block_sizes.num_stages, footprint))
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
     prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), for_backward=True,

@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from htree_jax.core.bounds import group_norms
+from htree_jax.core.bounds import group_count, group_norms
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
 from htree_jax.core.rope import rope_table
@@ -83,6 +83,7 @@ from pallas_kernels.common import (
     real_heads,
     virtual_heads,
 )
+from pallas_kernels import shared_memory
 from pallas_kernels.importance import (
     combine_max_sum,
     decode_keys_pallas,
@@ -162,13 +163,22 @@ def decode_program(config: HTreeConfig, G: int, K: int, V: int, itemsize: int, b
     most 16 heads: all of them (padded to 16 rows), `candidate_layout`'s span. Larger
     groups run as virtual kv heads of `head_block(G, wide_rows)` heads (the cache read in
     place), rows and span halved (`wide.program_shape`) until the query rows and one
-    span's keys and values fit a program (float32 at the MLA shape: 32 x 32)."""
+    span's keys and values fit a program (float32 at the MLA shape: 32 x 32), with the
+    bound (SPEC 11) the query rows' group norms and one span's radii too (float32: 544
+    groups at the MLA shape; bfloat16 takes 16 x 32)."""
     span, _ = candidate_layout(config, block_sizes)
     if G <= KERNEL_GROUP:
         return G, span
     R = config.partial_rope(K) or K
     rows = head_block(G, max(KERNEL_GROUP, block_sizes.wide_rows))
-    return program_shape(rows, span, config.compression_rate, K - R, next_power_of_two(R // 2, 16), V, itemsize)
+    return program_shape(rows, span, config.compression_rate, K - R, next_power_of_two(R // 2, 16), V, itemsize,
+                         decode_bound_width(config, K))
+
+
+def decode_bound_width(config: HTreeConfig, K: int) -> int:
+    """The float32 feature groups the decode step's scores kernel holds per query row and
+    gathers per candidate with `selection="bound"` (`group_count`); 0 with the mean."""
+    return group_count(K, config.rope_dim) if config.selection == "bound" else 0
 
 
 class WalkStatics(NamedTuple):
@@ -180,17 +190,11 @@ class WalkStatics(NamedTuple):
     bottom: LayerStatic  # `decode_merge_pallas` of the bottom layer (scoring its keys)
 
 
-# Two pipeline stages of a wide decode kernel: two steps' gathered tiles take at most
-# this. Beside them a program holds its query rows (73728 B at the MLA shape) and the
-# rotated RoPE operands, within Hopper's 232448 B; the MLA step's kernels compile at
-# 147456 (scores; bottom merge, values the key tiles) and 139264 (bottom merge with a
-# value layer, span 32); at a span of 64 that merge asks 348416 B.
-STAGED_BYTES = 160 * 1024
-
-
-def pipelined(st: LayerStatic, K: int, V: int, itemsize: int, values_in_keys: bool) -> WalkStatics:
+def pipelined(st: LayerStatic, K: int, V: int, itemsize: int, values_in_keys: bool,
+              bound_width: int = 0) -> WalkStatics:
     """Two pipeline stages for the kernels of 16-bit caches where two steps' gathered
-    tiles take at most `STAGED_BYTES`, else one (float32 keeps one).
+    tiles fit (`shared_memory.staged_tiles` within `WIDE_STAGED_BYTES`; the scores
+    kernel's with the bound's `bound_width` radii), else one (float32 keeps one).
 
     Wide (`G > 16`): all three kernels; the bottom merge gathers keys and, unless the
     values are its key tiles (`merge.values_in_key_tiles`), values: its span halves
@@ -206,12 +210,13 @@ def pipelined(st: LayerStatic, K: int, V: int, itemsize: int, values_in_keys: bo
     0.261 -> 0.239, B=8 top_k=64 0.134 -> 0.133 (RESULTS, 2026-11-26 (3))."""
     if itemsize > 2:
         return WalkStatics(st, st, st)
-    fits = lambda span, features: 2 * span * features * itemsize <= STAGED_BYTES
+    fits = lambda span, features, width=0: shared_memory.fits(
+        shared_memory.staged_tiles(span, features, itemsize, width), 2, shared_memory.WIDE_STAGED_BYTES)
     two = lambda x, span: dataclasses.replace(x, num_stages=2, span=span)
     if st.group <= KERNEL_GROUP:
         merge = two(st, st.span) if fits(st.span, V) else st
         return WalkStatics(st, merge, two(st, st.span) if fits(st.span, K + V) else st)
-    scores = two(st, st.span) if fits(st.span, K) else st
+    scores = two(st, st.span) if fits(st.span, K, bound_width) else st
     merge = two(st, st.span) if fits(st.span, V) else st
     per_candidate = K if values_in_keys else K + V
     span = st.span
@@ -349,7 +354,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     C = query_chunk(config, B, S, H_kv, gp, candidate_layout(config, block_sizes)[1], block_sizes)
     st, Mp = decode_statics(config, q.dtype, K, G, C, B, H_kv, span, block_sizes)
     reuse = bool(value_dim) and values_in_key_tiles(cache_value_pieces(V, K, st.latent_half), K, st.latent_half)
-    sts = pipelined(st, K, V, itemsize, reuse)
+    sts = pipelined(st, K, V, itemsize, reuse, decode_bound_width(config, K))
     cos, sin = (jnp.asarray(a) for a in rope_table(Mp, K, float(config.rope_base), config.partial_rope(K)))
     num_chunks = -(-S // C)
     per_query = lambda x: pad_axis(pad_axis(x.reshape((B, S, H_kv, G) + x.shape[3:]), 3, gp), 1, num_chunks * C)

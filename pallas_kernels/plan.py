@@ -192,19 +192,47 @@ def top_pipeline(block_sizes: BlockSizes, precisions: Precisions, kp: int, vp: i
     return stages, shared_memory.first_fitting(top_importance_candidates(block_sizes, precisions, gt, Mp), footprint)
 
 
+def bound_groups(config: HTreeConfig, K: int) -> tuple:
+    """`(bound_rope, bound_width)` of `selection="bound"` in the kernels' layout: the
+    rotated features once K is padded (each RoPE half padded; the padding pairs rotated
+    groups of norm 0) and the feature-group count the importance dots read per node,
+    padded; `(0, 0)` with the mean."""
+    if config.selection != "bound":
+        return 0, 0
+    kp = next_power_of_two(K, 32)
+    bound_rope = kp - (K - (config.partial_rope(K) or K))
+    return bound_rope, next_power_of_two(group_count(kp, bound_rope), 16)
+
+
+def top_importance_launch(config: HTreeConfig, block_sizes: BlockSizes, dtype, K: int, V: int, G: int) -> tuple:
+    """`((queries per program, tile, stages), bytes)`: the top layer's importance launch
+    `prepare` picks for `G <= KERNEL_GROUP` heads per (virtual) kv head, and its shared
+    memory by the model (`shared_memory.top_importance`)."""
+    precisions = Precisions.for_dtype(jnp.dtype(dtype))
+    kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
+    width = bound_groups(config, K)[1]
+    launch = top_pipeline(block_sizes, precisions, kp, vp, G, layout(config, block_sizes)[3], width)[1]
+    queries, tile, stages = launch
+    footprint = shared_memory.top_importance(queries * next_power_of_two(G), queries, tile, kp, width,
+                                             precisions.scores, precisions.importance_operands)
+    return launch, footprint.bytes(stages)
+
+
 def top_importance_candidates(block_sizes: BlockSizes, precisions: Precisions, gt: int, Mp: int) -> list:
     """`(queries per program, tile, stages)` of the top layer's importance kernel, fastest
     first: the block sizes' (float32 operands at most 64 candidates a step, the H200
-    sweep's), then 64 candidates in two stages (the bound's setting before 2026-11-26:
-    41.9 ms at T=32768, H100), one stage, smaller tiles, then half and a quarter of the
-    query rows (wide heads with the bound)."""
+    sweep's), then their tile in one stage (H100, the bound at T=131072, K = V = 128,
+    top_k=512: 477.8 ms against 484.0 with 64 candidates in two, 505.0 with 64 in one;
+    at top_k=64 alike), 64 candidates in two stages (the bound's setting before
+    2026-11-26), one stage, smaller tiles, then half and a quarter of the query rows
+    (wide heads with the bound)."""
     bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
     tile = next_power_of_two(block_sizes.top_keys_tile, 16)
     if precisions.importance_operands is None:
         tile = min(tile, 64)
     out = []
     for queries in (bq, max(1, bq // 2, 16 // gt), max(1, bq // 4, 16 // gt)):
-        for t, s in ((tile, block_sizes.top_keys_stages), (64, 2), (tile, 1), (64, 1), (32, 1), (16, 1)):
+        for t, s in ((tile, block_sizes.top_keys_stages), (tile, 1), (64, 2), (64, 1), (32, 1), (16, 1)):
             c = (queries, min(t, tile, Mp), s)
             if c not in out:
                 out.append(c)
@@ -334,13 +362,19 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
     half = kp // 2
     span, tile, P, Mp = layout(config, block_sizes)
+    bound_rope, bound_width = bound_groups(config, K)
+    # The scores kernel holds the query rows' group norms and gathers radii with the
+    # bound: one stage where two do not fit (packed latent attention).
+    scores_footprint = shared_memory.per_query(group_rows(G, block_sizes), tile, kp, 0, jnp.dtype(q.dtype).itemsize,
+                                               bound_width, precision=precisions.scores,
+                                               operands=precisions.importance_operands)
     st = LayerStatic(
         r=r, tile=tile, span=span, group=G, alpha=config.score_scale(K), importance=config.importance,
         strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
         precision=precisions.scores, importance_operands=precisions.importance_operands,
         merge_precision=precisions.merge, merge_operands=precisions.merge_operands,
         num_warps=block_sizes.num_warps, merge_num_warps=block_sizes.merge_num_warps,
-        num_stages=block_sizes.num_stages,
+        num_stages=shared_memory.per_query_stages(block_sizes.num_stages, scores_footprint),
     )
     as_kernel_layer = lambda kl, vl: (jnp.swapaxes(pad_rope_halves(kl, half), 1, 2),
                                       jnp.swapaxes(pad_axis(vl, -1, vp), 1, 2))
@@ -359,13 +393,6 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     gt = next_power_of_two(G)
     bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
     top_tile = min(next_power_of_two(block_sizes.top_tile, 16), Mp)
-    # `selection="bound"`: the radii's groups in the kernels' layout, each RoPE half
-    # padded (the padding pairs rotated groups of norm 0); their count, padded, is what
-    # the importance dots read per node (0 without the bound).
-    bound_rope = bound_width = 0
-    if config.selection == "bound":
-        bound_rope = kp - (K - (config.partial_rope(K) or K))
-        bound_width = next_power_of_two(group_count(kp, bound_rope), 16)
     merge_stages, (keys_queries, keys_tile, keys_stages) = top_pipeline(block_sizes, precisions, kp, vp, G, Mp,
                                                                         bound_width)
     st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps,

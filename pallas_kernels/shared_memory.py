@@ -23,6 +23,9 @@ from pallas_kernels.precision import BF16X3
 
 # Bytes of shared memory a program may take on an H100 or H200 (opt-in maximum).
 LIMIT = 232448
+# The widest padded head dim whose gathered tiles the compiler stages per pipeline stage
+# (measured up to 256; at 1024, packed latent attention, it did not).
+WIDEST_STAGED = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,67 @@ def top_importance(rows: int, block_queries: int, tile: int, kp: int, bound_widt
     rows, and per stage a tile of `tile` keys (and their radii)."""
     left, right = operand_bytes(precision, operands, left=True), operand_bytes(precision, operands)
     held = rows * (kp + bound_width) * left + 4 * block_queries * tile
+    if kp > WIDEST_STAGED:
+        # Wider tiles are not staged per pipeline stage, nor their radii: packed latent
+        # attention (kp = 1024, 16 rows, 16 candidates) took 114688 B with the mean at 2
+        # stages and 180224 B with the bound at 1, each its held rows and 49152 B more.
+        return Footprint(held, tile * kp * right, False)
     return Footprint(held, tile * (kp + bound_width) * right, pipelined(precision, operands))
+
+
+def per_query(rows: int, tile: int, kp: int, vp: int, itemsize: int, bound_width: int = 0,
+              backward: bool = False, precision=None, operands=None) -> Footprint:
+    """A per-query kernel below the top layer (`importance._scores_kernel`, the merges;
+    with `backward`, `layer_backward` and `node_backward`'s): `rows` product rows held at
+    4 bytes a feature (float32, or `BF16X3`'s two bfloat16 parts; the backward's `do`
+    and `dq` rows too) with the bound's `bound_width` group norms; per stage a tile of
+    `tile` gathered keys and `vp` values (0: the scores kernel's keys only) as stored,
+    and their float32 radii. Calibrated on the compiler (H100, 2026-11-26): float32 at
+    K = V = 256 asked 246848 B with 2 stages (counted 286720) and compiled with 1;
+    packed latent attention (16 rows, kp = 1024) with the bound asked 368640 B (counted
+    524288) and 237568 B at 16 candidates (327680), the mean 172032 B (196608).
+
+    One stage is the fallback (`first_fitting`'s last candidate): Triton keeps no
+    pipeline buffers then, and every probed shape compiled so (the count above is an
+    upper bound there)."""
+    held = rows * 4 * (kp + bound_width + (kp + vp if backward else 0))
+    staged = tile * (itemsize * (kp + vp) + 4 * bound_width)
+    return Footprint(held, staged, True if precision is None else pipelined(precision, operands))
+
+
+def per_query_stages(stages: int, footprint: Footprint) -> int:
+    """The block sizes' pipeline stages where `footprint` fits with them, else one."""
+    return first_fitting([(stages,), (1,)], lambda c: footprint)[0]
+
+
+# Wide programs (groups of more than 16 heads; latent attention) count only their
+# operands, not the compiler's scratch for the RoPE rotations and the merge's
+# accumulator, so they keep to budgets of their own below `LIMIT`, each measured where
+# it was set (H200, the MLA shape): a program's query rows and one step's tiles at most
+# `WIDE_PROGRAM_BYTES` (bfloat16 with separate values, 204800 B, compiles at 64 rows and
+# 64 candidates; float32, 409600 B counted, asked 262144 B of 232448), and the tiles of
+# every pipeline stage of a merge or decode kernel at most `WIDE_STAGED_BYTES` (the
+# decode step's kernels compile at 147456 B counted; a bottom merge at 64 candidates a
+# span, 278528 B counted, asked 348416 B).
+WIDE_PROGRAM_BYTES = 208 * 1024
+WIDE_STAGED_BYTES = 160 * 1024
+
+
+def wide_program(rows: int, tile: int, latent: int, rope_half: int, own_values: int, itemsize: int,
+                 bound_width: int = 0) -> Footprint:
+    """A wide program (`wide.program_shape`): `rows` query rows' `latent` features held
+    (and, for the decode step's bound, their `bound_width` float32 group norms); per step
+    `tile` candidates' latent features, two RoPE halves of `rope_half`, `own_values`
+    value features (0: the values are the latent features) and `bound_width` float32 radii."""
+    held = rows * (itemsize * latent + 4 * bound_width)
+    return Footprint(held, tile * (itemsize * (latent + 2 * rope_half + own_values) + 4 * bound_width))
+
+
+def staged_tiles(span: int, features: int, itemsize: int, bound_width: int = 0) -> Footprint:
+    """The gathered tiles of a decode or wide merge step: `span` rows of `features` at
+    `itemsize` bytes and `bound_width` float32 radii; nothing held (the rows are budgeted
+    by `wide_program`)."""
+    return Footprint(0, span * (itemsize * features + 4 * bound_width))
 
 
 def pipelined(precision, operands) -> bool:
@@ -83,4 +146,5 @@ def first_fitting(candidates, footprint_of, limit: int = LIMIT):
     return candidates[-1]
 
 
-__all__ = ["LIMIT", "Footprint", "first_fitting", "fits", "operand_bytes", "pipelined", "top_importance"]
+__all__ = ["LIMIT", "WIDE_PROGRAM_BYTES", "WIDE_STAGED_BYTES", "Footprint", "first_fitting", "fits", "operand_bytes",
+           "per_query", "per_query_stages", "pipelined", "staged_tiles", "top_importance", "wide_program"]

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import shared_memory
 from pallas_kernels.common import NEG_INF, candidate_nodes, compiler_params
 from pallas_kernels.importance import importance_shift, online_max_sum, packed_keys
 from pallas_kernels.precision import dot_rows, split_rows
@@ -62,17 +63,25 @@ class WideStatic:
     importance_tile: int = 0  # the importance kernel's step (a multiple of r dividing `tile`); 0: `tile`
 
 
-PROGRAM_BYTES = 208 * 1024  # a program's query rows and one step's tiles (see `program_shape`)
+def program_shape(rows: int, tile: int, r: int, Wl: int, hp: int, Wv_own: int, itemsize: int,
+                  bound_width: int = 0) -> tuple:
+    """`(rows, tile)` of a wide program: the first of `program_candidates` whose query
+    rows' latent part and one step's tiles (latent, RoPE, separate values; with the
+    decode step's bound, `bound_width` float32 group norms and radii) fit
+    `shared_memory.WIDE_PROGRAM_BYTES` (`shared_memory.wide_program`). At the MLA shape
+    (r=16) bfloat16 keeps 64 x 64; float32 takes 32 x 32 with separate values."""
+    footprint = lambda c: shared_memory.wide_program(c[0], c[1], Wl, hp, Wv_own, itemsize, bound_width)
+    rows, tile, _ = shared_memory.first_fitting(program_candidates(rows, tile, r), footprint,
+                                                shared_memory.WIDE_PROGRAM_BYTES)
+    return rows, tile
 
 
-def program_shape(rows: int, tile: int, r: int, Wl: int, hp: int, Wv_own: int, itemsize: int) -> tuple:
-    """`(rows, tile)` of a wide program, halved (rows first) until its query rows' latent
-    part and one step's tiles (latent, RoPE, separate values) take at most
-    `PROGRAM_BYTES`. At the MLA shape (r=16) bfloat16 with separate values (204800 B)
-    compiles at 64 rows and 64 candidates; float32 (409600 B) asked 262144 B of shared
-    memory of 232448 there (H200), and compiled at 32 x 32."""
-    size = lambda rows, tile: itemsize * (rows * Wl + tile * (Wl + 2 * hp + Wv_own))
-    while size(rows, tile) > PROGRAM_BYTES:
+def program_candidates(rows: int, tile: int, r: int) -> list:
+    """`(rows, tile, 1)` from the block sizes' down, fastest first: rows halved while
+    they are at least the tile (and above 16), then the tile (a multiple of r, at least
+    16), then rows down to 16."""
+    out = [(rows, tile, 1)]
+    while True:
         if rows > 16 and rows >= tile:
             rows //= 2
         elif tile // 2 >= max(16, r) and (tile // 2) % r == 0:
@@ -80,8 +89,8 @@ def program_shape(rows: int, tile: int, r: int, Wl: int, hp: int, Wv_own: int, i
         elif rows > 16:
             rows //= 2
         else:
-            break
-    return rows, tile
+            return out
+        out.append((rows, tile, 1))
 
 
 def head_block(G: int, rows: int) -> int:
@@ -405,5 +414,5 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
     return tuple(out) if (not bottom or return_lse) else out[0]
 
 
-__all__ = ["PROGRAM_BYTES", "WideStatic", "combine_importance", "head_block", "latent_product", "layer_inputs",
+__all__ = ["WideStatic", "combine_importance", "head_block", "latent_product", "layer_inputs",
            "layer_refs", "program_shape", "query_specs", "wide_importance_pallas", "wide_merge_pallas"]

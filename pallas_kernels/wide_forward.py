@@ -27,6 +27,7 @@ from pallas_kernels.common import LayerStatic, next_power_of_two, pad_axis, pad_
 from pallas_kernels.importance import feature_pieces
 from pallas_kernels.precision import Precisions, key_operands
 from pallas_kernels.rope import full_width, padded_rope_table, rotate_copies, rotate_half
+from pallas_kernels import shared_memory
 from pallas_kernels.top_k import kept_values, select_top_k_pallas
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 from pallas_kernels.wide import (
@@ -37,9 +38,6 @@ from pallas_kernels.wide import (
     wide_importance_pallas,
     wide_merge_pallas,
 )
-
-
-PIPELINE_BYTES = 160 * 1024  # gathered tiles of all stages of a wide merge (H200: 227 KB per program)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +125,21 @@ class WidePlan:
         return len(self.layers)
 
 
+def importance_step(tile: int, r: int, Wl: int, hp: int, itemsize: int, bound: bool) -> int:
+    """The wide importance kernel's candidates a step: `tile` halved (a multiple of r, at
+    least 16) until one step's gathered tiles fit `shared_memory.WIDE_STAGED_BYTES`: the
+    latent part as stored, the RoPE part at 4 bytes a feature (float32, or `BF16X3`'s two
+    bfloat16 parts) and, with the bound, the radii alike (H200, MLA shape, bound: 241664 B
+    asked at 64)."""
+    per_candidate = Wl * itemsize + 4 * 2 * hp
+    width = Wl + hp if bound else 0
+    candidates = [(tile, 1)]
+    while candidates[-1][0] > max(16, r) and candidates[-1][0] // 2 % r == 0:
+        candidates.append((candidates[-1][0] // 2, 1))
+    footprint = lambda c: shared_memory.staged_tiles(c[0], per_candidate, 1, width)
+    return shared_memory.first_fitting(candidates, footprint, shared_memory.WIDE_STAGED_BYTES)[0]
+
+
 def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = False,
                  precisions: Precisions | None = None, value_dim: int | None = None, positions=None) -> WidePlan:
     """The tree, keys and queries as the wide kernels read them (arguments as for
@@ -150,20 +163,15 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
                                jnp.dtype(q.dtype).itemsize)
     P = round_up(top_k, tile // r)
     Mp = P * r
-    # The merges' pipeline depth where its gathered tiles fit (`PIPELINE_BYTES`): 16-bit
-    # inputs with the values read from the keys at the MLA shape; separate values double
-    # a step's tiles (353024 B of shared memory asked with 2 stages on an H200).
-    step_bytes = tile * (Wl + 2 * hp + (Wv if v is not None else 0)) * jnp.dtype(k.dtype).itemsize
-    deep = block_sizes.wide_num_stages * step_bytes <= PIPELINE_BYTES
+    # The merges' pipeline depth where their gathered tiles fit (`shared_memory.staged_tiles`
+    # within `WIDE_STAGED_BYTES`): 16-bit inputs with the values read from the keys at
+    # the MLA shape; separate values double a step's tiles (353024 B of shared memory
+    # asked with 2 stages on an H200).
+    own_values = Wv if v is not None else 0
+    merge_tiles = shared_memory.staged_tiles(tile, Wl + 2 * hp + own_values, jnp.dtype(k.dtype).itemsize)
+    deep = shared_memory.fits(merge_tiles, block_sizes.wide_num_stages, shared_memory.WIDE_STAGED_BYTES)
     narrow = jnp.dtype(q.dtype).itemsize == 2
-    # The importance's step: halved while its gathered tiles (the radii's too, with the
-    # bound) pass `PIPELINE_BYTES` (H200, MLA shape, bound: 241664 B asked at 64).
-    # Per candidate: the latent part as stored, the RoPE part and the radii at 4 bytes a
-    # feature (float32, or `BF16X3`'s two bfloat16 parts).
-    imp_bytes = Wl * jnp.dtype(k.dtype).itemsize + 4 * 2 * hp + (4 * (Wl + hp) if config.selection == "bound" else 0)
-    imp_tile = tile
-    while imp_tile > max(16, r) and imp_tile // 2 % r == 0 and imp_tile * imp_bytes > PIPELINE_BYTES:
-        imp_tile //= 2
+    imp_tile = importance_step(tile, r, Wl, hp, jnp.dtype(k.dtype).itemsize, config.selection == "bound")
     ws = WideStatic(
         r=r, tile=tile, rows=rows, alpha=config.score_scale(K),
         importance=config.importance, strict_causal=config.strict_causal, lat_pieces=feature_pieces(Wl),

@@ -26,8 +26,8 @@ from tests.test_oracle_agreement import assert_matches_oracle
 
 
 def test_config_takes_the_two_rules():
-    assert HTreeConfig().selection == "mean"
-    assert HTreeConfig(selection="bound").selection == "bound"
+    assert HTreeConfig().selection == "bound"  # the default since 2026-11-26 (issue 48)
+    assert HTreeConfig(selection="mean").selection == "mean"
     with pytest.raises(ValueError, match="selection must be one of"):
         HTreeConfig(selection="max")
 
@@ -175,7 +175,8 @@ def test_a_cache_made_for_another_rule_is_refused(rng):
     q, k, v = random_qkv(rng, 1, 40, 2, 1, 32, 32)
     cache = init_cache(1, 64, 1, 32, 32, config)
     with pytest.raises(ValueError, match="made for another selection rule"):
-        prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache, HTreeConfig(compression_rate=4, top_k=4))
+        prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache,
+                HTreeConfig(compression_rate=4, top_k=4, selection="mean"))
 
 
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]

@@ -287,7 +287,7 @@ def test_pallas_decode_compiled_matches_reference_on_gpu(dtype, rng):
 def test_pallas_attend_cache_in_chunks_equals_the_reference_walk(rng):
     """`attend_cache_pallas` against its twin, the reference walk over the same cache,
     with the queries in several chunks (the last one padded), as a long prefill runs."""
-    from htree_jax.reference import attend_tree
+    from htree_jax.backends import attend_cache
     from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, query_chunk
 
     config = HTreeConfig(compression_rate=4, top_k=4, importance="shared_max")
@@ -299,8 +299,10 @@ def test_pallas_attend_cache_in_chunks_equals_the_reference_walk(rng):
     per_query = B * H_kv * 16 * (4 * 16 + 12)  # Mp = 16 candidates, 16 rows
     blocks = DecodeBlockSizes(chunk_budget_bytes=7 * per_query)
     assert query_chunk(config, B, S, H_kv, 16, 16, blocks) == 7  # 6 chunks, the last padded
-    o, sel = attend_cache_pallas(q, cache.keys, cache.values, positions, config, blocks, interpret=True)
-    o_ref, sel_ref = attend_tree(q, list(zip(cache.keys, cache.values)), positions, config, 8, keys_rotated=False)
+    o, sel = attend_cache_pallas(q, cache.keys, cache.values, positions, config, blocks, interpret=True,
+                                 radii=cache.radii)
+    o_ref, sel_ref = attend_cache(q, cache.keys, cache.values, cache.radii, jnp.broadcast_to(positions, (B, S)), config,
+                                  "reference")
     assert len(sel) == len(sel_ref) == 2
     for a, b in zip(sel, sel_ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

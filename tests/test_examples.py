@@ -139,7 +139,8 @@ def test_train_quality_runs_the_grid_and_writes_what_it_draws(tmp_path):
 
     assert json.loads(out.read_text()) == results
     assert "| 64 | htree top_k=4 | 0 | 4 |" in train_quality.table(results)
-    assert train_quality.label(dict(results[0], selection="bound")) == "htree top_k=4 bound"
+    assert train_quality.label(dict(results[0], selection="mean")) == "htree top_k=4 mean"
+    assert train_quality.label({"attention": "htree", "top_k": 4}) == "htree top_k=4 mean"  # runs before 2026-11-26
 
 
 def test_train_quality_refuses_tokens_per_step_that_no_batch_fits():

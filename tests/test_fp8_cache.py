@@ -94,16 +94,19 @@ def test_fp8_cache_decodes_the_tokens_as_read_back(rng, backend, selection):
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
-def test_fp8_cache_within_the_stated_tolerance_of_the_bf16_cache(rng, backend):
+@pytest.mark.parametrize("selection, walk_bound", [("mean", 0.25), ("bound", 0.3)])
+def test_fp8_cache_within_the_stated_tolerance_of_the_bf16_cache(rng, backend, selection, walk_bound):
     """The tolerance `init_cache` states: outputs of an FP8 cache within 0.05 relative
     RMS of the bf16 cache's where every token is attended exactly (T <= top_k * r: the
-    e4m3 rounding alone), within 0.25 where the walk selects: a node's mean moves with
-    its tokens' rounding, which flips near ties, and random normal tokens are near ties
-    everywhere (0.12 to 0.21 measured at r = 4 and 16, top_k = 4 to 64, T = 200 to 2048)."""
+    e4m3 rounding alone), where the walk selects within 0.25 with the mean, 0.3 with the
+    bound: a node's mean (and radii) move with its tokens' rounding, which flips near
+    ties, and random normal tokens are near ties everywhere (the mean 0.12 to 0.21
+    measured at r = 4 and 16, top_k = 4 to 64, T = 200 to 2048; the bound 0.25 and 0.27
+    here, 2026-11-26)."""
     B, H, H_kv, K, V, T = 2, 4, 2, 64, 64, 200
     q, k, v = (jnp.asarray(x, DTYPE) for x in random_qkv(rng, B, T, H, H_kv, K, V))
-    for config, bound in ((HTreeConfig(compression_rate=4, top_k=64), 0.05), (HTreeConfig(compression_rate=4, top_k=4),
-                                                                             0.25)):
+    rule = dict(compression_rate=4, selection=selection)
+    for config, bound in ((HTreeConfig(top_k=64, **rule), 0.05), (HTreeConfig(top_k=4, **rule), walk_bound)):
         outs = []
         for token_dtype in (None, FP8):
             cache = init_cache(B, T, H_kv, K, V, config, DTYPE, token_dtype=token_dtype)

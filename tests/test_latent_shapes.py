@@ -18,8 +18,9 @@ import pytest
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from htree_jax.backends import attend_cache
 from htree_jax.decode import rotation_layout
+from pallas_kernels import shared_memory
 from pallas_kernels.common import LayerStatic
-from pallas_kernels.decode import STAGED_BYTES, DecodeBlockSizes, attend_cache_pallas, pipelined
+from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, pipelined
 from pallas_kernels.importance import decode_keys_pallas, group_keys_from_scores, half_pieces
 from pallas_kernels.merge import cache_value_pieces, values_in_key_tiles
 from tests.conftest import random_qkv
@@ -175,16 +176,16 @@ def test_values_in_key_tiles():
 
 
 def test_pipeline_stages_of_the_decode():
-    """Two stages where two steps' gathered tiles take at most STAGED_BYTES (16-bit):
+    """Two stages where two steps' gathered tiles take at most WIDE_STAGED_BYTES (16-bit):
     G > 16 every kernel, the bottom merge's span halved for a value layer; G <= 16 the
     merges at their span, the scores at one; float32 one stage."""
     st = LayerStatic(r=16, tile=1024, group=64, alpha=1.0, importance="softmax", strict_causal=True, log_n=10,
                      top_k=64, precision=None, span=64, num_stages=1, latent_half=256)
     own, keys = pipelined(st, 576, 512, 2, False), pipelined(st, 576, 512, 2, True)
     assert (own.scores.num_stages, own.scores.span, own.merge.num_stages) == (2, 64, 2)
-    assert (own.bottom.num_stages, own.bottom.span) == (2, 32)  # 2 * 64 * 1088 * 2 B > STAGED_BYTES
+    assert (own.bottom.num_stages, own.bottom.span) == (2, 32)  # 2 * 64 * 1088 * 2 B > WIDE_STAGED_BYTES
     assert (keys.bottom.num_stages, keys.bottom.span) == (2, 64)
-    assert 2 * 64 * 1088 * 2 > STAGED_BYTES >= 2 * 64 * 576 * 2
+    assert 2 * 64 * 1088 * 2 > shared_memory.WIDE_STAGED_BYTES >= 2 * 64 * 576 * 2
     x = pipelined(st, 576, 512, 4, True)  # float32
     assert x.scores == x.merge == x.bottom == st
     gqa = dataclasses.replace(st, group=16)
@@ -236,7 +237,8 @@ def test_two_stage_decode_kernels_equal_the_reference_walk(rng, r, top_k, span, 
         want, sel_want = attend_cache(qr[:, -8:], cache.keys, cache.values, cache.radii, positions, config,
                                       "reference", value_dim=cache.value_dim)
         got, sel = attend_cache_pallas(qr[:, -8:], cache.keys, cache.values, positions, config,
-                                       DecodeBlockSizes(span=span), interpret=True, value_dim=cache.value_dim)
+                                       DecodeBlockSizes(span=span), interpret=True, value_dim=cache.value_dim,
+                                       radii=cache.radii)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
         for a, b in zip(sel, sel_want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -269,7 +271,7 @@ def test_decode_programs_and_feature_pieces(rng, G, K, rope_dim, wide_rows):
     positions = jnp.arange(T - 8, T, dtype=jnp.int32)[None]
     want, sel_want = attend_cache(q[:, -8:], cache.keys, cache.values, cache.radii, positions, config, "reference")
     got, sel = attend_cache_pallas(q[:, -8:], cache.keys, cache.values, positions, config,
-                                   DecodeBlockSizes(wide_rows=wide_rows), interpret=True)
+                                   DecodeBlockSizes(wide_rows=wide_rows), interpret=True, radii=cache.radii)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for a, b in zip(sel, sel_want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -19,6 +19,7 @@ from htree_jax.reference import (
     attend_tree,
     default_query_chunk,
     rotate_by_child_offset,
+    with_radii,
 )
 from htree_jax.core.tree import build_tree
 from reference_numpy import htree_attention_numpy
@@ -52,7 +53,8 @@ def test_default_config_t16384_matches_oracle_at_sampled_positions():
     # (below 8192 a query keeps every top node and the test would check no selection).
     pos = np.array([8192, 9001, 10007, 12345, 15000, T - 1])
     assert np.all(pos // config.compression_rate + 1 > config.top_k)
-    layers = [(rotate_by_child_offset(kl, config), vl) for kl, vl in build_tree(k, v, config)]
+    tree = build_tree(k, v, config)
+    layers = [(rotate_by_child_offset(kl, config), vl) + rho for (kl, vl), rho in zip(tree, with_radii(tree, config))]
     o, sel = attend_tree(jnp.asarray(q[:, pos]), layers, jnp.asarray(pos, jnp.int32), config, query_chunk=2)
     ref, ref_sel, fragile = htree_attention_numpy(q, k, v, config, return_selected=True, query_positions=pos,
                                                   return_fragile=True)

@@ -102,9 +102,12 @@ def test_rope_dim_above_k_is_refused_before_any_work(rng):
     config = HTreeConfig(rope_dim=16)
     with pytest.raises(ValueError, match="rope_dim must be at most the head dim K = 8"):
         htree_attention(q, k, v, config)
-    cache = init_cache(1, 8, 1, 8, 8, config, jnp.float32)
     with pytest.raises(ValueError, match="rope_dim must be at most the head dim K = 8"):
-        prefill(q, k, v, cache, config)
+        init_cache(1, 8, 1, 8, 8, config, jnp.float32)  # the bound's radii need the feature groups
+    mean = HTreeConfig(rope_dim=16, selection="mean")
+    cache = init_cache(1, 8, 1, 8, 8, mean, jnp.float32)
+    with pytest.raises(ValueError, match="rope_dim must be at most the head dim K = 8"):
+        prefill(q, k, v, cache, mean)
 
 
 @pytest.mark.gpu

@@ -11,8 +11,9 @@ import pytest
 from htree_jax import HTreeConfig
 from htree_jax.core.bounds import group_count
 from pallas_kernels import shared_memory
-from pallas_kernels.common import KERNEL_GROUP, next_power_of_two
-from pallas_kernels.plan import BlockSizes, layout, top_pipeline
+from pallas_kernels.common import KERNEL_GROUP, LayerStatic, next_power_of_two
+from pallas_kernels.decode import DecodeBlockSizes, decode_bound_width, decode_program, pipelined
+from pallas_kernels.plan import BlockSizes, bound_groups, group_rows, layout, top_importance_launch, top_pipeline
 from pallas_kernels.precision import Precisions
 
 # The top layer's importance kernel as compiled on an H100 (jax 0.11.2, 2026-11-26,
@@ -46,6 +47,9 @@ AT_MOST = [
     ((8, 192, None, "bfloat16", False, 16, 64, 1), 196608),
     ((8, 256, None, "bfloat16", False, 16, 64, 1), 196608),
     ((8, 192, None, "bfloat16", True, 16, 64, 1), 262144),  # requested (overflow)
+    # Packed latent attention (virtual heads of 16, K = 576 padded to 1024; gpu_gate, H100):
+    ((16, 576, 64, "bfloat16", False, 1, 16, 2), 114688),
+    ((16, 576, 64, "bfloat16", True, 1, 16, 1), 180224),
 ]
 
 
@@ -72,6 +76,7 @@ def test_model_equals_the_compiler(case, measured):
 @pytest.mark.parametrize("case, measured", AT_MOST)
 def test_model_bounds_the_compiler(case, measured):
     assert measured <= model_bytes(*case) <= measured * 1.6
+    assert model_bytes(*case) <= shared_memory.LIMIT or measured > shared_memory.LIMIT
 
 
 def test_first_fitting_takes_the_first_that_fits():
@@ -82,6 +87,9 @@ def test_first_fitting_takes_the_first_that_fits():
 
 GROUPS = [1, 2, 3, 4, 6, 8, 12, 16]
 HEAD_DIMS = [(32, None), (64, None), (96, 32), (128, None), (192, None), (192, 64), (256, None)]
+# Groups past 16 heads run as virtual kv heads of 16 on these kernels (head dims up to
+# 256, and packed latent attention at K = 576 with rope_dim = 64, V = 512).
+WIDE_GROUPS = [32, 48, 64, 128]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -104,10 +112,74 @@ def test_every_top_importance_launch_fits(dtype, selection):
             assert tile <= Mp and queries >= 1
 
 
+@pytest.mark.parametrize("selection", ["mean", "bound"])
+def test_every_packed_latent_top_importance_launch_fits(selection):
+    """Packed latent attention (the GQA kernels on virtual heads of 16 at K = 576)."""
+    for top_k, importance in itertools.product([8, 64, 512, 1024], ["softmax", "shared_max"]):
+        config = HTreeConfig(top_k=top_k, rope_dim=64, selection=selection, importance=importance)
+        _, got = top_importance_launch(config, BlockSizes.for_dims(576, 512), "bfloat16", 576, 512, KERNEL_GROUP)
+        assert got <= shared_memory.LIMIT, (top_k, got)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("selection", ["mean", "bound"])
+def test_every_per_query_launch_fits_or_takes_one_stage(dtype, selection):
+    """Below the top layer: the scores kernel (with the bound's norms and radii) and the
+    backward's per-query kernels keep the block sizes' two stages where the model says
+    they fit, else one (every probed shape compiled so). The shapes that overflowed
+    with two take one: float32 at K = V = 256 and K = V = 192 (backward), packed latent
+    attention with the bound (forward)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    for G, (K, rope) in itertools.product(GROUPS + WIDE_GROUPS, HEAD_DIMS + [(576, 64)]):
+        V = 512 if K == 576 else K
+        bs = BlockSizes.for_dims(K, V)
+        config = HTreeConfig(top_k=8, rope_dim=rope, selection=selection)
+        kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
+        rows = group_rows(min(G, KERNEL_GROUP), bs)
+        for footprint in (shared_memory.per_query(rows, bs.tile, kp, vp, itemsize, backward=True),
+                          shared_memory.per_query(rows, bs.tile, kp, 0, itemsize, bound_groups(config, K)[1])):
+            stages = shared_memory.per_query_stages(bs.num_stages, footprint)
+            assert stages == 1 or shared_memory.fits(footprint, stages), (G, K, stages)
+    backward = lambda K, rows: shared_memory.per_query(rows, 64, K, K, 4, backward=True)
+    assert shared_memory.per_query_stages(2, backward(256, 8)) == 1
+    assert shared_memory.per_query_stages(2, backward(256, 16)) == 1
+    assert shared_memory.per_query_stages(2, backward(128, 16)) == 2
+    packed_bound = shared_memory.per_query(16, 32, 1024, 0, 2, 1024)
+    assert shared_memory.per_query_stages(2, packed_bound) == 1
+    assert shared_memory.per_query_stages(2, shared_memory.per_query(16, 32, 1024, 0, 2)) == 2
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("selection", ["mean", "bound"])
+def test_every_wide_program_fits(itemsize, selection):
+    """Wide groups (latent attention, G = 32..128, K = 576, V = 512 or the values read
+    from the keys): the program the forward, the backward and the decode step take fits
+    `WIDE_PROGRAM_BYTES`, and each decode kernel's stages fit `WIDE_STAGED_BYTES`. With
+    the bound the decode step holds 544 float32 group norms a row (it asked 397568 B and
+    565504 B at G = 32 and 128 before they were counted): bfloat16 takes 16 x 32."""
+    config = HTreeConfig(top_k=64, rope_dim=64, selection=selection)
+    width = decode_bound_width(config, 576)
+    assert width == (544 if selection == "bound" else 0)
+    for G, own_values in itertools.product(WIDE_GROUPS, [0, 512]):
+        rows, span = decode_program(config, G, 576, 512, itemsize, DecodeBlockSizes())
+        program = shared_memory.wide_program(rows, span, 512, 32, own_values, itemsize, width)
+        assert shared_memory.fits(program, 1, shared_memory.WIDE_PROGRAM_BYTES), (G, rows, span)
+        st = LayerStatic(r=16, tile=1024, group=G, alpha=1.0, importance="softmax", strict_causal=True, log_n=10,
+                         top_k=64, precision=None, span=span, num_stages=1, latent_half=256)
+        walk = pipelined(st, 576, 512, itemsize, own_values == 0, width)
+        tiles = [(walk.scores, 576, width), (walk.merge, 512, 0), (walk.bottom, 576 + own_values, 0)]
+        for x, features, w in tiles:
+            staged = shared_memory.staged_tiles(x.span, features, itemsize, w)
+            assert shared_memory.fits(staged, x.num_stages, shared_memory.WIDE_STAGED_BYTES), (G, x, features)
+    if selection == "bound" and itemsize == 2:
+        assert decode_program(config, 128, 576, 512, 2, DecodeBlockSizes()) == (16, 32)
+
+
 def test_the_bound_keeps_the_measured_launch_where_it_fits():
     """The benchmark shape (G=8, K=V=128, bf16): the mean keeps 128 candidates in two
-    stages (204800 B); the bound, which asked 303104 B there, takes 64 in two (200704 B)."""
+    stages (204800 B); the bound, which asked 303104 B there, takes 128 in one (204800 B,
+    faster than 64 in two)."""
     precisions = Precisions.for_dtype(jnp.bfloat16)
     mean = top_pipeline(BlockSizes(), precisions, 128, 128, 8, 1024, 0)[1]
     bound = top_pipeline(BlockSizes(), precisions, 128, 128, 8, 1024, bound_width(128, None, True))[1]
-    assert mean == (16, 128, 2) and bound == (16, 64, 2)
+    assert mean == (16, 128, 2) and bound == (16, 128, 1)

@@ -19,7 +19,7 @@ from htree_jax.core.rope import rope_layout
 from htree_jax.reference import htree_attention_reference
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.plan import BlockSizes
-from pallas_kernels import wide, wide_forward
+from pallas_kernels import shared_memory, wide, wide_forward
 from pallas_kernels.wide import head_block
 from pallas_kernels.wide_forward import FeatureSplit, wide_eligible, wide_forward_pallas
 from tests.conftest import random_qkv
@@ -59,10 +59,10 @@ def test_wide_forward_equals_the_reference(rng, selection, importance, strict, B
 
 
 def test_short_importance_steps_and_one_stage(rng, monkeypatch):
-    """Where the gathered tiles would not fit (`PIPELINE_BYTES`), the importance walks
+    """Where the gathered tiles would not fit (`WIDE_STAGED_BYTES`), the importance walks
     steps shorter than the RoPE copies' span (16 of 64 here) and the merges take one
     pipeline stage: the same selections and outputs."""
-    monkeypatch.setattr(wide_forward, "PIPELINE_BYTES", 1)
+    monkeypatch.setattr(shared_memory, "WIDE_STAGED_BYTES", 1)
     config = HTreeConfig(compression_rate=4, top_k=16, rope_dim=32, selection="bound")
     q, k, v = random_qkv(rng, 1, 600, 32, 1, 64, 32)  # M = 64: 3 layers
     q, k = laid_out(q, k, config)

@@ -54,12 +54,13 @@ class HTreeConfig:
         layout of multi-head latent attention, `[q_nope, q_pe]`), with angles
         `rope_base^(-2i/rope_dim)`; the others enter the dot product unrotated. Even,
         `0 < rope_dim <= K` (checked against K at the call); `None`: all of K.
-      selection: how a layer ranks its candidates for refinement (SPEC 11). `"mean"`
-        (the default): by their mean keys' scores. `"bound"`: by an upper bound of what
-        any token under the node could score (the score plus `alpha` times the query's
-        feature-group norms against the node's radii), which finds the one strong token
-        a mean dilutes. The merge uses the mean keys' scores either way. Every
-        full-sequence backend; decoding on the JAX reference (backend "auto" takes it).
+      selection: how a layer ranks its candidates for refinement (SPEC 11). `"bound"`
+        (the default): by an upper bound of what any token under the node could score
+        (the score plus `alpha` times the query's feature-group norms against the
+        node's radii), which finds the one strong token a mean dilutes: a model trained
+        with dense attention keeps its recall under htree (RESULTS, selection transfer).
+        `"mean"`, the original rule: by their mean keys' scores. The merge uses the mean
+        keys' scores either way. Every backend, full sequences and decoding.
     """
 
     compression_rate: int = 16
@@ -69,7 +70,7 @@ class HTreeConfig:
     importance: str = "softmax"
     strict_causal: bool = True
     rope_dim: int | None = None
-    selection: str = "mean"
+    selection: str = "bound"
 
     def __post_init__(self):
         # NumPy scalars are numbers too (`np.int64(4)`, `np.float32(1e4)`); each field is
