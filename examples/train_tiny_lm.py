@@ -1,6 +1,8 @@
-"""Train a tiny decoder-only LM with htree attention on a long-range retrieval task.
+"""Train a tiny decoder-only LM with htree attention on a long-range retrieval task, or
+on real text.
 
-Two tasks (`--task`), both scored at the last positions of each sequence only:
+Three tasks (`--task`); the first two are scored at the last positions of each sequence
+only:
 
 - `recall` (default), multi-query associative recall: `--pairs` key-value pairs (a key
   token followed by a value token; distinct keys) at random places among random filler
@@ -11,6 +13,15 @@ Two tasks (`--task`), both scored at the last positions of each sequence only:
   anywhere in the sequence.
 - `needle`: one value token somewhere in the first half of the filler, a QUERY token at
   the end; the model names the value there.
+- `text` (the default with `--data DIR`): a byte-level language model (256 symbols, no
+  tokenizer) of the text files under `DIR`, scored at every position (next-byte loss;
+  the output gives it in bits per byte). A document is the text files of one directory
+  concatenated in sorted order, so a later file uses the names an earlier one defined;
+  a batch is random windows of `--seq-len + 1` bytes of the training documents. The
+  held-out split is by path: the files whose `crc32(path under DIR) % 20 == 0`, each
+  directory's such files a held-out document of their own (`TextCorpus`). Without
+  `--data` it reads a corpus every machine has and nobody here wrote: the source of
+  Python's standard library (`sysconfig.get_paths()["stdlib"]`, `site-packages` left out).
 
 With the CPU defaults (T=128, compression_rate=4, top_k=4) the tree has three layers
 (128 -> 32 -> 8): each query scores at most 16 candidates per layer (48 in all, of 128
@@ -18,6 +29,8 @@ tokens), so most of the past is reachable only through the tree.
 
     python examples/train_tiny_lm.py                      # htree attention
     python examples/train_tiny_lm.py --attention dense    # dense causal attention baseline
+    python examples/train_tiny_lm.py --task text          # bytes of Python's standard library
+    python examples/train_tiny_lm.py --data ~/notes --seq-len 1024   # bytes of any directory
     python examples/train_tiny_lm.py --seq-len 16384 --compression-rate 16 --top-k 512 \\
         --d-model 128 --steps 1000 --batch 8 --len-warmup-steps 500 --rope-base 1e6   # on a GPU
 
@@ -39,8 +52,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
+import pathlib
 import statistics
+import sysconfig
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +88,10 @@ class Task:
     def vocab(self) -> int:
         return NUM_FILLERS + self.num_values + (self.num_keys if self.name == "recall" else 1)
 
+    def eval_batch(self, rng: np.random.Generator, batch: int, seq_len: int):
+        """Evaluation draws from the same distribution (fresh sequences)."""
+        return self.batch(rng, batch, seq_len)
+
     def batch(self, rng: np.random.Generator, batch: int, seq_len: int):
         """`tokens [B, T]` int32 and the value tokens to name `targets [B, Q]` at positions
         `[T - Q, T)`, `Q = queries` (recall) or 1 (needle)."""
@@ -77,6 +99,110 @@ class Task:
             tokens, answers = make_needle_batch(rng, batch, seq_len, self.num_values)
             return tokens, NUM_FILLERS + answers[:, None]
         return make_recall_batch(rng, batch, seq_len, self.num_values, self.num_keys, self.pairs, self.queries)
+
+
+# One file in this many is held out, chosen by a hash of its path (`held_out_file`).
+HELD_OUT_EVERY = 20
+
+
+def stdlib_source() -> pathlib.Path:
+    """The default corpus: the Python standard library's source directory."""
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def held_out_file(relative_path: str) -> bool:
+    """The split, by path alone: fixed across runs, machines and corpus orderings."""
+    return zlib.crc32(relative_path.encode()) % HELD_OUT_EVERY == 0
+
+
+def read_text_files(root: pathlib.Path) -> dict:
+    """`{directory under root: [(file name, bytes)] in sorted order}`: every regular file
+    under `root` that decodes as UTF-8 and holds no NUL byte; `site-packages`,
+    `__pycache__` and hidden directories left out."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        parts = path.relative_to(root).parts
+        if any(p in ("site-packages", "__pycache__") or p.startswith(".") for p in parts[:-1]):
+            continue
+        if not path.is_file() or path.is_symlink():
+            continue
+        data = path.read_bytes()
+        if not data or b"\0" in data:
+            continue
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        out.setdefault(str(path.parent.relative_to(root)), []).append((path.name, data))
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextCorpus:
+    """Byte documents of a directory's text files (see the module docstring): `train` and
+    `held_out`, each a tuple of uint8 arrays, one per directory (its files in sorted
+    order, each ending in a newline)."""
+
+    root: str
+    train: tuple
+    held_out: tuple
+    held_out_files: int
+
+    vocab = 256
+
+    @staticmethod
+    def load(root: pathlib.Path) -> "TextCorpus":
+        root = pathlib.Path(root).expanduser().resolve()
+        if not root.is_dir():
+            raise ValueError(f"--data must be a directory, got {str(root)!r}")
+        train, held_out, held_files = [], [], 0
+        for directory, files in read_text_files(root).items():
+            parts = {True: [], False: []}
+            for name, data in files:
+                parts[held_out_file(str(pathlib.PurePosixPath(directory, name)))].append(data.rstrip(b"\n") + b"\n")
+            held_files += len(parts[True])
+            for split, chunks in ((held_out, parts[True]), (train, parts[False])):
+                if chunks:
+                    split.append(np.frombuffer(b"".join(chunks), np.uint8))
+        if not train or not held_out:
+            raise ValueError(f"--data {str(root)!r}: needs text files in both splits (one file in {HELD_OUT_EVERY} "
+                             f"is held out, by a hash of its path); found {len(train)} training and {len(held_out)} "
+                             "held-out documents")
+        return TextCorpus(str(root), tuple(train), tuple(held_out), held_files)
+
+    def describe(self) -> str:
+        size = lambda docs: f"{len(docs)} documents, {sum(len(d) for d in docs):,} bytes, longest {max(map(len, docs)):,}"
+        return (f"corpus {self.root}: train {size(self.train)}; held out ({self.held_out_files} files whose "
+                f"crc32(path) % {HELD_OUT_EVERY} == 0) {size(self.held_out)}")
+
+    def batch(self, rng: np.random.Generator, batch: int, seq_len: int):
+        """`tokens [B, T]` and `targets [B, T]` (the next bytes) int32: random windows of
+        `T + 1` bytes of the training documents, a document drawn in proportion to the
+        windows it holds."""
+        return windows(rng, self.train, batch, seq_len, "training")
+
+    def eval_batch(self, rng: np.random.Generator, batch: int, seq_len: int):
+        """The same, of the held-out documents."""
+        return windows(rng, self.held_out, batch, seq_len, "held-out")
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(root: str) -> TextCorpus:
+    return TextCorpus.load(pathlib.Path(root))
+
+
+def windows(rng: np.random.Generator, documents, batch: int, seq_len: int, split: str):
+    """`(tokens, targets)` `[B, T]` int32 from windows of `T + 1` bytes of `documents`."""
+    need = seq_len + 1
+    starts = np.array([len(d) - need + 1 for d in documents], np.int64)
+    if starts.max() < 1:
+        raise ValueError(f"--seq-len {seq_len}: no {split} document holds {need} bytes (the longest holds "
+                         f"{max(map(len, documents))})")
+    counts = np.maximum(starts, 0)
+    which = rng.choice(len(documents), size=batch, p=counts / counts.sum())
+    offsets = (rng.random(batch) * counts[which]).astype(np.int64)
+    rows = np.stack([documents[d][o:o + need] for d, o in zip(which, offsets)]).astype(np.int32)
+    return rows[:, :-1], rows[:, 1:]
 
 
 def make_needle_batch(rng: np.random.Generator, batch: int, seq_len: int, num_values: int):
@@ -196,8 +322,8 @@ class TinyLM(nnx.Module):
 
 
 def query_loss(model, tokens, targets):
-    """Cross-entropy (float32) of `targets [B, Q]` at the last `Q` positions, and the
-    accuracy over all of them."""
+    """Cross-entropy (float32) of `targets [B, Q]` at the last `Q` positions (text: `Q =
+    T`, every position), and the accuracy over all of them."""
     logits = model(tokens)[:, -targets.shape[1]:].astype(jnp.float32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     return loss, jnp.mean(jnp.argmax(logits, -1) == targets)
@@ -219,7 +345,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--attention", choices=("htree", "dense"), default="htree")
-    p.add_argument("--task", choices=("recall", "needle"), default="recall")
+    p.add_argument("--task", choices=("recall", "needle", "text"), default=None,
+                   help="default: text with --data, else recall")
+    p.add_argument("--data", default=None,
+                   help="text: the directory whose text files are the corpus (default: Python's standard library)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=128)
@@ -249,6 +378,10 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     args = p.parse_args(argv)
+    if args.task is None:
+        args.task = "text" if args.data else "recall"
+    if args.data and args.task != "text":
+        p.error(f"--data is the text task's corpus; --task {args.task} makes its own sequences")
     for name in ("steps", "batch", "seq_len", "num_values", "num_keys", "pairs", "queries", "d_model", "layers",
                  "heads", "kv_heads", "eval_size", "log_every"):
         if getattr(args, name) < 1:
@@ -262,6 +395,8 @@ def parse_args(argv=None):
     shortest = min(args.seq_len, args.len_warmup_start) if args.len_warmup_steps else args.seq_len
     if args.len_warmup_steps and (shortest < 4 or args.seq_len % shortest or args.batch * args.seq_len % shortest):
         p.error("--len-warmup-start must be >= 4 and divide --seq-len and --batch * --seq-len")
+    if args.task == "text" and args.len_warmup_steps:
+        p.error("--len-warmup-steps: the text task trains at --seq-len (no length curriculum)")
     if args.task == "recall" and not (args.queries <= args.pairs <= min(args.num_keys,
                                                                           (shortest - args.queries) // 2)):
         p.error("--queries <= --pairs <= min(--num-keys, (L - --queries) // 2) for the recall task, L the "
@@ -290,8 +425,15 @@ def compute_dtype(name: str):
     return jnp.dtype(name)
 
 
-def task_of(args) -> Task:
+def task_of(args):
+    """The `Task`, or for `text` the `TextCorpus` (read once per directory)."""
+    if args.task == "text":
+        return load_corpus(str(args.data or stdlib_source()))
     return Task(args.task, args.num_values, args.num_keys, args.pairs, args.queries)
+
+
+def chance_of(args) -> float:
+    return 1 / (TextCorpus.vocab if args.task == "text" else args.num_values)
 
 
 def build_model(args, attention: str | None = None, **config_fields) -> TinyLM:
@@ -319,14 +461,15 @@ def evaluate(model, tokens, targets):
 
 def eval_accuracy(model, args, seq_len: int, eval_size: int | None = None) -> tuple[float, float]:
     """`(accuracy, loss)` over `eval_size` (default `args.eval_size`) fresh sequences of
-    `seq_len` tokens, the same ones for every model with the same `args.seed`."""
+    `seq_len` tokens (text: windows of the held-out documents; the accuracy the next
+    byte's), the same ones for every model with the same `args.seed`."""
     task, eval_size = task_of(args), eval_size or args.eval_size
     eval_rng = np.random.default_rng(args.seed + 10**6)
     eval_batch = args.eval_batch or args.batch
     correct = total_loss = 0.0
     for first in range(0, eval_size, eval_batch):
         rows = min(eval_batch, eval_size - first)
-        tokens, targets = task.batch(eval_rng, rows, seq_len)
+        tokens, targets = task.eval_batch(eval_rng, rows, seq_len)
         loss, acc = evaluate(model, jnp.asarray(tokens), jnp.asarray(targets))
         correct += float(acc) * rows
         total_loss += float(loss) * rows
@@ -362,8 +505,10 @@ def train(args) -> tuple[TinyLM, dict]:
     layers = config.layer_sizes(args.seq_len) if args.attention == "htree" else (args.seq_len,)
     attention = args.attention if args.attention == "htree" else f"dense ({dense_implementation(dtype)})"
     print(f"task={args.task} attention={attention} T={args.seq_len} tree layers={list(layers)} "
-          f"dtype={jnp.dtype(dtype).name} chance={1 / args.num_values:.3f} platform={jax.default_backend()}",
+          f"dtype={jnp.dtype(dtype).name} chance={chance_of(args):.3f} platform={jax.default_backend()}",
           flush=True)
+    if args.task == "text":
+        print(task.describe(), flush=True)
     rng = np.random.default_rng(args.seed)
     steps = range(args.steps)
     bar = None
@@ -413,11 +558,14 @@ def train(args) -> tuple[TinyLM, dict]:
                   rope_base=args.rope_base, len_warmup_steps=args.len_warmup_steps,
                   len_warmup_start=args.len_warmup_start, dense_steps=dense_steps, losses=losses,
                   batch_accuracies=accuracies,
-                  eval_loss=eval_loss, accuracy=accuracy, chance=1 / args.num_values, train_seconds=train_s,
+                  eval_loss=eval_loss, accuracy=accuracy, chance=chance_of(args), train_seconds=train_s,
                   step_ms=step_ms, tokens_per_second=args.batch * args.seq_len / (step_ms / 1e3),
                   device=jax.devices()[0].device_kind)
+    if args.task == "text":
+        result.update(data=task.root, bits_per_byte=eval_loss / math.log(2))
+    held = f", {eval_loss / math.log(2):.3f} bits per byte held out" if args.task == "text" else ""
     print(f"final: task={args.task} attention={attention} T={args.seq_len} eval accuracy {accuracy:.3f} (chance "
-          f"{1 / args.num_values:.3f}), eval loss {eval_loss:.4f}, {train_s:.0f} s, {step_ms:.1f} ms/step, "
+          f"{chance_of(args):.3f}), eval loss {eval_loss:.4f}{held}, {train_s:.0f} s, {step_ms:.1f} ms/step, "
           f"{result['tokens_per_second']:,.0f} tokens/s", flush=True)
     return model, result
 

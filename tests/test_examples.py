@@ -190,3 +190,84 @@ def test_selection_transfer_trains_dense_and_evaluates_each_rule(tmp_path):
                                      str(tmp_path / "again.json"), "--load-weights", str(tmp_path / "w.pkl"), "--",
                                      "--d-model", "16", "--dtype", "float32"])
     assert [r["accuracy"] for r in again] == [results[0]["accuracy"]] + [r["accuracy"] for r in results[3:]]
+
+
+def write_corpus(root: pathlib.Path, example) -> dict:
+    """Two directories of text files (one name per file, in a nested directory too), a
+    binary file, a file that is not UTF-8, a `__pycache__` and a hidden directory:
+    `{relative path: text}` of the text files."""
+    texts = {}
+    for directory in ("pkg", "pkg/sub"):
+        for i in range(40):
+            path = f"{directory}/m{i:02d}.py"
+            texts[path] = f"# {path}\nNAME_{i} = {i} * 3\n" * (i % 5 + 1)
+    texts["notes.txt"] = "a top-level note: é, ü\n"
+    for path, text in texts.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text, encoding="utf-8")
+    (root / "pkg" / "blob.bin").write_bytes(b"\x00\x01\x02binary")
+    (root / "pkg" / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    for skipped in ("pkg/__pycache__/m00.pyc", ".git/config", "site-packages/x/y.py"):
+        (root / skipped).parent.mkdir(parents=True, exist_ok=True)
+        (root / skipped).write_text("skipped\n")
+    return texts
+
+
+def test_text_corpus_documents_split_and_windows(tmp_path):
+    """Per directory one document of its text files in sorted order (each ending in a
+    newline); binary, non-UTF-8, cache, hidden and site-packages files left out; the
+    held-out files those whose path hashes to 0 mod 20, their own documents; windows
+    are byte symbols and their next bytes."""
+    example = _load()
+    texts = write_corpus(tmp_path, example)
+    corpus = example.TextCorpus.load(tmp_path)
+    held = sorted(p for p in texts if example.held_out_file(p))
+    assert held and len(held) < len(texts)  # this corpus has files in both splits
+    assert corpus.held_out_files == len(held)
+
+    def documents(split_held: bool) -> list[bytes]:
+        out = []
+        for directory in (".", "pkg", "pkg/sub"):
+            names = sorted(p for p in texts if str(pathlib.PurePosixPath(p).parent) == directory
+                           and example.held_out_file(p) == split_held)
+            if names:
+                out.append(b"".join(texts[n].encode() for n in names))
+        return out
+
+    assert sorted(bytes(d) for d in corpus.train) == sorted(documents(False))
+    assert sorted(bytes(d) for d in corpus.held_out) == sorted(documents(True))
+    everything = b"".join(bytes(d) for d in corpus.train + corpus.held_out)
+    assert b"skipped" not in everything and b"binary" not in everything and b"caf" not in everything
+    rng = np.random.default_rng(0)
+    tokens, targets = corpus.batch(rng, 16, 24)
+    assert tokens.shape == targets.shape == (16, 24) and tokens.dtype == np.int32
+    assert tokens.min() >= 0 and tokens.max() < corpus.vocab == 256
+    np.testing.assert_array_equal(tokens[:, 1:], targets[:, :-1])  # the next byte
+    train_text = [bytes(d) for d in corpus.train]
+    for row, nxt in zip(tokens, targets):  # each window lies inside one training document
+        window = bytes(row.astype(np.uint8)) + bytes([nxt[-1]])
+        assert any(window in d for d in train_text)
+    tokens, _ = corpus.eval_batch(rng, 4, 8)
+    assert all(any(bytes(r.astype(np.uint8)) in bytes(d) for d in corpus.held_out) for r in tokens)
+    with pytest.raises(ValueError, match="no training document holds"):
+        corpus.batch(rng, 2, 10**6)
+
+
+def test_text_task_trains_two_steps_on_a_directory(tmp_path, capsys):
+    example = _load()
+    write_corpus(tmp_path, example)
+    result = example.main(["--data", str(tmp_path), "--steps", "2", "--batch", "2", "--seq-len", "32",
+                           "--eval-size", "2", "--no-progress", "--d-model", "32", "--layers", "1"])
+    assert result["task"] == "text" and result["data"] == str(tmp_path.resolve())
+    assert np.isfinite(result["bits_per_byte"]) and result["chance"] == 1 / 256
+    out = capsys.readouterr().out
+    assert "held out (" in out and "crc32(path) % 20 == 0" in out and "bits per byte held out" in out
+    with pytest.raises(SystemExit):
+        example.parse_args(["--data", str(tmp_path), "--task", "recall"])
+
+
+def test_the_default_corpus_is_the_standard_library_source():
+    example = _load()
+    root = example.stdlib_source()
+    assert (root / "os.py").is_file() and (root / "json" / "__init__.py").is_file()
+    assert example.parse_args(["--task", "text"]).data is None  # read from `stdlib_source()`
