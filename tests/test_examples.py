@@ -4,6 +4,8 @@ attention, and its dense baseline runs."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import pathlib
 import sys
 
@@ -271,3 +273,31 @@ def test_the_default_corpus_is_the_standard_library_source():
     root = example.stdlib_source()
     assert (root / "os.py").is_file() and (root / "json" / "__init__.py").is_file()
     assert example.parse_args(["--task", "text"]).data is None  # read from `stdlib_source()`
+
+
+def test_text_quality_trains_evaluates_and_buckets(tmp_path):
+    """`benchmarks/text_quality.py` at a CI size: each trained model's weights scored with
+    dense attention and each htree rule on the same held-out windows; bits per byte per
+    position bucket."""
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+    from benchmarks import text_quality
+
+    losses = np.full((2, 5000), math.log(2))
+    losses[:, :1024] *= 2
+    bits = text_quality.bits_per_byte(losses)
+    assert bits["0-1K"] == pytest.approx(2.0) and bits["1K-4K"] == pytest.approx(1.0)
+    assert bits["4K-16K"] == pytest.approx(1.0) and "16K-64K" not in bits
+    assert bits["overall"] == pytest.approx((1024 * 2 + (5000 - 1024)) / 5000)
+    corpus_dir = tmp_path / "corpus"
+    write_corpus(corpus_dir, _load())
+    out = tmp_path / "tq.json"
+    rows = text_quality.main(["--data", str(corpus_dir), "--seq-len", "32", "--steps", "2", "--batch", "2",
+                              "--d-model", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                              "--eval-lens", "32,96", "--eval-windows", "2", "--top-ks", "2", "--train", "dense,htree",
+                              "--train-top-k", "2", "--no-progress", "--out", str(out), "--png",
+                              str(tmp_path / "tq.png")])
+    assert [(r["trained"], r["evaluated"], r["T"]) for r in rows[:6]] == [
+        ("dense", "dense", 32), ("dense", "dense", 96), ("dense", "htree bound top_k=2", 32),
+        ("dense", "htree bound top_k=2", 96), ("dense", "htree mean top_k=2", 32), ("dense", "htree mean top_k=2", 96)]
+    assert len(rows) == 12 and all(np.isfinite(r["bits"]["overall"]) for r in rows)
+    assert (tmp_path / "tq.png").stat().st_size > 0 and len(json.loads(out.read_text())) == 12
