@@ -78,6 +78,7 @@ def matrix(full: bool):
                 yield shape, "float16", sel, False
         for shape in WIDE_SHAPES:
             yield shape, "bfloat16", sel, True
+        yield (8, 128, 128, None), "bfloat16", sel, "one layer"  # top_k=64: T=600 is dense attention
 
 
 def relative(a, b) -> float:
@@ -86,9 +87,12 @@ def relative(a, b) -> float:
 
 
 def run_case(rng, shape, dtype, sel, packed):
+    """`packed`: False, True (two documents) or "one layer" (`top_k=64`: the tree of T
+    tokens has one layer, which the GPU path runs as RoPE and cuDNN)."""
     G, K, V, rope = shape
     H_kv = 1 if G > 16 else 2
-    config = HTreeConfig(top_k=8, rope_dim=rope, selection=sel)
+    config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel)
+    packed = packed is True
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
                for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, V)))
     weights = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
@@ -152,7 +156,7 @@ def run_benchmark_shape(rng, sel, top_k, T_big):
 def case_name(kind: str, c, big_T: int) -> str:
     if kind == "small":
         (G, K, V, rope), dtype, sel, packed = c
-        return f"G={G} K={K} V={V} rope={rope} {dtype} {sel}" + (" packed" if packed else "")
+        return f"G={G} K={K} V={V} rope={rope} {dtype} {sel}" + {False: "", True: " packed"}.get(packed, f" {packed}")
     sel, top_k = c
     return f"bench T={big_T} top_k={top_k} bf16 {sel}"
 
@@ -180,7 +184,7 @@ def run_one(kind: str, c, big_T: int, seed: int, dump: str | None):
     kernels = dumped_kernels(seen, dump) if dump else {}
     if kernels:
         out["smem_kernel"], out["smem"] = max(kernels.items(), key=lambda x: x[1])
-    if kind == "small" and (c[3] or not wide_head_dims(c[0][1], c[0][2])):  # the GQA kernels
+    if kind == "small" and c[3] != "one layer" and (c[3] or not wide_head_dims(c[0][1], c[0][2])):  # GQA kernels
         (G, K, V, rope), dtype, sel, _ = c
         config = HTreeConfig(top_k=8, rope_dim=rope, selection=sel)
         _, out["model"] = top_importance_launch(config, BlockSizes.for_dims(K, V), dtype, K, V, min(G, KERNEL_GROUP))

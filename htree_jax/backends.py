@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
+from htree_jax.core.one_layer import dense_eligible, one_layer, one_layer_attention
 from htree_jax.core.non_finite import dead_rows, first_non_finite, poison_rows, zero_non_finite
 from htree_jax.core.packing import local_selections
 from htree_jax.core.quantize import dequantize_rows
@@ -226,6 +227,13 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
                                                             export, block_sizes, value_dim)
             return (o, selected, *(jax.lax.stop_gradient(x) for x in exported))
         v = latent_values(k, config, value_dim)
+    if (impl == "pallas" and packing is None and positions is None and one_layer(config, k.shape[1])
+            and dense_eligible(q, k, v)):
+        # A one-layer tree is causal attention: RoPE, then cuDNN (no selections, no
+        # importance to export), under SPEC 10's guard.
+        first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
+        o = one_layer_attention(q, zero_non_finite(k), zero_non_finite(v), config)
+        return (poison_rows(o, query_positions(None, q), first), []) + (([],) if export else ())
     if impl != "reference":
         block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], v.shape[-1])
         o, selected, *exported = _pallas_forward(q, k, v, positions, packing, config, impl == "pallas_interpret",
