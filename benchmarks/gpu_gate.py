@@ -65,8 +65,9 @@ def matrix(full: bool):
     """`(shape, dtype, rule, packed)`: every shape class with each rule in bfloat16;
     float32 on K=64, 128 and 256 (float32 past 128 features takes one pipeline stage in
     the backward) and float16 on K=128 with each rule; latent attention packed (two
-    documents: the GQA kernels on virtual heads of 16 at K=576) with each rule
-    (`--full`: float32 and float16 on every GQA shape class; about 15 s a case more)."""
+    documents: the GQA kernels on virtual heads of 16 at K=576) with each rule; a
+    one-layer tree (`top_k=64`, the GPU path's RoPE + cuDNN) with each rule (`--full`:
+    float32 and float16 on every GQA shape class; about 15 s a case more)."""
     for sel in ("mean", "bound"):
         for shape in GQA_SHAPES + WIDE_SHAPES:
             yield shape, "bfloat16", sel, False
