@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 
+from benchmarks import text_quality
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lm.py"
 
 
@@ -279,9 +281,6 @@ def test_text_quality_trains_evaluates_and_buckets(tmp_path):
     """`benchmarks/text_quality.py` at a CI size: each trained model's weights scored with
     dense attention and each htree rule on the same held-out windows; bits per byte per
     position bucket."""
-    sys.path.insert(0, str(SCRIPT.parents[1]))
-    from benchmarks import text_quality
-
     losses = np.full((2, 5000), math.log(2))
     losses[:, :1024] *= 2
     bits = text_quality.bits_per_byte(losses)
