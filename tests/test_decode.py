@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, build_tree, htree_attention
+from htree_jax.backends import attend_cache
 from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill, reset_rows
+from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, query_chunk
 from tests.conftest import random_qkv
 from tests.helpers import run_readme_snippet
 
@@ -287,8 +289,6 @@ def test_pallas_decode_compiled_matches_reference_on_gpu(dtype, rng):
 def test_pallas_attend_cache_in_chunks_equals_the_reference_walk(rng):
     """`attend_cache_pallas` against its twin, the reference walk over the same cache,
     with the queries in several chunks (the last one padded), as a long prefill runs."""
-    from htree_jax.backends import attend_cache
-    from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, query_chunk
 
     config = HTreeConfig(compression_rate=4, top_k=4, importance="shared_max")
     B, S, H, H_kv, K, V = 2, 40, 4, 1, 32, 64  # G = 4
