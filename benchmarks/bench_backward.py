@@ -3,7 +3,7 @@
     python benchmarks/bench_backward.py [--sizes 8192,32768,131072] [--long ""] [--top-k 512,64] [--inputs both]
 
 Times `jax.grad` (w.r.t. q, k, v) of `sum(o * w)` for each, same configs as the forward
-benchmark (B=1, H=32, H_kv=4, K=V=128, bfloat16): medians after one warm-up, the ratio
+benchmark (B=1 unless --batch, H=32, H_kv=4, K=V=128, bfloat16): medians after one warm-up, the ratio
 `dense_ms / htree_ms` (> 1: htree faster) and XLA's planned peak memory.
 """
 
@@ -32,6 +32,8 @@ from htree_jax.bench import (
     planned_gb,
 )
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
+from pallas_kernels.backward import htree_backward_pallas
+from pallas_kernels.forward import htree_forward_pallas
 
 
 def grad_fn(forward, cotangent: str = "weights"):
@@ -50,9 +52,6 @@ def grad_fn(forward, cotangent: str = "weights"):
 def kernels_fn(config, save_selections: bool):
     """The Pallas forward then backward, called directly (no SPEC 10 guard), the
     backward given the forward's selections or recomputing them."""
-    from pallas_kernels.backward import htree_backward_pallas
-    from pallas_kernels.forward import htree_forward_pallas
-
     def step(q, k, v, do):
         o, selected, lse = htree_forward_pallas(q, k, v, config, return_lse=True)
         return htree_backward_pallas(q, k, v, o, lse, do, config, selections=selected if save_selections else None)
@@ -67,10 +66,11 @@ def peak_gib():
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--sizes", default="8192,32768,131072")
-    p.add_argument("--long", default="")
-    p.add_argument("--top-k", default="512,64")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--sizes", default="8192,32768,131072", help="sequence lengths T, comma-separated")
+    p.add_argument("--long", default="", help="more lengths, comma-separated, after --sizes")
+    p.add_argument("--top-k", default="512,64", help="HTreeConfig.top_k values, comma-separated")
+    p.add_argument("--iters", type=int, default=3, help="timed calls per measurement after one warm-up (median)")
+    p.add_argument("--batch", type=int, default=B, help=f"batch rows B (default {B})")
     p.add_argument("--inputs", default="random", help="random, correlated (htree_jax.bench.correlated_inputs) or both")
     p.add_argument("--cotangent", default="weights", choices=["weights", "bf16"],
                    help="weights: grad of sum(o * w), w float32; bf16: vjp with a bfloat16 cotangent argument")
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
                    help="also time the kernels alone, the backward given / recomputing the forward's selections")
     args = p.parse_args(argv)
     kinds = input_kinds(args.inputs)
-    print(gpu_header("backward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}; forward+backward",
+    print(gpu_header("backward", f"B={args.batch} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}; forward+backward",
                      f"python benchmarks/bench_backward.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
           flush=True)
     parse = int_list
@@ -97,11 +97,9 @@ def main(argv=None) -> int:
         dense = grad_fn(dense_fn(config), args.cotangent)
         label = f"{top_k}" + ("" if rule == "mean" else f" {rule}")
         for T in parse(args.sizes) + parse(args.long):
-            q, k, v = INPUTS[kind](T)
-            if args.cotangent == "bf16":
-                w = jax.random.normal(jax.random.key(1), (B, T, H, V), jnp.bfloat16)
-            else:
-                w = jax.random.normal(jax.random.key(1), (B, T, H, V), jnp.float32)
+            q, k, v = INPUTS[kind](T, batch=args.batch)
+            w = jax.random.normal(jax.random.key(1), (args.batch, T, H, V),
+                                  jnp.bfloat16 if args.cotangent == "bf16" else jnp.float32)
             h_ms, h_gb = median_ms(htree, (q, k, v, w), args.iters), planned_gb(htree, (q, k, v, w))
             peak = peak_gib()
             try:

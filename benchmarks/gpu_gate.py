@@ -12,7 +12,8 @@ decode steps, against the float32 JAX reference with exact dots:
   dtype's tolerance, or within 1.2x the
   reference's own error at that dtype (bfloat16 gradients are as far from float32 as
   the reference's own bfloat16 run);
-- decode steps against the full-sequence call.
+- decode steps against the full-sequence call;
+- a NaN key: the rows it poisons (SPEC 10) those the reference poisons.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
 rules and both `top_k` (forward and fwd+bwd compiled and run, outputs finite).
 Every case also reads, from XLA's thunk dump, the shared memory each of its kernels
@@ -126,6 +127,10 @@ def run_case(rng, shape, dtype, sel, packed):
     own_g = grads(q, k, v, "reference") if dtype != "float32" else g_ref
     out["grad"] = max(relative(a, b) for a, b in zip(g, g_ref))
     out["grad_bar"] = max(TOLERANCE[dtype], 1.2 * max(relative(a, b) for a, b in zip(own_g, g_ref)))
+    # SPEC 10: a NaN key poisons the rows from its position on, as the reference does.
+    k_bad = k.at[0, T // 2, 0, 0].set(jnp.nan)
+    nan_rows = lambda backend: np.isnan(np.asarray(attend(q, k_bad, v, backend=backend), np.float32)).any(-1)
+    out["nan_rows"] = bool(np.array_equal(nan_rows("pallas"), nan_rows("reference")))
     out["decode"], out["decode_bar"] = 0.0, TOLERANCE[dtype]
     if not packed:  # a decode cache holds one document a row
         cache = init_cache(1, T, H_kv, K, V, config, q.dtype)
@@ -139,7 +144,7 @@ def run_case(rng, shape, dtype, sel, packed):
         # shapes gave 3e-4), hence the dtype's tolerance.
         out["decode"] = relative(jnp.concatenate(steps, axis=1), o)
     ok = (out["agree"] >= AGREE and out["o"] <= out["o_bar"] and out["grad"] <= out["grad_bar"]
-          and out["decode"] <= out["decode_bar"])
+          and out["decode"] <= out["decode_bar"] and out["nan_rows"])
     return ok, out
 
 

@@ -35,6 +35,7 @@ from htree_jax.reference import (
     htree_attention_reference_packed,
 )
 from pallas_kernels.backward import htree_backward_pallas
+from pallas_kernels.dead_rows import poison_rows_in_place
 from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.plan import BlockSizes, check_pallas_dims
@@ -67,7 +68,8 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
     "auto" is the Pallas kernels on a GPU where they take the shapes (faster than the
     reference at every size measured, benchmarks/RESULTS.md), else the reference.
     "pallas" off a GPU is refused with a pointer to "pallas_interpret"; "pallas" and
-    "pallas_interpret" with shapes the kernels do not take are refused."""
+    "pallas_interpret" with shapes the kernels do not take are refused (`check_kernel_limits`
+    takes the backend's name, which its errors name)."""
     check_backend(backend)
     if backend == "reference":
         return backend
@@ -75,7 +77,7 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
         if jax.default_backend() != "gpu":
             return "reference"
         try:
-            check_kernel_limits()
+            check_kernel_limits("pallas")
         except ValueError:
             return "reference"
         return "pallas"
@@ -84,20 +86,20 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
             "backend 'pallas' needs a CUDA GPU (Triton lowering); on "
             f"{jax.default_backend()!r} use backend='pallas_interpret' to run the same kernels interpreted"
         )
-    check_kernel_limits()
+    check_kernel_limits(backend)
     return backend
 
 
 def full_sequence_backend(backend: str, dims) -> str:
     """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`)."""
-    return choose_backend(backend, lambda: check_pallas_dims(dims))
+    return choose_backend(backend, lambda name: check_pallas_dims(dims, name))
 
 
 def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, latent_half: int | None = None) -> str:
     """`choose_backend` for a decode call: the cache's `K`, `V` and the group size
     (every `HTreeConfig.selection` decodes on the kernels); `latent_half` for a cache
     whose values are the keys' latent features (`(K - rope_dim) / 2`)."""
-    return choose_backend(backend, lambda: check_pallas_decode_dims(head_dim, value_dim, group, latent_half))
+    return choose_backend(backend, lambda name: check_pallas_decode_dims(head_dim, value_dim, group, latent_half))
 
 
 def query_positions(positions, q):
@@ -236,7 +238,11 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
         # T=8192: 12.3 ms and 12 GB against cuDNN's 1.09 ms).
         o = one_layer_attention(q, zero_non_finite(k), zero_non_finite(v), config,
                                 implementation="cudnn" if jax.default_backend() == "gpu" else None)
-        return (poison_rows(o, query_positions(None, q), first), []) + (([],) if export else ())
+        # On the GPU the poisoned rows are written in place (`pallas_kernels.dead_rows`:
+        # nothing is read or written with finite inputs), not with a pass over `o`.
+        o = (poison_rows_in_place(o, first) if jax.default_backend() == "gpu"
+             else poison_rows(o, query_positions(None, q), first))
+        return (o, []) + (([],) if export else ())
     if impl != "reference":
         block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], v.shape[-1])
         o, selected, *exported = _pallas_forward(q, k, v, positions, packing, config, impl == "pallas_interpret",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import statistics
 import sys
 import time
@@ -46,13 +47,26 @@ def gpu_header(benchmark: str, setting: str, command: str) -> str:
     return f"# {datetime.date.today()} {jax.devices()[0].device_kind}, jax {jax.__version__}, {setting}; command: {command}"
 
 
+# A timed sample spans at least this long: calls shorter than it run back to back within
+# one sample (one sync at its end), so that the host's dispatch and sync, about 0.1 ms,
+# do not weigh on sub-millisecond calls (one-layer trees at T=4096).
+MIN_SAMPLE_MS = 20.0
+
+
 def median_ms(fn, args, iters):
+    """Median ms per call of `fn(*args)` over `iters` samples after one warm-up call; a
+    sample is `ceil(MIN_SAMPLE_MS / first call's ms)` calls back to back, divided."""
     jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    reps = max(1, math.ceil(MIN_SAMPLE_MS / max((time.perf_counter() - t0) * 1e3, 1e-3)))
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e3 / reps)
     return statistics.median(times)
 
 
@@ -64,12 +78,12 @@ def planned_gb(fn, args):
     return total / 2**30
 
 
-def inputs(T, seed=0):
-    """Random inputs: q, k, v independent standard normal, bfloat16 `[B, T, heads, 128]`."""
+def inputs(T, seed=0, batch: int = B):
+    """Random inputs: q, k, v independent standard normal, bfloat16 `[batch, T, heads, 128]`."""
     ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (B, T, H, K), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (B, T, H_KV, K), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (B, T, H_KV, V), jnp.bfloat16)
+    q = jax.random.normal(ks[0], (batch, T, H, K), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (batch, T, H_KV, K), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (batch, T, H_KV, V), jnp.bfloat16)
     return q, k, v
 
 
@@ -79,18 +93,18 @@ NOISE = 0.5
 
 
 def correlated_inputs(T, seed=0, rho: float = CORRELATION, noise: float = NOISE, dtype=jnp.bfloat16,
-                      shape=None):
+                      shape=None, batch: int = B):
     """Inputs whose neighbouring queries attend alike, as in trained models (the premise of
     NSA's blockwise selection and of MoBA): a latent AR(1) process `z_t = rho * z_{t-1} +
     sqrt(1 - rho^2) * e_t` (unit variance, `K` features, `e_t` standard normal) shared by
     q and k, `q = z + noise * n_q`, `k = z + noise * n_k` with independent standard normal
     `n` per head, and `v` standard normal. `shape`: `(B, T, H, H_kv, K, V)`, by default the
-    benchmarks' `(1, T, 32, 4, 128, 128)`. Returns `q, k, v` in `dtype`.
+    benchmarks' `(batch, T, 32, 4, 128, 128)`. Returns `q, k, v` in `dtype`.
 
     With `rho = 0.999` the latent forgets over ~1000 tokens: at T=131072 a block of 16
     consecutive queries needs about a ninth of the bottom layer's per-query gathers
     (`parent_overlap`, benchmarks/RESULTS.md)."""
-    B_, T_, H_, H_kv, K_, V_ = shape or (B, T, H, H_KV, K, V)
+    B_, T_, H_, H_kv, K_, V_ = shape or (batch, T, H, H_KV, K, V)
     keys = jax.random.split(jax.random.key(seed), 5)
     z0 = jax.random.normal(keys[0], (B_, 1, K_), jnp.float32)
     steps = jnp.sqrt(1.0 - rho**2) * jax.random.normal(keys[1], (B_, T_ - 1, K_), jnp.float32)
@@ -166,14 +180,16 @@ def dense_fn(config, seq_lengths=None):
     return jax.jit(f)
 
 
-def run(sizes, long_sizes, top_ks, iters, reference_max_t, kinds=("random",), selections=("bound",)):
+def run(sizes, long_sizes, top_ks, iters, reference_max_t, kinds=("random",), selections=("bound",),
+        batch: int = B):
     """Rows per input kind, `top_k`, T and selection rule (`HTreeConfig.selection`: the
-    rules of one (kind, top_k, T) one after the other in the same run, dense timed once)."""
+    rules of one (kind, top_k, T) one after the other in the same run, dense timed once),
+    `batch` rows per call."""
     rows, overlaps = [], []
     for kind in kinds:
         for top_k in top_ks:
             for T in sizes + long_sizes:
-                args = INPUTS[kind](T)
+                args = INPUTS[kind](T, batch=batch)
                 dense_ms = dense_gb = None
                 for rule in selections:
                     config = HTreeConfig(top_k=top_k, selection=rule)
@@ -428,11 +444,14 @@ def measure_dense_mla(config, args, backward: bool, iters: int, run_it: bool):
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default="8192,32768,131072")
-    p.add_argument("--long", default="524288")
-    p.add_argument("--top-k", default="512,64")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--reference-max-t", type=int, default=32768)
+    p.add_argument("--sizes", default="8192,32768,131072", help="sequence lengths T, comma-separated")
+    p.add_argument("--long", default="524288",
+                   help="more lengths, comma-separated, after --sizes (\"\" for none; the README's long row)")
+    p.add_argument("--top-k", default="512,64", help="HTreeConfig.top_k values, comma-separated")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per measurement after one warm-up (median)")
+    p.add_argument("--batch", type=int, default=B, help=f"batch rows B (default {B})")
+    p.add_argument("--reference-max-t", type=int, default=32768,
+                   help="time the JAX reference up to this T (it is slow and memory-hungry beyond)")
     p.add_argument("--inputs", default="random", help="random, correlated (`correlated_inputs`) or both")
     p.add_argument("--selection", default="bound",
                    help="HTreeConfig.selection rules, comma-separated (mean, bound): each timed in the same run")
@@ -471,11 +490,11 @@ def run_bench(args, argv=()) -> int:
                          f"python -m htree_jax bench {' '.join(argv)}"))
         print(run_packed(T, args.packed, int_list(args.top_k), args.iters, kinds, not args.no_grad))
         return 0
-    print(gpu_header("forward", f"B={B} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}",
+    print(gpu_header("forward", f"B={args.batch} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}",
                      f"python -m htree_jax bench {' '.join(argv)}"))
     selections = tuple(x for x in args.selection.split(",") if x)
     rows, overlaps = run(int_list(args.sizes), int_list(args.long), int_list(args.top_k), args.iters,
-                         args.reference_max_t, kinds, selections)
+                         args.reference_max_t, kinds, selections, args.batch)
     print(table(rows))
     print(overlap_table(overlaps))
     return 0
