@@ -5,7 +5,7 @@ kernels' tuning), the Flax NNX module `HTreeAttention` (linen twin:
 `htree_jax.linen.HTreeAttention`), `attention_fn` for `nnx.MultiHeadAttention` /
 `nn.MultiHeadDotProductAttention`, and incremental decoding: `init_cache`, `prefill`,
 `decode_step`, `reset_rows` (`HTreeCache`; `DecodeBlockSizes`, the decode kernels'
-tuning). The function they compute is stated in
+tuning), and `rope`, the rotation htree applies (its convention). The function they compute is stated in
 `docs/SPEC.md` ("SPEC n" in the code cites its section n).
 
 Layers, each importing only those below it (README, "Layout"):
@@ -39,6 +39,7 @@ _EXPORTS = {
     "init_cache": "htree_jax.decode",
     "prefill": "htree_jax.decode",
     "reset_rows": "htree_jax.decode",
+    "rope": "htree_jax.core.rope",
 }
 # Submodules reachable as attributes after `import htree_jax` (e.g. `htree_jax.linen`).
 _SUBMODULES = ("attention", "backends", "bench", "core", "decode", "demo", "flax_attention", "introspect", "linen",
@@ -64,6 +65,7 @@ def __dir__():
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from htree_jax.attention import htree_attention
     from htree_jax.core.config import HTreeConfig
+    from htree_jax.core.rope import rope
     from htree_jax.core.tree import build_tree
     from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill, reset_rows
     from htree_jax.flax_attention import attention_fn

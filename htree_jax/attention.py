@@ -9,7 +9,7 @@ from htree_jax.backends import attend, check_block_sizes, full_sequence_backend,
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import check_fits, check_max_documents, check_segment_ids, pack_layout, virtual_length
 from htree_jax.core.rope import rope_layout
-from htree_jax.core.validation import check_config, check_latent_value_dim, check_qkv
+from htree_jax.core.validation import as_jax_takes_it, check_config, check_latent_value_dim, check_qkv
 from htree_jax.sharding import partitioned_attention
 from pallas_kernels.plan import BlockSizes
 
@@ -99,6 +99,7 @@ def htree_attention(
       `importance` with `return_importance` (a tuple when either is asked).
     """
     config = check_config(config)
+    q, k, v = (as_jax_takes_it(x) for x in (q, k, v))
     latent = v is None
     if latent:
         v = values_stand_in(k, value_dim, config)  # shape and dtype, for the checks

@@ -31,13 +31,17 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--value-dim", type=int, default=None, help="value head dim V (default: K)")
     p.add_argument("--compression-rate", type=int, default=16, help="children per node r")
     p.add_argument("--top-k", type=int, default=64, help="nodes refined per layer (demo default 64)")
-    p.add_argument("--rope-base", type=float, default=10000.0)
+    p.add_argument("--rope-base", type=float, default=10000.0, help="RoPE base (rotate-half, base^(-2i/R))")
+    p.add_argument("--rope-dim", type=int, default=None,
+                   help="features rotated, the last R of K (default: all K; HTreeConfig.rope_dim)")
     p.add_argument("--scale", type=float, default=None, help="score scale (default K**-0.5)")
     p.add_argument("--importance", default="softmax", help="softmax | shared_max")
+    p.add_argument("--selection", default="bound", choices=["bound", "mean"],
+                   help="node ranking (HTreeConfig.selection): bound (default, SPEC 11) or mean (the original rule)")
     p.add_argument("--no-strict-causal", action="store_true", help="strict_causal=False")
     p.add_argument("--backend", default="auto", help="htree backend (auto | reference | pallas | pallas_interpret)")
     p.add_argument("--dtype", default="float32", choices=sorted(AGREEMENT_TOL), help="input dtype")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
     p.add_argument("--oracle-samples", type=int, default=6, help="positions checked against the oracle")
     p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
     p.add_argument("--packed", type=int, default=0,
@@ -96,6 +100,8 @@ def run_demo(args) -> int:
         scale=args.scale,
         importance=args.importance,
         strict_causal=not args.no_strict_causal,
+        rope_dim=args.rope_dim,
+        selection=args.selection,
     )
     B, T, H, H_kv, K = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
     V = args.value_dim or K
@@ -112,6 +118,10 @@ def run_demo(args) -> int:
     lengths = [T // docs] * (docs - 1) + [T - T // docs * (docs - 1)]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     segment_ids = np.tile(np.repeat(np.arange(docs), lengths)[None], (B, 1)).astype(np.int32) if args.packed else None
+    # Say up front what takes time: the first call compiles (and, on a CPU, the
+    # reference's gathers are slow), so the demo is otherwise silent for a while.
+    print(f"compiling and running htree at T={T} on {jax.devices()[0].platform} (backend {backend}); on a 2-core CPU "
+          "this and the oracle check take about a minute", flush=True)
     run = jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend, return_selected=True,
                                                   segment_ids=segment_ids,
                                                   max_documents=docs if args.packed else None))
@@ -181,6 +191,9 @@ def run_demo(args) -> int:
         )
         dense_ms = _median_ms(lambda: jax.block_until_ready(dense(q, k, v)), args.repeats)
         line += f", dense jax.nn.dot_product_attention {dense_ms:.1f} ms, dense/htree = {dense_ms / htree_ms:.2f}"
+        if backend == "reference":
+            line += (" (below 1 is expected here: the JAX reference gathers each query's candidates, which XLA "
+                     "does not make cheap; htree's speed is the Pallas kernels' on a GPU, `python -m htree_jax bench`)")
     else:
         line += " (dense comparison needs V == K)"
     print(line)

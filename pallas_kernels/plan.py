@@ -244,15 +244,16 @@ def group_rows(G: int, block_sizes: BlockSizes) -> int:
     return next_power_of_two(G, block_sizes.min_query_rows)
 
 
-def check_pallas_dims(dims) -> None:
-    """The Pallas backend's limits, checked before any launch."""
+def check_pallas_dims(dims, backend: str = "pallas") -> None:
+    """The Pallas kernels' limits, checked before any launch; the errors name `backend`
+    (`"pallas"` or `"pallas_interpret"`, the same kernels)."""
     if not MIN_DIM <= dims.head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"backend 'pallas' supports head dim K in [{MIN_DIM}, {MAX_HEAD_DIM}], "
+        raise ValueError(f"backend {backend!r} supports head dim K in [{MIN_DIM}, {MAX_HEAD_DIM}], "
                          f"got K = {dims.head_dim}")
     if not MIN_DIM <= dims.value_dim <= MAX_VALUE_DIM:
-        raise ValueError(f"backend 'pallas' supports value dim V in [{MIN_DIM}, {MAX_VALUE_DIM}], "
+        raise ValueError(f"backend {backend!r} supports value dim V in [{MIN_DIM}, {MAX_VALUE_DIM}], "
                          f"got V = {dims.value_dim}")
-    check_group(dims.group_size, "backend 'pallas'")
+    check_group(dims.group_size, f"backend {backend!r}")
 
 
 def layout(config: HTreeConfig, block_sizes: BlockSizes):

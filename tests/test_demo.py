@@ -33,6 +33,9 @@ def assert_reports_agreement(out):
     assert total == 10 and same + ties >= total  # every differing query is a flagged near-tie
     assert "AGREES" in out and "DISAGREES" not in out
     assert "dense/htree" in out and "candidates scored per query" in out
+    # what takes time is said before it starts, and a CPU's ratio below 1 is explained
+    assert out.index("compiling and running htree") < out.index("tree     ")
+    assert "below 1 is expected here" in out
 
 
 def test_demo_command_reports_oracle_agreement():
@@ -106,3 +109,20 @@ def test_demo_packed(capsys):
     same, total, ties = (int(x) for x in re.search(r"identical for (\d+)/(\d+), near-ties (\d+)", out).groups())
     assert total == 24 and same + ties >= total
     assert "AGREES" in out and "DISAGREES" not in out
+
+
+def test_every_cli_flag_has_help(capsys):
+    """`demo --help` and `bench --help` explain every flag (the README points to them),
+    the demo's config fields `--selection` and `--rope-dim` among them."""
+    for command in ("demo", "bench"):
+        code, out, _ = run_in_process([command, "--help"], capsys)
+        assert code == 0
+        lines = out.splitlines()
+        flags = [(i, m) for i, line in enumerate(lines)
+                 if (m := re.match(r"^  (--[a-z-]+)(?: [A-Z_]+| \{[^}]*\})?(\s{2,}\S.*)?$", line))]
+        assert len(flags) > 5
+        for i, m in flags:
+            # argparse puts the help on the flag's line or, for a long flag, the next one
+            assert m.group(2) or lines[i + 1].startswith(" " * 10), (command, m.group(1))
+    code, out, _ = run_in_process(["demo", "--help"], capsys)
+    assert "--selection" in out and "--rope-dim" in out

@@ -261,7 +261,7 @@ def test_module_on_the_gpu_kernels_matches_the_reference(dtype):
     packed importance may flip a few selections: README, "Backends"); the parameter
     gradients, sums over every query, agree to a relative error that leaves room for
     those (and that an all-zero or sign-flipped gradient does not meet)."""
-    assert choose_backend("auto", lambda: None) == "pallas"
+    assert choose_backend("auto", lambda name: None) == "pallas"
     config = HTreeConfig(compression_rate=8, top_k=16)  # 2048 -> 256 -> 32: 3 layers
     kw = dict(num_kv_heads=2, head_dim=64, config=config, dtype=dtype)
     fast = HTreeAttention(8, 256, backend="auto", rngs=nnx.Rngs(0), **kw)

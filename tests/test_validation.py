@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
 import htree_jax.reference as reference
+from tests.helpers import run_readme_snippet
 
 f32 = np.float32
 
@@ -36,7 +38,6 @@ CASES = [
     ("K mismatch", lambda: (arrays(K=8)[0],) + arrays(Kk=6)[1:], ValueError, "same head dim K"),
     ("T = 0", lambda: arrays(T=0), ValueError, "T = 0"),
     ("int dtype", lambda: arrays(dtype=np.int32), TypeError, "q must have a floating dtype"),
-    ("float64", lambda: arrays(dtype=np.float64), TypeError, "floating dtype"),
     ("mixed dtype", lambda: (arrays()[0].astype(np.float16),) + arrays()[1:], TypeError, "same dtype"),
     ("not an array", lambda: ([[1.0]],) + arrays()[1:], TypeError, "q must be an array"),
 ]
@@ -66,6 +67,24 @@ def test_bad_config_backend_and_flags():
         htree_attention(q, k, v, return_selected="yes")
     with pytest.raises(ValueError, match="query_chunk must be a positive int"):
         reference.htree_attention_reference(q, k, v, HTreeConfig(), query_chunk=0)
+
+
+def test_float64_inputs_are_taken_as_jax_takes_them():
+    """NumPy float64 inputs with JAX's 64-bit types off (its default) are float32, as
+    `jnp.asarray` makes them: the same output as the float32 call, in float32."""
+    q, k, v = arrays(T=40)
+    config = HTreeConfig(compression_rate=2, top_k=2)
+    o64 = htree_attention(*(x.astype(np.float64) for x in (q, k, v)), config)
+    assert o64.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(o64), np.asarray(htree_attention(q, k, v, config)))
+
+
+def test_float64_with_64_bit_types_on_is_refused_with_what_to_pass():
+    q, k, v = (jax.numpy.asarray(x) for x in arrays(T=16))
+    with jax.enable_x64(True):
+        q64 = jax.numpy.asarray(np.asarray(q, np.float64))
+        with pytest.raises(TypeError, match=r"q must have a floating dtype .* got float64 \(cast it: q.astype"):
+            htree_attention(q64, k, v, HTreeConfig(compression_rate=2, top_k=2))
 
 
 def test_nan_input_does_not_crash():
@@ -116,3 +135,20 @@ def test_pallas_interpret_runs_the_interpreted_kernels(monkeypatch):
     sizes = BlockSizes(tile=32, span=32)
     htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend="pallas_interpret", block_sizes=sizes)
     assert calls and calls[0]["interpret"] is True and calls[0]["block_sizes"] == sizes
+
+
+@pytest.mark.parametrize("backend", ["pallas_interpret"])
+def test_kernel_limits_name_the_backend_asked_for(backend):
+    """A head dim past the kernels' limit is refused naming the backend the caller asked
+    for (`pallas_interpret` runs the same kernels, and is what a CPU user passes)."""
+    q, k, v = (np.ones((1, 8, h, 1024), np.float32) for h in (2, 1, 1))
+    with pytest.raises(ValueError, match=f"backend '{backend}' supports head dim K in"):
+        htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend=backend)
+
+
+def test_readme_first_example_runs_quickly():
+    """The README's first example ("## Use") on the CPU: the shapes it states, and a
+    sequence a new user's first call finishes in seconds (it was T=16384, 130 s on 2 cores)."""
+    scope = run_readme_snippet("## Use")
+    assert scope["o"].shape == (1, 2048, 8, 64) and np.isfinite(np.asarray(scope["o"])).all()
+    assert len(scope["selected"]) == 1 and scope["selected"][0].shape == (1, 2048, 2, 32)

@@ -78,3 +78,20 @@ def rope_absolute(x, base: float, rope_dim: int | None = None):
     cos, sin = rope_table(x.shape[1], x.shape[-1], float(base), rope_dim)
     cos, sin = jnp.asarray(cos)[None, :, None, :], jnp.asarray(sin)[None, :, None, :]
     return apply_rope(x.astype(jnp.float32), cos, sin)
+
+
+def rope(x, rope_base: float = 10000.0, rope_dim: int | None = None):
+    """RoPE as htree applies it, at absolute positions: `x [B, T, H, K]` (un-rotated, in
+    the caller's feature order; position = index along T) -> the rotated `x` in its
+    dtype. Rotate-half on the last `rope_dim` features `R` (`None`: all `K`): feature
+    `K - R + i` pairs with `K - R + i + R/2` and turns by `t * rope_base**(-2i/R)`,
+    `i < R/2`; the first `K - R` are left as they are (SPEC 7).
+
+    Where the tree has one layer (`T <= top_k * compression_rate`), htree attention of
+    `q, k, v` is causal softmax attention of `rope(q), rope(k), v` (the config's
+    `rope_base` and `rope_dim`); interleaved RoPE (pairs `(2i, 2i+1)`) is another function."""
+    K = x.shape[-1]
+    R = K if rope_dim is None else rope_dim
+    rotated = rope_absolute(x[..., K - R:], rope_base)
+    return jnp.concatenate([x[..., :K - R].astype(jnp.float32), rotated], axis=-1).astype(x.dtype)
+

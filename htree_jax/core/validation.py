@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,10 +41,20 @@ def _shape_and_dtype(name: str, x):
     return tuple(shape), np.dtype(dtype)
 
 
+def as_jax_takes_it(x):
+    """`x` as a JAX function takes it: a float64 array becomes float32 where JAX's 64-bit
+    types are off (its default; `jnp.asarray` does the same); anything else unchanged."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and np.dtype(dtype) == np.float64 and jax.dtypes.canonicalize_dtype(np.float64) != np.float64:
+        return jnp.asarray(x)
+    return x
+
+
 def check_dtype(name: str, dtype) -> None:
     if not any(dtype == np.dtype(d) for d in SUPPORTED_DTYPES):
         names = ", ".join(np.dtype(d).name for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{name} must have a floating dtype ({names}), got {dtype.name}")
+        hint = f" (cast it: {name}.astype(jnp.float32))" if np.issubdtype(dtype, np.floating) else ""
+        raise TypeError(f"{name} must have a floating dtype ({names}), got {dtype.name}{hint}")
 
 
 def check_config(config) -> HTreeConfig:
