@@ -291,4 +291,4 @@ def test_readme_packing_example_runs():
 
     scope = run_readme_snippet("## Packed documents")
     o = scope["o"]
-    assert o.shape == (2, 4096, 4, 64) and np.isfinite(np.asarray(o)).all()
+    assert o.shape == (2, 1024, 4, 64) and np.isfinite(np.asarray(o)).all()

@@ -31,7 +31,8 @@ def test_sharded_batch_and_heads_on_simulated_devices(backend):
         assert f"ok {backend} {layout}: forward and gradients equal the unsharded run, k and v gathered" in res.stdout
     assert f"ok {backend} packed: sharded rows equal the unsharded packed call" in res.stdout
     assert f"ok {backend} values from the keys: sharded (batch, heads) equals the unsharded call" in res.stdout
-    assert f"ok {backend} decode: sharded cache (batch, heads) equals unsharded, no all-gather" in res.stdout
+    if every:
+        assert "ok reference decode: sharded cache (batch, heads) equals unsharded, no all-gather" in res.stdout
     assert f"ok {backend} decode (bound): sharded cache (batch, heads) equals unsharded, no all-gather" in res.stdout
     assert "ok reference decode (values from the keys): sharded cache (batch, heads) equals unsharded" in res.stdout
     fp8 = f"ok {backend} decode (fp8 tokens): sharded cache (batch, heads) equals unsharded, no all-gather"

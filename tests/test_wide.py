@@ -192,7 +192,9 @@ def test_wide_compiled_at_the_mla_shape(rng, selection, importance):
     assert_mostly_agrees(o, sel, o_r, sel_r, 128)
 
 
-@pytest.mark.parametrize("backend, G", [("pallas_interpret", 32), ("pallas_interpret", 8), ("reference", 32)])
+# G=8 on the kernels copies the values out (`backends.latent_values`) as the reference does
+# here: the kernels' own reading from the keys is G=32.
+@pytest.mark.parametrize("backend, G", [("pallas_interpret", 32), ("reference", 32)])
 def test_htree_attention_with_values_from_the_keys(rng, backend, G):
     """`htree_attention(q, k, None, value_dim=V)` equals the call with `v = k[..., :V]`:
     outputs, selections and the gradients of q and k (the values' gradient folded into
