@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import compiler_params
+from pallas_kernels.importance import feature_pieces
 
 # Rows per program: the largest power of two dividing S, at most this (the stores stay
 # inside the array without padding it, so no lane is clamped in interpret mode).
@@ -30,17 +31,6 @@ def block_rows(seq_len: int) -> int:
     """The tokens one program covers: the largest power of two dividing `seq_len`, at most
     `MAX_BLOCK_ROWS`."""
     return min(MAX_BLOCK_ROWS, seq_len & -seq_len)
-
-
-def feature_pieces(width: int) -> list[tuple[int, int]]:
-    """`width` as `(offset, size)` runs of powers of two, largest first (Triton's loads and
-    stores have power-of-two sizes)."""
-    pieces, offset = [], 0
-    for bit in reversed(range(width.bit_length())):
-        if width & (1 << bit):
-            pieces.append((offset, 1 << bit))
-            offset += 1 << bit
-    return pieces
 
 
 def _fill_kernel(first_ref, x_ref, out_ref, *, rows: int, group: int, value: float):
@@ -89,4 +79,4 @@ def _poison_backward(interpret, first, g):
 
 poison_rows_in_place.defvjp(_poison_forward, _poison_backward)
 
-__all__ = ["block_rows", "feature_pieces", "fill_dead_rows", "poison_rows_in_place"]
+__all__ = ["block_rows", "fill_dead_rows", "poison_rows_in_place"]
