@@ -1,51 +1,70 @@
-"""Block-size sweep of the Pallas forward on the GPU (one T, one config).
+"""Block-size sweep of the Pallas forward on the GPU (one T, one config, one input kind).
 
-    python benchmarks/sweep_forward.py --T 8192 --top-k 512
+    python benchmarks/sweep_forward.py --T 524288 --top-k 64 --selection bound \\
+        --inputs correlated --variants "num_warps=4;tile=128;min_query_rows=16,num_warps=4"
+
+Times the default `BlockSizes` and each variant (`;`-separated, each a `,`-separated
+list of `field=int` of `BlockSizes`) end to end, in one process, dense cuDNN in the same
+run; `--kernels` adds each kernel's device time inside the default call.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import dataclasses
 
 import jax
-from jax import lax
 
-from htree_jax.bench import dense_fn, inputs, median_ms
 from htree_jax import HTreeConfig
+from htree_jax.bench import INPUTS, dense_fn, median_ms
+from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.plan import BlockSizes
-from pallas_kernels.precision import Precisions
+
+
+def parse_variants(spec: str) -> list[dict]:
+    """`"a=1,b=2;c=3"` -> `[{"a": 1, "b": 2}, {"c": 3}]`, every field one of `BlockSizes`."""
+    fields = {f.name for f in dataclasses.fields(BlockSizes)}
+    out = []
+    for item in [x for x in spec.split(";") if x.strip()]:
+        change = {}
+        for pair in item.split(","):
+            name, value = (s.strip() for s in pair.split("="))
+            if name not in fields:
+                raise SystemExit(f"--variants: {name!r} is not a BlockSizes field ({', '.join(sorted(fields))})")
+            change[name] = int(value)
+        out.append(change)
+    return out
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("--T", type=int, default=8192)
-    p.add_argument("--top-k", type=int, default=512)
-    p.add_argument("--tiles", default="32,64,128")
-    p.add_argument("--warps", default="4,8")
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--precisions", default="auto,high,highest",
-                   help="auto: the backend's defaults; else every dot at that precision, float32 operands")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--T", type=int, default=131072, help="sequence length")
+    p.add_argument("--top-k", type=int, default=64, help="HTreeConfig.top_k")
+    p.add_argument("--selection", default="bound", help="HTreeConfig.selection (mean or bound)")
+    p.add_argument("--inputs", default="correlated", choices=sorted(INPUTS), help="input kind (htree_jax.bench)")
+    p.add_argument("--variants", default="", help="BlockSizes changes: 'field=int,...;field=int'")
+    p.add_argument("--iters", type=int, default=3, help="timed calls per setting after one warm-up (median)")
+    p.add_argument("--kernels", action="store_true", help="each kernel's device time inside each call")
     args = p.parse_args(argv)
-    config = HTreeConfig(top_k=args.top_k)
-    x = inputs(args.T)
+    config = HTreeConfig(top_k=args.top_k, selection=args.selection)
+    x = INPUTS[args.inputs](args.T)
     dense = median_ms(dense_fn(config), x, args.iters)
-    print(f"# {jax.devices()[0].device_kind} T={args.T} top_k={args.top_k} layers={config.layer_sizes(args.T)} "
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: T={args.T} top_k={args.top_k} "
+          f"selection={args.selection} {args.inputs} layers={config.layer_sizes(args.T)} "
           f"dense cuDNN {dense:.2f} ms", flush=True)
-    known = {"auto": None, "highest": Precisions.uniform(lax.Precision.HIGHEST),
-             "high": Precisions.uniform(lax.Precision.HIGH), "default": Precisions.uniform(lax.Precision.DEFAULT)}
-    precisions = {name: known[name] for name in args.precisions.split(",")}
-    for tile, warps, (pname, prec) in itertools.product(
-        [int(t) for t in args.tiles.split(",")], [int(w) for w in args.warps.split(",")], precisions.items()
-    ):
-        bs = BlockSizes(tile=tile, num_warps=warps)
-        f = jax.jit(lambda q, k, v, bs=bs, prec=prec: htree_forward_pallas(q, k, v, config, bs, False, prec)[0])
+    print("| block sizes | htree ms | dense/htree |\n|---|---|---|", flush=True)
+    for change in [{}] + parse_variants(args.variants):
+        bs = BlockSizes(**change)
+        f = jax.jit(lambda q, k, v, bs=bs: htree_forward_pallas(q, k, v, config, bs)[0])
+        label = ", ".join(f"{k}={v}" for k, v in change.items()) or "default"
         try:
             ms = median_ms(f, x, args.iters)
-            print(f"tile={tile:4d} warps={warps} precision={pname:8s} {ms:9.1f} ms  dense/htree={dense / ms:.4f}", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"tile={tile} warps={warps} precision={pname}: {type(e).__name__} {str(e)[:150]}", flush=True)
+            print(f"| {label} | {ms:.1f} | {dense / ms:.4f} |", flush=True)
+        except Exception as e:  # noqa: BLE001 - a setting that does not compile is a row too
+            print(f"| {label} | {type(e).__name__}: {str(e)[:120]} | |", flush=True)
+        if args.kernels:
+            print_kernel_times(kernel_times(lambda: f(*x), 2), f"{label}: the call's kernels", top=8)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out
     `[B, Qc, H_kv, Gp, Vp]`, `[B, Qc, H_kv, Gp]`."""
     _, k_merge, v0 = prep.layers[0]
     n = valid_candidates(parents, t, 0, prep)
-    return merge_pallas(q_rows, parents, n, k_merge, v0, prep.cos, prep.sin, state, prep.st, interpret,
-                        out_dtype=out_dtype, return_lse=True)
+    return merge_pallas(q_rows, parents, n, k_merge, v0, prep.cos, prep.sin, state, prep.st_merge,
+                        interpret, out_dtype=out_dtype, return_lse=True)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
@@ -78,7 +78,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     prep = prepare(q, k, v, config, block_sizes, interpret, precisions or Precisions.for_dtype(q.dtype),
                    packing=packing, positions=positions, split=split)
     st, st_top, Qc, L = prep.st, prep.st_top, prep.chunk, len(prep.layers) + 1
-    st_scored = dataclasses.replace(st, merge_num_warps=block_sizes.scored_merge_num_warps)
+    st_scored = dataclasses.replace(prep.st_merge, merge_num_warps=block_sizes.scored_merge_num_warps)
     num_chunks = prep.q4.shape[1] // Qc
     vp = prep.top_v.shape[-1]
     gt, gp = next_power_of_two(G), group_rows(G, block_sizes)

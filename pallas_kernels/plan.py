@@ -107,6 +107,13 @@ class BlockSizes:
     num_warps: int = 2
     merge_num_warps: int = 2
     num_stages: int = 2
+    # The forward's kernels below the top have depths of their own (the backward's
+    # per-query kernels take `num_stages`): the scores kernel (`importance._scores_kernel`)
+    # and the merges. H100, T=524288, top_k=64, correlated, the bound: 879.7 ms with 2
+    # and 2, 873.9 with the scores at 3, 859.3 with both at 3; no shape swept slower
+    # (RESULTS 2026-11-27 (1)). A depth that does not fit takes one stage.
+    scores_num_stages: int = 3
+    merge_num_stages: int = 3
     # Merges of stored scores (no key gathers) hide their latency best with 4 warps.
     scored_merge_num_warps: int = 4
     # The backward reads the forward's selections (`(L-1) * B*T*H_kv*top_k` int32 kept)
@@ -145,8 +152,8 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.min_query_rows must be 8 or 16, got {self.min_query_rows!r}")
         if not isinstance(self.node_entries, int) or self.node_entries < 0:
             raise ValueError(f"BlockSizes.node_entries must be an int >= 0 (0: never spill), got {self.node_entries!r}")
-        for name in ("top_dq_rows", "top_dq_tile", "top_dq_stages", "top_dkv_rows", "top_dkv_tile", "top_dkv_stages",
-                     "top_dkv_programs"):
+        for name in ("scores_num_stages", "merge_num_stages", "top_dq_rows", "top_dq_tile", "top_dq_stages", "top_dkv_rows",
+                     "top_dkv_tile", "top_dkv_stages", "top_dkv_programs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"BlockSizes.{name} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("top_dq_warps", "top_dkv_warps", "node_num_warps"):
@@ -291,7 +298,7 @@ def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
                                 "top_local", "positions", "radii", "top_radii"],
-                   meta_fields=["st", "st_top", "st_top_keys", "st_select", "parents_width", "chunk", "sizes",
+                   meta_fields=["st", "st_scores", "st_merge", "st_top", "st_top_keys", "st_select", "parents_width", "chunk", "sizes",
                                 "head_split",
                                 "bound_rope", "bound_width"])
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +318,8 @@ class Prepared:
     sin: jax.Array
     q4: jax.Array  # [B, chunks * Qc, H_kv, G, Kp]; heads padded per chunk, per kernel
     st: LayerStatic  # the layers below the top: one query per program
+    st_scores: LayerStatic  # the forward's scores kernel below the top (its own pipeline depth)
+    st_merge: LayerStatic  # the forward's merges below the top (theirs)
     st_top: LayerStatic  # the top layer: `block_queries` queries per program
     st_top_keys: LayerStatic  # its importance kernel (its own tile and pipeline depth)
     st_select: LayerStatic  # the shared top-K kernel of every layer (its own warps)
@@ -377,6 +386,13 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         num_warps=block_sizes.num_warps, merge_num_warps=block_sizes.merge_num_warps,
         num_stages=shared_memory.per_query_stages(block_sizes.num_stages, scores_footprint),
     )
+    st_scores = dataclasses.replace(st, num_stages=shared_memory.per_query_stages(block_sizes.scores_num_stages,
+                                                                                  scores_footprint))
+    # The merges gather value rows too (and keys, at the bottom), in the merge dots' operands.
+    merge_footprint = shared_memory.per_query(group_rows(G, block_sizes), tile, kp, vp, jnp.dtype(q.dtype).itemsize,
+                                              precision=precisions.merge, operands=precisions.merge_operands)
+    st_merge = dataclasses.replace(st, num_stages=shared_memory.per_query_stages(block_sizes.merge_num_stages,
+                                                                                 merge_footprint))
     as_kernel_layer = lambda kl, vl: (jnp.swapaxes(pad_rope_halves(kl, half), 1, 2),
                                       jnp.swapaxes(pad_axis(vl, -1, vp), 1, 2))
     top_local = None
@@ -444,8 +460,8 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
     st_select = dataclasses.replace(st, num_warps=block_sizes.select_num_warps)
-    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_top, st_top_keys, st_select, P, Qc,
-                    sizes, packing,
+    return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_scores, st_merge, st_top, st_top_keys,
+                    st_select, P, Qc, sizes, packing,
                     top_local, positions, split, radii, top_radii, bound_rope, bound_width)
 
 
@@ -560,7 +576,7 @@ def select_below_top(prep: Prepared, q_rows, parents, n, layer: int, interpret: 
     split = prep.head_split
     qn = query_group_norms(prep, q_rows)
     bound = None if qn is None else (qn, prep.radii[layer])
-    keys, scores = importance_keys_pallas(q_rows, parents, n, prep.layers[layer][0], prep.cos, prep.sin, prep.st,
+    keys, scores = importance_keys_pallas(q_rows, parents, n, prep.layers[layer][0], prep.cos, prep.sin, prep.st_scores,
                                           interpret, return_scores=True, export=export, split=split, bound=bound)
     imp = None
     if export:

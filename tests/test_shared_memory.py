@@ -124,9 +124,9 @@ def test_every_packed_latent_top_importance_launch_fits(selection):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("selection", ["mean", "bound"])
 def test_every_per_query_launch_fits_or_takes_one_stage(dtype, selection):
-    """Below the top layer: the scores kernel (with the bound's norms and radii) and the
-    backward's per-query kernels keep the block sizes' two stages where the model says
-    they fit, else one (every probed shape compiled so). The shapes that overflowed
+    """Below the top layer: the forward's scores kernel (with the bound's norms and
+    radii) and merges, and the backward's per-query kernels keep the block sizes' stages
+    where the model says they fit, else one (every probed shape compiled so). The shapes that overflowed
     with two take one: float32 at K = V = 256 and K = V = 192 (backward), packed latent
     attention with the bound (forward)."""
     itemsize = jnp.dtype(dtype).itemsize
@@ -136,10 +136,16 @@ def test_every_per_query_launch_fits_or_takes_one_stage(dtype, selection):
         config = HTreeConfig(top_k=8, rope_dim=rope, selection=selection)
         kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
         rows = group_rows(min(G, KERNEL_GROUP), bs)
-        for footprint in (shared_memory.per_query(rows, bs.tile, kp, vp, itemsize, backward=True),
-                          shared_memory.per_query(rows, bs.tile, kp, 0, itemsize, bound_groups(config, K)[1])):
-            stages = shared_memory.per_query_stages(bs.num_stages, footprint)
-            assert stages == 1 or shared_memory.fits(footprint, stages), (G, K, stages)
+        precisions = Precisions.for_dtype(jnp.dtype(dtype))
+        launches = ((bs.num_stages, shared_memory.per_query(rows, bs.tile, kp, vp, itemsize, backward=True)),
+                    (bs.scores_num_stages, shared_memory.per_query(rows, bs.tile, kp, 0, itemsize,
+                                                                   bound_groups(config, K)[1])),
+                    (bs.merge_num_stages, shared_memory.per_query(rows, bs.tile, kp, vp, itemsize,
+                                                                  precision=precisions.merge,
+                                                                  operands=precisions.merge_operands)))
+        for asked, footprint in launches:
+            stages = shared_memory.per_query_stages(asked, footprint)
+            assert stages == 1 or (stages == asked and shared_memory.fits(footprint, stages)), (G, K, stages)
     backward = lambda K, rows: shared_memory.per_query(rows, 64, K, K, 4, backward=True)
     assert shared_memory.per_query_stages(2, backward(256, 8)) == 1
     assert shared_memory.per_query_stages(2, backward(256, 16)) == 1
