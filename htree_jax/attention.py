@@ -49,8 +49,11 @@ def htree_attention(
       max_documents: the static cap of documents per row that the packed layout holds
         (`htree_jax/core/packing.py`: the tree is laid out with each document aligned to
         `r^(L-1)` tokens, `T + max_documents * (r^(L-1) - 1)` tokens of tree at most);
-        `None`: `T // r^(L-1)` (a tree of at most `2T` tokens). A row with more raises
-        `ValueError` when `segment_ids` is concrete, and answers NaN under `jit`.
+        `None`: `T // r^(L-1)` (a tree of at most `2T` tokens). It sizes the layout, not
+        a count: a row fits when its documents, each started at a multiple of `r^(L-1)`,
+        fit those tokens, so a row of more documents fits where they leave less padding.
+        A row that does not fit raises `ValueError` when `segment_ids` is concrete, and
+        answers NaN under `jit`.
       max_document_len: the static cap of a document's length (`None`: `T`). The tree
         then has the layers a document of that length needs (`config.num_layers`), not
         those of `T`: less work and less padding when documents are short (at T=131072,
@@ -156,5 +159,6 @@ def packing_of(segment_ids, max_documents, config: HTreeConfig, batch: int, seq_
     segment_ids = check_segment_ids(segment_ids, batch, seq_len)
     packing = pack_layout(segment_ids, config, virtual_length(config, seq_len, max_documents, max_document_len),
                           max_document_len)
-    check_fits(packing, segment_ids, max_documents, max_document_len)
+    check_fits(packing, segment_ids, max_documents, config.compression_rate ** (packing.num_layers - 1),
+               max_document_len)
     return packing, segment_ids

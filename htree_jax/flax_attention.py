@@ -92,18 +92,25 @@ def _raise_not_causal(ok) -> None:
         )
 
 
+TRACED_MASK_RULES = ("refuse", "device", "trust")
+
+
 def check_causal_mask(mask, *, batch_shape, num_heads: int, seq_len: int, is_causal: bool = False,
-                      check_values: bool = True) -> None:
+                      traced: str = "refuse") -> None:
     """Refuses any attention mask that would make the attention other than causal.
 
     `mask` (Flax's convention: `True` or nonzero = attend; `make_causal_mask` gives
     float32 ones and zeros) must broadcast to
     `[*batch_shape, num_heads, T, T]`. Without `is_causal` it must equal the causal mask
     (`key <= query`); with `is_causal=True` (Flax ANDs the two) it must be `True` on and
-    below the diagonal. `None` needs `is_causal=True`. A concrete mask is checked here;
-    a traced one (under `jit`) is checked on the device and reported through a host
-    callback, so the error surfaces when the result is computed (`check_values=False`
-    skips that check: the caller vouches for the mask)."""
+    below the diagonal. `None` needs `is_causal=True`. A concrete mask is checked here.
+    A traced one (under `jit`) has no values until the kernels run; `traced` says what
+    then: `"refuse"` raises a ValueError now, saying how to ask for causal attention
+    without a mask; `"device"` compares it with the causal mask on the device and
+    reports through a host callback (a wrong mask then raises when the result is
+    computed, as JAX's `JaxRuntimeError` around this ValueError); `"trust"` takes it."""
+    if traced not in TRACED_MASK_RULES:
+        raise ValueError(f"traced must be one of {TRACED_MASK_RULES}, got {traced!r}")
     if mask is None:
         if not is_causal:
             raise ValueError(
@@ -130,7 +137,16 @@ def check_causal_mask(mask, *, batch_shape, num_heads: int, seq_len: int, is_cau
     if not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.number)):
         raise TypeError(f"mask must be boolean or numeric (nonzero = attend), got dtype {np.dtype(mask.dtype).name}")
     if _is_traced(mask):
-        if check_values:
+        if traced == "refuse":
+            raise ValueError(
+                f"mask: {CAUSAL_ONLY}, and a mask traced under jit has no values to check before "
+                "the kernels run. Ask for causal attention without a mask: is_causal=True "
+                "(nnx.MultiHeadAttention) or mask=None (HTreeAttention, where None is causal); or "
+                "build the mask outside jit; or attention_fn(config, check_mask='device') to "
+                "compare a traced mask with the causal one on the device (a wrong one then "
+                "raises when the result is computed)"
+            )
+        if traced == "device":
             mask = mask.astype(bool)
             causal = jnp.tril(jnp.ones((seq_len, seq_len), bool))
             effective = mask & causal if is_causal else mask
@@ -173,7 +189,7 @@ def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_doc
 
 
 def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", block_sizes=None,
-                 check_mask: bool = True):
+                 check_mask: bool | str = True):
     """htree attention with the `attention_fn` contract of `nnx.MultiHeadAttention` and
     `nn.MultiHeadDotProductAttention`, so an existing Flax model switches with one argument:
 
@@ -185,8 +201,14 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
     inside htree, so the model must not rotate them) and returns `[batch..., T, H, V]`.
     Keyword arguments, checked before any kernel runs:
       mask: a causal boolean mask broadcasting to `[batch..., H, T, T]`, or `None` with
-        `is_causal=True`; anything else is refused (see `check_causal_mask`; a mask traced
-        under `jit` is verified on the device unless `check_mask=False`).
+        `is_causal=True`; anything else is refused (`check_causal_mask`). A mask traced
+        under `jit` has no values before the kernels run: `check_mask=True` refuses it
+        with a ValueError where the caller can ask for causal attention without one
+        (`nnx.MultiHeadAttention` passes `is_causal`: call with `is_causal=True`), and
+        compares it with the causal mask on the device where it cannot (linen's
+        `nn.MultiHeadDotProductAttention` passes no `is_causal`; a wrong mask then raises
+        when the result is computed, as a `JaxRuntimeError`); `check_mask="device"`
+        always compares on the device, `check_mask=False` takes a traced mask unchecked.
       dropout_rate: must be 0 (`dropout_rng`, `broadcast_dropout`, `deterministic` are
         then irrelevant and accepted).
       dtype: if given, q, k, v are cast to it (float32, bfloat16 or float16).
@@ -206,6 +228,8 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
     config = check_config(config)
     check_backend(backend)
     check_block_sizes(block_sizes)
+    if not (check_mask is True or check_mask is False or check_mask == "device"):
+        raise ValueError(f"check_mask must be True, False or 'device', got {check_mask!r}")
 
     def htree_attention_fn(
         query,
@@ -220,7 +244,7 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
         dtype=None,
         precision=None,
         module=None,
-        is_causal: bool = False,
+        is_causal: bool | None = None,
         force_fp32_for_softmax: bool = False,
         qk_attn_weights_einsum=None,
         attn_weights_value_einsum=None,
@@ -253,8 +277,10 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
                 "with a cache needs htree's own decode path, not a dense KV cache"
             )
         batch_shape, (T, H) = query.shape[:-3], query.shape[-3:-1]
-        check_causal_mask(mask, batch_shape=batch_shape, num_heads=H, seq_len=T, is_causal=is_causal,
-                          check_values=check_mask)
+        # nnx passes `is_causal` (None: a caller that cannot, linen's attention module).
+        traced = {True: "refuse" if is_causal is not None else "device", False: "trust"}.get(check_mask, "device")
+        check_causal_mask(mask, batch_shape=batch_shape, num_heads=H, seq_len=T, is_causal=bool(is_causal),
+                          traced=traced)
         if dtype is not None:
             query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
         return attend(query, key, value, config, backend, block_sizes)

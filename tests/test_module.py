@@ -120,7 +120,7 @@ def test_nnx_multihead_attention_with_attention_fn_equals_module(H, H_kv, D_in, 
     want = np.asarray(m(x))
     np.testing.assert_array_equal(np.asarray(mha(x, is_causal=True)), want)
     np.testing.assert_array_equal(np.asarray(mha(x, mask=nnx.make_causal_mask(x[..., 0]))), want)
-    jitted = nnx.jit(lambda mha, x: mha(x, mask=nnx.make_causal_mask(x[..., 0])))
+    jitted = nnx.jit(lambda mha, x: mha(x, is_causal=True))
     np.testing.assert_allclose(np.asarray(jitted(mha, x)), want, rtol=1e-5, atol=1e-6)
 
 
@@ -212,8 +212,12 @@ def test_call_errors():
         m(x, mask=padding)
     with pytest.raises(ValueError, match=r"mask must broadcast to \[batch..., H, T, T\]"):
         m(x, mask=jnp.ones((3, 1, 20, 20), bool))
-    with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match="the mask passed under jit is not the causal mask"):
-        jax.block_until_ready(nnx.jit(lambda m, x, mask: m(x, mask=mask))(m, x, full))
+    # Under jit a mask has no values before the kernels run: refused while tracing, with
+    # the way to ask for causal attention without one (None is causal here).
+    with pytest.raises(ValueError, match=r"a mask traced under jit .* mask=None \(HTreeAttention"):
+        nnx.jit(lambda m, x, mask: m(x, mask=mask))(m, x, full)
+    with pytest.raises(ValueError, match="a mask traced under jit"):
+        nnx.jit(lambda m, x: m(x, mask=nnx.make_causal_mask(x[..., 0])))(m, x)
 
 
 def _mha(**kw):
@@ -236,6 +240,8 @@ def test_attention_fn_errors():
     # ... while an all-True mask with is_causal=True is causal attention
     np.testing.assert_array_equal(np.asarray(_mha()(x, is_causal=True, mask=jnp.ones((20, 20), bool)[None, None])),
                                   np.asarray(_mha()(x, is_causal=True)))
+    with pytest.raises(ValueError, match="check_mask must be True, False or 'device'"):
+        attention_fn(check_mask="yes")
     fn = attention_fn(HTreeConfig(compression_rate=4, top_k=4))
     q = _inputs(1, (2, 20, 4, 8))
     kv = _inputs(2, (2, 20, 2, 8))
@@ -250,6 +256,40 @@ def test_attention_fn_errors():
     with pytest.raises(ValueError, match="backend must be one of"):
         attention_fn(backend="triton")
     assert htree_jax.attention_fn is attention_fn
+
+
+def test_traced_masks_through_attention_fn():
+    """A mask traced under jit: nnx passes `is_causal`, so its caller can ask for causal
+    attention without a mask, and a traced mask is a ValueError while tracing (before
+    any kernel runs), saying so. Linen's module passes no `is_causal`: a traced mask is
+    compared with the causal one on the device. `check_mask="device"` does that for
+    nnx too; `check_mask=False` takes the mask unchecked."""
+    x = _inputs(0, (2, 20, 32))
+    mha = _mha()
+    full = jnp.ones((2, 1, 20, 20), bool)
+    causal = nnx.make_causal_mask(x[..., 0])
+    with pytest.raises(ValueError, match=r"a mask traced under jit .* is_causal=True \(nnx.MultiHeadAttention\)"):
+        nnx.jit(lambda mha, x, mask: mha(x, mask=mask))(mha, x, full)
+    with pytest.raises(ValueError, match="a mask traced under jit"):
+        nnx.jit(lambda mha, x: mha(x, mask=nnx.make_causal_mask(x[..., 0])))(mha, x)
+    want = np.asarray(mha(x, is_causal=True))
+    on_device = _mha()
+    on_device.attention_fn = attention_fn(HTreeConfig(compression_rate=4, top_k=4), check_mask="device")
+    nnx.update(on_device, nnx.state(mha, nnx.Param))
+    got = nnx.jit(lambda m, x: m(x, mask=nnx.make_causal_mask(x[..., 0])))(on_device, x)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="the mask passed under jit is not the causal mask"):
+        jax.block_until_ready(nnx.jit(lambda m, x, mask: m(x, mask=mask))(on_device, x, full))
+    trusting = attention_fn(HTreeConfig(compression_rate=4, top_k=4), check_mask=False)
+    q, kv = _inputs(1, (2, 20, 4, 8)), _inputs(2, (2, 20, 2, 8))
+    got = jax.jit(lambda q, kv, mask: trusting(q, kv, kv, mask=mask, is_causal=False))(q, kv, causal)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(trusting(q, kv, kv, is_causal=True)), rtol=1e-5, atol=1e-6)
+    # linen: no is_causal reaches attention_fn; a wrong traced mask is caught on the device
+    lmha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, attention_fn=attention_fn(
+        HTreeConfig(compression_rate=4, top_k=4)))
+    params = lmha.init(jax.random.key(0), x, x, mask=causal)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="the mask passed under jit is not the causal mask"):
+        jax.block_until_ready(jax.jit(lambda p, x, mask: lmha.apply(p, x, x, mask=mask))(params, x, full))
 
 
 @pytest.mark.gpu

@@ -292,3 +292,20 @@ def test_readme_packing_example_runs():
     scope = run_readme_snippet("## Packed documents")
     o = scope["o"]
     assert o.shape == (2, 1024, 4, 64) and np.isfinite(np.asarray(o)).all()
+
+
+def test_max_documents_sizes_the_layout_not_a_count():
+    """The README's example: `max_documents=8` at T=1024, `top_k=16` (documents start at
+    multiples of 16) is a layout of 1152 tokens. 18 documents that take 1104 fit it; 202
+    that take 3248 are refused, the error saying what they take and what it holds."""
+    T = 1024
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, T, h, 32)) for i, h in enumerate((2, 1, 1)))
+    config = HTreeConfig(top_k=16)
+    fits = np.repeat(np.arange(18), [60] * 17 + [4])[None].astype(np.int32)
+    o = htree_attention(q, k, v, config, segment_ids=fits, max_documents=8, backend="reference")
+    assert np.isfinite(np.asarray(o)).all()
+    too_many = np.repeat(np.arange(202), [5] * 201 + [19])[None].astype(np.int32)
+    with pytest.raises(ValueError, match=r"row 0's 202 documents, each laid out from a multiple of 16 tokens, "
+                                         r"take 3248 tokens of the packed layout, which holds 1152 "
+                                         r"\(T plus max_documents=8"):
+        htree_attention(q, k, v, config, segment_ids=too_many, max_documents=8, backend="reference")

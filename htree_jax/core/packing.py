@@ -129,8 +129,9 @@ def pack_layout(segment_ids, config: HTreeConfig, virtual_len: int, max_document
     return Packing(position.astype(jnp.int32), doc_start.astype(jnp.int32), fits, virtual_len, L)
 
 
-def check_fits(packing: Packing, segment_ids, max_documents, max_document_len=None) -> None:
-    """Eager calls: a row whose documents do not fit the static layout is an error."""
+def check_fits(packing: Packing, segment_ids, max_documents, align: int, max_document_len=None) -> None:
+    """Eager calls: a row whose documents do not fit the static layout is an error
+    (`align`: the `r^(L-1)` tokens each document's layout starts at a multiple of)."""
     try:
         fits = np.asarray(packing.fits)
     except jax.errors.TracerArrayConversionError:
@@ -143,9 +144,12 @@ def check_fits(packing: Packing, segment_ids, max_documents, max_document_len=No
         if max_document_len is not None and longest > max_document_len:
             raise ValueError(f"segment_ids: row {row} has a document of {longest} tokens, longer than "
                              f"max_document_len={max_document_len}")
+        lengths = np.diff(np.concatenate([[0], cuts, [len(ids)]]))
+        needed = int(np.sum(-(-lengths // align) * align))
         raise ValueError(
-            f"segment_ids: row {row} has {docs} documents, more than the static layout holds "
-            f"(virtual length {packing.virtual_len}; max_documents={max_documents}): pass a larger max_documents")
+            f"segment_ids: row {row}'s {docs} documents, each laid out from a multiple of {align} "
+            f"tokens, take {needed} tokens of the packed layout, which holds {packing.virtual_len} "
+            f"(T plus max_documents={max_documents} documents' alignment): pass a larger max_documents")
 
 
 def tokens_to_virtual(x, packing: Packing):
