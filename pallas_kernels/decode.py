@@ -202,12 +202,12 @@ def pipelined(st: LayerStatic, K: int, V: int, itemsize: int, values_in_keys: bo
     of 1024 candidates), one stage -> two, each pair in one run: layer-1 scores 131.8 ->
     115.1 us, selecting merge 68.4 -> 57.8, bottom merge with values from the keys
     (folding its key tiles) 240.2 -> 130.4, with a value layer (span 64 -> 32) 216.4 ->
-    167.4 (RESULTS, 2026-11-25 (8)).
+    167.4 (journal, 2026-11-25 (8)).
 
     GQA (`G <= 16`): the two merges, at their span (the scores kernel keeps one stage:
     at two, B=64 took 1.531 ms a step against 1.310). H200, `decode_step` at 128K, K = V
     = 128, one stage -> two merges: B=64 top_k=512 1.502 -> 1.310 ms, B=8 top_k=512
-    0.261 -> 0.239, B=8 top_k=64 0.134 -> 0.133 (RESULTS, 2026-11-26 (3))."""
+    0.261 -> 0.239, B=8 top_k=64 0.134 -> 0.133 (journal, 2026-11-26 (3))."""
     if itemsize > 2:
         return WalkStatics(st, st, st)
     fits = lambda span, features, width=0: shared_memory.fits(

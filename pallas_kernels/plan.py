@@ -79,7 +79,7 @@ class BlockSizes:
     top_tile: int = 64
     top_num_warps: int = 8
     top_num_stages: int = 3
-    # The top layer's importance kernel: 128 candidates a step, 2 stages (RESULTS 2026-11-26).
+    # The top layer's importance kernel: 128 candidates a step, 2 stages (journal, 2026-11-26).
     top_keys_tile: int = 128
     top_keys_stages: int = 2
     # The top layer's backward (`top_backward.py`): its dq kernel's query rows per
@@ -111,7 +111,7 @@ class BlockSizes:
     # per-query kernels take `num_stages`): the scores kernel (`importance._scores_kernel`)
     # and the merges. H100, T=524288, top_k=64, correlated, the bound: 879.7 ms with 2
     # and 2, 873.9 with the scores at 3, 859.3 with both at 3; no shape swept slower
-    # (RESULTS 2026-11-27 (1)). A depth that does not fit takes one stage.
+    # (journal, 2026-11-27 (1)). A depth that does not fit takes one stage.
     scores_num_stages: int = 3
     merge_num_stages: int = 3
     # Merges of stored scores (no key gathers) hide their latency best with 4 warps.

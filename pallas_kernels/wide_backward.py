@@ -294,7 +294,7 @@ def wide_node_grads_pallas(q_lat, q_rope, keys, tau, lat, rope_merge, values, ta
         # Values that are the keys' latent part: the latent layer passed again as a value
         # operand of its own, its tile loaded apart from the key tile. Reusing the key
         # tile ran this kernel 1.51x slower (H200, MLA shape, `probe_wide_backward`:
-        # 109.6 against 72.5 ms; RESULTS, 2026-11-25 (7)).
+        # 109.6 against 72.5 ms; journal, 2026-11-25 (7)).
         values = lat
     data = [index.query, index.angle, index.offset, index.span, _per_head(q_lat), _per_head(q_rope)]
     if not bottom:
