@@ -188,6 +188,17 @@ def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_doc
     return o.reshape(batch_shape + o.shape[1:])
 
 
+def traced_mask_rule(check_mask, is_causal) -> str:
+    """`check_causal_mask`'s `traced` for `attention_fn(check_mask=...)`: `True` refuses a
+    traced mask where the caller could have said `is_causal` (nnx passes it; `None`:
+    linen's attention module, which cannot) and compares it on the device where not."""
+    if check_mask is False:
+        return "trust"
+    if check_mask is True and is_causal is not None:
+        return "refuse"
+    return "device"
+
+
 def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", block_sizes=None,
                  check_mask: bool | str = True):
     """htree attention with the `attention_fn` contract of `nnx.MultiHeadAttention` and
@@ -277,10 +288,8 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
                 "with a cache needs htree's own decode path, not a dense KV cache"
             )
         batch_shape, (T, H) = query.shape[:-3], query.shape[-3:-1]
-        # nnx passes `is_causal` (None: a caller that cannot, linen's attention module).
-        traced = {True: "refuse" if is_causal is not None else "device", False: "trust"}.get(check_mask, "device")
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=H, seq_len=T, is_causal=bool(is_causal),
-                          traced=traced)
+                          traced=traced_mask_rule(check_mask, is_causal))
         if dtype is not None:
             query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
         return attend(query, key, value, config, backend, block_sizes)

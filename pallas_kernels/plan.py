@@ -109,9 +109,8 @@ class BlockSizes:
     num_stages: int = 2
     # The forward's kernels below the top have depths of their own (the backward's
     # per-query kernels take `num_stages`): the scores kernel (`importance._scores_kernel`)
-    # and the merges. H100, T=524288, top_k=64, correlated, the bound: 879.7 ms with 2
-    # and 2, 873.9 with the scores at 3, 859.3 with both at 3; no shape swept slower
-    # (journal, 2026-11-27 (1)). A depth that does not fit takes one stage.
+    # and the merges; three was the fastest of the sweep and slower nowhere (journal,
+    # 2026-11-27 (1)). A depth whose tiles do not fit takes one stage.
     scores_num_stages: int = 3
     merge_num_stages: int = 3
     # Merges of stored scores (no key gathers) hide their latency best with 4 warps.
@@ -152,8 +151,8 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.min_query_rows must be 8 or 16, got {self.min_query_rows!r}")
         if not isinstance(self.node_entries, int) or self.node_entries < 0:
             raise ValueError(f"BlockSizes.node_entries must be an int >= 0 (0: never spill), got {self.node_entries!r}")
-        for name in ("scores_num_stages", "merge_num_stages", "top_dq_rows", "top_dq_tile", "top_dq_stages", "top_dkv_rows",
-                     "top_dkv_tile", "top_dkv_stages", "top_dkv_programs"):
+        for name in ("scores_num_stages", "merge_num_stages", "top_dq_rows", "top_dq_tile", "top_dq_stages",
+                     "top_dkv_rows", "top_dkv_tile", "top_dkv_stages", "top_dkv_programs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"BlockSizes.{name} must be an int >= 1, got {getattr(self, name)!r}")
         for name in ("top_dq_warps", "top_dkv_warps", "node_num_warps"):
@@ -298,9 +297,8 @@ def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
                                 "top_local", "positions", "radii", "top_radii"],
-                   meta_fields=["st", "st_scores", "st_merge", "st_top", "st_top_keys", "st_select", "parents_width", "chunk", "sizes",
-                                "head_split",
-                                "bound_rope", "bound_width"])
+                   meta_fields=["st", "st_scores", "st_merge", "st_top", "st_top_keys", "st_select", "parents_width",
+                                "chunk", "sizes", "head_split", "bound_rope", "bound_width"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
