@@ -46,8 +46,8 @@ def htree_attention(
         a maximal run of equal consecutive ids, and each is attended as a sequence of
         its own (its own tree; positions, hence RoPE, counted from its start). Padding
         is one more document whose outputs you ignore. `None`: one document per row.
-      max_documents: the static cap of documents per row that the packed layout holds
-        (`htree_jax/core/packing.py`: the tree is laid out with each document aligned to
+      max_documents: the static size of the packed layout, in documents' worth of alignment
+        padding (`htree_jax/core/packing.py`: the tree is laid out with each document aligned to
         `r^(L-1)` tokens, `T + max_documents * (r^(L-1) - 1)` tokens of tree at most);
         `None`: `T // r^(L-1)` (a tree of at most `2T` tokens). It sizes the layout, not
         a count: a row fits when its documents, each started at a multiple of `r^(L-1)`,

@@ -140,11 +140,11 @@ def check_fits(packing: Packing, segment_ids, max_documents, align: int, max_doc
         row = int(np.argmin(fits))
         ids = np.asarray(segment_ids[row])
         cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-        docs, longest = 1 + len(cuts), int(np.max(np.diff(np.concatenate([[0], cuts, [len(ids)]]))))
+        lengths = np.diff(np.concatenate([[0], cuts, [len(ids)]]))
+        docs, longest = len(lengths), int(np.max(lengths))
         if max_document_len is not None and longest > max_document_len:
             raise ValueError(f"segment_ids: row {row} has a document of {longest} tokens, longer than "
                              f"max_document_len={max_document_len}")
-        lengths = np.diff(np.concatenate([[0], cuts, [len(ids)]]))
         needed = int(np.sum(-(-lengths // align) * align))
         raise ValueError(
             f"segment_ids: row {row}'s {docs} documents, each laid out from a multiple of {align} "
