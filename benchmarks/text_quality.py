@@ -85,6 +85,12 @@ def model_args(a, attention: str, dense_steps: int = 0):
     return train_tiny_lm.parse_args(argv)
 
 
+def model_fields(a) -> dict:
+    """The trained model's size and recipe, recorded with each row."""
+    return dict(d_model=a.d_model, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads, lr=a.lr, batch=a.batch,
+                seed=a.seed, train_top_k=a.train_top_k, eval_windows=a.eval_windows)
+
+
 def evaluate(model, args, corpus, a, attention: str, **config) -> dict:
     """Bits per byte of `model`'s weights under `attention` (`config`: top_k, selection)
     at every `--eval-lens` length: `{T: {"overall", buckets...}}`."""
@@ -101,38 +107,46 @@ def evaluate(model, args, corpus, a, attention: str, **config) -> dict:
     return out
 
 
+def trained_label(row: dict) -> str:
+    """The trained model's name in a plot: its recipe and, where recorded, its size."""
+    m = row.get("model")
+    return row["trained"] + (f" (d{m['d_model']} L{m['layers']})" if m else "")
+
+
 def table(rows: list[dict]) -> str:
     names = [bucket_name(lo, hi) for lo, hi in BUCKETS]
     lines = ["| trained | evaluated with | T | overall | " + " | ".join(names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]
     for r in rows:
         cells = [f"{r['bits'][n]:.3f}" if n in r["bits"] else "" for n in names]
-        lines.append(f"| {r['trained']} | {r['evaluated']} | {r['T']} | {r['bits']['overall']:.4f} | "
+        lines.append(f"| {trained_label(r)} | {r['evaluated']} | {r['T']} | {r['bits']['overall']:.4f} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], png: str) -> None:
+    """Bits per byte against position, one panel per evaluated length, one line per
+    trained model and attention."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    longest = max(r["T"] for r in rows)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        if r["T"] != longest:
-            continue
-        names = [bucket_name(lo, hi) for lo, hi in BUCKETS if bucket_name(lo, hi) in r["bits"]]
-        ax.plot(range(len(names)), [r["bits"][n] for n in names], marker="o",
-                label=f"{r['trained']} / {r['evaluated']}")
-    ax.set_xticks(range(len(names)), names)
-    ax.set_xlabel("position in the window (bytes)")
-    ax.set_ylabel("bits per byte (held out)")
-    ax.set_title(f"real text, T={longest}")
-    ax.legend(fontsize=7)
+    lengths = sorted({r["T"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 5), squeeze=False)
+    for ax, T in zip(axes[0], lengths):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # a colour per line, up to 20
+        for r in (r for r in rows if r["T"] == T):
+            names = [bucket_name(lo, hi) for lo, hi in BUCKETS if bucket_name(lo, hi) in r["bits"]]
+            ax.plot(range(len(names)), [r["bits"][n] for n in names], marker="o",
+                    label=f"{trained_label(r)} / {r['evaluated']}")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlabel("position in the window (bytes)")
+        ax.set_ylabel("bits per byte (held out)")
+        ax.set_title(f"real text, T={T}")
+        ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    fig.savefig(png, dpi=110)
 
 
 def parse_args(argv=None):
@@ -186,9 +200,10 @@ def main(argv=None) -> list[dict]:
         for name, how, config in evaluations:
             for T, bits in evaluate(model, args, corpus, a, how, **config).items():
                 rows.append(dict(trained=label, evaluated=name, T=T, bits=bits, train_seconds=result["train_seconds"],
-                                 final_train_loss=result["losses"][-1], steps=a.steps, seq_len=a.seq_len))
-        if a.out:
-            pathlib.Path(a.out).write_text(json.dumps(rows, indent=1))
+                                 final_train_loss=result["losses"][-1], steps=a.steps, seq_len=a.seq_len,
+                                 step_ms=result["step_ms"], model=model_fields(a)))
+            if a.out:  # after every evaluation: a time limit keeps what finished
+                pathlib.Path(a.out).write_text(json.dumps(rows, indent=1))
     print(table(rows), flush=True)
     if a.png:
         plot(rows, a.png)

@@ -300,3 +300,6 @@ def test_text_quality_trains_evaluates_and_buckets(tmp_path):
         ("dense", "htree bound top_k=2", 96), ("dense", "htree mean top_k=2", 32), ("dense", "htree mean top_k=2", 96)]
     assert len(rows) == 12 and all(np.isfinite(r["bits"]["overall"]) for r in rows)
     assert (tmp_path / "tq.png").stat().st_size > 0 and len(json.loads(out.read_text())) == 12
+    assert rows[0]["model"] == dict(d_model=32, layers=1, heads=2, kv_heads=1, lr=2e-3, batch=2, seed=0, train_top_k=2,
+                                    eval_windows=2)
+    assert "| dense (d32 L1) | htree mean top_k=2 | 96 |" in text_quality.table(rows)
