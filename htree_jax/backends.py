@@ -234,8 +234,8 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
         # A one-layer tree is causal attention: RoPE, then cuDNN (no selections, no
         # importance to export), under SPEC 10's guard.
         first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
-        # cuDNN named: left to choose (None), jax took XLA's dense attention there (H100,
-        # T=8192: 12.3 ms and 12 GB against cuDNN's 1.09 ms).
+        # cuDNN named: left to choose (None), jax took XLA's dense attention there, which
+        # holds a `[B, H, T, T]` array (journal, 2026-11-26 (7)).
         o = one_layer_attention(q, zero_non_finite(k), zero_non_finite(v), config,
                                 implementation="cudnn" if jax.default_backend() == "gpu" else None)
         # On the GPU the poisoned rows are written in place (`pallas_kernels.dead_rows`:

@@ -15,17 +15,14 @@ calls, so each device differentiates its own shard.
 Context parallelism (`T` sharded): each device keeps its `T / n` queries, all-gathers
 `k` and `v` (with GQA `G` times smaller than `q`), builds the whole tree and attends its
 queries at their positions; the backward reduce-scatters `dk`, `dv` (each device's share
-of every token's gradient) back to `T / n` tokens. Per-device memory for T = 4M over 8
-GPUs (B=1, H=32, H_kv=4, K=V=128, bf16, `top_k=64`), XLA's compiled plan of one shard's
-call on an H200 (`benchmarks/bench_context_parallel.py`, the collectives' buffers aside):
-42.4 GiB forward, 64.9 GiB forward + backward. What dominates is per-token, not
-per-query: the gathered k, v (4 GiB each in bf16) and the bottom layer's keys in their
-`span / r = 4` rotated float32 copies (`rope.rotate_phases`: 4M * 4 * 128 * 4 B * 4 =
-32 GiB), which every device builds for the whole sequence; the shard's own queries,
-output and selections are 512K-sized (~5.5 GiB). The causal work per shard grows with
-its position only until the candidate buffers fill: at T = 1M over 8 shards on an H200
-the slowest shard took 1.10x the mean forward time and 1.06x the mean forward + backward
-(RESULTS.md), so the split is left even.
+of every token's gradient) back to `T / n` tokens. Per-device memory (XLA's compiled
+plan of one shard's call, `benchmarks/bench_context_parallel.py`; figures in
+benchmarks/RESULTS.md) is dominated by what is per token, not per query: the gathered
+k, v and the bottom layer's keys in their `span / r` rotated float32 copies
+(`rope.rotate_phases`), which every device builds for the whole sequence; the shard's
+own queries, output and selections are `T / n`-sized. The causal work per shard grows
+with its position only until the candidate buffers fill, so the split is left even (the
+slowest shard's time against the mean's: journal, 2026-11-23 (session 3), context parallelism).
 
 Decoding (`prefill`, `decode_step`): the walk over a cache sharded along the batch
 and/or the kv heads is custom-partitioned the same way (`partitioned_cache_attention`);

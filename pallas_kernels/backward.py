@@ -7,24 +7,25 @@ forward returns them anyway, `(L-1) * B*T*H_kv*top_k` int32 kept between the pas
 candidates each layer kept are marked from them (`kept_keys`). Without them they are
 recomputed, chunk by chunk, with the forward's own kernels (importance keys and shared
 top-K: the same launches on the same inputs, so the same selections and the same
-gradient bits). On an H200 at T=131072 the saved selections made forward+backward 8%
-(top_k=512) and 10% (top_k=64) faster for 0.8 / 0.07 GB more planned memory
-(benchmarks/RESULTS.md). Nothing per candidate is saved between the passes.
+gradient bits). Saving them makes forward+backward faster for a little more planned
+memory (journal, 2026-11-23 (session 2)). Nothing per candidate is saved between the
+passes.
 
-Every layer's scores are recomputed with the merge dots (bfloat16 operands for
-bfloat16 inputs). Between the top and the bottom the forward merged from the importance pass's float32-grade scores (`BF16X3`),
-so there `p = exp(s - lse)` mixes the two: a bfloat16-level difference, bounded by
-`tests/test_pallas_backward.py` (scoring those layers with `BF16X3` here made the whole
-backward 5.5x slower on an H200 at T=131072, top_k=64: benchmarks/RESULTS.md). The forward saves `o` and the rows'
-log-sum-exp `lse`; `delta = rowsum(do * o)`. Then per chunk, top layer first (flash
-attention's dq and dk/dv loops on the forward's top-layer layouts, `top_backward.py`),
-each lower layer's `dq` kernel (`layer_backward.py`: one program per query, its G
-heads on `group_rows` rows, summing in registers) and its `dk`, `dv` kernel
-(`node_backward.py`: one program per block of nodes, visiting in a fixed order the
-queries that merged them, found through an inverse index of the chunk's parent lists)
-add into per-layer float32 accumulators; after the last chunk those are rotated back
-and pushed down the tree: a node's gradient is shared equally by its children (mean
-pooling), so layer `l` receives `grad_{l+1}[j // r] / children(j // r)`.
+Every layer's scores are recomputed with the merge dots (bfloat16 operands for bfloat16
+inputs). Between the top and the bottom the forward merged from the importance pass's
+float32-grade scores (`BF16X3`), so there `p = exp(s - lse)` mixes the two: a
+bfloat16-level difference, bounded by `tests/test_pallas_backward.py` (scoring those
+layers with `BF16X3` here made the whole backward several times slower: journal,
+2026-11-23, clean base). The forward saves `o` and the rows' log-sum-exp `lse`; `delta =
+rowsum(do * o)`. Then per chunk, top layer first (flash attention's dq and dk/dv loops
+on the forward's top-layer layouts, `top_backward.py`), each lower layer's `dq` kernel
+(`layer_backward.py`: one program per query, its G heads on `group_rows` rows, summing
+in registers) and its `dk`, `dv` kernel (`node_backward.py`: one program per block of
+nodes, visiting in a fixed order the queries that merged them, found through an inverse
+index of the chunk's parent lists) add into per-layer float32 accumulators; after the
+last chunk those are rotated back and pushed down the tree: a node's gradient is shared
+equally by its children (mean pooling), so layer `l` receives `grad_{l+1}[j // r] /
+children(j // r)`.
 
 Deterministic: no atomics, every sum in a fixed order, so the gradients are bitwise
 the same run to run (checked on an H200, `benchmarks/check_backward_gpu.py`).

@@ -71,7 +71,7 @@ class LayerStatic:
     # only output precision here. None: same as `precision`.
     merge_precision: lax.Precision | None = None
     # Warps of the merge kernels (None: num_warps). With 16 rows and 64 keys per
-    # product, 2 warps ran a bottom merge fastest (H200 probe: 338 ms vs 407 at 4).
+    # product, 2 warps ran a bottom merge fastest (journal, 2026-11-22 (later)).
     merge_num_warps: int | None = None
     # Decode kernels: features at the start of each RoPE half that do not rotate (SPEC 7's
     # partial RoPE in `rope_layout` order), scored without a rotation (`half_pieces`).

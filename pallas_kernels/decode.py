@@ -107,9 +107,9 @@ class DecodeBlockSizes:
     span: int = 64
     # Programs to aim for per launch: a query's candidates are split until
     # B * Q * H_kv * splits reaches this (at most Mp / span splits). Wide programs (64
-    # heads each, one per multiprocessor) aim for about one wave: the MLA step (T=131072,
-    # H100) took 707 us at B=64 unsplit against 955 in 4 splits (every split loads the
-    # queries and writes a partial state), 200 us at B=8 in 8 splits against 266 in 16.
+    # heads each, one per multiprocessor) aim for about one wave: more splits ran the MLA
+    # step slower (every split loads the queries and writes a partial state; journal,
+    # 2026-11-25 (5)).
     target_programs: int = 512
     wide_target_programs: int = 128
     num_warps: int = 4
@@ -198,16 +198,12 @@ def pipelined(st: LayerStatic, K: int, V: int, itemsize: int, values_in_keys: bo
 
     Wide (`G > 16`): all three kernels; the bottom merge gathers keys and, unless the
     values are its key tiles (`merge.values_in_key_tiles`), values: its span halves
-    (not below 16 or r) until two steps fit. H200, the MLA step at B=64 (128 programs
-    of 1024 candidates), one stage -> two, each pair in one run: layer-1 scores 131.8 ->
-    115.1 us, selecting merge 68.4 -> 57.8, bottom merge with values from the keys
-    (folding its key tiles) 240.2 -> 130.4, with a value layer (span 64 -> 32) 216.4 ->
-    167.4 (journal, 2026-11-25 (8)).
+    (not below 16 or r) until two steps fit. Two stages ran each of the MLA step's
+    kernels faster than one (journal, 2026-11-25 (8)).
 
     GQA (`G <= 16`): the two merges, at their span (the scores kernel keeps one stage:
-    at two, B=64 took 1.531 ms a step against 1.310). H200, `decode_step` at 128K, K = V
-    = 128, one stage -> two merges: B=64 top_k=512 1.502 -> 1.310 ms, B=8 top_k=512
-    0.261 -> 0.239, B=8 top_k=64 0.134 -> 0.133 (journal, 2026-11-26 (3))."""
+    at two the step ran slower); two stages ran the merges faster or the same (journal,
+    2026-11-26 (3))."""
     if itemsize > 2:
         return WalkStatics(st, st, st)
     fits = lambda span, features, width=0: shared_memory.fits(
@@ -293,7 +289,7 @@ def _walk(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: int, co
             m, total = combine_max_sum(m, total)
             shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
             ranking, shift = ranked[0] if ranked else scores, shift.reshape(m.shape)
-            if wide:  # H200, MLA B=64: 19.9 us against XLA's 49
+            if wide:  # faster than XLA's fusion at the MLA shape (journal, 2026-11-25 (8))
                 packed = decode_keys_pallas(ranking, shift, n, st, split, interpret)
             else:  # GQA: XLA's fusion, not measured against the kernel closely enough to swap
                 packed = group_keys_from_scores(ranking, shift, n, st, split)

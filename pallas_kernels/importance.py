@@ -373,8 +373,8 @@ def held_query_rows(q_pieces, keep):
     of the MLA step's scores do not fit (237824 B of shared memory asked of 232448, as
     much as two key tiles, the query rows and the rotated RoPE operands take); with it
     they do, so the rows are then presumably not held in shared memory for the whole
-    loop (not verified). H200, layer-1 scores at B=64: 115.1 against 131.8 us at one
-    stage. The bottom merge does without it (`merge._cache_merge_kernel`)."""
+    loop (not verified); the two stages ran faster (journal, 2026-11-25 (8)). The bottom
+    merge does without it (`merge._cache_merge_kernel`)."""
     return [x if x.dtype == jnp.float32 else jnp.where(keep, x, jnp.zeros_like(x)) for x in q_pieces]
 
 
@@ -541,8 +541,7 @@ def decode_keys_pallas(scores, shift, n, st: LayerStatic, split: int = 1, interp
     """`group_keys_from_scores` in a kernel: packed keys `[B, Q, H_kv / split, Mp]` of the
     stored scores `[B, Q, H_kv, Gp, Mp]`, shifts `[B, Q, H_kv, Gp]` and `n [B, Q, H_kv,
     1]` (kv heads virtual, `split` per kv head, as `group_keys_from_scores`). XLA's
-    fusion put the heads minor first (a transpose of every score: 49 us of the MLA
-    decode step at B=64, H200)."""
+    fusion put the heads minor first (a transpose of every score; journal, 2026-11-25 (8))."""
     scores, shift, n, st = whole_groups(scores, shift, n, st, split)
     B, Q, H_kv, rows, Mp = scores.shape
     tile = min(KEYS_TILE, Mp)

@@ -11,9 +11,8 @@ layers below the top: one program per `(b, t, h_kv)` walks the candidates like
 `merge_pallas`; the top layer's backward is `top_backward.py`). `dk`, `dv` are summed per
 node by the transposed kernels of `node_backward.py` (each program owns a block of
 nodes), so the backward is deterministic and issues no atomics.
-An earlier version added `dk`, `dv` from these programs with float32 atomics: on an
-H200 at T=131072 that backward ran 7.6 s (top_k=512) and 1.7 s (top_k=64), against
-1.14 s and 0.41 s by node (benchmarks/RESULTS.md).
+An earlier version added `dk`, `dv` from these programs with float32 atomics, several
+times slower than summing by node (journal, 2026-11-22 (session 5)).
 
 `layer_backward_twin` (autodiff of the layer's share of the output) gives all three.
 """

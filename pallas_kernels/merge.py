@@ -290,7 +290,7 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
     `value_pieces` of `v_ref`; `values_in_key_tiles` (bottom, values read from the keys,
     every piece a key tile the scores gathered): the key tiles are the value tiles, no
     value ref and no second gather, which leaves room for two pipeline stages at the
-    MLA shape (H200, B=64: 130.4 us against 240.2 gathering the values again at one).
+    MLA shape (faster than gathering the values again at one: journal, 2026-11-25 (8)).
     `carried` (one split): the running state `(m, S, U)` follows the inputs and the
     fold goes on from it; the outputs are the new state, or at the bottom the output
     `U / S` in its dtype. `scale_refs` (bottom, FP8 tokens): the inputs end with the
@@ -327,7 +327,7 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
         p0 = start + j * span
         if bottom:
             # (No `importance.held_query_rows` here: with it the bottom merge of a value
-            # layer took 299.9 us at two stages against 165.3 without, H200, MLA B=64.)
+            # layer ran slower at two stages than without; journal, 2026-11-25 (8).)
             scores, merged, _, nodes, tiles = cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st,
                                                                 precision, operands, k_scale_ref)
         else:
@@ -341,8 +341,8 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
         if zero_unmerged:
             # A weight of 0 times a NaN value is still NaN (SPEC 10): where a query may
             # precede appended tokens, the values it does not merge are zeroed. Only then:
-            # the select puts the tile through registers before the product (H200: +12 us
-            # a decode step).
+            # the select puts the tile through registers before the product, which costs
+            # a decode step time.
             values = [jnp.where(merged[:, None], x, 0) for x in values]
         value_scale = None if v_scale_ref is None else v_scale_ref[nodes]
         return _cache_fold(carry, jnp.where(merged[None, :], scores, NEG_INF), values, precision, operands,
@@ -385,8 +385,8 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
     `values_in_key_tiles`). `state`: with one split (`st.tile` the whole buffer), the
     running `(m, S [B, Q, H_kv, Gp], U [..., Gp, V])` the layer folds into in the kernel;
     then the new state is returned, or at the bottom the output `U / S` `[B, Q, H_kv,
-    Gp, V]` in the queries' dtype (no partial states, no fold in XLA: H200, the MLA step
-    at B=64 from a cache of keys only, 486.9 -> 467.2 us of kernels). `scales` (bottom,
+    Gp, V]` in the queries' dtype (no partial states, no fold in XLA: fewer launches;
+    journal, 2026-11-25 (8)). `scales` (bottom,
     FP8 tokens): the keys' (and, unless `values_from_keys`, the values') float32 row
     scales `[B, H_kv, N]`."""
     bottom = keys is None

@@ -5,8 +5,8 @@ Each program owns a block of nodes and visits, in a fixed order, every query tha
 one of them, summing in registers; it then adds the block's sum to the accumulator,
 which no other program of the launch touches. Chunks of queries follow each other in
 order. So `dk`, `dv` are bitwise the same run to run, and no atomic is issued (adding
-them with float32 atomics from the per-query programs instead ran 4-7x slower on an
-H200, benchmarks/RESULTS.md).
+them with float32 atomics from the per-query programs instead ran several times slower:
+journal, 2026-11-22 (session 5)).
 
 - Layers below the top (`layer_node_grads_pallas`): a program per `UNIT = 16`
   consecutive nodes (a dot's least width). Which queries merged them comes from an
@@ -23,11 +23,10 @@ H200, benchmarks/RESULTS.md).
   merged: the bound rule of SPEC 11 picks the same nodes for most queries) spills into
   segments of as many, each summed by a program of its own into a partial; a third
   launch adds a unit's partials, in order, after its own sum. Without the split one
-  program walked up to a whole chunk's queries while the others idled: on an H200 at
-  T=131072 the bound's backward took 1128 / 441 ms (top_k=512 / 64) against the mean's
-  1002 / 347; cut after 512 entries, 1040 / 339 against 1029 / 329 (after 2048: 1231 /
-  383; benchmarks/RESULTS.md, 2026-11-25). Adding the partials inside the unit kernel
-  instead slowed it by 63% where nothing spilled.
+  program walked up to a whole chunk's queries while the others idled, and the bound's
+  backward ran well behind the mean's; cut after 512 entries it runs about as the mean's
+  (journal, 2026-11-25 (2)). Adding the partials inside the unit kernel instead slowed
+  it where nothing spilled.
 The top layer's `dk`, `dv` (flash attention's loop over query blocks) are in
 `top_backward.py`.
 """
@@ -320,9 +319,8 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
     num_units = index.bounds.shape[2]
     if dk_acc.shape[2] != num_units * UNIT:
         raise ValueError(f"accumulators hold {dk_acc.shape[2]} rows, the index {num_units} units of {UNIT}")
-    # 64 rows per step (H200, T=131072, top_k=512, the bottom layer per chunk of 8192
-    # queries: 27 ms at 2 warps; 128 rows at 2 warps 957 ms (spilled), at 4 warps 50
-    # ms). Warps: `BlockSizes.node_num_warps`, passed by the backward.
+    # 64 rows per step: 128 spill registers (journal, 2026-11-22 (session 5)). Warps:
+    # `BlockSizes.node_num_warps`, passed by the backward.
     E = entries_per_step or max(1, 64 // gt)
     if st.merge_operands is not None:
         do = do.astype(st.merge_operands)  # the products read it so: half the bytes gathered

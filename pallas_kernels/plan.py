@@ -65,9 +65,9 @@ class BlockSizes:
     """Tiling and launch parameters of the Pallas forward and backward (which share them).
 
     Pass one to `htree_attention(..., block_sizes=...)` (or the modules) to tune; `None`
-    takes `BlockSizes.for_dims(K, V)`. Each default is the fastest of an H200 sweep
-    (bf16, H=32, H_kv=4, K=V=128, T=131072); the sweeps are in benchmarks/RESULTS.md
-    ("Block sizes: where the defaults come from")."""
+    takes `BlockSizes.for_dims(K, V)`. Each default is the fastest of a GPU sweep at the
+    benchmark shape (bf16, H=32, H_kv=4, K=V=128, T=131072); the sweeps: the journal,
+    "Block sizes: where the defaults come from" (`benchmarks/journal/`)."""
 
     # Below the top layer: candidates per score product (one query rotation serves them:
     # the keys are stored in span/r rotated copies) and per inner step.
@@ -85,10 +85,9 @@ class BlockSizes:
     # The top layer's backward (`top_backward.py`): its dq kernel's query rows per
     # program, nodes per step, warps and pipeline stages; its node kernel's (dk, dv)
     # nodes per program, query rows per step, warps, stages, and about how many
-    # programs share a chunk's work (each tile's queries split among several). H200,
-    # T=131072, top_k=512, `benchmarks/probe_top_backward.py`: dq 39.4 ms (128 rows, 8
-    # warps, 2 stages: 51.8); dk, dv 66.7 ms with 8 programs per tile, 70.5 with 4,
-    # 94.1 with one.
+    # programs share a chunk's work (each tile's queries split among several). The
+    # fastest of a sweep (journal, "Block sizes"): splitting a tile's queries among programs
+    # keeps the node kernel's programs busy; more rows per dq program ran slower.
     top_dq_rows: int = 64
     top_dq_tile: int = 64
     top_dq_warps: int = 4
@@ -101,8 +100,8 @@ class BlockSizes:
     # The shared top-K kernel (one query per program, every layer).
     select_num_warps: int = 4
     # Per-query kernels below the top: a query's G heads padded to at least this many
-    # product rows (8 or 16; 8 ran T=131072, top_k=64 at 125.6 ms against 152.1), and
-    # their warps (2 keep such products busiest).
+    # product rows (8 or 16; 8 ran faster: journal, "Block sizes"), and their warps (2
+    # keep such products busiest).
     min_query_rows: int = 8
     num_warps: int = 2
     merge_num_warps: int = 2
@@ -124,15 +123,13 @@ class BlockSizes:
     # before the rest of a unit's list spills to programs of its own (`node_backward`);
     # 0 never spills.
     node_entries: int = UNIT_ENTRIES
-    # Their warps: H200, T=131072, 8 pairs (64 rows) a step: top_k=512 395 ms with 4,
-    # 455 with 2; top_k=64 layer 1 59.6 / 105.2 ms (`benchmarks/profile_backward.py`).
+    # Their warps: 4 ran the node kernel faster than 2 (journal, "Block sizes").
     node_num_warps: int = 4
     # Wide groups (G >= 32, latent attention; `wide.py`): heads per program (one gathered
     # key row feeds them all; 0 runs such groups as virtual kv heads of 16 instead),
-    # candidates per step, launch. H200, MLA shape, `benchmarks/probe_wide.py`: 64 rows,
-    # 64 candidates, 8 warps; the merges 161.6 TFLOP/s with 2 stages (133.4 with 1); the
-    # importance overflows shared memory with 2 (246784 B), so 1. Float32 inputs take
-    # 1 stage everywhere (tiles twice the bytes).
+    # candidates per step, launch: the fastest at the MLA shape (journal, 2026-11-25 (2));
+    # the merges gain from a second stage, the importance's tiles do not fit two. Float32
+    # inputs take 1 stage everywhere (tiles twice the bytes).
     wide_rows: int = 64
     wide_tile: int = 64
     wide_num_warps: int = 8
@@ -140,9 +137,8 @@ class BlockSizes:
     wide_importance_stages: int = 1
     # The wide backward (`wide_backward.py`): heads per program of its `dq` and node
     # kernels (each holds its rows' queries, `do` and a gradient besides the tiles), and
-    # their warps. H100, MLA shape, `benchmarks/probe_wide_backward.py`: 32 rows ran the
-    # dq kernel 20-40x slower than 64; H200, T=131072: fwd+bwd 9644 ms with 8 warps,
-    # 13465 with the node kernel at 4 (4 ran it 4% faster in the probe).
+    # their warps: the fastest at the MLA shape (journal, 2026-11-25 (3)); with fewer
+    # rows a program, more programs gather the same keys.
     wide_backward_rows: int = 64
     wide_backward_num_warps: int = 8
 
@@ -170,11 +166,11 @@ class BlockSizes:
         return cls(**TUNED[shape])
 
 
-# Tuned block sizes per shape class, as data (H200; how each was found: RESULTS.md).
+# Tuned block sizes per shape class, as data (how each was found: the journal).
 TUNED = {
     "head_dims<=256": {},
-    # `benchmarks/probe_mla.py` at T=8192: 303 ms, against 388 with 16-candidate tiles;
-    # 64-candidate tiles overflow shared memory.
+    # 32-candidate tiles: the fastest that fit (64-candidate tiles overflow shared
+    # memory; journal, "Block sizes").
     "wide": dict(span=32, tile=32, top_rows=16, top_tile=16, top_num_warps=4, top_keys_tile=16, top_keys_stages=2,
                  num_warps=4, merge_num_warps=4, num_stages=2, scored_merge_num_warps=4,
                  top_dq_rows=16, top_dq_tile=16, top_dq_warps=4, top_dkv_tile=16, top_dkv_rows=16, top_dkv_warps=4),
@@ -186,8 +182,8 @@ def top_pipeline(block_sizes: BlockSizes, precisions: Precisions, kp: int, vp: i
     """`(merge stages, (importance queries per program, tile, stages))` of the top layer
     for padded head dims `kp, vp`, `G` heads per kv head and `bound_width` feature
     groups of `selection="bound"` (0 without). The merge: the block sizes' stages for
-    heads up to 128 features (float32 operands at most 2), one stage past them (K=192
-    asked 264192 bytes of 232448 on an H200). The importance kernel: the first of
+    heads up to 128 features (float32 operands at most 2), one stage past them (two
+    overflow shared memory at K=192). The importance kernel: the first of
     `top_importance_candidates` that fits shared memory (`shared_memory.top_importance`)."""
     stages = block_sizes.top_num_stages if precisions.merge_operands else min(block_sizes.top_num_stages, 2)
     if kp > 128 or vp > 128:
@@ -226,10 +222,8 @@ def top_importance_launch(config: HTreeConfig, block_sizes: BlockSizes, dtype, K
 
 def top_importance_candidates(block_sizes: BlockSizes, precisions: Precisions, gt: int, Mp: int) -> list:
     """`(queries per program, tile, stages)` of the top layer's importance kernel, fastest
-    first: the block sizes' (float32 operands at most 64 candidates a step, the H200
-    sweep's), then their tile in one stage (H100, the bound at T=131072, K = V = 128,
-    top_k=512: 477.8 ms against 484.0 with 64 candidates in two, 505.0 with 64 in one;
-    at top_k=64 alike), 64 candidates in two stages (the bound's setting before
+    first (journal, 2026-11-26 (5)): the block sizes' (float32 operands at most 64
+    candidates a step), then their tile in one stage, 64 candidates in two stages (the bound's setting before
     2026-11-26), one stage, smaller tiles, then half and a quarter of the query rows
     (wide heads with the bound)."""
     bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)

@@ -61,10 +61,10 @@ def key_operands(keys, precision, operands=None, split: bool = True) -> tuple:
     `(hi, lo)` float32 for 3xTF32, `(keys in the operands dtype,)`, or `(float32,)`.
     A loaded tile then goes into the product as it is: any arithmetic on it in the
     kernel (a split, a cast, a rotation) puts it through registers and a layout change
-    before every product, which cost more than the load in the per-query kernels (H200:
-    below the top, pre-split keys). `split=False` leaves the 3xTF32 split to the kernel:
-    the top layer's importance pass, bound by its products, not its loads, ran faster
-    that way (199 vs 215-260 ms at T=131072)."""
+    before every product, which cost more than the load in the per-query kernels (below
+    the top, pre-split keys). `split=False` leaves the 3xTF32 split to the kernel: the
+    top layer's importance pass, bound by its products, not its loads, ran faster that
+    way (journal, 2026-11-22 (later))."""
     keys = keys.astype(jnp.float32)
     if operands == BF16X3:
         return bf16_split(keys)
@@ -88,7 +88,7 @@ def dot_rows(a_parts, b_parts, precision, operands=None):
     `Precision.HIGH` is done here as 3xTF32 (hi*hi + hi*lo + lo*hi): ~1e-6 relative
     error on TF32 tensor cores. Pallas-Triton runs HIGH as plain TF32 (~5e-4), which is
     as coarse as the 10-bit buckets of the packed importance and flipped 7-16% of the
-    selections at T=32768 on an H200; HIGHEST (exact float32) ran 7x slower.
+    selections at T=32768; HIGHEST (exact float32) ran several times slower.
     """
     dims = (((1,), (1,)), ((), ()))
     if operands == BF16X3:
@@ -155,7 +155,7 @@ def whole_keys(parts):
 def default_precision(dtype):
     """Score dots that decide selections: exact float32 for float32 inputs (they must
     match the reference to 1e-4); 3xTF32 (`HIGH`, see `score_dot`) for
-    bfloat16/float16 inputs: scores to ~1e-6, 7x faster than exact dots on an H200."""
+    bfloat16/float16 inputs: scores to ~1e-6, several times faster than exact dots."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.HIGH
 
 
@@ -170,8 +170,8 @@ def default_importance_operands(dtype):
     float32-grade (~4e-6 relative, against ~1e-6 for 3xTF32 and 4e-3 for plain bfloat16)
     at bfloat16 tensor-core rate, reading half the bytes of 3xTF32's split keys. H200,
     T=32768, against the float32 reference: parent lists identical 0.9988 (softmax) /
-    0.9968 (shared_max), 0.9997 / 0.9994 with 3xTF32, 0.61 with plain bfloat16; at
-    T=131072 the forward ran 465 ms vs 528 ms with 3xTF32. float32 inputs: None (the
+    0.9968 (shared_max), 0.9997 / 0.9994 with 3xTF32, 0.61 with plain bfloat16; the
+    forward faster than with 3xTF32 (journal, 2026-11-22 (later)). float32 inputs: None (the
     dots at `default_precision`, exact float32)."""
     return BF16X3 if jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else None
 

@@ -39,8 +39,7 @@ def rotate_phases(layer_k, cos, sin, st: LayerStatic):
     `n - 1 - p0`, serves the whole span (SPEC 2.2 is relative:
     `<rope(q, n-1), rope(K, p)> = <rope(q, n-1-p0), rope(K, p - p0)>`). The copies cost
     `span / r` times the layer's keys in memory and save a query rotation per slot,
-    which in Pallas-Triton costs more than the gathers (H200 probe: bottom merge at
-    T=131072 498 ms with a rotation per slot, 338 ms with one per 64 keys)."""
+    which in Pallas-Triton costs more than the gathers (journal, 2026-11-22 (later))."""
     return rotate_copies(layer_k, cos, sin, st.r, phase_versions(st))
 
 

@@ -18,8 +18,8 @@ exp2(s2 - log2(e) * lse)`, and the constant is taken out of the sums at the end.
   are split among `segments` programs (`top_backward_statics`), whose partial sums
   are added in order afterwards: deterministic, no atomics.
   Scoring transposed (`k q^T`, so `p^T`, `ds^T` come out as the left operands of the
-  dk and dv products, as Triton's flash attention backward does) ran 18-22% slower
-  here (H200, `benchmarks/probe_top_backward.py`, journal, 2026-11-26).
+  dk and dv products, as Triton's flash attention backward does) ran slower here
+  (journal, 2026-11-26 (2)).
 `first=None`: one document per row (no per-document loop, which keeps Triton from
 pipelining the tiles' loads); packed rows pass `first` (`plan.top_documents`).
 """

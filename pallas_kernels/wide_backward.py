@@ -13,7 +13,7 @@ two, the values read from the keys when they are the latent part (`v=None`).
   programs of their own and folded after), each pair's `G` rows in blocks of `rows`,
   and sums `dk` (latent part, RoPE part in the frame of copy 0), `dv` in registers;
   values that are the keys' latent part reach it as the latent layer passed again (a
-  value tile loaded apart from the key tile, which ran it 1.51x faster).
+  value tile loaded apart from the key tile, which ran it faster: journal, 2026-11-25 (7)).
 No atomics, every sum in a fixed order: bitwise deterministic.
 
 With `p = exp(s - lse)` over a row's merged candidates (the forward's LSE), `dp = do .
@@ -94,7 +94,7 @@ def _dq_kernel(ql_ref, qr_ref, par_ref, n_ref, *refs, ws: WideStatic, bottom: bo
     precision, operands = ws.merge_precision, ws.merge_operands
     r, hp = ws.r, qr_ref.shape[-1] // 2
     n = n_ref[0]
-    # Held for the whole walk (reloading them every step ran the same: H100, MLA shape).
+    # Held for the whole walk (reloading them every step ran no faster at the MLA shape).
     q_lat = [ql_ref[:, pl.ds(*piece)] for piece in ws.lat_pieces]
     do = [do_ref[:, pl.ds(*piece)] for piece in ws.value_pieces]
     q_lo, q_hi = qr_ref[:, pl.ds(0, hp)], qr_ref[:, pl.ds(hp, hp)]
@@ -216,8 +216,8 @@ def _unit_grads(u, begin, end, refs, ws: WideStatic, bottom: bool, rope_parts: i
         p, ds = _weights_and_grads(ws.alpha * scores, merged[None, :], lse_ref[block], delta_ref[block], do,
                                    values, ws)
         # Transposed (`[features, UNIT]`): the features on the products' long side. The
-        # `[UNIT, features]` form ran 129.5 ms against 140.1 in the probe, on two H100s
-        # (not one machine: no verdict); this form is the one compiled on an H200.
+        # `[UNIT, features]` form was timed on other machines only, no verdict (journal,
+        # 2026-11-25 (3)); this form is the one compiled and checked.
         return (tuple(a + product(q, ds, (0, 0), precision, operands) for a, q in zip(dk_lat, q_lat)),
                 dk_lo + product(qr_lo, ds, (0, 0), precision, operands),
                 dk_hi + product(qr_hi, ds, (0, 0), precision, operands),
@@ -293,8 +293,7 @@ def wide_node_grads_pallas(q_lat, q_rope, keys, tau, lat, rope_merge, values, ta
     if values is None:
         # Values that are the keys' latent part: the latent layer passed again as a value
         # operand of its own, its tile loaded apart from the key tile. Reusing the key
-        # tile ran this kernel 1.51x slower (H200, MLA shape, `probe_wide_backward`:
-        # 109.6 against 72.5 ms; journal, 2026-11-25 (7)).
+        # tile ran this kernel slower at the MLA shape (journal, 2026-11-25 (7)).
         values = lat
     data = [index.query, index.angle, index.offset, index.span, _per_head(q_lat), _per_head(q_rope)]
     if not bottom:

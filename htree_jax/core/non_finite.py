@@ -10,7 +10,7 @@ with one product (rows `t < p` must ignore a value row that rows `t >= p` merge)
 no mask on the value tile can fix. With finite inputs the replacement is the identity,
 and by strict causality (SPEC 3) the outputs before `p` do not depend on the replaced
 values. The Pallas backend applies it inside its `custom_vjp`, fused into copies it makes
-anyway (H200, T=131072 forward: no measurable time, +1 MB planned; benchmarks/RESULTS.md).
+anyway (no measurable time at the benchmark shape: journal, 2026-11-23, clean base).
 
 Decoding does without: its kernels serve one query per program, so zeroing the values a
 query does not merge is exact (`htree_jax.reference.merge`, the decode merge kernel), and

@@ -60,8 +60,8 @@ def rope_layout(x, rope_dim: int | None):
     if rope_dim is None:
         return x
     # Contiguous runs joined, not an index gather: under autodiff a gather's transpose
-    # is a scatter-add over all of q (743 ms of a 9.7 s fwd+bwd at the MLA shape, T=131072,
-    # H200); a concatenate's is slices.
+    # is a scatter-add over all of q (a large share of the MLA shape's fwd+bwd: journal,
+    # 2026-11-25 (7)); a concatenate's is slices.
     return jnp.concatenate([x[..., a:b] for a, b in rope_runs(x.shape[-1], rope_dim) if b > a], axis=-1)
 
 
