@@ -45,11 +45,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.probe_shared_memory import dumped_kernels
 from htree_jax import BlockSizes, HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from pallas_kernels.common import KERNEL_GROUP, wide_head_dims
 from pallas_kernels.plan import top_importance_launch
 from pallas_kernels.shared_memory import LIMIT
+
+# A Pallas kernel's line in XLA's thunk-sequence dump, with the shared memory it takes.
+KERNEL_LINE = re.compile(r"kCustomKernel \[[^\]]*\] (\S+) grid: .*shared_memory: (\d+) bytes")
+
+
+def dumped_kernels(seen: set, directory: str) -> dict:
+    """{Pallas kernel name: shared bytes} from the thunk sequences dumped in `directory`
+    (XLA's `--xla_dump_to`) since `seen` (the paths read before; updated)."""
+    out = {}
+    for path in glob.glob(os.path.join(directory, "*thunk_sequence.txt")):
+        if path in seen:
+            continue
+        seen.add(path)
+        for name, b in KERNEL_LINE.findall(open(path, errors="ignore").read()):
+            if "_kernel" in name:
+                name = re.sub(r"__\d+$", "", name)
+                out[name] = max(out.get(name, 0), int(b))
+    return out
+
 
 TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 2e-2}
 AGREE = 0.99

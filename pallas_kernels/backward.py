@@ -129,7 +129,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                          "kv head, BlockSizes.wide_rows > 0, one document per row")
     # The backward's per-query kernels hold q, do and dq rows besides the key and value
     # tiles: two pipeline stages overflow shared memory at wide heads (H200: 264992 B
-    # asked of 232448 at K = 576, V = 512, `benchmarks/probe_mla.py --backward`) and in
+    # asked of 232448 at K = 576, V = 512) and in
     # float32 past 128 features (H100: 246848 B at K = V = 256); one stage there.
     footprint = shared_memory.per_query(group_rows(min(H // H_kv, KERNEL_GROUP), block_sizes), block_sizes.tile,
                                         next_power_of_two(K, 32), next_power_of_two(V, 16),

@@ -8,6 +8,7 @@ import itertools
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import gpu_gate
 from htree_jax import HTreeConfig
 from htree_jax.core.bounds import group_count
 from pallas_kernels import shared_memory
@@ -17,7 +18,7 @@ from pallas_kernels.plan import BlockSizes, bound_groups, group_rows, layout, to
 from pallas_kernels.precision import Precisions
 
 # The top layer's importance kernel as compiled on an H100 (jax 0.11.2, 2026-11-26,
-# `benchmarks/probe_shared_memory.py`): (G, K, rope_dim, dtype, bound, queries per program,
+# the thunk dumps that `benchmarks/gpu_gate.py` reads): (G, K, rope_dim, dtype, bound, queries per program,
 # tile, stages) -> bytes. "exact": the bytes the thunk dump gave, or the bytes an
 # overflowing compile requested; "at most": dumps where the compiler reused scratch.
 EXACT = [
@@ -189,3 +190,16 @@ def test_the_bound_keeps_the_measured_launch_where_it_fits():
     mean = top_pipeline(BlockSizes(), precisions, 128, 128, 8, 1024, 0)[1]
     bound = top_pipeline(BlockSizes(), precisions, 128, 128, 8, 1024, bound_width(128, None, True))[1]
     assert mean == (16, 128, 2) and bound == (16, 128, 1)
+
+
+def test_the_gate_reads_each_kernels_shared_memory_from_the_thunk_dump(tmp_path):
+    """`gpu_gate.dumped_kernels`: the largest bytes per Pallas kernel (its launch suffix
+    dropped), other custom kernels left out, each dump file read once."""
+    line = "kCustomKernel [x] {} grid: (1, 2, 3) block: (64, 1, 1) shared_memory: {} bytes\n"
+    (tmp_path / "module_0001.thunk_sequence.txt").write_text(
+        line.format("_scores_kernel__3", 1024) + line.format("_scores_kernel", 4096) + line.format("cudnn_fmha", 9))
+    seen = set()
+    assert gpu_gate.dumped_kernels(seen, str(tmp_path)) == {"_scores_kernel": 4096}
+    assert gpu_gate.dumped_kernels(seen, str(tmp_path)) == {}
+    (tmp_path / "module_0002.thunk_sequence.txt").write_text(line.format("_top_merge_kernel__1", 229376))
+    assert gpu_gate.dumped_kernels(seen, str(tmp_path)) == {"_top_merge_kernel": 229376}
