@@ -5,11 +5,13 @@ kernels' tuning), the Flax NNX module `HTreeAttention` (linen twin:
 `htree_jax.linen.HTreeAttention`), `attention_fn` for `nnx.MultiHeadAttention` /
 `nn.MultiHeadDotProductAttention`, and incremental decoding: `init_cache`, `prefill`,
 `decode_step`, `reset_rows` (`HTreeCache`; `DecodeBlockSizes`, the decode kernels'
-tuning), and `rope`, the rotation htree applies (its convention). The function they compute is stated in
-`docs/SPEC.md` ("SPEC n" in the code cites its section n).
+tuning), `rope`, the rotation htree applies (its convention), and `memory_plan`
+(`MemoryPlan`), one device's memory for a call, from XLA's plan, before running it.
+The function they compute is stated in `docs/SPEC.md` ("SPEC n" in the code cites its
+section n).
 
 Layers, each importing only those below it (README, "Layout"):
-  public API    attention, decode, module, linen, flax_attention, sharding
+  public API    attention, decode, module, linen, flax_attention, sharding, memory
   backends      backends: the backend rule, `attend` and `attend_cache`
   implementations  reference (JAX), `pallas_kernels` (Pallas-Triton)
   core          htree_jax.core: config, validation, index arithmetic, RoPE, tree, packing, bounds
@@ -32,18 +34,20 @@ _EXPORTS = {
     "HTreeAttention": "htree_jax.module",
     "HTreeCache": "htree_jax.decode",
     "HTreeConfig": "htree_jax.core.config",
+    "MemoryPlan": "htree_jax.memory",
     "attention_fn": "htree_jax.flax_attention",
     "build_tree": "htree_jax.core.tree",
     "decode_step": "htree_jax.decode",
     "htree_attention": "htree_jax.attention",
     "init_cache": "htree_jax.decode",
+    "memory_plan": "htree_jax.memory",
     "prefill": "htree_jax.decode",
     "reset_rows": "htree_jax.decode",
     "rope": "htree_jax.core.rope",
 }
 # Submodules reachable as attributes after `import htree_jax` (e.g. `htree_jax.linen`).
 _SUBMODULES = ("attention", "backends", "bench", "core", "decode", "demo", "flax_attention", "introspect", "linen",
-               "module", "reference", "sharding")
+               "memory", "module", "reference", "sharding")
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -16,12 +16,41 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from htree_jax import HTreeConfig, htree_attention  # noqa: E402
+from htree_jax import HTreeConfig, htree_attention, memory_plan  # noqa: E402
 from htree_jax.backends import attend  # noqa: E402
 
 # 3 layers at T=152; the mean named, as the bound (the default) has runs of its own below.
 CONFIG = HTreeConfig(compression_rate=4, top_k=4, selection="mean")
 B, T, H, H_KV, K, V = 4, 152, 8, 4, 32, 32
+
+
+def memory_plans() -> int:
+    """`memory_plan` of a call sharded along T over 1, 2 and 8 devices: each device
+    holds its share of q, k, v (arguments exactly 1/n of the whole), and the peak of the
+    forward and of the forward+backward falls with the device count."""
+    T_plan = 1024
+    shapes = [(1, T_plan, 8, 32), (1, T_plan, 2, 32), (1, T_plan, 2, 32)]
+    peaks = {}
+    counts = (1, 2, 8)
+    for n in counts:
+        mesh = jax.make_mesh((n,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+        sharding = NamedSharding(mesh, P(None, "seq", None, None))
+        args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes]
+        for gradients in (False, True):
+            plan = memory_plan(*args, CONFIG, gradients=gradients, backend="reference")
+            whole = sum(np.prod(s) for s in shapes) * 4 + (np.prod(shapes[0]) * 4 if gradients else 0)
+            if plan.arguments * n != whole:
+                print(f"FAIL memory plan over {n}: arguments {plan.arguments} B, the whole {whole} B")
+                return 1
+            peaks[n, gradients] = plan.peak
+    for gradients in (False, True):
+        row = [peaks[n, gradients] for n in counts]
+        if any(b >= a for a, b in zip(row, row[1:])):
+            print(f"FAIL memory plan peaks along T ({'fwd+bwd' if gradients else 'forward'}): {row}")
+            return 1
+    print("ok memory plan: each device's share falls with the device count along T, "
+          f"forward {[peaks[n, False] for n in counts]}, fwd+bwd {[peaks[n, True] for n in counts]}")
+    return 0
 
 
 def module_step() -> int:
@@ -272,6 +301,8 @@ def main(backends) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["memory"]:
+        raise SystemExit(memory_plans())
     if sys.argv[1:] == ["module"]:
         raise SystemExit(module_step())
     raise SystemExit(main(sys.argv[1:] or ["reference", "pallas_interpret"]))

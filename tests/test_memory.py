@@ -11,8 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from htree_jax import HTreeConfig
+from htree_jax import HTreeConfig, MemoryPlan, memory_plan
 from htree_jax.reference import (
     DEFAULT_CHUNK_BUDGET_BYTES,
     reference_forward,
@@ -61,3 +62,24 @@ def test_default_config_t16384_matches_oracle_at_sampled_positions():
     assert not fragile.any()
     np.testing.assert_array_equal(np.asarray(sel[0]), ref_sel[0])
     np.testing.assert_allclose(np.asarray(o), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_memory_plan_counts_and_checks_without_running():
+    """`htree_jax.memory_plan`: XLA's plan of one call from shapes alone (nothing runs),
+    the forward+backward's above the forward's; `check` raises `MemoryError` naming the
+    need and the limit past a limit, and passes on devices that report none (the CPU)."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    shapes = [jax.ShapeDtypeStruct((2, 150, 4, 16), jnp.float32)] + [jax.ShapeDtypeStruct((2, 150, 2, 16),
+                                                                                          jnp.float32)] * 2
+    forward = memory_plan(*shapes, config, backend="reference")
+    both = memory_plan(*shapes, config, gradients=True, backend="reference")
+    assert isinstance(forward, MemoryPlan) and forward.arguments == 4 * (2 * 150 * 4 * 16 + 2 * 2 * 150 * 2 * 16)
+    assert forward.outputs >= 4 * 2 * 150 * 4 * 16 and forward.temporaries > 0
+    assert both.peak > forward.peak and both.arguments == forward.arguments + 4 * 2 * 150 * 4 * 16
+    both.check(limit_bytes=both.peak)
+    with pytest.raises(MemoryError, match=r"forward and backward needs \d+\.\d\d GiB on each device .* the limit "
+                                          r"given has \d+\.\d\d GiB free: shard the call over more devices"):
+        both.check(limit_bytes=both.peak - 1)
+    both.check()  # the CPU reports no memory limit
+    q, k, v = (jnp.zeros(s.shape, s.dtype) for s in shapes)  # arrays are taken as their shapes
+    assert memory_plan(q, k, v, config, backend="reference") == forward

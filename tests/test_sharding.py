@@ -18,12 +18,19 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
-def test_sharded_batch_and_heads_on_simulated_devices(backend):
+def run_check(mode: str) -> subprocess.CompletedProcess:
+    """`tests/sharding_check.py mode` in its own process on 8 simulated CPU devices,
+    asserted to succeed (the finished process: its output in `.stdout`)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_check.py"), backend], cwd=ROOT, env=env,
+    res = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_check.py"), mode], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
+def test_sharded_batch_and_heads_on_simulated_devices(backend):
+    res = run_check(backend)
     every = backend == "reference"  # the kernels: `sharding_check.KERNEL_LAYOUTS`
     for layout in ("batch", "heads", "batch+heads") if every else ("batch+heads",):
         assert f"ok {backend} {layout}: forward and gradients equal the unsharded run, no all-gather" in res.stdout
@@ -43,8 +50,9 @@ def test_sharded_batch_and_heads_on_simulated_devices(backend):
 
 def test_sharded_nnx_model_optax_step():
     """The README's "Many devices" example on 8 simulated devices."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_check.py"), "module"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "ok module step" in res.stdout
+    assert "ok module step" in run_check("module").stdout
+
+
+def test_memory_plan_of_context_parallelism_falls_with_the_device_count():
+    """`htree_jax.memory_plan` on 8 simulated devices, `T` sharded over 1, 2 and 8."""
+    assert "ok memory plan: each device's share falls with the device count along T" in run_check("memory").stdout

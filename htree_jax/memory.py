@@ -1,0 +1,103 @@
+"""What one htree call holds in each device's memory, from XLA's compiled plan, without
+running it or allocating its inputs; and a check of that plan against the devices'
+free memory, so that a call too large fails on the host, on every device alike, before
+any kernel runs (an out-of-memory inside a sharded run leaves the other devices waiting
+in their collectives).
+
+    plan = memory_plan(q, k, v, config, gradients=True)    # q, k, v: jax.ShapeDtypeStruct
+    plan.check()                                            # MemoryError if it does not fit
+
+`q`, `k`, `v` may be arrays or `jax.ShapeDtypeStruct`s; give them a `sharding`
+(`NamedSharding`) for the sharded call (batch, heads or context parallelism along `T`,
+`htree_jax/sharding.py`): the plan is then one device's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from htree_jax.attention import htree_attention
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one device holds for one compiled call (XLA's `memory_analysis` of the
+    partitioned program): its `arguments`, `outputs` and `temporaries`; `peak` is their
+    sum, what the device must have free (XLA may alias an output to an argument, so the
+    true peak can be lower, never higher)."""
+
+    arguments: int
+    outputs: int
+    temporaries: int
+    what: str = "the htree call"
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.outputs + self.temporaries
+
+    def check(self, limit_bytes: int | None = None, devices=None) -> None:
+        """Raises `MemoryError` naming the need and the limit where `peak` exceeds
+        `limit_bytes`, or (None) the free memory of any of `devices` (default: every
+        device; free = `memory_stats()["bytes_limit"] - ["bytes_in_use"]`). Devices that
+        report no limit (the CPU) are not checked."""
+        if limit_bytes is not None:
+            limits = [("the limit given", int(limit_bytes))]
+        else:
+            limits = [(str(d), free) for d in (jax.devices() if devices is None else devices)
+                      if (free := free_bytes(d)) is not None]
+        for name, free in limits:
+            if self.peak > free:
+                raise MemoryError(
+                    f"{self.what} needs {self.peak / GIB:.2f} GiB on each device (XLA's plan: arguments "
+                    f"{self.arguments / GIB:.2f}, outputs {self.outputs / GIB:.2f}, temporaries "
+                    f"{self.temporaries / GIB:.2f} GiB); {name} has {free / GIB:.2f} GiB free: shard the call "
+                    "over more devices (along T the plan falls with the device count), or shorten it")
+
+
+def free_bytes(device) -> int | None:
+    """`device`'s free memory in bytes (its limit less what is in use), None where it
+    reports no limit."""
+    stats = device.memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def abstract(x):
+    """`x` as a `jax.ShapeDtypeStruct`, its sharding kept (None stays None: `v=None`)."""
+    return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def memory_plan(q, k, v, config=None, *, gradients: bool = False, backend: str = "auto", block_sizes=None,
+                value_dim: int | None = None) -> MemoryPlan:
+    """XLA's plan of one device's memory for `htree_attention(q, k, v, config, ...)`
+    (`gradients=False`) or for its forward and backward (`gradients=True`: the vjp with a
+    cotangent shaped and sharded like the output, as a training step runs it), compiled
+    for the default devices but not run: nothing is allocated. `q`, `k`, `v`: arrays or
+    `jax.ShapeDtypeStruct`s, sharded or not, as `htree_attention` takes them (unpacked
+    rows; `v=None` with `value_dim` for values read from the keys); the other arguments
+    as there. On a GPU the Pallas kernels compile, which takes as long as the call's
+    first run does."""
+    args = [abstract(x) for x in (q, k, v)]
+
+    def forward(q, k, v):
+        return htree_attention(q, k, v, config, backend=backend, block_sizes=block_sizes, value_dim=value_dim)
+
+    if gradients:
+        out = jax.eval_shape(forward, *args)
+        cotangent = jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=args[0].sharding)
+        fn, args = (lambda q, k, v, do: jax.vjp(forward, q, k, v)[1](do)), args + [cotangent]
+    else:
+        fn = forward
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    if stats is None:
+        raise NotImplementedError(f"XLA gives no memory analysis on {jax.default_backend()}")
+    return MemoryPlan(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes,
+                      "htree's forward and backward" if gradients else "htree's forward")
+
+
+__all__ = ["MemoryPlan", "free_bytes", "memory_plan"]
