@@ -23,6 +23,11 @@ from htree_jax.attention import htree_attention
 GIB = 2**30
 
 
+def readable(nbytes: int) -> str:
+    """`nbytes` in GiB, or MiB below one GiB."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Bytes one device holds for one compiled call (XLA's `memory_analysis` of the
@@ -52,10 +57,10 @@ class MemoryPlan:
         for name, free in limits:
             if self.peak > free:
                 raise MemoryError(
-                    f"{self.what} needs {self.peak / GIB:.2f} GiB on each device (XLA's plan: arguments "
-                    f"{self.arguments / GIB:.2f}, outputs {self.outputs / GIB:.2f}, temporaries "
-                    f"{self.temporaries / GIB:.2f} GiB); {name} has {free / GIB:.2f} GiB free: shard the call "
-                    "over more devices (along T the plan falls with the device count), or shorten it")
+                    f"{self.what} needs {readable(self.peak)} on each device (XLA's plan: arguments "
+                    f"{readable(self.arguments)}, outputs {readable(self.outputs)}, temporaries "
+                    f"{readable(self.temporaries)}); {name} has {readable(free)} free: shard the call over more "
+                    "devices (along T the plan falls with the device count), or shorten it")
 
 
 def free_bytes(device) -> int | None:

@@ -77,8 +77,8 @@ def test_memory_plan_counts_and_checks_without_running():
     assert forward.outputs >= 4 * 2 * 150 * 4 * 16 and forward.temporaries > 0
     assert both.peak > forward.peak and both.arguments == forward.arguments + 4 * 2 * 150 * 4 * 16
     both.check(limit_bytes=both.peak)
-    with pytest.raises(MemoryError, match=r"forward and backward needs \d+\.\d\d GiB on each device .* the limit "
-                                          r"given has \d+\.\d\d GiB free: shard the call over more devices"):
+    with pytest.raises(MemoryError, match=r"forward and backward needs \d+\.\d MiB on each device .* the limit "
+                                          r"given has \d+\.\d MiB free: shard the call over more devices"):
         both.check(limit_bytes=both.peak - 1)
     both.check()  # the CPU reports no memory limit
     q, k, v = (jnp.zeros(s.shape, s.dtype) for s in shapes)  # arrays are taken as their shapes
