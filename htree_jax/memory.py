@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from htree_jax.attention import htree_attention
 
@@ -73,8 +74,13 @@ def free_bytes(device) -> int | None:
 
 
 def abstract(x):
-    """`x` as a `jax.ShapeDtypeStruct`, its sharding kept (None stays None: `v=None`)."""
-    return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    """`x` as a `jax.ShapeDtypeStruct`, its sharding kept (None stays None: `v=None`;
+    anything without a shape is taken as `jnp.asarray` takes it)."""
+    if x is None:
+        return None
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = jnp.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
 def memory_plan(q, k, v, config=None, *, gradients: bool = False, backend: str = "auto", block_sizes=None,

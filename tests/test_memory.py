@@ -83,3 +83,5 @@ def test_memory_plan_counts_and_checks_without_running():
     both.check()  # the CPU reports no memory limit
     q, k, v = (jnp.zeros(s.shape, s.dtype) for s in shapes)  # arrays are taken as their shapes
     assert memory_plan(q, k, v, config, backend="reference") == forward
+    with pytest.raises(ValueError, match=r"v must have shape \[B, T, H_kv, V\]"):  # htree_attention's checks
+        memory_plan(shapes[0], shapes[1], jax.ShapeDtypeStruct((2, 150, 3, 16), jnp.float32), config)
