@@ -27,6 +27,7 @@ from htree_jax.attention import htree_attention
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_absolute, rope_layout
 from htree_jax.kernel_trace import kernel_ms
+from htree_jax.memory import MemoryPlan
 from htree_jax.reference import htree_attention_reference
 from pallas_kernels.plan import BlockSizes
 from pallas_kernels.wide_forward import bottom_merge, chunk_start, prepare_wide, select_and_merge, valid_count
@@ -71,11 +72,11 @@ def median_ms(fn, args, iters):
 
 
 def planned_gb(fn, args):
-    m = jax.jit(fn).lower(*args).compile().memory_analysis()
-    if m is None:
+    """XLA's planned GiB of `fn(*args)` (`MemoryPlan.peak`); NaN where XLA gives none."""
+    try:
+        return MemoryPlan.of(jax.jit(fn).lower(*args).compile()).peak / 2**30
+    except NotImplementedError:
         return float("nan")
-    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-    return total / 2**30
 
 
 def inputs(T, seed=0, batch: int = B):

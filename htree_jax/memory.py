@@ -41,6 +41,15 @@ class MemoryPlan:
     temporaries: int
     what: str = "the htree call"
 
+    @classmethod
+    def of(cls, compiled, what: str = "the htree call") -> "MemoryPlan":
+        """The plan of a compiled call (`jax.jit(f).lower(...).compile()`); `NotImplementedError`
+        where XLA gives no memory analysis."""
+        stats = compiled.memory_analysis()
+        if stats is None:
+            raise NotImplementedError(f"XLA gives no memory analysis on {jax.default_backend()}")
+        return cls(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes, what)
+
     @property
     def peak(self) -> int:
         return self.arguments + self.outputs + self.temporaries
@@ -104,11 +113,8 @@ def memory_plan(q, k, v, config=None, *, gradients: bool = False, backend: str =
         fn, args = (lambda q, k, v, do: jax.vjp(forward, q, k, v)[1](do)), args + [cotangent]
     else:
         fn = forward
-    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
-    if stats is None:
-        raise NotImplementedError(f"XLA gives no memory analysis on {jax.default_backend()}")
-    return MemoryPlan(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes,
-                      "htree's forward and backward" if gradients else "htree's forward")
+    return MemoryPlan.of(jax.jit(fn).lower(*args).compile(),
+                         "htree's forward and backward" if gradients else "htree's forward")
 
 
 __all__ = ["MemoryPlan", "free_bytes", "memory_plan"]
