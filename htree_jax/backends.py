@@ -107,51 +107,55 @@ def query_positions(positions, q):
     return jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _pallas_forward(q, k, v, positions, packing, config, interpret, export, block_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _pallas_forward(q, k, v, positions, packing, config, interpret, export, block_sizes, value_dim):
     """`(o, selected)`, and the kept nodes' importance with `export` (SPEC 8; a constant
     under autodiff, as the selections are). `positions [S]`: the queries' positions among
     `k`'s tokens (None: all of them); `packing`: packed rows (selections then as tree
-    rows, `packing.local_selections` makes them document-local)."""
+    rows, `packing.local_selections` makes them document-local). `v=None`: the values
+    are the first `value_dim` latent features of `k`, which the wide kernels read from
+    the keys (no copy in the forward; their gradient is in `dk`)."""
     o, selected, _, _, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export,
-                                                           block_sizes)
+                                                           block_sizes, value_dim)
     return (o, selected, *exported)
 
 
-def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export, block_sizes):
+def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export, block_sizes, value_dim):
     """The Pallas forward under SPEC 10's guard (`htree_jax.core.non_finite`), inside the
     `custom_vjp`: the zeroed `k`, `v` feed the forward's own padded copies and the NaN
     rows its output's last copy, and the output the backward saves is the one returned,
-    so the guard adds no input- or output-sized buffer for the backward to keep."""
-    first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
-    o, selected, lse, *exported = htree_forward_pallas(q, zero_non_finite(k), zero_non_finite(v), config,
-                                                       block_sizes=block_sizes, interpret=interpret, return_lse=True,
-                                                       positions=positions, packing=packing, return_importance=export)
+    so the guard adds no input- or output-sized buffer for the backward to keep. With
+    the values inside the keys (`v=None`) a non-finite key row is a non-finite value row."""
+    first = first_non_finite(k, k[..., :0] if v is None else v, jnp.arange(k.shape[1], dtype=jnp.int32))
+    o, selected, lse, *exported = htree_forward_pallas(
+        q, zero_non_finite(k), None if v is None else zero_non_finite(v), config, block_sizes=block_sizes,
+        interpret=interpret, return_lse=True, positions=positions, packing=packing, return_importance=export,
+        value_dim=value_dim)
     return (poison_rows(o, query_positions(positions, q), first), selected, lse, first, *exported)
 
 
-def _pallas_forward_fwd(q, k, v, positions, packing, config, interpret, export, block_sizes):
+def _pallas_forward_fwd(q, k, v, positions, packing, config, interpret, export, block_sizes, value_dim):
     # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)), the first
     # non-finite positions and the selections (`block_sizes.save_selections`, else they
     # are recomputed there by the same kernels; always with packing, whose backward
     # reads them).
     o, selected, lse, first, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret,
-                                                                 export, block_sizes)
+                                                                 export, block_sizes, value_dim)
     saved = selected if block_sizes.save_selections or packing is not None else None
     return (o, selected, *exported), (q, k, v, positions, packing, o, lse, first, saved)
 
 
-def _pallas_forward_bwd(config, interpret, export, block_sizes, residuals, cotangents):
+def _pallas_forward_bwd(config, interpret, export, block_sizes, value_dim, residuals, cotangents):
     q, k, v, positions, packing, o, lse, first, saved = residuals
     do = cotangents[0]  # the selections are integers, the importance a constant: no cotangent
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
     # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
     dead = dead_rows(query_positions(positions, q), first, q.shape[2])
-    dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, do, config,
-                                       block_sizes=block_sizes, interpret=interpret, dead_rows=dead,
-                                       selections=saved, positions=positions, packing=packing)
+    dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), None if v is None else zero_non_finite(v), o, lse, do,
+                                       config, block_sizes=block_sizes, interpret=interpret, dead_rows=dead,
+                                       selections=saved, positions=positions, packing=packing, value_dim=value_dim)
     dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
-    dv = jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
+    dv = None if v is None else jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
     return dq, dk, dv, None, None
 
 
@@ -163,46 +167,6 @@ def latent_values(k, config: HTreeConfig, value_dim: int):
     H_kv, K]` (`rope_layout` order): what `v=None` stands for (`htree_attention`)."""
     K = k.shape[-1]
     return FeatureSplit(K, config.partial_rope(K) or K).values(k, value_dim)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _pallas_latent_forward(q, k, positions, config, interpret, export, block_sizes, value_dim):
-    """`(o, selected)` (and the kept nodes' importance with `export`) with the values the
-    first `value_dim` latent features of `k`: the wide kernels read them from the keys
-    (no copy in the forward). `positions` as for `_pallas_forward`."""
-    o, selected, _, _, *exported = _guarded_latent_forward(q, k, positions, config, interpret, export, block_sizes,
-                                                           value_dim)
-    return (o, selected, *exported)
-
-
-def _guarded_latent_forward(q, k, positions, config, interpret, export, block_sizes, value_dim):
-    """SPEC 10's guard with the values inside the keys: a non-finite key row is a
-    non-finite value row too."""
-    first = first_non_finite(k, k[..., :0], jnp.arange(k.shape[1], dtype=jnp.int32))
-    o, selected, lse, *exported = htree_forward_pallas(
-        q, zero_non_finite(k), None, config, block_sizes=block_sizes, interpret=interpret, return_lse=True,
-        positions=positions, return_importance=export, value_dim=value_dim)
-    return (poison_rows(o, query_positions(positions, q), first), selected, lse, first, *exported)
-
-
-def _pallas_latent_forward_fwd(q, k, positions, config, interpret, export, block_sizes, value_dim):
-    o, selected, lse, first, *exported = _guarded_latent_forward(q, k, positions, config, interpret, export,
-                                                                 block_sizes, value_dim)
-    saved = selected if block_sizes.save_selections else None
-    return (o, selected, *exported), (q, k, positions, o, lse, first, saved)
-
-
-def _pallas_latent_forward_bwd(config, interpret, export, block_sizes, value_dim, residuals, cotangents):
-    q, k, positions, o, lse, first, saved = residuals
-    dead = dead_rows(query_positions(positions, q), first, q.shape[2])
-    # The wide backward reads the values from the keys too; their gradient is in dk.
-    dq, dk, _ = htree_backward_pallas(q, zero_non_finite(k), None, o, lse, cotangents[0], config,
-                                      block_sizes=block_sizes, interpret=interpret, dead_rows=dead, selections=saved,
-                                      positions=positions, value_dim=value_dim)
-    return dq, jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype)), None
-
-
-_pallas_latent_forward.defvjp(_pallas_latent_forward_fwd, _pallas_latent_forward_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim"))
@@ -225,8 +189,8 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     if v is None:
         block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], value_dim)
         if impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], q.shape[-1], value_dim, block_sizes, packing):
-            o, selected, *exported = _pallas_latent_forward(q, k, positions, config, impl == "pallas_interpret",
-                                                            export, block_sizes, value_dim)
+            o, selected, *exported = _pallas_forward(q, k, None, positions, packing, config,
+                                                     impl == "pallas_interpret", export, block_sizes, value_dim)
             return (o, selected, *(jax.lax.stop_gradient(x) for x in exported))
         v = latent_values(k, config, value_dim)
     if (impl == "pallas" and packing is None and positions is None and one_layer(config, k.shape[1])
@@ -246,7 +210,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     if impl != "reference":
         block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], v.shape[-1])
         o, selected, *exported = _pallas_forward(q, k, v, positions, packing, config, impl == "pallas_interpret",
-                                                 export, block_sizes)
+                                                 export, block_sizes, None)
         if packing is not None:
             selected = local_selections(selected, packing, config.compression_rate)
     else:

@@ -245,7 +245,8 @@ def _check_tokens(cache: HTreeCache, q, k, v, step: bool):
         raise ValueError(f"query heads H must be a positive multiple of H_kv = {H_kv}, got H = {qs[2]}")
     for name, x in given:
         if np.dtype(x.dtype) != np.dtype(cache.dtype):
-            raise TypeError(f"{name} must have the cache's dtype {np.dtype(cache.dtype).name}, got {np.dtype(x.dtype).name}")
+            raise TypeError(f"{name} must have the cache's dtype {np.dtype(cache.dtype).name}, "
+                            f"got {np.dtype(x.dtype).name}")
     return S
 
 
@@ -409,7 +410,7 @@ def _check_decode_block_sizes(block_sizes) -> None:
         raise TypeError(f"block_sizes must be an htree_jax.DecodeBlockSizes or None, got {type(block_sizes).__name__}")
 
 
-def _walk(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block_sizes):
+def _attend_cache(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block_sizes):
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
         return partitioned_cache_attention(q, cache.keys, cache.values, cache.radii, positions, config, impl,
@@ -432,7 +433,7 @@ def _prefill(q, k, v, cache, counts, config, return_selected, impl, block_sizes=
     positions = cache.lengths[:, None] + jnp.minimum(s[None, :], jnp.maximum(counts[:, None] - 1, 0))
     positions = jnp.minimum(positions, cache.max_len - 1)
     cache = append_to_cache(cache, k, v, config, counts)
-    o, selected = _walk(q, cache, positions, config, impl, block_sizes)
+    o, selected = _attend_cache(q, cache, positions, config, impl, block_sizes)
     answer = jnp.where(fits, 0.0, jnp.nan).astype(o.dtype)  # padding: 0; a row that overflows: NaN
     o = jnp.where((real & fits[:, None])[..., None, None], o, answer[:, None, None, None])
     selected = [jnp.where(real[..., None, None], x, -1) for x in selected]
@@ -484,9 +485,9 @@ def rotation_layout(q, k, config: HTreeConfig):
 def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = None, *, backend: str = "auto",
                 block_sizes: DecodeBlockSizes | None = None):
     """One token per batch row, at that row's own length: `q_t [B, H, K]`, `k_t [B, H_kv,
-    K]`, `v_t [B, H_kv, V]` (None for a cache that reads the values from the keys). Returns `(o_t [B, H, V], cache)`; each row equals
-    `htree_attention` on its own whole sequence at that position (strict causality).
-    `backend`, `block_sizes` and the overflow rule as in `prefill`."""
+    K]`, `v_t [B, H_kv, V]` (None for a cache that reads the values from the keys).
+    Returns `(o_t [B, H, V], cache)`; each row equals `htree_attention` on its own whole
+    sequence at that position (strict causality). `backend`, `block_sizes` and the overflow rule as in `prefill`."""
     config = check_decode_config(config)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)

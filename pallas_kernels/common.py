@@ -157,7 +157,7 @@ def pad_nodes(layer, tile: int):
     return pad_axis(layer, 2, -(-layer.shape[2] // tile) * tile)
 
 
-def candidate_nodes(par_ref, p0, width: int, n, r: int):
+def span_candidates(par_ref, p0, width: int, n, r: int):
     """Candidate positions `[p0, p0 + width)` (`p0` a multiple of `r`): `(positions,
     valid, nodes)`, position `p = s*r + c` holding node `parents[s]*r + c`, node 0 where
     invalid (a safe row to gather)."""

@@ -243,7 +243,7 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
     ), Mp
 
 
-def _walk(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: int, cos, sin, interpret: bool,
+def _walk_layers(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: int, cos, sin, interpret: bool,
           zero_unmerged: bool = True, qn=None, radii=(), value_dim: int = 0, scales=()):
     """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [B, Q]`
     (each batch row its own), the kernels' statics `sts`. `selection="bound"`: `qn [B,
@@ -366,8 +366,8 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     def chunk(i):
         rows = lambda x: lax.dynamic_slice_in_dim(x, i * C, C, axis=1)
         qn_c = None if qn is None else rows(qn)
-        return _walk(rows(q5), rows(padded), keys, values, config, sts, Mp, cos, sin, interpret, zero_unmerged, qn_c,
-                     tuple(radii), value_dim, tuple(scales))
+        return _walk_layers(rows(q5), rows(padded), keys, values, config, sts, Mp, cos, sin, interpret, zero_unmerged,
+                            qn_c, tuple(radii), value_dim, tuple(scales))
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, C, H_kv, Gp, V] -> [B, S, H, V]

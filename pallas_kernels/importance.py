@@ -39,12 +39,12 @@ from pallas_kernels.common import (
     NEG_INF,
     LayerStatic,
     block_specs,
-    candidate_nodes,
     compiler_params,
     layer_params,
     per_query,
     real_heads,
     shared_shift,
+    span_candidates,
 )
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, score_dot, split_rows, stored_dot
 from pallas_kernels.rope import full_width_inputs
@@ -63,7 +63,7 @@ def score_span(p0, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStatic,
     versions = span // r
     N = k_refs[0].shape[0] // versions
     q, q_half = q_parts  # [rows, Kp] float32: the query and rotate_half(query)
-    positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
+    positions, valid, nodes = span_candidates(par_ref, p0, span, n, r)
     copy = (jnp.arange(span, dtype=jnp.int32) // r) * N
     keys = tuple(k_ref[nodes + copy, :] for k_ref in k_refs)
     angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked later
@@ -339,7 +339,7 @@ def cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st: L
     bfloat16 and a float16), and each candidate's score is scaled by its row's scale."""
     r, span = st.r, st.span
     half = cos_ref.shape[-1]
-    positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
+    positions, valid, nodes = span_candidates(par_ref, p0, span, n, r)
     angle = jnp.maximum(n - 1 - p0, 0)  # an invalid span: any row, masked by the caller
     scores, tiles = None, {}
     widen = (lambda x, like: x.astype(like.dtype)) if k_scale_ref is not None else (lambda x, like: x)

@@ -29,10 +29,10 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import (
     LayerStatic,
     block_specs,
-    candidate_nodes,
     compiler_params,
     layer_refs,
     merge_score_precision,
+    span_candidates,
 )
 from pallas_kernels.importance import gather_nodes, scores_twin
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
@@ -72,7 +72,7 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
 
     def unit(p0, carry):
         dq_lo, dq_hi = carry
-        positions, valid, nodes = candidate_nodes(par_ref, p0, span, n, r)
+        positions, valid, nodes = span_candidates(par_ref, p0, span, n, r)
         k_lo = tuple(k_ref[nodes + copy, pl.ds(0, half)] for k_ref in k_refs)
         k_hi = tuple(k_ref[nodes + copy, pl.ds(half, half)] for k_ref in k_refs)
         angle = jnp.maximum(n - 1 - p0, 0)

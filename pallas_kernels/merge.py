@@ -28,11 +28,11 @@ from pallas_kernels.common import (
     NEG_INF,
     LayerStatic,
     block_specs,
-    candidate_nodes,
     compiler_params,
     layer_params,
     merge_score_precision,
     per_query,
+    span_candidates,
 )
 from pallas_kernels.importance import (
     cache_query_halves,
@@ -141,7 +141,7 @@ def _merge_scored_kernel(scores_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m
 
     def merge_tile(i, carry):
         p0 = i * st.tile
-        _, valid, nodes = candidate_nodes(par_ref, p0, st.tile, n, st.r)
+        _, valid, nodes = span_candidates(par_ref, p0, st.tile, n, st.r)
         scores = plgpu.load(scores_ref.at[:, :, pl.ds(p0, st.tile)], mask=real_rows, other=0.0)
         kept = keys_ref[:, pl.ds(p0, st.tile)] >= tau  # [BQ, tile]
         merged = jnp.broadcast_to((valid[None, :] & ~kept)[:, None, :], (bq, gp, st.tile)).reshape(rows, st.tile)
@@ -331,7 +331,7 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
             scores, merged, _, nodes, tiles = cache_span_scores(p0, q_lo, q_hi, par_ref, k_ref, cos_ref, sin_ref, n, st,
                                                                 precision, operands, k_scale_ref)
         else:
-            _, valid, nodes = candidate_nodes(par_ref, p0, span, n, st.r)
+            _, valid, nodes = span_candidates(par_ref, p0, span, n, st.r)
             scores = plgpu.load(sc_ref.at[:, pl.ds(j * span, span)], mask=real_rows, other=0.0)
             merged = valid & (keys_ref[pl.ds(j * span, span)] < tau)
         if values_in_key_tiles:

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import shared_memory
-from pallas_kernels.common import NEG_INF, candidate_nodes, compiler_params
+from pallas_kernels.common import NEG_INF, compiler_params, span_candidates
 from pallas_kernels.importance import importance_shift, online_max_sum, packed_keys
 from pallas_kernels.precision import dot_rows, split_rows
 
@@ -145,7 +145,7 @@ def _tile_scores(i, q_lat, q_rope, par_ref, n, lat_ref, rope_refs, cf_ref, sf_re
     `ws.tile` (the RoPE copies' span): a step reads copies `0 .. tile/r - 1`."""
     r = ws.r
     p0 = i * tile
-    positions, valid, nodes = candidate_nodes(par_ref, p0, tile, n, r)
+    positions, valid, nodes = span_candidates(par_ref, p0, tile, n, r)
     N = rope_refs[0].shape[0] // (ws.tile // r)
     copy = (jnp.arange(tile, dtype=jnp.int32) // r) * N
     angle = jnp.maximum(n - 1 - p0, 0)  # an invalid tile: any row, masked later

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from htree_jax.core.config import HTreeConfig
-from pallas_kernels.common import candidate_nodes, compiler_params, pad_axis
+from pallas_kernels.common import compiler_params, pad_axis, span_candidates
 from pallas_kernels.node_backward import UNIT, NodeIndex, fold_spilled, node_gradient, node_index
 from pallas_kernels.precision import Precisions, dot_rows, product, split_rows, whole_keys
 from pallas_kernels.top_k import select_top_k_pallas
@@ -106,7 +106,7 @@ def _dq_kernel(ql_ref, qr_ref, par_ref, n_ref, *refs, ws: WideStatic, bottom: bo
     def step(i, carry):
         dq_lat, dq_lo, dq_hi = carry
         p0 = i * tile
-        _, valid, nodes = candidate_nodes(par_ref, p0, tile, n, r)
+        _, valid, nodes = span_candidates(par_ref, p0, tile, n, r)
         angle = jnp.maximum(n - 1 - p0, 0)  # an invalid tile: any row, masked
         c, s = cos_ref[pl.ds(angle, 1), pl.ds(0, hp)], sin_ref[pl.ds(angle, 1), pl.ds(0, hp)]
         qr_lo, qr_hi = _rotate(q_lo, q_hi, c, s)
