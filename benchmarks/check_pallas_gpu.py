@@ -23,7 +23,7 @@ from htree_jax.reference import htree_attention_reference
 from jax import lax
 
 from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import BlockSizes
+from pallas_kernels.configs import BlockSizes
 from pallas_kernels.precision import Precisions
 from reference_numpy import htree_attention_numpy
 

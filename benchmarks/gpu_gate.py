@@ -45,8 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax import BlockSizes, HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from pallas_kernels.common import KERNEL_GROUP, wide_head_dims
+from pallas_kernels.configs import KernelConfigs
 from pallas_kernels.plan import top_importance_launch
 from pallas_kernels.shared_memory import LIMIT
 
@@ -215,7 +216,8 @@ def run_one(kind: str, c, big_T: int, seed: int, dump: str | None):
     if kind == "small" and c[3] != "one layer" and (c[3] or not wide_head_dims(c[0][1], c[0][2])):  # GQA kernels
         (G, K, V, rope), dtype, sel, _ = c
         config = HTreeConfig(top_k=8, rope_dim=rope, selection=sel)
-        _, out["model"] = top_importance_launch(config, BlockSizes.for_dims(K, V), dtype, K, V, min(G, KERNEL_GROUP))
+        tuning = KernelConfigs.resolve(None, K, V)
+        _, out["model"] = top_importance_launch(config, tuning, dtype, K, V, min(G, KERNEL_GROUP))
         if "_top_keys_kernel" in kernels:
             out["compiled"] = kernels["_top_keys_kernel"]
         # Every launch that compiled was predicted to fit, and the model is not below the compiler.

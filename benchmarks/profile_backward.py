@@ -23,20 +23,13 @@ from htree_jax.bench import H_KV, INPUTS, B, H, V, median_ms
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import (
-    BlockSizes,
-    chunk_queries,
-    group_rows,
-    prepare,
-    select_below_top,
-    top_documents,
-    valid_candidates,
-)
+from pallas_kernels.chunks import chunk_queries, select_below_top, valid_candidates
+from pallas_kernels.configs import UNIT_ENTRIES, KernelConfigs
+from pallas_kernels.plan import group_rows, prepare
 from pallas_kernels.layer_backward import layer_backward_pallas
 from pallas_kernels.precision import Precisions
 from pallas_kernels.node_backward import (
     UNIT,
-    UNIT_ENTRIES,
     layer_node_grads_pallas,
     node_buffers,
     node_index,
@@ -84,11 +77,12 @@ def main(argv=None):
     ip, T = args.interpret, args.T
     config = HTreeConfig(top_k=args.top_k, selection=args.selection)
     q, k, v = INPUTS[args.inputs](T)
-    bs = BlockSizes()
+    bs = KernelConfigs.resolve(None, q.shape[-1], v.shape[-1])
     prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, Precisions.for_dtype(q.dtype),
                                            for_backward=True))(q, k, v)
     st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers) + 1
-    st_dq, st_dkv, segments = top_backward_statics(prep.st_top, bs, jnp.dtype(q.dtype).itemsize, prep.q4.shape[-1],
+    st_dq, st_dkv, segments = top_backward_statics(prep.st_top, bs.top_backward, jnp.dtype(q.dtype).itemsize,
+                                                   prep.q4.shape[-1],
                                                    prep.top_v.shape[-1], prep.top_v.shape[2], prep.cos.shape[0],
                                                    B * H_KV, Qc)
     G = H // H_KV
@@ -112,7 +106,7 @@ def main(argv=None):
           f"chunk {Qc} x {chunks}", flush=True)
     qc, t, n_top, first, q_top, (keys, tau, parents) = timed(
         "chunk set-up + top layer importance and top-K (recomputed)", lambda: chunk_queries(prep, c, T, L, ip))
-    top = (top_backward_queries(q_top, prep.st_top), n_top, top_documents(prep, first), keys, tau, prep.top_k_merge,
+    top = (top_backward_queries(q_top, prep.st_top), n_top, first, keys, tau, prep.top_k_merge,
            prep.top_v, *stats(gt))
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
     timed("top: dq kernel", lambda *a: top_dq_pallas(*a, st_dq, ip), *top)
@@ -140,7 +134,7 @@ def main(argv=None):
             nacc = node_buffers(B, H_KV, sizes[l], kp, vp)
             timed(f"layer {l}: node kernel (dk, dv)",
                   lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st, ip,
-                                                     num_warps=bs.node_num_warps), *la)
+                                                     num_warps=bs.layer.node_num_warps), *la)
             for variant in filter(None, args.node_variants.split(",")):
                 e, w, *stages = (int(x) for x in variant.split(":"))
                 stv = dataclasses.replace(st, num_stages=stages[0]) if stages else st

@@ -23,7 +23,7 @@ from benchmarks.bench_decode import DTYPE, H, H_KV, K, V, dense_decode, filled_c
 from htree_jax import HTreeConfig, decode_step
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.backends import attend_cache
-from htree_jax.decode import append_to_cache
+from htree_jax.cache import append_to_cache
 
 
 def per_call_and_loop(body, state, steps, repeats):

@@ -22,7 +22,9 @@ from htree_jax.core.indexing import top_layer_parents
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import BlockSizes, group_rows, prepare, valid_candidates
+from pallas_kernels.configs import KernelConfigs
+from pallas_kernels.chunks import valid_candidates
+from pallas_kernels.plan import group_rows, prepare
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.merge import merge_pallas, merge_scored_pallas
 from pallas_kernels.precision import Precisions
@@ -58,22 +60,25 @@ def gathered(n, arrays) -> float:
     return float(jnp.sum(n.astype(jnp.float32))) * row_bytes
 
 
+TUNED = KernelConfigs.resolve(None, 128, 128)  # the shape this profiler runs (htree_jax.bench)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--span", type=int, default=BlockSizes.span)
-    p.add_argument("--tile", type=int, default=BlockSizes.tile)
-    p.add_argument("--top-tile", type=int, default=BlockSizes.top_tile)
-    p.add_argument("--top-rows", type=int, default=BlockSizes.top_rows)
-    p.add_argument("--top-warps", type=int, default=BlockSizes.top_num_warps)
-    p.add_argument("--top-keys-tile", type=int, default=BlockSizes.top_keys_tile)
-    p.add_argument("--chunk-gb", type=float, default=BlockSizes.chunk_budget_bytes / 2**30)
-    p.add_argument("--top-keys-stages", type=int, default=BlockSizes.top_keys_stages)
-    p.add_argument("--warps", type=int, default=BlockSizes.num_warps, help="per-query importance kernel")
-    p.add_argument("--min-rows", type=int, default=BlockSizes.min_query_rows, help="per-query kernels' least rows")
-    p.add_argument("--merge-warps", type=int, default=BlockSizes.merge_num_warps, help="per-query merges")
+    p.add_argument("--span", type=int, default=TUNED.layer.span)
+    p.add_argument("--tile", type=int, default=TUNED.layer.tile)
+    p.add_argument("--top-tile", type=int, default=TUNED.top.tile)
+    p.add_argument("--top-rows", type=int, default=TUNED.top.rows)
+    p.add_argument("--top-warps", type=int, default=TUNED.top.num_warps)
+    p.add_argument("--top-keys-tile", type=int, default=TUNED.top.keys_tile)
+    p.add_argument("--chunk-gb", type=float, default=TUNED.chunk_budget_bytes / 2**30)
+    p.add_argument("--top-keys-stages", type=int, default=TUNED.top.keys_stages)
+    p.add_argument("--warps", type=int, default=TUNED.layer.num_warps, help="per-query importance kernel")
+    p.add_argument("--min-rows", type=int, default=TUNED.layer.min_query_rows, help="per-query kernels' least rows")
+    p.add_argument("--merge-warps", type=int, default=TUNED.layer.merge_num_warps, help="per-query merges")
     p.add_argument("--merge-operands", default="auto", help="auto, float32, or a dtype name")
     p.add_argument("--importance-operands", default="auto", help="auto, float32 (3xTF32), bf16x3 or a dtype name")
     p.add_argument("--merge-variants", action="store_true", help="time warp/tile variants of the scored merge too")
@@ -87,10 +92,12 @@ def main(argv=None):
     ip = args.interpret
     T, config = args.T, HTreeConfig(top_k=args.top_k)
     q, k, v = INPUTS[args.inputs](T)
-    bs = BlockSizes(min_query_rows=args.min_rows, span=args.span, tile=args.tile, top_tile=args.top_tile, top_rows=args.top_rows, top_num_warps=args.top_warps,
-                    top_keys_tile=args.top_keys_tile, chunk_budget_bytes=int(args.chunk_gb * 2**30), top_keys_stages=args.top_keys_stages,
-                    num_warps=args.warps,
-                    merge_num_warps=args.merge_warps)
+    bs = TUNED.with_changes({
+        "layer.min_query_rows": args.min_rows, "layer.span": args.span, "layer.tile": args.tile,
+        "top.tile": args.top_tile, "top.rows": args.top_rows, "top.num_warps": args.top_warps,
+        "top.keys_tile": args.top_keys_tile, "chunk_budget_bytes": int(args.chunk_gb * 2**30),
+        "top.keys_stages": args.top_keys_stages, "layer.num_warps": args.warps,
+        "layer.merge_num_warps": args.merge_warps})
     precisions = precisions_from(args.merge_operands, args.importance_operands, q.dtype)
     prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, precisions))
     tree_ms = median_ms(prep_fn, (q, k, v), args.iters)
@@ -154,10 +161,10 @@ def main(argv=None):
             rows.append((f"layer {l} shared top-K (threshold search + compaction)",
                          median_ms(select_call, (keys, parents, n), args.iters), chunks))
             nxt, tau = select_call(keys, parents, n)
-            st_scored = dataclasses.replace(st, merge_num_warps=bs.scored_merge_num_warps)
+            st_scored = dataclasses.replace(st, merge_num_warps=bs.layer.scored_merge_num_warps)
             merge_call = jax.jit(lambda *a: merge_scored_pallas(*a, st_scored, ip))
             margs = (scores, parents, n, keys, tau, vl, state)
-            rows.append((f"layer {l} merge (1 query/program, stored scores + values, {bs.scored_merge_num_warps} warps)",
+            rows.append((f"layer {l} merge (1 query/program, stored scores + values, {bs.layer.scored_merge_num_warps} warps)",
                          median_ms(merge_call, margs, args.iters), chunks))
             if args.merge_variants:
                 for warps, tile in [(2, 64), (8, 64), (4, 128), (8, 128), (4, 32)]:

@@ -19,19 +19,23 @@ from htree_jax import HTreeConfig
 from htree_jax.bench import INPUTS, dense_fn, median_ms
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import BlockSizes
+from pallas_kernels.configs import KernelConfigs
 
 
 def parse_variants(spec: str) -> list[dict]:
-    """`"a=1,b=2;c=3"` -> `[{"a": 1, "b": 2}, {"c": 3}]`, every field one of `BlockSizes`."""
-    fields = {f.name for f in dataclasses.fields(BlockSizes)}
+    """`"top.rows=64,layer.span=32;chunk_budget_bytes=3"` -> `[{"top.rows": 64, ...}, ...]`,
+    every name `family.field` of `pallas_kernels.configs.KernelConfigs` (or one of its own
+    fields)."""
+    fields = {f"{family.name}.{f.name}" for family in dataclasses.fields(KernelConfigs)
+              if dataclasses.is_dataclass(family.default) for f in dataclasses.fields(family.default)}
+    fields |= {f.name for f in dataclasses.fields(KernelConfigs) if not dataclasses.is_dataclass(f.default)}
     out = []
     for item in [x for x in spec.split(";") if x.strip()]:
         change = {}
         for pair in item.split(","):
             name, value = (s.strip() for s in pair.split("="))
             if name not in fields:
-                raise SystemExit(f"--variants: {name!r} is not a BlockSizes field ({', '.join(sorted(fields))})")
+                raise SystemExit(f"--variants: {name!r} is not a KernelConfigs field ({', '.join(sorted(fields))})")
             change[name] = int(value)
         out.append(change)
     return out
@@ -43,7 +47,7 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, default=64, help="HTreeConfig.top_k")
     p.add_argument("--selection", default="bound", help="HTreeConfig.selection (mean or bound)")
     p.add_argument("--inputs", default="correlated", choices=sorted(INPUTS), help="input kind (htree_jax.bench)")
-    p.add_argument("--variants", default="", help="BlockSizes changes: 'field=int,...;field=int'")
+    p.add_argument("--variants", default="", help="KernelConfigs changes: 'family.field=int,...;...'")
     p.add_argument("--iters", type=int, default=3, help="timed calls per setting after one warm-up (median)")
     p.add_argument("--kernels", action="store_true", help="each kernel's device time inside each call")
     args = p.parse_args(argv)
@@ -55,7 +59,7 @@ def main(argv=None):
           f"dense cuDNN {dense:.2f} ms", flush=True)
     print("| block sizes | htree ms | dense/htree |\n|---|---|---|", flush=True)
     for change in [{}] + parse_variants(args.variants):
-        bs = BlockSizes(**change)
+        bs = KernelConfigs.resolve(None, x[0].shape[-1], x[2].shape[-1]).with_changes(change)
         f = jax.jit(lambda q, k, v, bs=bs: htree_forward_pallas(q, k, v, config, bs)[0])
         label = ", ".join(f"{k}={v}" for k, v in change.items()) or "default"
         try:

@@ -11,7 +11,7 @@ The function they compute is stated in `docs/SPEC.md` ("SPEC n" in the code cite
 section n).
 
 Layers, each importing only those below it (README, "Layout"):
-  public API    attention, decode, module, linen, flax_attention, sharding, memory
+  public API    attention, cache, decode, module, linen, flax_attention, sharding, memory
   backends      backends: the backend rule, `attend` and `attend_cache`
   implementations  reference (JAX), `pallas_kernels` (Pallas-Triton)
   core          htree_jax.core: config, validation, index arithmetic, RoPE, tree, packing, bounds
@@ -29,24 +29,24 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "BlockSizes": "pallas_kernels.plan",
-    "DecodeBlockSizes": "pallas_kernels.decode",
+    "BlockSizes": "pallas_kernels.configs",
+    "DecodeBlockSizes": "pallas_kernels.configs",
     "HTreeAttention": "htree_jax.module",
-    "HTreeCache": "htree_jax.decode",
+    "HTreeCache": "htree_jax.cache",
     "HTreeConfig": "htree_jax.core.config",
     "MemoryPlan": "htree_jax.memory",
     "attention_fn": "htree_jax.flax_attention",
     "build_tree": "htree_jax.core.tree",
     "decode_step": "htree_jax.decode",
     "htree_attention": "htree_jax.attention",
-    "init_cache": "htree_jax.decode",
+    "init_cache": "htree_jax.cache",
     "memory_plan": "htree_jax.memory",
     "prefill": "htree_jax.decode",
-    "reset_rows": "htree_jax.decode",
+    "reset_rows": "htree_jax.cache",
     "rope": "htree_jax.core.rope",
 }
 # Submodules reachable as attributes after `import htree_jax` (e.g. `htree_jax.linen`).
-_SUBMODULES = ("attention", "backends", "bench", "core", "decode", "demo", "flax_attention", "introspect", "linen",
+_SUBMODULES = ("attention", "backends", "bench", "cache", "core", "decode", "demo", "flax_attention", "introspect", "linen",
                "memory", "module", "reference", "sharding")
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -71,8 +71,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from htree_jax.core.config import HTreeConfig
     from htree_jax.core.rope import rope
     from htree_jax.core.tree import build_tree
-    from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill, reset_rows
+    from htree_jax.cache import HTreeCache, init_cache, reset_rows
+    from htree_jax.decode import decode_step, prefill
     from htree_jax.flax_attention import attention_fn
     from htree_jax.module import HTreeAttention
-    from pallas_kernels.decode import DecodeBlockSizes
-    from pallas_kernels.plan import BlockSizes
+    from pallas_kernels.configs import BlockSizes, DecodeBlockSizes

@@ -11,7 +11,7 @@ from htree_jax.core.packing import check_fits, check_max_documents, check_segmen
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.validation import as_jax_takes_it, check_config, check_latent_value_dim, check_qkv
 from htree_jax.sharding import partitioned_attention
-from pallas_kernels.plan import BlockSizes
+from pallas_kernels.configs import BlockSizes
 
 
 def htree_attention(
@@ -82,8 +82,8 @@ def htree_attention(
         kept nodes and `importance / G`. A constant under autodiff, like the selections.
       value_dim: with `v=None`, how many leading features of `k` are the values.
       block_sizes: the Pallas kernels' tiling and launch parameters
-        (`htree_jax.BlockSizes`, static; `None`: `BlockSizes.for_dims(K, V)`, the tuned
-        sizes for the head dims). The reference ignores them.
+        (`htree_jax.BlockSizes`, static; `None`, and each field left `None`: the tuned
+        value for the head dims). The reference ignores them.
 
     Non-finite inputs (SPEC 10): a NaN or infinity in `k` or `v` at position `p` changes
     no output before `p`; every output row of that kv head's group from `p` on is NaN,

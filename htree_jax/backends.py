@@ -36,9 +36,10 @@ from htree_jax.reference import (
 )
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.dead_rows import poison_rows_in_place
-from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, check_pallas_decode_dims
+from pallas_kernels.configs import BlockSizes, DecodeBlockSizes, KernelConfigs
+from pallas_kernels.decode import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import BlockSizes, check_pallas_dims
+from pallas_kernels.plan import check_pallas_dims
 from pallas_kernels.wide_forward import FeatureSplit, wide_eligible
 
 BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
@@ -55,8 +56,9 @@ def check_backend(backend) -> str:
 
 
 def check_block_sizes(block_sizes) -> None:
-    """`block_sizes` must be None or a `BlockSizes` (static under `jit`: frozen, hashable)."""
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    """`block_sizes` must be None, a `BlockSizes` or (tuning every value) a
+    `pallas_kernels.configs.KernelConfigs` (static under `jit`: frozen, hashable)."""
+    if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, KernelConfigs)):
         raise TypeError(f"block_sizes must be an htree_jax.BlockSizes or None, got {type(block_sizes).__name__}")
 
 
@@ -108,19 +110,20 @@ def query_positions(positions, q):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _pallas_forward(q, k, v, positions, packing, config, interpret, export, block_sizes, value_dim):
+def _pallas_forward(q, k, v, positions, packing, config, interpret, export, tuning, value_dim):
     """`(o, selected)`, and the kept nodes' importance with `export` (SPEC 8; a constant
     under autodiff, as the selections are). `positions [S]`: the queries' positions among
     `k`'s tokens (None: all of them); `packing`: packed rows (selections then as tree
     rows, `packing.local_selections` makes them document-local). `v=None`: the values
     are the first `value_dim` latent features of `k`, which the wide kernels read from
-    the keys (no copy in the forward; their gradient is in `dk`)."""
+    the keys (no copy in the forward; their gradient is in `dk`). `tuning`: the
+    kernels' `KernelConfigs`."""
     o, selected, _, _, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export,
-                                                           block_sizes, value_dim)
+                                                           tuning, value_dim)
     return (o, selected, *exported)
 
 
-def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export, block_sizes, value_dim):
+def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export, tuning, value_dim):
     """The Pallas forward under SPEC 10's guard (`htree_jax.core.non_finite`), inside the
     `custom_vjp`: the zeroed `k`, `v` feed the forward's own padded copies and the NaN
     rows its output's last copy, and the output the backward saves is the one returned,
@@ -128,31 +131,31 @@ def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, expo
     the values inside the keys (`v=None`) a non-finite key row is a non-finite value row."""
     first = first_non_finite(k, k[..., :0] if v is None else v, jnp.arange(k.shape[1], dtype=jnp.int32))
     o, selected, lse, *exported = htree_forward_pallas(
-        q, zero_non_finite(k), None if v is None else zero_non_finite(v), config, block_sizes=block_sizes,
+        q, zero_non_finite(k), None if v is None else zero_non_finite(v), config, block_sizes=tuning,
         interpret=interpret, return_lse=True, positions=positions, packing=packing, return_importance=export,
         value_dim=value_dim)
     return (poison_rows(o, query_positions(positions, q), first), selected, lse, first, *exported)
 
 
-def _pallas_forward_fwd(q, k, v, positions, packing, config, interpret, export, block_sizes, value_dim):
+def _pallas_forward_fwd(q, k, v, positions, packing, config, interpret, export, tuning, value_dim):
     # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)), the first
-    # non-finite positions and the selections (`block_sizes.save_selections`, else they
+    # non-finite positions and the selections (`tuning.save_selections`, else they
     # are recomputed there by the same kernels; always with packing, whose backward
     # reads them).
     o, selected, lse, first, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret,
-                                                                 export, block_sizes, value_dim)
-    saved = selected if block_sizes.save_selections or packing is not None else None
+                                                                 export, tuning, value_dim)
+    saved = selected if tuning.save_selections or packing is not None else None
     return (o, selected, *exported), (q, k, v, positions, packing, o, lse, first, saved)
 
 
-def _pallas_forward_bwd(config, interpret, export, block_sizes, value_dim, residuals, cotangents):
+def _pallas_forward_bwd(config, interpret, export, tuning, value_dim, residuals, cotangents):
     q, k, v, positions, packing, o, lse, first, saved = residuals
     do = cotangents[0]  # the selections are integers, the importance a constant: no cotangent
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
     # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
     dead = dead_rows(query_positions(positions, q), first, q.shape[2])
     dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), None if v is None else zero_non_finite(v), o, lse, do,
-                                       config, block_sizes=block_sizes, interpret=interpret, dead_rows=dead,
+                                       config, block_sizes=tuning, interpret=interpret, dead_rows=dead,
                                        selections=saved, positions=positions, packing=packing, value_dim=value_dim)
     dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
     dv = None if v is None else jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
@@ -182,15 +185,15 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     `htree_jax.core.packing.Packing`) that do not fit their static layout answer NaN;
     their selections are counted inside each token's document. `positions [S]` int32: the
     queries' positions among `k`'s `T` tokens (a context-parallel shard's queries;
-    `None`: `S = T`). `block_sizes`: the Pallas kernels' tiling (`None`:
-    `BlockSizes.for_dims(K, V)`). `v=None` with `value_dim`: the values are the first
+    `None`: `S = T`). `block_sizes`: the Pallas kernels' tiling (`BlockSizes`, None:
+    the tuned values; `configs.KernelConfigs.resolve`). `v=None` with `value_dim`: the values are the first
     `value_dim` latent features of `k`, read from the keys by the wide kernels
     (`pallas_kernels.wide_forward.wide_eligible`; elsewhere they are copied out first)."""
+    tuning = KernelConfigs.resolve(block_sizes, q.shape[-1], value_dim if v is None else v.shape[-1])
     if v is None:
-        block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], value_dim)
-        if impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], q.shape[-1], value_dim, block_sizes, packing):
+        if impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], q.shape[-1], value_dim, tuning, packing):
             o, selected, *exported = _pallas_forward(q, k, None, positions, packing, config,
-                                                     impl == "pallas_interpret", export, block_sizes, value_dim)
+                                                     impl == "pallas_interpret", export, tuning, value_dim)
             return (o, selected, *(jax.lax.stop_gradient(x) for x in exported))
         v = latent_values(k, config, value_dim)
     if (impl == "pallas" and packing is None and positions is None and one_layer(config, k.shape[1])
@@ -208,9 +211,8 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
              else poison_rows(o, query_positions(None, q), first))
         return (o, []) + (([],) if export else ())
     if impl != "reference":
-        block_sizes = block_sizes or BlockSizes.for_dims(q.shape[-1], v.shape[-1])
         o, selected, *exported = _pallas_forward(q, k, v, positions, packing, config, impl == "pallas_interpret",
-                                                 export, block_sizes, None)
+                                                 export, tuning, None)
         if packing is not None:
             selected = local_selections(selected, packing, config.compression_rate)
     else:

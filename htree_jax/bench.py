@@ -29,7 +29,7 @@ from htree_jax.core.rope import rope_absolute, rope_layout
 from htree_jax.kernel_trace import kernel_ms
 from htree_jax.memory import MemoryPlan
 from htree_jax.reference import htree_attention_reference
-from pallas_kernels.plan import BlockSizes
+from pallas_kernels.configs import KernelConfigs
 from pallas_kernels.wide_forward import bottom_merge, chunk_start, prepare_wide, select_and_merge, valid_count
 
 B, H, H_KV, K, V = 1, 32, 4, 128, 128
@@ -361,7 +361,7 @@ def bottom_merge_tflops(config, args, iters: int, value_dim: int | None = None) 
     q, k, v = args
     R = config.partial_rope(q.shape[-1])
     V = value_dim if v is None else v.shape[-1]
-    bs = BlockSizes.for_dims(q.shape[-1], V)
+    bs = KernelConfigs.resolve(None, q.shape[-1], V)
     plan = jax.jit(lambda q, k: prepare_wide(rope_layout(q, R), rope_layout(k, R), v, config, bs, value_dim=V))(q, k)
 
     def above(plan):

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from htree_jax.backends import check_backend, check_block_sizes
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.validation import check_config
-from htree_jax.decode import init_cache, prefill
+from htree_jax.cache import init_cache
+from htree_jax.decode import prefill
 from htree_jax.flax_attention import attend, check_causal_mask, check_inputs, module_dims
 
 

@@ -16,7 +16,8 @@ from flax.nnx.nn.linear import default_kernel_init
 from htree_jax.backends import check_backend, check_block_sizes
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.validation import check_config
-from htree_jax.decode import init_cache, prefill
+from htree_jax.cache import init_cache
+from htree_jax.decode import prefill
 from htree_jax.flax_attention import attend, check_causal_mask, check_inputs, module_dims
 
 

@@ -166,7 +166,7 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
             rightmost = p[None, :] == (n - 1)[:, None]
             in_norm = valid & ~rightmost if config.strict_causal else valid
             ranked = s
-            if config.selection == "bound":  # SPEC 11: rank by what a token under the node could score
+            if config.ranks_by_bound:  # SPEC 11: rank by what a token under the node could score
                 ranked = bound_scores(s, q, layers[l][2][safe_nodes], alpha, R)
             # Selection is a discrete choice: no gradient flows through it.
             exported = importance(lax.stop_gradient(ranked), in_norm, config.importance)
@@ -211,7 +211,7 @@ def with_radii(layers, config: HTreeConfig, exists=None):
     """Per layer `()`, or `(rho_l,)` (its radii, SPEC 11) with `selection="bound"`:
     what `_walk_one_head` takes after each layer's keys and values. `layers` the stored
     `[(K_l, V_l)]`; `exists` each layer's occupancy (packed trees)."""
-    if config.selection != "bound":
+    if not config.ranks_by_bound:
         return [()] * len(layers)
     keys = [kl for kl, _ in layers]
     return [(rho,) for rho in tree_radii(keys, config.compression_rate, config.partial_rope(keys[0].shape[-1]),

@@ -63,16 +63,9 @@ from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import apply_rope
 from pallas_kernels import shared_memory
 from pallas_kernels.common import KERNEL_GROUP, next_power_of_two, pad_axis, unpad_rope_halves, virtual_heads
-from pallas_kernels.plan import (
-    BlockSizes,
-    chunk_queries,
-    group_rows,
-    prepare,
-    select_below_top,
-    split_heads,
-    top_documents,
-    valid_candidates,
-)
+from pallas_kernels.chunks import chunk_queries, select_below_top, valid_candidates
+from pallas_kernels.configs import BlockSizes, KernelConfigs
+from pallas_kernels.plan import group_rows, prepare, split_heads
 from pallas_kernels.layer_backward import layer_backward_pallas
 from pallas_kernels.node_backward import (
     UNIT,
@@ -94,7 +87,8 @@ def _per_chunk(x, Qc: int, num_chunks: int):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "value_dim"))
-def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes: BlockSizes | None = None,
+def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
+                          block_sizes: BlockSizes | KernelConfigs | None = None,
                           interpret: bool = False, dead_rows=None, selections=None, packing=None, positions=None,
                           value_dim: int | None = None):
     """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
@@ -108,7 +102,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     `packing`: packed rows (`htree_jax.core.packing`), with the forward's `selections` (tree
     rows, as `htree_forward_pallas(..., packing=)` returns them), required there.
     `positions [S]`: the queries' positions among `k`'s tokens, as the forward takes them.
-    `block_sizes`: `None` for `BlockSizes.for_dims(K, V)`. Bitwise deterministic.
+    `block_sizes`: as the forward takes them. Bitwise deterministic.
     Wide groups (`wide_forward.wide_eligible`: 32 or more heads per kv head) run the
     wide kernels (`wide_backward.py`); there `v=None` with `value_dim = V` takes the
     values as the first `V` latent features of `k`, as the forward does, and returns
@@ -120,9 +114,9 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     B, T, H, K = q.shape
     H_kv = k.shape[2]
     V = value_dim if v is None else v.shape[-1]
-    block_sizes = block_sizes or BlockSizes.for_dims(K, V)
-    if wide_eligible(H // H_kv, K, V, block_sizes, packing):
-        return wide_backward_pallas(q, k, v, o, lse, do, config, block_sizes, interpret, dead_rows, selections,
+    tuning = KernelConfigs.resolve(block_sizes, K, V)
+    if wide_eligible(H // H_kv, K, V, tuning, packing):
+        return wide_backward_pallas(q, k, v, o, lse, do, config, tuning, interpret, dead_rows, selections,
                                     value_dim, positions)
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
@@ -131,21 +125,21 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
     # tiles: two pipeline stages overflow shared memory at wide heads (H200: 264992 B
     # asked of 232448 at K = 576, V = 512) and in
     # float32 past 128 features (H100: 246848 B at K = V = 256); one stage there.
-    footprint = shared_memory.per_query(group_rows(min(H // H_kv, KERNEL_GROUP), block_sizes), block_sizes.tile,
+    footprint = shared_memory.per_query(group_rows(min(H // H_kv, KERNEL_GROUP), tuning), tuning.layer.tile,
                                         next_power_of_two(K, 32), next_power_of_two(V, 16),
                                         jnp.dtype(q.dtype).itemsize, backward=True)
-    block_sizes = dataclasses.replace(block_sizes,
-                                      num_stages=shared_memory.per_query_stages(block_sizes.num_stages, footprint))
+    stages = shared_memory.per_query_stages(tuning.layer.num_stages, footprint)
+    tuning = dataclasses.replace(tuning, layer=dataclasses.replace(tuning.layer, num_stages=stages))
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
-    prep = prepare(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), for_backward=True,
+    prep = prepare(q, k, v, config, tuning, interpret, Precisions.for_dtype(q.dtype), for_backward=True,
                    packing=packing, positions=positions, split=split)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
     kp, vp = prep.q4.shape[-1], prep.top_v.shape[-1]
-    gt, gp = next_power_of_two(G), group_rows(G, block_sizes)
+    gt, gp = next_power_of_two(G), group_rows(G, tuning)
     sizes, Mp = prep.sizes, prep.cos.shape[0]
-    st_dq, st_dkv, segments = top_backward_statics(st_top, block_sizes, jnp.dtype(q.dtype).itemsize, kp, vp,
+    st_dq, st_dkv, segments = top_backward_statics(st_top, tuning.top_backward, jnp.dtype(q.dtype).itemsize, kp, vp,
                                                    prep.top_v.shape[2], Mp, B * H_kv, Qc)
 
     rows = lambda x: x.reshape((B, T, H_kv, G) + x.shape[3:])
@@ -178,15 +172,15 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
         rows_keys = keys  # the top layer's keys by tree row (the node kernel's), = by position unpacked
         if kept is not None and L > 1:
             tau = jnp.ones(n_top.shape, jnp.int32)
-            local = jnp.where(kept[0] >= 0, kept[0] - first, -1)
+            local = jnp.where(kept[0] >= 0, kept[0] if first is None else kept[0] - first, -1)
             keys = kept_keys(None, local, Mp, st.r)
             rows_keys = keys if packing is None else kept_keys(None, kept[0], prep.top_v.shape[2], st.r)
             parents = pad_nodes_list(kept[0], P)
         stats = lambda g: (pad_axis(lse_c, 3, g), pad_axis(do_c, 3, g), pad_axis(delta_c, 3, g))
         top_data = (prep.top_k_merge, prep.top_v, *stats(gt))
-        q_ops, documents = top_backward_queries(q_top, st_top), top_documents(prep, first)
-        dq_rot = top_dq_pallas(q_ops, n_top, documents, keys, tau, *top_data, st_dq, interpret)
-        top_acc = top_node_grads_pallas(q_ops, n_top, documents, rows_keys, tau, *top_data, top_acc, st_dkv,
+        q_ops = top_backward_queries(q_top, st_top)
+        dq_rot = top_dq_pallas(q_ops, n_top, first, keys, tau, *top_data, st_dq, interpret)
+        top_acc = top_node_grads_pallas(q_ops, n_top, first, rows_keys, tau, *top_data, top_acc, st_dkv,
                                         interpret, segments)
         position = n_top - 1
         dq = apply_rope(dq_rot, prep.cos[position], -prep.sin[position])[:, :, :, :G]
@@ -203,10 +197,10 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes:
                     keys, next_parents, tau, _, _ = select_below_top(prep, q_rows, parents, n, l, interpret)
                 layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
                 dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st, interpret)
-                index = node_index(parents, n, st.r, -(-sizes[l] // UNIT), block_sizes.node_entries)
+                index = node_index(parents, n, st.r, -(-sizes[l] // UNIT), tuning.layer.node_entries)
                 layer_acc[l] = layer_node_grads_pallas(pad_axis(qc, 3, gt), *layer_args, *stats(gt), index,
                                                        layer_acc[l], st, interpret,
-                                                       num_warps=block_sizes.node_num_warps)
+                                                       num_warps=tuning.layer.node_num_warps)
                 dq = dq + dq_l[:, :, :, :G]
                 if l > 0:
                     parents = next_parents

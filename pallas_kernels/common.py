@@ -9,6 +9,7 @@ the compositions (`forward.py`, `backward.py`, `decode.py`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -40,6 +41,28 @@ def check_group(G: int, who: str) -> None:
 def head_split(G: int) -> int:
     """Virtual kv heads per kv head: `G / KERNEL_GROUP` for larger groups, else 1."""
     return G // KERNEL_GROUP if G > KERNEL_GROUP else 1
+
+
+class Bound(NamedTuple):
+    """`selection="bound"` (SPEC 11) as a GQA kernel call takes it (`importance`,
+    `top_layer`, the decode scores): the query rows' feature-group norms `[..., rows,
+    width]` float32 and the candidate layer's radii `[B, H_kv, N, width]` (the parts of
+    `precision.key_operands`; one array at decode). Inside a kernel, the same fields
+    hold the loaded norms and the radii refs."""
+
+    query_norms: Any
+    radii: Any
+
+
+class WideBound(NamedTuple):
+    """`selection="bound"` (SPEC 11) as the wide kernels take it (`wide.py`): the queries'
+    latent features' norms `|q|` and RoPE pairs' norms, and the layer's radii in the same
+    two parts (each `precision.key_operands` parts). Inside a kernel: their refs."""
+
+    latent_norms: Any
+    pair_norms: Any
+    latent_radii: Any
+    pair_radii: Any
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,17 +1,17 @@
 """The Pallas decode walk: a few new queries walk a decode cache's tree (SPEC 2). A
 composition of the cache kernels that live beside their full-sequence kin
-(`importance.decode_scores_pallas`, `merge.decode_merge_pallas`) and the shared top-K.
+(`decode_scores.decode_scores_pallas`, `decode_merge.decode_merge_pallas`) and the shared top-K.
 
 The full-sequence kernels (`importance.py`, `merge.py`) read each layer's keys in `span / r`
 rotated copies made for the whole layer (`rotate_phases`), which for a decode step would
 be `O(T)` work per token. Here the keys are read as the cache stores them (`[B, N, H_kv,
-K]`, un-rotated, the layout `htree_jax.decode.HTreeCache` keeps) and rotated in the
+K]`, un-rotated, the layout `htree_jax.cache.HTreeCache` keeps) and rotated in the
 kernel after the gather: candidate position `p` of a product over `[p0, p0 + span)`
 is rotated by `p - p0`, the query once by `n - 1 - p0` (SPEC 2.2 is relative), the
 same arithmetic `rotate_phases` does ahead of time, so the scores are those of the
 full-sequence kernels. Features that do not rotate (SPEC 7's partial RoPE: 512 of
 latent attention's 576) are read and scored as stored, with no rotation
-(`importance.half_pieces`): for 16-bit caches one exact product where a rotated piece
+(`decode_scores.half_pieces`): for 16-bit caches one exact product where a rotated piece
 takes three (`BF16X3`).
 
 Groups of more than 16 heads (latent attention's 64-128 over one latent key) run as
@@ -41,7 +41,7 @@ fit (`pipelined`: all three of the wide ones, the two merges of GQA's):
                        folded into a partial softmax state (m, S, U)
   bottom layer: `decode_merge_pallas` scoring its keys, every valid candidate merged
                        (values read from the keys: its key tiles are the values where
-                       they can be, `merge.values_in_key_tiles`; FP8 tokens: each
+                       they can be, `decode_merge.values_in_key_tiles`; FP8 tokens: each
                        gathered row widened, its score and weight times its scale);
   the partial states fold into the running one in XLA, and the output is U / S.
 
@@ -71,6 +71,7 @@ from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
 from htree_jax.core.rope import rope_table
 from pallas_kernels.common import (
+    Bound,
     KERNEL_GROUP,
     MAX_HEAD_DIM,
     MAX_VALUE_DIM,
@@ -84,14 +85,10 @@ from pallas_kernels.common import (
     virtual_heads,
 )
 from pallas_kernels import shared_memory
-from pallas_kernels.importance import (
-    combine_max_sum,
-    decode_keys_pallas,
-    decode_scores_pallas,
-    group_keys_from_scores,
-    importance_shift,
-)
-from pallas_kernels.merge import cache_value_pieces, decode_merge_pallas, fold_partials, values_in_key_tiles
+from pallas_kernels.configs import DecodeBlockSizes
+from pallas_kernels.decode_merge import cache_value_pieces, decode_merge_pallas, fold_partials, values_in_key_tiles
+from pallas_kernels.decode_scores import combine_max_sum, decode_keys_pallas, decode_scores_pallas
+from pallas_kernels.importance import group_keys_from_scores, importance_shift
 from pallas_kernels.precision import Precisions
 from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.wide import head_block, program_shape
@@ -99,37 +96,6 @@ from pallas_kernels.wide import head_block, program_shape
 # Keys are read in power-of-two pieces of each RoPE half (`importance.feature_pieces`:
 # 288 = 256 + 32 for K = 576), values in pieces of V: K/2 and V multiples of 16 (a dot's least).
 PIECE = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeBlockSizes:
-    # Candidates per score product (one query rotation); raised to >= 16 and >= r.
-    span: int = 64
-    # Programs to aim for per launch: a query's candidates are split until
-    # B * Q * H_kv * splits reaches this (at most Mp / span splits). Wide programs (64
-    # heads each, one per multiprocessor) aim for about one wave: more splits ran the MLA
-    # step slower (every split loads the queries and writes a partial state; journal,
-    # 2026-11-25 (5)).
-    target_programs: int = 512
-    wide_target_programs: int = 128
-    num_warps: int = 4
-    # Scores and packed keys of a chunk of queries (prefill) stay under this.
-    chunk_budget_bytes: int = 256 << 20
-    # Groups over 16 heads (latent attention's 64-128 over one latent key): heads per
-    # program (`wide.head_block`: the largest power of two up to this dividing G), every
-    # gathered key row feeding them all; 16: the 16-head virtual groups of the
-    # full-sequence kernels. Those programs' warps: `wide_num_warps`.
-    wide_rows: int = 64
-    wide_num_warps: int = 8
-
-    def __post_init__(self):
-        rows = self.wide_rows
-        if not isinstance(rows, int) or rows < KERNEL_GROUP or rows & (rows - 1):
-            raise ValueError(f"DecodeBlockSizes.wide_rows must be a power of two >= {KERNEL_GROUP}, got {rows!r}")
-        for name in ("target_programs", "wide_target_programs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"DecodeBlockSizes.{name} must be a positive int, got {value!r}")
 
 
 def check_pallas_decode_dims(head_dim: int, value_dim: int, group: int, latent_half: int | None = None) -> None:
@@ -178,7 +144,7 @@ def decode_program(config: HTreeConfig, G: int, K: int, V: int, itemsize: int, b
 def decode_bound_width(config: HTreeConfig, K: int) -> int:
     """The float32 feature groups the decode step's scores kernel holds per query row and
     gathers per candidate with `selection="bound"` (`group_count`); 0 with the mean."""
-    return group_count(K, config.rope_dim) if config.selection == "bound" else 0
+    return group_count(K, config.rope_dim) if config.ranks_by_bound else 0
 
 
 class WalkStatics(NamedTuple):
@@ -197,7 +163,7 @@ def pipelined(st: LayerStatic, K: int, V: int, itemsize: int, values_in_keys: bo
     kernel's with the bound's `bound_width` radii), else one (float32 keeps one).
 
     Wide (`G > 16`): all three kernels; the bottom merge gathers keys and, unless the
-    values are its key tiles (`merge.values_in_key_tiles`), values: its span halves
+    values are its key tiles (`decode_merge.values_in_key_tiles`), values: its span halves
     (not below 16 or r) until two steps fit. Two stages ran each of the MLA step's
     kernels faster than one (journal, 2026-11-25 (8)).
 
@@ -284,7 +250,7 @@ def _walk_layers(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: 
             if carried and state is not None:
                 return partials, selections
         else:
-            bound = None if qn is None else (qn, radii[l - 1])
+            bound = None if qn is None else Bound(qn, radii[l - 1])
             scores, *ranked, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret, bound)
             m, total = combine_max_sum(m, total)
             shift = importance_shift(m.reshape(-1), total.reshape(-1), real_head, gp, st.importance)
@@ -356,7 +322,7 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     per_query = lambda x: pad_axis(pad_axis(x.reshape((B, S, H_kv, G) + x.shape[3:]), 3, gp), 1, num_chunks * C)
     q5 = per_query(q)  # as stored: the kernels read the unrotated features so (`half_pieces`)
     qn = None
-    if config.selection == "bound":
+    if config.ranks_by_bound:
         if len(radii) != len(keys) - 1:
             raise ValueError(f"selection='bound' needs the radii of layers 1..{len(keys) - 1}, got {len(radii)}")
         qn = per_query(group_norms(q, config.rope_dim))

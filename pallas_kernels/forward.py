@@ -16,19 +16,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from htree_jax.core.config import HTreeConfig
-from pallas_kernels.common import next_power_of_two, pad_axis, real_heads
+from pallas_kernels.common import next_power_of_two, real_heads
+from pallas_kernels.chunks import chunk_queries, select_below_top, valid_candidates
+from pallas_kernels.configs import BlockSizes, KernelConfigs
 from pallas_kernels.merge import merge_pallas, merge_scored_pallas
-from pallas_kernels.plan import (
-    BlockSizes,
-    Prepared,
-    chunk_queries,
-    group_rows,
-    prepare,
-    select_below_top,
-    split_heads,
-    top_documents,
-    valid_candidates,
-)
+from pallas_kernels.plan import Prepared, group_rows, prepare, split_heads
 from pallas_kernels.precision import Precisions
 from pallas_kernels.top_layer import top_merge_pallas
 from pallas_kernels.wide_forward import wide_eligible, wide_forward_pallas
@@ -45,7 +37,7 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
                                              "return_importance", "value_dim"))
-def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | None = None,
+def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
                          packing=None, positions=None, return_importance: bool = False, value_dim: int | None = None):
     """htree attention with Pallas kernels. Inputs validated by the caller.
@@ -59,29 +51,30 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     features of `k`, read from the keys by the wide kernels (groups of 32 or more heads,
     one document per row: `wide_forward.wide_eligible`; refused elsewhere).
     `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
-    `htree_attention` runs); `block_sizes`: `None` for `BlockSizes.for_dims(K, V)`.
+    `htree_attention` runs); `block_sizes`: a `BlockSizes` (`None`: the tuned values
+    for `K, V`) or a `KernelConfigs` (`configs.KernelConfigs.resolve`).
     Returns `(o [B, T, H, V] in q.dtype, selections)` like the
     JAX reference; with `return_lse`, also the log-sum-exp of every row's merged scores
     `[B, T, H]` float32 (what the backward needs besides `o`).
     """
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], value_dim if v is None else v.shape[-1]
-    block_sizes = block_sizes or BlockSizes.for_dims(K, V)
-    if wide_eligible(H // H_kv, K, V, block_sizes, packing):
-        return wide_forward_pallas(q, k, v, config, block_sizes, interpret, precisions, return_lse, value_dim,
+    tuning = KernelConfigs.resolve(block_sizes, K, V)
+    if wide_eligible(H // H_kv, K, V, tuning, packing):
+        return wide_forward_pallas(q, k, v, config, tuning, interpret, precisions, return_lse, value_dim,
                                    positions, return_importance)
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
                          "kv head, BlockSizes.wide_rows > 0, one document per row")
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
-    prep = prepare(q, k, v, config, block_sizes, interpret, precisions or Precisions.for_dtype(q.dtype),
+    prep = prepare(q, k, v, config, tuning, interpret, precisions or Precisions.for_dtype(q.dtype),
                    packing=packing, positions=positions, split=split)
-    st, st_top, Qc, L = prep.st, prep.st_top, prep.chunk, len(prep.layers) + 1
-    st_scored = dataclasses.replace(prep.st_merge, merge_num_warps=block_sizes.scored_merge_num_warps)
+    st_top, Qc, L = prep.st_top, prep.chunk, len(prep.layers) + 1
+    st_scored = dataclasses.replace(prep.st_merge, merge_num_warps=tuning.layer.scored_merge_num_warps)
     num_chunks = prep.q4.shape[1] // Qc
     vp = prep.top_v.shape[-1]
-    gt, gp = next_power_of_two(G), group_rows(G, block_sizes)
+    gt, gp = next_power_of_two(G), group_rows(G, tuning)
 
     def empty_state(rows):
         return (jnp.full((B, Qc, H_kv, rows), -jnp.inf, jnp.float32), jnp.zeros((B, Qc, H_kv, rows), jnp.float32),
@@ -91,7 +84,6 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
         qc, t, n_top, first, q_top, top = chunk_queries(prep, c, T, L, interpret, export=return_importance)
         keys, tau, parents = top[:3]
         exported = list(top[3:])
-        first = top_documents(prep, first)
         if L == 1:
             o, lse = top_merge_pallas(q_top, n_top, first, None, None, prep.top_k_merge, prep.top_v, empty_state(gt),
                                       st_top, interpret, out_dtype=q.dtype, return_lse=True)
@@ -99,9 +91,10 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
         state = top_merge_pallas(q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
                                  interpret)
         # The layers below: one query per program, its G heads padded to Gp rows (`group_rows`).
-        state = tuple(pad_axis(x, 3, gp) for x in state)
+        rows_to_gp = lambda rows, ndim: [(0, 0)] * 3 + [(0, gp - rows)] + [(0, 0)] * (ndim - 4)
+        state = tuple(jnp.pad(x, rows_to_gp(x.shape[3], x.ndim)) for x in state)
         selections = [parents[..., : config.top_k]]
-        q_rows = pad_axis(qc, 3, gp)
+        q_rows = jnp.pad(qc, rows_to_gp(G, qc.ndim))
         for l in reversed(range(1, L - 1)):
             vl = prep.layers[l][2]
             n = valid_candidates(parents, t, l, prep)

@@ -43,12 +43,12 @@ from jax.experimental import pallas as pl
 
 from htree_jax.core.rope import apply_rope
 from pallas_kernels.common import LayerStatic, compiler_params, merge_score_precision
+from pallas_kernels.configs import UNIT_ENTRIES
 from pallas_kernels.importance import feature_pieces
 from pallas_kernels.layer_backward import grads_of_block
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows
 
 UNIT = 16  # nodes per program below the top layer
-UNIT_ENTRIES = 512  # entries one program walks before the rest of a unit's list spills
 
 
 def units_per_pair(r: int) -> int:
@@ -366,5 +366,5 @@ def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, si
     return dk_acc, dv_acc
 
 
-__all__ = ["UNIT", "UNIT_ENTRIES", "NodeIndex", "fold_spilled", "layer_node_grads_pallas", "node_buffers",
+__all__ = ["UNIT", "NodeIndex", "fold_spilled", "layer_node_grads_pallas", "node_buffers",
            "node_gradient", "node_index", "spill_segments", "units_per_pair"]

@@ -1,7 +1,8 @@
-"""What the Pallas forward and backward passes share: their block sizes, the padded tree
-and keys as the kernels read them (`prepare`), and each chunk of queries through the top
-layer and the selections below it (`chunk_queries`, `select_below_top`). The passes
-(`forward.py`, `backward.py`) compose these with the merge and gradient kernels.
+"""What the Pallas forward and backward passes plan before their loop over chunks of
+queries: the launches their kernel families' configs (`configs.py`) give at the
+shapes, and the padded tree and keys as the kernels read them (`prepare`). Each
+chunk's walk: `chunks.py`. The passes (`forward.py`, `backward.py`) compose these
+with the merge and gradient kernels.
 
 Device memory beyond inputs, tree and output: the rotated copies of the tree's keys
 (the top layer once in float32, and as the merge and importance dots read it; each lower
@@ -28,14 +29,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from htree_jax.core.bounds import group_count, group_norms, tree_radii
-from htree_jax.core.config import FORCED_IMPORTANCE, HTreeConfig
-from htree_jax.core.indexing import candidate_count, num_parents, pack_importance, top_layer_parents
+from htree_jax.core.bounds import group_count, tree_radii
+from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import build_packed_tree, layer_exists, tokens_to_virtual, virtual_exists
 from htree_jax.core.rope import apply_rope
 from pallas_kernels import shared_memory
+from pallas_kernels.configs import KernelConfigs
 from pallas_kernels.common import (
     MAX_HEAD_DIM,
     MAX_VALUE_DIM,
@@ -47,137 +47,12 @@ from pallas_kernels.common import (
     pad_axis,
     pad_nodes,
     pad_rope_halves,
-    real_heads,
-    virtual_heads,
-    wide_head_dims,
 )
-from pallas_kernels.importance import importance_keys_pallas
-from pallas_kernels.node_backward import UNIT_ENTRIES
 from pallas_kernels.precision import Precisions, key_operands
-from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases, rotate_queries
-from pallas_kernels.top_k import kept_values, select_top_k_pallas
-from pallas_kernels.top_layer import top_importance_keys_pallas
+from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases
 from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
 
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tiling and launch parameters of the Pallas forward and backward (which share them).
-
-    Pass one to `htree_attention(..., block_sizes=...)` (or the modules) to tune; `None`
-    takes `BlockSizes.for_dims(K, V)`. Each default is the fastest of a GPU sweep at the
-    benchmark shape (bf16, H=32, H_kv=4, K=V=128, T=131072); the sweeps: the journal,
-    "Block sizes: where the defaults come from" (`benchmarks/journal/`)."""
-
-    # Below the top layer: candidates per score product (one query rotation serves them:
-    # the keys are stored in span/r rotated copies) and per inner step.
-    span: int = 64
-    tile: int = 64
-    # Top layer: query rows per program (256 overflow shared memory), candidates per step,
-    # the merge's warps and pipeline stages.
-    top_rows: int = 128
-    top_tile: int = 64
-    top_num_warps: int = 8
-    top_num_stages: int = 3
-    # The top layer's importance kernel: 128 candidates a step, 2 stages (journal, 2026-11-26).
-    top_keys_tile: int = 128
-    top_keys_stages: int = 2
-    # The top layer's backward (`top_backward.py`): its dq kernel's query rows per
-    # program, nodes per step, warps and pipeline stages; its node kernel's (dk, dv)
-    # nodes per program, query rows per step, warps, stages, and about how many
-    # programs share a chunk's work (each tile's queries split among several). The
-    # fastest of a sweep (journal, "Block sizes"): splitting a tile's queries among programs
-    # keeps the node kernel's programs busy; more rows per dq program ran slower.
-    top_dq_rows: int = 64
-    top_dq_tile: int = 64
-    top_dq_warps: int = 4
-    top_dq_stages: int = 2
-    top_dkv_tile: int = 64
-    top_dkv_rows: int = 64
-    top_dkv_warps: int = 4
-    top_dkv_stages: int = 2
-    top_dkv_programs: int = 4096
-    # The shared top-K kernel (one query per program, every layer).
-    select_num_warps: int = 4
-    # Per-query kernels below the top: a query's G heads padded to at least this many
-    # product rows (8 or 16; 8 ran faster: journal, "Block sizes"), and their warps (2
-    # keep such products busiest).
-    min_query_rows: int = 8
-    num_warps: int = 2
-    merge_num_warps: int = 2
-    num_stages: int = 2
-    # The forward's kernels below the top have depths of their own (the backward's
-    # per-query kernels take `num_stages`): the scores kernel (`importance._scores_kernel`)
-    # and the merges; three was the fastest of the sweep and slower nowhere (journal,
-    # 2026-11-27 (1)). A depth whose tiles do not fit takes one stage.
-    scores_num_stages: int = 3
-    merge_num_stages: int = 3
-    # Merges of stored scores (no key gathers) hide their latency best with 4 warps.
-    scored_merge_num_warps: int = 4
-    # The backward reads the forward's selections (`(L-1) * B*T*H_kv*top_k` int32 kept)
-    # instead of selecting again: 8-10% faster fwd+bwd.
-    save_selections: bool = True
-    # Per-chunk buffers (`chunk_size`): fewer, larger chunks launch less.
-    chunk_budget_bytes: int = 2 << 30
-    # Backward, below the top: entries (query, parent pairs) one node-kernel program walks
-    # before the rest of a unit's list spills to programs of its own (`node_backward`);
-    # 0 never spills.
-    node_entries: int = UNIT_ENTRIES
-    # Their warps: 4 ran the node kernel faster than 2 (journal, "Block sizes").
-    node_num_warps: int = 4
-    # Wide groups (G >= 32, latent attention; `wide.py`): heads per program (one gathered
-    # key row feeds them all; 0 runs such groups as virtual kv heads of 16 instead),
-    # candidates per step, launch: the fastest at the MLA shape (journal, 2026-11-25 (2));
-    # the merges gain from a second stage, the importance's tiles do not fit two. Float32
-    # inputs take 1 stage everywhere (tiles twice the bytes).
-    wide_rows: int = 64
-    wide_tile: int = 64
-    wide_num_warps: int = 8
-    wide_num_stages: int = 2
-    wide_importance_stages: int = 1
-    # The wide backward (`wide_backward.py`): heads per program of its `dq` and node
-    # kernels (each holds its rows' queries, `do` and a gradient besides the tiles), and
-    # their warps: the fastest at the MLA shape (journal, 2026-11-25 (3)); with fewer
-    # rows a program, more programs gather the same keys.
-    wide_backward_rows: int = 64
-    wide_backward_num_warps: int = 8
-
-    def __post_init__(self):
-        if self.min_query_rows not in (8, 16):
-            raise ValueError(f"BlockSizes.min_query_rows must be 8 or 16, got {self.min_query_rows!r}")
-        if not isinstance(self.node_entries, int) or self.node_entries < 0:
-            raise ValueError(f"BlockSizes.node_entries must be an int >= 0 (0: never spill), got {self.node_entries!r}")
-        for name in ("scores_num_stages", "merge_num_stages", "top_dq_rows", "top_dq_tile", "top_dq_stages",
-                     "top_dkv_rows", "top_dkv_tile", "top_dkv_stages", "top_dkv_programs"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"BlockSizes.{name} must be an int >= 1, got {getattr(self, name)!r}")
-        for name in ("top_dq_warps", "top_dkv_warps", "node_num_warps"):
-            warps = getattr(self, name)
-            if not isinstance(warps, int) or warps < 1 or warps & (warps - 1) or warps > 32:
-                raise ValueError(f"BlockSizes.{name} must be a power of two from 1 to 32 (warps), got {warps!r}")
-
-    @classmethod
-    def for_dims(cls, K: int, V: int) -> "BlockSizes":
-        """The tuned block sizes for head dims `K`, `V` (`TUNED`): the defaults up to 256
-        features (padded), and for wider heads (latent attention, K = 576, V = 512) the
-        sizes whose query rows, key tiles and value accumulator fit a program's registers
-        and shared memory."""
-        shape = "wide" if wide_head_dims(K, V) else "head_dims<=256"
-        return cls(**TUNED[shape])
-
-
-# Tuned block sizes per shape class, as data (how each was found: the journal).
-TUNED = {
-    "head_dims<=256": {},
-    # 32-candidate tiles: the fastest that fit (64-candidate tiles overflow shared
-    # memory; journal, "Block sizes").
-    "wide": dict(span=32, tile=32, top_rows=16, top_tile=16, top_num_warps=4, top_keys_tile=16, top_keys_stages=2,
-                 num_warps=4, merge_num_warps=4, num_stages=2, scored_merge_num_warps=4,
-                 top_dq_rows=16, top_dq_tile=16, top_dq_warps=4, top_dkv_tile=16, top_dkv_rows=16, top_dkv_warps=4),
-}
-
-
-def top_pipeline(block_sizes: BlockSizes, precisions: Precisions, kp: int, vp: int, G: int, Mp: int,
+def top_pipeline(tuning: KernelConfigs, precisions: Precisions, kp: int, vp: int, G: int, Mp: int,
                  bound_width: int = 0) -> tuple:
     """`(merge stages, (importance queries per program, tile, stages))` of the top layer
     for padded head dims `kp, vp`, `G` heads per kv head and `bound_width` feature
@@ -185,13 +60,13 @@ def top_pipeline(block_sizes: BlockSizes, precisions: Precisions, kp: int, vp: i
     heads up to 128 features (float32 operands at most 2), one stage past them (two
     overflow shared memory at K=192). The importance kernel: the first of
     `top_importance_candidates` that fits shared memory (`shared_memory.top_importance`)."""
-    stages = block_sizes.top_num_stages if precisions.merge_operands else min(block_sizes.top_num_stages, 2)
+    stages = tuning.top.num_stages if precisions.merge_operands else min(tuning.top.num_stages, 2)
     if kp > 128 or vp > 128:
         stages = 1
     gt = next_power_of_two(G)
     footprint = lambda c: shared_memory.top_importance(c[0] * gt, c[0], c[1], kp, bound_width, precisions.scores,
                                                        precisions.importance_operands)
-    return stages, shared_memory.first_fitting(top_importance_candidates(block_sizes, precisions, gt, Mp), footprint)
+    return stages, shared_memory.first_fitting(top_importance_candidates(tuning, precisions, gt, Mp), footprint)
 
 
 def bound_groups(config: HTreeConfig, K: int) -> tuple:
@@ -199,49 +74,49 @@ def bound_groups(config: HTreeConfig, K: int) -> tuple:
     rotated features once K is padded (each RoPE half padded; the padding pairs rotated
     groups of norm 0) and the feature-group count the importance dots read per node,
     padded; `(0, 0)` with the mean."""
-    if config.selection != "bound":
+    if not config.ranks_by_bound:
         return 0, 0
     kp = next_power_of_two(K, 32)
     bound_rope = kp - (K - (config.partial_rope(K) or K))
     return bound_rope, next_power_of_two(group_count(kp, bound_rope), 16)
 
 
-def top_importance_launch(config: HTreeConfig, block_sizes: BlockSizes, dtype, K: int, V: int, G: int) -> tuple:
+def top_importance_launch(config: HTreeConfig, tuning: KernelConfigs, dtype, K: int, V: int, G: int) -> tuple:
     """`((queries per program, tile, stages), bytes)`: the top layer's importance launch
     `prepare` picks for `G <= KERNEL_GROUP` heads per (virtual) kv head, and its shared
     memory by the model (`shared_memory.top_importance`)."""
     precisions = Precisions.for_dtype(jnp.dtype(dtype))
     kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
     width = bound_groups(config, K)[1]
-    launch = top_pipeline(block_sizes, precisions, kp, vp, G, layout(config, block_sizes)[3], width)[1]
+    launch = top_pipeline(tuning, precisions, kp, vp, G, layout(config, tuning)[3], width)[1]
     queries, tile, stages = launch
     footprint = shared_memory.top_importance(queries * next_power_of_two(G), queries, tile, kp, width,
                                              precisions.scores, precisions.importance_operands)
     return launch, footprint.bytes(stages)
 
 
-def top_importance_candidates(block_sizes: BlockSizes, precisions: Precisions, gt: int, Mp: int) -> list:
+def top_importance_candidates(tuning: KernelConfigs, precisions: Precisions, gt: int, Mp: int) -> list:
     """`(queries per program, tile, stages)` of the top layer's importance kernel, fastest
     first (journal, 2026-11-26 (5)): the block sizes' (float32 operands at most 64
     candidates a step), then their tile in one stage, 64 candidates in two stages (the bound's setting before
     2026-11-26), one stage, smaller tiles, then half and a quarter of the query rows
     (wide heads with the bound)."""
-    bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
-    tile = next_power_of_two(block_sizes.top_keys_tile, 16)
+    bq = max(1, next_power_of_two(tuning.top.rows) // gt, 16 // gt)
+    tile = next_power_of_two(tuning.top.keys_tile, 16)
     if precisions.importance_operands is None:
         tile = min(tile, 64)
     out = []
     for queries in (bq, max(1, bq // 2, 16 // gt), max(1, bq // 4, 16 // gt)):
-        for t, s in ((tile, block_sizes.top_keys_stages), (tile, 1), (64, 2), (64, 1), (32, 1), (16, 1)):
+        for t, s in ((tile, tuning.top.keys_stages), (tile, 1), (64, 2), (64, 1), (32, 1), (16, 1)):
             c = (queries, min(t, tile, Mp), s)
             if c not in out:
                 out.append(c)
     return out
 
 
-def group_rows(G: int, block_sizes: BlockSizes) -> int:
+def group_rows(G: int, tuning: KernelConfigs) -> int:
     """`Gp`: the product rows of one query's `G` heads in the kernels below the top layer."""
-    return next_power_of_two(G, block_sizes.min_query_rows)
+    return next_power_of_two(G, tuning.layer.min_query_rows)
 
 
 def check_pallas_dims(dims, backend: str = "pallas") -> None:
@@ -256,23 +131,23 @@ def check_pallas_dims(dims, backend: str = "pallas") -> None:
     check_group(dims.group_size, f"backend {backend!r}")
 
 
-def layout(config: HTreeConfig, block_sizes: BlockSizes):
+def layout(config: HTreeConfig, tuning: KernelConfigs):
     """`(span, tile, P, Mp)`: candidates per product and per step below the top layer,
     and the padded candidate-buffer geometry (`P` parent slots, `Mp = P * r` positions)."""
     r, M = config.compression_rate, config.max_candidates
-    span = max(16, r, min(next_power_of_two(block_sizes.span), 16 * r, M))
-    tile = max(span, min(next_power_of_two(block_sizes.tile), M))
+    span = max(16, r, min(next_power_of_two(tuning.layer.span), 16 * r, M))
+    tile = max(span, min(next_power_of_two(tuning.layer.tile), M))
     per_tile = tile // r
     P = -(-config.top_k // per_tile) * per_tile
     return span, tile, P, P * r
 
 
-def chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows=0):
+def chunk_size(config: HTreeConfig, tuning: KernelConfigs, B, T, H_kv, Mp, score_rows=0):
     """Query positions per chunk: the per-chunk buffers (packed keys and next parents,
     int32, and `score_rows` float32 scores per candidate where a layer below the top
     selects) within `chunk_budget_bytes`, and `Qc * Mp <= T * top_k`."""
     per_query = (8 + 4 * score_rows) * B * H_kv * Mp
-    limit = max(1, min(block_sizes.chunk_budget_bytes // per_query, T // config.compression_rate, T))
+    limit = max(1, min(tuning.chunk_budget_bytes // per_query, T // config.compression_rate, T))
     return int(limit)
 
 
@@ -346,7 +221,7 @@ def packed_tree(k, v, packing, config: HTreeConfig):
     return layers, top_local
 
 
-def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bool,
+def prepare(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool,
             precisions: Precisions, for_backward: bool = False, packing=None, positions=None,
             split: int = 1) -> Prepared:
     """The padded tree, keys as the products read them, tables and queries. With
@@ -363,11 +238,11 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     r = config.compression_rate
     kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
     half = kp // 2
-    span, tile, P, Mp = layout(config, block_sizes)
+    span, tile, P, Mp = layout(config, tuning)
     bound_rope, bound_width = bound_groups(config, K)
     # The scores kernel holds the query rows' group norms and gathers radii with the
     # bound: one stage where two do not fit (packed latent attention).
-    scores_footprint = shared_memory.per_query(group_rows(G, block_sizes), tile, kp, 0, jnp.dtype(q.dtype).itemsize,
+    scores_footprint = shared_memory.per_query(group_rows(G, tuning), tile, kp, 0, jnp.dtype(q.dtype).itemsize,
                                                bound_width, precision=precisions.scores,
                                                operands=precisions.importance_operands)
     st = LayerStatic(
@@ -375,15 +250,15 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         strict_causal=config.strict_causal, log_n=config.log_n, top_k=config.top_k,
         precision=precisions.scores, importance_operands=precisions.importance_operands,
         merge_precision=precisions.merge, merge_operands=precisions.merge_operands,
-        num_warps=block_sizes.num_warps, merge_num_warps=block_sizes.merge_num_warps,
-        num_stages=shared_memory.per_query_stages(block_sizes.num_stages, scores_footprint),
+        num_warps=tuning.layer.num_warps, merge_num_warps=tuning.layer.merge_num_warps,
+        num_stages=shared_memory.per_query_stages(tuning.layer.num_stages, scores_footprint),
     )
-    st_scores = dataclasses.replace(st, num_stages=shared_memory.per_query_stages(block_sizes.scores_num_stages,
+    st_scores = dataclasses.replace(st, num_stages=shared_memory.per_query_stages(tuning.layer.scores_num_stages,
                                                                                   scores_footprint))
     # The merges gather value rows too (and keys, at the bottom), in the merge dots' operands.
-    merge_footprint = shared_memory.per_query(group_rows(G, block_sizes), tile, kp, vp, jnp.dtype(q.dtype).itemsize,
+    merge_footprint = shared_memory.per_query(group_rows(G, tuning), tile, kp, vp, jnp.dtype(q.dtype).itemsize,
                                               precision=precisions.merge, operands=precisions.merge_operands)
-    st_merge = dataclasses.replace(st, num_stages=shared_memory.per_query_stages(block_sizes.merge_num_stages,
+    st_merge = dataclasses.replace(st, num_stages=shared_memory.per_query_stages(tuning.layer.merge_num_stages,
                                                                                  merge_footprint))
     as_kernel_layer = lambda kl, vl: (jnp.swapaxes(pad_rope_halves(kl, half), 1, 2),
                                       jnp.swapaxes(pad_axis(vl, -1, vp), 1, 2))
@@ -400,11 +275,11 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     cos, sin = padded_rope_table(Mp, K, config.rope_base, half, config.partial_rope(K))
     # Top layer: rows = queries x next_power_of_two(G) heads, at least 16 (a dot's minimum).
     gt = next_power_of_two(G)
-    bq = max(1, next_power_of_two(block_sizes.top_rows) // gt, 16 // gt)
-    top_tile = min(next_power_of_two(block_sizes.top_tile, 16), Mp)
-    merge_stages, (keys_queries, keys_tile, keys_stages) = top_pipeline(block_sizes, precisions, kp, vp, G, Mp,
+    bq = max(1, next_power_of_two(tuning.top.rows) // gt, 16 // gt)
+    top_tile = min(next_power_of_two(tuning.top.tile, 16), Mp)
+    merge_stages, (keys_queries, keys_tile, keys_stages) = top_pipeline(tuning, precisions, kp, vp, G, Mp,
                                                                         bound_width)
-    st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=block_sizes.top_num_warps,
+    st_top = dataclasses.replace(st, block_queries=bq, tile=top_tile, num_warps=tuning.top.num_warps,
                                  num_stages=merge_stages)
     st_top_keys = dataclasses.replace(st_top, block_queries=min(bq, keys_queries), tile=keys_tile,
                                       num_stages=keys_stages)
@@ -433,7 +308,7 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
         lower.append((key_operands(phases, *imp_spec) if l > 0 else None,
                       key_operands(phases, *merge_spec) if l == 0 or for_backward else None, vl))
     radii = top_radii = None
-    if config.selection == "bound":  # the radii of the stored layers, in the kernels' layout
+    if config.ranks_by_bound:  # the radii of the stored layers, in the kernels' layout
         exists = None if packing is None else layer_exists(virtual_exists(packing), num_layers, r)
         rho = tree_radii([jnp.swapaxes(kl, 1, 2) for kl, _ in layers], r, bound_rope, exists)
         rho = [pad_axis(jnp.swapaxes(x, 1, 2), -1, bound_width) for x in rho]  # [B, H_kv, N_l, width]
@@ -446,23 +321,15 @@ def prepare(q, k, v, config: HTreeConfig, block_sizes: BlockSizes, interpret: bo
     # the rotated queries and the softmax state, grow with the chunk; sized by 8 rows, the
     # forward at T=1M, top_k=64 planned 1.4 GiB more.)
     score_rows = next_power_of_two(G, 16) if num_layers >= 3 else 0
-    Qc = -(-chunk_size(config, block_sizes, B, T, H_kv, Mp, score_rows) // bq) * bq
-    if q.size * q.dtype.itemsize >= block_sizes.chunk_budget_bytes:
+    Qc = -(-chunk_size(config, tuning, B, T, H_kv, Mp, score_rows) // bq) * bq
+    if q.size * q.dtype.itemsize >= tuning.chunk_budget_bytes:
         Qc = dividing_chunk(T, Qc, bq)
     q4 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), half)
     q4 = pad_axis(q4, 1, -(-T // Qc) * Qc)
-    st_select = dataclasses.replace(st, num_warps=block_sizes.select_num_warps)
+    st_select = dataclasses.replace(st, num_warps=tuning.layer.select_num_warps)
     return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_scores, st_merge, st_top, st_top_keys,
                     st_select, P, Qc, sizes, packing,
                     top_local, positions, split, radii, top_radii, bound_rope, bound_width)
-
-
-def query_group_norms(prep: Prepared, q_rows):
-    """`selection="bound"`: the feature-group norms of query rows `[..., Kp]` (padded
-    halves, any rotation), `[..., bound_width]` float32 (SPEC 11); None without it."""
-    if not prep.bound_width:
-        return None
-    return pad_axis(group_norms(q_rows, prep.bound_rope), -1, prep.bound_width)
 
 
 def split_heads(k, v, G: int):
@@ -474,108 +341,3 @@ def split_heads(k, v, G: int):
     if split == 1:
         return k, v, 1
     return jnp.repeat(k, split, axis=2), jnp.repeat(v, split, axis=2), split
-
-
-def valid_candidates(parents, t, layer: int, prep: Prepared):
-    """`n` per query (SPEC 2.1), `[B, Q, H_kv, 1]` int32, from padded parent lists."""
-    return candidate_count(num_parents(parents), t, prep.st.r, layer).astype(jnp.int32)
-
-
-def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, select: bool = True,
-                  export: bool = False):
-    """Chunk `c`'s queries and top layer, shared by the forward and the backward:
-    `(qc [B, Qc, H_kv, G, Kp], t, n_top, first, q_top, top)`. `t`: the queries' positions
-    in the tree (`[1, Qc, 1, 1]`, or `[B, Qc, 1, 1]` virtual ones when packed). The top
-    layer's candidates are rows `[first, first + n_top)` (`[B, Qc, H_kv, 1]` each;
-    `n = i*_{L-1} + 1` counted in the query's document, SPEC 2.1, `first = 0` unpacked);
-    `q_top` each query rotated by its `n - 1`, `Gt` rows. `top`: `(keys, tau, parents of
-    the layer below)` from the top layer's importance keys (document-local positions)
-    and shared top-K (the parents as tree rows), or `(None, None, None)` when the top
-    layer is the bottom one (`L = 1`) or without `select` (the backward, given the
-    forward's selections). With `export`, `top` has a fourth entry: the kept nodes'
-    importance `[B, Qc, H_kv, top_k]` (SPEC 8)."""
-    st, Qc = prep.st, prep.chunk
-    B, _, H_kv, G, _ = prep.q4.shape
-    A = st.r ** (num_layers - 1)
-    qc = lax.dynamic_slice_in_dim(prep.q4, c * Qc, Qc, axis=1)
-    rows = lambda x: lax.dynamic_slice_in_dim(
-        jnp.pad(x, ((0, 0), (0, prep.q4.shape[1] - T)), mode="edge"), c * Qc, Qc, axis=1)[..., None, None]
-    if prep.packing is None:
-        if prep.positions is None:
-            t = jnp.minimum(c * Qc + jnp.arange(Qc, dtype=jnp.int32), T - 1)[None, :, None, None]
-        else:
-            t = rows(prep.positions[None])
-        offset, first = t, jnp.zeros((B, Qc, H_kv, 1), jnp.int32)
-    else:
-        t, start = rows(prep.packing.position), rows(prep.packing.doc_start)
-        offset, first = t - start, jnp.broadcast_to(start // A, (B, Qc, H_kv, 1))
-    n_top = jnp.broadcast_to(offset // A + 1, (B, Qc, H_kv, 1))
-    q_top = rotate_queries(pad_axis(qc, 3, next_power_of_two(G)), n_top, prep.cos, prep.sin)
-    if num_layers == 1 or not select:
-        return qc, t, n_top, first, q_top, (None, None, None)
-    split = prep.head_split
-    keys, imp = top_keys(prep, q_top, n_top, first, interpret, export)
-    parents = jnp.broadcast_to(top_layer_parents(offset[..., 0], st.r, num_layers, prep.parents_width),
-                               (B, Qc, H_kv // split, prep.parents_width))
-    next_parents, tau = select_top_k_pallas(keys, parents, real_heads(n_top, split), prep.st_select, interpret)
-    next_parents = next_parents[..., : prep.parents_width]
-    next_parents = jnp.where(next_parents >= 0, next_parents + real_heads(first, split), -1)  # tree rows
-    top = [keys, tau, next_parents] + ([kept_values(keys, tau, imp, st.top_k)] if export else [])
-    return qc, t, n_top, first, q_top, tuple(virtual_heads(x, split) for x in top)
-
-
-def top_documents(prep: Prepared, first):
-    """What the top layer's kernels take as `first`: None without packing (one document
-    per row: no per-document loop around their tiles)."""
-    return None if prep.packing is None else first
-
-
-def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool):
-    """The top layer's packed importance keys `[B, Q, H_kv, Mp]` for the real kv heads,
-    and with `export` their importance (else None). Split heads (`head_split`): the
-    kernel's per-split importance, summed over the group here (`shared_max`: each
-    split's rescaled from its own group max to the largest), then packed as the kernel
-    packs it."""
-    split, st, width = prep.head_split, prep.st_top_keys, prep.cos.shape[0]
-    first = top_documents(prep, first)
-    qn = query_group_norms(prep, q_top)
-    bound = None if qn is None else (qn, prep.top_radii)
-    if split == 1:
-        out = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret, export,
-                                         bound=bound)
-        return out if export else (out, None)
-    _, imp, shift = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret,
-                                               export=True, with_shift=True, bound=bound)
-    B, Q = imp.shape[:2]
-    imp = imp.reshape(B, Q, -1, split, width)
-    if st.importance == "shared_max":
-        group_max = shift[..., 0].reshape(B, Q, -1, split)  # every row of a split holds its group max
-        imp = imp * jnp.exp(group_max - jnp.max(group_max, axis=-1, keepdims=True))[..., None]
-    imp = jnp.sum(imp, axis=-2)
-    n = real_heads(n_top, split)
-    positions = jnp.arange(width, dtype=jnp.int32)
-    keys = jnp.where(positions < n, pack_importance(jnp.where(positions == n - 1, FORCED_IMPORTANCE, imp), positions,
-                                                    st.log_n), -1)
-    return keys, imp
-
-
-def select_below_top(prep: Prepared, q_rows, parents, n, layer: int, interpret: bool, export: bool = False):
-    """Layer `layer` (below the top) selects: `(keys, next_parents, tau, scores,
-    importance)`, the keys, parents and `tau` in the virtual heads' layout (`parents`,
-    `n` given in it), the scores for `merge_scored_pallas`, the kept nodes' importance
-    (`export`, else None). The keys and the top-K are made once per real kv head; with
-    `selection="bound"` they rank by the bound scores (SPEC 11)."""
-    split = prep.head_split
-    qn = query_group_norms(prep, q_rows)
-    bound = None if qn is None else (qn, prep.radii[layer])
-    keys, scores = importance_keys_pallas(q_rows, parents, n, prep.layers[layer][0], prep.cos, prep.sin, prep.st_scores,
-                                          interpret, return_scores=True, export=export, split=split, bound=bound)
-    imp = None
-    if export:
-        keys, imp = keys
-    next_parents, tau = select_top_k_pallas(keys, real_heads(parents, split), real_heads(n, split), prep.st_select,
-                                            interpret)
-    if export:
-        imp = virtual_heads(kept_values(keys, tau, imp, prep.st.top_k), split)
-    return (virtual_heads(keys, split), virtual_heads(next_parents[..., : prep.parents_width], split),
-            virtual_heads(tau, split), scores, imp)

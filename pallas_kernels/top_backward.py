@@ -21,7 +21,7 @@ exp2(s2 - log2(e) * lse)`, and the constant is taken out of the sums at the end.
   dk and dv products, as Triton's flash attention backward does) ran slower here
   (journal, 2026-11-26 (2)).
 `first=None`: one document per row (no per-document loop, which keeps Triton from
-pipelining the tiles' loads); packed rows pass `first` (`plan.top_documents`).
+pipelining the tiles' loads); packed rows pass `first` (`chunks.chunk_queries` gives None unpacked).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import LayerStatic, compiler_params, layer_refs, merge_score_precision, next_power_of_two
+from pallas_kernels.configs import TopBackwardConfig
 from pallas_kernels.layer_backward import grads_of_block
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
 from pallas_kernels.top_layer import BASE2, block_rows, by_document, check_top_inputs, per_row, query_refs, tile_rows, \
@@ -45,14 +46,15 @@ from pallas_kernels.top_layer import BASE2, block_rows, by_document, check_top_i
 MAX_SEGMENTS = 32
 
 
-def top_backward_statics(st_top: LayerStatic, block_sizes, itemsize: int, kp: int, vp: int, nodes: int, width: int,
+def top_backward_statics(st_top: LayerStatic, tuning: TopBackwardConfig, itemsize: int, kp: int, vp: int, nodes: int,
+                         width: int,
                          node_tiles_per_chunk: int, chunk: int):
-    """`(st_dq, st_dkv, segments)`: the launches of the two kernels from `block_sizes`
-    (`top_dq_*`, `top_dkv_*`): `block_queries` at most the forward's (so they divide
+    """`(st_dq, st_dkv, segments)`: the launches of the two kernels from `tuning`
+    (`dq_*`, `dkv_*`): `block_queries` at most the forward's (so they divide
     the chunk), tiles powers of two that divide the top layer's padded `nodes` and the
     keys' `width`; the node kernel's query segments per tile, so that `B * H_kv *
     tiles * segments` (`node_tiles_per_chunk = B * H_kv`) is about
-    `block_sizes.top_dkv_programs`, at most `MAX_SEGMENTS` and the chunk's blocks of
+    `tuning.dkv_programs`, at most `MAX_SEGMENTS` and the chunk's blocks of
     queries (`chunk` queries). Float32 inputs hold twice the bytes per row: half
     the rows at `Kp = 128` (128 rows of 128 features asked 262144 B of 232448 on an
     H100) and one stage; wider heads one stage."""
@@ -68,10 +70,10 @@ def top_backward_statics(st_top: LayerStatic, block_sizes, itemsize: int, kp: in
         return dataclasses.replace(st_top, block_queries=bq, tile=min(next_power_of_two(tile, 16), divides),
                                    num_warps=warps, num_stages=stages)
 
-    b = block_sizes
-    st_dq = launch(b.top_dq_rows, b.top_dq_tile, b.top_dq_warps, b.top_dq_stages)
-    st_dkv = launch(b.top_dkv_rows, b.top_dkv_tile, b.top_dkv_warps, b.top_dkv_stages)
-    segments = b.top_dkv_programs // (node_tiles_per_chunk * (nodes // st_dkv.tile))
+    b = tuning
+    st_dq = launch(b.dq_rows, b.dq_tile, b.dq_warps, b.dq_stages)
+    st_dkv = launch(b.dkv_rows, b.dkv_tile, b.dkv_warps, b.dkv_stages)
+    segments = b.dkv_programs // (node_tiles_per_chunk * (nodes // st_dkv.tile))
     return st_dq, st_dkv, max(1, min(segments, MAX_SEGMENTS, chunk // st_dkv.block_queries))
 
 

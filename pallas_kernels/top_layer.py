@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 
 from htree_jax.core.config import FORCED_IMPORTANCE
 from htree_jax.core.indexing import pack_importance
-from pallas_kernels.common import NEG_INF, LayerStatic, compiler_params, layer_refs, merge_score_precision
+from pallas_kernels.common import NEG_INF, Bound, LayerStatic, compiler_params, layer_refs, merge_score_precision
 from pallas_kernels.importance import importance_shift, online_max_sum, write_key_tiles
 from pallas_kernels.merge import fold_merged, merge_outputs, read_state, write_merged
 from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, split_rows
@@ -103,14 +103,14 @@ def tile_rows(i, f, refs, st: LayerStatic):
 def _scores_by_document(i, q_parts, first_q, k_refs, st: LayerStatic, precision, operands=None, bound=None):
     """Scores `[BQ*Gt, tile]` of candidate positions `[i*tile, (i+1)*tile)` of each row's
     own document (in the units of `q_parts`: the kernels fold `alpha * log2(e)` into the
-    queries), and those positions `[tile]`. `bound`: `(query group norms prepared by
-    `split_rows`, scaled likewise, the layer's radii refs)`: the bound scores of SPEC 11 instead."""
+    queries), and those positions `[tile]`. `bound`: a `common.Bound` of the query group
+    norms prepared by `split_rows`, scaled likewise, and the layer's radii refs: the bound scores of SPEC 11 instead."""
     rows_first = None if first_q is None else per_row(first_q, q_parts[0].shape[0] // first_q.shape[0])
 
     def one(f, scores):
         s = dot_rows(q_parts, tile_rows(i, f, k_refs, st), precision, operands)
         if bound is not None:  # + sum over feature groups of |q| * rho: one more product
-            s = s + dot_rows(bound[0], tile_rows(i, f, bound[1], st), precision, operands)
+            s = s + dot_rows(bound.query_norms, tile_rows(i, f, bound.radii, st), precision, operands)
         return s if rows_first is None else jnp.where((rows_first == f)[:, None], s, scores)
 
     scores = by_document(first_q, one, jnp.zeros((q_parts[0].shape[0], st.tile), jnp.float32))
@@ -133,8 +133,8 @@ def _top_keys_kernel(*refs, st: LayerStatic, documents: bool, export: bool = Fal
     if bound_parts:
         refs, qn_ref, rho_refs = refs[:-bound_parts - 1], refs[-bound_parts - 1], refs[-bound_parts:]
         bq, gt, _ = qn_ref.shape
-        bound = (split_rows(BASE2 * st.alpha * qn_ref[...].reshape(bq * gt, qn_ref.shape[-1]), st.precision,
-                            st.importance_operands), rho_refs)
+        bound = Bound(split_rows(BASE2 * st.alpha * qn_ref[...].reshape(bq * gt, qn_ref.shape[-1]), st.precision,
+                                 st.importance_operands), rho_refs)
     k_refs = refs
     bq, gt, _ = q_ref.shape
     rows = bq * gt
@@ -253,7 +253,7 @@ def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStat
     (SPEC 8, 0 where invalid); `with_shift` (and `export`) adds the rows' importance
     shifts `[B, Q, H_kv, Gt]` (what split heads need to sum their importance). `q_rot = rotate_queries(q, n, ...)`, `k_rot =
     key_operands(rotate_keys(...), st.precision, st.importance_operands, split)`.
-    `bound` (SPEC 11, `selection="bound"`): `(qn [B, Q, H_kv, Gt, Gn] float32, rho)`, the
+    `bound` (SPEC 11, `selection="bound"`): `common.Bound(qn [B, Q, H_kv, Gt, Gn] float32, rho)`, the
     query rows' feature-group norms and `key_operands` of the layer's radii `[B, H_kv,
     Np, Gn]` (padded like `k_rot`): the importance is then the bound scores'.
     `first=None`: one document per row (candidate `p` is row `p`), one pass per tile."""
@@ -271,13 +271,13 @@ def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStat
         out_shape.append(jax.ShapeDtypeStruct((B, Q, H_kv, q_rot.shape[3]), jnp.float32))
     extra_specs, extra = [], ()
     if bound is not None:
-        qn, rho = bound
+        qn, rho = bound.query_norms, bound.radii
         bound_specs = top_specs(st, qn, rho, None, width)
         extra_specs, extra = [bound_specs["q"], *bound_specs["k"]], (qn, *rho)
     return pl.pallas_call(
         functools.partial(_top_keys_kernel, st=st, documents=documents, export=export or with_shift,
                           with_shift=with_shift,
-                          bound_parts=0 if bound is None else len(bound[1])),
+                          bound_parts=0 if bound is None else len(bound.radii)),
         grid=(B, Q // st.block_queries, H_kv),
         in_specs=[sp["q"], sp["n"], *([sp["first"]] if documents else []), *sp["k"], *extra_specs],
         out_specs=out_specs,

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import shared_memory
-from pallas_kernels.common import NEG_INF, compiler_params, span_candidates
+from pallas_kernels.common import NEG_INF, WideBound, compiler_params, span_candidates
 from pallas_kernels.importance import importance_shift, online_max_sum, packed_keys
 from pallas_kernels.precision import dot_rows, split_rows
 
@@ -176,13 +176,13 @@ def _importance_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, lat_ref, *refs, w
     bound = None
     if bound_parts:
         qnl_ref, qnp_ref, *rho = refs[:-2]
-        bound = (qnl_ref, qnp_ref, rho[:bound_parts], rho[bound_parts:])
+        bound = WideBound(qnl_ref, qnp_ref, rho[:bound_parts], rho[bound_parts:])
     precision, operands = ws.precision, ws.importance_operands
     n = n_ref[0]
     q_lat, q_rope = _query_parts(ql_ref, qr_ref, qh_ref, ws.lat_pieces, ql_ref.dtype)
     if bound is not None:
-        qn_lat = [bound[0][:, pl.ds(start, size)] for start, size in ws.lat_pieces]
-        qn_pair = split_rows(bound[1][...], precision, operands)
+        qn_lat = [bound.latent_norms[:, pl.ds(start, size)] for start, size in ws.lat_pieces]
+        qn_pair = split_rows(bound.pair_norms[...], precision, operands)
     tile = ws.importance_tile or ws.tile
     num_tiles = (n + tile - 1) // tile
     last_in_norm = n - 1 if ws.strict_causal else n  # R: valid positions, less the rightmost when strict
@@ -191,9 +191,9 @@ def _importance_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, lat_ref, *refs, w
         scores, valid, positions, nodes, _ = _tile_scores(i, q_lat, q_rope, par_ref, n, lat_ref, rope_refs,
                                                           cf_ref, sf_ref, ws, precision, operands, tile)
         if bound is not None:  # SPEC 11: + alpha * sum over feature groups of |q| * rho
-            reach = dot_rows(qn_pair, tuple(k[nodes, :] for k in bound[3]), precision, operands)
+            reach = dot_rows(qn_pair, tuple(k[nodes, :] for k in bound.pair_radii), precision, operands)
             if ws.lat_pieces:
-                reach = reach + exact_left_dots(qn_lat, bound[2], nodes, ws.lat_pieces, precision)
+                reach = reach + exact_left_dots(qn_lat, bound.latent_radii, nodes, ws.lat_pieces, precision)
             scores = scores + ws.alpha * reach
         return scores, valid, positions
 
@@ -217,7 +217,7 @@ def _importance_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, lat_ref, *refs, w
     shift_ref[...] = block_shift
 
 
-def _bound_inputs(bound, grid_spec_query, grid_spec_layer):
+def _bound_inputs(bound: WideBound, grid_spec_query, grid_spec_layer):
     qn_lat, qn_pair, rho_lat, rho_pair = bound
     specs = [grid_spec_query(qn_lat), grid_spec_query(qn_pair)] + [grid_spec_layer(x) for x in (*rho_lat, *rho_pair)]
     return specs, (qn_lat, qn_pair, *rho_lat, *rho_pair)
@@ -261,7 +261,7 @@ def wide_importance_pallas(queries, parents, n, lat, rope_imp, tables, ws: WideS
         specs, extra = _bound_inputs(bound, query_rows, layer)
         in_specs += specs
         args += list(extra)
-        bound_parts = len(bound[2])
+        bound_parts = len(bound.latent_radii)
     block = lambda w: pl.BlockSpec((None, None, None, None, w), lambda b, t, h, j: (b, t, h, j, 0))
     imp, shift = pl.pallas_call(
         functools.partial(_importance_kernel, ws=ws, rope_parts=len(rope_imp), bound_parts=bound_parts),

@@ -39,7 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from htree_jax.core.config import HTreeConfig
-from pallas_kernels.common import compiler_params, pad_axis, span_candidates
+from pallas_kernels.common import WideBound, compiler_params, pad_axis, span_candidates
+from pallas_kernels.configs import BlockSizes, KernelConfigs
 from pallas_kernels.node_backward import UNIT, NodeIndex, fold_spilled, node_gradient, node_index
 from pallas_kernels.precision import Precisions, dot_rows, product, split_rows, whole_keys
 from pallas_kernels.top_k import select_top_k_pallas
@@ -339,8 +340,8 @@ def wide_node_grads_pallas(q_lat, q_rope, keys, tau, lat, rope_merge, values, ta
     return tuple(out)
 
 
-def backward_static(ws: WideStatic, G: int, block_sizes, dtype, own_values: bool) -> tuple:
-    """The backward kernels' launch: `(WideStatic, dq tile)`: `block_sizes.wide_backward_rows`
+def backward_static(ws: WideStatic, G: int, tuning: KernelConfigs, dtype, own_values: bool) -> tuple:
+    """The backward kernels' launch: `(WideStatic, dq tile)`: `tuning.wide.backward_rows`
     heads per program (16 for float32, twice the bytes a row: what compiled at the MLA
     shape on an H200; a float32 run with 32 asked 278784 B of shared memory of 232448),
     its warps, one
@@ -349,12 +350,12 @@ def backward_static(ws: WideStatic, G: int, block_sizes, dtype, own_values: bool
     kernel's step is halved for separate values (a value tile beside the key tile:
     286720 B asked at 64 candidates, H100) and for float32."""
     wide = jnp.dtype(dtype).itemsize > 2
-    rows = head_block(G, min(16, block_sizes.wide_backward_rows) if wide else block_sizes.wide_backward_rows)
+    rows = head_block(G, min(16, tuning.wide.backward_rows) if wide else tuning.wide.backward_rows)
     tile = ws.tile
     for halve in (own_values, wide):
         if halve and tile // 2 >= max(ws.r, 16) and (tile // 2) % ws.r == 0:
             tile //= 2
-    launch = dataclasses.replace(ws, rows=rows, num_warps=block_sizes.wide_backward_num_warps, num_stages=1)
+    launch = dataclasses.replace(ws, rows=rows, num_warps=tuning.wide.backward_num_warps, num_stages=1)
     return launch, tile
 
 
@@ -377,8 +378,9 @@ def layer_gradient(acc, N: int, plan: WidePlan, split: FeatureSplit, values_from
     return split.join(latent, rope), dv
 
 
-def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes, interpret: bool = False,
-                         dead_rows=None, selections=None, value_dim: int | None = None, positions=None):
+def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
+                         block_sizes: BlockSizes | KernelConfigs | None = None, interpret: bool = False, dead_rows=None,
+                         selections=None, value_dim: int | None = None, positions=None):
     """`(dq, dk, dv)` of htree attention for wide groups, in the dtypes of `q, k, v`;
     `dv` is None for values read from the keys (`v=None`, `value_dim = V`: their gradient
     is in `dk`). Arguments as for `htree_backward_pallas` (which sends wide groups here):
@@ -389,10 +391,11 @@ def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes, 
     B, T, H, K = q.shape  # T: the queries (S)
     H_kv = k.shape[2]
     G = H // H_kv
-    plan = prepare_wide(q, k, v, config, block_sizes, interpret, Precisions.for_dtype(q.dtype), value_dim,
+    tuning = KernelConfigs.resolve(block_sizes, K, value_dim if v is None else v.shape[-1])
+    plan = prepare_wide(q, k, v, config, tuning, interpret, Precisions.for_dtype(q.dtype), value_dim,
                         positions)
     ws, r, Qc, P, L = plan.ws, plan.ws.r, plan.chunk, plan.parents_width, plan.num_layers
-    ws_b, dq_tile = backward_static(ws, G, block_sizes, q.dtype, v is not None)
+    ws_b, dq_tile = backward_static(ws, G, tuning, q.dtype, v is not None)
     split = FeatureSplit(K, config.partial_rope(K) or K)
     Mp = plan.tables[0].shape[0]
     Wv = sum(size for _, size in ws.value_pieces)
@@ -425,7 +428,7 @@ def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes, 
                 keys, tau = kept_keys(parents, kept, Mp, r), jnp.ones(n.shape, jnp.int32)
                 next_parents = pad_nodes_list(kept, P)[..., :P]
             elif l > 0:
-                bound = None if norms is None else (*norms, *kl["radii"])
+                bound = None if norms is None else WideBound(*norms, *kl["radii"])
                 imp, shift = wide_importance_pallas(queries, parents, n, kl["lat"], kl["rope_imp"], plan.tables, ws,
                                                     interpret, bound=bound)
                 keys = combine_importance(imp, shift, n, ws, plan.log_n)
@@ -433,7 +436,7 @@ def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig, block_sizes, 
                 next_parents = next_parents[..., :P]
             layer_args = (keys, tau, kl["lat"], kl["rope_merge"], kl["values"], plan.tables, lse_c, delta_c, do_c)
             dq = wide_dq_pallas(q_lat, q_rope, parents, n, *layer_args, dq, ws_b, dq_tile, interpret)
-            index = node_index(parents, n, r, acc[l][0].shape[2] // UNIT, block_sizes.node_entries)
+            index = node_index(parents, n, r, acc[l][0].shape[2] // UNIT, tuning.layer.node_entries)
             acc[l] = wide_node_grads_pallas(q_lat, q_rope, *layer_args, index, acc[l], ws_b, interpret)
             parents = next_parents
         hp = q_rope.shape[-1] // 2

@@ -23,7 +23,8 @@ from jax import lax
 from htree_jax.core.bounds import tree_radii
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
-from pallas_kernels.common import LayerStatic, next_power_of_two, pad_axis, pad_rope_halves, wide_head_dims
+from pallas_kernels.common import LayerStatic, WideBound, next_power_of_two, pad_axis, pad_rope_halves, wide_head_dims
+from pallas_kernels.configs import BlockSizes, KernelConfigs
 from pallas_kernels.importance import feature_pieces
 from pallas_kernels.precision import Precisions, key_operands
 from pallas_kernels.rope import full_width, padded_rope_table, rotate_copies, rotate_half
@@ -83,14 +84,14 @@ def pool_any(x, r: int, interpret: bool):
     return pool_layer_pallas(pad_axis(x, -1, next_power_of_two(D)), r, PoolBlockSizes(), interpret)[..., :D]
 
 
-def wide_eligible(G: int, K: int, V: int, block_sizes, packing) -> bool:
+def wide_eligible(G: int, K: int, V: int, tuning: KernelConfigs, packing) -> bool:
     """The wide kernels take groups of 32 or more heads, and of 16 at head dims past 256
     (`wide_head_dims`: the virtual-head kernels pad K = 576 to 1024, and in float32 their
-    bottom merge asks 270336 B of shared memory, H100), with `BlockSizes.wide_rows > 0`
+    bottom merge asks 270336 B of shared memory, H100), with `wide_rows > 0`
     and one document per row (any query positions, importance export too); other calls
     run the virtual-head kernels."""
     wide_group = G >= 32 or (G >= 16 and wide_head_dims(K, V))
-    return wide_group and block_sizes.wide_rows > 0 and packing is None
+    return wide_group and tuning.wide.rows > 0 and packing is None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -140,7 +141,7 @@ def importance_step(tile: int, r: int, Wl: int, hp: int, itemsize: int, bound: b
     return shared_memory.first_fitting(candidates, footprint, shared_memory.WIDE_STAGED_BYTES)[0]
 
 
-def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = False,
+def prepare_wide(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool = False,
                  precisions: Precisions | None = None, value_dim: int | None = None, positions=None) -> WidePlan:
     """The tree, keys and queries as the wide kernels read them (arguments as for
     `wide_forward_pallas`)."""
@@ -152,14 +153,14 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
     split = FeatureSplit(K, R)
     r, top_k = config.compression_rate, config.top_k
     # At least 16 candidates a step (a dot's least width), as below the top elsewhere.
-    tile = max(16, r, min(next_power_of_two(block_sizes.wide_tile), config.max_candidates))
+    tile = max(16, r, min(next_power_of_two(tuning.wide.tile), config.max_candidates))
     hp = next_power_of_two(R // 2, 16)
     Wl = round_up(split.unrotated, 16)
     V = value_dim if v is None else v.shape[-1]
     if v is None and V > split.unrotated:
         raise ValueError(f"value_dim {V} must be at most the latent features K - rope_dim = {split.unrotated}")
     Wv = round_up(V, 16)
-    rows, tile = program_shape(head_block(G, block_sizes.wide_rows), tile, r, Wl, hp, Wv if v is not None else 0,
+    rows, tile = program_shape(head_block(G, tuning.wide.rows), tile, r, Wl, hp, Wv if v is not None else 0,
                                jnp.dtype(q.dtype).itemsize)
     P = round_up(top_k, tile // r)
     Mp = P * r
@@ -169,20 +170,20 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
     # asked with 2 stages on an H200).
     own_values = Wv if v is not None else 0
     merge_tiles = shared_memory.staged_tiles(tile, Wl + 2 * hp + own_values, jnp.dtype(k.dtype).itemsize)
-    deep = shared_memory.fits(merge_tiles, block_sizes.wide_num_stages, shared_memory.WIDE_STAGED_BYTES)
+    deep = shared_memory.fits(merge_tiles, tuning.wide.num_stages, shared_memory.WIDE_STAGED_BYTES)
     narrow = jnp.dtype(q.dtype).itemsize == 2
-    imp_tile = importance_step(tile, r, Wl, hp, jnp.dtype(k.dtype).itemsize, config.selection == "bound")
+    imp_tile = importance_step(tile, r, Wl, hp, jnp.dtype(k.dtype).itemsize, config.ranks_by_bound)
     ws = WideStatic(
         r=r, tile=tile, rows=rows, alpha=config.score_scale(K),
         importance=config.importance, strict_causal=config.strict_causal, lat_pieces=feature_pieces(Wl),
         value_pieces=feature_pieces(Wv), precision=precisions.scores,
         importance_operands=precisions.importance_operands, merge_precision=precisions.merge,
-        merge_operands=precisions.merge_operands, num_warps=block_sizes.wide_num_warps,
-        num_stages=block_sizes.wide_num_stages if deep else 1,
-        importance_stages=block_sizes.wide_importance_stages if narrow else 1, importance_tile=imp_tile)
+        merge_operands=precisions.merge_operands, num_warps=tuning.wide.num_warps,
+        num_stages=tuning.wide.num_stages if deep else 1,
+        importance_stages=tuning.wide.importance_stages if narrow else 1, importance_tile=imp_tile)
     st_select = LayerStatic(r=r, tile=tile, group=G, alpha=ws.alpha, importance=config.importance,
                             strict_causal=config.strict_causal, log_n=config.log_n, top_k=top_k,
-                            precision=precisions.scores, num_warps=block_sizes.select_num_warps)
+                            precision=precisions.scores, num_warps=tuning.layer.select_num_warps)
 
     # The tree, per real kv head: latent part, RoPE part (halves padded), values.
     per_head = lambda x: jnp.swapaxes(x, 1, 2)  # [B, N, H_kv, D] -> [B, H_kv, N, D]
@@ -202,7 +203,7 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
         layers.append(dict(lat=parts[0], values=parts[2] if v is not None else None,
                            rope_imp=key_operands(copies, *imp_spec) if l > 0 else None,
                            rope_merge=key_operands(copies, *merge_spec), radii=None))
-    if config.selection == "bound":
+    if config.ranks_by_bound:
         rope_unpadded = lambda x: jnp.concatenate([x[..., :R // 2], x[..., hp:hp + R // 2]], axis=-1)
         keys = [split.join(per_head(p[0][..., :split.unrotated]), per_head(rope_unpadded(p[1]))) for p in tree]
         rho = tree_radii(keys, r, config.partial_rope(K))  # [B, N, H_kv, (K - R) + R/2]
@@ -214,7 +215,7 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
     # Chunks of queries: the state, the queries' parts and the importance per chunk.
     blocks = G // ws.rows
     per_query = 4 * B * H_kv * (G * (2 * Wv + 2 * 2 * hp + Wl + 4) + Mp * (blocks + 3))
-    Qc = int(max(1, min(S, block_sizes.chunk_budget_bytes // per_query)))
+    Qc = int(max(1, min(S, tuning.chunk_budget_bytes // per_query)))
     num_chunks = -(-S // Qc)
     rows = lambda x: pad_axis(x.reshape(B, S, H_kv, G, x.shape[-1]), 1, num_chunks * Qc)
     positions = jnp.arange(S, dtype=jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
@@ -222,7 +223,7 @@ def prepare_wide(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = Fa
     q_lat = rows(pad_axis(split.latent(q), -1, Wl_stored))
     q_rope = rows(pad_rope_halves(split.rope(q).astype(jnp.float32), hp))
     q_norms = None
-    if config.selection == "bound":
+    if config.ranks_by_bound:
         pair = lambda x: jnp.sqrt(x[..., :hp] ** 2 + x[..., hp:] ** 2)
         q_norms = (jnp.abs(q_lat), pair(q_rope))
     return WidePlan(layers, (full_width(cos), full_width(sin)), q_lat, q_rope, q_norms, positions, ws, st_select, Qc,
@@ -259,7 +260,7 @@ def select_and_merge(plan: WidePlan, layer: int, queries, norms, parents, t, sta
     nodes' importance `[B, Qc, H_kv, top_k]` (SPEC 8)."""
     kl, ws = plan.layers[layer], plan.ws
     n = valid_count(plan, parents, t, layer)
-    bound = None if norms is None else (*norms, *kl["radii"])
+    bound = None if norms is None else WideBound(*norms, *kl["radii"])
     imp, shift = wide_importance_pallas(queries, parents, n, kl["lat"], kl["rope_imp"], plan.tables, ws, interpret,
                                         bound=bound)
     keys = combine_importance(imp, shift, n, ws, plan.log_n, export)
@@ -282,17 +283,19 @@ def bottom_merge(plan: WidePlan, queries, parents, t, state, interpret: bool, ou
     return o[..., :plan.value_dim], lse
 
 
-def wide_forward_pallas(q, k, v, config: HTreeConfig, block_sizes, interpret: bool = False,
+def wide_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
+                        interpret: bool = False,
                         precisions: Precisions | None = None, return_lse: bool = False, value_dim: int | None = None,
                         positions=None, return_importance: bool = False):
     """htree attention for wide groups. `q [B, S, H, K]`, `k [B, T, H_kv, K]` in
     `rope_layout` order (validated by the caller); `v [B, T, H_kv, V]`, or None with
     `value_dim = V`: the values are the first `V` latent features of `k` (read from the
     keys, no copy); `positions [S]` the queries' positions among the `T` tokens (None:
-    `S = T`, all of them). Returns what `htree_forward_pallas` does: `(o, selections[,
-    lse][, importance])`."""
-    B, S, H, _ = q.shape
-    plan = prepare_wide(q, k, v, config, block_sizes, interpret, precisions, value_dim, positions)
+    `S = T`, all of them). `block_sizes` as `htree_forward_pallas` takes them. Returns
+    what `htree_forward_pallas` does: `(o, selections[, lse][, importance])`."""
+    B, S, H, K = q.shape
+    tuning = KernelConfigs.resolve(block_sizes, K, value_dim if v is None else v.shape[-1])
+    plan = prepare_wide(q, k, v, config, tuning, interpret, precisions, value_dim, positions)
     Qc, num_chunks, V = plan.chunk, plan.num_chunks, plan.value_dim
 
     def chunk(c):

@@ -13,8 +13,10 @@ import pytest
 
 from htree_jax import HTreeConfig, build_tree, htree_attention
 from htree_jax.backends import attend_cache
-from htree_jax.decode import HTreeCache, decode_step, init_cache, prefill, reset_rows
-from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, query_chunk
+from htree_jax.cache import HTreeCache, init_cache, reset_rows
+from htree_jax.decode import decode_step, prefill
+from pallas_kernels.configs import DecodeBlockSizes
+from pallas_kernels.decode import attend_cache_pallas, query_chunk
 from tests.conftest import random_qkv
 from tests.helpers import run_readme_snippet
 

@@ -20,9 +20,11 @@ from htree_jax.backends import attend_cache
 from htree_jax.decode import rotation_layout
 from pallas_kernels import shared_memory
 from pallas_kernels.common import LayerStatic
-from pallas_kernels.decode import DecodeBlockSizes, attend_cache_pallas, pipelined
-from pallas_kernels.importance import decode_keys_pallas, group_keys_from_scores, half_pieces
-from pallas_kernels.merge import cache_value_pieces, values_in_key_tiles
+from pallas_kernels.configs import DecodeBlockSizes
+from pallas_kernels.decode import attend_cache_pallas, pipelined
+from pallas_kernels.decode_merge import cache_value_pieces, values_in_key_tiles
+from pallas_kernels.decode_scores import decode_keys_pallas, half_pieces
+from pallas_kernels.importance import group_keys_from_scores
 from tests.conftest import random_qkv
 from tests.helpers import assert_gradients_close, assert_mostly_agrees
 from tests.test_oracle_agreement import assert_matches_oracle

@@ -58,7 +58,7 @@ def test_the_kernels_load_no_flax_and_no_api():
 def test_submodules_are_reachable_after_import_htree_jax():
     """`htree_jax.linen.HTreeAttention` as the README writes it, after `import htree_jax` alone."""
     code = ("import htree_jax; assert htree_jax.linen.HTreeAttention.__name__ == 'HTreeAttention'; "
-            "assert htree_jax.BlockSizes().save_selections")
+            "assert htree_jax.BlockSizes(save_selections=False).save_selections is False")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -107,3 +107,47 @@ def test_no_private_name_imported_from_another_module(folder):
                 continue
             private = [n for n in names if n.startswith("_") and not n.startswith("__")]
             assert not private, f"{path.relative_to(ROOT)}:{node.lineno} imports {private} from {target}"
+
+
+# Inside `pallas_kernels` (README, "Layout"): the configs and shared helpers, then each
+# kernel family's building blocks (a kernel beside its JAX twin), then the plans the
+# passes share, then the compositions. A new module gets a floor here.
+KERNEL_FLOORS = {
+    **dict.fromkeys(["__init__", "precision", "common", "configs", "shared_memory", "rope"], 0),
+    **dict.fromkeys(["importance", "merge", "top_k", "top_layer", "top_backward", "layer_backward",
+                     "node_backward", "tree_build", "tree_backward", "wide", "dead_rows",
+                     "decode_scores", "decode_merge"], 1),
+    **dict.fromkeys(["plan", "chunks"], 2),
+    **dict.fromkeys(["forward", "backward", "decode", "wide_forward", "wide_backward"], 3),
+}
+DECODE_KERNELS = ("pallas_kernels.decode_scores", "pallas_kernels.decode_merge", "pallas_kernels.decode")
+
+
+@pytest.mark.parametrize("path", python_files("pallas_kernels"), ids=lambda p: p.name)
+def test_kernel_modules_import_down_their_floors(path):
+    """Building blocks import no plan or composition, plans no composition; the decode
+    kernels are apart from the full-sequence passes (neither imports the other), and
+    the configs stand on the shared helpers alone."""
+    me = path.stem
+    assert me in KERNEL_FLOORS, f"pallas_kernels/{path.name} has no floor in KERNEL_FLOORS"
+    for node, target, names in imports(path):
+        if not target.startswith("pallas_kernels"):
+            continue
+        targets = [f"pallas_kernels.{n}" for n in names] if target == "pallas_kernels" else [target]
+        for full in targets:
+            other = full.split(".")[1]
+            assert KERNEL_FLOORS[other] <= KERNEL_FLOORS[me], f"{me} (floor {KERNEL_FLOORS[me]}) imports {other}"
+            if f"pallas_kernels.{me}" not in DECODE_KERNELS:
+                assert full not in DECODE_KERNELS, f"{me} (full sequences) imports the decode kernels {full}"
+            else:
+                assert other not in ("forward", "backward", "plan", "chunks"), f"{me} imports {other}"
+            if me == "configs":
+                assert other == "common", f"configs imports {other}"
+
+
+def test_the_cache_stands_below_the_decode_api():
+    """`htree_jax.cache` (the cache type and its updates) imports neither the decode API
+    nor a backend; `htree_jax.decode` takes the cache from it."""
+    cache_imports = {target for _, target, _ in imports(ROOT / "htree_jax" / "cache.py")}
+    assert not cache_imports & {"htree_jax.decode", "htree_jax.backends", "htree_jax.sharding"}, cache_imports
+    assert "htree_jax.cache" in {target for _, target, _ in imports(ROOT / "htree_jax" / "decode.py")}

@@ -19,14 +19,13 @@ from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.layer_backward import layer_backward_pallas, layer_backward_twin
 from pallas_kernels.node_backward import (
     UNIT,
-    UNIT_ENTRIES,
     layer_node_grads_pallas,
     node_buffers,
     node_gradient,
     node_index,
     spill_segments,
 )
-from pallas_kernels.plan import BlockSizes
+from pallas_kernels.configs import UNIT_ENTRIES, BlockSizes, LayerConfig, TopBackwardConfig
 from pallas_kernels.precision import BF16X3, key_operands
 from pallas_kernels.rope import rotate_keys, rotate_phases, rotate_queries
 from pallas_kernels.top_backward import (
@@ -130,12 +129,13 @@ def test_node_entries_must_be_a_count(bad):
         BlockSizes(node_entries=bad)
 
 
-@pytest.mark.parametrize("field, bad, rule", [
-    ("top_dq_rows", 0, "int >= 1"), ("top_dkv_programs", 1.5, "int >= 1"), ("top_dkv_warps", 3, "power of two"),
-    ("node_num_warps", 0, "power of two")])
-def test_top_backward_block_sizes_are_checked(field, bad, rule):
-    with pytest.raises(ValueError, match=f"BlockSizes.{field} must be .*{rule}"):
-        BlockSizes(**{field: bad})
+@pytest.mark.parametrize("family, field, bad, rule", [
+    (TopBackwardConfig, "dq_rows", 0, "int >= 1"), (TopBackwardConfig, "dkv_programs", 1.5, "int >= 1"),
+    (TopBackwardConfig, "dkv_warps", 3, "power of two"), (LayerConfig, "node_num_warps", 0, "power of two"),
+    (BlockSizes, "num_warps", 3, "power of two"), (BlockSizes, "tile", 0, "int >= 1")])
+def test_kernel_configs_are_checked(family, field, bad, rule):
+    with pytest.raises(ValueError, match=f"{family.__name__}.{field} must be .*{rule}"):
+        family(**{field: bad})
 
 
 def _random_accumulators(rng, zeros):
@@ -338,17 +338,17 @@ def test_top_backward_launches():
 
     st_top = LayerStatic(r=16, tile=64, group=8, alpha=0.1, importance="softmax", strict_causal=True, log_n=13,
                          top_k=512, precision=None, block_queries=16)
-    bs = BlockSizes()
+    bs = TopBackwardConfig()
     st_dq, st_dkv, segments = top_backward_statics(st_top, bs, 2, 128, 128, 8192, 8192, 4, 8192)
     assert (st_dq.block_queries, st_dq.tile, st_dq.num_warps, st_dq.num_stages) == (8, 64, 4, 2)
     assert (st_dkv.block_queries, st_dkv.tile) == (8, 64)
-    assert segments == bs.top_dkv_programs // (4 * 8192 // 64) == 8
+    assert segments == bs.dkv_programs // (4 * 8192 // 64) == 8
     _, _, segments = top_backward_statics(st_top, bs, 2, 128, 128, 512, 8192, 4, 8192)
     assert segments == MAX_SEGMENTS  # 8 tiles a head: 4096 / 32 wanted
     _, _, segments = top_backward_statics(st_top, bs, 2, 128, 128, 128, 128, 1, 24)
     assert segments == 24 // 8  # the chunk's blocks
     st_dq, st_dkv, _ = top_backward_statics(st_top, bs, 4, 128, 128, 8192, 8192, 4, 8192)
     assert (st_dq.block_queries, st_dq.num_stages, st_dkv.block_queries, st_dkv.num_stages) == (4, 1, 4, 1)
-    st_dq, st_dkv, _ = top_backward_statics(st_top, BlockSizes(top_dq_tile=256, top_dkv_tile=256), 2, 256, 128,
+    st_dq, st_dkv, _ = top_backward_statics(st_top, TopBackwardConfig(dq_tile=256, dkv_tile=256), 2, 256, 128,
                                             384, 8192, 4, 8192)
     assert (st_dq.tile, st_dkv.tile, st_dq.num_stages) == (128, 128, 1)  # 384 = 3 x 128

@@ -15,7 +15,8 @@ import pytest
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.core.indexing import top_layer_parents
 from pallas_kernels.common import LayerStatic, pad_axis, pad_nodes, pad_rope_halves
-from pallas_kernels.plan import BlockSizes, layout
+from pallas_kernels.configs import BlockSizes, KernelConfigs
+from pallas_kernels.plan import layout
 from pallas_kernels.importance import importance_keys_pallas, importance_keys_twin
 from pallas_kernels.merge import merge_pallas, merge_scored_pallas, merge_scored_twin, merge_twin
 from pallas_kernels.precision import BF16X3, key_operands
@@ -72,7 +73,7 @@ def layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_quer
     """Random but consistent inputs of one upper layer: ascending parent lists and `n`,
     one per block of `block_queries` queries (which share them)."""
     r = config.compression_rate
-    span, tile, P, Mp = layout(config, block_sizes)
+    span, tile, P, Mp = layout(config, KernelConfigs.resolve(block_sizes, K, V))
     gp, kp, vp = 16, 32, 32
     B, H_kv = 2, 2
     N = N or r * (config.top_k + 5)

@@ -13,8 +13,9 @@ from htree_jax import HTreeConfig
 from htree_jax.core.bounds import group_count
 from pallas_kernels import shared_memory
 from pallas_kernels.common import KERNEL_GROUP, LayerStatic, next_power_of_two
-from pallas_kernels.decode import DecodeBlockSizes, decode_bound_width, decode_program, pipelined
-from pallas_kernels.plan import BlockSizes, bound_groups, group_rows, layout, top_importance_launch, top_pipeline
+from pallas_kernels.configs import DecodeBlockSizes, KernelConfigs
+from pallas_kernels.decode import decode_bound_width, decode_program, pipelined
+from pallas_kernels.plan import bound_groups, group_rows, layout, top_importance_launch, top_pipeline
 from pallas_kernels.precision import Precisions
 
 # The top layer's importance kernel as compiled on an H100 (jax 0.11.2, 2026-11-26,
@@ -103,7 +104,7 @@ def test_every_top_importance_launch_fits(dtype, selection):
     for G, (K, rope), top_k in itertools.product(GROUPS, HEAD_DIMS, [8, 16, 64, 256, 512, 1024]):
         for importance in ("softmax", "shared_max"):
             config = HTreeConfig(top_k=top_k, rope_dim=rope, selection=selection, importance=importance)
-            block_sizes = BlockSizes.for_dims(K, K)
+            block_sizes = KernelConfigs.resolve(None, K, K)
             Mp = layout(config, block_sizes)[3]
             kp, width = next_power_of_two(K, 32), bound_width(K, rope, selection == "bound")
             _, (queries, tile, stages) = top_pipeline(block_sizes, precisions, kp, kp, min(G, KERNEL_GROUP), Mp,
@@ -118,7 +119,8 @@ def test_every_packed_latent_top_importance_launch_fits(selection):
     """Packed latent attention (the GQA kernels on virtual heads of 16 at K = 576)."""
     for top_k, importance in itertools.product([8, 64, 512, 1024], ["softmax", "shared_max"]):
         config = HTreeConfig(top_k=top_k, rope_dim=64, selection=selection, importance=importance)
-        _, got = top_importance_launch(config, BlockSizes.for_dims(576, 512), "bfloat16", 576, 512, KERNEL_GROUP)
+        tuning = KernelConfigs.resolve(None, 576, 512)
+        _, got = top_importance_launch(config, tuning, "bfloat16", 576, 512, KERNEL_GROUP)
         assert got <= shared_memory.LIMIT, (top_k, got)
 
 
@@ -133,15 +135,16 @@ def test_every_per_query_launch_fits_or_takes_one_stage(dtype, selection):
     itemsize = jnp.dtype(dtype).itemsize
     for G, (K, rope) in itertools.product(GROUPS + WIDE_GROUPS, HEAD_DIMS + [(576, 64)]):
         V = 512 if K == 576 else K
-        bs = BlockSizes.for_dims(K, V)
+        bs = KernelConfigs.resolve(None, K, V)
         config = HTreeConfig(top_k=8, rope_dim=rope, selection=selection)
         kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
         rows = group_rows(min(G, KERNEL_GROUP), bs)
         precisions = Precisions.for_dtype(jnp.dtype(dtype))
-        launches = ((bs.num_stages, shared_memory.per_query(rows, bs.tile, kp, vp, itemsize, backward=True)),
-                    (bs.scores_num_stages, shared_memory.per_query(rows, bs.tile, kp, 0, itemsize,
+        launches = ((bs.layer.num_stages, shared_memory.per_query(rows, bs.layer.tile, kp, vp, itemsize,
+                                                                  backward=True)),
+                    (bs.layer.scores_num_stages, shared_memory.per_query(rows, bs.layer.tile, kp, 0, itemsize,
                                                                    bound_groups(config, K)[1])),
-                    (bs.merge_num_stages, shared_memory.per_query(rows, bs.tile, kp, vp, itemsize,
+                    (bs.layer.merge_num_stages, shared_memory.per_query(rows, bs.layer.tile, kp, vp, itemsize,
                                                                   precision=precisions.merge,
                                                                   operands=precisions.merge_operands)))
         for asked, footprint in launches:
@@ -187,8 +190,8 @@ def test_the_bound_keeps_the_measured_launch_where_it_fits():
     stages (204800 B); the bound, which asked 303104 B there, takes 128 in one (204800 B,
     faster than 64 in two)."""
     precisions = Precisions.for_dtype(jnp.bfloat16)
-    mean = top_pipeline(BlockSizes(), precisions, 128, 128, 8, 1024, 0)[1]
-    bound = top_pipeline(BlockSizes(), precisions, 128, 128, 8, 1024, bound_width(128, None, True))[1]
+    mean = top_pipeline(KernelConfigs(), precisions, 128, 128, 8, 1024, 0)[1]
+    bound = top_pipeline(KernelConfigs(), precisions, 128, 128, 8, 1024, bound_width(128, None, True))[1]
     assert mean == (16, 128, 2) and bound == (16, 128, 1)
 
 

@@ -6,7 +6,6 @@ features, values read from the keys."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ from htree_jax.backends import attend
 from htree_jax.core.rope import rope_layout
 from htree_jax.reference import htree_attention_reference
 from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import BlockSizes
+from pallas_kernels.configs import BlockSizes, KernelConfigs
 from pallas_kernels import shared_memory, wide, wide_forward
 from pallas_kernels.wide import head_block
 from pallas_kernels.wide_forward import FeatureSplit, wide_eligible, wide_forward_pallas
@@ -52,7 +51,7 @@ def test_wide_forward_equals_the_reference(rng, selection, importance, strict, B
     q, k, v = random_qkv(rng, B, 150, G, 1, K, V)
     q, k = laid_out(q, k, config)
     v = jnp.asarray(v)
-    assert wide_eligible(G, K, V, BlockSizes(), None)
+    assert wide_eligible(G, K, V, KernelConfigs(), None)
     out = wide_forward_pallas(q, k, v, config, BlockSizes(), interpret=True, return_lse=True)
     assert_same(out, htree_attention_reference(q, k, v, config))
     assert out[2].shape == (B, 150, G)
@@ -67,7 +66,7 @@ def test_short_importance_steps_and_one_stage(rng, monkeypatch):
     q, k, v = random_qkv(rng, 1, 600, 32, 1, 64, 32)  # M = 64: 3 layers
     q, k = laid_out(q, k, config)
     v = jnp.asarray(v)
-    plan = wide_forward.prepare_wide(q, k, v, config, BlockSizes(), interpret=True)
+    plan = wide_forward.prepare_wide(q, k, v, config, KernelConfigs(), interpret=True)
     assert (plan.ws.tile, plan.ws.importance_tile, plan.ws.num_stages) == (64, 16, 1)
     assert_same(wide_forward_pallas(q, k, v, config, BlockSizes(), interpret=True),
                 htree_attention_reference(q, k, v, config))
@@ -92,7 +91,7 @@ def test_sixteen_heads_at_wide_head_dims_take_the_wide_kernels(rng):
     reference's, 3 layers at T=100."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 100, 16, 1, 320, 32))
-    assert wide_eligible(16, 320, 32, BlockSizes.for_dims(320, 32), None)
+    assert wide_eligible(16, 320, 32, KernelConfigs.resolve(None, 320, 32), None)
     weights = jnp.asarray(rng.standard_normal((1, 100, 16, 32)).astype(np.float32))
     o = htree_attention(q, k, v, config, backend="pallas_interpret")
     np.testing.assert_allclose(o, htree_attention(q, k, v, config, backend="reference"), atol=2e-5, rtol=2e-5)
@@ -142,11 +141,11 @@ def test_program_shape_fits_the_shared_memory(itemsize, Wv_own, shape):
 
 
 def test_wide_eligibility():
-    bs = BlockSizes()
+    bs = KernelConfigs()
     assert not wide_eligible(16, 128, 128, bs, None)  # GQA's 16 heads stay on the virtual-head kernels
     assert wide_eligible(16, 576, 512, bs, None)  # at head dims past 256 they take the wide ones
     assert not wide_eligible(8, 576, 512, bs, None)
-    assert not wide_eligible(32, 64, 64, dataclasses.replace(bs, wide_rows=0), None)
+    assert not wide_eligible(32, 64, 64, bs.with_changes({"wide.rows": 0}), None)
     assert not wide_eligible(32, 64, 64, bs, object())  # packed rows: the virtual-head kernels
     assert wide_eligible(32, 64, 64, bs, None) and wide_eligible(128, 64, 64, bs, None)
 
@@ -163,7 +162,7 @@ def test_wide_kernels_at_query_positions_with_the_export(rng, from_keys):
     positions = jnp.arange(37, 100, dtype=jnp.int32)
     q, v = q[:, 37:], (None if from_keys else jnp.asarray(v))
     V = 24 if from_keys else None
-    assert wide_eligible(32, 64, V or 32, BlockSizes(), None)
+    assert wide_eligible(32, 64, V or 32, KernelConfigs(), None)
     run = lambda impl, q, k, v: attend(q, k, v, config, impl, positions=positions, export=True, value_dim=V)
     (o, sel, imp), (o_r, sel_r, imp_r) = run("pallas_interpret", q, k, v), run("reference", q, k, v)
     assert_same((o, sel), (o_r, sel_r))
@@ -267,7 +266,7 @@ def test_wide_backward_equals_the_reference_gradients(rng, selection, importance
     several chunks of queries, values of other widths than the latent pieces."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 100, G, 1, K, V))
-    assert wide_eligible(G, K, V, block_sizes, None)
+    assert wide_eligible(G, K, V, KernelConfigs.resolve(block_sizes, K, V), None)
     weights = jnp.asarray(rng.standard_normal((B, 100, G, V)).astype(np.float32))
     got = _grads(q, k, v, config, "pallas_interpret", weights, block_sizes)
     assert_gradients_close(got, _grads(q, k, v, config, "reference", weights), "qkv")
@@ -300,7 +299,7 @@ def test_wide_backward_compiled_at_the_mla_shape(rng, dtype, G, T):
     weights = jnp.asarray(rng.standard_normal((1, T, G, 512)).astype(np.float32))
     got = _grads(q, k, v, config, "pallas", weights)
     if dtype == jnp.bfloat16:
-        block_sizes = dataclasses.replace(BlockSizes.for_dims(576, 512), wide_rows=0)
+        block_sizes = BlockSizes(wide_rows=0)
         want, tolerance = _grads(q, k, v, config, "pallas", weights, block_sizes), 1e-2
     else:
         with jax.default_matmul_precision("highest"):

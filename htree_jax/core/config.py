@@ -116,6 +116,11 @@ class HTreeConfig:
         return self.top_k * self.compression_rate
 
     @property
+    def ranks_by_bound(self) -> bool:
+        """`selection="bound"`: a layer ranks its candidates by the bound scores (SPEC 11)."""
+        return self.selection == "bound"
+
+    @property
     def log_n(self) -> int:
         """Bits of the packed importance that hold the candidate position: `log2(M)`."""
         return self.max_candidates.bit_length() - 1
