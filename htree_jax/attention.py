@@ -120,9 +120,14 @@ def htree_attention(
     q, k = jnp.asarray(q), jnp.asarray(k)
     v = None if latent else jnp.asarray(v)
     # Partial RoPE (SPEC 7) as full rotate-half RoPE on permuted features (`rope_layout`).
-    q, k = rope_layout(q, config.partial_rope(dims.head_dim)), rope_layout(k, config.partial_rope(dims.head_dim))
+    # q is left as given for `attend`, which permutes it unless the wide kernels take the
+    # call (they slice each chunk's parts from q as it is: no permuted copy of q, 18 GiB
+    # at the latent shape at T=128K).
+    R = config.partial_rope(dims.head_dim)
+    k = rope_layout(k, R)
     exported = ()
     if jax.device_count() > 1 and not return_importance:
+        q = rope_layout(q, R)
         if latent:  # the sharded calls take the values as an array
             v = latent_values(k, config, value_dim)
         # Sharded inputs: one local call per shard (`htree_jax/sharding.py`). (The
@@ -131,7 +136,8 @@ def htree_attention(
                                             packing.virtual_len, max_document_len, block_sizes)
     else:
         o, selected, *exported = attend(q, k, v, config, impl, packing, export=return_importance,
-                                        block_sizes=block_sizes, value_dim=value_dim if latent else None)
+                                        block_sizes=block_sizes, value_dim=value_dim if latent else None,
+                                        q_layout="given")
     result = (o,) + ((selected,) if return_selected else ()) + tuple(exported)
     return result if len(result) > 1 else o
 

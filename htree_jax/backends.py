@@ -28,6 +28,7 @@ from htree_jax.core.one_layer import dense_eligible, one_layer, one_layer_attent
 from htree_jax.core.non_finite import dead_rows, first_non_finite, poison_rows, zero_non_finite
 from htree_jax.core.packing import local_selections
 from htree_jax.core.quantize import dequantize_rows
+from htree_jax.core.rope import rope_layout
 from htree_jax.reference import (
     attend_tree,
     default_query_chunk,
@@ -40,7 +41,7 @@ from pallas_kernels.configs import BlockSizes, DecodeBlockSizes, KernelConfigs
 from pallas_kernels.decode import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.plan import check_pallas_dims
-from pallas_kernels.wide_forward import FeatureSplit, wide_eligible
+from pallas_kernels.wide_forward import FeatureSplit, check_query_layout, wide_eligible
 
 BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
@@ -109,21 +110,21 @@ def query_positions(positions, q):
     return jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _pallas_forward(q, k, v, positions, packing, config, interpret, export, tuning, value_dim):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _pallas_forward(q, k, v, positions, packing, config, interpret, export, tuning, value_dim, q_layout):
     """`(o, selected)`, and the kept nodes' importance with `export` (SPEC 8; a constant
     under autodiff, as the selections are). `positions [S]`: the queries' positions among
     `k`'s tokens (None: all of them); `packing`: packed rows (selections then as tree
     rows, `packing.local_selections` makes them document-local). `v=None`: the values
     are the first `value_dim` latent features of `k`, which the wide kernels read from
     the keys (no copy in the forward; their gradient is in `dk`). `tuning`: the
-    kernels' `KernelConfigs`."""
+    kernels' `KernelConfigs`; `q_layout`: q's feature order (`htree_forward_pallas`)."""
     o, selected, _, _, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export,
-                                                           tuning, value_dim)
+                                                           tuning, value_dim, q_layout)
     return (o, selected, *exported)
 
 
-def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export, tuning, value_dim):
+def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export, tuning, value_dim, q_layout):
     """The Pallas forward under SPEC 10's guard (`htree_jax.core.non_finite`), inside the
     `custom_vjp`: the zeroed `k`, `v` feed the forward's own padded copies and the NaN
     rows its output's last copy, and the output the backward saves is the one returned,
@@ -133,22 +134,22 @@ def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, expo
     o, selected, lse, *exported = htree_forward_pallas(
         q, zero_non_finite(k), None if v is None else zero_non_finite(v), config, block_sizes=tuning,
         interpret=interpret, return_lse=True, positions=positions, packing=packing, return_importance=export,
-        value_dim=value_dim)
+        value_dim=value_dim, q_layout=q_layout)
     return (poison_rows(o, query_positions(positions, q), first), selected, lse, first, *exported)
 
 
-def _pallas_forward_fwd(q, k, v, positions, packing, config, interpret, export, tuning, value_dim):
+def _pallas_forward_fwd(q, k, v, positions, packing, config, interpret, export, tuning, value_dim, q_layout):
     # Saved for the backward: inputs, output, the rows' log-sum-exp (O(T)), the first
     # non-finite positions and the selections (`tuning.save_selections`, else they
     # are recomputed there by the same kernels; always with packing, whose backward
     # reads them).
     o, selected, lse, first, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret,
-                                                                 export, tuning, value_dim)
+                                                                 export, tuning, value_dim, q_layout)
     saved = selected if tuning.save_selections or packing is not None else None
     return (o, selected, *exported), (q, k, v, positions, packing, o, lse, first, saved)
 
 
-def _pallas_forward_bwd(config, interpret, export, tuning, value_dim, residuals, cotangents):
+def _pallas_forward_bwd(config, interpret, export, tuning, value_dim, q_layout, residuals, cotangents):
     q, k, v, positions, packing, o, lse, first, saved = residuals
     do = cotangents[0]  # the selections are integers, the importance a constant: no cotangent
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
@@ -156,7 +157,8 @@ def _pallas_forward_bwd(config, interpret, export, tuning, value_dim, residuals,
     dead = dead_rows(query_positions(positions, q), first, q.shape[2])
     dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), None if v is None else zero_non_finite(v), o, lse, do,
                                        config, block_sizes=tuning, interpret=interpret, dead_rows=dead,
-                                       selections=saved, positions=positions, packing=packing, value_dim=value_dim)
+                                       selections=saved, positions=positions, packing=packing, value_dim=value_dim,
+                                       q_layout=q_layout)
     dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
     dv = None if v is None else jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
     return dq, dk, dv, None, None
@@ -172,11 +174,13 @@ def latent_values(k, config: HTreeConfig, value_dim: int):
     return FeatureSplit(K, config.partial_rope(K) or K).values(k, value_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim"))
+@functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim", "q_layout"))
 def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None, export: bool = False,
-           block_sizes: BlockSizes | None = None, value_dim: int | None = None):
+           block_sizes: BlockSizes | None = None, value_dim: int | None = None, q_layout: str = "rope_layout"):
     """htree attention of validated `q [B, S, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv,
-    V]` (`q`, `k` in `rope_layout` order) on the concrete backend `impl`
+    V]` (`q`, `k` in `rope_layout` order; `q_layout="given"`: `q` in the caller's order,
+    which the wide kernels read as it is, no permuted copy of q; elsewhere it is permuted
+    here) on the concrete backend `impl`
     (`choose_backend`). Returns `(o [B, S, H, V], selections)`, and the kept nodes'
     importance last with `export` (SPEC 8).
 
@@ -190,16 +194,22 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     `value_dim` latent features of `k`, read from the keys by the wide kernels
     (`pallas_kernels.wide_forward.wide_eligible`; elsewhere they are copied out first)."""
     tuning = KernelConfigs.resolve(block_sizes, q.shape[-1], value_dim if v is None else v.shape[-1])
+    wide = impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], q.shape[-1],
+                                                 value_dim if v is None else v.shape[-1], tuning, packing)
+    # A one-layer tree is causal attention: RoPE, then cuDNN (no selections, no
+    # importance to export), under SPEC 10's guard.
+    dense_one_layer = (v is not None and impl == "pallas" and packing is None and positions is None
+                       and one_layer(config, k.shape[1]) and dense_eligible(q, k, v))
+    check_query_layout(q_layout, wide=True)
+    if q_layout == "given" and (dense_one_layer or not wide):
+        q, q_layout = rope_layout(q, config.partial_rope(q.shape[-1])), "rope_layout"
     if v is None:
-        if impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], q.shape[-1], value_dim, tuning, packing):
+        if wide:
             o, selected, *exported = _pallas_forward(q, k, None, positions, packing, config,
-                                                     impl == "pallas_interpret", export, tuning, value_dim)
+                                                     impl == "pallas_interpret", export, tuning, value_dim, q_layout)
             return (o, selected, *(jax.lax.stop_gradient(x) for x in exported))
         v = latent_values(k, config, value_dim)
-    if (impl == "pallas" and packing is None and positions is None and one_layer(config, k.shape[1])
-            and dense_eligible(q, k, v)):
-        # A one-layer tree is causal attention: RoPE, then cuDNN (no selections, no
-        # importance to export), under SPEC 10's guard.
+    if dense_one_layer:
         first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
         # cuDNN named: left to choose (None), jax took XLA's dense attention there, which
         # holds a `[B, H, T, T]` array (journal, 2026-11-26 (7)).
@@ -212,7 +222,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
         return (o, []) + (([],) if export else ())
     if impl != "reference":
         o, selected, *exported = _pallas_forward(q, k, v, positions, packing, config, impl == "pallas_interpret",
-                                                 export, tuning, None)
+                                                 export, tuning, None, q_layout)
         if packing is not None:
             selected = local_selections(selected, packing, config.compression_rate)
     else:

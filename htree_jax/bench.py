@@ -362,7 +362,7 @@ def bottom_merge_tflops(config, args, iters: int, value_dim: int | None = None) 
     R = config.partial_rope(q.shape[-1])
     V = value_dim if v is None else v.shape[-1]
     bs = KernelConfigs.resolve(None, q.shape[-1], V)
-    plan = jax.jit(lambda q, k: prepare_wide(rope_layout(q, R), rope_layout(k, R), v, config, bs, value_dim=V))(q, k)
+    plan = jax.jit(lambda q, k: prepare_wide(q, rope_layout(k, R), v, config, bs, value_dim=V, q_layout="given"))(q, k)
 
     def above(plan):
         queries, norms, t, parents, state = chunk_start(plan, plan.num_chunks // 2)
@@ -392,18 +392,20 @@ def mla_value_forms(choice: str) -> list[str]:
     return list(MLA_VALUES) if choice == "both" else [choice]
 
 
-def run_mla(sizes, top_ks, iters: int, dense_max_t: int, grad: bool = True, values=("own",)):
+def run_mla(sizes, top_ks, iters: int, dense_max_t: int, grad: bool = True, values=("own",),
+            selections=("bound",)):
     """`--shape mla`: htree forward (and forward+backward) at the MLA shape against the
     ideal dense time and a measured dense baseline (cuDNN where it takes the shape, else
     `chunked_dense_fn`), with XLA's planned memory; `values` (`mla_value_forms`): the
-    value forms timed, each in the same run (the dense baseline reads `v` either way)."""
+    value forms timed, each in the same run (the dense baseline reads `v` either way);
+    `selections`: the rules timed (the top_k column names a rule other than the bound)."""
     lines = ["| T | top_k | values | pass | htree ms | ideal dense ms | ideal/htree | bottom merge TFLOP/s kernel (call) | "
              "dense ms (which) | dense/htree | htree GB | dense GB |", "|---" * 12 + "|"]
     for T in sizes:
         args = mla_inputs(T)
         dense_rows = {}
-        for top_k in top_ks:
-            config = HTreeConfig(top_k=top_k, rope_dim=MLA["rope_dim"])
+        for top_k, rule in ((t, s) for t in top_ks for s in selections):
+            config = HTreeConfig(top_k=top_k, rope_dim=MLA["rope_dim"], selection=rule)
             for form in values:
                 if form == "own":
                     htree = lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")
@@ -423,7 +425,8 @@ def run_mla(sizes, top_ks, iters: int, dense_max_t: int, grad: bool = True, valu
                     d_ms, d_which, d_gb = dense_rows[name]
                     ideal = ideal_dense_ms(T, backward)
                     fmt = lambda x, spec: "-" if x is None else format(x, spec)
-                    lines.append(f"| {T} | {top_k} | {form} | {name} | {ms:.1f} | {ideal:.1f} | {ideal / ms:.3f} | "
+                    label = f"{top_k}{'' if rule == 'bound' else ' ' + rule}"
+                    lines.append(f"| {T} | {label} | {form} | {name} | {ms:.1f} | {ideal:.1f} | {ideal / ms:.3f} | "
                                  f"{rate[0]:.1f} ({rate[1]:.1f}) | {fmt(d_ms, '.1f')} ({d_which}) | "
                                  f"{fmt(None if d_ms is None else d_ms / ms, '.3f')} | {gb:.2f} | {fmt(d_gb, '.2f')} |")
                     print(lines[-1], flush=True)
@@ -483,7 +486,7 @@ def run_bench(args, argv=()) -> int:
         print(gpu_header("mla", ", ".join(f"{k}={v}" for k, v in MLA.items()) + " bfloat16, random inputs, "
                          f"ideal dense at {IDEAL_DENSE_TFLOPS:.0f} TFLOP/s", f"python -m htree_jax bench {' '.join(argv)}"))
         print(run_mla(sizes, int_list(args.top_k), args.iters, args.dense_max_t, not args.no_grad,
-                      mla_value_forms(args.values)))
+                      mla_value_forms(args.values), tuple(x for x in args.selection.split(",") if x)))
         return 0
     if args.packed:
         T = int_list(args.sizes)[0] if "--sizes" in " ".join(argv) else 131072

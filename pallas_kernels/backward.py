@@ -78,7 +78,7 @@ from pallas_kernels.precision import Precisions
 from pallas_kernels.top_backward import top_backward_queries, top_backward_statics, top_dq_pallas, top_node_grads_pallas
 from pallas_kernels.tree_backward import child_counts_by_layer, kept_keys, pad_nodes_list, push_down
 from pallas_kernels.wide_backward import wide_backward_pallas
-from pallas_kernels.wide_forward import wide_eligible
+from pallas_kernels.wide_forward import check_query_layout, wide_eligible
 
 
 def _per_chunk(x, Qc: int, num_chunks: int):
@@ -86,11 +86,11 @@ def _per_chunk(x, Qc: int, num_chunks: int):
     return pad_axis(x, 1, num_chunks * Qc)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "value_dim"))
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "value_dim", "q_layout"))
 def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
                           block_sizes: BlockSizes | KernelConfigs | None = None,
                           interpret: bool = False, dead_rows=None, selections=None, packing=None, positions=None,
-                          value_dim: int | None = None):
+                          value_dim: int | None = None, q_layout: str = "rope_layout"):
     """`(dq, dk, dv)` of htree attention (selection constant), in the dtypes of `q, k,
     v`. `o [B, T, H, V]` and `lse [B, T, H]` from `htree_forward_pallas(...,
     return_lse=True)`, `do` the cotangent of `o`. Inputs validated by the caller.
@@ -102,7 +102,8 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
     `packing`: packed rows (`htree_jax.core.packing`), with the forward's `selections` (tree
     rows, as `htree_forward_pallas(..., packing=)` returns them), required there.
     `positions [S]`: the queries' positions among `k`'s tokens, as the forward takes them.
-    `block_sizes`: as the forward takes them. Bitwise deterministic.
+    `block_sizes`, `q_layout`: as the forward takes them (`dq` in q's layout). Bitwise
+    deterministic.
     Wide groups (`wide_forward.wide_eligible`: 32 or more heads per kv head) run the
     wide kernels (`wide_backward.py`); there `v=None` with `value_dim = V` takes the
     values as the first `V` latent features of `k`, as the forward does, and returns
@@ -117,7 +118,8 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
     tuning = KernelConfigs.resolve(block_sizes, K, V)
     if wide_eligible(H // H_kv, K, V, tuning, packing):
         return wide_backward_pallas(q, k, v, o, lse, do, config, tuning, interpret, dead_rows, selections,
-                                    value_dim, positions)
+                                    value_dim, positions, q_layout)
+    check_query_layout(q_layout)
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
                          "kv head, BlockSizes.wide_rows > 0, one document per row")

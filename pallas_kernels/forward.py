@@ -23,7 +23,7 @@ from pallas_kernels.merge import merge_pallas, merge_scored_pallas
 from pallas_kernels.plan import Prepared, group_rows, prepare, split_heads
 from pallas_kernels.precision import Precisions
 from pallas_kernels.top_layer import top_merge_pallas
-from pallas_kernels.wide_forward import wide_eligible, wide_forward_pallas
+from pallas_kernels.wide_forward import check_query_layout, wide_eligible, wide_forward_pallas
 
 
 def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out_dtype):
@@ -36,16 +36,20 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
-                                             "return_importance", "value_dim"))
+                                             "return_importance", "value_dim", "q_layout"))
 def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
-                         packing=None, positions=None, return_importance: bool = False, value_dim: int | None = None):
+                         packing=None, positions=None, return_importance: bool = False, value_dim: int | None = None,
+                         q_layout: str = "rope_layout"):
     """htree attention with Pallas kernels. Inputs validated by the caller.
     `packing`: packed rows (`htree_jax.core.packing.Packing`); the selections returned are
     then rows of the virtual tree (`packing.local_selections` makes them document-local).
     `positions [S]` int32: the queries' positions among `k`'s `T` tokens (`q [B, S, H,
     K]`; context parallelism), `None`: `S = T`, all of them. `return_importance`: the
     kept nodes' importance (SPEC 8) last, aligned with the selections.
+
+    `q_layout="given"`: `q` in the caller's feature order, not `rope_layout`'s (the wide
+    kernels only: they slice each chunk's parts from it).
 
     `v=None` with `value_dim = V`: the values are the first `V` latent (unrotated)
     features of `k`, read from the keys by the wide kernels (groups of 32 or more heads,
@@ -62,7 +66,8 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     tuning = KernelConfigs.resolve(block_sizes, K, V)
     if wide_eligible(H // H_kv, K, V, tuning, packing):
         return wide_forward_pallas(q, k, v, config, tuning, interpret, precisions, return_lse, value_dim,
-                                   positions, return_importance)
+                                   positions, return_importance, q_layout)
+    check_query_layout(q_layout)
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
                          "kv head, BlockSizes.wide_rows > 0, one document per row")

@@ -264,8 +264,7 @@ def node_accumulators(B: int, H_kv: int, N: int, plan: WidePlan):
     `(dk_lat [B, H_kv, Nu, Wl], dk_rope [.., Nu, 2 hp]` (copy 0's frame), `dv [.., Nu,
     Wv])`, `Nu` = N rounded up to whole units."""
     Nu = -(-N // UNIT) * UNIT
-    Wl = plan.q_lat.shape[-1]
-    widths = (Wl, plan.q_rope.shape[-1], sum(size for _, size in plan.ws.value_pieces))
+    widths = (plan.latent_width, 2 * plan.rope_half, sum(size for _, size in plan.ws.value_pieces))
     return tuple(jnp.zeros((B, H_kv, Nu, w), jnp.float32) for w in widths)
 
 
@@ -380,20 +379,21 @@ def layer_gradient(acc, N: int, plan: WidePlan, split: FeatureSplit, values_from
 
 def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
                          block_sizes: BlockSizes | KernelConfigs | None = None, interpret: bool = False, dead_rows=None,
-                         selections=None, value_dim: int | None = None, positions=None):
+                         selections=None, value_dim: int | None = None, positions=None, q_layout: str = "rope_layout"):
     """`(dq, dk, dv)` of htree attention for wide groups, in the dtypes of `q, k, v`;
     `dv` is None for values read from the keys (`v=None`, `value_dim = V`: their gradient
     is in `dk`). Arguments as for `htree_backward_pallas` (which sends wide groups here):
     `o [B, T, H, V]`, `lse [B, T, H]` from the forward, `do` the cotangent of `o`,
     `dead_rows [B, T, H]` rows without a cotangent, `selections` the forward's (else
     recomputed by the forward's kernels), `positions [S]` the queries' positions among
-    `k`'s tokens (`q [B, S, H, K]`; None: all of them)."""
+    `k`'s tokens (`q [B, S, H, K]`; None: all of them), `q_layout` q's feature order
+    (`dq` in the same)."""
     B, T, H, K = q.shape  # T: the queries (S)
     H_kv = k.shape[2]
     G = H // H_kv
     tuning = KernelConfigs.resolve(block_sizes, K, value_dim if v is None else v.shape[-1])
     plan = prepare_wide(q, k, v, config, tuning, interpret, Precisions.for_dtype(q.dtype), value_dim,
-                        positions)
+                        positions, q_layout)
     ws, r, Qc, P, L = plan.ws, plan.ws.r, plan.chunk, plan.parents_width, plan.num_layers
     ws_b, dq_tile = backward_static(ws, G, tuning, q.dtype, v is not None)
     split = FeatureSplit(K, config.partial_rope(K) or K)
@@ -442,7 +442,7 @@ def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
         hp = q_rope.shape[-1] // 2
         R2 = split.rope_dim // 2
         dq_rope = jnp.concatenate([dq[1][..., :R2], dq[1][..., hp:hp + R2]], axis=-1)
-        return tuple(acc), split.join(dq[0][..., :split.unrotated], dq_rope).astype(q.dtype)
+        return tuple(acc), plan.split.join(dq[0][..., :split.unrotated], dq_rope).astype(q.dtype)
 
     acc, dq = lax.scan(chunk, acc, jnp.arange(plan.num_chunks, dtype=jnp.int32))
 

@@ -26,6 +26,7 @@ from htree_jax.core.indexing import candidate_count, num_parents, top_layer_pare
 from pallas_kernels.common import LayerStatic, WideBound, next_power_of_two, pad_axis, pad_rope_halves, wide_head_dims
 from pallas_kernels.configs import BlockSizes, KernelConfigs
 from pallas_kernels.importance import feature_pieces
+from pallas_kernels.plan import dividing_chunk
 from pallas_kernels.precision import Precisions, key_operands
 from pallas_kernels.rope import full_width, padded_rope_table, rotate_copies, rotate_half
 from pallas_kernels import shared_memory
@@ -43,11 +44,14 @@ from pallas_kernels.wide import (
 
 @dataclasses.dataclass(frozen=True)
 class FeatureSplit:
-    """Where the latent and RoPE parts of a `rope_layout` feature axis lie: `[lat_lo,
-    rope_lo, lat_hi, rope_hi]`, `u = (K - R) / 2` unrotated features in each half."""
+    """Where the latent and RoPE parts of a feature axis lie: in `rope_layout` order
+    `[lat_lo, rope_lo, lat_hi, rope_hi]`, `u = (K - R) / 2` unrotated features in each
+    half; with `given`, in the caller's order (SPEC 7: the last `R` features rotate), so
+    each part is one contiguous slice of the features as given."""
 
     head_dim: int  # K
     rope_dim: int  # R (K when every feature rotates)
+    given: bool = False
 
     @property
     def unrotated(self) -> int:
@@ -55,11 +59,15 @@ class FeatureSplit:
 
     def latent(self, x):
         """`[..., K]` -> the unrotated features `[..., K - R]`, in their original order."""
+        if self.given:
+            return x[..., :self.unrotated]
         u, half = self.unrotated // 2, self.head_dim // 2
         return jnp.concatenate([x[..., :u], x[..., half:half + u]], axis=-1)
 
     def rope(self, x):
         """`[..., K]` -> the rotated features `[..., R]` as rotate-half halves."""
+        if self.given:
+            return x[..., self.unrotated:]
         u, half = self.unrotated // 2, self.head_dim // 2
         return jnp.concatenate([x[..., u:half], x[..., half + u:]], axis=-1)
 
@@ -68,9 +76,19 @@ class FeatureSplit:
         return self.latent(x)[..., :value_dim]
 
     def join(self, latent, rope):
-        """Inverse of `latent` and `rope`: the `rope_layout` features `[..., K]`."""
+        """Inverse of `latent` and `rope`: the features `[..., K]` in this split's order."""
+        if self.given:
+            return jnp.concatenate([latent, rope], axis=-1)
         u, h = self.unrotated // 2, self.rope_dim // 2
         return jnp.concatenate([latent[..., :u], rope[..., :h], latent[..., u:], rope[..., h:]], axis=-1)
+
+
+def check_query_layout(q_layout: str, wide: bool = False) -> None:
+    """`q_layout`: `"rope_layout"` (every kernel) or `"given"` (the caller's feature order:
+    the wide kernels only)."""
+    if q_layout not in (("rope_layout", "given") if wide else ("rope_layout",)):
+        raise ValueError(f"q_layout {q_layout!r}: the wide kernels take 'rope_layout' or 'given', the others "
+                         "'rope_layout' only")
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -95,22 +113,22 @@ def wide_eligible(G: int, K: int, V: int, tuning: KernelConfigs, packing) -> boo
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["layers", "tables", "q_lat", "q_rope", "q_norms", "positions"],
+                   data_fields=["layers", "tables", "queries", "positions"],
                    meta_fields=["ws", "st_select", "chunk", "num_chunks", "seq_len", "parents_width", "value_dim",
-                                "log_n"])
+                                "log_n", "split", "latent_width", "rope_half", "bound"])
 @dataclasses.dataclass(frozen=True)
 class WidePlan:
     """What every chunk's launches share: the layers as the kernels read them (bottom
     first: `lat`, `rope_imp`, `rope_merge`, `values`, with the bound `radii`), the RoPE
-    tables `[Mp, Wr]`, the queries' parts `[B, chunks * Qc, H_kv, G, *]` and, with the
-    bound, their feature-group norms; the queries' positions among the tree's tokens
-    `[chunks * Qc]` (the last repeated past the real queries)."""
+    tables `[Mp, Wr]`, the queries as given `[B, chunks * Qc, H, K]` (zero rows past the
+    real ones only where the chunks do not divide them: each chunk's parts are made from
+    its rows, `query_parts`, so nothing of the queries' full length is copied); the
+    queries' positions among the tree's tokens `[chunks * Qc]` (the last repeated past
+    the real queries)."""
 
     layers: list
     tables: tuple
-    q_lat: jax.Array
-    q_rope: jax.Array
-    q_norms: object
+    queries: jax.Array
     positions: jax.Array
     ws: WideStatic
     st_select: LayerStatic
@@ -120,6 +138,10 @@ class WidePlan:
     parents_width: int  # P
     value_dim: int  # V
     log_n: int
+    split: FeatureSplit  # the queries' (`given`: in the caller's feature order)
+    latent_width: int  # the latent parts' padded width (Wl, at least 16)
+    rope_half: int  # hp: each RoPE half padded
+    bound: bool  # selection="bound": the queries' norms too
 
     @property
     def num_layers(self) -> int:
@@ -142,7 +164,8 @@ def importance_step(tile: int, r: int, Wl: int, hp: int, itemsize: int, bound: b
 
 
 def prepare_wide(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool = False,
-                 precisions: Precisions | None = None, value_dim: int | None = None, positions=None) -> WidePlan:
+                 precisions: Precisions | None = None, value_dim: int | None = None, positions=None,
+                 q_layout: str = "rope_layout") -> WidePlan:
     """The tree, keys and queries as the wide kernels read them (arguments as for
     `wide_forward_pallas`)."""
     B, S, H, K = q.shape
@@ -150,7 +173,7 @@ def prepare_wide(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret:
     G = H // H_kv
     precisions = precisions or Precisions.for_dtype(q.dtype)
     R = config.partial_rope(K) or K
-    split = FeatureSplit(K, R)
+    split = FeatureSplit(K, R)  # the keys'
     r, top_k = config.compression_rate, config.top_k
     # At least 16 candidates a step (a dot's least width), as below the top elsewhere.
     tile = max(16, r, min(next_power_of_two(tuning.wide.tile), config.max_candidates))
@@ -214,20 +237,35 @@ def prepare_wide(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret:
 
     # Chunks of queries: the state, the queries' parts and the importance per chunk.
     blocks = G // ws.rows
+    # (The queries' parts and norms, `query_parts`, are made per chunk: 2 (Wl + 2 hp) + 4 hp
+    # bytes a head, counted with the state.)
     per_query = 4 * B * H_kv * (G * (2 * Wv + 2 * 2 * hp + Wl + 4) + Mp * (blocks + 3))
     Qc = int(max(1, min(S, tuning.chunk_budget_bytes // per_query)))
+    if q.size * q.dtype.itemsize >= tuning.chunk_budget_bytes:
+        Qc = dividing_chunk(S, Qc, 1)  # no padded copy of the queries
     num_chunks = -(-S // Qc)
-    rows = lambda x: pad_axis(x.reshape(B, S, H_kv, G, x.shape[-1]), 1, num_chunks * Qc)
     positions = jnp.arange(S, dtype=jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
     positions = jnp.concatenate([positions, jnp.broadcast_to(positions[-1:], (num_chunks * Qc - S,))])
-    q_lat = rows(pad_axis(split.latent(q), -1, Wl_stored))
-    q_rope = rows(pad_rope_halves(split.rope(q).astype(jnp.float32), hp))
-    q_norms = None
-    if config.ranks_by_bound:
-        pair = lambda x: jnp.sqrt(x[..., :hp] ** 2 + x[..., hp:] ** 2)
-        q_norms = (jnp.abs(q_lat), pair(q_rope))
-    return WidePlan(layers, (full_width(cos), full_width(sin)), q_lat, q_rope, q_norms, positions, ws, st_select, Qc,
-                    num_chunks, T, P, V, config.log_n)
+    return WidePlan(layers, (full_width(cos), full_width(sin)), pad_axis(q, 1, num_chunks * Qc), positions, ws,
+                    st_select, Qc, num_chunks, T, P, V, config.log_n, FeatureSplit(K, R, q_layout == "given"),
+                    Wl_stored, hp, config.ranks_by_bound)
+
+
+def query_parts(plan: WidePlan, q):
+    """Queries `[B, Q, H, K]` (`rope_layout` order) as the wide kernels read them: the
+    latent part `[B, Q, H_kv, G, latent_width]` as stored, the RoPE part `[.., 2 hp]`
+    float32 (halves padded apart) and, with the bound, their feature-group norms
+    (`|q|` of each latent feature, each RoPE pair's norm; else None)."""
+    B, Q, H, _ = q.shape
+    H_kv = plan.layers[0]["lat"].shape[1]
+    rows = lambda x: x.reshape(B, Q, H_kv, H // H_kv, x.shape[-1])
+    hp = plan.rope_half
+    q_lat = rows(pad_axis(plan.split.latent(q), -1, plan.latent_width))
+    q_rope = rows(pad_rope_halves(plan.split.rope(q).astype(jnp.float32), hp))
+    norms = None
+    if plan.bound:
+        norms = (jnp.abs(q_lat), jnp.sqrt(q_rope[..., :hp] ** 2 + q_rope[..., hp:] ** 2))
+    return q_lat, q_rope, norms
 
 
 def chunk_start(plan: WidePlan, c):
@@ -235,11 +273,9 @@ def chunk_start(plan: WidePlan, c):
     bound's, else None), positions `t [1, Qc, 1, 1]`, the top layer's virtual parents
     `[B, Qc, H_kv, P]` and the empty state."""
     Qc = plan.chunk
-    sl = lambda x: lax.dynamic_slice_in_dim(x, c * Qc, Qc, axis=1)
-    qr = sl(plan.q_rope)
+    q_lat, qr, norms = query_parts(plan, lax.dynamic_slice_in_dim(plan.queries, c * Qc, Qc, axis=1))
     B, _, H_kv, G, _ = qr.shape
-    queries = (sl(plan.q_lat), qr, rotate_half(qr))
-    norms = None if plan.q_norms is None else tuple(sl(x) for x in plan.q_norms)
+    queries = (q_lat, qr, rotate_half(qr))
     t = lax.dynamic_slice_in_dim(plan.positions, c * Qc, Qc)[None, :, None, None]
     parents = top_layer_parents(t[..., 0], plan.ws.r, plan.num_layers, plan.parents_width)
     Wv = sum(size for _, size in plan.ws.value_pieces)
@@ -286,16 +322,18 @@ def bottom_merge(plan: WidePlan, queries, parents, t, state, interpret: bool, ou
 def wide_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
                         interpret: bool = False,
                         precisions: Precisions | None = None, return_lse: bool = False, value_dim: int | None = None,
-                        positions=None, return_importance: bool = False):
+                        positions=None, return_importance: bool = False, q_layout: str = "rope_layout"):
     """htree attention for wide groups. `q [B, S, H, K]`, `k [B, T, H_kv, K]` in
-    `rope_layout` order (validated by the caller); `v [B, T, H_kv, V]`, or None with
+    `rope_layout` order (validated by the caller; `q_layout="given"`: `q` in the
+    caller's order, each chunk's parts sliced from it, no permuted copy of q); `v [B, T, H_kv, V]`, or None with
     `value_dim = V`: the values are the first `V` latent features of `k` (read from the
     keys, no copy); `positions [S]` the queries' positions among the `T` tokens (None:
     `S = T`, all of them). `block_sizes` as `htree_forward_pallas` takes them. Returns
     what `htree_forward_pallas` does: `(o, selections[, lse][, importance])`."""
     B, S, H, K = q.shape
+    check_query_layout(q_layout, wide=True)
     tuning = KernelConfigs.resolve(block_sizes, K, value_dim if v is None else v.shape[-1])
-    plan = prepare_wide(q, k, v, config, tuning, interpret, precisions, value_dim, positions)
+    plan = prepare_wide(q, k, v, config, tuning, interpret, precisions, value_dim, positions, q_layout)
     Qc, num_chunks, V = plan.chunk, plan.num_chunks, plan.value_dim
 
     def chunk(c):
@@ -319,5 +357,5 @@ def wide_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | 
     return result
 
 
-__all__ = ["FeatureSplit", "WidePlan", "bottom_merge", "chunk_start", "prepare_wide", "select_and_merge",
+__all__ = ["FeatureSplit", "WidePlan", "bottom_merge", "chunk_start", "prepare_wide", "query_parts", "select_and_merge",
            "wide_eligible", "wide_forward_pallas"]
