@@ -74,7 +74,7 @@ class LayerConfig:
 
     def __post_init__(self):
         if self.min_query_rows not in (8, 16):
-            raise ValueError(f"min_query_rows must be 8 or 16, got {self.min_query_rows!r}")
+            raise ValueError(f"LayerConfig.min_query_rows must be 8 or 16, got {self.min_query_rows!r}")
         _check_fields(self, warps=("num_warps", "merge_num_warps", "scored_merge_num_warps", "select_num_warps",
                                    "node_num_warps"), least_zero=("node_entries",))
 

@@ -307,3 +307,62 @@ def test_wide_backward_compiled_at_the_mla_shape(rng, dtype, G, T):
     for name, a, b in zip("qkv", got, want):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < tolerance, name
+
+
+def _large_values_outside_loops(jaxpr, limit: int, found: list) -> list:
+    """`(primitive, shape)` of every value of at least `limit` bytes that `jaxpr` makes
+    outside loop bodies and kernels (what a call holds for its whole length)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("scan", "while", "pallas_call", "cond"):
+            continue
+        inner = [p for p in eqn.params.values() if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]
+        for p in inner:
+            _large_values_outside_loops(p if hasattr(p, "eqns") else p.jaxpr, limit, found)
+        for var in eqn.outvars:
+            aval = var.aval
+            if hasattr(aval, "shape") and np.prod(aval.shape, dtype=np.int64) * aval.dtype.itemsize >= limit:
+                found.append((eqn.primitive.name, tuple(aval.shape)))
+    return found
+
+
+@pytest.mark.parametrize("values", ["own", "keys"])
+def test_the_wide_forward_stages_the_queries_per_chunk(values):
+    """Latent attention at T=128K on an 80 GB GPU (issue 53): outside its loop over chunks
+    the wide forward makes nothing the size of q (no permuted copy, no latent or RoPE
+    parts, no norms of every query; each chunk makes its own), for both value forms."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    B, T, G, K, V = 1, 256, 32, 192, 32  # o is 1/6 of q: every q-sized value is found, no o-sized one
+    q = jax.ShapeDtypeStruct((B, T, G, K), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, 1, K), jnp.bfloat16)
+    v = None if values == "keys" else jax.ShapeDtypeStruct((B, T, 1, V), jnp.bfloat16)
+    f = lambda q, k, v: htree_attention(q, k, v, config, backend="pallas_interpret",
+                                        value_dim=V if v is None else None)
+    jaxpr = jax.make_jaxpr(f)(q, k, v).jaxpr
+    assert _large_values_outside_loops(jaxpr, q.size * 2 // 3, []) == []
+    # The check finds such a copy where one is made: the queries permuted before the call.
+    permuted = jax.make_jaxpr(lambda q, k, v: f(rope_layout(q, 32), k, v))(q, k, v).jaxpr
+    assert ("concatenate", (B, T, G, K)) in _large_values_outside_loops(permuted, q.size * 2 // 3, [])
+
+
+@pytest.mark.parametrize("G", [32, 4])
+def test_queries_in_the_given_order_equal_the_permuted_ones(rng, G):
+    """`attend(..., q_layout="given")`: the wide kernels read q in the caller's feature
+    order, other calls permute it first; outputs, selections and gradients equal those
+    of q permuted by the caller (3 layers at T=100, values read from the keys where the
+    wide kernels take the call)."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 100, G, 1, 64, 24))
+    V = 24 if G == 32 else None
+    v = None if G == 32 else v
+    R = config.partial_rope(64)
+    run = lambda q, k, layout: attend(q, rope_layout(k, R), v, config, "pallas_interpret", value_dim=V,
+                                      q_layout=layout)
+    given, permuted = run(q, k, "given"), run(rope_layout(q, R), k, "rope_layout")
+    assert_same(given, permuted)
+    loss = lambda layout, prep: lambda q, k: jnp.sum(run(prep(q), k, layout)[0] ** 2)
+    grads = jax.grad(loss("given", lambda q: q), argnums=(0, 1))(q, k)
+    want = jax.grad(loss("rope_layout", lambda q: rope_layout(q, R)), argnums=(0, 1))(q, k)
+    for a, b in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="q_layout 'rows'"):
+        attend(q, k, v, config, "pallas_interpret", value_dim=V, q_layout="rows")
