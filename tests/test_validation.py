@@ -8,6 +8,7 @@ import pytest
 
 from htree_jax import HTreeConfig, htree_attention
 import htree_jax.reference as reference
+from pallas_kernels.configs import KernelConfigs
 from tests.helpers import run_readme_snippet
 
 f32 = np.float32
@@ -127,7 +128,6 @@ def test_pallas_interpret_runs_the_interpreted_kernels(monkeypatch):
     reference, and not compiled kernels on a GPU), with the block sizes asked for."""
     import htree_jax.backends as backends
     from htree_jax import BlockSizes
-    from pallas_kernels.configs import KernelConfigs
 
     calls = []
     real = backends.htree_forward_pallas
