@@ -15,12 +15,17 @@ Features come in two parts, scored as two products and never padded as a whole:
 Values are their own array, or the first `V` latent features of the keys (DeepSeek's
 absorbed form: `v=None`, read from the keys without a copy).
 
-A layer that selects runs two launches: `wide_importance_pallas` (two passes over the
-candidates: each row's max and sum over R, then the group's importance per candidate;
-nothing per head is stored, G floats per candidate would be 512 KB a query at G=128)
-and, after the shared top-K, `wide_merge_pallas` over the candidates it did not keep
-(scores recomputed with the merge dots). The bottom layer merges everything and
-normalises. The top layer runs as any other, its parents the virtual `0, 1, ...`.
+A layer that selects runs two launches: `wide_importance_pallas` (one pass over the
+candidates: every row's scores stored, `G * Mp` float32 a query, 512 KB at G=128 and
+`top_k=64`, held for one chunk of queries; and each row's max and sum over R), the
+group's importance summed from the stored scores in XLA (`combine_importance`), and,
+after the shared top-K, `wide_merge_pallas` over the candidates it did not keep, from
+the plain scores the importance stored (with the bound, beside its `b`): only the
+values' product. A second importance pass that recomputed the scores instead of storing
+them cost the bound's importance twice its products, and scoring again in the merge
+cost the layer-1 merge 2.6x (H100, 128K; journal, 2026-11-27 (5)). The bottom layer
+scores and merges everything and normalises. The top layer runs as any other, its
+parents the virtual `0, 1, ...`.
 
 The twin of the whole path is the JAX reference (`tests/test_wide.py`).
 """
@@ -36,8 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import shared_memory
-from pallas_kernels.common import NEG_INF, WideBound, compiler_params, span_candidates
-from pallas_kernels.importance import importance_shift, online_max_sum, packed_keys
+from pallas_kernels.common import NEG_INF, LayerStatic, WideBound, compiler_params, span_candidates
+from pallas_kernels.importance import importance_shift, keys_from_scores, online_max_sum
 from pallas_kernels.precision import dot_rows, split_rows
 
 
@@ -167,16 +172,17 @@ def _query_parts(ql_ref, qr_ref, qh_ref, pieces, dtype):
 
 def _importance_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, lat_ref, *refs, ws: WideStatic, rope_parts: int,
                        bound_parts: int):
-    """One query's head block: each row's max and sum over R (pass 1), then the block's
-    importance of every valid candidate (pass 2: `sum over rows of exp(s - shift)`), and
-    the block's shift (`shared_max`: its max over rows; `softmax`: each row's LSE is its
-    own, nothing to share: 0)."""
+    """One query's head block in one pass: the scores of every valid tile (SPEC 2.2; with
+    the bound, SPEC 11's `b`, and the plain scores beside them for the merge) stored, and
+    each row's shift (`softmax`: its LSE over R; `shared_max`: its max over R;
+    `combine_importance` takes the group's max)."""
     rope_refs, (cf_ref, sf_ref, *refs) = refs[:rope_parts], refs[rope_parts:]
-    imp_ref, shift_ref = refs[-2:]
-    bound = None
+    bound = plain_ref = None
     if bound_parts:
-        qnl_ref, qnp_ref, *rho = refs[:-2]
+        qnl_ref, qnp_ref, *rho = refs[:-3]
         bound = WideBound(qnl_ref, qnp_ref, rho[:bound_parts], rho[bound_parts:])
+        plain_ref = refs[-1]
+    scores_ref, shift_ref = refs[-3:-1] if bound_parts else refs[-2:]
     precision, operands = ws.precision, ws.importance_operands
     n = n_ref[0]
     q_lat, q_rope = _query_parts(ql_ref, qr_ref, qh_ref, ws.lat_pieces, ql_ref.dtype)
@@ -187,34 +193,21 @@ def _importance_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, lat_ref, *refs, w
     num_tiles = (n + tile - 1) // tile
     last_in_norm = n - 1 if ws.strict_causal else n  # R: valid positions, less the rightmost when strict
 
-    def scores_at(i):
-        scores, valid, positions, nodes, _ = _tile_scores(i, q_lat, q_rope, par_ref, n, lat_ref, rope_refs,
-                                                          cf_ref, sf_ref, ws, precision, operands, tile)
+    def step(i, carry):
+        scores, _, positions, nodes, _ = _tile_scores(i, q_lat, q_rope, par_ref, n, lat_ref, rope_refs,
+                                                      cf_ref, sf_ref, ws, precision, operands, tile)
         if bound is not None:  # SPEC 11: + alpha * sum over feature groups of |q| * rho
+            plain_ref[:, pl.ds(i * tile, tile)] = scores
             reach = dot_rows(qn_pair, tuple(k[nodes, :] for k in bound.pair_radii), precision, operands)
             if ws.lat_pieces:
                 reach = reach + exact_left_dots(qn_lat, bound.latent_radii, nodes, ws.lat_pieces, precision)
             scores = scores + ws.alpha * reach
-        return scores, valid, positions
-
-    def first_pass(i, carry):
-        scores, _, positions = scores_at(i)
+        scores_ref[:, pl.ds(i * tile, tile)] = scores
         return online_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
 
     init = (jnp.full((ws.rows,), NEG_INF, jnp.float32), jnp.zeros((ws.rows,), jnp.float32))
-    m, total = lax.fori_loop(0, num_tiles, first_pass, init)
-    shift = importance_shift(m, total, jnp.ones((ws.rows,), bool), ws.rows, ws.importance)
-    # shared_max: every row holds the block's max
-    block_shift = jnp.full((1,), jnp.max(shift) if ws.importance == "shared_max" else 0.0, jnp.float32)
-
-    def second_pass(i, carry):
-        scores, valid, _ = scores_at(i)
-        weights = jnp.where(valid[None, :], jnp.exp(scores - shift[:, None]), 0.0)
-        imp_ref[pl.ds(i * tile, tile)] = jnp.sum(weights, axis=0)
-        return carry
-
-    lax.fori_loop(0, num_tiles, second_pass, ())
-    shift_ref[...] = block_shift
+    m, total = lax.fori_loop(0, num_tiles, step, init)
+    shift_ref[...] = m if ws.importance == "shared_max" else importance_shift(m, total, None, ws.rows, "softmax")
 
 
 def _bound_inputs(bound: WideBound, grid_spec_query, grid_spec_layer):
@@ -236,10 +229,13 @@ def query_specs(ws: WideStatic):
 
 @functools.partial(jax.jit, static_argnames=("ws", "interpret"))
 def wide_importance_pallas(queries, parents, n, lat, rope_imp, tables, ws: WideStatic, interpret=False, bound=None):
-    """Per query and head block, the importance of every candidate position `[B, Q,
-    H_kv, blocks, Mp]` float32 (valid positions written) and the block's shift `[B, Q,
-    H_kv, blocks]` (`shared_max`: its rows' max over R; else 0): `combine_importance`
-    turns them into packed keys.
+    """Per query `(ranked, shift, scores)`: the scores the importance ranks by, of every
+    candidate position `[B, Q, H_kv, G, Mp]` float32 (SPEC 2.2, alpha applied; with
+    `bound` SPEC 11's `b`; written where valid, whole steps), each row's shift `[B, Q,
+    H_kv, G]` (`softmax`: its LSE over R, 0 where R is empty; `shared_max`: its max over
+    R), which `combine_importance` turns into packed keys; and the plain scores for the
+    merge (`wide_merge_pallas(scores=...)`: with the bound a second array, else
+    `ranked`).
 
     `queries = (q_lat [B, Q, H_kv, G, Wl], q_rope, rotate_half(q_rope) [B, Q, H_kv, G,
     Wr])` (q_lat stored dtype, the RoPE part un-rotated); `parents [B, Q, H_kv, P]`, `n
@@ -251,8 +247,7 @@ def wide_importance_pallas(queries, parents, n, lat, rope_imp, tables, ws: WideS
     q_lat, q_rope, q_half = queries
     B, Q, H_kv, G, _ = q_rope.shape
     Mp = tables[0].shape[0]
-    blocks = G // ws.rows
-    query_rows, per_query, layer, table, _ = query_specs(ws)
+    query_rows, per_query, layer, table, row_vec = query_specs(ws)
     in_specs = [query_rows(q_lat), query_rows(q_rope), query_rows(q_half), per_query(parents), per_query(n),
                 layer(lat), *[layer(x) for x in rope_imp], table(tables[0]), table(tables[1])]
     args = [q_lat, q_rope, q_half, parents, n, lat, *rope_imp, *tables]
@@ -262,28 +257,35 @@ def wide_importance_pallas(queries, parents, n, lat, rope_imp, tables, ws: WideS
         in_specs += specs
         args += list(extra)
         bound_parts = len(bound.latent_radii)
-    block = lambda w: pl.BlockSpec((None, None, None, None, w), lambda b, t, h, j: (b, t, h, j, 0))
-    imp, shift = pl.pallas_call(
+    score_spec, score_shape = score_rows(ws, Mp), jax.ShapeDtypeStruct((B, Q, H_kv, G, Mp), jnp.float32)
+    scores, shift, *plain = pl.pallas_call(
         functools.partial(_importance_kernel, ws=ws, rope_parts=len(rope_imp), bound_parts=bound_parts),
-        grid=(B, Q, H_kv, blocks),
+        grid=(B, Q, H_kv, G // ws.rows),
         in_specs=in_specs,
-        out_specs=[block(Mp), block(1)],
-        out_shape=[jax.ShapeDtypeStruct((B, Q, H_kv, blocks, Mp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Q, H_kv, blocks, 1), jnp.float32)],
+        out_specs=[score_spec, row_vec] + ([score_spec] if bound is not None else []),
+        out_shape=[score_shape, jax.ShapeDtypeStruct((B, Q, H_kv, G), jnp.float32)]
+        + ([score_shape] if bound is not None else []),
         compiler_params=compiler_params(ws.num_warps, ws.importance_stages),
         interpret=interpret,
     )(*args)
-    return imp, shift[..., 0]
+    return scores, shift, (plain[0] if plain else scores)
 
 
-def combine_importance(imp, shift, n, ws: WideStatic, log_n: int, export: bool = False):
-    """Packed importance keys `[B, Q, H_kv, Mp]` (SPEC 2.3) from the head blocks' `imp
-    [B, Q, H_kv, blocks, Mp]` and shifts `[B, Q, H_kv, blocks]`: summed over the blocks
-    (`shared_max`: each block's rescaled from its max to the group's), 0 where R is
-    empty, the rightmost forced, packed where valid, `-1` elsewhere."""
-    if ws.importance == "shared_max":
-        imp = imp * jnp.exp(shift - jnp.max(shift, axis=-1, keepdims=True))[..., None]
-    return packed_keys(jnp.sum(imp, axis=-2), n, ws.strict_causal, log_n, export)
+def score_rows(ws: WideStatic, Mp: int):
+    """The BlockSpec of a head block's stored scores `[B, Q, H_kv, G, Mp]` on the grid of
+    `query_specs`."""
+    return pl.BlockSpec((None, None, None, ws.rows, Mp), lambda b, t, h, j: (b, t, h, j, 0))
+
+
+def combine_importance(scores, shift, n, st: LayerStatic, export: bool = False):
+    """Packed importance keys `[B, Q, H_kv, Mp]` (SPEC 2.3) from `wide_importance_pallas`'s
+    scores `[B, Q, H_kv, G, Mp]` and rows' shifts `[B, Q, H_kv, G]` (`shared_max`: the
+    group's max over its rows' maxima, 0 where R is empty), in one fused XLA pass over
+    the scores (`keys_from_scores`)."""
+    if st.importance == "shared_max":
+        group_max = jnp.max(shift, axis=-1, keepdims=True)
+        shift = jnp.broadcast_to(jnp.where(group_max == NEG_INF, 0.0, group_max), shift.shape)
+    return keys_from_scores(scores, shift, n, st, export)
 
 
 def layer_refs(refs, bottom: bool, rope_parts: int, own_values: bool):
@@ -319,22 +321,31 @@ def layer_inputs(keys, tau, lat, rope_parts, values, ws: WideStatic):
 
 
 def _merge_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, *refs, ws: WideStatic, bottom: bool, rope_parts: int,
-                  own_values: bool, return_lse: bool):
+                  own_values: bool, return_lse: bool, scored: bool):
     """One query's head block: the candidates this layer merges (every valid one at the
-    bottom; else those with `keys < tau`), scored with the merge dots and folded into
-    the state; the bottom writes `U / S` (and the rows' LSE), the others the state."""
+    bottom; else those with `keys < tau`), scored with the merge dots (`scored`: their
+    scores read as the importance stored them) and folded into the state; the bottom
+    writes `U / S` (and the rows' LSE), the others the state."""
     keys_ref, tau_ref, lat_ref, rope_refs, v_ref, refs = layer_refs(refs, bottom, rope_parts, own_values)
     cf_ref, sf_ref, m_ref, s_ref, u_ref, *out_refs = refs
+    stored_ref = None
+    if scored:
+        stored_ref, *out_refs = out_refs
     precision, operands = ws.merge_precision, ws.merge_operands
     n = n_ref[0]
-    q_lat, q_rope = _query_parts(ql_ref, qr_ref, qh_ref, ws.lat_pieces, ql_ref.dtype)
+    if not scored:
+        q_lat, q_rope = _query_parts(ql_ref, qr_ref, qh_ref, ws.lat_pieces, ql_ref.dtype)
     num_tiles = (n + ws.tile - 1) // ws.tile
     tau = None if bottom else tau_ref[0]
 
     def step(i, carry):
         m, total, acc = carry
-        scores, valid, positions, nodes, tiles = _tile_scores(i, q_lat, q_rope, par_ref, n, lat_ref, rope_refs,
-                                                              cf_ref, sf_ref, ws, precision, operands, ws.tile)
+        if scored:
+            _, valid, nodes = span_candidates(par_ref, i * ws.tile, ws.tile, n, ws.r)
+            scores, tiles = stored_ref[:, pl.ds(i * ws.tile, ws.tile)], []
+        else:
+            scores, valid, _, nodes, tiles = _tile_scores(i, q_lat, q_rope, par_ref, n, lat_ref, rope_refs,
+                                                          cf_ref, sf_ref, ws, precision, operands, ws.tile)
         gathered = dict(zip(ws.lat_pieces, tiles)) if not own_values else {}
         merged = valid
         if not bottom:
@@ -374,7 +385,7 @@ def _merge_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, *refs, ws: WideStatic,
 
 @functools.partial(jax.jit, static_argnames=("ws", "interpret", "out_dtype", "return_lse"))
 def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, tables, state, ws: WideStatic,
-                      interpret=False, out_dtype=None, return_lse=False):
+                      interpret=False, out_dtype=None, return_lse=False, scores=None):
     """SPEC 2.4 for wide groups: folds a layer's merged candidates into `state = (m, S
     [B, Q, H_kv, G], U [B, Q, H_kv, G, Wv])` float32. `keys [B, Q, H_kv, Mp]`, `tau [B,
     Q, H_kv, 1]`: the layer's packed keys and threshold (merged: valid and `keys < tau`);
@@ -382,7 +393,10 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
     G, Wv]` in `out_dtype` (and the rows' LSE with `return_lse`). `queries` as for
     `wide_importance_pallas` (`q_lat` in the merge dots' dtype); `rope_merge` the RoPE
     copies as `key_operands` for the merge dots; `values [B, H_kv, N, Wv]`, or None: the
-    first `Wv` latent features of `lat`."""
+    first `Wv` latent features of `lat`. `scores [B, Q, H_kv, G, Mp]` (a layer above the
+    bottom): the plain scores `wide_importance_pallas` stored, read instead of scored
+    again: the merge then makes only the values' product (nothing of `rope_merge` or the
+    queries read)."""
     q_lat, q_rope, q_half = queries
     B, Q, H_kv, G, _ = q_rope.shape
     bottom = keys is None
@@ -394,6 +408,9 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
     args += arrays
     in_specs += [table(tables[0]), table(tables[1]), row_vec, row_vec, query_rows(state[2])]
     args += [*tables, *state]
+    if scores is not None:
+        in_specs.append(score_rows(ws, scores.shape[-1]))
+        args.append(scores)
     vec = jax.ShapeDtypeStruct(state[0].shape, jnp.float32)
     if bottom:
         out_specs = [query_rows(state[2])] + ([row_vec] if return_lse else [])
@@ -403,7 +420,7 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
         out_shape = [vec, vec, jax.ShapeDtypeStruct(state[2].shape, jnp.float32)]
     out = pl.pallas_call(
         functools.partial(_merge_kernel, ws=ws, bottom=bottom, rope_parts=len(rope_merge),
-                          own_values=values is not None, return_lse=return_lse),
+                          own_values=values is not None, return_lse=return_lse, scored=scores is not None),
         grid=(B, Q, H_kv, G // ws.rows),
         in_specs=in_specs,
         out_specs=out_specs,

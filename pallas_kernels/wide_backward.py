@@ -393,7 +393,7 @@ def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
     G = H // H_kv
     tuning = KernelConfigs.resolve(block_sizes, K, value_dim if v is None else v.shape[-1])
     plan = prepare_wide(q, k, v, config, tuning, interpret, Precisions.for_dtype(q.dtype), value_dim,
-                        positions, q_layout)
+                        positions, q_layout, score_chunks=selections is None)
     ws, r, Qc, P, L = plan.ws, plan.ws.r, plan.chunk, plan.parents_width, plan.num_layers
     ws_b, dq_tile = backward_static(ws, G, tuning, q.dtype, v is not None)
     split = FeatureSplit(K, config.partial_rope(K) or K)
@@ -429,9 +429,9 @@ def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
                 next_parents = pad_nodes_list(kept, P)[..., :P]
             elif l > 0:
                 bound = None if norms is None else WideBound(*norms, *kl["radii"])
-                imp, shift = wide_importance_pallas(queries, parents, n, kl["lat"], kl["rope_imp"], plan.tables, ws,
-                                                    interpret, bound=bound)
-                keys = combine_importance(imp, shift, n, ws, plan.log_n)
+                scores, shift, _ = wide_importance_pallas(queries, parents, n, kl["lat"], kl["rope_imp"], plan.tables,
+                                                          ws, interpret, bound=bound)
+                keys = combine_importance(scores, shift, n, plan.st_select)
                 next_parents, tau = select_top_k_pallas(keys, parents, n, plan.st_select, interpret)
                 next_parents = next_parents[..., :P]
             layer_args = (keys, tau, kl["lat"], kl["rope_merge"], kl["values"], plan.tables, lse_c, delta_c, do_c)

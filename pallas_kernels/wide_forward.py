@@ -7,8 +7,9 @@ Memory beyond inputs, tree and output: per layer the RoPE part in `tile / r` rot
 float32 copies and their operand parts (`R` features, 64 at the MLA shape: the latent
 part is read as stored), the radii with `selection="bound"`; per chunk of `Qc` queries
 the state (`B * Qc * H * (Wv + 2)` float32), the queries' RoPE part and its rotate-half
-(float32), the head blocks' importance and the packed keys (`B * Qc * H_kv * Mp *
-(blocks + 2)` 4-byte words).
+(float32), every row's scores (for the importance and the merge; with the bound, both
+kinds) and the packed keys (`B * Qc * H_kv * Mp * (G + 3)` 4-byte words, `2 G` with the
+bound).
 """
 
 from __future__ import annotations
@@ -165,9 +166,12 @@ def importance_step(tile: int, r: int, Wl: int, hp: int, itemsize: int, bound: b
 
 def prepare_wide(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool = False,
                  precisions: Precisions | None = None, value_dim: int | None = None, positions=None,
-                 q_layout: str = "rope_layout") -> WidePlan:
+                 q_layout: str = "rope_layout", score_chunks: bool = True) -> WidePlan:
     """The tree, keys and queries as the wide kernels read them (arguments as for
-    `wide_forward_pallas`)."""
+    `wide_forward_pallas`). `score_chunks`: the chunks hold the importance's stored
+    scores (sized with them); a backward with saved selections stores none, and its
+    chunks, sized without, stay as large as its node gradients want (64K, fwd+bwd:
+    5627 ms with them counted, journal 2026-11-27 (5))."""
     B, S, H, K = q.shape
     T, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
@@ -235,11 +239,11 @@ def prepare_wide(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret:
             layers[l]["radii"] = (key_operands(pad_axis(x[..., :split.unrotated], -1, Wl_stored), *imp_spec),
                                   key_operands(pad_axis(x[..., split.unrotated:], -1, hp), *imp_spec))
 
-    # Chunks of queries: the state, the queries' parts and the importance per chunk.
-    blocks = G // ws.rows
-    # (The queries' parts and norms, `query_parts`, are made per chunk: 2 (Wl + 2 hp) + 4 hp
-    # bytes a head, counted with the state.)
-    per_query = 4 * B * H_kv * (G * (2 * Wv + 2 * 2 * hp + Wl + 4) + Mp * (blocks + 3))
+    # Chunks of queries: the state, the queries' parts, every row's importance scores
+    # and the packed keys per chunk. (The queries' parts and norms, `query_parts`, are made
+    # per chunk: 2 (Wl + 2 hp) + 4 hp bytes a head, counted with the state.)
+    stored = (2 if config.ranks_by_bound else 1) if score_chunks else 0
+    per_query = 4 * B * H_kv * (G * (2 * Wv + 2 * 2 * hp + Wl + 4 + Mp * stored) + 3 * Mp)
     Qc = int(max(1, min(S, tuning.chunk_budget_bytes // per_query)))
     if q.size * q.dtype.itemsize >= tuning.chunk_budget_bytes:
         Qc = dividing_chunk(S, Qc, 1)  # no padded copy of the queries
@@ -297,14 +301,14 @@ def select_and_merge(plan: WidePlan, layer: int, queries, norms, parents, t, sta
     kl, ws = plan.layers[layer], plan.ws
     n = valid_count(plan, parents, t, layer)
     bound = None if norms is None else WideBound(*norms, *kl["radii"])
-    imp, shift = wide_importance_pallas(queries, parents, n, kl["lat"], kl["rope_imp"], plan.tables, ws, interpret,
-                                        bound=bound)
-    keys = combine_importance(imp, shift, n, ws, plan.log_n, export)
+    ranked, shift, scores = wide_importance_pallas(queries, parents, n, kl["lat"], kl["rope_imp"], plan.tables, ws,
+                                                   interpret, bound=bound)
+    keys = combine_importance(ranked, shift, n, plan.st_select, export)
     if export:
         keys, imp = keys
     next_parents, tau = select_top_k_pallas(keys, parents, n, plan.st_select, interpret)
-    state = wide_merge_pallas(queries, parents, n, keys, tau, kl["lat"], kl["rope_merge"], kl["values"], plan.tables,
-                              state, ws, interpret)
+    state = wide_merge_pallas(queries, parents, n, keys, tau, kl["lat"], (), kl["values"], plan.tables, state, ws,
+                              interpret, scores=scores)
     result = (state, next_parents[..., :plan.parents_width])
     return result + (kept_values(keys, tau, imp, plan.st_select.top_k),) if export else result
 

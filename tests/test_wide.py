@@ -6,6 +6,7 @@ features, values read from the keys."""
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ from htree_jax.reference import htree_attention_reference
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.configs import BlockSizes, KernelConfigs
 from pallas_kernels import shared_memory, wide, wide_forward
+from pallas_kernels.common import WideBound
+from pallas_kernels.top_k import select_top_k_pallas
 from pallas_kernels.wide import head_block
 from pallas_kernels.wide_forward import FeatureSplit, wide_eligible, wide_forward_pallas
 from tests.conftest import random_qkv
@@ -366,3 +369,47 @@ def test_queries_in_the_given_order_equal_the_permuted_ones(rng, G):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="q_layout 'rows'"):
         attend(q, k, v, config, "pallas_interpret", value_dim=V, q_layout="rows")
+
+
+@pytest.mark.parametrize("selection", ["mean", "bound"])
+def test_the_merge_reads_the_stored_scores_as_it_would_score_them(rng, selection):
+    """A layer above the bottom merges from the scores its importance stored
+    (`wide_merge_pallas(scores=...)`): the same state as the merge that scores its
+    candidates again; with the bound the importance ranks by `b` and stores the plain
+    scores beside it (`b >= s` where valid, and larger somewhere)."""
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32, selection=selection)
+    q, k, v = random_qkv(rng, 1, 150, 32, 1, 64, 32)
+    q, k = laid_out(q, k, config)
+    plan = wide_forward.prepare_wide(q, k, jnp.asarray(v), config, KernelConfigs(), interpret=True)
+    queries, norms, t, parents, state = wide_forward.chunk_start(plan, 0)
+    layer = plan.layers[-1]
+    n = wide_forward.valid_count(plan, parents, t, plan.num_layers - 1)
+    bound = None if norms is None else WideBound(*norms, *layer["radii"])
+    ranked, shift, scores = wide.wide_importance_pallas(queries, parents, n, layer["lat"], layer["rope_imp"],
+                                                        plan.tables, plan.ws, True, bound=bound)
+    keys = wide.combine_importance(ranked, shift, n, plan.st_select)
+    _, tau = select_top_k_pallas(keys, parents, n, plan.st_select, True)
+    merge = functools.partial(wide.wide_merge_pallas, queries, parents, n, keys, tau, layer["lat"])
+    scored = merge(layer["rope_merge"], layer["values"], plan.tables, state, plan.ws, True)
+    stored = merge((), layer["values"], plan.tables, state, plan.ws, True, scores=scores)
+    for a, b in zip(stored, scored):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    valid = (np.arange(ranked.shape[-1]) < np.asarray(n))[..., None, :]
+    gap = np.where(valid, np.asarray(ranked) - np.asarray(scores), 0.0)
+    assert gap.min() >= -1e-5
+    assert (gap.max() > 0) == (selection == "bound")
+
+
+def test_chunks_sized_with_the_stored_scores_only_where_they_are_stored(rng):
+    """The forward's chunks hold the importance's stored scores (the bound's two kinds);
+    a backward with saved selections stores none and keeps chunks as large as before."""
+    q, k, v = random_qkv(rng, 1, 600, 32, 1, 64, 32)
+    tuning = KernelConfigs(chunk_budget_bytes=4 << 20)
+    chunks = {}
+    for selection in ("mean", "bound"):
+        config = HTreeConfig(compression_rate=4, top_k=16, rope_dim=32, selection=selection)
+        ql, kl = laid_out(q, k, config)
+        for stored in (True, False):
+            chunks[selection, stored] = wide_forward.prepare_wide(ql, kl, jnp.asarray(v), config, tuning,
+                                                                  interpret=True, score_chunks=stored).chunk
+    assert chunks["bound", True] < chunks["mean", True] < chunks["mean", False] == chunks["bound", False]
