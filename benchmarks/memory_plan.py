@@ -8,6 +8,7 @@ bfloat16 cotangent (`htree_jax.memory_plan`), and prints for each length and pas
 XLA's planned peak beside the bytes of the inputs and the output (the cotangent and the
 gradients too for fwd+bwd), then for the last compile the largest values in the
 temporary allocation (from the buffer assignment XLA dumps), so the peak can be counted.
+`--devices n`: T sharded over n devices (context parallelism), the plan one device's.
 `--shape mla`: the latent-attention shape (`htree_jax.bench.MLA`), values their own
 (`--values own`) or the keys' latent features (`keys`).
 """
@@ -31,11 +32,15 @@ def main(argv=None) -> int:
     p.add_argument("--passes", default="fwd+bwd", help="forward, fwd+bwd, or both comma-separated")
     p.add_argument("--backend", default="pallas", help="pallas (GPU), or pallas_interpret for a CPU smoke test")
     p.add_argument("--largest", type=int, default=25, help="values of the last compile's buffer assignment to list")
+    p.add_argument("--devices", type=int, default=1, help="T sharded over this many devices (context parallelism): "
+                   "the plan is one device's")
     args = p.parse_args(argv)
     dump = tempfile.mkdtemp()
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_pass_re=^$"
     import jax
     import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from htree_jax import HTreeConfig, memory_plan
     from htree_jax.bench import B, H, H_KV, K, MLA, V
@@ -53,17 +58,23 @@ def main(argv=None) -> int:
     print("| T | pass | planned peak GiB | arguments | outputs | temporaries | inputs+output GiB | "
           "peak / (inputs+output) |")
     print("|---|---|---|---|---|---|---|---|")
+    along_t = None
+    if args.devices > 1:
+        mesh = jax.make_mesh((args.devices,), ("seq",), axis_types=(AxisType.Auto,),
+                             devices=jax.devices()[:args.devices])
+        along_t = NamedSharding(mesh, P(None, "seq", None, None))
     for T in [int(x) for x in args.T.split(",")]:
-        q, k = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(b, T, h, k_dim), (b, T, h_kv, k_dim)])
-        v = None if from_keys else jax.ShapeDtypeStruct((b, T, h_kv, v_dim), jnp.bfloat16)
-        data = 2 * (q.size + k.size + (0 if v is None else v.size) + b * T * h * v_dim)
+        q, k = (jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=along_t)
+                for s in [(b, T, h, k_dim), (b, T, h_kv, k_dim)])
+        v = None if from_keys else jax.ShapeDtypeStruct((b, T, h_kv, v_dim), jnp.bfloat16, sharding=along_t)
+        # (one device's share of them with --devices)
+        data = 2 * (q.size + k.size + (0 if v is None else v.size) + b * T * h * v_dim) // args.devices
         for name in args.passes.split(","):
             gradients = name == "fwd+bwd"
             plan = memory_plan(q, k, v, config, gradients=gradients, backend=args.backend,
                                value_dim=v_dim if from_keys else None)
             # fwd+bwd: the cotangent in, the gradients of q, k (and v) out as well.
-            total = data + (2 * (q.size + k.size + (0 if v is None else v.size) + b * T * h * v_dim) if gradients
-                            else 0)
+            total = data + (data if gradients else 0)
             print(f"| {T} | {name} | {gib(plan.peak):.2f} | {gib(plan.arguments):.2f} | {gib(plan.outputs):.2f} | "
                   f"{gib(plan.temporaries):.2f} | {gib(total):.2f} | {plan.peak / total:.3f} |", flush=True)
     files = [f for f in glob.glob(f"{dump}/*buffer-assignment.txt") if "jit__lambda" in f or "jit_" in f]

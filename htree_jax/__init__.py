@@ -5,8 +5,9 @@ kernels' tuning), the Flax NNX module `HTreeAttention` (linen twin:
 `htree_jax.linen.HTreeAttention`), `attention_fn` for `nnx.MultiHeadAttention` /
 `nn.MultiHeadDotProductAttention`, and incremental decoding: `init_cache`, `prefill`,
 `decode_step`, `reset_rows` (`HTreeCache`; `DecodeBlockSizes`, the decode kernels'
-tuning), `rope`, the rotation htree applies (its convention), and `memory_plan`
-(`MemoryPlan`), one device's memory for a call, from XLA's plan, before running it.
+tuning), `rope`, the rotation htree applies (its convention), `memory_plan`
+(`MemoryPlan`), one device's memory for a call, from XLA's plan, before running it, and
+`compile_checked`, any jitted step compiled and checked against the devices' free memory.
 The function they compute is stated in `docs/SPEC.md` ("SPEC n" in the code cites its
 section n).
 
@@ -37,6 +38,7 @@ _EXPORTS = {
     "MemoryPlan": "htree_jax.memory",
     "attention_fn": "htree_jax.flax_attention",
     "build_tree": "htree_jax.core.tree",
+    "compile_checked": "htree_jax.memory",
     "decode_step": "htree_jax.decode",
     "htree_attention": "htree_jax.attention",
     "init_cache": "htree_jax.cache",

@@ -117,4 +117,16 @@ def memory_plan(q, k, v, config=None, *, gradients: bool = False, backend: str =
                          "htree's forward and backward" if gradients else "htree's forward")
 
 
-__all__ = ["MemoryPlan", "free_bytes", "memory_plan"]
+def compile_checked(fn, *args, what: str = "the call", limit_bytes: int | None = None):
+    """`jax.jit(fn)` compiled for `args` (arrays or `jax.ShapeDtypeStruct`s, sharded or
+    not), its plan checked before anything runs (`MemoryPlan.check`: against
+    `limit_bytes`, or None, every device's free memory): returns the compiled executable
+    (call it with arrays shaped and sharded like `args`), or raises `MemoryError` naming
+    the need and the limit. For a whole training step around `htree_attention`, under
+    which an out-of-memory on one device leaves the others waiting in their collectives."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    MemoryPlan.of(compiled, what).check(limit_bytes)
+    return compiled
+
+
+__all__ = ["MemoryPlan", "compile_checked", "free_bytes", "memory_plan"]

@@ -218,6 +218,9 @@ def main(backends) -> int:
     k = rng.standard_normal((B, T, H_KV, K)).astype(np.float32)
     v = rng.standard_normal((B, T, H_KV, V)).astype(np.float32)
     w = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    # SPEC 10 across shards: a NaN key at position 50 (in the first half and the second
+    # quarter of T) makes every later row of that kv head NaN, on the shards after it too.
+    k[1, 50, 2, 3] = np.nan
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     layouts = {"batch": P("data", None, None, None), "heads": P(None, None, "model", None),
                "batch+heads": P("data", None, "model", None), "tokens": P(None, "model", None, None),
@@ -239,6 +242,9 @@ def main(backends) -> int:
                                                                    return_selected=True))
             o, sel = f(*args)
             np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), rtol=1e-5, atol=1e-5)
+            G = H // H_KV
+            dead = np.isnan(np.asarray(o)[1, :, 2 * G:3 * G])
+            assert dead[50:].all() and not dead[:50].any() and not np.isnan(np.asarray(o)[0]).any(), name
             for a, b in zip(sel, want_sel):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert o.sharding.is_equivalent_to(sh, 4), (o.sharding, sh)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from htree_jax import HTreeConfig, MemoryPlan, memory_plan
+from htree_jax import HTreeConfig, MemoryPlan, compile_checked, htree_attention, memory_plan
 from htree_jax.reference import (
     DEFAULT_CHUNK_BUDGET_BYTES,
     reference_forward,
@@ -85,3 +85,22 @@ def test_memory_plan_counts_and_checks_without_running():
     assert memory_plan(q, k, v, config, backend="reference") == forward
     with pytest.raises(ValueError, match=r"v must have shape \[B, T, H_kv, V\]"):  # htree_attention's checks
         memory_plan(shapes[0], shapes[1], jax.ShapeDtypeStruct((2, 150, 3, 16), jnp.float32), config)
+
+
+def test_compile_checked_runs_what_fits_and_refuses_what_does_not():
+    """`htree_jax.compile_checked`: a whole step compiled, checked and returned to run
+    (the same outputs as `jax.jit`), or a `MemoryError` naming the need and the limit
+    before anything runs."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, 150, 4, 16), (1, 150, 2, 16),
+                                                                         (1, 150, 2, 16)))
+    step = jax.grad(lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend="reference") ** 2),
+                    argnums=(0, 1, 2))
+    compiled = compile_checked(step, q, k, v, what="a step")
+    for a, b in zip(compiled(q, k, v), jax.jit(step)(q, k, v)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    plan = MemoryPlan.of(compiled)
+    compile_checked(step, q, k, v, limit_bytes=plan.peak)
+    with pytest.raises(MemoryError, match=r"a step needs \d+\.\d MiB on each device .* the limit given has"):
+        compile_checked(step, q, k, v, what="a step", limit_bytes=plan.peak - 1)
