@@ -48,17 +48,20 @@ def make_inputs(B: int, T: int, seed: int = 0):
             jax.random.normal(ks[2], (B, T, H_KV, V), jnp.bfloat16))
 
 
-def collectives(fn, args) -> str:
-    """The compiled program's collective ops, counted, and whether an all-gather's
-    operand has q's per-device shape."""
-    text = fn.lower(*args).compile().as_text()
+def compiled_text(fn, args) -> str:
+    """The compiled program of `fn(*args)` (`fn` jitted, or already compiled)."""
+    return (fn if hasattr(fn, "as_text") else fn.lower(*args).compile()).as_text()
+
+
+def collectives(text: str) -> str:
+    """A compiled program's collective ops, counted."""
     counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in
               ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")}
     return ", ".join(f"{op} {n}" for op, n in counts.items() if n) or "none"
 
 
-def q_gathered(fn, args, q_local_shape) -> bool:
-    text = fn.lower(*args).compile().as_text()
+def q_gathered(text: str, q_local_shape) -> bool:
+    """Whether an all-gather of the compiled program has q's per-device shape."""
     dims = ",".join(map(str, q_local_shape))
     return any(f"[{dims}]" in line for line in text.splitlines() if "all-gather" in line)
 
@@ -111,11 +114,13 @@ def batch_scaling(args, mesh, dev0, N: int) -> None:
         single = jax.jit(grad_of_sum(lambda q, k, v, c=config: attend(q, k, v, c, "pallas", None)[0]))
         sharded = jax.jit(grad_of_sum(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")))
         t1, tn = median_ms(single, one, args.iters), median_ms(sharded, many, args.iters)
-        print(f"| htree | {top_k} | {t1:.1f} | {tn:.1f} | {t1 / tn:.3f} | {collectives(sharded, many)} | "
-              f"{q_gathered(sharded, many, (1, args.T, H, K))} |", flush=True)
+        text = compiled_text(sharded, many)
+        print(f"| htree | {top_k} | {t1:.1f} | {tn:.1f} | {t1 / tn:.3f} | {collectives(text)} | "
+              f"{q_gathered(text, (1, args.T, H, K))} |", flush=True)
     dense = jax.jit(grad_of_sum(dense_fn(HTreeConfig())))
     t1, tn = median_ms(dense, one, args.iters), median_ms(dense, many, args.iters)
-    print(f"| dense cuDNN | - | {t1:.1f} | {tn:.1f} | {t1 / tn:.3f} | {collectives(dense, many)} | - |", flush=True)
+    print(f"| dense cuDNN | - | {t1:.1f} | {tn:.1f} | {t1 / tn:.3f} | {collectives(compiled_text(dense, many))} | - |",
+          flush=True)
     del one, many
 
 
@@ -177,26 +182,26 @@ def sharded_inputs(T: int, n: int):
             for key, h in zip(keys, (H, H_KV, H_KV))]
 
 
+def cp_step(args, T: int, n: int):
+    """`(step, (q, k, v))`: the forward + backward of `htree_attention` (a float32 sum's
+    gradient) and its inputs sharded along T over the first `n` devices."""
+    config = HTreeConfig(top_k=args.cp_top_k)
+    return grad_of_sum(lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend)), sharded_inputs(T, n)
+
+
 def one_run(args) -> int:
     """`--one T,n`: the forward + backward compiled with its plan checked
     (`compile_checked`), timed, each device's measured peak beside the plan."""
     T, n = int_list(args.one)
-    config = HTreeConfig(top_k=args.cp_top_k)
-    step = grad_of_sum(lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend))
-    xs = sharded_inputs(T, n)
+    step, xs = cp_step(args, T, n)
     compiled = compile_checked(step, *xs, what=f"htree fwd+bwd at T={T} over {n}")
-    plan = MemoryPlan.of(compiled)
     # The peak of one call (read before timing: back-to-back calls hold two outputs).
     jax.block_until_ready(compiled(*xs))
     peaks = ", ".join(f"{(d.memory_stats() or {}).get('peak_bytes_in_use', 0) / 2**30:.1f}" for d in jax.devices()[:n])
     ms = median_ms(compiled, xs, args.iters)
-    text = compiled.as_text()
-    counts = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in
-              ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")}
-    coll = ", ".join(f"{op} {c}" for op, c in counts.items() if c) or "none"
-    dims = ",".join(map(str, (1, T // n, H, K)))
-    gathered = any(f"[{dims}]" in line for line in text.splitlines() if "all-gather" in line)
-    print(f"RESULT {ms:.3f}|{plan.peak / 2**30:.2f}|{peaks}|{coll}|{gathered}", flush=True)
+    text = compiled_text(compiled, xs)
+    print(f"RESULT {ms:.3f}|{MemoryPlan.of(compiled).peak / 2**30:.2f}|{peaks}|{collectives(text)}|"
+          f"{q_gathered(text, (1, T // n, H, K))}", flush=True)
     return 0
 
 
@@ -225,9 +230,7 @@ def oom_run(args) -> int:
     """`--oom T,n checked|unchecked`: see `out_of_memory`. Prints the time from the
     call to its error (after compiling) and the error's first line."""
     (T, n), mode = int_list(args.oom[0]), args.oom[1]
-    config = HTreeConfig(top_k=args.cp_top_k)
-    step = grad_of_sum(lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend))
-    xs = sharded_inputs(T, n)
+    step, xs = cp_step(args, T, n)
     t0 = time.perf_counter()
     try:
         if mode == "checked":
