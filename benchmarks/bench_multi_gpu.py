@@ -41,11 +41,15 @@ from htree_jax.bench import dense_fn, gpu_header, grad_of_sum, int_list, median_
 H, H_KV, K, V = 32, 4, 128, 128
 
 
-def make_inputs(B: int, T: int, seed: int = 0):
-    ks = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(ks[0], (B, T, H, K), jnp.bfloat16),
-            jax.random.normal(ks[1], (B, T, H_KV, K), jnp.bfloat16),
-            jax.random.normal(ks[2], (B, T, H_KV, V), jnp.bfloat16))
+def drawn_inputs(B: int, T: int, sharding, seed: int = 0):
+    """`(q, k, v)` `[B, T, H or H_kv, K or V]` bf16 normals, each shard drawn on its own device
+    (`sharding`): nothing whole is held on one device first (drawing 4M tokens' q on
+    the host took more than 150 s). The draw's random bits are freed before a step runs
+    and take less than it does, so they do not set a device's peak."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    draw = lambda key, h, d: jax.random.normal(key, (B, T, h, d), jnp.bfloat16)
+    return [jax.jit(draw, static_argnums=(1, 2), out_shardings=sharding)(key, h, d)
+            for key, h, d in zip(keys, (H, H_KV, H_KV), (K, K, V))]
 
 
 def compiled_text(fn, args) -> str:
@@ -107,8 +111,8 @@ def batch_scaling(args, mesh, dev0, N: int) -> None:
     print(f"\n## Batch sharding: B={N} on {N} GPUs vs B=1 on one, T={args.T}, forward + backward")
     print("| attention | top_k | 1 GPU B=1 ms | N GPUs B=N ms | efficiency | collectives | q all-gathered |")
     print("|---|---|---|---|---|---|---|")
-    one = [jax.device_put(x, dev0) for x in make_inputs(1, args.T)]
-    many = [jax.device_put(x, NamedSharding(mesh, P("x"))) for x in make_inputs(N, args.T, seed=1)]
+    one = drawn_inputs(1, args.T, jax.sharding.SingleDeviceSharding(dev0))
+    many = drawn_inputs(N, args.T, NamedSharding(mesh, P("x")), seed=1)
     for top_k in int_list(args.top_k):
         config = HTreeConfig(top_k=top_k)
         single = jax.jit(grad_of_sum(lambda q, k, v, c=config: attend(q, k, v, c, "pallas", None)[0]))
@@ -168,18 +172,11 @@ def run_child(flags, timeout: float, env=None) -> subprocess.CompletedProcess:
 
 
 def sharded_inputs(T: int, n: int):
-    """`(q, k, v)` on the first `n` devices, T sharded over them (n = 1: on device 0),
-    each shard drawn on its own device (drawing 4M tokens' q on the host took more
-    than 150 s). The draw's random bits are freed before the step runs and take less
-    than the step does, so they do not set a device's peak."""
+    """`(q, k, v)` on the first `n` devices, T sharded over them (n = 1: on device 0)."""
     if n == 1:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    else:
-        mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
-        sharding = NamedSharding(mesh, P(None, "x"))
-    keys = jax.random.split(jax.random.key(0), 3)
-    return [jax.jit(lambda key, h=h: jax.random.normal(key, (1, T, h, K), jnp.bfloat16), out_shardings=sharding)(key)
-            for key, h in zip(keys, (H, H_KV, H_KV))]
+        return drawn_inputs(1, T, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    mesh = jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+    return drawn_inputs(1, T, NamedSharding(mesh, P(None, "x")))
 
 
 def cp_step(args, T: int, n: int):
