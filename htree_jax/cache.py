@@ -271,7 +271,6 @@ def _append_row(keys, values, radii, scales, start, k, v, count, r: int, rope_di
     in the nodes' dtype (the tree is `build_tree` of those tokens, bit for bit).
     `count = 0` changes nothing (the nodes it rewrites get their own values back)."""
     S = k.shape[0]
-    end = start + count  # tokens after the append
     keys, values, radii, scales = list(keys), list(values), list(radii), list(scales)
     s = jnp.arange(S, dtype=jnp.int32)
     positions = jnp.where(s < count, start + s, keys[0].shape[0])  # past the layer: dropped
@@ -282,53 +281,86 @@ def _append_row(keys, values, radii, scales, start, k, v, count, r: int, rope_di
             scales[i] = scales[i].at[:, positions].set(scale.T, mode="drop")  # float32: in place
         layer[0] = _set_rows(layer[0], positions, rows)
     for l in range(1, len(keys)):
-        N_l = keys[l].shape[0]
-        # nodes whose children changed, at most: those S positions can meet (one for one token)
-        width = min(N_l, -(-(S - 1) // r**l) + 1)
-        first = start // r**l
-        nodes = first + jnp.arange(width, dtype=jnp.int32)  # [W]
-        existing_below = (end + r ** (l - 1) - 1) // r ** (l - 1)  # children that exist
-        children = nodes[:, None] * r + jnp.arange(r, dtype=jnp.int32)[None, :]  # [W, r]
-        exists = children < existing_below
+        nodes, children, exists = _rewritten_nodes(start, count, S, r, l, keys[l].shape[0])
         count_children = jnp.sum(exists, axis=1)  # [W]
         reciprocal = jnp.asarray(child_reciprocals(r))[jnp.maximum(count_children, 1) - 1]
-        rows_of = lambda layer: layer[jnp.minimum(children, layer.shape[0] - 1)]
-
-        def children_of(i, layer):  # [W, r, H, D] float32; FP8 tokens as read back in the nodes' dtype
-            if l == 1 and scales:
-                scale = jnp.moveaxis(scales[i][:, jnp.minimum(children, scales[i].shape[1] - 1)], 0, -1)  # [W, r, H]
-                return dequantize_rows(rows_of(layer[0]), scale, layer[1].dtype).astype(jnp.float32)
-            return rows_of(layer[l - 1]).astype(jnp.float32)
-
-        stored = {}
-        for i, (name, layer) in enumerate((("keys", keys), ("values", values))[:2 if values else 1]):
-            rows = jnp.where(exists[:, :, None, None], children_of(i, layer), 0.0)  # [W, r, H, D]
+        for i, layer in enumerate((keys, values)[:2 if values else 1]):
+            rows = _children_of(i, layer, l, scales, children)  # [W, r, H, D]
+            rows = jnp.where(exists[:, :, None, None], rows, 0.0)
             sums = rows[:, 0]
             for c in range(1, r):
                 sums = sums + rows[:, c]
             means = sums * reciprocal[:, None, None]
             means = jnp.where((count_children > 0)[:, None, None], means, 0.0)
-            stored[name] = round_to_storage(means, layer[l].dtype)
             # nodes past the layer's end are dropped (their index is out of range)
-            layer[l] = _set_rows(layer[l], nodes, stored[name])
-        if radii:
-            below = rows_of(radii[l - 2]) if l > 1 else 0.0  # layer 0's radii are 0
-            rho = children_radii(children_of(0, keys), below, stored["keys"], exists, rope_dim)
-            radii[l - 1] = _set_rows(radii[l - 1], nodes, rho)
-    return tuple(keys), tuple(values), tuple(radii), tuple(scales)
+            layer[l] = _set_rows(layer[l], nodes, round_to_storage(means, layer[l].dtype))
+    return tuple(keys), tuple(values), _append_radii(keys, radii, scales, start, count, S, r, rope_dim), tuple(scales)
 
 
-def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None) -> HTreeCache:
+def _rewritten_nodes(start, count, S: int, r: int, l: int, N_l: int):
+    """`(nodes [W], children [W, r], exists [W, r])` of layer `l` an append of `count` of
+    `S` tokens at `start` rewrites: the nodes whose children changed (those S positions
+    can meet: one for one token), their children's indices, which of them exist."""
+    width = min(N_l, -(-(S - 1) // r**l) + 1)
+    nodes = start // r**l + jnp.arange(width, dtype=jnp.int32)
+    existing_below = (start + count + r ** (l - 1) - 1) // r ** (l - 1)
+    children = nodes[:, None] * r + jnp.arange(r, dtype=jnp.int32)[None, :]
+    return nodes, children, children < existing_below
+
+
+def _children_rows(layer, children):
+    return layer[jnp.minimum(children, layer.shape[0] - 1)]
+
+
+def _children_of(i: int, layer, l: int, scales, children):
+    """The children rows `[W, r, H, D]` float32 of layer `l` (`layer` the array's layers);
+    FP8 tokens (`scales`) as read back in the nodes' dtype."""
+    if l == 1 and scales:
+        scale = jnp.moveaxis(scales[i][:, jnp.minimum(children, scales[i].shape[1] - 1)], 0, -1)  # [W, r, H]
+        return dequantize_rows(_children_rows(layer[0], children), scale, layer[1].dtype).astype(jnp.float32)
+    return _children_rows(layer[l - 1], children).astype(jnp.float32)
+
+
+def _append_radii(keys, radii, scales, start, count, S: int, r: int, rope_dim):
+    """One row's radii of the nodes an append rewrote (SPEC 11), from the stored keys
+    after the append (`keys` the updated layers), layer by layer up; `()` without radii."""
+    radii = list(radii)
+    if not radii:
+        return ()
+    for l in range(1, len(keys)):
+        nodes, children, exists = _rewritten_nodes(start, count, S, r, l, keys[l].shape[0])
+        below = _children_rows(radii[l - 2], children) if l > 1 else 0.0  # layer 0's radii are 0
+        stored = keys[l][jnp.minimum(nodes, keys[l].shape[0] - 1)]
+        rho = children_radii(_children_of(0, keys, l, scales, children), below, stored, exists, rope_dim)
+        radii[l - 1] = _set_rows(radii[l - 1], nodes, rho)
+    return tuple(radii)
+
+
+def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None, tree_writer=None) -> HTreeCache:
     """Appends, per row `b`, the first `counts[b]` tokens (`None`: all `S`) of `k [B, S,
     H_kv, K]`, `v [B, S, H_kv, V]` (validated by the caller) at that row's length, and
     updates the tree above them. Bit for bit the tree `build_tree` makes of each row's
-    tokens."""
+    tokens. `tree_writer(layers, tokens, lengths, counts) -> layers` (one token a row,
+    a cache without FP8 tokens): writes the tokens and the nodes above them in its own
+    way (`pallas_kernels.append.append_token_pallas`; `layers` and `tokens` per array,
+    keys then values); the radii are then this module's, from the keys it wrote."""
     B, S = k.shape[:2]
     counts = jnp.full((B,), S, jnp.int32) if counts is None else counts
-    append = jax.vmap(functools.partial(_append_row, r=config.compression_rate,
-                                        rope_dim=config.partial_rope(k.shape[-1])))
-    keys, values, radii, scales = append(cache.keys, cache.values, cache.radii, cache.scales, cache.lengths, k, v,
-                                         counts)
+    r, rope_dim = config.compression_rate, config.partial_rope(k.shape[-1])
+    if tree_writer is not None:
+        if S != 1 or cache.scales:
+            raise ValueError("append_to_cache: a tree_writer appends one token a row to a cache without FP8 tokens")
+        tokens = (k[:, 0], v[:, 0]) if cache.values else (k[:, 0],)
+        arrays = tree_writer((cache.keys, cache.values) if cache.values else (cache.keys,), tokens, cache.lengths,
+                             counts)
+        keys, values = arrays[0], arrays[1] if cache.values else ()
+        radii = jax.vmap(functools.partial(_append_radii, S=1, r=r, rope_dim=rope_dim), in_axes=(0, 0, None, 0, 0))(
+            keys, cache.radii, (), cache.lengths, counts) if cache.radii else ()
+        scales = cache.scales
+    else:
+        append = jax.vmap(functools.partial(_append_row, r=r, rope_dim=rope_dim))
+        keys, values, radii, scales = append(cache.keys, cache.values, cache.radii, cache.scales, cache.lengths, k, v,
+                                             counts)
     return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32), radii, cache.value_dim, scales,
                       cache.compute_dtype)
 

@@ -27,6 +27,7 @@ from htree_jax.cache import HTreeCache, append_to_cache, check_cache, check_deco
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_layout
 from htree_jax.sharding import partitioned_cache_attention
+from pallas_kernels.append import append_token_pallas
 from pallas_kernels.configs import DecodeBlockSizes
 
 
@@ -78,7 +79,8 @@ def _resolve(backend, cache: HTreeCache, num_heads: int, config: HTreeConfig) ->
     return decode_backend(backend, K, V, num_heads // cache.num_kv_heads, latent_half)
 
 
-def _check_decode_block_sizes(block_sizes) -> None:
+def check_decode_block_sizes(block_sizes) -> None:
+    """`block_sizes` must be a `DecodeBlockSizes` or None."""
     if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
         raise TypeError(f"block_sizes must be an htree_jax.DecodeBlockSizes or None, got {type(block_sizes).__name__}")
 
@@ -90,6 +92,15 @@ def _attend_cache(q, cache: HTreeCache, positions, config: HTreeConfig, impl: st
                                            block_sizes, cache.value_dim, cache.scales)
     return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl, block_sizes,
                         cache.value_dim, cache.scales)
+
+
+def _tree_writer(impl: str, cache: HTreeCache, S: int, config: HTreeConfig):
+    """The Pallas append (`append_token_pallas`: the token and every layer's changed node
+    in one launch) for one token a row with the Pallas backends, one device and no FP8
+    tokens; else None (`append_to_cache`'s XLA scatters)."""
+    if impl not in ("pallas", "pallas_interpret") or S != 1 or cache.scales or jax.device_count() > 1:
+        return None
+    return functools.partial(append_token_pallas, r=config.compression_rate, interpret=impl == "pallas_interpret")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "return_selected", "impl", "block_sizes"),
@@ -105,7 +116,7 @@ def _prefill(q, k, v, cache, counts, config, return_selected, impl, block_sizes=
     # Padding positions attend as the row's last real token would (a valid position).
     positions = cache.lengths[:, None] + jnp.minimum(s[None, :], jnp.maximum(counts[:, None] - 1, 0))
     positions = jnp.minimum(positions, cache.max_len - 1)
-    cache = append_to_cache(cache, k, v, config, counts)
+    cache = append_to_cache(cache, k, v, config, counts, _tree_writer(impl, cache, S, config))
     o, selected = _attend_cache(q, cache, positions, config, impl, block_sizes)
     answer = jnp.where(fits, 0.0, jnp.nan).astype(o.dtype)  # padding: 0; a row that overflows: NaN
     o = jnp.where((real & fits[:, None])[..., None, None], o, answer[:, None, None, None])
@@ -138,7 +149,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     config = check_decode_config(config)
     check_cache(cache, config)
     S = _check_tokens(cache, q, k, v, step=False)
-    _check_decode_block_sizes(block_sizes)
+    check_decode_block_sizes(block_sizes)
     counts = check_lengths(lengths, cache.batch_size, S)
     impl = _resolve(backend, cache, q.shape[2], config)
     check_room(cache, counts)
@@ -164,7 +175,7 @@ def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = N
     config = check_decode_config(config)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
-    _check_decode_block_sizes(block_sizes)
+    check_decode_block_sizes(block_sizes)
     impl = _resolve(backend, cache, q_t.shape[1], config)
     counts = jnp.ones((cache.batch_size,), jnp.int32)
     check_room(cache, np.ones((cache.batch_size,), np.int32))

@@ -14,7 +14,7 @@ from htree_jax.backends import check_backend, check_block_sizes
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.validation import check_config
 from htree_jax.cache import init_cache
-from htree_jax.decode import prefill
+from htree_jax.decode import check_decode_block_sizes, prefill
 from htree_jax.flax_attention import attend, check_causal_mask, check_inputs, module_dims
 
 
@@ -43,6 +43,8 @@ class HTreeAttention(nn.Module):
     backend: str = "auto"
     block_sizes: Any = None
     decode: bool = False
+    # The Pallas decode kernels' `DecodeBlockSizes` (None: the defaults).
+    decode_block_sizes: Any = None
     # The decode cache's tokens: None (the inputs' dtype) or jnp.float8_e4m3fn (e4m3 with
     # per-token scales, 16-bit inputs; `htree_jax.init_cache(..., token_dtype=)`).
     cache_token_dtype: Any = None
@@ -53,6 +55,7 @@ class HTreeAttention(nn.Module):
         check_config(self.config)
         check_backend(self.backend)
         check_block_sizes(self.block_sizes)
+        check_decode_block_sizes(self.decode_block_sizes)
         return dims
 
     def _dense(self, features, name, axis=-1):
@@ -94,7 +97,8 @@ class HTreeAttention(nn.Module):
                 B, S, dims.num_kv_heads, dims.head_dim, dims.head_dim, config, k.dtype,
                 token_dtype=self.cache_token_dtype))
             if initialized:
-                o, tree.value = prefill(q, k, v, tree.value, config, lengths=lengths, backend=self.backend)
+                o, tree.value = prefill(q, k, v, tree.value, config, lengths=lengths, backend=self.backend,
+                                                 block_sizes=self.decode_block_sizes)
                 return out(o)
         batch_shape, T = inputs.shape[:-2], inputs.shape[-2]
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=dims.num_heads, seq_len=T,

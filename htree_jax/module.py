@@ -17,7 +17,7 @@ from htree_jax.backends import check_backend, check_block_sizes
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.validation import check_config
 from htree_jax.cache import init_cache
-from htree_jax.decode import prefill
+from htree_jax.decode import check_decode_block_sizes, prefill
 from htree_jax.flax_attention import attend, check_causal_mask, check_inputs, module_dims
 
 
@@ -48,6 +48,8 @@ class HTreeAttention(nnx.Module):
         (applied to the four projections).
       backend, block_sizes: as in `htree_attention` (`"auto"`: Pallas kernels on a GPU;
         decoding uses the backend's decode kernels).
+      decode_block_sizes: the Pallas decode kernels' `DecodeBlockSizes`, as `prefill` and
+        `decode_step` take them (None: the defaults).
       rngs: `nnx.Rngs` for the parameter initialisers.
 
     `__call__(inputs, *, mask=None)`: `mask` may be `None` (causal) or the causal mask
@@ -72,6 +74,7 @@ class HTreeAttention(nnx.Module):
         backend: str = "auto",
         block_sizes=None,
         decode: bool = False,
+        decode_block_sizes=None,
         rngs: nnx.Rngs,
     ):
         dims = module_dims(num_heads, in_features, num_kv_heads, head_dim, out_features)
@@ -79,6 +82,8 @@ class HTreeAttention(nnx.Module):
         self.backend = check_backend(backend)
         check_block_sizes(block_sizes)
         self.block_sizes = block_sizes
+        check_decode_block_sizes(decode_block_sizes)
+        self.decode_block_sizes = decode_block_sizes
         if not isinstance(decode, bool):
             raise TypeError(f"decode must be a bool, got {decode!r}")
         self.decode = decode
@@ -146,6 +151,7 @@ class HTreeAttention(nnx.Module):
         if inputs.ndim != 3:
             raise ValueError(f"inputs must have shape [B, S, in_features] with decode=True, got {list(inputs.shape)}")
         q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
-        o, cache = prefill(q, k, v, self.cache.get_value(), self.config, lengths=lengths, backend=self.backend)
+        o, cache = prefill(q, k, v, self.cache.get_value(), self.config, lengths=lengths, backend=self.backend,
+                           block_sizes=self.decode_block_sizes)
         self.cache.set_value(cache)
         return self.out(o)

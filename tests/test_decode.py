@@ -4,6 +4,7 @@ and selections at every position (strict causality, SPEC 3)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -13,8 +14,9 @@ import pytest
 
 from htree_jax import HTreeConfig, build_tree, htree_attention
 from htree_jax.backends import attend_cache
-from htree_jax.cache import HTreeCache, init_cache, reset_rows
+from htree_jax.cache import HTreeCache, append_to_cache, init_cache, reset_rows
 from htree_jax.decode import decode_step, prefill
+from pallas_kernels.append import append_token_pallas
 from pallas_kernels.configs import DecodeBlockSizes
 from pallas_kernels.decode import attend_cache_pallas, query_chunk
 from tests.conftest import random_qkv
@@ -428,3 +430,84 @@ def test_bad_lengths_are_refused(rng):
         prefill(q, k, v, small, config, lengths=jnp.asarray([5, 2]))
     with pytest.raises(ValueError, match=r"cache.lengths must be int32 \[B\] = \[2\]"):
         prefill(q, k, v, HTreeCache(cache.keys, cache.values, jnp.zeros((), jnp.int32)), config)
+
+
+# ---- the append in one kernel (issue 52) -------------------------------------------------
+
+# (r, selection, dtype, K, V, max_len, values from the keys)
+APPEND_CASES = [
+    (4, "mean", jnp.float32, 32, 32, 150, False),  # 150 -> 38 -> 10: 3 layers
+    (2, "bound", jnp.bfloat16, 64, 32, 70, False),  # 70 -> 35 -> 18 -> 9: 4 layers
+    (16, "bound", jnp.bfloat16, 96, 64, 300, False),  # K = 64 + 32: two pieces
+    (4, "mean", jnp.bfloat16, 64, 32, 150, True),  # keys only
+    (8, "mean", jnp.float16, 32, 48, 20, False),  # V = 32 + 16; 20 -> 3
+]
+
+
+@pytest.mark.parametrize("r, selection, dtype, K, V, max_len, from_keys", APPEND_CASES)
+def test_append_kernel_equals_the_xla_append_bit_for_bit(r, selection, dtype, K, V, max_len, from_keys, rng):
+    """`append_token_pallas` (interpreted) through `append_to_cache(tree_writer=)`: one
+    token a row at ragged lengths (a row at the end of a node, one at `max_len - 1`, a
+    row that appends nothing), every layer, the radii, the lengths: the XLA append's
+    arrays, bit for bit; and the tree `build_tree` makes of each row's tokens."""
+    config = HTreeConfig(compression_rate=r, top_k=4, selection=selection, rope_dim=16 if from_keys else None)
+    B, H_kv = 4, 2
+    _, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, B, max_len, H_kv, H_kv, K, V))
+    lengths = jnp.asarray([r - 1, max_len - 1, max_len // 3, 5], jnp.int32)
+    cache = init_cache(B, max_len, H_kv, K, V, config, dtype, values_from_keys=from_keys)
+    _, cache = prefill(jnp.zeros((B, max_len, H_kv, K), dtype), k, None if from_keys else v, cache, config,
+                       lengths=lengths, backend="reference")
+    counts = jnp.asarray([1, 1, 1, 0], jnp.int32)
+    token_k, token_v = k[jnp.arange(B), lengths][:, None], v[jnp.arange(B), lengths][:, None]
+    token_v = None if from_keys else token_v
+    xla = append_to_cache(cache, token_k, token_v, config, counts)
+    writer = functools.partial(append_token_pallas, r=r, interpret=True)
+    fresh = jax.tree.map(jnp.copy, cache)  # the kernel writes in place
+    kernel = append_to_cache(fresh, token_k, token_v, config, counts, writer)
+    for a, b in zip(jax.tree.leaves(kernel), jax.tree.leaves(xla)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    assert np.array_equal(np.asarray(kernel.lengths), np.asarray(lengths + counts))
+    row = 1  # the row filled to max_len: the whole tree of its tokens as stored (keys in `rope_layout`)
+    tokens = kernel.keys[0][row:row + 1]
+    whole = build_tree(tokens, tokens if from_keys else kernel.values[0][row:row + 1], config)
+    for l, (kl, vl) in enumerate(whole):
+        np.testing.assert_array_equal(np.asarray(kernel.keys[l][row:row + 1]).view(np.uint8),
+                                      np.asarray(kl).view(np.uint8))
+        if not from_keys:
+            np.testing.assert_array_equal(np.asarray(kernel.values[l][row:row + 1]).view(np.uint8),
+                                          np.asarray(vl).view(np.uint8))
+
+
+def test_append_writer_is_refused_where_it_does_not_apply(rng):
+    """`append_to_cache(tree_writer=)` takes one token a row and no FP8 tokens, saying so."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    cache = init_cache(2, 32, 1, 16, 16, config, jnp.bfloat16, token_dtype=jnp.float8_e4m3fn)
+    k = jnp.zeros((2, 1, 1, 16), jnp.bfloat16)
+    writer = functools.partial(append_token_pallas, r=4, interpret=True)
+    with pytest.raises(ValueError, match="one token a row to a cache without FP8 tokens"):
+        append_to_cache(cache, k, k, config, None, writer)
+    plain = init_cache(2, 32, 1, 16, 16, config, jnp.bfloat16)
+    with pytest.raises(ValueError, match="one token a row"):
+        append_to_cache(plain, jnp.concatenate([k, k], 1), jnp.concatenate([k, k], 1), config, None, writer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("selection, K", [("mean", 128), ("bound", 128), ("bound", 576)])
+def test_append_kernel_compiled_equals_the_xla_append_on_gpu(selection, K, rng):
+    """Compiled, bf16, r = 16, a 3-layer cache (8192 -> 512 -> 32), ragged rows: the
+    kernel's tree and radii equal the XLA append's bit for bit."""
+    config = HTreeConfig(compression_rate=16, top_k=16, selection=selection)
+    B, H_kv, V, max_len = 4, 2, 128, 8192
+    _, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, B, max_len, H_kv, H_kv, K, V))
+    lengths = jnp.asarray([255, max_len - 1, 4100, 17], jnp.int32)
+    cache = init_cache(B, max_len, H_kv, K, V, config, jnp.bfloat16)
+    _, cache = prefill(jnp.zeros((B, max_len, H_kv, K), jnp.bfloat16), k, v, cache, config, lengths=lengths,
+                       backend="reference")
+    counts = jnp.asarray([1, 1, 1, 0], jnp.int32)
+    token_k, token_v = k[jnp.arange(B), lengths][:, None], v[jnp.arange(B), lengths][:, None]
+    xla = jax.jit(lambda c: append_to_cache(c, token_k, token_v, config, counts))(cache)
+    writer = functools.partial(append_token_pallas, r=16)
+    kernel = jax.jit(lambda c: append_to_cache(c, token_k, token_v, config, counts, writer))(cache)
+    for a, b in zip(jax.tree.leaves(kernel), jax.tree.leaves(xla)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))

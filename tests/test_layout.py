@@ -116,11 +116,12 @@ KERNEL_FLOORS = {
     **dict.fromkeys(["__init__", "precision", "common", "configs", "shared_memory", "rope"], 0),
     **dict.fromkeys(["importance", "merge", "top_k", "top_layer", "top_backward", "layer_backward",
                      "node_backward", "tree_build", "tree_backward", "wide", "dead_rows",
-                     "decode_scores", "decode_merge"], 1),
+                     "decode_scores", "decode_merge", "append"], 1),
     **dict.fromkeys(["plan", "chunks"], 2),
     **dict.fromkeys(["forward", "backward", "decode", "wide_forward", "wide_backward"], 3),
 }
-DECODE_KERNELS = ("pallas_kernels.decode_scores", "pallas_kernels.decode_merge", "pallas_kernels.decode")
+DECODE_KERNELS = ("pallas_kernels.decode_scores", "pallas_kernels.decode_merge", "pallas_kernels.append",
+                  "pallas_kernels.decode")
 
 
 @pytest.mark.parametrize("path", python_files("pallas_kernels"), ids=lambda p: p.name)

@@ -389,6 +389,33 @@ def test_nnx_decode_with_the_pallas_backend_interpreted():
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), rtol=1e-5, atol=1e-5)
 
 
+def test_decode_block_sizes_reach_the_decode_kernels(monkeypatch):
+    """`decode_block_sizes` (nnx and linen) is what `prefill` gets; anything but a
+    `DecodeBlockSizes` or None is refused at construction (nnx) or first call (linen)."""
+    import htree_jax.linen as linen_module
+    import htree_jax.module as nnx_module
+
+    blocks = htree_jax.DecodeBlockSizes(span=32, target_programs=64)
+    seen = []
+    for module in (nnx_module, linen_module):
+        real = module.prefill
+        spy = lambda *a, real=real, **kw: seen.append(kw["block_sizes"]) or real(*a, **kw)
+        monkeypatch.setattr(module, "prefill", spy)
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    x = _inputs(14, (2, 6, 32))
+    m = HTreeAttention(4, 32, num_kv_heads=2, config=config, decode_block_sizes=blocks, rngs=nnx.Rngs(0))
+    m.init_cache(2, 8)
+    m(x, decode=True)
+    model = htree_linen.HTreeAttention(4, 32, num_kv_heads=2, config=config, decode_block_sizes=blocks)
+    variables = model.init(jax.random.key(0), x, decode=True)
+    model.apply(variables, x, decode=True, mutable=["cache"])
+    assert seen and all(b is blocks for b in seen)
+    with pytest.raises(TypeError, match="block_sizes must be an htree_jax.DecodeBlockSizes"):
+        HTreeAttention(4, 32, decode_block_sizes=htree_jax.BlockSizes(), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="block_sizes must be an htree_jax.DecodeBlockSizes"):
+        htree_linen.HTreeAttention(4, 32, decode_block_sizes=8).init(jax.random.key(0), x)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_module_decode_on_the_gpu_kernels_matches_the_full_sequence():
