@@ -15,6 +15,7 @@ from flax import nnx
 import htree_jax
 from htree_jax import HTreeAttention, HTreeConfig, attention_fn, htree_attention
 from htree_jax import linen as htree_linen
+from htree_jax import module as htree_module
 from htree_jax.backends import choose_backend
 from tests.helpers import run_readme_snippet
 
@@ -392,12 +393,9 @@ def test_nnx_decode_with_the_pallas_backend_interpreted():
 def test_decode_block_sizes_reach_the_decode_kernels(monkeypatch):
     """`decode_block_sizes` (nnx and linen) is what `prefill` gets; anything but a
     `DecodeBlockSizes` or None is refused at construction (nnx) or first call (linen)."""
-    import htree_jax.linen as linen_module
-    import htree_jax.module as nnx_module
-
     blocks = htree_jax.DecodeBlockSizes(span=32, target_programs=64)
     seen = []
-    for module in (nnx_module, linen_module):
+    for module in (htree_module, htree_linen):
         real = module.prefill
         spy = lambda *a, real=real, **kw: seen.append(kw["block_sizes"]) or real(*a, **kw)
         monkeypatch.setattr(module, "prefill", spy)
