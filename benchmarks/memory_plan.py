@@ -6,8 +6,8 @@
 Compiles (does not run) `htree_attention(..., backend="pallas")` and its vjp with a
 bfloat16 cotangent (`htree_jax.memory_plan`), and prints for each length and pass
 XLA's planned peak beside the bytes of the inputs and the output (the cotangent and the
-gradients too for fwd+bwd), then for the last compile the largest values in the
-temporary allocation (from the buffer assignment XLA dumps), so the peak can be counted.
+gradients too for fwd+bwd), then for the last compile the values live at its peak (XLA's heap simulation, from
+its `live-range` dump) with their shapes and the JAX operations they come from.
 `--devices n`: T sharded over n devices (context parallelism), the plan one device's.
 `--shape mla`: the latent-attention shape (`htree_jax.bench.MLA`), values their own
 (`--values own`) or the keys' latent features (`keys`).
@@ -23,6 +23,39 @@ import sys
 import tempfile
 
 
+def hlo_values(hlo_text: str) -> dict:
+    """`{instruction name: (shape, op_name)}` of an optimized HLO module's text."""
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+|\([^=]*?\)) [^\n]*?(?:op_name=\"([^\"]*)\")?[^\n]*$",
+                         hlo_text, re.M):
+        out.setdefault(m.group(1), (m.group(2)[:60], m.group(3) or ""))
+    return out
+
+
+def print_peak(live_range_file: str, largest: int) -> None:
+    """The values live at the peak of XLA's heap simulation (its `live-range` dump), the
+    largest first, each with its shape and the JAX operation it comes from."""
+    text = open(live_range_file).read()
+    peak = re.search(r"Live ranges at \d+ \(peak\):\n((?:    \S+: \d+ bytes.*\n)+)", text)
+    if not peak:
+        print(f"no peak in {os.path.basename(live_range_file)}")
+        return
+    hlo_file = live_range_file.replace("-live-range.txt", ".txt")
+    values = hlo_values(open(hlo_file).read()) if os.path.exists(hlo_file) else {}
+    rows = re.findall(r"    (\S+?)(\{[\d,]*\})?: (\d+) bytes", peak.group(1))
+    total = sum(int(size) for *_, size in rows)
+    print(f"values live at the peak ({len(rows)}, {total / 2**30:.2f} GiB; {os.path.basename(live_range_file)}):")
+    for name, index, size in sorted(rows, key=lambda row: -int(row[2]))[:largest]:
+        shape, op = values.get(name, ("?", ""))
+        print(f"  {int(size) / 2**30:7.3f} GiB  {name}{index}  {shape}  {op[-110:]}")
+    # XLA's breakdown of the peak by the JAX call stack that made each value: the
+    # entries of at least 1% of it.
+    breakdown = text[text.find("Stack trace breakdown for peak"):].splitlines()
+    for line in breakdown[:1] + [x for x in breakdown[1:] if (m := re.search(r"\((\d+\.\d)%", x))
+                                 and float(m.group(1)) >= 1.0]:
+        print("  " + line.strip()[:240])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--T", default="1048576", help="sequence lengths, comma-separated")
@@ -31,7 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--values", choices=["own", "keys"], default="own", help="with --shape mla: v given or read from k")
     p.add_argument("--passes", default="fwd+bwd", help="forward, fwd+bwd, or both comma-separated")
     p.add_argument("--backend", default="pallas", help="pallas (GPU), or pallas_interpret for a CPU smoke test")
-    p.add_argument("--largest", type=int, default=25, help="values of the last compile's buffer assignment to list")
+    p.add_argument("--largest", type=int, default=25, help="values live at the last compile's peak to list")
     p.add_argument("--devices", type=int, default=1, help="T sharded over this many devices (context parallelism): "
                    "the plan is one device's")
     args = p.parse_args(argv)
@@ -77,17 +110,9 @@ def main(argv=None) -> int:
             total = data + (data if gradients else 0)
             print(f"| {T} | {name} | {gib(plan.peak):.2f} | {gib(plan.arguments):.2f} | {gib(plan.outputs):.2f} | "
                   f"{gib(plan.temporaries):.2f} | {gib(total):.2f} | {plan.peak / total:.3f} |", flush=True)
-    files = [f for f in glob.glob(f"{dump}/*buffer-assignment.txt") if "jit__lambda" in f or "jit_" in f]
-    text = max(files, key=os.path.getmtime) if files and args.largest else ""
-    if text:
-        values = re.findall(r"value: <\d+ ([^ >]+)[^>]*> \(size=(\d+),offset=(\d+)\): (\S+)", open(text).read())
-        seen = {}
-        for name, size, offset, shape in values:
-            seen.setdefault((int(offset), int(size)), []).append(f"{name} {shape}")
-        print(f"largest of {len(values)} values in the last buffer assignment ({os.path.basename(text)}):")
-        for (offset, size), names in sorted(seen.items(), key=lambda kv: -kv[0][1])[: args.largest]:
-            print(f"  {gib(size):7.2f} GiB at {offset / 2**30:7.2f}: {'; '.join(names[:3])}"
-                  f"{' ...' if len(names) > 3 else ''}")
+    files = [f for f in glob.glob(f"{dump}/*after_optimizations-live-range.txt") if "jit__lambda" in f or "jit_" in f]
+    if files and args.largest:
+        print_peak(max(files, key=os.path.getmtime), args.largest)
     return 0
 
 

@@ -159,8 +159,15 @@ def _pallas_forward_bwd(config, interpret, export, tuning, value_dim, q_layout, 
                                        config, block_sizes=tuning, interpret=interpret, dead_rows=dead,
                                        selections=saved, positions=positions, packing=packing, value_dim=value_dim,
                                        q_layout=q_layout)
-    dk = jnp.where(jnp.isfinite(k), dk, jnp.zeros((), dk.dtype))
-    dv = None if v is None else jnp.where(jnp.isfinite(v), dv, jnp.zeros((), dv.dtype))
+    # Tokens at or after `first` get no gradient: the entries the guard zeroed, and the
+    # rest of those tokens, whose gradient comes only from the dead rows (causal: only
+    # later queries merge a token or a node holding it) and is 0 already. Before `first`
+    # every entry is finite. So a mask by position is SPEC 10's per-entry mask, without
+    # a bool per entry of k and v kept from the forward to here (1 GiB at T=1M, H_kv=4,
+    # K=V=128: journal, 2026-11-27 (8)).
+    late = (jnp.arange(k.shape[1], dtype=jnp.int32)[None, :, None] >= first[:, None, :])[..., None]
+    dk = jnp.where(late, jnp.zeros((), dk.dtype), dk)
+    dv = None if v is None else jnp.where(late, jnp.zeros((), dv.dtype), dv)
     return dq, dk, dv, None, None
 
 

@@ -16,11 +16,13 @@ Context parallelism (`T` sharded): each device keeps its `T / n` queries, all-ga
 `k` and `v` (with GQA `G` times smaller than `q`), builds the whole tree and attends its
 queries at their positions; the backward reduce-scatters `dk`, `dv` (each device's share
 of every token's gradient) back to `T / n` tokens. Per-device memory (XLA's compiled
-plan of one shard's call, `benchmarks/bench_context_parallel.py`; figures in
-benchmarks/RESULTS.md) is dominated by what is per token, not per query: the gathered
-k, v and the bottom layer's keys in their `span / r` rotated float32 copies
-(`rope.rotate_phases`), which every device builds for the whole sequence; the shard's
-own queries, output and selections are `T / n`-sized. The causal work per shard grows
+plan of one shard's call, `benchmarks/memory_plan.py --devices n`; figures in
+benchmarks/RESULTS.md): the shard's own queries, output, cotangent, dq and selections
+are `T / n`-sized; per token, for the whole sequence on every device, the bottom
+layer's keys in their `span / r` rotated copies (`rope.rotate_phases`) and the
+backward's float32 dk, dv accumulators. The backward allocates those accumulators and
+dq's chunks only after the forward (`pallas_kernels.common.zeros_after`), so the
+forward's peak does not hold them. The causal work per shard grows
 with its position only until the candidate buffers fill, so the split is left even (the
 slowest shard's time against the mean's: journal, 2026-11-23 (session 3), context parallelism).
 

@@ -45,9 +45,12 @@ the cotangent), outputs 10 GiB (dq, dk, dv), temporaries 18.4 GiB (XLA reuses a
 buffer once its value is dead, the saved output's among them): dq's chunks 8 GiB, the
 bottom's keys in `span/r` = 4 rotated copies 4 GiB, the bottom's float32 dk/dv
 accumulators 4 GiB, the saved selections 1 GiB per layer, a chunk's stored scores 1 GiB
-(twice), the guard's zeroed k or v (1 GiB each) and their finiteness masks (0.5 GiB
-each). With chunks that tile T (`forward.dividing_chunk`) nothing is padded to
-`chunks * Qc` positions.
+(twice), the guard's zeroed k or v (1 GiB each) and, then, their finiteness masks (0.5
+GiB each; the gradients are now masked by position, `htree_jax.backends`). With chunks
+that tile T (`forward.dividing_chunk`) nothing is padded to `chunks * Qc` positions.
+The accumulators and dq's chunks are allocated after the forward's `lse` exists
+(`common.zeros_after`): where both passes are one program (a training step), XLA's
+scheduler could otherwise make them during the forward and add them to its peak.
 """
 
 from __future__ import annotations
@@ -62,7 +65,14 @@ from jax import lax
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import apply_rope
 from pallas_kernels import shared_memory
-from pallas_kernels.common import KERNEL_GROUP, next_power_of_two, pad_axis, unpad_rope_halves, virtual_heads
+from pallas_kernels.common import (
+    KERNEL_GROUP,
+    next_power_of_two,
+    pad_axis,
+    unpad_rope_halves,
+    virtual_heads,
+    zeros_after,
+)
 from pallas_kernels.chunks import chunk_queries, select_below_top, valid_candidates
 from pallas_kernels.configs import BlockSizes, KernelConfigs
 from pallas_kernels.plan import group_rows, prepare, split_heads
@@ -158,11 +168,15 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
     lse4, delta4 = (_per_chunk(x, Qc, num_chunks) for x in (rows(lse.astype(jnp.float32)), delta))
     saved = None if selections is None else [_per_chunk(virtual_heads(x, split), Qc, num_chunks) for x in selections]
 
-    top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
-    layer_acc = [node_buffers(B, H_kv, sizes[l], kp, vp) for l in range(L - 1)]
+    # The accumulators and dq's chunks are allocated after the forward's `lse` exists:
+    # left to XLA's scheduler they could be made during the forward (both passes in one
+    # program), adding to its peak (`zeros_after`).
+    top_acc = tuple(zeros_after(x.shape, jnp.float32, lse) for x in (prep.top_k_merge[0], prep.top_v))
+    layer_acc = [node_buffers(B, H_kv, sizes[l], kp, vp, anchor=lse) for l in range(L - 1)]
+    dq_chunks = zeros_after((num_chunks, B, Qc, H_kv, G, K), q.dtype, lse)
 
-    def chunk(carry, c):
-        top_acc, layer_acc = carry
+    def chunk(c, carry):
+        top_acc, layer_acc, dq_chunks = carry
         layer_acc = list(layer_acc)
         sl = lambda x: lax.dynamic_slice_in_dim(x, c * Qc, Qc, axis=1)
         lse_c, delta_c, do_c = sl(lse4), sl(delta4), sl(do4)
@@ -208,9 +222,10 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
                     parents = next_parents
         # Each query's dq is whole within its chunk: finished (unpadded, in q's dtype)
         # here, the stacked chunks are half the float32 ones (8 vs 16 GiB at T=1M).
-        return (top_acc, tuple(layer_acc)), unpad_rope_halves(dq, K).astype(q.dtype)
+        dq_chunks = lax.dynamic_update_index_in_dim(dq_chunks, unpad_rope_halves(dq, K).astype(q.dtype), c, 0)
+        return top_acc, tuple(layer_acc), dq_chunks
 
-    (top_acc, layer_acc), dq = lax.scan(chunk, (top_acc, tuple(layer_acc)), jnp.arange(num_chunks, dtype=jnp.int32))
+    top_acc, layer_acc, dq = lax.fori_loop(0, num_chunks, chunk, (top_acc, tuple(layer_acc), dq_chunks))
 
     # Rotate the key gradients back, then push them down the tree to the tokens.
     N_top = sizes[-1]

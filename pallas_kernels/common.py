@@ -124,6 +124,17 @@ def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def zeros_after(shape, dtype, anchor):
+    """`jnp.zeros(shape, dtype)` that XLA cannot allocate before `anchor` (any array) is
+    computed: the zero passes through an optimization barrier with it. For a pass's
+    large buffers (a backward's accumulators, anchored on the forward's `lse`): XLA's
+    GPU scheduler places a constant broadcast anywhere before its use while the plan
+    stays under the device's memory, and placed inside the forward they add to its peak
+    (journal, 2026-11-27 (8))."""
+    zero, _ = lax.optimization_barrier((jnp.zeros((), dtype), anchor))
+    return jnp.broadcast_to(zero, shape)
+
+
 def pad_axis(x, axis: int, size: int):
     """Zero-pads `x` along `axis` up to `size`."""
     pad = size - x.shape[axis]

@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from htree_jax.core.rope import apply_rope
-from pallas_kernels.common import LayerStatic, compiler_params, merge_score_precision
+from pallas_kernels.common import LayerStatic, compiler_params, merge_score_precision, zeros_after
 from pallas_kernels.configs import UNIT_ENTRIES
 from pallas_kernels.importance import feature_pieces
 from pallas_kernels.layer_backward import grads_of_block
@@ -135,11 +135,14 @@ def node_index(parents, n, r: int, num_units: int, entries_per_program: int = UN
     return NodeIndex(t, angle, offset, lo + 32 * hi, bounds, segments)
 
 
-def node_buffers(B, H_kv, N: int, kp: int, vp: int):
+def node_buffers(B, H_kv, N: int, kp: int, vp: int, anchor=None):
     """Zeroed float32 accumulators of `layer_node_grads_pallas`: `dk [B, H_kv, Nu, Kp]`
-    (copy 0's frame) and `dv [B, H_kv, Nu, Vp]`, `Nu` = N rounded up to whole units."""
+    (copy 0's frame) and `dv [B, H_kv, Nu, Vp]`, `Nu` = N rounded up to whole units;
+    allocated no earlier than `anchor` is computed (`common.zeros_after`; None: anywhere)."""
     Nu = -(-N // UNIT) * UNIT
-    return jnp.zeros((B, H_kv, Nu, kp), jnp.float32), jnp.zeros((B, H_kv, Nu, vp), jnp.float32)
+    if anchor is None:
+        return jnp.zeros((B, H_kv, Nu, kp), jnp.float32), jnp.zeros((B, H_kv, Nu, vp), jnp.float32)
+    return zeros_after((B, H_kv, Nu, kp), jnp.float32, anchor), zeros_after((B, H_kv, Nu, vp), jnp.float32, anchor)
 
 
 def node_gradient(dk_acc, N: int, cos, sin, r: int):

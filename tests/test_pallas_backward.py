@@ -13,7 +13,7 @@ import pytest
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.core.rope import apply_rope
 from pallas_kernels.backward import htree_backward_pallas
-from pallas_kernels.common import LayerStatic, next_power_of_two, pad_nodes
+from pallas_kernels.common import LayerStatic, next_power_of_two, pad_nodes, zeros_after
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.importance import importance_keys_pallas
 from pallas_kernels.layer_backward import layer_backward_pallas, layer_backward_twin
@@ -352,3 +352,23 @@ def test_top_backward_launches():
     st_dq, st_dkv, _ = top_backward_statics(st_top, TopBackwardConfig(dq_tile=256, dkv_tile=256), 2, 256, 128,
                                             384, 8192, 4, 8192)
     assert (st_dq.tile, st_dkv.tile, st_dq.num_stages) == (128, 128, 1)  # 384 = 3 x 128
+
+
+def test_zeros_after_waits_for_its_anchor():
+    """`zeros_after`: zeros of the shape and dtype, made from a zero that passes an
+    optimization barrier with the anchor (so XLA cannot make the buffer before the
+    anchor exists), and the backward's accumulators and dq's chunks are made that way."""
+    anchor = jnp.arange(5.0)
+    zeros = zeros_after((3, 4), jnp.bfloat16, anchor)
+    assert zeros.shape == (3, 4) and zeros.dtype == jnp.bfloat16 and not np.any(np.asarray(zeros, np.float32))
+    barrier = [e for e in jax.make_jaxpr(lambda a: zeros_after((3, 4), jnp.float32, a))(anchor).eqns
+               if e.primitive.name == "optimization_barrier"]
+    assert len(barrier) == 1 and barrier[0].invars[1].aval.shape == (5,)
+    B, T, H, K = 1, 64, 2, 32
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, h, K), jnp.float32) for i, h in enumerate((H, 1, 1)))
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    o, _, lse = htree_forward_pallas(q, k, v, config, interpret=True, return_lse=True)
+    text = str(jax.make_jaxpr(lambda lse: htree_backward_pallas(q, k, v, o, lse, o, config, interpret=True))(lse))
+    # the top layer's two accumulators, two per layer below it, and dq's chunks
+    assert text.count("optimization_barrier") >= 2 + 2 * (config.num_layers(T) - 1) + 1
+
