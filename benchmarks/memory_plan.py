@@ -6,8 +6,9 @@
 Compiles (does not run) `htree_attention(..., backend="pallas")` and its vjp with a
 bfloat16 cotangent (`htree_jax.memory_plan`), and prints for each length and pass
 XLA's planned peak beside the bytes of the inputs and the output (the cotangent and the
-gradients too for fwd+bwd), then for the last compile the values live at its peak (XLA's heap simulation, from
-its `live-range` dump) with their shapes and the JAX operations they come from.
+gradients too for fwd+bwd), then for the last compile the values live at its peak
+(XLA's heap simulation, from its `live-range` dump) with their shapes and the JAX
+operations they come from, and XLA's breakdown of that peak by call stack.
 `--devices n`: T sharded over n devices (context parallelism), the plan one device's.
 `--shape mla`: the latent-attention shape (`htree_jax.bench.MLA`), values their own
 (`--values own`) or the keys' latent features (`keys`).

@@ -45,9 +45,9 @@ the cotangent), outputs 10 GiB (dq, dk, dv), temporaries 18.4 GiB (XLA reuses a
 buffer once its value is dead, the saved output's among them): dq's chunks 8 GiB, the
 bottom's keys in `span/r` = 4 rotated copies 4 GiB, the bottom's float32 dk/dv
 accumulators 4 GiB, the saved selections 1 GiB per layer, a chunk's stored scores 1 GiB
-(twice), the guard's zeroed k or v (1 GiB each) and, then, their finiteness masks (0.5
-GiB each; the gradients are now masked by position, `htree_jax.backends`). With chunks
-that tile T (`forward.dividing_chunk`) nothing is padded to `chunks * Qc` positions.
+(twice), the guard's zeroed k or v (1 GiB each) and, in that plan, their finiteness
+masks (0.5 GiB each), which the backward no longer keeps (the gradients of non-finite
+tokens are masked by position, `htree_jax.backends`). With chunks that tile T (`forward.dividing_chunk`) nothing is padded to `chunks * Qc` positions.
 The accumulators and dq's chunks are allocated after the forward's `lse` exists
 (`common.zeros_after`): where both passes are one program (a training step), XLA's
 scheduler could otherwise make them during the forward and add them to its peak.
