@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -371,4 +372,29 @@ def test_zeros_after_waits_for_its_anchor():
     text = str(jax.make_jaxpr(lambda lse: htree_backward_pallas(q, k, v, o, lse, o, config, interpret=True))(lse))
     # the top layer's two accumulators, two per layer below it, and dq's chunks
     assert text.count("optimization_barrier") >= 2 + 2 * (config.num_layers(T) - 1) + 1
+
+
+def _scans(jaxpr):
+    """Every `scan` equation of a jaxpr, nested ones included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _scans(sub)
+
+
+def test_backward_chunk_loop_indexes_by_xs():
+    """The backward's loop over query chunks takes the chunk index from its `xs`, not a
+    counter in its carry (a `fori_loop`): with a counter XLA made the loop's per-chunk
+    slices async on other streams, a wait per chunk (journal, 2026-11-27 (9))."""
+    B, T, H, K = 1, 64, 2, 32
+    q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, h, K), jnp.float32) for i, h in enumerate((H, 1, 1)))
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    o, _, lse = htree_forward_pallas(q, k, v, config, interpret=True, return_lse=True)
+    jaxpr = jax.make_jaxpr(lambda lse: htree_backward_pallas(q, k, v, o, lse, o, config, interpret=True))(lse).jaxpr
+    chunk_loops = [e for e in _scans(jaxpr) if "pallas_call" in str(e.params["jaxpr"])]
+    assert chunk_loops, "no scan over chunks holds the backward's kernels"
+    for e in chunk_loops:  # xs come last; a fori_loop's last operand is its carry's last
+        index = e.invars[-1].aval
+        assert index.shape == (e.params["length"],) and index.dtype == jnp.int32, "the chunk index must be xs"
 
