@@ -54,23 +54,61 @@ class MemoryPlan:
     def peak(self) -> int:
         return self.arguments + self.outputs + self.temporaries
 
-    def check(self, limit_bytes: int | None = None, devices=None) -> None:
+    def check(self, limit_bytes: int | None = None, devices=None, held=None) -> None:
         """Raises `MemoryError` naming the need and the limit where `peak` exceeds
         `limit_bytes`, or (None) the free memory of any of `devices` (default: every
-        device; free = `memory_stats()["bytes_limit"] - ["bytes_in_use"]`). Devices that
-        report no limit (the CPU) are not checked."""
+        device; free = `memory_stats()["bytes_limit"] - ["bytes_in_use"]`). `held`: the
+        bytes of the call's arguments that a device already holds (`{device: bytes}`,
+        `resident_bytes`), which its `bytes_in_use` counts already, so its need is `peak`
+        less them. XLA allocates the temporaries as one buffer: a device whose
+        `largest_free_block` is smaller is refused too. Devices that report no limit
+        (the CPU) are not checked."""
+        held = held or {}
         if limit_bytes is not None:
-            limits = [("the limit given", int(limit_bytes))]
+            limits = [("the limit given", int(limit_bytes), 0)]
         else:
-            limits = [(str(d), free) for d in (jax.devices() if devices is None else devices)
+            limits = [(str(d), free, held.get(d, 0)) for d in (jax.devices() if devices is None else devices)
                       if (free := free_bytes(d)) is not None]
-        for name, free in limits:
-            if self.peak > free:
-                raise MemoryError(
-                    f"{self.what} needs {readable(self.peak)} on each device (XLA's plan: arguments "
-                    f"{readable(self.arguments)}, outputs {readable(self.outputs)}, temporaries "
-                    f"{readable(self.temporaries)}); {name} has {readable(free)} free: shard the call over more "
-                    "devices (along T the plan falls with the device count), or shorten it")
+        needs = (f"{self.what} needs {readable(self.peak)} on each device (XLA's plan: arguments "
+                 f"{readable(self.arguments)}, outputs {readable(self.outputs)}, temporaries "
+                 f"{readable(self.temporaries)})")
+        advice = "shard the call over more devices (along T the plan falls with the device count), or shorten it"
+        for name, free, already in limits:
+            if self.peak - already > free:
+                beside = f" beside the {readable(already)} of the arguments it holds" if already else ""
+                raise MemoryError(f"{needs}; {name} has {readable(free)} free{beside}: {advice}")
+        # Free memory in pieces each smaller than the temporaries fails as surely as too
+        # little: the allocator cannot split one buffer over its free blocks.
+        for d in ([] if limit_bytes is not None else jax.devices() if devices is None else devices):
+            if (block := largest_free_block(d)) is not None and self.temporaries > block:
+                raise MemoryError(f"{needs}; the temporaries are one buffer and {d}'s largest free block is "
+                                  f"{readable(block)} ({readable(free_bytes(d))} free in all, in pieces): free or "
+                                  f"allocate the device's other arrays in fewer pieces, or {advice}")
+
+
+def largest_free_block(device) -> int | None:
+    """The largest allocation `device` can make now, in bytes: its allocator's largest
+    free block, or the room it may still reserve, whichever is larger; None where it
+    reports no such figure (the CPU)."""
+    stats = device.memory_stats() or {}
+    if "largest_free_block_bytes" not in stats:
+        return None
+    room = int(stats["bytes_limit"]) - int(stats["pool_bytes"]) if {"bytes_limit", "pool_bytes"} <= set(stats) else 0
+    return max(int(stats["largest_free_block_bytes"]), room)
+
+
+def resident_bytes(args) -> dict:
+    """`{device: bytes}` of the arrays among `args` (a pytree; each array once however
+    often it appears) already in each device's memory: a call's existing arguments are
+    in its devices' `bytes_in_use` before it runs. `jax.ShapeDtypeStruct`s hold nothing."""
+    held, seen = {}, set()
+    for x in jax.tree.leaves(args):
+        if not isinstance(x, jax.Array) or id(x) in seen or x.is_deleted():
+            continue
+        seen.add(id(x))
+        for shard in x.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held
 
 
 def free_bytes(device) -> int | None:
@@ -122,11 +160,13 @@ def compile_checked(fn, *args, what: str = "the call", limit_bytes: int | None =
     not), its plan checked before anything runs (`MemoryPlan.check`: against
     `limit_bytes`, or None, every device's free memory): returns the compiled executable
     (call it with arrays shaped and sharded like `args`), or raises `MemoryError` naming
-    the need and the limit. For a whole training step around `htree_attention`, under
-    which an out-of-memory on one device leaves the others waiting in their collectives."""
+    the need and the limit. Arrays among `args` are in their devices' memory already:
+    a device's need is the plan less them (`resident_bytes`); `limit_bytes` bounds the
+    whole plan. For a whole training step around `htree_attention`, under which an
+    out-of-memory on one device leaves the others waiting in their collectives."""
     compiled = jax.jit(fn).lower(*args).compile()
-    MemoryPlan.of(compiled, what).check(limit_bytes)
+    MemoryPlan.of(compiled, what).check(limit_bytes, held=resident_bytes(args))
     return compiled
 
 
-__all__ = ["MemoryPlan", "compile_checked", "free_bytes", "memory_plan"]
+__all__ = ["MemoryPlan", "compile_checked", "free_bytes", "largest_free_block", "memory_plan", "resident_bytes"]

@@ -56,3 +56,15 @@ def _release_compiled_code():
     thousands of small programs, and keeping them all grew one process past 2.4 GB."""
     yield
     jax.clear_caches()
+
+
+# Test files whose tests run for minutes (each sharded run is a process of its own on 8
+# simulated devices, the longest about 3 minutes on two cores).
+LONG_FIRST = ("test_sharding.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests first, each file's order kept: xdist hands tests out in
+    collection order, and collected last (files sort by name) a 3-minute test left the
+    other worker idle at the end of the run."""
+    items.sort(key=lambda item: item.path.name not in LONG_FIRST)

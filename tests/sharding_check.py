@@ -17,6 +17,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from htree_jax import HTreeConfig, htree_attention, memory_plan  # noqa: E402
+from htree_jax.memory import resident_bytes  # noqa: E402
 from htree_jax.backends import attend  # noqa: E402
 
 # 3 layers at T=152; the mean named, as the bound (the default) has runs of its own below.
@@ -48,6 +49,16 @@ def memory_plans() -> int:
         if any(b >= a for a, b in zip(row, row[1:])):
             print(f"FAIL memory plan peaks along T ({'fwd+bwd' if gradients else 'forward'}): {row}")
             return 1
+    # What `compile_checked` takes off each device's need: its shard of a T-sharded array,
+    # the whole of a replicated one (each array once).
+    mesh = jax.make_mesh((8,), ("seq",), axis_types=(AxisType.Auto,))
+    along_t = jax.device_put(jnp.zeros(shapes[0], jnp.float32), NamedSharding(mesh, P(None, "seq", None, None)))
+    everywhere = jax.device_put(jnp.zeros(shapes[1], jnp.float32), NamedSharding(mesh, P()))
+    held = resident_bytes((along_t, everywhere, along_t, jax.ShapeDtypeStruct(shapes[2], jnp.float32)))
+    share = along_t.nbytes // 8 + everywhere.nbytes
+    if held != {d: share for d in jax.devices()}:
+        print(f"FAIL resident bytes over 8: {held}, each device should hold {share}")
+        return 1
     print("ok memory plan: each device's share falls with the device count along T, "
           f"forward {[peaks[n, False] for n in counts]}, fwd+bwd {[peaks[n, True] for n in counts]}")
     return 0

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, MemoryPlan, compile_checked, htree_attention, memory_plan
+from htree_jax import memory
+from htree_jax.memory import resident_bytes
 from htree_jax.reference import (
     DEFAULT_CHUNK_BUDGET_BYTES,
     reference_forward,
@@ -87,16 +89,22 @@ def test_memory_plan_counts_and_checks_without_running():
         memory_plan(shapes[0], shapes[1], jax.ShapeDtypeStruct((2, 150, 3, 16), jnp.float32), config)
 
 
-def test_compile_checked_runs_what_fits_and_refuses_what_does_not():
-    """`htree_jax.compile_checked`: a whole step compiled, checked and returned to run
-    (the same outputs as `jax.jit`), or a `MemoryError` naming the need and the limit
-    before anything runs."""
+def small_step(rng):
+    """`(step, (q, k, v))`: the gradient of a sum of squares of `htree_attention` (3 layers at
+    T=150) and fresh float32 inputs `[1, 150, 4 or 2, 16]`."""
     config = HTreeConfig(compression_rate=4, top_k=4)
-    rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, 150, 4, 16), (1, 150, 2, 16),
                                                                          (1, 150, 2, 16)))
     step = jax.grad(lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend="reference") ** 2),
                     argnums=(0, 1, 2))
+    return step, (q, k, v)
+
+
+def test_compile_checked_runs_what_fits_and_refuses_what_does_not():
+    """`htree_jax.compile_checked`: a whole step compiled, checked and returned to run
+    (the same outputs as `jax.jit`), or a `MemoryError` naming the need and the limit
+    before anything runs."""
+    step, (q, k, v) = small_step(np.random.default_rng(0))
     compiled = compile_checked(step, q, k, v, what="a step")
     for a, b in zip(compiled(q, k, v), jax.jit(step)(q, k, v)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -104,3 +112,42 @@ def test_compile_checked_runs_what_fits_and_refuses_what_does_not():
     compile_checked(step, q, k, v, limit_bytes=plan.peak)
     with pytest.raises(MemoryError, match=r"a step needs \d+\.\d MiB on each device .* the limit given has"):
         compile_checked(step, q, k, v, what="a step", limit_bytes=plan.peak - 1)
+
+
+def test_compile_checked_takes_the_arguments_a_device_holds_off_its_need(monkeypatch):
+    """Arrays passed to `compile_checked` are in their device's `bytes_in_use` already:
+    a step fits where the device's free memory and its arguments together cover the plan
+    (the arguments counted twice refused a step that fitted);
+    one byte less is refused naming what the device holds; shapes alone hold nothing."""
+    step, (q, k, v) = small_step(np.random.default_rng(1))
+    device = jax.devices()[0]
+    held = resident_bytes((q, k, v))
+    assert held == {device: q.nbytes + k.nbytes + v.nbytes}
+    assert resident_bytes((q, q, jax.ShapeDtypeStruct(k.shape, k.dtype))) == {device: q.nbytes}
+    plan = MemoryPlan.of(jax.jit(step).lower(q, k, v).compile())
+    assert plan.arguments == held[device]
+    monkeypatch.setattr(memory, "free_bytes", lambda d: plan.peak - held[d])
+    compile_checked(step, q, k, v)
+    monkeypatch.setattr(memory, "free_bytes", lambda d: plan.peak - held[d] - 1)
+    with pytest.raises(MemoryError, match=r"a step needs .* has \d+\.\d MiB free beside the \d+\.\d MiB of the "
+                                          r"arguments it holds"):
+        compile_checked(step, q, k, v, what="a step")
+    monkeypatch.setattr(memory, "free_bytes", lambda d: plan.peak - 1)
+    with pytest.raises(MemoryError, match=r"a step needs .* has \d+\.\d MiB free: shard"):
+        compile_checked(step, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)), what="a step")
+
+
+def test_check_refuses_temporaries_larger_than_the_largest_free_block(monkeypatch):
+    """XLA allocates a call's temporaries as one buffer: a device with free memory
+    enough in all but no block that large is refused, naming the block; one block
+    as large as the temporaries passes."""
+    plan = MemoryPlan(arguments=10 * 2**30, outputs=10 * 2**30, temporaries=48 * 2**30, what="a step")
+    monkeypatch.setattr(memory, "free_bytes", lambda d: 70 * 2**30)
+    monkeypatch.setattr(memory, "largest_free_block", lambda d: 48 * 2**30)
+    plan.check()
+    monkeypatch.setattr(memory, "largest_free_block", lambda d: 48 * 2**30 - 1)
+    with pytest.raises(MemoryError, match=r"a step needs 68.00 GiB .* the temporaries are one buffer and .*'s "
+                                          r"largest free block is 48.00 GiB \(70.00 GiB free in all, in pieces\)"):
+        plan.check()
+    plan.check(limit_bytes=plan.peak)  # a limit given bounds the whole plan alone
+
