@@ -64,11 +64,11 @@ class MemoryPlan:
         `largest_free_block` is smaller is refused too. Devices that report no limit
         (the CPU) are not checked."""
         held = held or {}
+        devices = [] if limit_bytes is not None else jax.devices() if devices is None else devices
         if limit_bytes is not None:
             limits = [("the limit given", int(limit_bytes), 0)]
         else:
-            limits = [(str(d), free, held.get(d, 0)) for d in (jax.devices() if devices is None else devices)
-                      if (free := free_bytes(d)) is not None]
+            limits = [(str(d), free, held.get(d, 0)) for d in devices if (free := free_bytes(d)) is not None]
         needs = (f"{self.what} needs {readable(self.peak)} on each device (XLA's plan: arguments "
                  f"{readable(self.arguments)}, outputs {readable(self.outputs)}, temporaries "
                  f"{readable(self.temporaries)})")
@@ -79,7 +79,7 @@ class MemoryPlan:
                 raise MemoryError(f"{needs}; {name} has {readable(free)} free{beside}: {advice}")
         # Free memory in pieces each smaller than the temporaries fails as surely as too
         # little: the allocator cannot split one buffer over its free blocks.
-        for d in ([] if limit_bytes is not None else jax.devices() if devices is None else devices):
+        for d in devices:
             if (block := largest_free_block(d)) is not None and self.temporaries > block:
                 raise MemoryError(f"{needs}; the temporaries are one buffer and {d}'s largest free block is "
                                   f"{readable(block)} ({readable(free_bytes(d))} free in all, in pieces): free or "
