@@ -151,3 +151,26 @@ def test_check_refuses_temporaries_larger_than_the_largest_free_block(monkeypatc
         plan.check()
     plan.check(limit_bytes=plan.peak)  # a limit given bounds the whole plan alone
 
+
+
+class StatsOnly:
+    """A device as `largest_free_block` reads it: its `memory_stats()` alone."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_largest_free_block_reads_the_allocators_block_or_the_room_left_to_reserve():
+    """The largest free block of a preallocated pool, or (a pool still growing) the bytes
+    the allocator may still reserve, whichever is larger; None where no block is reported."""
+    GiB = 2**30
+    full_pool = {"bytes_limit": 75 * GiB, "pool_bytes": 75 * GiB, "largest_free_block_bytes": 65 * GiB}
+    assert memory.largest_free_block(StatsOnly(full_pool)) == 65 * GiB
+    growing = {"bytes_limit": 75 * GiB, "pool_bytes": 20 * GiB, "largest_free_block_bytes": 8 * GiB}
+    assert memory.largest_free_block(StatsOnly(growing)) == 55 * GiB
+    assert memory.largest_free_block(StatsOnly({"largest_free_block_bytes": 3 * GiB})) == 3 * GiB
+    assert memory.largest_free_block(StatsOnly({"bytes_limit": GiB})) is None
+    assert memory.largest_free_block(StatsOnly(None)) is None
