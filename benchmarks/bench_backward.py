@@ -32,6 +32,7 @@ from htree_jax.bench import (
     planned_gb,
 )
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
+from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.forward import htree_forward_pallas
 
@@ -65,7 +66,7 @@ def peak_gib():
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sizes", default="8192,32768,131072", help="sequence lengths T, comma-separated")
     p.add_argument("--long", default="", help="more lengths, comma-separated, after --sizes")
     p.add_argument("--top-k", default="512,64", help="HTreeConfig.top_k values, comma-separated")

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from htree_jax import HTreeConfig
 from htree_jax.backends import attend
 from htree_jax.bench import grad_of_sum, gpu_header, inputs, median_ms, planned_gb
+from htree_jax.cli import DefaultsHelpFormatter
 
 
 def shard_call(config, grad: bool):
@@ -32,7 +33,7 @@ def shard_call(config, grad: bool):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--T", type=int, default=1048576)
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--top-k", type=int, default=64)

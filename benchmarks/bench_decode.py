@@ -33,6 +33,7 @@ from htree_jax import DecodeBlockSizes, HTreeCache, HTreeConfig, build_tree, dec
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.core.bounds import tree_radii
 from htree_jax.core.quantize import FP8, quantize_rows
+from htree_jax.cli import DefaultsHelpFormatter
 
 H, H_KV, K, V = 32, 4, 128, 128
 DTYPE = jnp.bfloat16
@@ -299,7 +300,7 @@ def run_mla(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--contexts", default="32768,131072,524288")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--top-k", default="512,64")

@@ -41,6 +41,7 @@ from benchmarks.profile_decode import per_call_and_loop
 from htree_jax import HTreeConfig, decode_step
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
+from htree_jax.cli import DefaultsHelpFormatter
 
 
 def loop_and_call(body, state, steps: int, repeats: int):
@@ -115,7 +116,7 @@ def step_launches(B, ctx, config, lengths, show: bool):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--contexts", default="131072")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--top-k", default="64,512")

@@ -37,6 +37,7 @@ from htree_jax import HTreeConfig, htree_attention
 from htree_jax.memory import MemoryPlan, compile_checked
 from htree_jax.backends import attend
 from htree_jax.bench import dense_fn, gpu_header, grad_of_sum, int_list, median_ms
+from htree_jax.cli import DefaultsHelpFormatter
 
 H, H_KV, K, V = 32, 4, 128, 128
 
@@ -71,7 +72,7 @@ def q_gathered(text: str, q_local_shape) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--top-k", default="512,64")
     p.add_argument("--cp-T", default="1048576,2097152")

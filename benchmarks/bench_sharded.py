@@ -21,10 +21,11 @@ from htree_jax import HTreeConfig
 from htree_jax.backends import attend
 from htree_jax.bench import grad_of_sum, gpu_header, inputs, int_list, median_ms
 from htree_jax.sharding import partitioned_attention
+from htree_jax.cli import DefaultsHelpFormatter
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--top-k", default="512,64")
     p.add_argument("--iters", type=int, default=5)

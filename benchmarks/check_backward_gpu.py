@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig, htree_attention
+from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.forward import htree_forward_pallas
 
@@ -81,7 +82,7 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sizes", default="4096,32768")
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--dtypes", default="float32,bfloat16")

@@ -20,6 +20,7 @@ import numpy as np
 
 from htree_jax import HTreeConfig
 from htree_jax.reference import htree_attention_reference
+from htree_jax.cli import DefaultsHelpFormatter
 from jax import lax
 
 from pallas_kernels.forward import htree_forward_pallas
@@ -71,7 +72,7 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0, precision=None
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sizes", default="4096,32768")
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--low-precision", default="auto", choices=sorted(PRECISIONS),

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.common import KERNEL_GROUP, wide_head_dims
 from pallas_kernels.configs import KernelConfigs
 from pallas_kernels.plan import top_importance_launch
@@ -270,7 +271,7 @@ def report(name, ok, out, kind):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="float32 and float16 on every GQA shape class")
     ap.add_argument("--big-T", type=int, default=131072, help="the benchmark shape's T (0: leave it out)")
     ap.add_argument("--json", default=None, help="write every case's figures here")

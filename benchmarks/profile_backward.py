@@ -20,6 +20,7 @@ import numpy as np
 
 from htree_jax import HTreeConfig
 from htree_jax.bench import H_KV, INPUTS, B, H, V, median_ms
+from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.backward import htree_backward_pallas
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import htree_forward_pallas
@@ -60,7 +61,7 @@ def node_index_load(index) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)

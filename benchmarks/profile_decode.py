@@ -24,6 +24,7 @@ from htree_jax import HTreeConfig, decode_step
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.backends import attend_cache
 from htree_jax.cache import append_to_cache
+from htree_jax.cli import DefaultsHelpFormatter
 
 
 def per_call_and_loop(body, state, steps, repeats):
@@ -46,7 +47,7 @@ def per_call_and_loop(body, state, steps, repeats):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--top-k", type=int, default=64)

@@ -18,6 +18,7 @@ import jax
 from benchmarks.bench_decode import DTYPE, MLA_DIMS, filled_cache, per_step_ms, start_lengths
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from htree_jax import DecodeBlockSizes, HTreeConfig, decode_step
+from htree_jax.cli import DefaultsHelpFormatter
 
 
 def fusion_sources(compiled_text: str, times: dict, top: int = 4) -> None:
@@ -34,7 +35,7 @@ def fusion_sources(compiled_text: str, times: dict, top: int = 4) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--variants", nargs="*", default=[""])

@@ -20,6 +20,7 @@ from htree_jax import HTreeConfig
 from htree_jax.bench import H_KV, INPUTS, B, H, K, dense_fn, median_ms
 from htree_jax.core.indexing import top_layer_parents
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
+from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.common import next_power_of_two, pad_axis
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.configs import KernelConfigs
@@ -64,7 +65,7 @@ TUNED = KernelConfigs.resolve(None, 128, 128)  # the shape this profiler runs (h
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--iters", type=int, default=3)

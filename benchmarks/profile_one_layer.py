@@ -18,10 +18,11 @@ from benchmarks.bench_backward import grad_fn
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.bench import H, V, dense_fn, gpu_header, inputs, int_list, median_ms
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
+from htree_jax.cli import DefaultsHelpFormatter
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--sizes", default="4096,8192", help="sequence lengths T, comma-separated")
     p.add_argument("--batch", default="1,4", help="batch sizes B, comma-separated")
     p.add_argument("--steps", type=int, default=5, help="profiled calls per function")

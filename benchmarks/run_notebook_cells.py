@@ -1,5 +1,7 @@
 """Runs the code cells of a notebook in this process, without Jupyter (the GPU machine
 has no nbclient/ipykernel): each figure is saved as a PNG under `--out` instead of shown.
+From any directory: the cells run in the notebook's own directory, as Jupyter runs them
+(`--notebook` and `--out` are taken relative to where it was called).
 
     HTREE_NB_SIZES=1024,4096,16384,65536 python benchmarks/run_notebook_cells.py --out /tmp/nb
 """
@@ -8,21 +10,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import contextlib
 import os
 import pathlib
+from htree_jax.cli import DefaultsHelpFormatter
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--notebook", default="notebooks/explore_htree.ipynb")
-    p.add_argument("--out", default=".")
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--notebook", default=str(ROOT / "notebooks" / "explore_htree.ipynb"), help="the notebook to run")
+    p.add_argument("--out", default=".", help="where the figures are saved")
     args = p.parse_args(argv)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out).resolve()
+    notebook = pathlib.Path(args.notebook).resolve()
     out.mkdir(parents=True, exist_ok=True)
     count = [0]
 
@@ -33,12 +41,13 @@ def main(argv=None) -> int:
         plt.close("all")
 
     plt.show = show
-    cells = json.loads(pathlib.Path(args.notebook).read_text())["cells"]
+    cells = json.loads(notebook.read_text())["cells"]
     scope: dict = {"__name__": "__notebook__"}
-    for i, cell in enumerate(cells):
-        if cell["cell_type"] == "code":
-            print(f"--- cell {i}", flush=True)
-            exec(compile("".join(cell["source"]), f"<cell {i}>", "exec"), scope)
+    with contextlib.chdir(notebook.parent):
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "code":
+                print(f"--- cell {i}", flush=True)
+                exec(compile("".join(cell["source"]), f"<cell {i}>", "exec"), scope)
     print(f"figures saved: {count[0]} in {os.fspath(out)}")
     return 0
 

@@ -24,6 +24,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from htree_jax.cli import DefaultsHelpFormatter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -38,7 +39,7 @@ def ints(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--train-len", type=int, default=16384)
     p.add_argument("--eval-lens", type=ints, default=[16384, 32768])
     p.add_argument("--top-k", type=ints, default=[64, 512])

@@ -18,6 +18,7 @@ import jax
 from htree_jax import HTreeConfig
 from htree_jax.bench import INPUTS, dense_fn, median_ms
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
+from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.forward import htree_forward_pallas
 from pallas_kernels.configs import KernelConfigs
 
@@ -42,7 +43,7 @@ def parse_variants(spec: str) -> list[dict]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--T", type=int, default=131072, help="sequence length")
     p.add_argument("--top-k", type=int, default=64, help="HTreeConfig.top_k")
     p.add_argument("--selection", default="bound", help="HTreeConfig.selection (mean or bound)")

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from htree_jax.cli import DefaultsHelpFormatter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT / "examples") not in sys.path:
@@ -150,7 +151,7 @@ def plot(rows: list[dict], png: str) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=None, help="corpus directory (default: Python's standard library source)")
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--steps", type=int, default=2000)

@@ -23,6 +23,7 @@ import json
 import pathlib
 import sys
 import time
+from htree_jax.cli import DefaultsHelpFormatter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ("--d-model", "128", "--heads", "4", "--kv-heads", "2", "--layers", "2", "--rope-base", "1e6",
@@ -152,7 +153,7 @@ def table(results: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--seq-lens", type=ints, default=[4096, 16384, 32768])
     p.add_argument("--top-k", type=ints, default=[64])

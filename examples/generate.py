@@ -34,6 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from train_tiny_lm import TinyLM, add_model_arguments  # noqa: E402
 
 import htree_jax  # noqa: E402
+from htree_jax.cli import DefaultsHelpFormatter  # noqa: E402
 
 
 def decode_logits(model: TinyLM, tokens, lengths=None):
@@ -74,7 +75,7 @@ def make_generate(graphdef):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-lengths", default="5,17,40", help="one prompt per batch row")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-len", type=int, default=256)

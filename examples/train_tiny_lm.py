@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import pathlib
 import statistics
@@ -64,10 +65,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, serialization
 
 import htree_jax
 from htree_jax.core.rope import rope_absolute
+from htree_jax.cli import DefaultsHelpFormatter
 
 NUM_FILLERS = 32
 
@@ -343,7 +345,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--attention", choices=("htree", "dense"), default="htree")
     p.add_argument("--task", choices=("recall", "needle", "text"), default=None,
                    help="default: text with --data, else recall")
@@ -377,20 +379,30 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="write the trained model to DIR (its parameters and the flags that shape it)")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="start from the model saved in DIR (its shape flags replace these; --steps 0: only "
+                        "evaluate it). The attention, top_k, selection and backend stay this run's: a dense "
+                        "checkpoint continues with htree")
     args = p.parse_args(argv)
+    if args.init:
+        load_shape_flags(args)
     if args.task is None:
         args.task = "text" if args.data else "recall"
     if args.data and args.task != "text":
         p.error(f"--data is the text task's corpus; --task {args.task} makes its own sequences")
-    for name in ("steps", "batch", "seq_len", "num_values", "num_keys", "pairs", "queries", "d_model", "layers",
+    if args.steps < (0 if args.init else 1):
+        p.error("--steps must be >= 1 (0 only with --init: evaluate the loaded model)")
+    for name in ("batch", "seq_len", "num_values", "num_keys", "pairs", "queries", "d_model", "layers",
                  "heads", "kv_heads", "eval_size", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.seq_len < 4:
         p.error("--seq-len must be >= 4")
-    if args.dense_steps < 0 or args.dense_steps >= args.steps:
+    if args.dense_steps < 0 or args.dense_steps >= max(args.steps, 1):
         p.error("--dense-steps must be in [0, --steps)")
-    if args.len_warmup_steps < 0 or args.len_warmup_steps >= args.steps:
+    if args.len_warmup_steps < 0 or args.len_warmup_steps >= max(args.steps, 1):
         p.error("--len-warmup-steps must be in [0, --steps)")
     shortest = min(args.seq_len, args.len_warmup_start) if args.len_warmup_steps else args.seq_len
     if args.len_warmup_steps and (shortest < 4 or args.seq_len % shortest or args.batch * args.seq_len % shortest):
@@ -417,6 +429,53 @@ def length_schedule(steps: int, seq_len: int, start: int, warmup_steps: int) -> 
         return [seq_len] * steps
     per = warmup_steps / len(lengths)
     return [lengths[int(step / per)] if step < warmup_steps else seq_len for step in range(steps)]
+
+
+# The flags that fix a model's parameters: a checkpoint records them, `--init` takes them.
+SHAPE_FLAGS = ("task", "data", "d_model", "layers", "heads", "kv_heads", "token_shift", "num_values", "num_keys",
+               "compression_rate", "rope_base", "scale")
+CHECKPOINT_PARAMS, CHECKPOINT_FLAGS = "params.msgpack", "model.json"
+
+
+def save_model(model, args, directory, result: dict | None = None) -> pathlib.Path:
+    """Writes `model`'s parameters (float32, Flax's msgpack serialization of the pure
+    dict of `nnx.state(model, nnx.Param)`) and the flags that shape it to `directory`;
+    `result`'s scalars (steps, bits per byte, ...) are recorded beside them."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    (directory / CHECKPOINT_PARAMS).write_bytes(serialization.msgpack_serialize(jax.device_get(params)))
+    flags = {name: getattr(args, name) for name in SHAPE_FLAGS}
+    flags["data"] = str(task_of(args).root) if args.task == "text" else None
+    scalars = {k: v for k, v in (result or {}).items() if isinstance(v, (int, float, str, bool)) or v is None}
+    (directory / CHECKPOINT_FLAGS).write_text(json.dumps({"flags": flags, "trained": scalars}, indent=1))
+    return directory
+
+
+def checkpoint_flags(directory) -> dict:
+    """The `SHAPE_FLAGS` (and what the run recorded) of a model saved by `save_model`."""
+    path = pathlib.Path(directory) / CHECKPOINT_FLAGS
+    if not path.is_file():
+        raise ValueError(f"--init {str(directory)!r}: no {CHECKPOINT_FLAGS} there (a directory written by --save)")
+    return json.loads(path.read_text())
+
+
+def load_shape_flags(args) -> None:
+    """`--init DIR`: the flags that shape the saved model replace `args`' own."""
+    saved = checkpoint_flags(args.init)["flags"]
+    for name in SHAPE_FLAGS:
+        if name == "data" and args.data:  # the same corpus at another path (another machine) is allowed
+            continue
+        setattr(args, name, saved[name])
+
+
+def load_params(model, directory) -> None:
+    """Sets `model`'s parameters to those `save_model` wrote to `directory` (the same
+    shapes: `load_shape_flags` made the model so)."""
+    state = nnx.state(model, nnx.Param)
+    saved = serialization.msgpack_restore((pathlib.Path(directory) / CHECKPOINT_PARAMS).read_bytes())
+    nnx.replace_by_pure_dict(state, saved)
+    nnx.update(model, state)
 
 
 def compute_dtype(name: str):
@@ -486,10 +545,14 @@ def train(args) -> tuple[TinyLM, dict]:
     task = task_of(args)
     dtype = compute_dtype(args.dtype)
     model = build_model(args)
+    if args.init:
+        load_params(model, args.init)
+        print(f"parameters from {args.init} ({checkpoint_flags(args.init)['trained'].get('steps', '?')} steps "
+              "trained there)", flush=True)
     config = model.blocks[0].attention.config if args.attention == "htree" else None
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10 + 1)
     make_optimizer = lambda model: nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup, args.steps), weight_decay=0.01), wrt=nnx.Param)
+        0.0, args.lr, warmup, max(args.steps, warmup + 1)), weight_decay=0.01), wrt=nnx.Param)
     optimizer = make_optimizer(model)
     dense_steps = args.dense_steps if args.attention == "htree" else 0
     if dense_steps:  # the same parameters (and optimizer state) under dense attention
@@ -546,7 +609,7 @@ def train(args) -> tuple[TinyLM, dict]:
     # the step time: the median over the steps at the full length but its first (it
     # compiles), with the model's own attention (after any dense warm-up)
     full = [s for i, (s, n) in enumerate(zip(step_seconds, schedule)) if n == args.seq_len and i >= dense_steps]
-    step_ms = 1e3 * statistics.median(full[1:] if len(full) > 1 else full)
+    step_ms = 1e3 * statistics.median(full[1:] if len(full) > 1 else full) if full else float("nan")
     accuracy, eval_loss = eval_accuracy(model, args, args.seq_len)
     result = dict(task=args.task, attention=args.attention, seq_len=args.seq_len,
                   top_k=args.top_k if args.attention == "htree" else None,
@@ -563,6 +626,11 @@ def train(args) -> tuple[TinyLM, dict]:
                   device=jax.devices()[0].device_kind)
     if args.task == "text":
         result.update(data=task.root, bits_per_byte=eval_loss / math.log(2))
+    if args.init:
+        result.update(init=str(args.init))
+    if args.save:
+        save_model(model, args, args.save, result)
+        print(f"saved to {args.save}", flush=True)
     held = f", {eval_loss / math.log(2):.3f} bits per byte held out" if args.task == "text" else ""
     print(f"final: task={args.task} attention={attention} T={args.seq_len} eval accuracy {accuracy:.3f} (chance "
           f"{chance_of(args):.3f}), eval loss {eval_loss:.4f}{held}, {train_s:.0f} s, {step_ms:.1f} ms/step, "

@@ -93,8 +93,16 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
     return backend
 
 
-def full_sequence_backend(backend: str, dims) -> str:
-    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`)."""
+def full_sequence_backend(backend: str, dims, config: HTreeConfig | None = None) -> str:
+    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`).
+    Block selection (SPEC 12, `config.selection_block > 1`) has no kernels yet: "auto"
+    runs the reference, "pallas" and "pallas_interpret" are refused."""
+    if config is not None and config.selects_by_block:
+        check_backend(backend)
+        if backend in ("pallas", "pallas_interpret"):
+            raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection, "
+                             "SPEC 12) runs on the JAX reference only for now; use backend='reference' or 'auto'")
+        return "reference"
     return choose_backend(backend, lambda name: check_pallas_dims(dims, name))
 
 

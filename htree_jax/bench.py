@@ -29,6 +29,7 @@ from htree_jax.core.rope import rope_absolute, rope_layout
 from htree_jax.kernel_trace import kernel_ms
 from htree_jax.memory import MemoryPlan
 from htree_jax.reference import htree_attention_reference
+from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.configs import KernelConfigs
 from pallas_kernels.wide_forward import bottom_merge, chunk_start, prepare_wide, select_and_merge, valid_count
 
@@ -505,7 +506,7 @@ def run_bench(args, argv=()) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="bench_forward")
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, prog="bench_forward")
     add_bench_arguments(p)
     argv = list(sys.argv[1:] if argv is None else argv)
     return run_bench(p.parse_args(argv), argv)

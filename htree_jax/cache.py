@@ -373,4 +373,8 @@ def check_decode_config(config) -> HTreeConfig:
             "depends on tokens after it (SPEC 2.3), so no cache of the past can reproduce the "
             "full-sequence output"
         )
+    if config.selects_by_block:
+        raise ValueError(
+            f"config.selection_block={config.selection_block}: block selection (SPEC 12) is not in the decode cache "
+            "yet (it would keep the block's ranking queries); decode with selection_block=1")
     return config

@@ -101,16 +101,39 @@ class HTreeAttention(nnx.Module):
         self.out = nnx.LinearGeneral((dims.num_heads, dims.head_dim), dims.out_features, axis=(-2, -1),
                                      **linear)
 
-    def init_cache(self, batch_size: int, max_len: int, dtype=None, token_dtype=None):
-        """Makes an empty decode cache (`htree_jax.init_cache`) for `batch_size` rows of up
-        to `max_len` tokens, in `dtype` (default: the module's `dtype`, else `param_dtype`:
-        the projections' dtype). Then `module(x, decode=True)` appends `x [B, S, in_features]`
+    def init_cache(self, batch_size_or_input_shape, max_len: int | None = None, dtype=None, token_dtype=None):
+        """Makes an empty decode cache (`htree_jax.init_cache`). Two calls:
+
+        - `init_cache(batch_size, max_len)`: `batch_size` rows of up to `max_len` tokens;
+        - `init_cache(input_shape, dtype=jnp.float32)`, `nnx.MultiHeadAttention`'s call:
+          `input_shape = (B, max_len, in_features)`, the shape of the whole sequence the
+          cache will hold (so code written for MHA's decoding runs unchanged).
+
+        The cache's `dtype` defaults to the module's `dtype`, else `param_dtype` (the
+        projections' dtype). Then `module(x, decode=True)` appends `x [B, S, in_features]`
         (a prompt, or one token) and attends with it. `token_dtype=jnp.float8_e4m3fn`:
         the tokens stored in e4m3 with per-token scales, about half the bytes (`dtype`
         16-bit; `htree_jax.init_cache` says what it computes)."""
+        batch_size, max_len = self._cache_shape(batch_size_or_input_shape, max_len)
         dtype = dtype or self.dtype or self.param_dtype
         self.cache = nnx.Cache(init_cache(batch_size, max_len, self.num_kv_heads, self.head_dim,
                                           self.head_dim, self.config, dtype, token_dtype=token_dtype))
+
+    def _cache_shape(self, batch_size_or_input_shape, max_len):
+        """`(batch_size, max_len)` from either form `init_cache` takes."""
+        arg = batch_size_or_input_shape
+        if isinstance(arg, (tuple, list)):
+            if max_len is not None:
+                raise TypeError("init_cache(input_shape, ...) takes max_len from input_shape[-2]; "
+                                "pass either (input_shape) or (batch_size, max_len)")
+            if len(arg) != 3 or arg[-1] != self.in_features:
+                raise ValueError(f"init_cache: input_shape must be (batch, max_len, in_features={self.in_features}) "
+                                 f"(a decode cache has one batch axis), got {tuple(arg)}")
+            return int(arg[0]), int(arg[1])
+        if max_len is None:
+            raise TypeError("init_cache needs max_len: init_cache(batch_size, max_len), or MHA's "
+                            "init_cache(input_shape) with input_shape = (batch, max_len, in_features)")
+        return arg, max_len
 
     def __call__(self, inputs, *, mask=None, decode: bool | None = None, lengths=None, segment_ids=None,
                  max_documents: int | None = None, max_document_len: int | None = None):

@@ -45,6 +45,9 @@ def chunk_bytes_per_query(config: HTreeConfig, batch, num_kv_heads, group, head_
     """
     M = config.max_candidates
     per_head = M * (head_dim + value_dim + 4 * group + 6) + config.top_k * group * head_dim
+    if config.selects_by_block:  # SPEC 12's ranking rows: their rotations and scores
+        rows = group * (config.selection_block if config.block_source == "previous" else 1)
+        per_head += rows * (2 * M + config.top_k * head_dim + head_dim)
     return 4 * per_head * batch * num_kv_heads
 
 
@@ -115,7 +118,7 @@ def select_top_k(importance_keys, valid, nodes, top_k, max_candidates, values=No
 
 
 def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True, base=None,
-                   return_importance: bool = False):
+                   return_importance: bool = False, q_rank=None):
     """All layers for one `(b, h_kv)` and a chunk of positions (SPEC 2, top down).
 
     `q [C, G, K]`, `t [C]` int32, `layers [(K_l [N_l, K], V_l [N_l, V]), ...]` bottom
@@ -131,6 +134,9 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     Packed sequences (`htree_jax.core.packing`): `t` is each query's position inside its
     document and `base [C]` its document's virtual start; node `i` of that document on
     layer `l` is row `base / r^l + i` of `layers`. Node lists stay document-local.
+
+    Block selection (SPEC 12): `q_rank [C, R, K]`, each query's ranking rows (`block_rows`);
+    the layers above 0 rank by their scores instead of the query's own.
     """
     r, k_top, M = config.compression_rate, config.top_k, config.max_candidates
     L = len(layers)
@@ -165,9 +171,11 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
         if l > 0:
             rightmost = p[None, :] == (n - 1)[:, None]
             in_norm = valid & ~rightmost if config.strict_causal else valid
-            ranked = s
+            rows = q if q_rank is None else q_rank.astype(jnp.float32)
+            # SPEC 12: the block's ranking rows score the same buffer (same n, same rotation).
+            ranked = s if q_rank is None else scores(rows, gathered.reshape(C, k_top, r, K), n, alpha, cos, sin, r)
             if config.ranks_by_bound:  # SPEC 11: rank by what a token under the node could score
-                ranked = bound_scores(s, q, layers[l][2][safe_nodes], alpha, R)
+                ranked = bound_scores(ranked, rows, layers[l][2][safe_nodes], alpha, R)
             # Selection is a discrete choice: no gradient flows through it.
             exported = importance(lax.stop_gradient(ranked), in_norm, config.importance)
             imp = jnp.where(rightmost, FORCED_IMPORTANCE, exported)
@@ -218,6 +226,24 @@ def with_radii(layers, config: HTreeConfig, exists=None):
                                          exists)]
 
 
+def block_rows(q5, positions, config: HTreeConfig):
+    """SPEC 12's ranking rows of every query: `q5 [B, S, H_kv, G, K]`, `positions [B, S]`
+    (inside each document) -> `[B, S, H_kv, R, K]`: the `G` heads of the block's first
+    query (`block_source="first"`, `R = G`) or the `b * G` heads of the previous block's
+    queries (`"previous"`, `R = b * G`; zeros for a first block). The queries of a block
+    are consecutive in `q5` (a document's tokens are), so the first one is `t mod b`
+    rows up."""
+    B, S, H_kv, G, K = q5.shape
+    b = config.selection_block
+    first = jnp.arange(S, dtype=jnp.int32)[None, :] - positions % b  # [B, S]
+    take = lambda rows: jnp.take_along_axis(q5, jnp.clip(rows, 0, S - 1)[:, :, None, None, None], axis=1)
+    if config.block_source == "first":
+        return take(first)
+    has_previous = (positions - positions % b - b >= 0)[:, :, None, None, None]
+    rows = [jnp.where(has_previous, take(first - b + j), 0.0) for j in range(b)]  # each [B, S, H_kv, G, K]
+    return jnp.concatenate(rows, axis=3)  # [B, S, H_kv, b * G, K]
+
+
 def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True,
                 base=None, return_importance: bool = False):
     """Queries `q [B, S, H, K]` at token positions `positions [S]`, or `[B, S]` per batch
@@ -243,21 +269,29 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
 
     padded = pad_positions(positions)
     bases = None if base is None else pad_positions(base)
+    # SPEC 12: each query's ranking rows, cut into the same chunks as q (no gradient: they only rank).
+    ranks = None
+    if config.selects_by_block:
+        ranks = lax.stop_gradient(block_rows(q5, jnp.broadcast_to(positions, (B, S)), config))
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, num_chunks * C - S), (0, 0), (0, 0), (0, 0)))
     if num_chunks * C != S:
-        q5 = jnp.pad(q5, ((0, 0), (0, num_chunks * C - S), (0, 0), (0, 0), (0, 0)))
+        q5 = pad(q5)
+        ranks = None if ranks is None else pad(ranks)
 
     # vmap over batch (axis 0 of everything) then kv heads (axis 2 of q5, the layers).
     per_head = jax.vmap(
-        lambda qh, t, lay, b: _walk_one_head(qh, t, lay, config, alpha, keys_rotated, b, return_importance),
-        in_axes=(1, None, 1, None)
+        lambda qh, t, lay, b, qr: _walk_one_head(qh, t, lay, config, alpha, keys_rotated, b, return_importance, qr),
+        in_axes=(1, None, 1, None, None if ranks is None else 1)
     )
-    per_batch = jax.vmap(per_head, in_axes=(0, 0 if per_row else None, 0, None if base is None else 0))
+    per_batch = jax.vmap(per_head, in_axes=(0, 0 if per_row else None, 0, None if base is None else 0,
+                                            None if ranks is None else 0))
 
     def chunk(i):
         qc = lax.dynamic_slice_in_dim(q5, i * C, C, axis=1)  # [B, C, H_kv, G, K]
         t = lax.dynamic_slice_in_dim(padded, i * C, C, axis=padded.ndim - 1)
         b = None if bases is None else lax.dynamic_slice_in_dim(bases, i * C, C, axis=1)
-        return per_batch(qc, t, layers, b)  # o [B, H_kv, C, G, V], sels [B, H_kv, C, k_top]
+        qr = None if ranks is None else lax.dynamic_slice_in_dim(ranks, i * C, C, axis=1)
+        return per_batch(qc, t, layers, b, qr)  # o [B, H_kv, C, G, V], sels [B, H_kv, C, k_top]
 
     # Rematerialised under autodiff: the backward keeps only each chunk's inputs, not its
     # [chunk, M, K] gathers, so gradient memory is bounded by the same chunking.

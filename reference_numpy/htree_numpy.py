@@ -17,7 +17,8 @@ import numpy as np
 # (an `htree_jax.HTreeConfig` in practice) and derives everything else itself, so a
 # fault in the library's arithmetic cannot hide in the oracle too.
 SPEC_DEFAULTS = types.SimpleNamespace(compression_rate=16, top_k=512, rope_base=10000.0, scale=None,
-                                      importance="softmax", strict_causal=True, rope_dim=None, selection="mean")
+                                      importance="softmax", strict_causal=True, rope_dim=None, selection="mean",
+                                      selection_block=1, block_source="first")
 FORCED_IMPORTANCE = 1e6  # SPEC 2.3: above every possible importance (which is <= G)
 
 # Relative perturbation of the importance under which `fragile` checks a selection.
@@ -155,11 +156,13 @@ class QueryTrace:
         return any(lt.fragile for lt in self.layers)
 
 
-def trace_query(q_group, layers, t, config, alpha, radii=None, groups=None):
+def trace_query(q_group, layers, t, config, alpha, radii=None, groups=None, q_rank=None):
     """One `(b, t, h_kv)`: `q_group [G, K]` float64, `layers` from `build_tree_numpy`
     sliced to one batch row and kv head (`[(K_l [N_l, K], V_l [N_l, V]), ...]`). With
     `config.selection == "bound"`, `radii` (per layer `[N_l, n_groups]`, `tree_radii`
-    sliced alike) and the feature `groups` (SPEC 11)."""
+    sliced alike) and the feature `groups` (SPEC 11). With block selection (SPEC 12)
+    `q_rank [R, K]` float64, the block's ranking rows (`ranking_rows`): the layers above 0
+    rank by their scores on the same buffer; the merge keeps the query's own."""
     r, k_top, L = config.compression_rate, config.top_k, len(layers)
     G = q_group.shape[0]
     Vd = layers[0][1].shape[-1]
@@ -180,9 +183,11 @@ def trace_query(q_group, layers, t, config, alpha, radii=None, groups=None):
         fragile = False
         if l > 0:
             in_norm = pos < n - 1 if config.strict_causal else np.ones(n, bool)
-            ranked = s
+            rows = q_group if q_rank is None else q_rank
+            ranked = s if q_rank is None else alpha * rope(rows, np.full(1, n - 1), config.rope_base,
+                                                           config.rope_dim) @ k_rot.T  # SPEC 12
             if getattr(config, "selection", "mean") == "bound":  # SPEC 11: rank by the bound
-                ranked = s + alpha * group_norms(q_group, groups) @ radii[l][nodes].T
+                ranked = ranked + alpha * group_norms(rows, groups) @ radii[l][nodes].T
             imp64 = importance(ranked, in_norm, config.importance)
             imp = imp64.astype(np.float32)
             imp[n - 1] = np.float32(FORCED_IMPORTANCE)
@@ -215,6 +220,22 @@ def trace_query(q_group, layers, t, config, alpha, radii=None, groups=None):
             m = m_new
         parents = selected
     return QueryTrace(U / S[:, None], traces)
+
+
+def ranking_rows(q64, b, t, heads, config):
+    """SPEC 12: the ranking rows `[R, K]` float64 of query `t` of batch row `b` for the
+    kv head whose query heads are `heads`, or None with `selection_block == 1`. `first`:
+    the block's first query's heads; `previous`: the previous block's queries' heads (in
+    position order), zeros for the first block."""
+    block = getattr(config, "selection_block", 1)
+    if block == 1:
+        return None
+    t0 = t - t % block
+    if getattr(config, "block_source", "first") == "first":
+        return q64[b, t0, heads]
+    if t0 == 0:
+        return np.zeros((block * q64[b, t, heads].shape[0], q64.shape[-1]))
+    return q64[b, t0 - block:t0][:, heads].reshape(-1, q64.shape[-1])
 
 
 def htree_attention_numpy(
@@ -270,8 +291,9 @@ def htree_attention_numpy(
             head_layers = [(K_l[b, :, h_kv], V_l[b, :, h_kv]) for K_l, V_l in layers]
             head_radii = None if radii is None else [rho[b, :, h_kv] for rho in radii]
             for i, t in enumerate(positions):
-                tr = trace_query(q64[b, t, h_kv * G : (h_kv + 1) * G], head_layers, int(t), config, alpha,
-                                 head_radii, groups)
+                heads = slice(h_kv * G, (h_kv + 1) * G)
+                tr = trace_query(q64[b, t, heads], head_layers, int(t), config, alpha, head_radii, groups,
+                                 ranking_rows(q64, b, int(t), heads, config))
                 out[b, i, h_kv * G : (h_kv + 1) * G] = tr.output
                 fragile[b, i, h_kv] = tr.fragile
                 for j, lt in enumerate(tr.layers[:-1]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 import subprocess
 import sys
@@ -126,3 +127,23 @@ def test_every_cli_flag_has_help(capsys):
             assert m.group(2) or lines[i + 1].startswith(" " * 10), (command, m.group(1))
     code, out, _ = run_in_process(["demo", "--help"], capsys)
     assert "--selection" in out and "--rope-dim" in out
+
+
+def test_help_shows_the_defaults(capsys):
+    """`demo --help` and `bench --help` show each flag's default; every command-line tool
+    in the repository builds its parser with a formatter that shows them."""
+    for command in ("demo", "bench"):
+        code, out, _ = run_in_process([command, "--help"], capsys)
+        assert code == 0
+        text = " ".join(out.split())  # argparse wraps long lines
+        assert text.count("default") >= 10, (command, text)
+    code, out, _ = run_in_process(["demo", "--help"], capsys)
+    text = " ".join(out.split())
+    assert "batch size B (default: 1)" in text and "random seed of the inputs (default: 0)" in text
+    root = pathlib.Path(__file__).resolve().parents[1]
+    tools = [p for folder in ("htree_jax", "benchmarks", "examples") for p in sorted((root / folder).glob("*.py"))
+             if "ArgumentParser(" in p.read_text()]
+    assert len(tools) > 20
+    for path in tools:
+        for call in re.findall(r"ArgumentParser\([^)]*\)|add_parser\([^)]*\)", path.read_text()):
+            assert "formatter_class=" in call and "DefaultsHelpFormatter" in call, (path.name, call)

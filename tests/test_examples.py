@@ -303,3 +303,26 @@ def test_text_quality_trains_evaluates_and_buckets(tmp_path):
     assert rows[0]["model"] == dict(d_model=32, layers=1, heads=2, kv_heads=1, lr=2e-3, batch=2, seed=0, train_top_k=2,
                                     eval_windows=2)
     assert "| dense (d32 L1) | htree mean top_k=2 | 96 |" in text_quality.table(rows)
+
+
+def test_save_then_init_gives_the_same_model(tmp_path):
+    """`--save DIR` then `--init DIR --steps 0`: the loaded model gives the saved one's
+    held-out loss exactly (same windows), its shape taken from the checkpoint (the
+    flags given here say otherwise); `--init` then trains on from it with htree."""
+    example = _load()
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, example)
+    common = ["--data", str(corpus), "--batch", "2", "--seq-len", "32", "--eval-size", "4", "--no-progress",
+              "--backend", "reference", "--compression-rate", "4", "--top-k", "2"]
+    saved = example.main([*common, "--attention", "dense", "--steps", "3", "--d-model", "32", "--layers", "1",
+                          "--save", str(tmp_path / "ck")])
+    loaded = example.main([*common, "--attention", "dense", "--steps", "0", "--d-model", "64", "--layers", "3",
+                           "--init", str(tmp_path / "ck")])
+    assert loaded["d_model"] == 32 and loaded["layers"] == 1 and loaded["init"] == str(tmp_path / "ck")
+    assert loaded["eval_loss"] == saved["eval_loss"]
+    adapted = example.main([*common, "--attention", "htree", "--steps", "2", "--init", str(tmp_path / "ck")])
+    assert np.isfinite(adapted["eval_loss"]) and adapted["eval_loss"] != saved["eval_loss"]
+    with pytest.raises(ValueError, match="a directory written by --save"):
+        example.main([*common, "--steps", "0", "--init", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        example.parse_args([*common, "--steps", "0"])  # --steps 0 needs --init

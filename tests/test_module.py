@@ -446,3 +446,67 @@ def test_linen_decode_reproduces_the_full_sequence():
         cache = mutated["cache"]
         outs.append(o)
     np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, 1)), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+def _decode_like_mha(attn, x):
+    """Token-by-token decoding written for `nnx.MultiHeadAttention` (its docstring's
+    form): `init_cache(input_shape)`, then one token a call with `decode=True`."""
+    attn.init_cache(x.shape)
+    return jnp.concatenate([attn(x[:, t:t + 1], decode=True) for t in range(x.shape[1])], axis=1)
+
+
+def test_init_cache_takes_multihead_attentions_call():
+    """Code written for MHA's decoding runs with `HTreeAttention` swapped in and gives its
+    full-sequence output; the same code runs MHA itself (so it is MHA's convention)."""
+    x = _inputs(15, (2, 24, 32))
+    mha = nnx.MultiHeadAttention(4, 32, num_kv_heads=2, decode=True, rngs=nnx.Rngs(0))
+    want_mha = mha(x, mask=nnx.make_causal_mask(x[..., 0]), decode=False)
+    np.testing.assert_allclose(np.asarray(_decode_like_mha(mha, x)), np.asarray(want_mha), rtol=1e-5, atol=1e-5)
+
+    config = HTreeConfig(compression_rate=4, top_k=2)  # 24 -> 6: two layers
+    attn = HTreeAttention(4, 32, num_kv_heads=2, config=config, decode=True, rngs=nnx.Rngs(0))
+    full = attn(x, decode=False)
+    np.testing.assert_allclose(np.asarray(_decode_like_mha(attn, x)), np.asarray(full), rtol=1e-5, atol=1e-5)
+    cache = attn.cache.get_value()
+    assert cache.batch_size == 2 and cache.dtype == jnp.float32
+    attn.init_cache(x.shape, dtype=jnp.bfloat16)  # MHA's dtype keyword
+    assert attn.cache.get_value().dtype == jnp.bfloat16
+    attn.init_cache(2, 24)  # the batch_size, max_len form still works
+    with pytest.raises(ValueError, match=r"input_shape must be \(batch, max_len, in_features=32\)"):
+        attn.init_cache((2, 24, 16))
+    with pytest.raises(ValueError, match="input_shape must be"):
+        attn.init_cache((2, 3, 24, 32))
+    with pytest.raises(TypeError, match="takes max_len from input_shape"):
+        attn.init_cache((2, 24, 32), 24)
+    with pytest.raises(TypeError, match="init_cache needs max_len"):
+        attn.init_cache(2)
+
+
+def test_linen_module_takes_multihead_dot_product_attentions_decoding():
+    """Linen's convention (the module built with `decode=True`, `init` on the whole
+    sequence's shape makes the cache, then `apply(..., mutable=["cache"])` a token at a
+    time): the same loop runs `nn.MultiHeadDotProductAttention` and the linen
+    `HTreeAttention`."""
+    x = _inputs(16, (2, 20, 32))
+
+    def decode_like_linen(decoder, params):
+        cache = decoder.init(jax.random.key(0), jnp.zeros(x.shape))["cache"]
+        outs = []
+        for t in range(x.shape[1]):
+            o, mutated = decoder.apply({"params": params, "cache": cache}, x[:, t:t + 1], mutable=["cache"])
+            cache = mutated["cache"]
+            outs.append(o)
+        return jnp.concatenate(outs, axis=1)
+
+    mha = nn.MultiHeadDotProductAttention(4, qkv_features=32)
+    params = mha.init(jax.random.key(0), x)["params"]
+    want = mha.apply({"params": params}, x, mask=nn.make_causal_mask(x[..., 0]))
+    got = decode_like_linen(nn.MultiHeadDotProductAttention(4, qkv_features=32, decode=True), params)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    kw = dict(num_kv_heads=2, config=HTreeConfig(compression_rate=4, top_k=2))  # 20 -> 5: two layers
+    model = htree_linen.HTreeAttention(4, 32, **kw)
+    params = model.init(jax.random.key(0), x)["params"]
+    full = model.apply({"params": params}, x)
+    got = decode_like_linen(htree_linen.HTreeAttention(4, 32, decode=True, **kw), params)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-5)

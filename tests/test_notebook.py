@@ -38,3 +38,25 @@ def test_notebook_executes(monkeypatch):
     assert "| 16384 | htree top_k=512 mean |" in text and "| 32768 | dense |" in text
     errors = [out for cell in nb.cells for out in cell.get("outputs", []) if out.get("output_type") == "error"]
     assert not errors, errors
+
+
+def test_run_notebook_cells_works_from_any_directory(tmp_path, monkeypatch):
+    """`benchmarks/run_notebook_cells.py` run from another directory: the cells run in
+    the notebook's directory (a relative read works), `--out` is the caller's."""
+    import json
+    import subprocess
+    import sys
+
+    book = tmp_path / "book"
+    book.mkdir()
+    (book / "data.txt").write_text("41")
+    cells = [{"cell_type": "code", "source": ["print('read', int(open('data.txt').read()) + 1)"]},
+             {"cell_type": "markdown", "source": ["text"]}]
+    (book / "nb.ipynb").write_text(json.dumps({"cells": cells}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "run_notebook_cells.py"
+    run = subprocess.run([sys.executable, str(script), "--notebook", "../book/nb.ipynb", "--out", "figs"],
+                         cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "read 42" in run.stdout and (elsewhere / "figs").is_dir()

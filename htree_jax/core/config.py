@@ -11,6 +11,7 @@ import numpy as np
 
 IMPORTANCE_MODES = ("softmax", "shared_max")
 SELECTION_RULES = ("mean", "bound")
+BLOCK_SOURCES = ("first", "previous")
 # SPEC 2.3: the rightmost candidate's importance, above every possible importance (<= G).
 FORCED_IMPORTANCE = 1e6
 
@@ -61,6 +62,13 @@ class HTreeConfig:
         with dense attention keeps its recall under htree (RESULTS, selection transfer).
         `"mean"`, the original rule: by their mean keys' scores. The merge uses the mean
         keys' scores either way. Every backend, full sequences and decoding.
+      selection_block: `1` (the default: each query selects for itself) or
+        `compression_rate`: the queries of one bottom node share one selection at every
+        layer (SPEC 12), ranked by `block_source`'s rows. The JAX reference only, full
+        sequences (packed too); the Pallas kernels and decoding refuse it for now.
+      block_source: with `selection_block > 1`, whose queries rank the block's
+        candidates: `"first"` (the block's first query) or `"previous"` (the previous
+        block's queries, their importance summed). Causal either way (SPEC 12).
     """
 
     compression_rate: int = 16
@@ -71,6 +79,8 @@ class HTreeConfig:
     strict_causal: bool = True
     rope_dim: int | None = None
     selection: str = "bound"
+    selection_block: int = 1
+    block_source: str = "first"
 
     def __post_init__(self):
         # NumPy scalars are numbers too (`np.int64(4)`, `np.float32(1e4)`); each field is
@@ -96,6 +106,13 @@ class HTreeConfig:
             )
         if self.selection not in SELECTION_RULES:
             raise ValueError(f"selection must be one of {SELECTION_RULES}, got {self.selection!r}")
+        b = self.selection_block
+        if not _is_int(b) or int(b) not in (1, int(r)):
+            raise ValueError(f"selection_block must be 1 or compression_rate (= {int(r)}): the queries of one bottom "
+                             f"node share a selection (SPEC 12), got {b!r}")
+        object.__setattr__(self, "selection_block", int(b))
+        if self.block_source not in BLOCK_SOURCES:
+            raise ValueError(f"block_source must be one of {BLOCK_SOURCES}, got {self.block_source!r}")
         R = self.rope_dim
         if R is not None:
             if not _is_int(R) or int(R) <= 0 or int(R) % 2:
@@ -119,6 +136,11 @@ class HTreeConfig:
     def ranks_by_bound(self) -> bool:
         """`selection="bound"`: a layer ranks its candidates by the bound scores (SPEC 11)."""
         return self.selection == "bound"
+
+    @property
+    def selects_by_block(self) -> bool:
+        """`selection_block > 1`: a bottom node's queries share one selection (SPEC 12)."""
+        return self.selection_block > 1
 
     @property
     def log_n(self) -> int:
