@@ -363,6 +363,9 @@ def parse_args(argv=None):
                    help="attention input also sees the previous position (see Block)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="computation dtype (parameters stay float32); auto: bfloat16 on a GPU, else float32")
+    p.add_argument("--dense-implementation", choices=("auto", "cudnn", "xla"), default="auto",
+                   help="the dense baseline's jax.nn.dot_product_attention implementation (auto: cuDNN on a GPU in "
+                        "16-bit, else XLA)")
     p.add_argument("--scale", type=float, default=None,
                    help="attention score scale, both attentions (default: head_dim ** -0.5)")
     p.add_argument("--len-warmup-steps", type=int, default=0,
@@ -505,11 +508,15 @@ def build_model(args, attention: str | None = None, **config_fields) -> TinyLM:
     dtype = compute_dtype(args.dtype)
     return TinyLM(task_of(args).vocab, args.d_model, args.layers, args.heads, args.kv_heads,
                   attention or args.attention, config, args.backend, nnx.Rngs(args.seed), dtype=dtype,
-                  dense_implementation=dense_implementation(dtype), token_shift=args.token_shift)
+                  dense_implementation=dense_implementation(dtype, args.dense_implementation),
+                  token_shift=args.token_shift)
 
 
-def dense_implementation(dtype) -> str:
-    """cuDNN's flash attention takes bfloat16/float16 only; XLA's materialises [B, H, T, T]."""
+def dense_implementation(dtype, choice: str = "auto") -> str:
+    """cuDNN's flash attention takes bfloat16/float16 only; XLA's materialises [B, H, T, T].
+    `choice` ("cudnn" or "xla") overrides the rule ("auto")."""
+    if choice != "auto":
+        return choice
     return "cudnn" if jax.default_backend() == "gpu" and dtype != jnp.float32 else "xla"
 
 
@@ -566,7 +573,8 @@ def train(args) -> tuple[TinyLM, dict]:
         return loss, acc
 
     layers = config.layer_sizes(args.seq_len) if args.attention == "htree" else (args.seq_len,)
-    attention = args.attention if args.attention == "htree" else f"dense ({dense_implementation(dtype)})"
+    attention = (args.attention if args.attention == "htree"
+                 else f"dense ({dense_implementation(dtype, args.dense_implementation)})")
     print(f"task={args.task} attention={attention} T={args.seq_len} tree layers={list(layers)} "
           f"dtype={jnp.dtype(dtype).name} chance={chance_of(args):.3f} platform={jax.default_backend()}",
           flush=True)
@@ -619,6 +627,7 @@ def train(args) -> tuple[TinyLM, dict]:
                   kv_heads=args.kv_heads, token_shift=args.token_shift, pairs=args.pairs, queries=args.queries,
                   num_values=args.num_values, seed=args.seed, lr=args.lr, scale=args.scale,
                   rope_base=args.rope_base, len_warmup_steps=args.len_warmup_steps,
+                  dense_implementation=dense_implementation(dtype, args.dense_implementation),
                   len_warmup_start=args.len_warmup_start, dense_steps=dense_steps, losses=losses,
                   batch_accuracies=accuracies,
                   eval_loss=eval_loss, accuracy=accuracy, chance=chance_of(args), train_seconds=train_s,

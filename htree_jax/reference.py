@@ -32,7 +32,15 @@ from htree_jax.core.softmax import importance, merge, normalize
 from htree_jax.core.tree import build_tree
 
 # Small chunks stay cache-resident: on a CPU 64 MiB ran faster than larger budgets (journal, 2026-11-21).
-DEFAULT_CHUNK_BUDGET_BYTES = 64 << 20
+# A GPU runs a chunk's gathers in parallel and pays per `lax.map` step instead: larger
+# chunks (benchmarks/RESULTS.md, "The reference on a GPU").
+CPU_CHUNK_BUDGET_BYTES = 64 << 20
+GPU_CHUNK_BUDGET_BYTES = 1 << 30
+
+
+def chunk_budget_bytes() -> int:
+    """The default bytes of one query chunk's intermediates on this platform."""
+    return GPU_CHUNK_BUDGET_BYTES if jax.default_backend() == "gpu" else CPU_CHUNK_BUDGET_BYTES
 
 
 def chunk_bytes_per_query(config: HTreeConfig, batch, num_kv_heads, group, head_dim, value_dim):
@@ -51,8 +59,8 @@ def chunk_bytes_per_query(config: HTreeConfig, batch, num_kv_heads, group, head_
     return 4 * per_head * batch * num_kv_heads
 
 
-def default_query_chunk(config, batch, seq_len, num_kv_heads, group, head_dim, value_dim,
-                        budget_bytes=DEFAULT_CHUNK_BUDGET_BYTES):
+def default_query_chunk(config, batch, seq_len, num_kv_heads, group, head_dim, value_dim, budget_bytes=None):
+    budget_bytes = chunk_budget_bytes() if budget_bytes is None else budget_bytes
     per_query = chunk_bytes_per_query(config, batch, num_kv_heads, group, head_dim, value_dim)
     return int(max(1, min(seq_len, budget_bytes // per_query)))
 
@@ -319,7 +327,8 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
     and one chunk of intermediates:
     `query_chunk * B * H_kv * 4 * (M * (K + V + 4G + 6) + top_k * G * K)` bytes,
     `M = top_k * compression_rate`. By default `query_chunk` is the largest that keeps
-    the chunk under 64 MiB (at least 1): e.g. 6 positions for B=1, H_kv=2, G=4,
+    the chunk under `chunk_budget_bytes()` (64 MiB on a CPU, 1 GiB on a GPU; at least 1):
+    e.g. on a CPU 6 positions for B=1, H_kv=2, G=4,
     K=V=64 with the default config, whose whole T=16384 call peaks at ~1.3 GB RSS.
     """
     B, T, H, K = q.shape

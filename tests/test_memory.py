@@ -17,7 +17,7 @@ from htree_jax import HTreeConfig, MemoryPlan, compile_checked, htree_attention,
 from htree_jax import memory
 from htree_jax.memory import resident_bytes
 from htree_jax.reference import (
-    DEFAULT_CHUNK_BUDGET_BYTES,
+    CPU_CHUNK_BUDGET_BYTES,
     reference_forward,
     attend_tree,
     default_query_chunk,
@@ -43,7 +43,7 @@ def test_default_config_t16384_planned_memory_is_bounded():
     # intermediates (<= 64 MiB, the budget). Measured on jax 0.10.2, CPU: 137 MiB.
     assert plan.argument_size_in_bytes == 48 * 2**20
     assert plan.output_size_in_bytes <= 97 * 2**20
-    assert plan.temp_size_in_bytes < 2 * DEFAULT_CHUNK_BUDGET_BYTES + 96 * 2**20, plan.temp_size_in_bytes
+    assert plan.temp_size_in_bytes < 2 * CPU_CHUNK_BUDGET_BYTES + 96 * 2**20, plan.temp_size_in_bytes
 
 
 def test_default_config_t16384_matches_oracle_at_sampled_positions():

@@ -1,0 +1,85 @@
+"""`benchmarks/frontier.py` on the CPU: two 2-step checkpoints scored with the reference
+backend (every configuration, block selection included), the table and the picture from
+quality rows beside speed rows, and the count's candidates against real selections."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import frontier
+from htree_jax import HTreeConfig, htree_attention
+from htree_jax.introspect import candidates_per_query
+from tests.test_examples import _load, write_corpus
+
+
+def test_frontier_scores_checkpoints_and_draws_the_table(tmp_path):
+    example = _load()
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, example)
+    checkpoints = []
+    for seed in (0, 1):
+        checkpoints.append(str(tmp_path / f"seed{seed}"))
+        example.main(["--data", str(corpus), "--attention", "dense", "--seq-len", "32", "--steps", "2", "--batch", "2",
+                      "--d-model", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--compression-rate",
+                      "4", "--top-k", "2", "--eval-size", "2", "--no-progress", "--seed", str(seed),
+                      "--save", checkpoints[-1]])
+    out = tmp_path / "quality.json"
+    rows = frontier.main(["--checkpoints", ",".join(checkpoints), "--eval-windows", "2", "--top-ks", "2,8",
+                          "--block-top-ks", "2", "--rules", "bound,mean", "--backend", "reference", "--quality-only",
+                          "--out", str(out)])
+    names = {r["config"] for r in rows}
+    assert names == {"dense", "htree bound top_k=2", "htree bound top_k=8", "htree mean top_k=2", "htree mean top_k=8",
+                     "block first bound top_k=2", "block previous bound top_k=2"}
+    assert {r["T"] for r in rows} == {32, 128}  # the training length and 4x it
+    assert len(rows) == len(names) * 2 * 2 and all(np.isfinite(r["bits"]) for r in rows)
+    assert json.loads(out.read_text()) == rows
+    # top_k=8 at T=32 with r=4 is one layer (M = 32): exact attention, dense's bits per byte
+    dense = {(r["checkpoint"], r["T"]): r["bits"] for r in rows if r["config"] == "dense"}
+    exact = [r for r in rows if r["config"] == "htree bound top_k=8" and r["T"] == 32]
+    for r in exact:
+        assert r["bits"] == pytest.approx(dense[(r["checkpoint"], 32)], rel=1e-5)
+
+    # speed rows as a GPU run writes them, with the counted floor computed here
+    configs = frontier.configurations([2, 8], ["bound", "mean"], ["first", "previous"], [2], ["bound"])
+    speed = [dict(kind="dense_speed", dense_ms={131072: {"forward": 100.0, "backward": 300.0}, 524288: {
+        "forward": 1600.0}})]
+    for c in configs[1:]:
+        config = HTreeConfig(**c["fields"], **({"selection_block": 16} if c.get("block") else {}))
+        row = dict(kind="speed", config=c["name"], rule=c["rule"], top_k=config.top_k)
+        for T, dense_ms in ((131072, 100.0), (524288, 1600.0)):
+            counted = frontier.counted_ms(config, T, 300.0, 3.0)
+            row[f"count_{T}"] = dict(counted, speedup=dense_ms / counted["floor_ms"])
+        if not c.get("block"):
+            row.update(forward_speedup=1.5, backward_speedup=1.2)
+        speed.append(row)
+    (tmp_path / "speed.json").write_text(json.dumps(speed))
+    png = tmp_path / "frontier.png"
+    frontier.main(["--merge", f"{out},{tmp_path / 'speed.json'}", "--png", str(png)])
+    assert png.stat().st_size > 10_000
+    summary = frontier.summarize(rows + speed)
+    text = frontier.table(summary, 131072, 524288)
+    assert "| block first bound top_k=2 |" in text and "| - | - |" in text  # no kernel: counted only
+    assert "1.50x | 1.20x" in text
+
+
+def test_counted_candidates_equal_the_selections():
+    """The count's candidates per query (each layer keeping min(top_k, n)) equal what the
+    reference's selections give (`introspect.candidates_per_query`)."""
+    config = HTreeConfig(compression_rate=4, top_k=4)
+    rng = np.random.default_rng(0)
+    T = 150
+    q, k, v = (rng.standard_normal((1, T, h, 8)).astype(np.float32) for h in (2, 1, 1))
+    _, selected = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    from_selections = candidates_per_query(selected, config, T)[0, :, 0]
+    np.testing.assert_array_equal(frontier.candidates_per_query(config, T).sum(axis=0), from_selections)
+
+
+def test_the_count_favours_blocks_by_their_gathers():
+    """Same FLOPs (first source), 16x fewer gathered bytes with a block of 16 queries."""
+    per_query = frontier.counted_ms(HTreeConfig(top_k=256), 131072, 300.0, 3.0)
+    block = frontier.counted_ms(HTreeConfig(top_k=256, selection_block=16), 131072, 300.0, 3.0)
+    assert block["flops"] == per_query["flops"]
+    assert block["bytes"] < per_query["bytes"] / 8 and block["floor_ms"] < per_query["floor_ms"]
