@@ -30,8 +30,10 @@ selection), y = bits-per-byte change at the training length, a line per rule.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -67,8 +69,9 @@ def configurations(top_ks, rules, block_sources, block_top_ks, block_rules) -> l
         for rule in block_rules:
             for k in block_top_ks:
                 # selection_block: the model's compression_rate, set where the model is known
-                out.append(dict(name=f"block {source} {rule} top_k={k}", attention="htree", rule=f"block {source} {rule}",
-                                fields=dict(top_k=k, selection=rule, block_source=source), block=True))
+                out.append(dict(name=f"block {source} {rule} top_k={k}", attention="htree",
+                                rule=f"block {source} {rule}", block=True,
+                                fields=dict(top_k=k, selection=rule, block_source=source)))
     return out
 
 
@@ -96,8 +99,29 @@ def score(args, params_model, configuration: dict, windows: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def gpu_reference_chunks(budget: int = 1 << 30):
+    """Block selection runs on the JAX reference: on a GPU, with `budget`-byte query
+    chunks (`htree_jax.reference.chunk_budget_bytes`) for the time of the block, unless
+    the caller set its own."""
+    name = "HTREE_REFERENCE_CHUNK_BYTES"
+    if jax.default_backend() != "gpu" or name in os.environ:
+        yield
+        return
+    os.environ[name] = str(budget)
+    try:
+        yield
+    finally:
+        del os.environ[name]
+
+
 def quality_rows(a, configs) -> list[dict]:
     """`{checkpoint, config, T, bits}` for every checkpoint, configuration and length."""
+    with gpu_reference_chunks():
+        return _quality_rows(a, configs)
+
+
+def _quality_rows(a, configs) -> list[dict]:
     rows = []
     for directory in a.checkpoints:
         args = checkpoint_args(directory, a.data, a.backend)
@@ -169,6 +193,19 @@ def grad_of(fn):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
+def count_row(configuration: dict, dense_ms: dict, a) -> dict:
+    """A configuration's counted floor at `--speed-T` and `--count-long-T`, and its
+    speed-up over cuDNN's measured forward there (`dense_ms {T: {"forward": ms}}`)."""
+    block = dict(selection_block=HTreeConfig().compression_rate) if configuration.get("block") else {}
+    config = HTreeConfig(**configuration["fields"], **block)
+    row = dict(kind="speed", config=configuration["name"], rule=configuration["rule"], top_k=config.top_k)
+    for T in (a.speed_T, a.count_long_T):
+        counted = counted_ms(config, T, a.count_tflops, a.count_tbps)
+        row[f"count_{T}"] = dict(counted, speedup=dense_ms[T]["forward"] / counted["floor_ms"],
+                                 flops_ratio=dense_flops(T) / counted["flops"])
+    return row
+
+
 def speed_rows(a, configs) -> list[dict]:
     """Per htree configuration: measured forward and forward+backward ms against cuDNN's
     at `--speed-T` (configurations with kernels), and the counted floor's speed-up at
@@ -185,15 +222,11 @@ def speed_rows(a, configs) -> list[dict]:
     rows.append(dict(kind="dense_speed", dense_ms=dense_ms, device=jax.devices()[0].device_kind))
     args = inputs(a.speed_T)
     w = jnp.ones(args[0].shape[:3] + (V,), jnp.float32)
-    for configuration in configs[1:]:
-        block = dict(selection_block=HTreeConfig().compression_rate) if configuration.get("block") else {}
-        config = HTreeConfig(**configuration["fields"], **block)
-        row = dict(kind="speed", config=configuration["name"], rule=configuration["rule"], top_k=config.top_k)
-        for T in (a.speed_T, a.count_long_T):
-            counted = counted_ms(config, T, a.count_tflops, a.count_tbps)
-            row[f"count_{T}"] = dict(counted, speedup=dense_ms[T]["forward"] / counted["floor_ms"],
-                                     flops_ratio=dense_flops(T) / counted["flops"])
-        if not config.selects_by_block:
+    # block selection first: counted only, so a time limit still leaves every count
+    for configuration in sorted(configs[1:], key=lambda c: not c.get("block")):
+        row = count_row(configuration, dense_ms, a)
+        if not configuration.get("block"):
+            config = HTreeConfig(**configuration["fields"])
             fwd = jax.jit(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
             row["forward_ms"] = median_ms(fwd, args, a.iters)
             row["backward_ms"] = median_ms(grad_of(lambda q, k, v, c=config: htree_attention(
@@ -204,6 +237,24 @@ def speed_rows(a, configs) -> list[dict]:
         rows.append(row)
         write(a.out, rows)
     return rows
+
+
+def merged(rows: list[dict], configs, a) -> list[dict]:
+    """Rows of several runs joined: the first of each (checkpoint, configuration, length)
+    kept (a run that scored dense again adds nothing), and a counted row for each
+    configuration the speed runs did not reach (from their measured cuDNN times)."""
+    seen, out = set(), []
+    for r in rows:
+        key = (r["kind"], r.get("checkpoint"), r.get("config"), r.get("T"))
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    dense = next((r for r in out if r["kind"] == "dense_speed"), None)
+    if dense is not None:
+        dense_ms = {int(T): ms for T, ms in dense["dense_ms"].items()}
+        have = {r["config"] for r in out if r["kind"] == "speed"}
+        out += [count_row(c, dense_ms, a) for c in configs[1:] if c["name"] not in have]
+    return out
 
 
 # ---- the table and the picture -------------------------------------------------------------
@@ -248,7 +299,8 @@ def table(summary: list[dict], speed_T: int, long_T: int) -> str:
             elif x["change"] is None or e["config"] == "dense":
                 cells.append(f"{x['bits']:.4f} (±{x['bits_spread'] / 2:.4f}, {x['seeds']} seeds)")
             else:
-                cells.append(f"{x['bits']:.4f} ({x['change']:+.1f}%: {x['change_min']:+.1f}..{x['change_max']:+.1f})")
+                cells.append(f"{x['bits']:.4f} ({x['change']:+.1f}%: {x['change_min']:+.1f}..{x['change_max']:+.1f}, "
+                             f"{x['seeds']} seed{'s' if x['seeds'] > 1 else ''})")
         s = e["speed"] or {}
         cells.append(f"{s['forward_speedup']:.2f}x" if "forward_speedup" in s else "-")
         cells.append(f"{s['backward_speedup']:.2f}x" if "backward_speedup" in s else "-")
@@ -259,10 +311,11 @@ def table(summary: list[dict], speed_T: int, long_T: int) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: list[dict], png: str, speed_T: int) -> None:
+def plot(summary: list[dict], png: str, speed_T: int, device: str = "GPU") -> None:
     """x: forward speed-up over cuDNN at `speed_T` (measured; counted for block selection,
     drawn dashed), y: bits-per-byte change at the training length; a line per rule."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -280,15 +333,19 @@ def plot(summary: list[dict], png: str, speed_T: int) -> None:
             continue
         points.sort()
         counted = points[0][3]
+        note = " (counted speed: no kernel yet)" if rule.startswith("block") else " (counted speed: not timed)"
         line, = ax.plot([p[0] for p in points], [p[1] for p in points], "--" if counted else "-", marker="o",
-                        label=rule + (" (counted speed, no kernel yet)" if counted else ""))
+                        label=rule + (note if counted else ""))
         for x, y, k, _ in points:
             ax.annotate(str(k), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=line.get_color())
     ax.axhline(0, color="grey", lw=0.8)
     ax.axhline(1, color="grey", lw=0.8, ls=":")
     ax.axvline(1, color="grey", lw=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel(f"forward speed-up over cuDNN at T={speed_T} (H100, benchmark shape)")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks([0.25, 0.5, 1, 2, 4, 8])
+    ax.set_xlabel(f"forward speed-up over cuDNN at T={speed_T} ({device}, benchmark shape)")
     ax.set_ylabel("bits per byte vs dense at the training length (%)")
     ax.set_title("htree: quality against speed (labels: top_k)")
     ax.legend(fontsize=7)
@@ -341,7 +398,8 @@ def main(argv=None) -> list[dict]:
     a = parse_args(argv)
     configs = configurations(a.top_ks, a.rules, a.block_sources, a.block_top_ks, a.block_rules)
     if a.merge:
-        rows = [r for path in a.merge for r in json.loads(pathlib.Path(path).read_text())]
+        rows = merged([r for path in a.merge for r in json.loads(pathlib.Path(path).read_text())], configs, a)
+        write(a.out, rows)
     else:
         print(f"# {time.strftime('%Y-%m-%d')} {jax.devices()[0].device_kind}, jax {jax.__version__}: "
               f"python benchmarks/frontier.py {' '.join(argv if argv is not None else sys.argv[1:])}", flush=True)
@@ -355,7 +413,8 @@ def main(argv=None) -> list[dict]:
     summary = summarize(rows)
     print(table(summary, a.speed_T, a.count_long_T), flush=True)
     if a.png:
-        plot(summary, a.png, a.speed_T)
+        device = next((r.get("device", "GPU") for r in rows if r["kind"] == "dense_speed"), "GPU")
+        plot(summary, a.png, a.speed_T, device)
     return rows
 
 

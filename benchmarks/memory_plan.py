@@ -58,7 +58,8 @@ def print_peak(live_range_file: str, largest: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--T", default="1048576", help="sequence lengths, comma-separated")
     p.add_argument("--top-k", type=int, default=64, help="HTreeConfig.top_k")
     p.add_argument("--shape", choices=["gqa", "mla"], default="gqa", help="the benchmark shape or the latent one")

@@ -9,10 +9,11 @@ From any directory: the cells run in the notebook's own directory, as Jupyter ru
 from __future__ import annotations
 
 import argparse
-import json
 import contextlib
+import json
 import os
 import pathlib
+
 from htree_jax.cli import DefaultsHelpFormatter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -47,7 +47,8 @@ def timed(argv: list[str], env: dict, cwd: pathlib.Path) -> tuple[float, int, st
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-demo", action="store_true", help="leave out `python -m htree_jax demo`")
     p.add_argument("--skip-notebook", action="store_true", help="leave out notebooks/explore_htree.ipynb")
     args = p.parse_args(argv)

@@ -23,6 +23,7 @@ import json
 import pathlib
 import sys
 import time
+
 from htree_jax.cli import DefaultsHelpFormatter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -11,11 +11,14 @@ from htree_jax.cli import DefaultsHelpFormatter
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, prog="python -m htree_jax", description="htree attention for JAX")
+    parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, prog="python -m htree_jax",
+                                     description="htree attention for JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", formatter_class=DefaultsHelpFormatter, help="run htree through the public API and report on it")
+    demo = sub.add_parser("demo", formatter_class=DefaultsHelpFormatter,
+                          help="run htree through the public API and report on it")
     add_demo_arguments(demo)
-    bench = sub.add_parser("bench", formatter_class=DefaultsHelpFormatter, help="GPU forward benchmark: htree pallas vs reference vs dense cuDNN")
+    bench = sub.add_parser("bench", formatter_class=DefaultsHelpFormatter,
+                           help="GPU forward benchmark: htree pallas vs reference vs dense cuDNN")
     add_bench_arguments(bench)
     args = parser.parse_args(argv)  # exits with 2 on unknown or malformed flags
     try:

@@ -24,12 +24,12 @@ import numpy as np
 from jax import lax
 
 from htree_jax.attention import htree_attention
+from htree_jax.cli import DefaultsHelpFormatter
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_absolute, rope_layout
 from htree_jax.kernel_trace import kernel_ms
 from htree_jax.memory import MemoryPlan
 from htree_jax.reference import htree_attention_reference
-from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.configs import KernelConfigs
 from pallas_kernels.wide_forward import bottom_merge, chunk_start, prepare_wide, select_and_merge, valid_count
 

@@ -17,7 +17,7 @@ from benchmarks import text_quality
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lm.py"
 
 
-def _load():
+def load_example():
     spec = importlib.util.spec_from_file_location("train_tiny_lm", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module        # dataclasses look their module up there
@@ -26,7 +26,7 @@ def _load():
 
 
 def test_make_needle_batch_places_one_needle_in_the_first_half():
-    example = _load()
+    example = load_example()
     tokens, answers = example.make_needle_batch(np.random.default_rng(0), 64, 40, 8)
     is_value = (tokens >= example.NUM_FILLERS) & (tokens < example.NUM_FILLERS + 8)
     assert np.all(is_value.sum(axis=1) == 1)
@@ -38,7 +38,7 @@ def test_make_needle_batch_places_one_needle_in_the_first_half():
 
 @pytest.mark.parametrize("seq_len,pairs,queries", [(40, 8, 8), (64, 5, 3), (19, 8, 3)])
 def test_make_recall_batch_pairs_keys_with_values_and_asks_for_them(seq_len, pairs, queries):
-    example = _load()
+    example = load_example()
     V, NK, F = 16, 32, example.NUM_FILLERS
     tokens, targets = example.make_recall_batch(np.random.default_rng(seq_len), 50, seq_len, V, NK, pairs, queries)
     assert tokens.shape == (50, seq_len) and targets.shape == (50, queries)
@@ -58,7 +58,7 @@ def test_make_recall_batch_pairs_keys_with_values_and_asks_for_them(seq_len, pai
 
 
 def test_length_schedule_doubles_up_to_the_sequence_length():
-    example = _load()
+    example = load_example()
     assert example.length_schedule(4, 64, 256, 0) == [64] * 4
     assert example.length_schedule(10, 1024, 256, 4) == [256, 256, 512, 512] + [1024] * 6
     schedule = example.length_schedule(1000, 16384, 256, 500)
@@ -68,7 +68,7 @@ def test_length_schedule_doubles_up_to_the_sequence_length():
 
 @pytest.mark.parametrize("attention", ["htree", "dense"])
 def test_training_lowers_the_loss(attention):
-    example = _load()
+    example = load_example()
     result = example.main(["--attention", attention, "--steps", "40", "--seq-len", "64", "--batch", "16",
                            "--d-model", "32", "--eval-size", "64", "--no-progress", "--log-every", "20"])
     losses = result["losses"]
@@ -83,7 +83,7 @@ def test_dense_warm_up_hands_parameters_and_optimizer_state_to_htree():
     """`--dense-steps`: where htree is exact attention (T <= top_k * r), a run that
     switches from dense to htree mid-way follows the dense run step for step (the
     parameters, the optimizer's moments and its step count carry over)."""
-    example = _load()
+    example = load_example()
     common = ["--steps", "16", "--seq-len", "64", "--batch", "8", "--d-model", "32", "--eval-size", "16",
               "--no-progress", "--compression-rate", "4", "--top-k", "16"]
     dense = example.main(["--attention", "dense", *common])
@@ -93,7 +93,7 @@ def test_dense_warm_up_hands_parameters_and_optimizer_state_to_htree():
 
 
 def test_needle_task_with_a_length_curriculum_and_bfloat16_lowers_the_loss():
-    example = _load()
+    example = load_example()
     result = example.main(["--task", "needle", "--steps", "30", "--seq-len", "64", "--batch", "8",
                            "--len-warmup-steps", "10", "--len-warmup-start", "16", "--dtype", "bfloat16",
                            "--d-model", "32", "--eval-size", "16", "--no-progress", "--no-token-shift"])
@@ -107,7 +107,7 @@ def test_needle_task_with_a_length_curriculum_and_bfloat16_lowers_the_loss():
                                   ["--len-warmup-steps", "300"], ["--dense-steps", "300"], ["--dense-steps", "-1"],
                                   ["--len-warmup-steps", "10", "--len-warmup-start", "48"]])
 def test_bad_arguments_are_refused(argv):
-    example = _load()
+    example = load_example()
     with pytest.raises(SystemExit):
         example.main(argv)
 
@@ -161,7 +161,7 @@ def test_dense_weights_evaluate_as_htree_and_exact_htree_equals_dense():
     rules give the dense model's loss; `eval_accuracy` sees the same data every call."""
     from flax import nnx
 
-    example = _load()
+    example = load_example()
     args = example.parse_args(["--seq-len", "64", "--d-model", "32", "--dtype", "float32", "--eval-size", "4",
                                "--compression-rate", "4", "--top-k", "16", "--rope-base", "1e4"])
     dense = example.build_model(args, "dense")
@@ -222,7 +222,7 @@ def test_text_corpus_documents_split_and_windows(tmp_path):
     newline); binary, non-UTF-8, cache, hidden and site-packages files left out; the
     held-out files those whose path hashes to 0 mod 20, their own documents; windows
     are byte symbols and their next bytes."""
-    example = _load()
+    example = load_example()
     texts = write_corpus(tmp_path, example)
     corpus = example.TextCorpus.load(tmp_path)
     held = sorted(p for p in texts if example.held_out_file(p))
@@ -258,7 +258,7 @@ def test_text_corpus_documents_split_and_windows(tmp_path):
 
 
 def test_text_task_trains_two_steps_on_a_directory(tmp_path, capsys):
-    example = _load()
+    example = load_example()
     write_corpus(tmp_path, example)
     result = example.main(["--data", str(tmp_path), "--steps", "2", "--batch", "2", "--seq-len", "32",
                            "--eval-size", "2", "--no-progress", "--d-model", "32", "--layers", "1"])
@@ -271,7 +271,7 @@ def test_text_task_trains_two_steps_on_a_directory(tmp_path, capsys):
 
 
 def test_the_default_corpus_is_the_standard_library_source():
-    example = _load()
+    example = load_example()
     root = example.stdlib_source()
     assert (root / "os.py").is_file() and (root / "json" / "__init__.py").is_file()
     assert example.parse_args(["--task", "text"]).data is None  # read from `stdlib_source()`
@@ -288,7 +288,7 @@ def test_text_quality_trains_evaluates_and_buckets(tmp_path):
     assert bits["4K-16K"] == pytest.approx(1.0) and "16K-64K" not in bits
     assert bits["overall"] == pytest.approx((1024 * 2 + (5000 - 1024)) / 5000)
     corpus_dir = tmp_path / "corpus"
-    write_corpus(corpus_dir, _load())
+    write_corpus(corpus_dir, load_example())
     out = tmp_path / "tq.json"
     rows = text_quality.main(["--data", str(corpus_dir), "--seq-len", "32", "--steps", "2", "--batch", "2",
                               "--d-model", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
@@ -309,7 +309,7 @@ def test_save_then_init_gives_the_same_model(tmp_path):
     """`--save DIR` then `--init DIR --steps 0`: the loaded model gives the saved one's
     held-out loss exactly (same windows), its shape taken from the checkpoint (the
     flags given here say otherwise); `--init` then trains on from it with htree."""
-    example = _load()
+    example = load_example()
     corpus = tmp_path / "corpus"
     write_corpus(corpus, example)
     common = ["--data", str(corpus), "--batch", "2", "--seq-len", "32", "--eval-size", "4", "--no-progress",

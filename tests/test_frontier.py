@@ -12,11 +12,11 @@ import pytest
 from benchmarks import frontier
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.introspect import candidates_per_query
-from tests.test_examples import _load, write_corpus
+from tests.test_examples import load_example, write_corpus
 
 
 def test_frontier_scores_checkpoints_and_draws_the_table(tmp_path):
-    example = _load()
+    example = load_example()
     corpus = tmp_path / "corpus"
     write_corpus(corpus, example)
     checkpoints = []

@@ -18,6 +18,7 @@ from htree_jax import memory
 from htree_jax.memory import resident_bytes
 from htree_jax.reference import (
     CPU_CHUNK_BUDGET_BYTES,
+    chunk_budget_bytes,
     reference_forward,
     attend_tree,
     default_query_chunk,
@@ -174,3 +175,13 @@ def test_largest_free_block_reads_the_allocators_block_or_the_room_left_to_reser
     assert memory.largest_free_block(StatsOnly({"largest_free_block_bytes": 3 * GiB})) == 3 * GiB
     assert memory.largest_free_block(StatsOnly({"bytes_limit": GiB})) is None
     assert memory.largest_free_block(StatsOnly(None)) is None
+
+
+def test_the_reference_chunk_budget_is_64_mib_unless_the_environment_says(monkeypatch):
+    monkeypatch.delenv("HTREE_REFERENCE_CHUNK_BYTES", raising=False)
+    assert chunk_budget_bytes() == CPU_CHUNK_BUDGET_BYTES == 64 << 20
+    monkeypatch.setenv("HTREE_REFERENCE_CHUNK_BYTES", str(1 << 30))
+    assert chunk_budget_bytes() == 1 << 30
+    monkeypatch.setenv("HTREE_REFERENCE_CHUNK_BYTES", "lots")
+    with pytest.raises(ValueError, match="HTREE_REFERENCE_CHUNK_BYTES must be a positive number of bytes"):
+        chunk_budget_bytes()
