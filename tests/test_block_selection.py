@@ -27,8 +27,8 @@ def block_config(r, top_k, source, selection="bound", importance="softmax", **kw
 
 
 @pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("selection", ["bound", "mean"])
-@pytest.mark.parametrize("r, top_k, T, H, H_kv, importance", SHAPES)
+@pytest.mark.parametrize("selection, r, top_k, T, H, H_kv, importance",
+                         [("bound", *SHAPES[0]), ("mean", *SHAPES[0]), ("mean", *SHAPES[1]), ("bound", *SHAPES[2])])
 def test_reference_matches_the_oracle(rng, source, selection, r, top_k, T, H, H_kv, importance):
     config = block_config(r, top_k, source, selection, importance)
     assert config.num_layers(T) >= 3

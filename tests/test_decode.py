@@ -20,7 +20,6 @@ from pallas_kernels.append import append_token_pallas
 from pallas_kernels.configs import DecodeBlockSizes
 from pallas_kernels.decode import attend_cache_pallas, query_chunk
 from tests.conftest import random_qkv
-from tests.helpers import run_readme_snippet
 
 # (compression_rate, top_k, importance, T, max_len, prompt): the sequence's tree and the
 # cache's (sized for max_len) have 2-4 layers, not always as many.
@@ -202,14 +201,6 @@ def test_errors(rng):
         init_cache(B, 8, H_kv, 7, V, config)
     with pytest.raises(TypeError, match="cache must be an HTreeCache"):
         prefill(q, k, v, {"keys": ()}, config)
-
-
-def test_readme_decoding_example_runs():
-    scope = run_readme_snippet("## Incremental decoding")
-    assert scope["o"].shape == (1, 40, 4, 16) and scope["o_t"].shape == (1, 4, 16)
-    assert np.asarray(scope["cache"].lengths).tolist() == [41]
-    assert np.asarray(scope["rows"].lengths).tolist() == [1, 0, 41]
-    assert np.all(np.asarray(scope["o3"])[0] == 0) and np.all(np.isfinite(np.asarray(scope["o3_t"])))
 
 
 # (compression_rate, top_k, importance, T, max_len, prompt): 2-4 layers in the cache.

@@ -17,7 +17,6 @@ from htree_jax import HTreeAttention, HTreeConfig, attention_fn, htree_attention
 from htree_jax import linen as htree_linen
 from htree_jax import module as htree_module
 from htree_jax.backends import choose_backend
-from tests.helpers import run_readme_snippet
 
 # (num_heads, num_kv_heads, in_features, head_dim, config, T): multi-layer trees at small T.
 CASES = [
@@ -346,11 +345,6 @@ def test_module_on_the_gpu_kernels_matches_the_reference(dtype):
             # 0.106, out 0.010 / 0.010), which an all-zero gradient (1.0) is not.
             got, ref_error = relative(g_fast[name], truth[name]), relative(g_ref[name], truth[name])
             assert got <= 1.25 * ref_error + 0.01, (name, got, ref_error)
-
-
-def test_readme_flax_example_runs():
-    scope = run_readme_snippet("## Flax")
-    assert scope["y"].shape == (2, 1024, 512)
 
 
 # ---- decoding ---------------------------------------------------------------------------

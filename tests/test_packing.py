@@ -286,14 +286,6 @@ def test_modules_take_segment_ids():
         m(x, decode=True, segment_ids=seg)
 
 
-def test_readme_packing_example_runs():
-    from tests.helpers import run_readme_snippet
-
-    scope = run_readme_snippet("## Packed documents")
-    o = scope["o"]
-    assert o.shape == (2, 1024, 4, 64) and np.isfinite(np.asarray(o)).all()
-
-
 def test_max_documents_sizes_the_layout_not_a_count():
     """The README's example: `max_documents=8` at T=1024, `top_k=16` (documents start at
     multiples of 16) is a layout of 1152 tokens. 18 documents that take 1104 fit it; 202

@@ -28,12 +28,20 @@ def python_blocks() -> list[tuple[str, str]]:
 
 
 BLOCKS = python_blocks()
+# What each block prints (what it computed), as its comments say.
+PRINTS = {
+    "Use #1": "o (1, 2048, 8, 64) selected [(1, 2048, 2, 32)]",
+    "Packed documents #1": "packed o (2, 1024, 4, 64) finite: True",
+    "Many devices #1": "on a mesh of {'data': 2, 'model': 4}",
+    "Flax #1": "y (2, 1024, 512)",
+    "Incremental decoding #1": "prefill (1, 40, 4, 16) step (1, 4, 16) rows at [1, 0, 41]",
+    "Incremental decoding #2": "largest difference from the full sequence:",
+}
 
 
 def test_the_readme_has_its_blocks():
     names = [name for name, _ in BLOCKS]
-    for section in ("Use #1", "Packed documents #1", "Many devices #1", "Flax #1", "Incremental decoding #1",
-                    "Incremental decoding #2"):
+    for section in PRINTS:
         assert section in names, names
 
 
@@ -49,3 +57,7 @@ def test_readme_block_runs_as_written(name, code, tmp_path):
     assert run.returncode == 0, f"README block {name} failed:\n{run.stderr[-4000:]}"
     printed = [line for line in run.stdout.splitlines() if line.strip()]
     assert printed, f"README block {name} printed nothing"
+    if name in PRINTS:
+        assert PRINTS[name] in run.stdout, run.stdout
+    if name == "Incremental decoding #2":  # decoding a small model equals its full sequence to rounding
+        assert float(run.stdout.split(":")[-1]) < 1e-4, run.stdout

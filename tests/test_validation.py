@@ -9,7 +9,6 @@ import pytest
 from htree_jax import HTreeConfig, htree_attention
 import htree_jax.reference as reference
 from pallas_kernels.configs import KernelConfigs
-from tests.helpers import run_readme_snippet
 
 f32 = np.float32
 
@@ -146,11 +145,3 @@ def test_kernel_limits_name_the_backend_asked_for(backend):
     q, k, v = (np.ones((1, 8, h, 1024), np.float32) for h in (2, 1, 1))
     with pytest.raises(ValueError, match=f"backend '{backend}' supports head dim K in"):
         htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend=backend)
-
-
-def test_readme_first_example_runs_quickly():
-    """The README's first example ("## Use") on the CPU: the shapes it states, and a
-    sequence a new user's first call finishes in seconds (it was T=16384, 130 s on 2 cores)."""
-    scope = run_readme_snippet("## Use")
-    assert scope["o"].shape == (1, 2048, 8, 64) and np.isfinite(np.asarray(scope["o"])).all()
-    assert len(scope["selected"]) == 1 and scope["selected"][0].shape == (1, 2048, 2, 32)
