@@ -20,8 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0],
-                                formatter_class=DefaultsHelpFormatter)
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n\n")[0])
     p.add_argument("--notebook", default=str(ROOT / "notebooks" / "explore_htree.ipynb"), help="the notebook to run")
     p.add_argument("--out", default=".", help="where the figures are saved")
     args = p.parse_args(argv)

@@ -375,6 +375,8 @@ def parse_args(argv=None):
                    help="htree: the first N steps train the same parameters with dense attention, then htree "
                         "(a dense warm-up, as DeepSeek's sparse attention is trained)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--grad-clip", type=float, default=None,
+                   help="clip the gradients' global norm to this (optax.clip_by_global_norm); none by default")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: min(100, steps/10 + 1))")
     p.add_argument("--eval-size", type=int, default=512)
     p.add_argument("--eval-batch", type=int, default=None, help="eval rows per call (default: --batch)")
@@ -558,8 +560,11 @@ def train(args) -> tuple[TinyLM, dict]:
               "trained there)", flush=True)
     config = model.blocks[0].attention.config if args.attention == "htree" else None
     warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10 + 1)
-    make_optimizer = lambda model: nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, warmup, max(args.steps, warmup + 1)), weight_decay=0.01), wrt=nnx.Param)
+    lr_schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(args.steps, warmup + 1))
+    transform = optax.adamw(lr_schedule, weight_decay=0.01)
+    if args.grad_clip is not None:
+        transform = optax.chain(optax.clip_by_global_norm(args.grad_clip), transform)
+    make_optimizer = lambda model: nnx.Optimizer(model, transform, wrt=nnx.Param)
     optimizer = make_optimizer(model)
     dense_steps = args.dense_steps if args.attention == "htree" else 0
     if dense_steps:  # the same parameters (and optimizer state) under dense attention
@@ -625,7 +630,7 @@ def train(args) -> tuple[TinyLM, dict]:
                   compression_rate=args.compression_rate, dtype=jnp.dtype(dtype).name, steps=args.steps,
                   batch=args.batch, d_model=args.d_model, layers=args.layers, heads=args.heads,
                   kv_heads=args.kv_heads, token_shift=args.token_shift, pairs=args.pairs, queries=args.queries,
-                  num_values=args.num_values, seed=args.seed, lr=args.lr, scale=args.scale,
+                  num_values=args.num_values, seed=args.seed, lr=args.lr, grad_clip=args.grad_clip, scale=args.scale,
                   rope_base=args.rope_base, len_warmup_steps=args.len_warmup_steps,
                   dense_implementation=dense_implementation(dtype, args.dense_implementation),
                   len_warmup_start=args.len_warmup_start, dense_steps=dense_steps, losses=losses,

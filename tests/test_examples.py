@@ -320,7 +320,9 @@ def test_save_then_init_gives_the_same_model(tmp_path):
                            "--init", str(tmp_path / "ck")])
     assert loaded["d_model"] == 32 and loaded["layers"] == 1 and loaded["init"] == str(tmp_path / "ck")
     assert loaded["eval_loss"] == saved["eval_loss"]
-    adapted = example.main([*common, "--attention", "htree", "--steps", "2", "--init", str(tmp_path / "ck")])
+    adapted = example.main([*common, "--attention", "htree", "--steps", "2", "--grad-clip", "1.0",
+                            "--init", str(tmp_path / "ck")])
+    assert adapted["grad_clip"] == 1.0
     assert np.isfinite(adapted["eval_loss"]) and adapted["eval_loss"] != saved["eval_loss"]
     with pytest.raises(ValueError, match="a directory written by --save"):
         example.main([*common, "--steps", "0", "--init", str(tmp_path)])
