@@ -94,23 +94,32 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
 
 
 def full_sequence_backend(backend: str, dims, config: HTreeConfig | None = None) -> str:
-    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`).
-    Block selection (SPEC 12, `config.selection_block > 1`) has no kernels yet: "auto"
-    runs the reference, "pallas" and "pallas_interpret" are refused."""
+    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`);
+    block selection's rule (`block_selection_backend`) where `config` asks for it."""
     if config is not None and config.selects_by_block:
-        check_backend(backend)
-        if backend in ("pallas", "pallas_interpret"):
-            raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection, "
-                             "SPEC 12) runs on the JAX reference only for now; use backend='reference' or 'auto'")
-        return "reference"
+        return block_selection_backend(backend, config)
     return choose_backend(backend, lambda name: check_pallas_dims(dims, name))
 
 
-def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, latent_half: int | None = None) -> str:
+def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, latent_half: int | None = None,
+                   config: HTreeConfig | None = None) -> str:
     """`choose_backend` for a decode call: the cache's `K`, `V` and the group size
     (every `HTreeConfig.selection` decodes on the kernels); `latent_half` for a cache
-    whose values are the keys' latent features (`(K - rope_dim) / 2`)."""
+    whose values are the keys' latent features (`(K - rope_dim) / 2`); block
+    selection's rule (`block_selection_backend`) where `config` asks for it."""
+    if config is not None and config.selects_by_block:
+        return block_selection_backend(backend, config)
     return choose_backend(backend, lambda name: check_pallas_decode_dims(head_dim, value_dim, group, latent_half))
+
+
+def block_selection_backend(backend: str, config: HTreeConfig) -> str:
+    """Block selection (SPEC 12, `config.selection_block > 1`) has no kernels yet: "auto"
+    runs the reference (on every platform), "pallas" and "pallas_interpret" are refused."""
+    check_backend(backend)
+    if backend in ("pallas", "pallas_interpret"):
+        raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection, "
+                         "SPEC 12) runs on the JAX reference only for now; use backend='reference' or 'auto'")
+    return "reference"
 
 
 def query_positions(positions, q):
@@ -191,7 +200,8 @@ def latent_values(k, config: HTreeConfig, value_dim: int):
 
 @functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim", "q_layout"))
 def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None, export: bool = False,
-           block_sizes: BlockSizes | None = None, value_dim: int | None = None, q_layout: str = "rope_layout"):
+           block_sizes: BlockSizes | None = None, value_dim: int | None = None, q_layout: str = "rope_layout",
+           rank_rows=None):
     """htree attention of validated `q [B, S, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv,
     V]` (`q`, `k` in `rope_layout` order; `q_layout="given"`: `q` in the caller's order,
     which the wide kernels read as it is, no permuted copy of q; elsewhere it is permuted
@@ -207,7 +217,9 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     `None`: `S = T`). `block_sizes`: the Pallas kernels' tiling (`BlockSizes`, None:
     the tuned values; `configs.KernelConfigs.resolve`). `v=None` with `value_dim`: the values are the first
     `value_dim` latent features of `k`, read from the keys by the wide kernels
-    (`pallas_kernels.wide_forward.wide_eligible`; elsewhere they are copied out first)."""
+    (`pallas_kernels.wide_forward.wide_eligible`; elsewhere they are copied out first).
+    `rank_rows`: block selection's ranking rows (SPEC 12) of a context shard, whose
+    blocks may start in the shard before (`reference.attend_tree`); None: from `q`."""
     tuning = KernelConfigs.resolve(block_sizes, q.shape[-1], value_dim if v is None else v.shape[-1])
     wide = impl != "reference" and wide_eligible(q.shape[2] // k.shape[2], q.shape[-1],
                                                  value_dim if v is None else v.shape[-1], tuning, packing)
@@ -245,7 +257,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
         k, v = zero_non_finite(k), zero_non_finite(v)
         if packing is None:
             o, selected, *exported = htree_attention_reference(q, k, v, config, positions=positions,
-                                                               return_importance=export)
+                                                               return_importance=export, rank_rows=rank_rows)
         else:
             o, selected, *exported = htree_attention_reference_packed(q, k, v, packing, config,
                                                                       return_importance=export)
@@ -258,7 +270,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
 
 @functools.partial(jax.jit, static_argnames=("config", "impl", "block_sizes", "value_dim"))
 def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: str,
-                 block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0, scales=()):
+                 block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0, scales=(), rank_rows=None):
     """Queries `q [B, S, H, K]` (in `rope_layout` order) at `positions [B, S]` over a
     decode cache's tree layers (`keys`, `values`, bottom first, un-rotated; `radii` of
     layers 1.. with `selection="bound"`, else `()`), on the concrete backend `impl`
@@ -267,7 +279,9 @@ def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: s
     `value_dim` latent features (the kernels read them from the gathered keys).
     `scales` (FP8 tokens, `htree_jax.core.quantize`): layer 0's keys (and values) are
     e4m3, these their float32 row scales `[B, H_kv, N_0]`; the reference reads them
-    back in q's dtype, the kernels scale each token's score and weight."""
+    back in q's dtype, the kernels scale each token's score and weight. Block selection
+    (SPEC 12, the reference only): `rank_rows [B, S, H_kv, R, K]`, each query's ranking
+    rows (`reference.block_rows` over the cache's recent queries and `q`)."""
     if impl != "reference":
         # One new token is the newest in the cache: nothing after it can be NaN, so the
         # decode kernels need not zero the values it does not merge (SPEC 10).
@@ -286,4 +300,4 @@ def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: s
     chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))
     layers = [(keys[0], values[0])] + [(kl, vl) + tuple(rho) for kl, vl, *rho in
                                        zip(keys[1:], values[1:], *([radii] if radii else []))]
-    return attend_tree(q, layers, positions, config, chunk, keys_rotated=False)
+    return attend_tree(q, layers, positions, config, chunk, keys_rotated=False, rank_rows=rank_rows)

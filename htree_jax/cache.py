@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from htree_jax.core.blocks import recent_queries
 from htree_jax.core.bounds import children_radii, num_groups
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.quantize import FP8, dequantize_rows, is_fp8, quantize_rows
@@ -32,7 +33,7 @@ from htree_jax.core.tree import child_reciprocals, round_to_storage
 from htree_jax.core.validation import check_config, check_dtype, check_latent_value_dim
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths", "radii", "scales"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths", "radii", "scales", "queries"],
                    meta_fields=["value_dim", "compute_dtype"])
 @dataclasses.dataclass(frozen=True)
 class HTreeCache:
@@ -51,6 +52,10 @@ class HTreeCache:
              heads first, so a parent's children's scales are adjacent for the kernels),
              `htree_jax.core.quantize`; else `()`. The tree's nodes (layers >= 1) stay in
              the compute dtype (`compute_dtype`, the dtype of q, k, v).
+    queries: with block selection (SPEC 12, `config.selection_block = b > 1`), the last
+             `2b` queries of each row `[B, 2b, H_kv, G, K]` (rotation layout, the
+             compute dtype), oldest first, zero before a row's first token: the ranking
+             rows of the next tokens' blocks (`htree_jax.core.blocks`); else `()`.
 
     A NaN or infinity appended at position `p` stays in the tree (SPEC 10): no output
     before `p` reads it (every merge zeroes the values it does not merge, and the node
@@ -69,6 +74,7 @@ class HTreeCache:
     # With FP8 tokens: the name of the dtype the cache computes in (q, k, v and the
     # tree's nodes); "" where that is the tokens' own dtype.
     compute_dtype: str = ""
+    queries: tuple = ()
 
     @property
     def values_from_keys(self) -> bool:
@@ -108,7 +114,7 @@ def _positive_int(name, x) -> int:
 
 def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_dim: int,
                config: HTreeConfig | None = None, dtype=jnp.float32, *, values_from_keys: bool = False,
-               token_dtype=None) -> HTreeCache:
+               token_dtype=None, num_heads: int | None = None) -> HTreeCache:
     """An empty cache for up to `max_len` tokens (the layers of `config.layer_sizes(max_len)`).
     `values_from_keys=True` (DeepSeek's absorbed form, as `htree_attention(q, k, None,
     value_dim=v_dim)`): no values are stored, they are the first `v_dim` unrotated
@@ -125,7 +131,11 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
     within 1/16 of itself): within 0.05 relative RMS of the outputs where every token is
     attended exactly, where the walk selects within 0.25 with the mean and 0.3 with the
     bound (its radii move with the rounding too), as near ties flip (random normal
-    tokens, `tests/test_fp8_cache.py`). `None`: the tokens in `dtype`."""
+    tokens, `tests/test_fp8_cache.py`). `None`: the tokens in `dtype`.
+
+    `num_heads`: the query heads `H` (a multiple of `num_kv_heads`), needed with block
+    selection (SPEC 12, `config.selection_block > 1`), where the cache keeps each row's
+    last `2 * selection_block` queries: the rows that rank for the next tokens' blocks."""
     config = check_decode_config(config)
     B = _positive_int("batch_size", batch_size)
     T = _positive_int("max_len", max_len)
@@ -146,6 +156,17 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
         raise TypeError(f"values_from_keys must be a bool, got {type(values_from_keys).__name__}")
     if values_from_keys:
         check_latent_value_dim(V, K, config)
+    queries = ()
+    if config.selects_by_block:
+        if num_heads is None:
+            raise ValueError(f"init_cache needs num_heads (the query heads) with config.selection_block="
+                             f"{config.selection_block}: block selection (SPEC 12) keeps each row's recent queries")
+        H = _positive_int("num_heads", num_heads)
+        if H % H_kv:
+            raise ValueError(f"num_heads must be a multiple of num_kv_heads = {H_kv}, got {H}")
+        queries = (jnp.zeros((B, recent_queries(config), H_kv, H // H_kv, K), dtype),)
+    elif num_heads is not None:
+        _positive_int("num_heads", num_heads)
     sizes = config.layer_sizes(T)
     layer_dtype = lambda l: FP8 if fp8 and l == 0 else dtype
     keys = tuple(jnp.zeros((B, n, H_kv, K), layer_dtype(l)) for l, n in enumerate(sizes))
@@ -157,7 +178,7 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
         groups = num_groups(K, config.partial_rope(K))
         radii = tuple(jnp.zeros((B, n, H_kv, groups), jnp.float32) for n in sizes[1:])
     return HTreeCache(keys, values, jnp.zeros((B,), jnp.int32), radii, V if values_from_keys else 0, scales,
-                      np.dtype(dtype).name if fp8 else "")
+                      np.dtype(dtype).name if fp8 else "", queries)
 
 
 def check_cache(cache, config: HTreeConfig) -> None:
@@ -197,6 +218,19 @@ def check_cache(cache, config: HTreeConfig) -> None:
             f"cache: its layers {got} are not those of config for max_len={cache.max_len} {sizes}; "
             "use the config the cache was made with"
         )
+    P = recent_queries(config)
+    fits = lambda x: x.shape[:3] == (cache.batch_size, P, cache.num_kv_heads) and x.shape[-1] == cache.keys[0].shape[-1]
+    if len(cache.queries) != (1 if P else 0) or not all(fits(x) for x in cache.queries):
+        raise ValueError(f"cache: made for another selection_block than config.selection_block="
+                         f"{config.selection_block}; use the config the cache was made with")
+
+
+def check_query_heads(cache: HTreeCache, num_heads: int) -> None:
+    """A block-selection cache keeps `H` query heads: the new queries must have as many."""
+    kept = cache.queries[0].shape[2] * cache.queries[0].shape[3] if cache.queries else num_heads
+    if kept != num_heads:
+        raise ValueError(f"q must have the {kept} heads of the cache (init_cache's num_heads), got {num_heads}: "
+                         "block selection ranks with the cache's recent queries")
 
 
 def _concrete(x) -> bool:
@@ -249,7 +283,8 @@ def reset_rows(cache: HTreeCache, rows) -> HTreeCache:
     clear = lambda x: jnp.where(rows.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
     return HTreeCache(tuple(map(clear, cache.keys)), tuple(map(clear, cache.values)),
                       jnp.where(rows, 0, cache.lengths).astype(jnp.int32), tuple(map(clear, cache.radii)),
-                      cache.value_dim, tuple(map(clear, cache.scales)), cache.compute_dtype)
+                      cache.value_dim, tuple(map(clear, cache.scales)), cache.compute_dtype,
+                      tuple(map(clear, cache.queries)))
 
 
 def _set_rows(layer, index, rows):
@@ -362,7 +397,7 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None, t
         keys, values, radii, scales = append(cache.keys, cache.values, cache.radii, cache.scales, cache.lengths, k, v,
                                              counts)
     return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32), radii, cache.value_dim, scales,
-                      cache.compute_dtype)
+                      cache.compute_dtype, cache.queries)
 
 
 def check_decode_config(config) -> HTreeConfig:
@@ -373,8 +408,4 @@ def check_decode_config(config) -> HTreeConfig:
             "depends on tokens after it (SPEC 2.3), so no cache of the past can reproduce the "
             "full-sequence output"
         )
-    if config.selects_by_block:
-        raise ValueError(
-            f"config.selection_block={config.selection_block}: block selection (SPEC 12) is not in the decode cache "
-            "yet (it would keep the block's ranking queries); decode with selection_block=1")
     return config

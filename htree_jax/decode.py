@@ -16,6 +16,7 @@ that row NaN outputs and leaves its cache rows as they were. A decode step costs
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,7 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax.backends import attend_cache, decode_backend
-from htree_jax.cache import HTreeCache, append_to_cache, check_cache, check_decode_config, check_lengths, check_room
+from htree_jax.cache import (
+    HTreeCache,
+    append_to_cache,
+    check_cache,
+    check_decode_config,
+    check_lengths,
+    check_query_heads,
+    check_room,
+)
+from htree_jax.core.blocks import block_rows, with_recent
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_layout
 from htree_jax.sharding import partitioned_cache_attention
@@ -76,7 +86,7 @@ def _resolve(backend, cache: HTreeCache, num_heads: int, config: HTreeConfig) ->
     latent_half = None
     if cache.values_from_keys:
         latent_half = (K - (config.partial_rope(K) or K)) // 2
-    return decode_backend(backend, K, V, num_heads // cache.num_kv_heads, latent_half)
+    return decode_backend(backend, K, V, num_heads // cache.num_kv_heads, latent_half, config)
 
 
 def check_decode_block_sizes(block_sizes) -> None:
@@ -85,13 +95,37 @@ def check_decode_block_sizes(block_sizes) -> None:
         raise TypeError(f"block_sizes must be an htree_jax.DecodeBlockSizes or None, got {type(block_sizes).__name__}")
 
 
-def _attend_cache(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block_sizes):
+def _attend_cache(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block_sizes, rank_rows=None):
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
         return partitioned_cache_attention(q, cache.keys, cache.values, cache.radii, positions, config, impl,
-                                           block_sizes, cache.value_dim, cache.scales)
+                                           block_sizes, cache.value_dim, cache.scales, rank_rows)
     return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl, block_sizes,
-                        cache.value_dim, cache.scales)
+                        cache.value_dim, cache.scales, rank_rows)
+
+
+def _ranking_rows(q, cache: HTreeCache, positions, config: HTreeConfig):
+    """Block selection (SPEC 12): each new query's ranking rows `[B, S, H_kv, R, K]`, from
+    the cache's recent queries (those before the call, oldest first) and `q [B, S, H, K]`;
+    None without block selection."""
+    if not cache.queries:
+        return None
+    recent = cache.queries[0]  # [B, P, H_kv, G, K]
+    B, S = q.shape[:2]
+    P = recent.shape[1]
+    history = jnp.concatenate([recent, q.reshape((B, S) + recent.shape[2:]).astype(recent.dtype)], axis=1)
+    # A query's own row: P + its position's offset in the call (padding positions repeat the last real one).
+    own = P + positions - cache.lengths[:, None]
+    return jax.lax.stop_gradient(block_rows(history, own, positions, config))
+
+
+def _remember_queries(cache: HTreeCache, q, counts) -> HTreeCache:
+    """The cache with each row's recent queries moved on by its `counts [B]` new ones."""
+    if not cache.queries:
+        return cache
+    recent = cache.queries[0]
+    q5 = q.reshape(q.shape[:2] + recent.shape[2:])
+    return dataclasses.replace(cache, queries=(with_recent(recent, q5, counts),))
 
 
 def _tree_writer(impl: str, cache: HTreeCache, S: int, config: HTreeConfig):
@@ -116,8 +150,10 @@ def _prefill(q, k, v, cache, counts, config, return_selected, impl, block_sizes=
     # Padding positions attend as the row's last real token would (a valid position).
     positions = cache.lengths[:, None] + jnp.minimum(s[None, :], jnp.maximum(counts[:, None] - 1, 0))
     positions = jnp.minimum(positions, cache.max_len - 1)
+    rank_rows = _ranking_rows(q, cache, positions, config)
+    cache = _remember_queries(cache, q, counts)
     cache = append_to_cache(cache, k, v, config, counts, _tree_writer(impl, cache, S, config))
-    o, selected = _attend_cache(q, cache, positions, config, impl, block_sizes)
+    o, selected = _attend_cache(q, cache, positions, config, impl, block_sizes, rank_rows)
     answer = jnp.where(fits, 0.0, jnp.nan).astype(o.dtype)  # padding: 0; a row that overflows: NaN
     o = jnp.where((real & fits[:, None])[..., None, None], o, answer[:, None, None, None])
     selected = [jnp.where(real[..., None, None], x, -1) for x in selected]
@@ -149,6 +185,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     config = check_decode_config(config)
     check_cache(cache, config)
     S = _check_tokens(cache, q, k, v, step=False)
+    check_query_heads(cache, q.shape[2])
     check_decode_block_sizes(block_sizes)
     counts = check_lengths(lengths, cache.batch_size, S)
     impl = _resolve(backend, cache, q.shape[2], config)
@@ -175,6 +212,7 @@ def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = N
     config = check_decode_config(config)
     check_cache(cache, config)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
+    check_query_heads(cache, q_t.shape[1])
     check_decode_block_sizes(block_sizes)
     impl = _resolve(backend, cache, q_t.shape[1], config)
     counts = jnp.ones((cache.batch_size,), jnp.int32)

@@ -95,7 +95,7 @@ class HTreeAttention(nn.Module):
             B, S = inputs.shape[:2]
             tree = self.variable("cache", "tree", lambda: init_cache(
                 B, S, dims.num_kv_heads, dims.head_dim, dims.head_dim, config, k.dtype,
-                token_dtype=self.cache_token_dtype))
+                token_dtype=self.cache_token_dtype, num_heads=dims.num_heads))
             if initialized:
                 o, tree.value = prefill(q, k, v, tree.value, config, lengths=lengths, backend=self.backend,
                                                  block_sizes=self.decode_block_sizes)

@@ -117,7 +117,8 @@ class HTreeAttention(nnx.Module):
         batch_size, max_len = self._cache_shape(batch_size_or_input_shape, max_len)
         dtype = dtype or self.dtype or self.param_dtype
         self.cache = nnx.Cache(init_cache(batch_size, max_len, self.num_kv_heads, self.head_dim,
-                                          self.head_dim, self.config, dtype, token_dtype=token_dtype))
+                                          self.head_dim, self.config, dtype, token_dtype=token_dtype,
+                                          num_heads=self.num_heads))
 
     def _cache_shape(self, batch_size_or_input_shape, max_len):
         """`(batch_size, max_len)` from either form `init_cache` takes."""

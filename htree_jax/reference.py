@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from htree_jax.core.blocks import block_rows
 from htree_jax.core.bounds import bound_scores, tree_radii
 from htree_jax.core.config import FORCED_IMPORTANCE, HTreeConfig
 from htree_jax.core.indexing import (
@@ -223,12 +224,14 @@ def rotate_by_child_offset(layer_keys, config: HTreeConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "query_chunk", "return_importance"))
-def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int, positions=None, return_importance=False):
+def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int, positions=None, return_importance=False,
+                      rank_rows=None):
     layers = build_tree(k, v, config)
     radii = with_radii(layers, config)
     layers = [(rotate_by_child_offset(kl, config), vl) + rho for (kl, vl), rho in zip(layers, radii)]
     positions = jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
-    return attend_tree(q, layers, positions, config, query_chunk, return_importance=return_importance)
+    return attend_tree(q, layers, positions, config, query_chunk, return_importance=return_importance,
+                       rank_rows=rank_rows)
 
 
 def with_radii(layers, config: HTreeConfig, exists=None):
@@ -242,32 +245,16 @@ def with_radii(layers, config: HTreeConfig, exists=None):
                                          exists)]
 
 
-def block_rows(q5, positions, config: HTreeConfig):
-    """SPEC 12's ranking rows of every query: `q5 [B, S, H_kv, G, K]`, `positions [B, S]`
-    (inside each document) -> `[B, S, H_kv, R, K]`: the `G` heads of the block's first
-    query (`block_source="first"`, `R = G`) or the `b * G` heads of the previous block's
-    queries (`"previous"`, `R = b * G`; zeros for a first block). The queries of a block
-    are consecutive in `q5` (a document's tokens are), so the first one is `t mod b`
-    rows up."""
-    B, S, H_kv, G, K = q5.shape
-    b = config.selection_block
-    first = jnp.arange(S, dtype=jnp.int32)[None, :] - positions % b  # [B, S]
-    take = lambda rows: jnp.take_along_axis(q5, jnp.clip(rows, 0, S - 1)[:, :, None, None, None], axis=1)
-    if config.block_source == "first":
-        return take(first)
-    has_previous = (positions - positions % b - b >= 0)[:, :, None, None, None]
-    rows = [jnp.where(has_previous, take(first - b + j), 0.0) for j in range(b)]  # each [B, S, H_kv, G, K]
-    return jnp.concatenate(rows, axis=3)  # [B, S, H_kv, b * G, K]
-
-
 def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True,
-                base=None, return_importance: bool = False):
+                base=None, return_importance: bool = False, rank_rows=None):
     """Queries `q [B, S, H, K]` at token positions `positions [S]`, or `[B, S]` per batch
     row (int32, may be traced), walk the tree `layers` (bottom first, `[B, N_l, H_kv, *]`; keys as `_walk_one_head`
     takes them). Returns `(o [B, S, H, V] in q.dtype, selections)`. Packed sequences:
     `positions` inside each document and `base [B, S]` its virtual start (`_walk_one_head`).
     `return_importance`: also the selections' importance (SPEC 8), `(o, selections,
-    importance)`.
+    importance)`. Block selection (SPEC 12): `rank_rows [B, S, H_kv, R, K]`, each query's
+    ranking rows (`block_rows`), where the rows above `q`'s first are elsewhere (a decode
+    cache, a context shard's neighbour); None: from `q` itself.
 
     The tree may hold more tokens than `positions` reach (a decode cache sized for
     `max_len`): by strict causality (SPEC 3) nothing after a query changes its output."""
@@ -288,7 +275,9 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
     # SPEC 12: each query's ranking rows, cut into the same chunks as q (no gradient: they only rank).
     ranks = None
     if config.selects_by_block:
-        ranks = lax.stop_gradient(block_rows(q5, jnp.broadcast_to(positions, (B, S)), config))
+        if rank_rows is None:
+            rank_rows = block_rows(q5, jnp.arange(S, dtype=jnp.int32), jnp.broadcast_to(positions, (B, S)), config)
+        ranks = lax.stop_gradient(rank_rows)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, num_chunks * C - S), (0, 0), (0, 0), (0, 0)))
     if num_chunks * C != S:
         q5 = pad(q5)
@@ -322,9 +311,10 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
 
 
 def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int | None = None, positions=None,
-                              return_importance: bool = False):
+                              return_importance: bool = False, rank_rows=None):
     """htree attention with static shapes; inputs already validated. `positions [S]`
     int32: the queries' positions among `k`'s tokens (`q [B, S, H, K]`; None: all).
+    `rank_rows`: block selection's ranking rows where they are not `q`'s own (`attend_tree`).
 
     Returns `(o [B,T,H,V] in q.dtype, selections)`, selections being the selected node
     lists of layers `L-1 .. 1` (top first), each int32 `[B, T, H_kv, top_k]`, `-1` padded.
@@ -345,7 +335,7 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
         query_chunk = default_query_chunk(config, B, T, H_kv, H // H_kv, K, Vd)
     elif isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
         raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
-    return reference_forward(q, k, v, config, min(query_chunk, T), positions, return_importance)
+    return reference_forward(q, k, v, config, min(query_chunk, T), positions, return_importance, rank_rows)
 
 
 def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, query_chunk: int | None = None,

@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from htree_jax.backends import attend as attend_locally
 from htree_jax.backends import attend_cache
+from htree_jax.core.blocks import block_rows, recent_queries
 from htree_jax.core.packing import pack_layout
 
 
@@ -115,21 +116,22 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
     reduce-scatters its share of `dk`, `dv` back along `t` (`psum_scatter`).
     `block_sizes`: the Pallas kernels' (`backends.attend`)."""
 
-    def attend(q5, k, v, positions=None, segment_ids=None):
+    def attend(q5, k, v, positions=None, rank_rows=None, segment_ids=None):
         B, S, H_kv, G, K = q5.shape
         packing = None if segment_ids is None else pack_layout(segment_ids, config, packed[0], packed[1])
         o, selected = attend_locally(q5.reshape(B, S, H_kv * G, K), k, v, config, impl, packing, positions,
-                                     block_sizes=block_sizes)
+                                     block_sizes=block_sizes, rank_rows=rank_rows)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
 
     def gathered(q5, k, v, t):
-        """`(k, v, positions)` of a shard: every token's keys and values, its queries' positions."""
+        """`(k, v, positions, rank_rows)` of a shard: every token's keys and values, its
+        queries' positions and (block selection) their ranking rows."""
         if t is None:
-            return k, v, None
+            return k, v, None, None
         S = q5.shape[1]
         positions = (jax.lax.axis_index(t) * S + jnp.arange(S)).astype(jnp.int32)
         k, v = (jax.lax.all_gather(x, t, axis=1, tiled=True) for x in (k, v))
-        return k, v, positions
+        return k, v, positions, shard_rank_rows(q5, positions, t, config)
 
     def local_forward(t):
         def forward(q5, k, v, *segment_ids):
@@ -145,8 +147,8 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
 
     def differentiate(t, q5, k, v, *rest):
         *segment_ids, do5 = rest
-        k_all, v_all, positions = gathered(q5, k, v, t)
-        _, vjp = jax.vjp(lambda q5, k, v: attend(q5, k, v, positions, *segment_ids)[0], q5, k_all, v_all)
+        k_all, v_all, positions, rank_rows = gathered(q5, k, v, t)
+        _, vjp = jax.vjp(lambda q5, k, v: attend(q5, k, v, positions, rank_rows, *segment_ids)[0], q5, k_all, v_all)
         dq, dk, dv = vjp(do5)
         if t is not None:  # each shard's share of every token's gradient, summed and split back
             dk, dv = (jax.lax.psum_scatter(x, t, scatter_dimension=1, tiled=True) for x in (dk, dv))
@@ -169,6 +171,7 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
         b, t, g = local_specs(arg_shapes[0].sharding)
         B, T, H_kv = arg_shapes[0].shape[:3]
         _check_mesh_fits(mesh, b, t, g, B, T, H_kv)
+        _check_shard_blocks(mesh, t, T, config)
         q5, kv = _shardings(mesh, b, t, g)
         seg = rows_of(mesh, b, t) if packed else ()
         return mesh, local_forward(t), (q5,) + (kv,) * num_selections, (q5, kv, kv) + seg
@@ -188,6 +191,34 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
     bwd.def_partition(partition=partition_bwd, infer_sharding_from_operands=infer_bwd,
                       sharding_rule=_backward_rule(packed is not None))
     return fwd, bwd
+
+
+def shard_rank_rows(q5, positions, t, config):
+    """Block selection (SPEC 12) in a context shard: the ranking rows `[B, S, H_kv, R, K]`
+    of its queries `q5 [B, S, H_kv, G, K]` at `positions [S]`, whose blocks may begin in
+    the shard before (the last `recent_queries` rows of each shard are all-gathered
+    along mesh axis `t`); None without block selection."""
+    P = recent_queries(config)
+    if not P:
+        return None
+    B, S = q5.shape[:2]
+    tails = jax.lax.all_gather(q5[:, S - P:], t, axis=1)  # [B, shards, P, H_kv, G, K]
+    before = jax.lax.dynamic_index_in_dim(tails, jnp.maximum(jax.lax.axis_index(t) - 1, 0), axis=1,
+                                          keepdims=False)  # shard 0: its own, never read (no block above)
+    history = jnp.concatenate([before, q5], axis=1)
+    own = P + jnp.arange(S, dtype=jnp.int32)
+    return jax.lax.stop_gradient(block_rows(history, own, jnp.broadcast_to(positions, (B, S)), config))
+
+
+def _check_shard_blocks(mesh, t, T: int, config) -> None:
+    """A context shard must hold the `recent_queries` rows that its neighbour's blocks rank with."""
+    if t is None or not config.selects_by_block:
+        return
+    S = T // _shards(mesh, t)
+    if S < recent_queries(config):
+        raise ValueError(f"htree sharding: mesh axis {t!r} leaves {S} tokens a shard; block selection "
+                         f"(selection_block={config.selection_block}) needs at least 2 * selection_block = "
+                         f"{recent_queries(config)} a shard")
 
 
 def _num_selections(config, T: int, packed) -> int:
@@ -260,20 +291,24 @@ def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_
 
 @functools.lru_cache(maxsize=None)
 def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: int, num_radii: int,
-                            block_sizes=None, value_dim: int = 0, num_scales: int = 0):
+                            block_sizes=None, value_dim: int = 0, num_scales: int = 0, ranked: bool = False):
     """A custom-partitioned `backends.attend_cache` over `num_layers` cache layers (and
     `num_radii` layers of radii, `num_scales` FP8 row scales): `f(q5, positions, *keys,
-    *values, *radii, *scales) -> (o5, *selections)`; `value_dim > 0`: no values (read
-    from the keys)."""
+    *values, *radii, *scales[, rank_rows]) -> (o5, *selections)`; `value_dim > 0`: no
+    values (read from the keys); `ranked`: block selection's ranking rows `[B, S, H_kv,
+    R, K]` last, split as q5."""
     num_values = 0 if value_dim else num_layers
+    num_ranks = 1 if ranked else 0
 
     def walk(q5, positions, *layers):
         B, S, H_kv, G, K = q5.shape
+        rank_rows = layers[-1] if ranked else None
+        layers = layers[:len(layers) - num_ranks]
         keys, values = layers[:num_layers], layers[num_layers:num_layers + num_values]
         radii = layers[num_layers + num_values:len(layers) - num_scales]
         scales = layers[len(layers) - num_scales:]
         o, selected = attend_cache(q5.reshape(B, S, H_kv * G, K), keys, values, radii, positions, config, impl,
-                                   block_sizes, value_dim, scales)
+                                   block_sizes, value_dim, scales, rank_rows)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
 
     call = custom_partitioning(walk)
@@ -294,24 +329,28 @@ def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: 
         q5, kv, rows = shardings(mesh, arg_shapes)
         scale = NamedSharding(mesh, P(kv.spec[0], kv.spec[2], None))
         return (mesh, walk, (q5,) + (kv,) * num_selections,
-                (q5, rows) + (kv,) * (num_layers + num_values + num_radii) + (scale,) * num_scales)
+                (q5, rows) + (kv,) * (num_layers + num_values + num_radii) + (scale,) * num_scales + (q5,) * num_ranks)
 
     names = [f"n{chr(ord('a') + l)}" for l in range(num_layers)]
     rule = ", ".join(["b s g r k", "b s"] + [f"b {n} g k" for n in names] + [f"b {n} g v" for n in names[:num_values]]
-                     + [f"b {n} g x" for n in names[1:1 + num_radii]] + ["b g na"] * num_scales)
+                     + [f"b {n} g x" for n in names[1:1 + num_radii]] + ["b g na"] * num_scales
+                     + ["b s g q k"] * num_ranks)
     rule += " -> " + ", ".join(["b s g r v"] + ["b s g t"] * num_selections)
     call.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
     return call
 
 
 def partitioned_cache_attention(q, keys, values, radii, positions, config, impl: str, block_sizes=None,
-                                value_dim: int = 0, scales=()):
+                                value_dim: int = 0, scales=(), rank_rows=None):
     """`backends.attend_cache` through a custom-partitioned call: under `jit` with a cache
     (and queries) sharded along the batch and/or the kv heads, one local walk per shard
     (`value_dim > 0`: `values` is `()`, read from the keys; `scales`: FP8 tokens' row
-    scales `[B, H_kv, N_0]`, sharded as the layers)."""
+    scales `[B, H_kv, N_0]`, sharded as the layers; `rank_rows`: block selection's
+    ranking rows, sharded as the queries)."""
     B, S, H, K = q.shape
     H_kv, L = keys[0].shape[2], len(keys)
-    call = _partitioned_cache_call(config, impl, L, L - 1, len(radii), block_sizes, value_dim, len(scales))
-    o5, *selected = call(q.reshape(B, S, H_kv, H // H_kv, K), positions, *keys, *values, *radii, *scales)
+    ranks = () if rank_rows is None else (rank_rows,)
+    call = _partitioned_cache_call(config, impl, L, L - 1, len(radii), block_sizes, value_dim, len(scales),
+                                   bool(ranks))
+    o5, *selected = call(q.reshape(B, S, H_kv, H // H_kv, K), positions, *keys, *values, *radii, *scales, *ranks)
     return o5.reshape(B, S, H, -1), list(selected)

@@ -219,6 +219,73 @@ def latent_values_check(backends) -> None:
         print(f"ok {impl} values from the keys: sharded (batch, heads) equals the unsharded call", flush=True)
 
 
+def block_selection_check() -> int:
+    """Block selection (SPEC 12, the reference): with T split over 4 or 2 shards (38
+    or 76 tokens, so blocks of 4 straddle the shards' edges) the forward and gradients
+    equal the unsharded call, each source; prefill and decode on a cache sharded along
+    the batch and the kv heads equal the unsharded ones; a shard shorter than
+    2 * selection_block is refused naming the mesh axis."""
+    from htree_jax import decode_step, init_cache, prefill
+
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((B, T, H, K)).astype(np.float32)
+    k = rng.standard_normal((B, T, H_KV, K)).astype(np.float32)
+    v = rng.standard_normal((B, T, H_KV, V)).astype(np.float32)
+    w = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    for source in ("first", "previous"):
+        config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4, block_source=source)
+        plain = lambda q, k, v, config=config: attend(q, k, v, config, "reference")[0]
+        want = plain(*(jnp.asarray(x) for x in (q, k, v)))
+        want_g = jax.grad(lambda q, k, v: jnp.sum(plain(q, k, v) * w), argnums=(0, 1, 2))(
+            *(jnp.asarray(x) for x in (q, k, v)))
+        # One layout a source: T over 4 shards (38 tokens), and over 2 (76) with the heads.
+        name, spec = {"first": ("tokens", P(None, "model", None, None)),
+                      "previous": ("tokens+heads", P(None, "data", "model", None))}[source]
+        args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+        f = lambda q, k, v, config=config: htree_attention(q, k, v, config, backend="reference")
+        np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), np.asarray(want), rtol=1e-5, atol=1e-5)
+        grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * w), argnums=(0, 1, 2)))(*args)
+        for a, b in zip(grads, want_g):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        print(f"ok block selection ({source}) {name}: forward and gradients equal the unsharded run", flush=True)
+        S, steps = 40, 6
+        lengths = np.array([40, 17, 0, 33], np.int32)
+        outs = {}
+        for sharded in (False, True):
+            cache = init_cache(B, 64, H_KV, K, V, config, num_heads=H)
+            tok = NamedSharding(mesh, P("data", None, "model", None))
+            step_sh = NamedSharding(mesh, P("data", "model", None))
+            put = (lambda x, sh: jax.device_put(x, sh)) if sharded else (lambda x, sh: jnp.asarray(x))
+            if sharded:
+                layer, rows = NamedSharding(mesh, P("data", None, "model", None)), NamedSharding(mesh, P("data"))
+                recent = NamedSharding(mesh, P("data", None, "model", None, None))
+                cache = jax.tree.map(lambda x: jax.device_put(x, {5: recent, 4: layer}.get(x.ndim, rows)), cache)
+            o, cache = jax.jit(lambda q, k, v, c, n, config=config: prefill(q, k, v, c, config, lengths=n))(
+                put(q[:, :S], tok), put(k[:, :S], tok), put(v[:, :S], tok), cache, lengths)
+            got = [o]
+            step = jax.jit(lambda q, k, v, c, config=config: decode_step(q, k, v, c, config))
+            for i in range(steps):
+                pos = np.minimum(lengths + i, T - 1)
+                rows_at = lambda x: x[np.arange(B), pos]
+                o_t, cache = step(put(rows_at(q), step_sh), put(rows_at(k), step_sh), put(rows_at(v), step_sh), cache)
+                got.append(o_t)
+            outs[sharded] = got
+        for a, b in zip(outs[True], outs[False]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        print(f"ok block selection ({source}) decode: sharded cache (batch, heads) equals unsharded", flush=True)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4)
+    short = [jax.device_put(x[:, :24], NamedSharding(mesh, P(None, "model", None, None))) for x in (q, k, v)]
+    try:
+        jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend="reference"))(*short)
+    except Exception as e:  # noqa: BLE001 - under jit XLA wraps the ValueError in a JaxRuntimeError
+        assert "mesh axis 'model' leaves 6 tokens a shard" in str(e), e
+        print("ok block selection: a shard shorter than 2 * selection_block refused", flush=True)
+        return 0
+    print("FAIL: a shard shorter than 2 * selection_block was not refused", flush=True)
+    return 1
+
+
 # The partitioning (`htree_jax.sharding`) is the same code for every backend: the
 # reference runs every layout, the interpreted kernels (7 minutes for all six on two
 # cores) one layout that splits the batch and the heads and one that splits the tokens
@@ -326,4 +393,6 @@ if __name__ == "__main__":
         raise SystemExit(memory_plans())
     if sys.argv[1:] == ["module"]:
         raise SystemExit(module_step())
+    if sys.argv[1:] == ["blocks"]:
+        raise SystemExit(block_selection_check())
     raise SystemExit(main(sys.argv[1:] or ["reference", "pallas_interpret"]))

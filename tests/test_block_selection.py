@@ -1,7 +1,8 @@
 """Block selection (SPEC 12, `selection_block = compression_rate`): the JAX reference
 against the float64 oracle on multi-layer trees, the selection shared by each bottom
 node's queries, causality by perturbation, gradients against finite differences, packed
-documents, and the clear errors where it is not built (kernels, decoding)."""
+documents, decoding (the cache keeps the recent queries that rank) against the full
+sequence, and the clear errors where it is not built (the kernels)."""
 
 from __future__ import annotations
 
@@ -147,11 +148,69 @@ def test_where_it_is_not_built_the_errors_say_so(rng):
             htree_attention(q, k, v, config, backend=backend)
     o = htree_attention(q, k, v, config)  # "auto": the reference
     np.testing.assert_array_equal(np.asarray(o), np.asarray(htree_attention(q, k, v, config, backend="reference")))
-    with pytest.raises(ValueError, match="block selection .* not in the decode cache"):
+    with pytest.raises(ValueError, match=r"init_cache needs num_heads \(the query heads\) with config.selection_block=4"):
         htree_jax.init_cache(1, 64, 2, 32, 32, config, jnp.float32)
+    with pytest.raises(ValueError, match="num_heads must be a multiple of num_kv_heads = 2"):
+        htree_jax.init_cache(1, 64, 2, 32, 32, config, jnp.float32, num_heads=3)
+    cache = htree_jax.init_cache(1, 64, 2, 32, 32, config, jnp.float32, num_heads=4)
+    with pytest.raises(ValueError, match="q must have the 4 heads of the cache"):
+        htree_jax.prefill(q[:, :8, :2], k[:, :8], v[:, :8], cache, config)
+    with pytest.raises(ValueError, match="selection_block=4 .* JAX reference only"):
+        htree_jax.prefill(q[:, :8], k[:, :8], v[:, :8], cache, config, backend="pallas_interpret")
+    with pytest.raises(ValueError, match="made for another selection_block"):
+        htree_jax.prefill(q[:, :8], k[:, :8], v[:, :8], cache, HTreeConfig(compression_rate=4, top_k=4))
     with pytest.raises(ValueError, match="selection_block must be 1 or compression_rate"):
         HTreeConfig(compression_rate=4, selection_block=2)
     with pytest.raises(ValueError, match="selection_block must be 1 or compression_rate"):
         HTreeConfig(compression_rate=4, selection_block=True)
     with pytest.raises(ValueError, match="block_source must be one of"):
         HTreeConfig(compression_rate=4, selection_block=4, block_source="last")
+
+
+@pytest.mark.parametrize("source, selection", [("first", "bound"), ("previous", "mean")])
+def test_decoding_equals_the_full_sequence(rng, source, selection):
+    """Prompts of different lengths (one empty), a second prefill of a few tokens and
+    single steps, across blocks' edges: every output equals the full sequence's (the
+    cache keeps the last 2b queries, which rank for the blocks the new tokens are in),
+    and a row reset mid-way starts its sequence again. Per-query selection differs
+    on the same inputs, so the comparison sees the blocks."""
+    config = block_config(4, 4, source, selection)
+    B, T, H, H_kv, K = 3, 150, 4, 2, 16
+    q, k, v = random_qkv(rng, B, T, H, H_kv, K, K)
+    full = np.asarray(htree_attention(q, k, v, config, backend="reference"))
+    own = np.asarray(htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, selection=selection),
+                                     backend="reference"))
+    assert not np.allclose(own, full, atol=1e-3)
+    cache = htree_jax.init_cache(B, T, H_kv, K, K, config, num_heads=H)
+    lengths = np.array([37, 0, 50])
+    o, cache = htree_jax.prefill(q[:, :50], k[:, :50], v[:, :50], cache, config, lengths=lengths)
+    for b in range(B):
+        np.testing.assert_allclose(np.asarray(o)[b, :lengths[b]], full[b, :lengths[b]], rtol=1e-5, atol=1e-5)
+    rows = np.arange(B)
+    o, cache = htree_jax.prefill(*(np.stack([x[b, n:n + 7] for b, n in enumerate(lengths)]) for x in (q, k, v)),
+                                 cache, config)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(o)[b], full[b, n:n + 7], rtol=1e-5, atol=1e-5)
+    step = jax.jit(lambda q, k, v, c: htree_jax.decode_step(q, k, v, c, config))
+    position = lengths + 7
+    for i in range(12):
+        if i == 6:  # row 1 starts its sequence again
+            cache = htree_jax.reset_rows(cache, np.array([False, True, False]))
+            position[1] = 0
+        o_t, cache = step(q[rows, position], k[rows, position], v[rows, position], cache)
+        np.testing.assert_allclose(np.asarray(o_t), full[rows, position], rtol=1e-5, atol=1e-5)
+        position += 1
+
+
+def test_the_module_decodes_its_full_sequence(rng):
+    """`HTreeAttention(..., config=block selection)`: a prompt then single tokens through
+    `decode=True` give the full sequence's outputs."""
+    from flax import nnx
+
+    config = block_config(4, 4, "previous")
+    layer = htree_jax.HTreeAttention(4, 16, num_kv_heads=2, config=config, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((2, 70, 16)), jnp.float32)
+    full = layer(x, decode=False)
+    layer.init_cache(x.shape)
+    got = [layer(x[:, :61], decode=True)] + [layer(x[:, t:t + 1], decode=True) for t in range(61, 70)]
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(got, axis=1)), np.asarray(full), rtol=1e-5, atol=1e-5)

@@ -56,3 +56,13 @@ def test_sharded_nnx_model_optax_step():
 def test_memory_plan_of_context_parallelism_falls_with_the_device_count():
     """`htree_jax.memory_plan` on 8 simulated devices, `T` sharded over 1, 2 and 8."""
     assert "ok memory plan: each device's share falls with the device count along T" in run_check("memory").stdout
+
+
+def test_block_selection_shards_its_tokens_and_its_cache():
+    """Block selection (SPEC 12) with T split so that blocks straddle the shards' edges,
+    and its decode cache split along the batch and the kv heads (`sharding_check.block_selection_check`)."""
+    out = run_check("blocks").stdout
+    for source, layout in (("first", "tokens"), ("previous", "tokens+heads")):
+        assert f"ok block selection ({source}) {layout}: forward and gradients equal the unsharded run" in out
+        assert f"ok block selection ({source}) decode: sharded cache (batch, heads) equals unsharded" in out
+    assert "ok block selection: a shard shorter than 2 * selection_block refused" in out
