@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig, htree_attention
+from htree_jax.backends import pallas_backward_pass, pallas_forward_pass
 from htree_jax.bench import (
     B,
     H,
@@ -31,10 +32,8 @@ from htree_jax.bench import (
     median_ms,
     planned_gb,
 )
-from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from htree_jax.cli import DefaultsHelpFormatter
-from pallas_kernels.backward import htree_backward_pallas
-from pallas_kernels.forward import htree_forward_pallas
+from htree_jax.kernel_trace import kernel_times, print_kernel_times
 
 
 def grad_fn(forward, cotangent: str = "weights"):
@@ -54,8 +53,8 @@ def kernels_fn(config, save_selections: bool):
     """The Pallas forward then backward, called directly (no SPEC 10 guard), the
     backward given the forward's selections or recomputing them."""
     def step(q, k, v, do):
-        o, selected, lse = htree_forward_pallas(q, k, v, config, return_lse=True)
-        return htree_backward_pallas(q, k, v, o, lse, do, config, selections=selected if save_selections else None)
+        o, selected, lse = pallas_forward_pass(q, k, v, config, return_lse=True)
+        return pallas_backward_pass(q, k, v, o, lse, do, config, selections=selected if save_selections else None)
     return jax.jit(step)
 
 

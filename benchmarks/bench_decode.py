@@ -31,9 +31,9 @@ import numpy as np
 
 from htree_jax import DecodeBlockSizes, HTreeCache, HTreeConfig, build_tree, decode_step, init_cache
 from htree_jax.bench import gpu_header, int_list
+from htree_jax.cli import DefaultsHelpFormatter
 from htree_jax.core.bounds import tree_radii
 from htree_jax.core.quantize import FP8, quantize_rows
-from htree_jax.cli import DefaultsHelpFormatter
 
 H, H_KV, K, V = 32, 4, 128, 128
 DTYPE = jnp.bfloat16

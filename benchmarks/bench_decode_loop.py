@@ -40,8 +40,8 @@ from benchmarks.bench_decode import (
 from benchmarks.profile_decode import per_call_and_loop
 from htree_jax import HTreeConfig, decode_step
 from htree_jax.bench import gpu_header, int_list
-from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from htree_jax.cli import DefaultsHelpFormatter
+from htree_jax.kernel_trace import kernel_times, print_kernel_times
 
 
 def loop_and_call(body, state, steps: int, repeats: int):

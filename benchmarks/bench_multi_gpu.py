@@ -34,10 +34,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.memory import MemoryPlan, compile_checked
 from htree_jax.backends import attend
 from htree_jax.bench import dense_fn, gpu_header, grad_of_sum, int_list, median_ms
 from htree_jax.cli import DefaultsHelpFormatter
+from htree_jax.memory import MemoryPlan, compile_checked
 
 H, H_KV, K, V = 32, 4, 128, 128
 

@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 from htree_jax import HTreeConfig
 from htree_jax.backends import attend
 from htree_jax.bench import grad_of_sum, gpu_header, inputs, int_list, median_ms
-from htree_jax.sharding import partitioned_attention
 from htree_jax.cli import DefaultsHelpFormatter
+from htree_jax.sharding import partitioned_attention
 
 
 def main(argv=None) -> int:

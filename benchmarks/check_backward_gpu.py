@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig, htree_attention
+from htree_jax.backends import pallas_backward_pass, pallas_forward_pass
 from htree_jax.cli import DefaultsHelpFormatter
-from pallas_kernels.backward import htree_backward_pallas
-from pallas_kernels.forward import htree_forward_pallas
 
 
 def grads(q, k, v, w, config, backend):
@@ -68,9 +67,9 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0):
         ok = finite and dq_agree < 3e-2 and max(errs.values()) < 3e-2 + flipped
     # The backward given the forward's selections (the default) against the one that
     # recomputes them with the forward's kernels: the same bits.
-    o, sel_p, lse = htree_forward_pallas(q, k, v, config, return_lse=True)
+    o, sel_p, lse = pallas_forward_pass(q, k, v, config, return_lse=True)
     do = jnp.asarray(rng.standard_normal(o.shape), o.dtype)
-    backward = jax.jit(lambda s: htree_backward_pallas(q, k, v, o, lse, do, config, selections=s))
+    backward = jax.jit(lambda s: pallas_backward_pass(q, k, v, o, lse, do, config, selections=s))
     saved_same = bitwise_same(backward(sel_p), backward(None))
     ok = ok and same and saved_same
     print(f"T={T:6d} top_k={config.top_k} {jnp.dtype(dtype).name:8s} layers={config.layer_sizes(T)} "

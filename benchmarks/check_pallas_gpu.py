@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig
-from htree_jax.reference import htree_attention_reference
+from htree_jax.backends import pallas_forward_pass
 from htree_jax.cli import DefaultsHelpFormatter
+from htree_jax.reference import htree_attention_reference
 from jax import lax
 
-from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.configs import BlockSizes
-from pallas_kernels.precision import Precisions
+from pallas_kernels.shared.configs import BlockSizes
+from pallas_kernels.shared.precision import Precisions
 from reference_numpy import htree_attention_numpy
 
 # "auto": the backend's own defaults (bf16x3 importance, bf16-operand merges for bf16 inputs).
@@ -45,7 +45,7 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0, precision=None
     precisions = Precisions.for_dtype(dtype) if precision is None else Precisions.uniform(precision)
     if importance_operands != "auto":
         precisions = dataclasses.replace(precisions, importance_operands=importance_operands)
-    o, sel = jax.block_until_ready(htree_forward_pallas(q, k, v, config, block_sizes,
+    o, sel = jax.block_until_ready(pallas_forward_pass(q, k, v, config, block_sizes,
                                                                        precisions=precisions))
     t_pallas = time.perf_counter() - t0
     ro, rsel = jax.block_until_ready(htree_attention_reference(q, k, v, config))

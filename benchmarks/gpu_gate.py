@@ -24,7 +24,7 @@ rules and both `top_k` (forward and fwd+bwd compiled and run, outputs finite).
 Every case also reads, from XLA's thunk dump, the shared memory each of its kernels
 took: the table gives the largest (and its margin to the 232448 B a program may take is
 what RESULTS quotes), and, on the GQA kernels, the model's bytes of the top layer's
-importance launch (`pallas_kernels/shared_memory.py`) beside the compiler's: a case
+importance launch (`pallas_kernels/shared/shared_memory.py`) beside the compiler's: a case
 fails if its launch was not predicted to fit, or the compiler took more than the model
 counted.
 Prints one table and a last line `gpu gate: N/N cases pass`; exits non-zero on a failure.
@@ -52,10 +52,10 @@ import numpy as np
 
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from htree_jax.cli import DefaultsHelpFormatter
-from pallas_kernels.common import KERNEL_GROUP, wide_head_dims
-from pallas_kernels.configs import KernelConfigs
-from pallas_kernels.plan import top_importance_launch
-from pallas_kernels.shared_memory import LIMIT
+from pallas_kernels.gqa.plan import top_importance_launch
+from pallas_kernels.shared.common import KERNEL_GROUP, wide_head_dims
+from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.shared_memory import LIMIT
 
 # A Pallas kernel's line in XLA's thunk-sequence dump, with the shared memory it takes.
 KERNEL_LINE = re.compile(r"kCustomKernel \[[^\]]*\] (\S+) grid: .*shared_memory: (\d+) bytes")

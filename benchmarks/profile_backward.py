@@ -19,28 +19,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig
+from htree_jax.backends import pallas_backward_pass, pallas_forward_pass
 from htree_jax.bench import H_KV, INPUTS, B, H, V, median_ms
 from htree_jax.cli import DefaultsHelpFormatter
-from pallas_kernels.backward import htree_backward_pallas
-from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.chunks import chunk_queries, select_below_top, valid_candidates
-from pallas_kernels.configs import UNIT_ENTRIES, KernelConfigs
-from pallas_kernels.plan import group_rows, prepare
-from pallas_kernels.layer_backward import layer_backward_pallas
-from pallas_kernels.precision import Precisions
-from pallas_kernels.node_backward import (
-    UNIT,
-    layer_node_grads_pallas,
-    node_buffers,
-    node_index,
-)
-from pallas_kernels.top_backward import (
+from pallas_kernels.gqa.chunks import chunk_queries, select_below_top, valid_candidates
+from pallas_kernels.gqa.layer_backward import layer_backward_pallas
+from pallas_kernels.gqa.node_backward import layer_node_grads_pallas
+from pallas_kernels.gqa.plan import group_rows, prepare
+from pallas_kernels.gqa.top_backward import (
     top_backward_queries,
     top_backward_statics,
     top_dq_pallas,
     top_node_grads_pallas,
 )
+from pallas_kernels.shared.common import next_power_of_two, pad_axis
+from pallas_kernels.shared.configs import UNIT_ENTRIES, KernelConfigs
+from pallas_kernels.shared.node_index import UNIT, node_buffers, node_index
+from pallas_kernels.shared.precision import Precisions
 
 
 def node_index_load(index) -> str:
@@ -147,12 +142,12 @@ def main(argv=None):
     for name, ms, times in rows:
         print(f"| {name} | {ms:.2f} | x{times} = {ms * times:.1f} ms |", flush=True)
 
-    o, _, lse_all = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, interpret=ip, return_lse=True))(
+    o, _, lse_all = jax.jit(lambda q, k, v: pallas_forward_pass(q, k, v, config, interpret=ip, return_lse=True))(
         q, k, v)
     dout = jax.random.normal(key[0], (B, T, H, V), q.dtype)
-    fwd = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, interpret=ip)[0])
+    fwd = jax.jit(lambda q, k, v: pallas_forward_pass(q, k, v, config, interpret=ip)[0])
     print(f"| whole forward | {median_ms(fwd, (q, k, v), args.iters):.1f} ms |", flush=True)
-    bwd = jax.jit(lambda *a: htree_backward_pallas(*a, config, interpret=ip))
+    bwd = jax.jit(lambda *a: pallas_backward_pass(*a, config, interpret=ip))
     print(f"| whole backward | {median_ms(bwd, (q, k, v, o, lse_all, dout), args.iters):.1f} ms |", flush=True)
 
 

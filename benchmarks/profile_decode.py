@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from benchmarks.bench_decode import DTYPE, H, H_KV, K, V, dense_decode, filled_cache, per_step_ms, start_lengths
 from htree_jax import HTreeConfig, decode_step
-from htree_jax.bench import gpu_header, int_list
 from htree_jax.backends import attend_cache
+from htree_jax.bench import gpu_header, int_list
 from htree_jax.cache import append_to_cache
 from htree_jax.cli import DefaultsHelpFormatter
 

@@ -16,9 +16,9 @@ import re
 import jax
 
 from benchmarks.bench_decode import DTYPE, MLA_DIMS, filled_cache, per_step_ms, start_lengths
-from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from htree_jax import DecodeBlockSizes, HTreeConfig, decode_step
 from htree_jax.cli import DefaultsHelpFormatter
+from htree_jax.kernel_trace import kernel_times, print_kernel_times
 
 
 def fusion_sources(compiled_text: str, times: dict, top: int = 4) -> None:

@@ -17,21 +17,21 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig
+from htree_jax.backends import pallas_forward_pass
 from htree_jax.bench import H_KV, INPUTS, B, H, K, dense_fn, median_ms
+from htree_jax.cli import DefaultsHelpFormatter
 from htree_jax.core.indexing import top_layer_parents
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
-from htree_jax.cli import DefaultsHelpFormatter
-from pallas_kernels.common import next_power_of_two, pad_axis
-from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.configs import KernelConfigs
-from pallas_kernels.chunks import valid_candidates
-from pallas_kernels.plan import group_rows, prepare
-from pallas_kernels.importance import importance_keys_pallas
-from pallas_kernels.merge import merge_pallas, merge_scored_pallas
-from pallas_kernels.precision import Precisions
-from pallas_kernels.rope import rotate_queries
-from pallas_kernels.top_k import select_top_k_pallas
-from pallas_kernels.top_layer import top_importance_keys_pallas, top_merge_pallas
+from pallas_kernels.gqa.chunks import valid_candidates
+from pallas_kernels.gqa.merge import merge_pallas, merge_scored_pallas
+from pallas_kernels.gqa.plan import group_rows, prepare
+from pallas_kernels.gqa.top_layer import top_importance_keys_pallas, top_merge_pallas
+from pallas_kernels.shared.common import next_power_of_two, pad_axis
+from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.importance import importance_keys_pallas
+from pallas_kernels.shared.precision import Precisions
+from pallas_kernels.shared.rope import rotate_queries
+from pallas_kernels.shared.top_k import select_top_k_pallas
 
 
 def precisions_from(merge_operands: str, importance_operands: str, dtype) -> Precisions:
@@ -187,7 +187,7 @@ def main(argv=None):
                 rows.append((f"  variant: {label}", median_ms(call, bargs, args.iters), chunks,
                              gathered(n, (*kl_rot, vl))))
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
-    whole = jax.jit(lambda q, k, v: htree_forward_pallas(q, k, v, config, bs, ip, precisions)[0])
+    whole = jax.jit(lambda q, k, v: pallas_forward_pass(q, k, v, config, bs, ip, precisions)[0])
     whole_ms = median_ms(whole, (q, k, v), args.iters)
     if args.kernels and not ip:  # device time per kernel inside the end-to-end call
         print_kernel_times(kernel_times(lambda: whole(q, k, v), 2), "the end-to-end call's kernels", top=12)

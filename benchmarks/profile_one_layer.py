@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from benchmarks.bench_backward import grad_fn
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.bench import H, V, dense_fn, gpu_header, inputs, int_list, median_ms
-from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from htree_jax.cli import DefaultsHelpFormatter
+from htree_jax.kernel_trace import kernel_times, print_kernel_times
 
 
 def main(argv=None) -> int:

@@ -16,16 +16,16 @@ import dataclasses
 import jax
 
 from htree_jax import HTreeConfig
+from htree_jax.backends import pallas_forward_pass
 from htree_jax.bench import INPUTS, dense_fn, median_ms
-from htree_jax.kernel_trace import kernel_times, print_kernel_times
 from htree_jax.cli import DefaultsHelpFormatter
-from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.configs import KernelConfigs
+from htree_jax.kernel_trace import kernel_times, print_kernel_times
+from pallas_kernels.shared.configs import KernelConfigs
 
 
 def parse_variants(spec: str) -> list[dict]:
     """`"top.rows=64,layer.span=32;chunk_budget_bytes=3"` -> `[{"top.rows": 64, ...}, ...]`,
-    every name `family.field` of `pallas_kernels.configs.KernelConfigs` (or one of its own
+    every name `family.field` of `pallas_kernels.shared.configs.KernelConfigs` (or one of its own
     fields)."""
     fields = {f"{family.name}.{f.name}" for family in dataclasses.fields(KernelConfigs)
               if dataclasses.is_dataclass(family.default) for f in dataclasses.fields(family.default)}
@@ -61,7 +61,7 @@ def main(argv=None):
     print("| block sizes | htree ms | dense/htree |\n|---|---|---|", flush=True)
     for change in [{}] + parse_variants(args.variants):
         bs = KernelConfigs.resolve(None, x[0].shape[-1], x[2].shape[-1]).with_changes(change)
-        f = jax.jit(lambda q, k, v, bs=bs: htree_forward_pallas(q, k, v, config, bs)[0])
+        f = jax.jit(lambda q, k, v, bs=bs: pallas_forward_pass(q, k, v, config, bs)[0])
         label = ", ".join(f"{k}={v}" for k, v in change.items()) or "default"
         try:
             ms = median_ms(f, x, args.iters)

@@ -17,7 +17,7 @@ Layers, each importing only those below it (README, "Layout"):
   implementations  reference (JAX), `pallas_kernels` (Pallas-Triton)
   core          htree_jax.core: config, validation, index arithmetic, RoPE, tree, packing, bounds
 
-The names are loaded on first use, so that `import pallas_kernels.forward` (which stands
+The names are loaded on first use, so that `import pallas_kernels.gqa.forward` (which stands
 on `htree_jax.core`) loads neither Flax nor the API modules.
 """
 
@@ -30,8 +30,8 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "BlockSizes": "pallas_kernels.configs",
-    "DecodeBlockSizes": "pallas_kernels.configs",
+    "BlockSizes": "pallas_kernels.shared.configs",
+    "DecodeBlockSizes": "pallas_kernels.shared.configs",
     "HTreeAttention": "htree_jax.module",
     "HTreeCache": "htree_jax.cache",
     "HTreeConfig": "htree_jax.core.config",
@@ -77,4 +77,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from htree_jax.decode import decode_step, prefill
     from htree_jax.flax_attention import attention_fn
     from htree_jax.module import HTreeAttention
-    from pallas_kernels.configs import BlockSizes, DecodeBlockSizes
+    from pallas_kernels.shared.configs import BlockSizes, DecodeBlockSizes

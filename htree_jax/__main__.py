@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from htree_jax.bench import add_bench_arguments, run_bench
-from htree_jax.demo import DemoError, add_demo_arguments, run_demo
 from htree_jax.cli import DefaultsHelpFormatter
+from htree_jax.demo import DemoError, add_demo_arguments, run_demo
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ from htree_jax.core.packing import check_fits, check_max_documents, check_segmen
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.validation import as_jax_takes_it, check_config, check_latent_value_dim, check_qkv
 from htree_jax.sharding import partitioned_attention
-from pallas_kernels.configs import BlockSizes
+from pallas_kernels.shared.configs import BlockSizes
 
 
 def htree_attention(

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
-from htree_jax.core.one_layer import dense_eligible, one_layer, one_layer_attention
 from htree_jax.core.non_finite import dead_rows, first_non_finite, poison_rows, zero_non_finite
+from htree_jax.core.one_layer import dense_eligible, one_layer, one_layer_attention
 from htree_jax.core.packing import local_selections
 from htree_jax.core.quantize import dequantize_rows
 from htree_jax.core.rope import rope_layout
@@ -35,13 +35,15 @@ from htree_jax.reference import (
     htree_attention_reference,
     htree_attention_reference_packed,
 )
-from pallas_kernels.backward import htree_backward_pallas
-from pallas_kernels.dead_rows import poison_rows_in_place
-from pallas_kernels.configs import BlockSizes, DecodeBlockSizes, KernelConfigs
-from pallas_kernels.decode import attend_cache_pallas, check_pallas_decode_dims
-from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.plan import check_pallas_dims
-from pallas_kernels.wide_forward import FeatureSplit, check_query_layout, wide_eligible
+from pallas_kernels.decode.walk import attend_cache_pallas, check_pallas_decode_dims
+from pallas_kernels.gqa.backward import htree_backward_pallas
+from pallas_kernels.gqa.forward import htree_forward_pallas
+from pallas_kernels.gqa.plan import check_pallas_dims
+from pallas_kernels.shared.common import check_query_layout
+from pallas_kernels.shared.configs import BlockSizes, DecodeBlockSizes, KernelConfigs
+from pallas_kernels.shared.dead_rows import poison_rows_in_place
+from pallas_kernels.wide.backward import wide_backward_pallas
+from pallas_kernels.wide.forward import FeatureSplit, wide_eligible, wide_forward_pallas
 
 BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
@@ -58,7 +60,7 @@ def check_backend(backend) -> str:
 
 def check_block_sizes(block_sizes) -> None:
     """`block_sizes` must be None, a `BlockSizes` or (tuning every value) a
-    `pallas_kernels.configs.KernelConfigs` (static under `jit`: frozen, hashable)."""
+    `pallas_kernels.shared.configs.KernelConfigs` (static under `jit`: frozen, hashable)."""
     if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, KernelConfigs)):
         raise TypeError(f"block_sizes must be an htree_jax.BlockSizes or None, got {type(block_sizes).__name__}")
 
@@ -127,6 +129,46 @@ def query_positions(positions, q):
     return jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
 
 
+def pallas_forward_pass(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
+                        interpret: bool = False, precisions=None, return_lse: bool = False, packing=None,
+                        positions=None, return_importance: bool = False, value_dim: int | None = None,
+                        q_layout: str = "rope_layout"):
+    """The Pallas forward of the kernel family that takes the call, chosen here once:
+    groups of 32 or more heads per kv head (latent attention; `v=None` reads the values
+    from the keys) run the wide family (`pallas_kernels.wide.forward.wide_eligible`,
+    `wide_forward_pallas`), every other group the per-query GQA family
+    (`pallas_kernels.gqa.forward.htree_forward_pallas`, which says what the arguments
+    and results are). Inputs validated by the caller."""
+    H, K = q.shape[2], q.shape[-1]
+    H_kv, V = k.shape[2], value_dim if v is None else v.shape[-1]
+    tuning = KernelConfigs.resolve(block_sizes, K, V)
+    if wide_eligible(H // H_kv, K, V, tuning, packing):
+        return wide_forward_pallas(q, k, v, config, tuning, interpret, precisions, return_lse, value_dim,
+                                   positions, return_importance, q_layout)
+    return htree_forward_pallas(q, k, v, config, tuning, interpret, precisions, return_lse, packing, positions,
+                                return_importance, value_dim, q_layout)
+
+
+def pallas_backward_pass(q, k, v, o, lse, do, config: HTreeConfig,
+                         block_sizes: BlockSizes | KernelConfigs | None = None, interpret: bool = False,
+                         dead_rows=None, selections=None, packing=None, positions=None, value_dim: int | None = None,
+                         q_layout: str = "rope_layout"):
+    """`(dq, dk, dv)` from the Pallas backward of the family `pallas_forward_pass` runs
+    for the same call: the wide family's (`pallas_kernels.wide.backward`, `dv=None` where
+    the values are the keys') or the GQA family's
+    (`pallas_kernels.gqa.backward.htree_backward_pallas`, which says what the arguments
+    are). Inputs validated by the caller."""
+    H, K = q.shape[2], q.shape[-1]
+    H_kv = k.shape[2]
+    V = value_dim if v is None else v.shape[-1]
+    tuning = KernelConfigs.resolve(block_sizes, K, V)
+    if wide_eligible(H // H_kv, K, V, tuning, packing):
+        return wide_backward_pallas(q, k, v, o, lse, do, config, tuning, interpret, dead_rows, selections,
+                                    value_dim, positions, q_layout)
+    return htree_backward_pallas(q, k, v, o, lse, do, config, tuning, interpret, dead_rows, selections, packing,
+                                 positions, value_dim, q_layout)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _pallas_forward(q, k, v, positions, packing, config, interpret, export, tuning, value_dim, q_layout):
     """`(o, selected)`, and the kept nodes' importance with `export` (SPEC 8; a constant
@@ -135,7 +177,7 @@ def _pallas_forward(q, k, v, positions, packing, config, interpret, export, tuni
     rows, `packing.local_selections` makes them document-local). `v=None`: the values
     are the first `value_dim` latent features of `k`, which the wide kernels read from
     the keys (no copy in the forward; their gradient is in `dk`). `tuning`: the
-    kernels' `KernelConfigs`; `q_layout`: q's feature order (`htree_forward_pallas`)."""
+    kernels' `KernelConfigs`; `q_layout`: q's feature order (`pallas_forward_pass`)."""
     o, selected, _, _, *exported = _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, export,
                                                            tuning, value_dim, q_layout)
     return (o, selected, *exported)
@@ -148,7 +190,7 @@ def _guarded_pallas_forward(q, k, v, positions, packing, config, interpret, expo
     so the guard adds no input- or output-sized buffer for the backward to keep. With
     the values inside the keys (`v=None`) a non-finite key row is a non-finite value row."""
     first = first_non_finite(k, k[..., :0] if v is None else v, jnp.arange(k.shape[1], dtype=jnp.int32))
-    o, selected, lse, *exported = htree_forward_pallas(
+    o, selected, lse, *exported = pallas_forward_pass(
         q, zero_non_finite(k), None if v is None else zero_non_finite(v), config, block_sizes=tuning,
         interpret=interpret, return_lse=True, positions=positions, packing=packing, return_importance=export,
         value_dim=value_dim, q_layout=q_layout)
@@ -172,7 +214,7 @@ def _pallas_forward_bwd(config, interpret, export, tuning, value_dim, q_layout, 
     # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN `o`
     # must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
     dead = dead_rows(query_positions(positions, q), first, q.shape[2])
-    dq, dk, dv = htree_backward_pallas(q, zero_non_finite(k), None if v is None else zero_non_finite(v), o, lse, do,
+    dq, dk, dv = pallas_backward_pass(q, zero_non_finite(k), None if v is None else zero_non_finite(v), o, lse, do,
                                        config, block_sizes=tuning, interpret=interpret, dead_rows=dead,
                                        selections=saved, positions=positions, packing=packing, value_dim=value_dim,
                                        q_layout=q_layout)
@@ -217,7 +259,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     `None`: `S = T`). `block_sizes`: the Pallas kernels' tiling (`BlockSizes`, None:
     the tuned values; `configs.KernelConfigs.resolve`). `v=None` with `value_dim`: the values are the first
     `value_dim` latent features of `k`, read from the keys by the wide kernels
-    (`pallas_kernels.wide_forward.wide_eligible`; elsewhere they are copied out first).
+    (`pallas_kernels.wide.forward.wide_eligible`; elsewhere they are copied out first).
     `rank_rows`: block selection's ranking rows (SPEC 12) of a context shard, whose
     blocks may start in the shard before (`reference.attend_tree`); None: from `q`."""
     tuning = KernelConfigs.resolve(block_sizes, q.shape[-1], value_dim if v is None else v.shape[-1])
@@ -242,7 +284,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
         # holds a `[B, H, T, T]` array (journal, 2026-11-26 (7)).
         o = one_layer_attention(q, zero_non_finite(k), zero_non_finite(v), config,
                                 implementation="cudnn" if jax.default_backend() == "gpu" else None)
-        # On the GPU the poisoned rows are written in place (`pallas_kernels.dead_rows`:
+        # On the GPU the poisoned rows are written in place (`pallas_kernels.shared.dead_rows`:
         # nothing is read or written with finite inputs), not with a pass over `o`.
         o = (poison_rows_in_place(o, first) if jax.default_backend() == "gpu"
              else poison_rows(o, query_positions(None, q), first))

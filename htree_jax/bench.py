@@ -30,8 +30,8 @@ from htree_jax.core.rope import rope_absolute, rope_layout
 from htree_jax.kernel_trace import kernel_ms
 from htree_jax.memory import MemoryPlan
 from htree_jax.reference import htree_attention_reference
-from pallas_kernels.configs import KernelConfigs
-from pallas_kernels.wide_forward import bottom_merge, chunk_start, prepare_wide, select_and_merge, valid_count
+from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.wide.forward import bottom_merge, chunk_start, prepare_wide, select_and_merge, valid_count
 
 B, H, H_KV, K, V = 1, 32, 4, 128, 128
 
@@ -353,7 +353,7 @@ def chunked_dense_fn(config, block: int = 512):
 
 
 def bottom_merge_tflops(config, args, iters: int, value_dim: int | None = None) -> tuple[float, float]:
-    """Useful TFLOP/s of the wide kernels' bottom merge (`pallas_kernels.wide`) on the
+    """Useful TFLOP/s of the wide kernels' bottom merge (`pallas_kernels.wide.kernels`) on the
     middle chunk of one MLA-shaped call: every valid candidate's score (K features) and
     value (V) for each of the 128 heads, over the kernel's mean device time in `iters`
     profiled calls (`kernel_trace.kernel_ms`), and over the whole call's median wall time

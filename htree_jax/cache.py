@@ -377,7 +377,7 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None, t
     updates the tree above them. Bit for bit the tree `build_tree` makes of each row's
     tokens. `tree_writer(layers, tokens, lengths, counts) -> layers` (one token a row,
     a cache without FP8 tokens): writes the tokens and the nodes above them in its own
-    way (`pallas_kernels.append.append_token_pallas`; `layers` and `tokens` per array,
+    way (`pallas_kernels.decode.append.append_token_pallas`; `layers` and `tokens` per array,
     keys then values); the radii are then this module's, from the keys it wrote."""
     B, S = k.shape[:2]
     counts = jnp.full((B,), S, jnp.int32) if counts is None else counts

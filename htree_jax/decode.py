@@ -37,8 +37,8 @@ from htree_jax.core.blocks import block_rows, with_recent
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_layout
 from htree_jax.sharding import partitioned_cache_attention
-from pallas_kernels.append import append_token_pallas
-from pallas_kernels.configs import DecodeBlockSizes
+from pallas_kernels.decode.append import append_token_pallas
+from pallas_kernels.shared.configs import DecodeBlockSizes
 
 
 def _check_tokens(cache: HTreeCache, q, k, v, step: bool):
@@ -177,7 +177,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     cache argument is donated: use the returned one (a donated cache passed again is
     refused with an error that says so). `backend`: `"reference"` (the jittable JAX
     walk, every platform), `"pallas"` (the Pallas decode kernels,
-    `pallas_kernels/decode.py`: CUDA GPUs, K in [32, 576] a multiple of 32, V in [32,
+    `pallas_kernels/decode/walk.py`: CUDA GPUs, K in [32, 576] a multiple of 32, V in [32,
     512] a multiple of 16; up to 16 query heads per kv head, or a multiple of 16 up to
     128), `"pallas_interpret"` (the same kernels interpreted, any
     platform) or `"auto"` (`"pallas"` on a GPU where the dims allow, else `"reference"`).

@@ -14,9 +14,9 @@ from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
 
 from htree_jax.backends import check_backend, check_block_sizes
+from htree_jax.cache import init_cache
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.validation import check_config
-from htree_jax.cache import init_cache
 from htree_jax.decode import check_decode_block_sizes, prefill
 from htree_jax.flax_attention import attend, check_causal_mask, check_inputs, module_dims
 

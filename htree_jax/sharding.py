@@ -21,7 +21,7 @@ benchmarks/RESULTS.md): the shard's own queries, output, cotangent, dq and selec
 are `T / n`-sized; per token, for the whole sequence on every device, the bottom
 layer's keys in their `span / r` rotated copies (`rope.rotate_phases`) and the
 backward's float32 dk, dv accumulators. The backward allocates those accumulators and
-dq's chunks only after the forward (`pallas_kernels.common.zeros_after`), so the
+dq's chunks only after the forward (`pallas_kernels.shared.common.zeros_after`), so the
 forward's peak does not hold them. The causal work per shard grows
 with its position only until the candidate buffers fill, so the split is left even (the
 slowest shard's time against the mean's: journal, 2026-11-23 (session 3), context parallelism).

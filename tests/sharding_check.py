@@ -17,8 +17,8 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from htree_jax import HTreeConfig, htree_attention, memory_plan  # noqa: E402
-from htree_jax.memory import resident_bytes  # noqa: E402
 from htree_jax.backends import attend  # noqa: E402
+from htree_jax.memory import resident_bytes  # noqa: E402
 
 # 3 layers at T=152; the mean named, as the bound (the default) has runs of its own below.
 CONFIG = HTreeConfig(compression_rate=4, top_k=4, selection="mean")

@@ -1,4 +1,4 @@
-"""The kernel families' configs (`pallas_kernels/configs.py`): a user's `BlockSizes` laid
+"""The kernel families' configs (`pallas_kernels/shared/configs.py`): a user's `BlockSizes` laid
 over the tuned configs of the shape class, every field where it lands, bad values named."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from htree_jax import BlockSizes
-from pallas_kernels.configs import (
+from pallas_kernels.shared.configs import (
     TUNED,
     USER_FIELDS,
     KernelConfigs,

@@ -16,9 +16,9 @@ from htree_jax import HTreeConfig, build_tree, htree_attention
 from htree_jax.backends import attend_cache
 from htree_jax.cache import HTreeCache, append_to_cache, init_cache, reset_rows
 from htree_jax.decode import decode_step, prefill
-from pallas_kernels.append import append_token_pallas
-from pallas_kernels.configs import DecodeBlockSizes
-from pallas_kernels.decode import attend_cache_pallas, query_chunk
+from pallas_kernels.decode.append import append_token_pallas
+from pallas_kernels.decode.walk import attend_cache_pallas, query_chunk
+from pallas_kernels.shared.configs import DecodeBlockSizes
 from tests.conftest import random_qkv
 
 # (compression_rate, top_k, importance, T, max_len, prompt): the sequence's tree and the

@@ -15,8 +15,8 @@ from flax import nnx
 
 from htree_jax import HTreeAttention, HTreeConfig, build_tree, htree_attention
 from htree_jax import linen as htree_linen
-from htree_jax.core.quantize import FP8, dequantize_rows, quantize_rows
 from htree_jax.cache import init_cache, reset_rows
+from htree_jax.core.quantize import FP8, dequantize_rows, quantize_rows
 from htree_jax.decode import decode_step, prefill
 from tests.conftest import random_qkv
 

@@ -1,5 +1,5 @@
 """Latent-attention shapes in the Pallas kernels (issue 20): GQA groups above 16 heads
-(they run as virtual kv heads of 16, `pallas_kernels.plan.split_heads`, whose selection
+(they run as virtual kv heads of 16, `pallas_kernels.gqa.plan.split_heads`, whose selection
 is made once from the whole group's importance), K != V, head dims that are not powers
 of two (padded inside), up to K = 576, V = 512, with partial RoPE. CI runs the kernels
 interpreted against the JAX reference and the float64 oracle; the gpu-marked tests run
@@ -18,13 +18,13 @@ import pytest
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from htree_jax.backends import attend_cache
 from htree_jax.decode import rotation_layout
-from pallas_kernels import shared_memory
-from pallas_kernels.common import LayerStatic
-from pallas_kernels.configs import DecodeBlockSizes
-from pallas_kernels.decode import attend_cache_pallas, pipelined
-from pallas_kernels.decode_merge import cache_value_pieces, values_in_key_tiles
-from pallas_kernels.decode_scores import decode_keys_pallas, half_pieces
-from pallas_kernels.importance import group_keys_from_scores
+from pallas_kernels.decode.merge import cache_value_pieces, values_in_key_tiles
+from pallas_kernels.decode.scores import decode_keys_pallas, half_pieces
+from pallas_kernels.decode.walk import attend_cache_pallas, pipelined
+from pallas_kernels.shared import shared_memory
+from pallas_kernels.shared.common import LayerStatic
+from pallas_kernels.shared.configs import DecodeBlockSizes
+from pallas_kernels.shared.importance import group_keys_from_scores
 from tests.conftest import random_qkv
 from tests.helpers import assert_gradients_close, assert_mostly_agrees
 from tests.test_oracle_agreement import assert_matches_oracle

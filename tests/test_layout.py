@@ -48,7 +48,8 @@ def layer(module: str) -> int:
 
 
 def test_the_kernels_load_no_flax_and_no_api():
-    code = ("import sys, pallas_kernels.forward, pallas_kernels.backward, pallas_kernels.decode; "
+    code = ("import sys, pallas_kernels.gqa.forward, pallas_kernels.gqa.backward, pallas_kernels.decode.walk, "
+            "pallas_kernels.wide.forward, pallas_kernels.wide.backward; "
             "assert 'flax' not in sys.modules, 'flax'; "
             "bad = [m for m in sys.modules if m.startswith('htree_jax') and not m.startswith('htree_jax.core') "
             "and m != 'htree_jax']; assert not bad, bad")
@@ -109,41 +110,51 @@ def test_no_private_name_imported_from_another_module(folder):
             assert not private, f"{path.relative_to(ROOT)}:{node.lineno} imports {private} from {target}"
 
 
-# Inside `pallas_kernels` (README, "Layout"): the configs and shared helpers, then each
-# kernel family's building blocks (a kernel beside its JAX twin), then the plans the
-# passes share, then the compositions. A new module gets a floor here.
-KERNEL_FLOORS = {
-    **dict.fromkeys(["__init__", "precision", "common", "configs", "shared_memory", "rope"], 0),
-    **dict.fromkeys(["importance", "merge", "top_k", "top_layer", "top_backward", "layer_backward",
-                     "node_backward", "tree_build", "tree_backward", "wide", "dead_rows",
-                     "decode_scores", "decode_merge", "append"], 1),
-    **dict.fromkeys(["plan", "chunks"], 2),
-    **dict.fromkeys(["forward", "backward", "decode", "wide_forward", "wide_backward"], 3),
-}
-DECODE_KERNELS = ("pallas_kernels.decode_scores", "pallas_kernels.decode_merge", "pallas_kernels.append",
-                  "pallas_kernels.decode")
+# Inside `pallas_kernels` (README, "Layout"): one folder per kernel family, each with its
+# forward, backward (where it has one) and config side by side, and one shared folder.
+# A family imports the shared folder and `htree_jax.core` only, never another family;
+# the shared folder imports no family. The choice of family is `htree_jax.backends`'s.
+FAMILIES = ("gqa", "wide", "decode")
+SHARED = "shared"
 
 
-@pytest.mark.parametrize("path", python_files("pallas_kernels"), ids=lambda p: p.name)
-def test_kernel_modules_import_down_their_floors(path):
-    """Building blocks import no plan or composition, plans no composition; the decode
-    kernels are apart from the full-sequence passes (neither imports the other), and
-    the configs stand on the shared helpers alone."""
-    me = path.stem
-    assert me in KERNEL_FLOORS, f"pallas_kernels/{path.name} has no floor in KERNEL_FLOORS"
+def kernel_folder(module: str) -> str:
+    """`pallas_kernels.<folder>.<module>` -> folder (`""` for the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else ""
+
+
+def test_every_kernel_module_is_in_a_family_or_the_shared_folder():
+    for path in python_files("pallas_kernels"):
+        me = module_name(path)
+        assert me == "pallas_kernels" or kernel_folder(me) in FAMILIES + (SHARED,) or me in {
+            f"pallas_kernels.{f}" for f in FAMILIES + (SHARED,)}, f"{me}: not in a family folder nor in shared/"
+
+
+@pytest.mark.parametrize("path", python_files("pallas_kernels"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_family_imports_no_other_family(path):
+    """A family's modules import their own family, the shared folder and the core; the
+    shared folder imports no family; the package's own `__init__` imports nothing."""
+    me = module_name(path)
+    mine = kernel_folder(me) or (me.split(".")[1] if me.count(".") == 1 else "")
     for node, target, names in imports(path):
         if not target.startswith("pallas_kernels"):
             continue
-        targets = [f"pallas_kernels.{n}" for n in names] if target == "pallas_kernels" else [target]
+        targets = [f"{target}.{n}" for n in names] if target.count(".") < 2 else [target]
         for full in targets:
-            other = full.split(".")[1]
-            assert KERNEL_FLOORS[other] <= KERNEL_FLOORS[me], f"{me} (floor {KERNEL_FLOORS[me]}) imports {other}"
-            if f"pallas_kernels.{me}" not in DECODE_KERNELS:
-                assert full not in DECODE_KERNELS, f"{me} (full sequences) imports the decode kernels {full}"
+            folder = kernel_folder(full) or full.split(".")[1]
+            if mine == SHARED:
+                assert folder == SHARED, f"{me} (shared) imports the family module {full}"
             else:
-                assert other not in ("forward", "backward", "plan", "chunks"), f"{me} imports {other}"
-            if me == "configs":
-                assert other == "common", f"configs imports {other}"
+                assert folder in (mine, SHARED), f"{me} ({mine or 'package'}) imports {full} of another family"
+
+
+def test_the_backends_choose_the_family():
+    """No family's entry function hands a call to another family: `htree_jax.backends`
+    imports each family's entry and chooses (`pallas_forward_pass`, `pallas_backward_pass`)."""
+    targets = {target for _, target, _ in imports(ROOT / "htree_jax" / "backends.py")}
+    for family in FAMILIES:
+        assert any(t.startswith(f"pallas_kernels.{family}.") for t in targets), family
 
 
 def test_the_cache_stands_below_the_decode_api():

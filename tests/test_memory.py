@@ -15,6 +15,7 @@ import pytest
 
 from htree_jax import HTreeConfig, MemoryPlan, compile_checked, htree_attention, memory_plan
 from htree_jax import memory
+from htree_jax.core.tree import build_tree
 from htree_jax.memory import resident_bytes
 from htree_jax.reference import (
     CPU_CHUNK_BUDGET_BYTES,
@@ -25,7 +26,6 @@ from htree_jax.reference import (
     rotate_by_child_offset,
     with_radii,
 )
-from htree_jax.core.tree import build_tree
 from reference_numpy import htree_attention_numpy
 
 B, T, H, H_KV, K, V = 1, 16384, 8, 2, 64, 64

@@ -15,7 +15,7 @@ from htree_jax.backends import attend
 from htree_jax.core.non_finite import poison_rows
 from htree_jax.core.one_layer import dense_eligible, one_layer, one_layer_attention
 from htree_jax.core.rope import rope_layout
-from pallas_kernels.dead_rows import poison_rows_in_place
+from pallas_kernels.shared.dead_rows import poison_rows_in_place
 from reference_numpy import htree_attention_numpy
 from tests.conftest import random_qkv
 

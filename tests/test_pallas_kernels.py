@@ -14,16 +14,16 @@ import pytest
 
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.core.indexing import top_layer_parents
-from pallas_kernels.common import LayerStatic, pad_axis, pad_nodes, pad_rope_halves
-from pallas_kernels.configs import BlockSizes, KernelConfigs
-from pallas_kernels.plan import layout
-from pallas_kernels.importance import importance_keys_pallas, importance_keys_twin
-from pallas_kernels.merge import merge_pallas, merge_scored_pallas, merge_scored_twin, merge_twin
-from pallas_kernels.precision import BF16X3, key_operands
-from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases, rotate_queries
-from pallas_kernels.top_k import select_top_k_pallas, select_top_k_twin
-from pallas_kernels.top_layer import top_importance_keys_pallas, top_merge_pallas
-from pallas_kernels.tree_build import pool_layer_pallas, pool_layer_twin
+from pallas_kernels.gqa.merge import merge_pallas, merge_scored_pallas, merge_scored_twin, merge_twin
+from pallas_kernels.gqa.plan import layout
+from pallas_kernels.gqa.top_layer import top_importance_keys_pallas, top_merge_pallas
+from pallas_kernels.shared.common import LayerStatic, pad_axis, pad_nodes, pad_rope_halves
+from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.importance import importance_keys_pallas, importance_keys_twin
+from pallas_kernels.shared.precision import BF16X3, key_operands
+from pallas_kernels.shared.rope import padded_rope_table, rotate_keys, rotate_phases, rotate_queries
+from pallas_kernels.shared.top_k import select_top_k_pallas, select_top_k_twin
+from pallas_kernels.shared.tree_build import pool_layer_pallas, pool_layer_twin
 from tests.conftest import random_qkv
 from tests.test_oracle_agreement import assert_matches_oracle
 
@@ -302,7 +302,7 @@ def test_pallas_backend_bfloat16(rng):
     ],
 )
 def test_pallas_backend_rejects_unsupported_dims(monkeypatch, shape, match):
-    import pallas_kernels.forward as fwd
+    import pallas_kernels.gqa.forward as fwd
 
     monkeypatch.setattr(fwd, "htree_forward_pallas", lambda *a, **k: pytest.fail("launched"))
     dims = dict(K=32, V=32, G=2) | shape

@@ -1,4 +1,4 @@
-"""The shared-memory model (`pallas_kernels.shared_memory`) against what the compiler
+"""The shared-memory model (`pallas_kernels.shared.shared_memory`) against what the compiler
 reported on an H100, and every launch it picks across the accepted grid fits by it."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 from benchmarks import gpu_gate
 from htree_jax import HTreeConfig
 from htree_jax.core.bounds import group_count
-from pallas_kernels import shared_memory
-from pallas_kernels.common import KERNEL_GROUP, LayerStatic, next_power_of_two
-from pallas_kernels.configs import DecodeBlockSizes, KernelConfigs
-from pallas_kernels.decode import decode_bound_width, decode_program, pipelined
-from pallas_kernels.plan import bound_groups, group_rows, layout, top_importance_launch, top_pipeline
-from pallas_kernels.precision import Precisions
+from pallas_kernels.decode.walk import decode_bound_width, decode_program, pipelined
+from pallas_kernels.gqa.plan import bound_groups, group_rows, layout, top_importance_launch, top_pipeline
+from pallas_kernels.shared import shared_memory
+from pallas_kernels.shared.common import KERNEL_GROUP, LayerStatic, next_power_of_two
+from pallas_kernels.shared.configs import DecodeBlockSizes, KernelConfigs
+from pallas_kernels.shared.precision import Precisions
 
 # The top layer's importance kernel as compiled on an H100 (jax 0.11.2, 2026-11-26,
 # the thunk dumps that `benchmarks/gpu_gate.py` reads): (G, K, rope_dim, dtype, bound, queries per program,

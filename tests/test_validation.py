@@ -8,7 +8,7 @@ import pytest
 
 from htree_jax import HTreeConfig, htree_attention
 import htree_jax.reference as reference
-from pallas_kernels.configs import KernelConfigs
+from pallas_kernels.shared.configs import KernelConfigs
 
 f32 = np.float32
 
@@ -129,8 +129,8 @@ def test_pallas_interpret_runs_the_interpreted_kernels(monkeypatch):
     from htree_jax import BlockSizes
 
     calls = []
-    real = backends.htree_forward_pallas
-    monkeypatch.setattr(backends, "htree_forward_pallas", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = backends.pallas_forward_pass
+    monkeypatch.setattr(backends, "pallas_forward_pass", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     q, k, v = arrays(K=32, V=32)
     sizes = BlockSizes(tile=32, span=32)
     htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend="pallas_interpret", block_sizes=sizes)

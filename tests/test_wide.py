@@ -1,4 +1,4 @@
-"""The wide-group kernels (`pallas_kernels/wide.py`, G >= 32 heads per kv head: one
+"""The wide-group kernels (`pallas_kernels/wide/kernels.py`, G >= 32 heads per kv head: one
 program per query and head block, latent and RoPE parts as two products), interpreted,
 against the JAX reference and the virtual-head kernels: both selection rules, both
 importance modes, multi-layer trees, B = 2, head blocks of 16 and 32, no unrotated
@@ -15,15 +15,17 @@ import pytest
 
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.backends import attend
+from htree_jax.backends import pallas_forward_pass
 from htree_jax.core.rope import rope_layout
 from htree_jax.reference import htree_attention_reference
-from pallas_kernels.forward import htree_forward_pallas
-from pallas_kernels.configs import BlockSizes, KernelConfigs
-from pallas_kernels import shared_memory, wide, wide_forward
-from pallas_kernels.common import WideBound
-from pallas_kernels.top_k import select_top_k_pallas
-from pallas_kernels.wide import head_block
-from pallas_kernels.wide_forward import FeatureSplit, wide_eligible, wide_forward_pallas
+from pallas_kernels.shared import shared_memory
+from pallas_kernels.shared.common import WideBound
+from pallas_kernels.shared.common import head_block
+from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.top_k import select_top_k_pallas
+from pallas_kernels.wide import kernels as wide
+from pallas_kernels.wide import forward as wide_forward
+from pallas_kernels.wide.forward import FeatureSplit, wide_eligible, wide_forward_pallas
 from tests.conftest import random_qkv
 from tests.helpers import assert_gradients_close, assert_mostly_agrees
 
@@ -76,14 +78,14 @@ def test_short_importance_steps_and_one_stage(rng, monkeypatch):
 
 
 def test_the_forward_takes_the_wide_kernels_for_wide_groups(rng):
-    """`htree_forward_pallas` with G >= 32 equals the virtual-head kernels (`wide_rows=0`),
+    """`pallas_forward_pass` with G >= 32 equals the virtual-head kernels (`wide_rows=0`),
     two kv heads."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
     q, k, v = random_qkv(rng, 1, 120, 64, 2, 64, 32)
     q, k = laid_out(q, k, config)
     v = jnp.asarray(v)
-    wide = htree_forward_pallas(q, k, v, config, BlockSizes(wide_rows=32), interpret=True)
-    virtual = htree_forward_pallas(q, k, v, config, BlockSizes(wide_rows=0), interpret=True)
+    wide = pallas_forward_pass(q, k, v, config, BlockSizes(wide_rows=32), interpret=True)
+    virtual = pallas_forward_pass(q, k, v, config, BlockSizes(wide_rows=0), interpret=True)
     assert_same(wide, virtual)
 
 

@@ -112,8 +112,8 @@ def _zeros_pallas_call(kernel, out_shape, *args, **kwargs):
 
 
 def walk(pass_name: str, rule: str) -> Walk:
-    from pallas_kernels.backward import htree_backward_pallas
-    from pallas_kernels.forward import htree_forward_pallas
+    from pallas_kernels.gqa.backward import htree_backward_pallas
+    from pallas_kernels.gqa.forward import htree_forward_pallas
 
     config = HTreeConfig(compression_rate=4, top_k=4, selection=rule)
     rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ A row `x [..., D]` (one token of one kv head) is stored as `round_e4m3(x / s)` w
 `s = max|x| / 448` (e4m3's largest finite value; `s = 1` for an all-zero row), and read
 back as `stored * s` in float32. Every e4m3 value is exact in bfloat16 and float16, so a
 kernel widens the stored row to the compute dtype without rounding and applies `s` to the
-row's score and to its weight (`pallas_kernels.merge`), never to the row itself.
+row's score and to its weight (`pallas_kernels.gqa.merge`), never to the row itself.
 """
 
 from __future__ import annotations

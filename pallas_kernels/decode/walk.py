@@ -70,7 +70,10 @@ from htree_jax.core.bounds import group_count, group_norms
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
 from htree_jax.core.rope import rope_table
-from pallas_kernels.common import (
+from pallas_kernels.decode.merge import cache_value_pieces, decode_merge_pallas, fold_partials, values_in_key_tiles
+from pallas_kernels.decode.scores import combine_max_sum, decode_keys_pallas, decode_scores_pallas
+from pallas_kernels.shared import shared_memory
+from pallas_kernels.shared.common import (
     Bound,
     KERNEL_GROUP,
     MAX_HEAD_DIM,
@@ -84,14 +87,12 @@ from pallas_kernels.common import (
     real_heads,
     virtual_heads,
 )
-from pallas_kernels import shared_memory
-from pallas_kernels.configs import DecodeBlockSizes
-from pallas_kernels.decode_merge import cache_value_pieces, decode_merge_pallas, fold_partials, values_in_key_tiles
-from pallas_kernels.decode_scores import combine_max_sum, decode_keys_pallas, decode_scores_pallas
-from pallas_kernels.importance import group_keys_from_scores, importance_shift
-from pallas_kernels.precision import Precisions
-from pallas_kernels.top_k import select_top_k_pallas
-from pallas_kernels.wide import head_block, program_shape
+from pallas_kernels.shared.common import head_block
+from pallas_kernels.shared.configs import DecodeBlockSizes
+from pallas_kernels.shared.importance import group_keys_from_scores, importance_shift
+from pallas_kernels.shared.precision import Precisions
+from pallas_kernels.shared.shared_memory import program_shape
+from pallas_kernels.shared.top_k import select_top_k_pallas
 
 # Keys are read in power-of-two pieces of each RoPE half (`importance.feature_pieces`:
 # 288 = 256 + 32 for K = 576), values in pieces of V: K/2 and V multiples of 16 (a dot's least).

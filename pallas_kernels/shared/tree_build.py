@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from htree_jax.core.tree import child_reciprocals, pool_layer, round_to_storage
-from pallas_kernels.common import compiler_params
+from pallas_kernels.shared.common import compiler_params
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ from htree_jax.core.indexing import candidate_nodes as nodes_of_positions
 from htree_jax.core.indexing import pack_importance
 from htree_jax.core.rope import apply_rope
 from htree_jax.core.softmax import importance
-from pallas_kernels.common import (
+from pallas_kernels.shared.common import (
     NEG_INF,
     LayerStatic,
     block_specs,
@@ -45,8 +45,8 @@ from pallas_kernels.common import (
     shared_shift,
     span_candidates,
 )
-from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, score_dot, split_rows
-from pallas_kernels.rope import full_width_inputs
+from pallas_kernels.shared.precision import check_key_parts, dot_rows, key_parts, score_dot, split_rows
+from pallas_kernels.shared.rope import full_width_inputs
 
 
 def score_span(p0, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):

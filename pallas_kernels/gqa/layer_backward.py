@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (
+from pallas_kernels.shared.common import (
     LayerStatic,
     block_specs,
     compiler_params,
@@ -34,8 +34,8 @@ from pallas_kernels.common import (
     merge_score_precision,
     span_candidates,
 )
-from pallas_kernels.importance import gather_nodes, scores_twin
-from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
+from pallas_kernels.shared.importance import gather_nodes, scores_twin
+from pallas_kernels.shared.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
 
 
 def grads_of_block(scores, values, do, lse, delta, merged, st: LayerStatic, exp=jnp.exp, alpha: bool = True):

@@ -16,14 +16,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from htree_jax.core.config import HTreeConfig
-from pallas_kernels.common import next_power_of_two, real_heads
-from pallas_kernels.chunks import chunk_queries, select_below_top, valid_candidates
-from pallas_kernels.configs import BlockSizes, KernelConfigs
-from pallas_kernels.merge import merge_pallas, merge_scored_pallas
-from pallas_kernels.plan import Prepared, group_rows, prepare, split_heads
-from pallas_kernels.precision import Precisions
-from pallas_kernels.top_layer import top_merge_pallas
-from pallas_kernels.wide_forward import check_query_layout, wide_eligible, wide_forward_pallas
+from pallas_kernels.gqa.chunks import chunk_queries, select_below_top, valid_candidates
+from pallas_kernels.gqa.merge import merge_pallas, merge_scored_pallas
+from pallas_kernels.gqa.plan import Prepared, group_rows, prepare, split_heads
+from pallas_kernels.gqa.top_layer import top_merge_pallas
+from pallas_kernels.shared.common import next_power_of_two, real_heads
+from pallas_kernels.shared.common import check_query_layout
+from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.precision import Precisions
 
 
 def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out_dtype):
@@ -64,9 +64,6 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], value_dim if v is None else v.shape[-1]
     tuning = KernelConfigs.resolve(block_sizes, K, V)
-    if wide_eligible(H // H_kv, K, V, tuning, packing):
-        return wide_forward_pallas(q, k, v, config, tuning, interpret, precisions, return_lse, value_dim,
-                                   positions, return_importance, q_layout)
     check_query_layout(q_layout)
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "

@@ -34,9 +34,9 @@ from htree_jax.core.bounds import group_count, tree_radii
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import build_packed_tree, layer_exists, tokens_to_virtual, virtual_exists
 from htree_jax.core.rope import apply_rope
-from pallas_kernels import shared_memory
-from pallas_kernels.configs import KernelConfigs
-from pallas_kernels.common import (
+from pallas_kernels.shared import shared_memory
+from pallas_kernels.shared.common import (
+    dividing_chunk,
     MAX_HEAD_DIM,
     MAX_VALUE_DIM,
     MIN_DIM,
@@ -48,9 +48,10 @@ from pallas_kernels.common import (
     pad_nodes,
     pad_rope_halves,
 )
-from pallas_kernels.precision import Precisions, key_operands
-from pallas_kernels.rope import padded_rope_table, rotate_keys, rotate_phases
-from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
+from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.precision import Precisions, key_operands
+from pallas_kernels.shared.rope import padded_rope_table, rotate_keys, rotate_phases
+from pallas_kernels.shared.tree_build import PoolBlockSizes, pool_layer_pallas
 
 def top_pipeline(tuning: KernelConfigs, precisions: Precisions, kp: int, vp: int, G: int, Mp: int,
                  bound_width: int = 0) -> tuple:
@@ -149,18 +150,6 @@ def chunk_size(config: HTreeConfig, tuning: KernelConfigs, B, T, H_kv, Mp, score
     per_query = (8 + 4 * score_rows) * B * H_kv * Mp
     limit = max(1, min(tuning.chunk_budget_bytes // per_query, T // config.compression_rate, T))
     return int(limit)
-
-
-def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
-    """The largest multiple of `multiple` in `[Qc/2, Qc]` that divides `T`, else `Qc`.
-    With chunks that tile T exactly nothing is padded to `chunks * Qc` positions: no
-    padded copy of q (forward and backward), of the cotangent, of dq or of the output
-    (8 GiB each in bfloat16 at T=1M, H=32, K=128). Used where such a copy outweighs the
-    chunk budget; smaller chunks launch more (2 GiB chunks ran 2% faster than 1 GiB)."""
-    for size in range(Qc - Qc % multiple, Qc // 2 - 1, -multiple):
-        if size > 0 and T % size == 0:
-            return size
-    return Qc
 
 
 @functools.partial(jax.tree_util.register_dataclass,

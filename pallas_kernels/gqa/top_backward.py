@@ -34,12 +34,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import LayerStatic, compiler_params, layer_refs, merge_score_precision, next_power_of_two
-from pallas_kernels.configs import TopBackwardConfig
-from pallas_kernels.layer_backward import grads_of_block
-from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
-from pallas_kernels.top_layer import BASE2, block_rows, by_document, check_top_inputs, per_row, query_refs, tile_rows, \
+from pallas_kernels.gqa.layer_backward import grads_of_block
+from pallas_kernels.gqa.top_layer import BASE2, block_rows, by_document, check_top_inputs, per_row, query_refs, tile_rows, \
     top_specs
+from pallas_kernels.shared.common import LayerStatic, compiler_params, layer_refs, merge_score_precision, next_power_of_two
+from pallas_kernels.shared.configs import TopBackwardConfig
+from pallas_kernels.shared.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
 
 
 # The node kernel's partial sums are added in one elementwise fusion of this many at most.

@@ -39,24 +39,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from htree_jax.core.config import HTreeConfig
-from pallas_kernels.common import WideBound, compiler_params, pad_axis, span_candidates
-from pallas_kernels.configs import BlockSizes, KernelConfigs
-from pallas_kernels.node_backward import UNIT, NodeIndex, fold_spilled, node_gradient, node_index
-from pallas_kernels.precision import Precisions, dot_rows, product, split_rows, whole_keys
-from pallas_kernels.top_k import select_top_k_pallas
-from pallas_kernels.tree_backward import kept_keys, pad_nodes_list, push_down
-from pallas_kernels.wide import (
-    WideStatic,
-    combine_importance,
-    head_block,
-    latent_dots,
-    latent_product,
-    layer_inputs,
-    layer_refs,
-    query_specs,
-    wide_importance_pallas,
-)
-from pallas_kernels.wide_forward import FeatureSplit, WidePlan, chunk_start, prepare_wide, valid_count
+from pallas_kernels.shared.common import WideBound, compiler_params, pad_axis, span_candidates
+from pallas_kernels.shared.common import head_block
+from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.node_index import UNIT, NodeIndex, fold_spilled, node_gradient, node_index
+from pallas_kernels.shared.precision import Precisions, dot_rows, product, split_rows, whole_keys
+from pallas_kernels.shared.top_k import select_top_k_pallas
+from pallas_kernels.shared.tree_backward import kept_keys, pad_nodes_list, push_down
+from pallas_kernels.wide.forward import FeatureSplit, WidePlan, chunk_start, prepare_wide, valid_count
+from pallas_kernels.wide.kernels import WideStatic, combine_importance, latent_dots, latent_product, layer_inputs, layer_refs, query_specs, wide_importance_pallas
 
 
 def _rotate(q_lo, q_hi, c, s):

@@ -24,8 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.core.tree import child_reciprocals
-from pallas_kernels.common import compiler_params
-from pallas_kernels.importance import feature_pieces
+from pallas_kernels.shared.common import compiler_params
+from pallas_kernels.shared.importance import feature_pieces
 
 
 def _node_mean(below_ref, node, existing_below, r: int, start: int, size: int, reciprocals):

@@ -13,8 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import NEG_INF, LayerStatic, compiler_params, merge_score_precision, span_candidates
-from pallas_kernels.decode_scores import (
+from pallas_kernels.decode.scores import (
     cache_query_halves,
     cache_span_scores,
     cache_specs,
@@ -22,8 +21,9 @@ from pallas_kernels.decode_scores import (
     partial_shapes,
     stored_tile_starts,
 )
-from pallas_kernels.importance import feature_pieces
-from pallas_kernels.precision import weighted_values
+from pallas_kernels.shared.common import NEG_INF, LayerStatic, compiler_params, merge_score_precision, span_candidates
+from pallas_kernels.shared.importance import feature_pieces
+from pallas_kernels.shared.precision import weighted_values
 
 
 def cache_value_pieces(V: int, K: int | None = None, latent_half: int = 0) -> tuple:

@@ -12,12 +12,12 @@ from jax import lax
 from htree_jax.core.bounds import group_norms
 from htree_jax.core.config import FORCED_IMPORTANCE
 from htree_jax.core.indexing import candidate_count, num_parents, pack_importance, top_layer_parents
-from pallas_kernels.common import Bound, next_power_of_two, pad_axis, real_heads, virtual_heads
-from pallas_kernels.importance import importance_keys_pallas
-from pallas_kernels.plan import Prepared
-from pallas_kernels.rope import rotate_queries
-from pallas_kernels.top_k import kept_values, select_top_k_pallas
-from pallas_kernels.top_layer import top_importance_keys_pallas
+from pallas_kernels.gqa.plan import Prepared
+from pallas_kernels.gqa.top_layer import top_importance_keys_pallas
+from pallas_kernels.shared.common import Bound, next_power_of_two, pad_axis, real_heads, virtual_heads
+from pallas_kernels.shared.importance import importance_keys_pallas
+from pallas_kernels.shared.rope import rotate_queries
+from pallas_kernels.shared.top_k import kept_values, select_top_k_pallas
 
 
 def query_group_norms(prep: Prepared, q_rows):

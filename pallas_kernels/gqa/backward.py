@@ -65,8 +65,13 @@ from jax import lax
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import apply_rope
-from pallas_kernels import shared_memory
-from pallas_kernels.common import (
+from pallas_kernels.gqa.chunks import chunk_queries, select_below_top, valid_candidates
+from pallas_kernels.gqa.layer_backward import layer_backward_pallas
+from pallas_kernels.gqa.node_backward import layer_node_grads_pallas
+from pallas_kernels.gqa.plan import group_rows, prepare, split_heads
+from pallas_kernels.gqa.top_backward import top_backward_queries, top_backward_statics, top_dq_pallas, top_node_grads_pallas
+from pallas_kernels.shared import shared_memory
+from pallas_kernels.shared.common import (
     KERNEL_GROUP,
     next_power_of_two,
     pad_axis,
@@ -74,22 +79,11 @@ from pallas_kernels.common import (
     virtual_heads,
     zeros_after,
 )
-from pallas_kernels.chunks import chunk_queries, select_below_top, valid_candidates
-from pallas_kernels.configs import BlockSizes, KernelConfigs
-from pallas_kernels.plan import group_rows, prepare, split_heads
-from pallas_kernels.layer_backward import layer_backward_pallas
-from pallas_kernels.node_backward import (
-    UNIT,
-    layer_node_grads_pallas,
-    node_buffers,
-    node_gradient,
-    node_index,
-)
-from pallas_kernels.precision import Precisions
-from pallas_kernels.top_backward import top_backward_queries, top_backward_statics, top_dq_pallas, top_node_grads_pallas
-from pallas_kernels.tree_backward import child_counts_by_layer, kept_keys, pad_nodes_list, push_down
-from pallas_kernels.wide_backward import wide_backward_pallas
-from pallas_kernels.wide_forward import check_query_layout, wide_eligible
+from pallas_kernels.shared.common import check_query_layout
+from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.node_index import UNIT, node_buffers, node_gradient, node_index
+from pallas_kernels.shared.precision import Precisions
+from pallas_kernels.shared.tree_backward import child_counts_by_layer, kept_keys, pad_nodes_list, push_down
 
 
 def _per_chunk(x, Qc: int, num_chunks: int):
@@ -127,9 +121,6 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
     H_kv = k.shape[2]
     V = value_dim if v is None else v.shape[-1]
     tuning = KernelConfigs.resolve(block_sizes, K, V)
-    if wide_eligible(H // H_kv, K, V, tuning, packing):
-        return wide_backward_pallas(q, k, v, o, lse, do, config, tuning, interpret, dead_rows, selections,
-                                    value_dim, positions, q_layout)
     check_query_layout(q_layout)
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "

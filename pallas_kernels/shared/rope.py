@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from htree_jax.core.rope import apply_rope, rope_table
-from pallas_kernels.common import LayerStatic, pad_axis, pad_nodes
+from pallas_kernels.shared.common import LayerStatic, pad_axis, pad_nodes
 
 
 def padded_rope_table(num_positions: int, head_dim: int, base: float, half: int, rope_dim: int | None = None):

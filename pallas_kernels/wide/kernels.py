@@ -40,10 +40,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import shared_memory
-from pallas_kernels.common import NEG_INF, LayerStatic, WideBound, compiler_params, span_candidates
-from pallas_kernels.importance import importance_shift, keys_from_scores, online_max_sum
-from pallas_kernels.precision import dot_rows, split_rows
+from pallas_kernels.shared.common import NEG_INF, LayerStatic, WideBound, compiler_params, span_candidates
+from pallas_kernels.shared.importance import importance_shift, keys_from_scores, online_max_sum
+from pallas_kernels.shared.precision import dot_rows, split_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,44 +65,6 @@ class WideStatic:
     num_stages: int = 1  # the merges'
     importance_stages: int = 1
     importance_tile: int = 0  # the importance kernel's step (a multiple of r dividing `tile`); 0: `tile`
-
-
-def program_shape(rows: int, tile: int, r: int, Wl: int, hp: int, Wv_own: int, itemsize: int,
-                  bound_width: int = 0) -> tuple:
-    """`(rows, tile)` of a wide program: the first of `program_candidates` whose query
-    rows' latent part and one step's tiles (latent, RoPE, separate values; with the
-    decode step's bound, `bound_width` float32 group norms and radii) fit
-    `shared_memory.WIDE_PROGRAM_BYTES` (`shared_memory.wide_program`). At the MLA shape
-    (r=16) bfloat16 keeps 64 x 64; float32 takes 32 x 32 with separate values."""
-    footprint = lambda c: shared_memory.wide_program(c[0], c[1], Wl, hp, Wv_own, itemsize, bound_width)
-    rows, tile, _ = shared_memory.first_fitting(program_candidates(rows, tile, r), footprint,
-                                                shared_memory.WIDE_PROGRAM_BYTES)
-    return rows, tile
-
-
-def program_candidates(rows: int, tile: int, r: int) -> list:
-    """`(rows, tile, 1)` from the block sizes' down, fastest first: rows halved while
-    they are at least the tile (and above 16), then the tile (a multiple of r, at least
-    16), then rows down to 16."""
-    out = [(rows, tile, 1)]
-    while True:
-        if rows > 16 and rows >= tile:
-            rows //= 2
-        elif tile // 2 >= max(16, r) and (tile // 2) % r == 0:
-            tile //= 2
-        elif rows > 16:
-            rows //= 2
-        else:
-            return out
-        out.append((rows, tile, 1))
-
-
-def head_block(G: int, rows: int) -> int:
-    """Heads per program: the largest power of two `<= rows` dividing `G`."""
-    block = 1
-    while block * 2 <= rows and G % (block * 2) == 0:
-        block *= 2
-    return block
 
 
 def _dims():
@@ -431,5 +392,5 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
     return tuple(out) if (not bottom or return_lse) else out[0]
 
 
-__all__ = ["WideStatic", "combine_importance", "head_block", "latent_product", "layer_inputs",
-           "layer_refs", "program_shape", "query_specs", "wide_importance_pallas", "wide_merge_pallas"]
+__all__ = ["WideStatic", "combine_importance", "latent_product", "layer_inputs", "layer_refs", "query_specs",
+           "wide_importance_pallas", "wide_merge_pallas"]

@@ -14,9 +14,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import NEG_INF, LayerStatic, compiler_params, span_candidates
-from pallas_kernels.importance import feature_pieces, online_max_sum, packed_keys, whole_groups
-from pallas_kernels.precision import score_dot, stored_dot
+from pallas_kernels.shared.common import NEG_INF, LayerStatic, compiler_params, span_candidates
+from pallas_kernels.shared.importance import feature_pieces, online_max_sum, packed_keys, whole_groups
+from pallas_kernels.shared.precision import score_dot, stored_dot
 
 
 def half_pieces(half: int, latent: int) -> tuple:

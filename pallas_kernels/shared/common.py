@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.precision import key_parts
+from pallas_kernels.shared.precision import key_parts
 
 NEG_INF = float("-inf")
 
@@ -247,3 +247,30 @@ def per_query(x, st: LayerStatic):
     """Block-level rows (parents, n) repeated for each query of the block."""
     return jnp.repeat(x, st.block_queries, axis=1)
 
+
+def head_block(G: int, rows: int) -> int:
+    """Heads per program: the largest power of two `<= rows` dividing `G`."""
+    block = 1
+    while block * 2 <= rows and G % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
+    """The largest multiple of `multiple` in `[Qc/2, Qc]` that divides `T`, else `Qc`.
+    With chunks that tile T exactly nothing is padded to `chunks * Qc` positions: no
+    padded copy of q (forward and backward), of the cotangent, of dq or of the output
+    (8 GiB each in bfloat16 at T=1M, H=32, K=128). Used where such a copy outweighs the
+    chunk budget; smaller chunks launch more (2 GiB chunks ran 2% faster than 1 GiB)."""
+    for size in range(Qc - Qc % multiple, Qc // 2 - 1, -multiple):
+        if size > 0 and T % size == 0:
+            return size
+    return Qc
+
+
+def check_query_layout(q_layout: str, wide: bool = False) -> None:
+    """`q_layout`: `"rope_layout"` (every kernel) or `"given"` (the caller's feature order:
+    the wide kernels only)."""
+    if q_layout not in (("rope_layout", "given") if wide else ("rope_layout",)):
+        raise ValueError(f"q_layout {q_layout!r}: the wide kernels take 'rope_layout' or 'given', the others "
+                         "'rope_layout' only")

@@ -20,7 +20,7 @@ A block of queries may straddle documents: each key tile is scored once per dist
 `first` in the block (`_scores_by_document`; one pass without packing), each row taking
 the pass of its own document. Packed importance keys stay document-local (position `p`).
 
-Layouts (padded by `pallas_kernels/plan.py`):
+Layouts (padded by `pallas_kernels/gqa/plan.py`):
   q_rot    `[B, Q, H_kv, Gt, Kp]` float32, `rope.rotate_queries` (each query by its `n - 1`)
   n        `[B, Q, H_kv, 1]` int32  valid candidates per query
   first    `[B, Q, H_kv, 1]` int32  the layer row of each query's candidate 0
@@ -46,10 +46,10 @@ from jax.experimental import pallas as pl
 
 from htree_jax.core.config import FORCED_IMPORTANCE
 from htree_jax.core.indexing import pack_importance
-from pallas_kernels.common import NEG_INF, Bound, LayerStatic, compiler_params, layer_refs, merge_score_precision
-from pallas_kernels.importance import importance_shift, online_max_sum, write_key_tiles
-from pallas_kernels.merge import fold_merged, merge_outputs, read_state, write_merged
-from pallas_kernels.precision import check_key_parts, dot_rows, key_parts, split_rows
+from pallas_kernels.gqa.merge import fold_merged, merge_outputs, read_state, write_merged
+from pallas_kernels.shared.common import NEG_INF, Bound, LayerStatic, compiler_params, layer_refs, merge_score_precision
+from pallas_kernels.shared.importance import importance_shift, online_max_sum, write_key_tiles
+from pallas_kernels.shared.precision import check_key_parts, dot_rows, key_parts, split_rows
 
 
 def block_rows(q_ref, n_ref, first_ref):

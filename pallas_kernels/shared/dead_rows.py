@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import compiler_params
-from pallas_kernels.importance import feature_pieces
+from pallas_kernels.shared.common import compiler_params
+from pallas_kernels.shared.importance import feature_pieces
 
 # Rows per program: the largest power of two dividing S, at most this (the stores stay
 # inside the array without padding it, so no lane is clamped in interpret mode).

@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.core.indexing import candidate_nodes as nodes_of_positions
 from htree_jax.core.softmax import merge, normalize
-from pallas_kernels.common import (
+from pallas_kernels.shared.common import (
     NEG_INF,
     LayerStatic,
     block_specs,
@@ -33,9 +33,9 @@ from pallas_kernels.common import (
     per_query,
     span_candidates,
 )
-from pallas_kernels.importance import gather_nodes, query_rows, score_tile, scores_twin
-from pallas_kernels.precision import check_key_parts, key_parts, weighted_values
-from pallas_kernels.rope import full_width_inputs
+from pallas_kernels.shared.importance import gather_nodes, query_rows, score_tile, scores_twin
+from pallas_kernels.shared.precision import check_key_parts, key_parts, weighted_values
+from pallas_kernels.shared.rope import full_width_inputs
 
 
 def fold_merged(carry, blocks, score_precision, operands, exp=jnp.exp):

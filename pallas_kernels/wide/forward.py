@@ -24,23 +24,18 @@ from jax import lax
 from htree_jax.core.bounds import tree_radii
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
-from pallas_kernels.common import LayerStatic, WideBound, next_power_of_two, pad_axis, pad_rope_halves, wide_head_dims
-from pallas_kernels.configs import BlockSizes, KernelConfigs
-from pallas_kernels.importance import feature_pieces
-from pallas_kernels.plan import dividing_chunk
-from pallas_kernels.precision import Precisions, key_operands
-from pallas_kernels.rope import full_width, padded_rope_table, rotate_copies, rotate_half
-from pallas_kernels import shared_memory
-from pallas_kernels.top_k import kept_values, select_top_k_pallas
-from pallas_kernels.tree_build import PoolBlockSizes, pool_layer_pallas
-from pallas_kernels.wide import (
-    WideStatic,
-    combine_importance,
-    head_block,
-    program_shape,
-    wide_importance_pallas,
-    wide_merge_pallas,
-)
+from pallas_kernels.shared import shared_memory
+from pallas_kernels.shared.common import LayerStatic, check_query_layout, WideBound, next_power_of_two, pad_axis, pad_rope_halves, wide_head_dims
+from pallas_kernels.shared.common import dividing_chunk
+from pallas_kernels.shared.common import head_block
+from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.importance import feature_pieces
+from pallas_kernels.shared.precision import Precisions, key_operands
+from pallas_kernels.shared.rope import full_width, padded_rope_table, rotate_copies, rotate_half
+from pallas_kernels.shared.shared_memory import program_shape
+from pallas_kernels.shared.top_k import kept_values, select_top_k_pallas
+from pallas_kernels.shared.tree_build import PoolBlockSizes, pool_layer_pallas
+from pallas_kernels.wide.kernels import WideStatic, combine_importance, wide_importance_pallas, wide_merge_pallas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +77,6 @@ class FeatureSplit:
             return jnp.concatenate([latent, rope], axis=-1)
         u, h = self.unrotated // 2, self.rope_dim // 2
         return jnp.concatenate([latent[..., :u], rope[..., :h], latent[..., u:], rope[..., h:]], axis=-1)
-
-
-def check_query_layout(q_layout: str, wide: bool = False) -> None:
-    """`q_layout`: `"rope_layout"` (every kernel) or `"given"` (the caller's feature order:
-    the wide kernels only)."""
-    if q_layout not in (("rope_layout", "given") if wide else ("rope_layout",)):
-        raise ValueError(f"q_layout {q_layout!r}: the wide kernels take 'rope_layout' or 'given', the others "
-                         "'rope_layout' only")
 
 
 def round_up(x: int, multiple: int) -> int:

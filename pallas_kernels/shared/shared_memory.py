@@ -19,7 +19,7 @@ import dataclasses
 
 from jax import lax
 
-from pallas_kernels.precision import BF16X3
+from pallas_kernels.shared.precision import BF16X3
 
 # Bytes of shared memory a program may take on an H100 or H200 (opt-in maximum).
 LIMIT = 232448
@@ -146,5 +146,34 @@ def first_fitting(candidates, footprint_of, limit: int = LIMIT):
     return candidates[-1]
 
 
+def program_shape(rows: int, tile: int, r: int, Wl: int, hp: int, Wv_own: int, itemsize: int,
+                  bound_width: int = 0) -> tuple:
+    """`(rows, tile)` of a wide program: the first of `program_candidates` whose query
+    rows' latent part and one step's tiles (latent, RoPE, separate values; with the
+    decode step's bound, `bound_width` float32 group norms and radii) fit
+    `WIDE_PROGRAM_BYTES` (`wide_program`). At the MLA shape
+    (r=16) bfloat16 keeps 64 x 64; float32 takes 32 x 32 with separate values."""
+    footprint = lambda c: wide_program(c[0], c[1], Wl, hp, Wv_own, itemsize, bound_width)
+    rows, tile, _ = first_fitting(program_candidates(rows, tile, r), footprint, WIDE_PROGRAM_BYTES)
+    return rows, tile
+
+
+def program_candidates(rows: int, tile: int, r: int) -> list:
+    """`(rows, tile, 1)` from the block sizes' down, fastest first: rows halved while
+    they are at least the tile (and above 16), then the tile (a multiple of r, at least
+    16), then rows down to 16."""
+    out = [(rows, tile, 1)]
+    while True:
+        if rows > 16 and rows >= tile:
+            rows //= 2
+        elif tile // 2 >= max(16, r) and (tile // 2) % r == 0:
+            tile //= 2
+        elif rows > 16:
+            rows //= 2
+        else:
+            return out
+        out.append((rows, tile, 1))
+
 __all__ = ["LIMIT", "WIDE_PROGRAM_BYTES", "WIDE_STAGED_BYTES", "Footprint", "first_fitting", "fits", "operand_bytes",
-           "per_query", "per_query_stages", "pipelined", "staged_tiles", "top_importance", "wide_program"]
+           "per_query", "per_query_stages", "pipelined", "program_candidates", "program_shape", "staged_tiles",
+           "top_importance", "wide_program"]

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.core.indexing import candidate_nodes
-from pallas_kernels.common import LayerStatic, compiler_params
+from pallas_kernels.shared.common import LayerStatic, compiler_params
 
 
 def kth_largest_key(keys, k):

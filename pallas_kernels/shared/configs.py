@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.common import KERNEL_GROUP, wide_head_dims
+from pallas_kernels.shared.common import KERNEL_GROUP, wide_head_dims
 
 # Entries (query, parent pairs) one node-kernel program walks before the rest of a
 # unit's list spills to programs of its own (`node_backward`).
