@@ -37,7 +37,7 @@ from benchmarks.bench_decode import (
     filled_cache,
     start_lengths,
 )
-from benchmarks.profile_decode import per_call_and_loop
+from benchmarks.profiling.decode import per_call_and_loop
 from htree_jax import HTreeConfig, decode_step
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.cli import DefaultsHelpFormatter
@@ -46,7 +46,7 @@ from htree_jax.kernel_trace import kernel_times, print_kernel_times
 
 def loop_and_call(body, state, steps: int, repeats: int):
     """`(ms a step inside one jitted fori_loop of `steps`, ms a step called once per
-    step)` of `body(state) -> (state, y)` (`profile_decode.per_call_and_loop`)."""
+    step)` of `body(state) -> (state, y)` (`benchmarks.profiling.decode.per_call_and_loop`)."""
     per_call, in_loop = per_call_and_loop(body, state, steps, repeats)
     return in_loop, per_call
 

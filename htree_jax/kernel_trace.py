@@ -3,7 +3,7 @@
 kernel's mean time per step (us) from the GPU plane's stream lines.
 
 Used by `bench --shape mla` (the bottom merge kernel's rate) and
-`benchmarks/profile_decode_mla.py`; `print_kernel_times` prints the heaviest."""
+`benchmarks/profile.py --pass decode --shape mla`; `print_kernel_times` prints the heaviest."""
 
 from __future__ import annotations
 

@@ -68,3 +68,17 @@ def test_packed_bench_documents():
     assert docs.shape == (2, 128, 1)
     np.testing.assert_array_equal(docs[0, :7, 0], [0, 1, 2, 0, 0, 0, 0])
     np.testing.assert_array_equal(docs[1, :7, 0], [3, 4, 5, 6, 7, 8, 9])
+
+
+def test_profile_names_a_profiler_for_every_pass_and_refuses_the_rest(capsys):
+    """`python -m benchmarks.profile`: each pass (and the MLA decode) has its profiler;
+    `--shape mla` with another pass is refused before anything runs."""
+    from benchmarks import profile
+    from benchmarks.profiling import decode_mla, one_layer
+
+    assert profile.PROFILERS[("decode", "mla")] is decode_mla
+    assert profile.PROFILERS[("one-layer", "benchmark")] is one_layer
+    assert {p for p, _ in profile.PROFILERS} == {"forward", "backward", "decode", "one-layer"}
+    with pytest.raises(SystemExit):
+        profile.main(["--pass", "forward", "--shape", "mla"])
+    assert "--shape mla is profiled with --pass decode only" in capsys.readouterr().err

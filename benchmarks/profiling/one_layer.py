@@ -2,7 +2,7 @@
 then cuDNN under SPEC 10's guard) against dense cuDNN with RoPE, forward and
 forward+backward, each kernel's device time from a profiler trace.
 
-    python benchmarks/profile_one_layer.py [--sizes 4096,8192] [--batch 1,4]
+    python -m benchmarks.profile --pass one-layer [--sizes 4096,8192] [--batch 1,4]
 
 B rows, H=32, H_kv=4, K=V=128, bfloat16, `top_k=512`, random inputs.
 """
@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="profiled calls per function")
     args = p.parse_args(argv)
     print(gpu_header("one layer", "H=32 H_kv=4 K=V=128 bfloat16 top_k=512, random inputs",
-                     f"python benchmarks/profile_one_layer.py {' '.join(sys.argv[1:] if argv is None else argv)}"))
+                     f"python -m benchmarks.profile --pass one-layer {' '.join(sys.argv[1:] if argv is None else argv)}"))
     config = HTreeConfig(top_k=512)
     htree = jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend="pallas"))
     dense = dense_fn(config)

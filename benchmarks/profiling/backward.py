@@ -1,6 +1,6 @@
 """Where the Pallas backward's time goes, per launch, at one size (GPU).
 
-    python -m benchmarks.profile_backward --T 131072 --top-k 512
+    python -m benchmarks.profile --pass backward --T 131072 --top-k 512
 
 Times (median of `--iters` after a warm-up) every launch of the backward for one chunk
 of query positions in the middle of the sequence, scaled by the number of chunks: the

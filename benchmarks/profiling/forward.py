@@ -1,6 +1,6 @@
 """Where the Pallas forward's time goes, per kernel, at one size.
 
-    python -m benchmarks.profile_forward --T 131072 --top-k 512
+    python -m benchmarks.profile --pass forward --T 131072 --top-k 512
 
 Times (median of `--iters`, after a warm-up) the tree build once, and every layer's
 launches for one chunk of query positions in the middle of the sequence (the top

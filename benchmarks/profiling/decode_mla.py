@@ -3,8 +3,8 @@ T=131072, top_k=64) under `DecodeBlockSizes` variants: per-step ms as `bench_dec
 times it, then each kernel's device time (`kernel_trace`), and for the first variant
 the sources of the largest XLA fusions.
 
-    python benchmarks/profile_decode_mla.py --batch 64 --variants "" "wide_target_programs=512" "span=32"
-                                            [--values-from-keys]
+    python -m benchmarks.profile --pass decode --shape mla --batch 64 --variants "" "wide_target_programs=512" "span=32"
+                                                           [--values-from-keys]
 
 A variant is `DecodeBlockSizes` keyword arguments (`""`: the defaults)."""
 

@@ -4,7 +4,7 @@ dispatch per step), the host's dispatch floor (a jitted step that only bumps the
 of the same donated cache), and the step's two parts (the tree append alone; the walk
 alone), each the same two ways. Dense cuDNN decode beside it, both ways.
 
-    python benchmarks/profile_decode.py [--context 131072] [--batches 1,8] [--top-k 64]
+    python -m benchmarks.profile --pass decode [--context 131072] [--batches 1,8] [--top-k 64]
 
 Same shapes and cache filling as `bench_decode.py` (H=32, H_kv=4, K=V=128, bf16).
 """
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     header = gpu_header if args.backend == "pallas" else (lambda *a: " ".join(a[1:]))
     print(header("decode profile", f"H={H} H_kv={H_KV} K=V={K} bf16, ctx={args.context}, top_k={args.top_k}",
-                     f"python benchmarks/profile_decode.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
+                     f"python -m benchmarks.profile --pass decode {' '.join(sys.argv[1:] if argv is None else argv)}"),
           flush=True)
     config = HTreeConfig(top_k=args.top_k)
     ctx, steps, repeats = args.context, args.steps, args.repeats

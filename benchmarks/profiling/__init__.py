@@ -1,0 +1,2 @@
+"""The passes `benchmarks/profile.py` profiles, one module each: `forward`, `backward`,
+`decode`, `decode_mla` (`--pass decode --shape mla`), `one_layer`."""
