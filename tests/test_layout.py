@@ -163,3 +163,36 @@ def test_the_cache_stands_below_the_decode_api():
     cache_imports = {target for _, target, _ in imports(ROOT / "htree_jax" / "cache.py")}
     assert not cache_imports & {"htree_jax.decode", "htree_jax.backends", "htree_jax.sharding"}, cache_imports
     assert "htree_jax.cache" in {target for _, target, _ in imports(ROOT / "htree_jax" / "decode.py")}
+
+
+def test_q_walks_a_short_road_through_the_passes():
+    """`tools/walk.py` (issue 72's bars): q's road through the GQA forward is at most 40
+    stops, through the backward at most 45, with either rule."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import walk
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    for rule in ("bound", "mean"):
+        forward, backward = walk.walk("forward", rule), walk.walk("backward", rule)
+        assert 20 <= len(forward.stops) <= 40, forward.summary("forward")
+        assert 20 <= len(backward.stops) <= 45, backward.summary("backward")
+        assert backward.stops[0] == ("pallas_kernels/gqa/backward.py", "htree_backward_pallas")
+
+
+def test_pallas_jaxprs_finds_every_kernel_of_the_passes():
+    """`tools/pallas_jaxprs.py` finds the pallas_calls of the forward, its gradient and a
+    decode step, and tells equal digests from different ones."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import pallas_jaxprs
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    case = next(c for c in pallas_jaxprs.CASES if c.name == "3-layer f32 r=4")
+    calls = pallas_jaxprs.case_jaxprs(case)
+    assert set(calls) == {"forward", "gradient", "decode"}
+    assert all(len(c) >= 4 and all(t.startswith("pallas_call[") or "pallas_call" in t for t in c)
+               for c in calls.values())
+    assert pallas_jaxprs.compare({"c": {"forward": {"calls": 1, "digest": "a", "kernels": ["a"]}}},
+                                 {"c": {"forward": {"calls": 1, "digest": "b", "kernels": ["b"]}}}) == [
+        "c forward: 1 -> 1 calls, differing at [0]"]

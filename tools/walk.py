@@ -6,8 +6,8 @@ file it left. A newcomer follows q the same way; the counts say how long that re
     python tools/walk.py --pass backward --rule bound --stops   # and every stop in order
 
 Method (the journal's, 2026-11-27): the pass on the interpreted kernels under
-`jax.disable_jit`, `jax.jvp` in q only (k, v and the rest concrete, so only what depends on
-q is a tracer), the pass's own body called directly (`htree_forward_pallas`,
+`jax.disable_jit`, `jax.jvp` in q only (k, v and the rest constants, so only what depends
+on q is a forward-mode tracer; staged by `jax.make_jaxpr`, not run), the pass's own body called directly (`htree_forward_pallas`,
 `htree_backward_pallas`: a `custom_vjp` cannot be pushed forward), each `pallas_call`
 replaced by zeros of its outputs (its kernel not entered), at T=150, r=4, `top_k=4` (3
 layers, one query chunk), G=4, K=V=32. A *stop* is a call of a function defined under
@@ -128,8 +128,11 @@ def walk(pass_name: str, rule: str) -> Walk:
     real = pl.pallas_call
     pl.pallas_call = _zeros_pallas_call
     try:
+        # Staged (`make_jaxpr`), not run: every op of the pass is recorded once, none
+        # compiled one by one; `disable_jit` inlines the pass's inner jitted functions, so
+        # their bodies are walked with q's tracers too.
         with jax.disable_jit(), _watching(stops):
-            jax.jvp(body, (q,), (jnp.ones_like(q),))
+            jax.make_jaxpr(lambda q: jax.jvp(body, (q,), (jnp.ones_like(q),)))(q)
     finally:
         pl.pallas_call = real
     return Walk(stops)

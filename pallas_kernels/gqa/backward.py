@@ -184,8 +184,11 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
             keys = kept_keys(None, local, Mp, st.r)
             rows_keys = keys if packing is None else kept_keys(None, kept[0], prep.top_v.shape[2], st.r)
             parents = pad_nodes_list(kept[0], P)
-        stats = lambda g: (pad_axis(lse_c, 3, g), pad_axis(do_c, 3, g), pad_axis(delta_c, 3, g))
-        top_data = (prep.top_k_merge, prep.top_v, *stats(gt))
+        # The chunk's rows padded once for both widths the kernels read: `gt` (the top
+        # layer's and the node kernels', a power of two) and `gp` (the per-query kernels').
+        q_gt, *stats_gt = [pad_axis(x, 3, gt) for x in (qc, lse_c, do_c, delta_c)]
+        q_rows, *stats_gp = [pad_axis(x, 3, gp) for x in (qc, lse_c, do_c, delta_c)]
+        top_data = (prep.top_k_merge, prep.top_v, *stats_gt)
         q_ops = top_backward_queries(q_top, st_top)
         dq_rot = top_dq_pallas(q_ops, n_top, first, keys, tau, *top_data, st_dq, interpret)
         top_acc = top_node_grads_pallas(q_ops, n_top, first, rows_keys, tau, *top_data, top_acc, st_dkv,
@@ -193,7 +196,6 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
         position = n_top - 1
         dq = apply_rope(dq_rot, prep.cos[position], -prep.sin[position])[:, :, :, :G]
         if L > 1:
-            q_rows = pad_axis(qc, 3, gp)
             for l in reversed(range(L - 1)):
                 _, k_merge, vl = prep.layers[l]
                 n = valid_candidates(parents, t, l, prep)
@@ -204,9 +206,9 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
                 elif l > 0:
                     keys, next_parents, tau, _, _ = select_below_top(prep, q_rows, parents, n, l, interpret)
                 layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
-                dq_l = layer_backward_pallas(q_rows, *layer_args, *stats(gp), st, interpret)
+                dq_l = layer_backward_pallas(q_rows, *layer_args, *stats_gp, st, interpret)
                 index = node_index(parents, n, st.r, -(-sizes[l] // UNIT), tuning.layer.node_entries)
-                layer_acc[l] = layer_node_grads_pallas(pad_axis(qc, 3, gt), *layer_args, *stats(gt), index,
+                layer_acc[l] = layer_node_grads_pallas(q_gt, *layer_args, *stats_gt, index,
                                                        layer_acc[l], st, interpret,
                                                        num_warps=tuning.layer.node_num_warps)
                 dq = dq + dq_l[:, :, :, :G]
