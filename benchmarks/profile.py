@@ -21,12 +21,14 @@ import sys
 from benchmarks.profiling import backward, decode, decode_mla, forward, one_layer
 from htree_jax.cli import DefaultsHelpFormatter
 
+DESCRIPTION = __doc__.split("\n\n")[0]
+
 PROFILERS = {("forward", "benchmark"): forward, ("backward", "benchmark"): backward,
              ("decode", "benchmark"): decode, ("decode", "mla"): decode_mla, ("one-layer", "benchmark"): one_layer}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter,
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=DefaultsHelpFormatter,
                                      add_help=False)
     parser.add_argument("--pass", dest="pass_name", required=True, choices=["forward", "backward", "decode",
                                                                              "one-layer"])

@@ -141,7 +141,8 @@ def test_help_shows_the_defaults(capsys):
     text = " ".join(out.split())
     assert "batch size B (default: 1)" in text and "random seed of the inputs (default: 0)" in text
     root = pathlib.Path(__file__).resolve().parents[1]
-    tools = [p for folder in ("htree_jax", "benchmarks", "examples") for p in sorted((root / folder).glob("*.py"))
+    folders = ("htree_jax", "benchmarks", "benchmarks/profiling", "examples", "tools")
+    tools = [p for folder in folders for p in sorted((root / folder).glob("*.py"))
              if "ArgumentParser(" in p.read_text()]
     assert len(tools) > 20
     for path in tools:

@@ -36,6 +36,8 @@ try:
 except ImportError:  # jax < 0.11
     from jax.core import jaxprs_in_params
 
+DESCRIPTION = __doc__.split("\n\n")[0]
+
 # A pallas_call's source location: "name at /path/file.py:123" (name_and_src_info), and
 # any other "file.py:line" a jaxpr prints.
 _SOURCE = re.compile(r" at [^\s,)]+\.py:\d+|[^\s,()]+\.py:\d+(:\d+)?")
@@ -139,7 +141,7 @@ def compare(before: dict, after: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--out", help="write the digests here (JSON)")
     parser.add_argument("--compare", help="digests of another tree (JSON) to compare with")
     args = parser.parse_args(argv)

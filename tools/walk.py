@@ -32,6 +32,8 @@ from jax.experimental import pallas as pl
 from htree_jax import HTreeConfig
 from htree_jax.cli import DefaultsHelpFormatter
 
+DESCRIPTION = __doc__.split("\n\n")[0]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT = tuple(os.path.join(ROOT, d) + os.sep for d in ("htree_jax", "pallas_kernels"))
 T, H, H_KV, K, V = 150, 8, 2, 32, 32
@@ -139,7 +141,7 @@ def walk(pass_name: str, rule: str) -> Walk:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--pass", dest="passes", nargs="+", default=["forward", "backward"],
                         choices=["forward", "backward"])
     parser.add_argument("--rule", nargs="+", default=["bound", "mean"], choices=["bound", "mean"])

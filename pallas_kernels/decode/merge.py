@@ -1,4 +1,4 @@
-"""The decode walk's merges (`decode.py` composes them): per-split partial states over a
+"""The decode walk's merges (`decode/walk.py` composes them): per-split partial states over a
 cache's values (`decode_merge_pallas`), folded into the running state in XLA
 (`fold_partials`). Their full-sequence twins: `merge.py`.
 """

@@ -1,4 +1,4 @@
-"""The decode walk's scores (`decode.py` composes them): a cache's keys read as stored
+"""The decode walk's scores (`decode/walk.py` composes them): a cache's keys read as stored
 (un-rotated) and rotated after the gather, a query's candidates split over programs
 (`decode_scores_pallas`), then the splits' scores turned into packed importance keys
 (`decode_keys_pallas`). Their full-sequence twins: `importance.py`.

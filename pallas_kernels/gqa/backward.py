@@ -1,6 +1,6 @@
-"""The Pallas backward of htree attention (SPEC 5): `htree_backward_pallas`. Groups of
-32 or more heads per kv head (latent attention) go to `wide_backward.py`; what follows
-is the backward of the other groups.
+"""The Pallas backward of htree attention (SPEC 5) for the GQA family: `htree_backward_pallas`.
+Groups of 32 or more heads per kv head (latent attention) are the wide family's
+(`htree_jax.backends.pallas_backward_pass` chooses); this is the backward of the others.
 
 The selections are the forward's (`selections=`, what `htree_attention` passes: the
 forward returns them anyway, `(L-1) * B*T*H_kv*top_k` int32 kept between the passes); the
@@ -109,12 +109,10 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
     `positions [S]`: the queries' positions among `k`'s tokens, as the forward takes them.
     `block_sizes`, `q_layout`: as the forward takes them (`dq` in q's layout). Bitwise
     deterministic.
-    Wide groups (`wide_forward.wide_eligible`: 32 or more heads per kv head) run the
-    wide kernels (`wide_backward.py`); there `v=None` with `value_dim = V` takes the
-    values as the first `V` latent features of `k`, as the forward does, and returns
-    `dv=None` (their gradient is in `dk`). Other groups of more than 16 heads run as
-    virtual kv heads (`plan.split_heads`): their key and value gradients are summed
-    over the split heads at the end."""
+    Groups of up to 16 heads per kv head, and of more (a multiple of 16, up to 128) as
+    virtual kv heads (`plan.split_heads`): their key and value gradients are summed over
+    the split heads at the end. `v=None` (the values read from the keys) is the wide
+    family's and refused here."""
     if packing is not None and selections is None and packing.num_layers > 1:
         raise ValueError("the packed backward takes the forward's selections")
     B, T, H, K = q.shape

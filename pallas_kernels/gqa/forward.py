@@ -48,12 +48,9 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
     K]`; context parallelism), `None`: `S = T`, all of them. `return_importance`: the
     kept nodes' importance (SPEC 8) last, aligned with the selections.
 
-    `q_layout="given"`: `q` in the caller's feature order, not `rope_layout`'s (the wide
-    kernels only: they slice each chunk's parts from it).
-
-    `v=None` with `value_dim = V`: the values are the first `V` latent (unrotated)
-    features of `k`, read from the keys by the wide kernels (groups of 32 or more heads,
-    one document per row: `wide_forward.wide_eligible`; refused elsewhere).
+    `q_layout`: `"rope_layout"` only (`"given"`, the caller's feature order, is the wide
+    family's). `v=None` (the values read from the keys) is the wide family's
+    (`htree_jax.backends.pallas_forward_pass` chooses the family) and refused here.
     `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
     `htree_attention` runs); `block_sizes`: a `BlockSizes` (`None`: the tuned values
     for `K, V`) or a `KernelConfigs` (`configs.KernelConfigs.resolve`).

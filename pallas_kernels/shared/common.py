@@ -3,7 +3,7 @@ candidate buffer's geometry inside a kernel, padding, and BlockSpecs.
 
 Every kernel uses the Triton lowering (`compiler_params`); every load and store is a
 power of two wide, so head dims are padded here (RoPE halves apart) and sliced back by
-the compositions (`forward.py`, `backward.py`, `decode.py`).
+the compositions (`gqa/forward.py`, `gqa/backward.py`, `decode/walk.py`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def head_split(G: int) -> int:
 
 class Bound(NamedTuple):
     """`selection="bound"` (SPEC 11) as a GQA kernel call takes it (`importance`,
-    `top_layer`, the decode scores): the query rows' feature-group norms `[..., rows,
+    `gqa.top_layer`, the decode scores): the query rows' feature-group norms `[..., rows,
     width]` float32 and the candidate layer's radii `[B, H_kv, N, width]` (the parts of
     `precision.key_operands`; one array at decode). Inside a kernel, the same fields
     hold the loaded norms and the radii refs."""
@@ -55,7 +55,7 @@ class Bound(NamedTuple):
 
 
 class WideBound(NamedTuple):
-    """`selection="bound"` (SPEC 11) as the wide kernels take it (`wide.py`): the queries'
+    """`selection="bound"` (SPEC 11) as the wide kernels take it (`wide/kernels.py`): the queries'
     latent features' norms `|q|` and RoPE pairs' norms, and the layer's radii in the same
     two parts (each `precision.key_operands` parts). Inside a kernel: their refs."""
 
@@ -87,7 +87,7 @@ class LayerStatic:
     # (float32-grade from bfloat16 pairs) or a dtype name.
     importance_operands: str | None = None
     # Queries per program. Per-query kernels: they must share parents and n; the top
-    # layer's kernels (`top_layer.py`): each query has its own n.
+    # layer's kernels (`gqa/top_layer.py`): each query has its own n.
     block_queries: int = 1
     # Score dots of the merge passes. Their scores only weigh values in the output
     # softmax (selection is decided by the keys kernel), so bf16/f16 inputs need

@@ -5,14 +5,14 @@ shapes).
 Families, each a frozen dataclass of the values its kernels read:
 - `LayerConfig`: the GQA family below the top layer (one query per program): the
   scores, top-K and merge kernels of the forward, the backward's per-query and node
-  kernels (`importance.py`, `top_k.py`, `merge.py`, `layer_backward.py`,
+  kernels (`importance.py`, `top_k.py`, `gqa/merge.py`, `gqa/layer_backward.py`,
   `node_backward.py`).
-- `TopConfig`: the top layer's merge and importance kernels (`top_layer.py`: many
+- `TopConfig`: the top layer's merge and importance kernels (`gqa/top_layer.py`: many
   queries per program).
 - `TopBackwardConfig`: the top layer's backward (`top_backward.py`).
-- `WideConfig`: groups of 32 or more heads, latent attention (`wide.py`,
-  `wide_forward.py`, `wide_backward.py`).
-- `DecodeBlockSizes`: the decode kernels (`decode_scores.py`, `decode_merge.py`), what `decode_step` and
+- `WideConfig`: groups of 32 or more heads, latent attention (`wide/kernels.py`,
+  `wide.forward.py`, `wide/backward.py`).
+- `DecodeBlockSizes`: the decode kernels (`decode/scores.py`, `decode/merge.py`), what `decode_step` and
   `prefill` take as `block_sizes`.
 
 `KernelConfigs` holds the full-sequence families; `KernelConfigs.resolve(block_sizes, K,
@@ -20,7 +20,7 @@ V)` picks the tuned ones for the head dims (`shape_class`, `TUNED`) and lays a u
 `BlockSizes` over them. `BlockSizes` is what a user may want to set (12 fields, each
 `None` for the tuned value); everything else is derived in the kernels from these and
 the shapes (pipeline depths that fit shared memory: `shared_memory.py`; chunk sizes:
-`chunks.py`). How each tuned value was found: the journal, "Block sizes: where the
+`gqa/chunks.py`). How each tuned value was found: the journal, "Block sizes: where the
 defaults come from" (`benchmarks/journal/`).
 """
 
@@ -140,7 +140,7 @@ class WideConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-    """The decode family's config (`decode_scores.py`, `decode_merge.py`): what `decode_step` and `prefill`
+    """The decode family's config (`decode/scores.py`, `decode/merge.py`): what `decode_step` and `prefill`
     take as `block_sizes`."""
 
     # Candidates per score product (one query rotation); raised to >= 16 and >= r.
@@ -156,7 +156,7 @@ class DecodeBlockSizes:
     # Scores and packed keys of a chunk of queries (prefill) stay under this.
     chunk_budget_bytes: int = 256 << 20
     # Groups over 16 heads (latent attention's 64-128 over one latent key): heads per
-    # program (`wide.head_block`: the largest power of two up to this dividing G), every
+    # program (`common.head_block`: the largest power of two up to this dividing G), every
     # gathered key row feeding them all; 16: the 16-head virtual groups of the
     # full-sequence kernels. Those programs' warps: `wide_num_warps`.
     wide_rows: int = 64

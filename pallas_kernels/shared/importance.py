@@ -5,9 +5,9 @@ tiles; the pure-JAX twin is `importance_keys_twin`.
 The scores kernel stores every candidate's scores (`G` floats each) and each row's
 running max and sum over the normaliser set R; `keys_from_scores` (one fused XLA pass)
 turns them into packed keys. The merge of the same layer then reads the stored scores
-(`merge.merge_scored_pallas`) instead of gathering and scoring the keys again.
+(`gqa.merge.merge_scored_pallas`) instead of gathering and scoring the keys again.
 
-Layouts (padded by `plan.prepare`):
+Layouts (padded by `gqa.plan.prepare`):
   q        `[B, Q, H_kv, Gp, Kp]`  un-rotated, halves padded apart (`pad_rope_halves`)
   parents  `[B, Q/BQ, H_kv, P]` int32  ascending, `-1` padded; `P * r = Mp`; one row per
            block of BQ queries that share them (the forward uses BQ = 1 here)
@@ -197,7 +197,7 @@ def packed_keys(imp, n, strict_causal: bool, log_n: int, export: bool = False, p
 
 
 def whole_groups(scores, shift, n, st: LayerStatic, split: int):
-    """Virtual kv heads `[B, Q, H_kv * split, Gp, ...]` (`plan.split_heads`, every row a
+    """Virtual kv heads `[B, Q, H_kv * split, Gp, ...]` (`gqa.plan.split_heads`, every row a
     real head) as their real kv heads: `(scores [B, Q, H_kv, split * Gp, Mp], shifts
     (shared_shift), n, the static with the whole group)`."""
     if split == 1:
@@ -228,7 +228,7 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
     one row per block of `BQ = st.block_queries` queries that share them; `k_phases` the
     layer's keys from `rotate_phases`, as `key_operands(..., st.precision,
     st.importance_operands)`. Holds `B * Q * H_kv * Gp * Mp` float32 scores meanwhile.
-    `split > 1`: the kv heads are virtual, `split` per real one (`plan.split_heads`,
+    `split > 1`: the kv heads are virtual, `split` per real one (`gqa.plan.split_heads`,
     `Gp = st.group` rows each): the keys (and importance) are those of the real kv heads,
     `[B, Q, H_kv / split, Mp]`, from the whole group's scores; the scores stay virtual.
     `bound` (SPEC 11, `selection="bound"`): `common.Bound(qn [B, Q, H_kv, Gp, Gn] float32, rho)`, the

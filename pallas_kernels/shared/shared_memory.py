@@ -58,7 +58,7 @@ def operand_bytes(precision, operands, left: bool = False) -> int:
 
 def top_importance(rows: int, block_queries: int, tile: int, kp: int, bound_width: int, precision,
                    operands) -> Footprint:
-    """The top layer's importance kernel (`top_layer._top_keys_kernel`): `rows` query
+    """The top layer's importance kernel (`gqa.top_layer._top_keys_kernel`): `rows` query
     rows of `kp` features held (and their `bound_width` feature-group norms with the
     bound), the `[block_queries, tile]` float32 importance summed over each query's
     rows, and per stage a tile of `tile` keys (and their radii)."""

@@ -94,7 +94,7 @@ def _select_kernel(keys_ref, par_ref, n_ref, next_ref, tau_ref, *, st: LayerStat
 def select_top_k_pallas(keys, parents, n, st: LayerStatic, interpret=False):
     """Per query: `(next_parents [B, Q, H_kv, P], tau [B, Q, H_kv, 1])`, the kept nodes
     ascending in the first `min(top_k, n)` slots and `-1` after. `parents [B, Q, H_kv,
-    P]`, `n` per query; `P >= top_k` and `keys [..., Mp]` with `Mp >= 2 P` (`plan.layout`).
+    P]`, `n` per query; `P >= top_k` and `keys [..., Mp]` with `Mp >= 2 P` (`gqa.plan.layout`).
     The kernel writes `2 P` slots per query (the second half scratch), sliced here."""
     B, Q, H_kv, Mp = keys.shape
     P = parents.shape[-1]

@@ -1,4 +1,4 @@
-"""What every Pallas backward shares (`backward.py`, `wide_backward.py`): the nodes a
+"""What every Pallas backward shares (`gqa/backward.py`, `wide/backward.py`): the nodes a
 layer kept, marked from the forward's saved selections, and gradients pushed down the
 tree (the transpose of mean pooling)."""
 

@@ -1,4 +1,4 @@
-"""The Pallas backward of htree attention for wide groups (`wide.py`: G >= 32 heads per
+"""The Pallas backward of htree attention for wide groups (`wide/kernels.py`: G >= 32 heads per
 kv head, latent attention's shape), SPEC 5 with the selections constant.
 
 Two kernels per layer, as for narrow groups (`layer_backward.py`, `node_backward.py`),

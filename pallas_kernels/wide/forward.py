@@ -1,4 +1,4 @@
-"""The Pallas forward for wide groups (`wide.py`: G >= 32 heads per kv head, latent
+"""The Pallas forward for wide groups (`wide/kernels.py`: G >= 32 heads per kv head, latent
 attention's shape): the tree built once per real kv head, each layer's keys split into
 their latent and RoPE parts, then per chunk of queries, per layer top down (the top
 layer's parents virtual), the wide importance, the shared top-K and the wide merge.
