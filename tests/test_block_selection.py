@@ -27,9 +27,10 @@ def block_config(r, top_k, source, selection="bound", importance="softmax", **kw
                        selection_block=r, block_source=source, **kw)
 
 
-@pytest.mark.parametrize("source", SOURCES)
-@pytest.mark.parametrize("selection, r, top_k, T, H, H_kv, importance",
-                         [("bound", *SHAPES[0]), ("mean", *SHAPES[0]), ("mean", *SHAPES[1]), ("bound", *SHAPES[2])])
+# Each source with each rule, over the three shapes.
+@pytest.mark.parametrize("source, selection, r, top_k, T, H, H_kv, importance",
+                         [("first", "bound", *SHAPES[0]), ("previous", "mean", *SHAPES[0]),
+                          ("first", "mean", *SHAPES[1]), ("previous", "bound", *SHAPES[2])])
 def test_reference_matches_the_oracle(rng, source, selection, r, top_k, T, H, H_kv, importance):
     config = block_config(r, top_k, source, selection, importance)
     assert config.num_layers(T) >= 3
@@ -81,7 +82,7 @@ def test_a_prefix_gives_the_prefix_of_the_outputs(rng):
         config = block_config(4, 4, source)
         q, k, v = random_qkv(rng, 1, 150, 4, 2, 8, 8)
         full = np.asarray(htree_attention(q, k, v, config, backend="reference"))
-        for S in (37, 64, 101):
+        for S in (37, 101):
             part = np.asarray(htree_attention(q[:, :S], k[:, :S], v[:, :S], config, backend="reference"))
             np.testing.assert_allclose(part, full[:, :S], rtol=1e-6, atol=1e-6)
 

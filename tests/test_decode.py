@@ -23,10 +23,11 @@ from tests.conftest import random_qkv
 
 # (compression_rate, top_k, importance, T, max_len, prompt): the sequence's tree and the
 # cache's (sized for max_len) have 2-4 layers, not always as many.
+# Kept to two for CI's time (2026-11-28 (3)): a cache with more layers than the sequence
+# and an empty prompt; 4-5 layers with a prompt. The ragged, FP8, bound and block tests
+# decode other shapes.
 CASES = [
     (4, 4, "shared_max", 70, 300, 0),  # T: 70 -> 18 -> 5; cache: 300 -> 75 -> 19 -> 5
-    (2, 4, "softmax", 40, 40, 1),  # 40 -> 20 -> 10: 3 layers each
-    (8, 2, "shared_max", 60, 200, 17),  # T: 60 -> 8; cache: 200 -> 25 -> 4
     (2, 2, "softmax", 30, 64, 4),  # T: 30 -> 15 -> 8 -> 4; cache: 64 -> 32 -> 16 -> 8 -> 4
 ]
 
@@ -206,7 +207,6 @@ def test_errors(rng):
 # (compression_rate, top_k, importance, T, max_len, prompt): 2-4 layers in the cache.
 PALLAS_CASES = [
     (4, 4, "softmax", 40, 150, 33),  # T: 40 -> 10; cache: 150 -> 38 -> 10
-    (2, 4, "shared_max", 30, 64, 0),  # cache: 64 -> 32 -> 16 -> 8
 ]
 
 
@@ -318,8 +318,9 @@ ON_GPU = [pytest.param("pallas", selection, marks=[pytest.mark.gpu, pytest.mark.
     jax.default_backend() != "gpu", reason="needs a CUDA GPU")]) for selection in ("mean", "bound")]
 
 
-@pytest.mark.parametrize("backend, selection", [("reference", "mean"), ("pallas_interpret", "mean"), *ON_GPU,
-                                                ("reference", "bound"), ("pallas_interpret", "bound")])
+# The kernels with each rule (the reference's ragged rows: `test_block_selection`'s and
+# `test_fp8_cache`'s decoding, and the reference runs every full-sequence comparison).
+@pytest.mark.parametrize("backend, selection", [*ON_GPU, ("pallas_interpret", "mean"), ("pallas_interpret", "bound")])
 def test_ragged_rows_equal_their_own_full_sequences(rng, backend, selection):
     """Prompts of 0, 17 and 40 tokens (right-padded to 40), then 10 steps per row: every
     row equals, position by position, its own full-sequence output, with identical
@@ -428,7 +429,6 @@ def test_bad_lengths_are_refused(rng):
 # (r, selection, dtype, K, V, max_len, values from the keys)
 APPEND_CASES = [
     (4, "mean", jnp.float32, 32, 32, 150, False),  # 150 -> 38 -> 10: 3 layers
-    (2, "bound", jnp.bfloat16, 64, 32, 70, False),  # 70 -> 35 -> 18 -> 9: 4 layers
     (16, "bound", jnp.bfloat16, 96, 64, 300, False),  # K = 64 + 32: two pieces
     (4, "mean", jnp.bfloat16, 64, 32, 150, True),  # keys only
     (8, "mean", jnp.float16, 32, 48, 20, False),  # V = 32 + 16; 20 -> 3

@@ -48,8 +48,8 @@ def test_quantized_rows_read_back_within_e4m3_rounding(rng):
     assert np.all(np.isnan(np.asarray(dequantize_rows(*quantize_rows(jnp.array([[np.nan, 1.0]]))))))
 
 
-@pytest.mark.parametrize("backend, selection", [("reference", "mean"), ("pallas_interpret", "mean"), *ON_GPU,
-                                                ("reference", "bound"), ("pallas_interpret", "bound")])
+# The kernels, each rule (the reference reads FP8 tokens back in the tolerance test below).
+@pytest.mark.parametrize("backend, selection", [("pallas_interpret", "mean"), *ON_GPU, ("pallas_interpret", "bound")])
 def test_fp8_cache_decodes_the_tokens_as_read_back(rng, backend, selection):
     """Ragged prompts (0, 17, 40 tokens), then 10 steps per row: every row equals its own
     full sequence of the tokens as read back, with identical selections, and the tree
@@ -96,8 +96,9 @@ def test_fp8_cache_decodes_the_tokens_as_read_back(rng, backend, selection):
 
 # The kernels with the default rule (their mean's decode walk is the bound's less the
 # radii, checked against the reference in test_decode); the reference with both.
-@pytest.mark.parametrize("backend, selection, walk_bound", [("reference", "mean", 0.25), ("reference", "bound", 0.3),
-                                                            ("pallas_interpret", "bound", 0.3)])
+# On the reference: the kernels decode what the reference does from the same read-back
+# tokens (the test above), so the tolerance is the same on both (61 s interpreted).
+@pytest.mark.parametrize("backend, selection, walk_bound", [("reference", "mean", 0.25), ("reference", "bound", 0.3)])
 def test_fp8_cache_within_the_stated_tolerance_of_the_bf16_cache(rng, backend, selection, walk_bound):
     """The tolerance `init_cache` states: outputs of an FP8 cache within 0.05 relative
     RMS of the bf16 cache's where every token is attended exactly (T <= top_k * r: the

@@ -32,9 +32,11 @@ def assert_importance_matches_oracle(q, k, v, config, backend, **kw):
     return imp
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("importance", ["softmax", "shared_max"])
-@pytest.mark.parametrize("strict_causal", [True, False])
+# Both modes and both normalisers, each pair once per backend (the four pairs on both
+# backends took 60 s on 2 cores).
+@pytest.mark.parametrize("backend, importance, strict_causal", [
+    ("reference", "softmax", True), ("reference", "shared_max", False),
+    ("pallas_interpret", "softmax", False), ("pallas_interpret", "shared_max", True)])
 def test_importance_matches_oracle(rng, backend, importance, strict_causal):
     config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, strict_causal=strict_causal)
     q, k, v = random_qkv(rng, 2, 150, 8, 2, 32, 32)
@@ -69,7 +71,7 @@ def test_importance_of_packed_rows_per_document(rng, backend):
         start += n
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["pallas_interpret"])  # the kernels' custom_vjp; the reference is autodiff
 def test_output_stays_differentiable_with_the_export(rng, backend):
     config = HTreeConfig(compression_rate=4, top_k=4)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, 4, 2, 32, 32))

@@ -32,8 +32,7 @@ from tests.test_oracle_agreement import assert_matches_oracle
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("G, K, V", [(32, 64, 32), (64, 96, 48)])
-@pytest.mark.parametrize("importance", ["softmax", "shared_max"])
+@pytest.mark.parametrize("G, K, V, importance", [(32, 64, 32, "softmax"), (64, 96, 48, "shared_max")])
 def test_large_groups_match_the_oracle(rng, G, K, V, importance):
     """Outputs and selections of the Pallas kernels equal the oracle's (3 layers)."""
     config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, rope_dim=32)
@@ -41,8 +40,7 @@ def test_large_groups_match_the_oracle(rng, G, K, V, importance):
     assert_matches_oracle(q, k, v, config, backend="pallas_interpret")
 
 
-@pytest.mark.parametrize("G, H_kv, K, V, importance", [(32, 2, 64, 32, "shared_max"), (64, 1, 96, 48, "softmax"),
-                                                       (8, 2, 96, 40, "softmax")])
+@pytest.mark.parametrize("G, H_kv, K, V, importance", [(32, 2, 64, 32, "shared_max"), (64, 1, 96, 48, "softmax")])
 def test_large_groups_equal_the_reference(rng, G, H_kv, K, V, importance):
     """Pallas (interpreted) vs the reference: outputs, selections, the importance export
     (SPEC 8) and the gradients, 3 layers (G >= 32: the wide kernels)."""
@@ -107,7 +105,6 @@ def test_decoding_large_groups_equals_the_full_sequence(rng, G, K, V, importance
 @pytest.mark.parametrize("backend, G, K, rope_dim, V", [
     ("pallas_interpret", 32, 96, 32, 48),  # values past the first latent run (32): read from both halves
     ("pallas_interpret", 32, 96, 32, 64),  # every latent feature: the bottom's key tiles are the value tiles
-    ("pallas_interpret", 8, 96, 32, 32),  # 8 heads (the virtual-head decode), values the first run
     ("reference", 32, 96, 32, 48)])
 def test_decoding_with_values_read_from_the_keys(rng, backend, G, K, rope_dim, V):
     """A cache made with `values_from_keys=True` stores no values (DeepSeek's absorbed
@@ -197,7 +194,7 @@ def test_pipeline_stages_of_the_decode():
     assert (x.scores, x.merge.num_stages, x.bottom) == (gqa, 2, gqa)
 
 
-@pytest.mark.parametrize("split, importance", [(1, "softmax"), (2, "shared_max"), (4, "softmax")])
+@pytest.mark.parametrize("split, importance", [(1, "softmax"), (4, "shared_max")])
 def test_decode_keys_kernel_equals_the_xla_keys(rng, split, importance):
     """`decode_keys_pallas` (interpreted) packs the keys `group_keys_from_scores` does,
     with garbage (NaN) where no score was stored: padding rows, positions >= n."""

@@ -28,8 +28,9 @@ from tests.conftest import random_qkv
 from tests.test_oracle_agreement import assert_matches_oracle
 
 
-@pytest.mark.parametrize("r, N", [(4, 150), (16, 1000), (2, 7), (8, 8)])
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+# Each size once, the dtypes spread over them (all twelve pairs before 2026-11-28 (3)).
+@pytest.mark.parametrize("r, N, dtype", [(4, 150, np.float32), (16, 1000, ml_dtypes.bfloat16), (2, 7, np.float16),
+                                         (8, 8, np.float32), (4, 150, np.float16)])
 def test_pool_kernel_equals_twin(rng, r, N, dtype):
     x = jnp.asarray(rng.standard_normal((2, 3, N, 32)).astype(dtype))
     got = pool_layer_pallas(x, r, interpret=True)
@@ -248,7 +249,6 @@ def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
 BACKEND_CASES = [
     # (r, top_k, T, G, importance, strict_causal)
     (4, 4, 150, 4, "shared_max", False),
-    (8, 8, 200, 2, "softmax", False),
     (8, 8, 200, 4, "shared_max", True),
     (2, 4, 77, 2, "softmax", True),
 ]

@@ -43,10 +43,11 @@ def assert_same(out, ref):
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_r), rtol=1e-5, atol=2e-6)
 
 
+# Each rule and importance mode, partial and full RoPE, G 32 and 48 (four of the six
+# combinations that ran before 2026-11-28 (3), for CI's time).
 @pytest.mark.parametrize("selection, importance, strict, B, G, K, rope_dim, V", [
-    ("mean", "softmax", True, 2, 32, 64, 32, 32), ("bound", "shared_max", False, 2, 32, 64, 32, 32),
-    ("mean", "shared_max", True, 1, 48, 96, 32, 64), ("bound", "softmax", True, 1, 48, 96, 32, 64),
-    ("mean", "softmax", True, 1, 32, 64, None, 48), ("bound", "shared_max", False, 1, 32, 64, None, 48)])
+    ("mean", "softmax", True, 2, 32, 64, 32, 32), ("bound", "softmax", True, 1, 48, 96, 32, 64),
+    ("mean", "shared_max", True, 1, 48, 96, 32, 64), ("bound", "shared_max", False, 1, 32, 64, None, 48)])
 def test_wide_forward_equals_the_reference(rng, selection, importance, strict, B, G, K, rope_dim, V):
     """Outputs and every layer's selections (3 layers at T=150, r=4, top_k=4); G=48 runs
     head blocks of 16, `rope_dim=None` has no latent part. Each shape under both rules,
@@ -261,7 +262,6 @@ def _grads(q, k, v, config, backend, weights, block_sizes=None, value_dim=None):
 
 
 @pytest.mark.parametrize("selection, importance, block_sizes, B, G, K, rope_dim, V", [
-    ("mean", "softmax", BlockSizes(), 2, 32, 64, 32, 32),
     ("bound", "shared_max", BlockSizes(save_selections=False, wide_backward_rows=16), 1, 48, 96, 32, 48),
     ("mean", "shared_max", BlockSizes(node_entries=3, chunk_budget_bytes=1 << 20), 1, 32, 64, 32, 48)])
 def test_wide_backward_equals_the_reference_gradients(rng, selection, importance, block_sizes, B, G, K, rope_dim, V):
