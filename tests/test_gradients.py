@@ -20,8 +20,9 @@ def _oracle_loss(q, k, v, w, config):
     return float(np.sum(o * w)), sel
 
 
-@pytest.mark.parametrize("r, top_k, T, importance, rope_dim", [(2, 2, 20, "softmax", None),
-                                                                (4, 2, 40, "shared_max", None),
+# (2, 2, 20, "softmax", None) ran too until 2026-11-28 (3): the 40-token trees have 3
+# layers as well, and the block-selection and bound tests take finite differences too.
+@pytest.mark.parametrize("r, top_k, T, importance, rope_dim", [(4, 2, 40, "shared_max", None),
                                                                 (4, 2, 40, "softmax", 4)])  # SPEC 7: K=8, 4 rotated
 def test_reference_gradients_match_oracle_finite_differences(rng, r, top_k, T, importance, rope_dim):
     config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, rope_dim=rope_dim)
