@@ -14,13 +14,11 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.backends import attend
-from htree_jax.backends import pallas_forward_pass
+from htree_jax.backends import attend, pallas_forward_pass
 from htree_jax.core.rope import rope_layout
 from htree_jax.reference import htree_attention_reference
 from pallas_kernels.shared import shared_memory
-from pallas_kernels.shared.common import WideBound
-from pallas_kernels.shared.common import head_block
+from pallas_kernels.shared.common import WideBound, head_block
 from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
 from pallas_kernels.shared.top_k import select_top_k_pallas
 from pallas_kernels.wide import kernels as wide
@@ -143,7 +141,7 @@ def test_program_shape_fits_the_shared_memory(itemsize, Wv_own, shape):
     """Rows, then candidates a step, halved until a program's bytes fit: the MLA shape
     (Wl = 512, RoPE halves of 32) keeps 64 x 64 in bfloat16; float32 takes 32 rows with
     the values read from the keys, 32 x 32 with separate values."""
-    assert wide.program_shape(64, 64, 16, 512, 32, Wv_own, itemsize) == shape
+    assert shared_memory.program_shape(64, 64, 16, 512, 32, Wv_own, itemsize) == shape
 
 
 def test_wide_eligibility():

@@ -129,7 +129,7 @@ def decode_program(config: HTreeConfig, G: int, K: int, V: int, itemsize: int, b
     """`(rows, span)`: heads per program and candidates per score product. Groups of at
     most 16 heads: all of them (padded to 16 rows), `candidate_layout`'s span. Larger
     groups run as virtual kv heads of `head_block(G, wide_rows)` heads (the cache read in
-    place), rows and span halved (`wide.program_shape`) until the query rows and one
+    place), rows and span halved (`shared_memory.program_shape`) until the query rows and one
     span's keys and values fit a program (float32 at the MLA shape: 32 x 32), with the
     bound (SPEC 11) the query rows' group norms and one span's radii too (float32: 544
     groups at the MLA shape; bfloat16 takes 16 x 32)."""

@@ -112,7 +112,7 @@ WIDE_STAGED_BYTES = 160 * 1024
 
 def wide_program(rows: int, tile: int, latent: int, rope_half: int, own_values: int, itemsize: int,
                  bound_width: int = 0) -> Footprint:
-    """A wide program (`wide.program_shape`): `rows` query rows' `latent` features held
+    """A wide program (`program_shape`): `rows` query rows' `latent` features held
     (and, for the decode step's bound, their `bound_width` float32 group norms); per step
     `tile` candidates' latent features, two RoPE halves of `rope_half`, `own_values`
     value features (0: the values are the latent features) and `bound_width` float32 radii."""

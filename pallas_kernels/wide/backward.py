@@ -9,7 +9,7 @@ two, the values read from the keys when they are the latent part (`v=None`).
   feeds every row of the block) and sums `dq` in registers; the RoPE part is read as
   rotate-half halves so the query is rotated, and `dq` rotated back, on halves.
 - `wide_node_grads_pallas`: one program per `UNIT` nodes visits the `(query, slot)`
-  pairs that merged them (`node_backward.node_index`, its spilled segments summed by
+  pairs that merged them (`shared.node_index.node_index`, its spilled segments summed by
   programs of their own and folded after), each pair's `G` rows in blocks of `rows`,
   and sums `dk` (latent part, RoPE part in the frame of copy 0), `dv` in registers;
   values that are the keys' latent part reach it as the latent layer passed again (a
