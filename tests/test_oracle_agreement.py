@@ -47,7 +47,7 @@ def assert_matches_oracle(q, k, v, config, rtol=1e-5, atol=1e-5, backend="refere
 HYPOTHESIS_SHAPES = [(1, 1, 1, 1, 4, 2), (2, 37, 3, 2, 18, 5), (1, 150, 2, 4, 32, 16), (2, 300, 1, 1, 10, 16)]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shape=st.sampled_from(HYPOTHESIS_SHAPES),
     r=st.sampled_from([2, 4, 8]),

@@ -129,7 +129,7 @@ def test_one_document_equals_unpacked(rng, backend):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ["pallas_interpret"])  # the kernels' packed backward; the reference is autodiff
 def test_packed_gradients_equal_per_document(rng, backend):
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, H, H_KV, K, V))
     w = jnp.asarray(rng.standard_normal((B, T, H, V)), jnp.float32)

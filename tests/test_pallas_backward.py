@@ -205,7 +205,7 @@ def test_pallas_gradients_equal_reference(rng, B, T, r, top_k, G, importance, st
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * scale, err_msg=name)
 
 
-@pytest.mark.parametrize("r, top_k, T", [(16, 4, 300), (4, 4, 150)])  # 2 and 3 layers
+@pytest.mark.parametrize("r, top_k, T", [(4, 4, 150)])  # 3 layers (2 layers in float32: GRADIENT_CASES)
 def test_pallas_gradients_bfloat16(rng, r, top_k, T):
     """bfloat16 inputs: products in bfloat16 with float32 accumulation, as flash
     attention's backward; within bf16 tolerance of the float32 reference's gradients.
@@ -291,8 +291,9 @@ def test_pallas_grad_of_a_small_model_jits_without_nan(rng):
                 assert float(jnp.max(jnp.abs(g))) > 0, (T, name)
 
 
-@pytest.mark.parametrize("B, T, r, top_k, G, dtype", [(2, 200, 8, 8, 2, np.float32), (1, 150, 4, 4, 2, np.float32),
-                                                      (1, 77, 2, 4, 3, "bfloat16")])
+# A 4-layer tree in bfloat16, 3 heads a group (the two float32 cases ran too until
+# 2026-11-28 (3); the gradients themselves are compared in GRADIENT_CASES).
+@pytest.mark.parametrize("B, T, r, top_k, G, dtype", [(1, 77, 2, 4, 3, "bfloat16")])
 def test_backward_with_saved_selections_equals_recomputing_them_bitwise(rng, B, T, r, top_k, G, dtype):
     """The backward given the forward's selections (`BlockSizes.save_selections`, what
     `htree_attention` runs) marks the same merged candidates as the one that runs the
