@@ -104,28 +104,21 @@ def _attend_cache(q, cache: HTreeCache, positions, config: HTreeConfig, impl: st
                         cache.value_dim, cache.scales, rank_rows)
 
 
-def _ranking_rows(q, cache: HTreeCache, positions, config: HTreeConfig):
-    """Block selection (SPEC 12): each new query's ranking rows `[B, S, H_kv, R, K]`, from
-    the cache's recent queries (those before the call, oldest first) and `q [B, S, H, K]`;
-    None without block selection."""
+def _query_history(q, cache: HTreeCache):
+    """Block selection (SPEC 12): each row's recent queries (those before the call, oldest
+    first) followed by the call's `q [B, S, H, K]`, `[B, P + S, H_kv, G, K]`; None
+    without block selection."""
     if not cache.queries:
         return None
     recent = cache.queries[0]  # [B, P, H_kv, G, K]
-    B, S = q.shape[:2]
-    P = recent.shape[1]
-    history = jnp.concatenate([recent, q.reshape((B, S) + recent.shape[2:]).astype(recent.dtype)], axis=1)
+    return jnp.concatenate([recent, q.reshape(q.shape[:2] + recent.shape[2:]).astype(recent.dtype)], axis=1)
+
+
+def _ranking_rows(history, cache: HTreeCache, positions, config: HTreeConfig):
+    """Each new query's ranking rows `[B, S, H_kv, R, K]` from `_query_history`'s `history`."""
     # A query's own row: P + its position's offset in the call (padding positions repeat the last real one).
-    own = P + positions - cache.lengths[:, None]
+    own = cache.queries[0].shape[1] + positions - cache.lengths[:, None]
     return jax.lax.stop_gradient(block_rows(history, own, positions, config))
-
-
-def _remember_queries(cache: HTreeCache, q, counts) -> HTreeCache:
-    """The cache with each row's recent queries moved on by its `counts [B]` new ones."""
-    if not cache.queries:
-        return cache
-    recent = cache.queries[0]
-    q5 = q.reshape(q.shape[:2] + recent.shape[2:])
-    return dataclasses.replace(cache, queries=(with_recent(recent, q5, counts),))
 
 
 def _tree_writer(impl: str, cache: HTreeCache, S: int, config: HTreeConfig):
@@ -150,8 +143,11 @@ def _prefill(q, k, v, cache, counts, config, return_selected, impl, block_sizes=
     # Padding positions attend as the row's last real token would (a valid position).
     positions = cache.lengths[:, None] + jnp.minimum(s[None, :], jnp.maximum(counts[:, None] - 1, 0))
     positions = jnp.minimum(positions, cache.max_len - 1)
-    rank_rows = _ranking_rows(q, cache, positions, config)
-    cache = _remember_queries(cache, q, counts)
+    history = _query_history(q, cache)
+    rank_rows = None
+    if history is not None:  # block selection: rank with the recent queries, then move them on
+        rank_rows = _ranking_rows(history, cache, positions, config)
+        cache = dataclasses.replace(cache, queries=(with_recent(history, counts, cache.queries[0].shape[1]),))
     cache = append_to_cache(cache, k, v, config, counts, _tree_writer(impl, cache, S, config))
     o, selected = _attend_cache(q, cache, positions, config, impl, block_sizes, rank_rows)
     answer = jnp.where(fits, 0.0, jnp.nan).astype(o.dtype)  # padding: 0; a row that overflows: NaN

@@ -44,11 +44,9 @@ def recent_queries(config: HTreeConfig) -> int:
     return 2 * config.selection_block if config.selects_by_block else 0
 
 
-def with_recent(recent, q5, counts):
-    """The recent queries after appending: `recent [B, P, H_kv, G, K]` (the `P` queries
-    before each row's first new one, oldest first), `q5 [B, S, H_kv, G, K]` the new ones,
-    row `b` its first `counts[b]` -> the last `P` of each row's queries, oldest first."""
-    P = recent.shape[1]
-    joined = jnp.concatenate([recent, q5.astype(recent.dtype)], axis=1)  # [B, P + S, ...]
+def with_recent(history5, counts, P: int):
+    """The recent queries after appending: `history5 [B, P + S, H_kv, G, K]`, each row's
+    `P` queries before the call (oldest first) then its `S` new ones, of which row `b`
+    appends its first `counts[b]` -> the last `P` of each row's queries, oldest first."""
     rows = counts[:, None] + jnp.arange(P, dtype=jnp.int32)[None, :]  # [B, P]
-    return jnp.take_along_axis(joined, rows[:, :, None, None, None], axis=1)
+    return jnp.take_along_axis(history5, rows[:, :, None, None, None], axis=1)
