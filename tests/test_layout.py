@@ -167,7 +167,8 @@ def test_the_cache_stands_below_the_decode_api():
 
 def test_q_walks_a_short_road_through_the_passes():
     """`tools/walk.py` (issue 72's bars): q's road through the GQA forward is at most 40
-    stops, through the backward at most 45, with either rule."""
+    stops, through the backward at most 45, with either rule, and no file on either road
+    is re-entered more than 3 times (entered at most 4)."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import walk
@@ -178,6 +179,8 @@ def test_q_walks_a_short_road_through_the_passes():
         assert 20 <= len(forward.stops) <= 40, forward.summary("forward")
         assert 20 <= len(backward.stops) <= 45, backward.summary("backward")
         assert backward.stops[0] == ("pallas_kernels/gqa/backward.py", "htree_backward_pallas")
+        for road in (forward, backward):
+            assert max(road.entries.values()) <= 4, road.entries
 
 
 def test_pallas_jaxprs_finds_every_kernel_of_the_passes():

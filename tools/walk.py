@@ -61,7 +61,7 @@ class Walk:
         entries = self.entries
         most = entries.most_common(1)[0] if entries else ("-", 0)
         return (f"{label}: {len(self.stops)} stops in {len(self.files)} files, {sum(entries.values()) - 1} moves "
-                f"between files, most entered: {most[0]} {most[1]} times")
+                f"between files, most entered: {most[0]} {most[1]} times (re-entered {max(most[1] - 1, 0)})")
 
 
 def _carries_q(value) -> bool:

@@ -32,7 +32,7 @@ from pallas_kernels.gqa.top_backward import (
     top_dq_pallas,
     top_node_grads_pallas,
 )
-from pallas_kernels.shared.common import next_power_of_two, pad_axis
+from pallas_kernels.shared.common import next_power_of_two
 from pallas_kernels.shared.configs import UNIT_ENTRIES, KernelConfigs
 from pallas_kernels.shared.node_index import UNIT, node_buffers, node_index
 from pallas_kernels.shared.precision import Precisions
@@ -100,7 +100,7 @@ def main(argv=None):
 
     print(f"{args.inputs} inputs, T={T} top_k={args.top_k} selection={args.selection} layers={sizes} "
           f"chunk {Qc} x {chunks}", flush=True)
-    qc, t, n_top, first, q_top, (keys, tau, parents) = timed(
+    rows, t, n_top, first, q_top, (keys, tau, parents) = timed(
         "chunk set-up + top layer importance and top-K (recomputed)", lambda: chunk_queries(prep, c, T, L, ip))
     top = (top_backward_queries(q_top, prep.st_top), n_top, first, keys, tau, prep.top_k_merge,
            prep.top_v, *stats(gt))
@@ -108,14 +108,14 @@ def main(argv=None):
     timed("top: dq kernel", lambda *a: top_dq_pallas(*a, st_dq, ip), *top)
     timed("top: node kernel (dk, dv)", lambda *a: top_node_grads_pallas(*a, top_acc, st_dkv, ip, segments), *top)
     if L > 1:
-        q_rows = pad_axis(qc, 3, gp)
+        q_rows = rows.per_query
         for l in reversed(range(L - 1)):
             _, k_merge, vl = prep.layers[l]
             n = valid_candidates(parents, t, l, prep)
             keys = tau = None
             if l > 0:
                 keys, nxt, tau, _, _ = timed(f"layer {l}: importance keys and top-K (recomputed)",
-                                             lambda *a: select_below_top(prep, *a, l, ip), q_rows, parents, n)
+                                             lambda *a: select_below_top(prep, rows, *a, l, ip), parents, n)
             la = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
             timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, *stats(gp), st, ip), *la)
             for variant in filter(None, args.dq_variants.split(",")):
@@ -129,13 +129,13 @@ def main(argv=None):
             print(f"layer {l}: inverse index of the chunk: {node_index_load(index)}", flush=True)
             nacc = node_buffers(B, H_KV, sizes[l], kp, vp)
             timed(f"layer {l}: node kernel (dk, dv)",
-                  lambda *a: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt), index, nacc, st, ip,
+                  lambda *a: layer_node_grads_pallas(rows.top, *a, *stats(gt), index, nacc, st, ip,
                                                      num_warps=bs.layer.node_num_warps), *la)
             for variant in filter(None, args.node_variants.split(",")):
                 e, w, *stages = (int(x) for x in variant.split(":"))
                 stv = dataclasses.replace(st, num_stages=stages[0]) if stages else st
                 timed(f"  variant: layer {l} node kernel, {e} pairs/step, {w} warps, {stv.num_stages} stages",
-                      lambda *a, e=e, w=w, stv=stv: layer_node_grads_pallas(pad_axis(qc, 3, gt), *a, *stats(gt),
+                      lambda *a, e=e, w=w, stv=stv: layer_node_grads_pallas(rows.top, *a, *stats(gt),
                                                                             index, nacc, stv, ip, e, w), *la)
             if l > 0:
                 parents = nxt[..., :P]

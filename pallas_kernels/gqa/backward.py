@@ -172,8 +172,8 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
         lse_c, delta_c, do_c = sl(lse4), sl(delta4), sl(do4)
         if dead4 is not None:
             do_c = jnp.where(sl(dead4)[..., None], jnp.zeros((), do_c.dtype), do_c)
-        qc, t, n_top, first, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret,
-                                                                          select=saved is None)
+        rows, t, n_top, first, q_top, (keys, tau, parents) = chunk_queries(prep, c, T, L, interpret,
+                                                                            select=saved is None)
         kept = None if saved is None else [sl(x) for x in saved]  # kept[d]: the nodes layer L-1-d kept
         rows_keys = keys  # the top layer's keys by tree row (the node kernel's), = by position unpacked
         if kept is not None and L > 1:
@@ -182,10 +182,12 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
             keys = kept_keys(None, local, Mp, st.r)
             rows_keys = keys if packing is None else kept_keys(None, kept[0], prep.top_v.shape[2], st.r)
             parents = pad_nodes_list(kept[0], P)
-        # The chunk's rows padded once for both widths the kernels read: `gt` (the top
-        # layer's and the node kernels', a power of two) and `gp` (the per-query kernels').
-        q_gt, *stats_gt = [pad_axis(x, 3, gt) for x in (qc, lse_c, do_c, delta_c)]
-        q_rows, *stats_gp = [pad_axis(x, 3, gp) for x in (qc, lse_c, do_c, delta_c)]
+        # The rows' statistics padded to both widths the kernels read, as `rows` holds
+        # the queries: `gt` (the top layer's and the node kernels', a power of two) and
+        # `gp` (the per-query kernels').
+        q_gt, q_rows = rows.top, rows.per_query
+        stats_gt = [pad_axis(x, 3, gt) for x in (lse_c, do_c, delta_c)]
+        stats_gp = [pad_axis(x, 3, gp) for x in (lse_c, do_c, delta_c)]
         top_data = (prep.top_k_merge, prep.top_v, *stats_gt)
         q_ops = top_backward_queries(q_top, st_top)
         dq_rot = top_dq_pallas(q_ops, n_top, first, keys, tau, *top_data, st_dq, interpret)
@@ -202,7 +204,7 @@ def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
                     keys, tau = kept_keys(parents, kept[L - 1 - l], Mp, st.r), jnp.ones(n.shape, jnp.int32)
                     next_parents = pad_nodes_list(kept[L - 1 - l], P)[..., :P]
                 elif l > 0:
-                    keys, next_parents, tau, _, _ = select_below_top(prep, q_rows, parents, n, l, interpret)
+                    keys, next_parents, tau, _, _ = select_below_top(prep, rows, parents, n, l, interpret)
                 layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
                 dq_l = layer_backward_pallas(q_rows, *layer_args, *stats_gp, st, interpret)
                 index = node_index(parents, n, st.r, -(-sizes[l] // UNIT), tuning.layer.node_entries)

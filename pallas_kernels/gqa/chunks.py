@@ -2,10 +2,17 @@
 Pallas forward and backward share inside their loop over chunks: the chunk's queries
 and top layer (`chunk_queries`), and a layer below the top that selects
 (`select_below_top`), on the tree and tables `plan.prepare` made.
+
+A chunk's query rows are padded once, for every width its kernels read, and their
+feature-group norms (the bound) computed once, at the chunk's start (`ChunkRows`): the
+layers below and the backward's kernels read them there instead of padding again.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -20,12 +27,32 @@ from pallas_kernels.shared.rope import rotate_queries
 from pallas_kernels.shared.top_k import kept_values, select_top_k_pallas
 
 
-def query_group_norms(prep: Prepared, q_rows):
-    """`selection="bound"`: the feature-group norms of query rows `[..., Kp]` (padded
-    halves, any rotation), `[..., bound_width]` float32 (SPEC 11); None without it."""
-    if not prep.bound_width:
-        return None
-    return pad_axis(group_norms(q_rows, prep.bound_rope), -1, prep.bound_width)
+class ChunkRows(NamedTuple):
+    """A chunk's query rows as its kernels read them, padded once (zero rows)."""
+
+    q: jax.Array  # [B, Qc, H_kv, G, Kp] the chunk's queries (halves padded, unrotated)
+    top: jax.Array  # [B, Qc, H_kv, Gt, Kp] rows padded to Gt (a power of two): the top layer's, the node kernels'
+    per_query: jax.Array  # [B, Qc, H_kv, Gp, Kp] rows padded to Gp (`prep.query_rows`): the per-query kernels'
+    # `selection="bound"`, with a layer below the top that selects: the group norms of
+    # `per_query`, `[B, Qc, H_kv, Gp, bound_width]` float32 (SPEC 11); else None.
+    norms: jax.Array | None = None
+
+
+def chunk_rows(prep: Prepared, qc, n_top, bound: bool, below: bool):
+    """`(rows, q_top, top_norms)`: the chunk's queries `qc [B, Qc, H_kv, G, Kp]` padded
+    to both row widths (`ChunkRows`), the top layer's rows rotated by `n_top - 1`
+    (`[B, Qc, H_kv, Gt, Kp]` float32), and with `bound` (the bound ranks) the
+    feature-group norms of the top layer's rows as its kernel reads them (rotated) and,
+    with `below` (a layer below the top selects), of the per-query rows every such layer
+    reads (`ChunkRows.norms`), each padded to `bound_width` (SPEC 11); else None."""
+    G = qc.shape[3]
+    q_gt, q_gp = (pad_axis(qc, 3, width) for width in (next_power_of_two(G), prep.query_rows))
+    q_top = rotate_queries(q_gt, n_top, prep.cos, prep.sin)
+    if not bound:
+        return ChunkRows(qc, q_gt, q_gp), q_top, None
+    norms = [group_norms(x, prep.bound_rope) for x in ((q_top, q_gp) if below else (q_top,))]
+    norms = [pad_axis(x, -1, prep.bound_width) for x in norms]
+    return ChunkRows(qc, q_gt, q_gp, norms[1] if below else None), q_top, norms[0]
 
 
 def valid_candidates(parents, t, layer: int, prep: Prepared):
@@ -36,7 +63,7 @@ def valid_candidates(parents, t, layer: int, prep: Prepared):
 def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, select: bool = True,
                   export: bool = False):
     """Chunk `c`'s queries and top layer, shared by the forward and the backward:
-    `(qc [B, Qc, H_kv, G, Kp], t, n_top, first, q_top, top)`. `t`: the queries' positions
+    `(rows, t, n_top, first, q_top, top)`, `rows` the chunk's `ChunkRows`. `t`: the queries' positions
     in the tree (`[1, Qc, 1, 1]`, or `[B, Qc, 1, 1]` virtual ones when packed). The top
     layer's candidates are rows `[first, first + n_top)` (`[B, Qc, H_kv, 1]` each;
     `n = i*_{L-1} + 1` counted in the query's document, SPEC 2.1); `first` is None
@@ -64,11 +91,12 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
         t, start = rows(prep.packing.position), rows(prep.packing.doc_start)
         offset, first = t - start, jnp.broadcast_to(start // A, (B, Qc, H_kv, 1))
     n_top = jnp.broadcast_to(offset // A + 1, (B, Qc, H_kv, 1))
-    q_top = rotate_queries(pad_axis(qc, 3, next_power_of_two(G)), n_top, prep.cos, prep.sin)
-    if num_layers == 1 or not select:
-        return qc, t, n_top, first, q_top, (None, None, None)
+    select = select and num_layers > 1
+    rows, q_top, top_norms = chunk_rows(prep, qc, n_top, select and prep.bound_width > 0, num_layers > 2)
+    if not select:
+        return rows, t, n_top, first, q_top, (None, None, None)
     split = prep.head_split
-    keys, imp = top_keys(prep, q_top, n_top, first, interpret, export)
+    keys, imp = top_keys(prep, q_top, n_top, first, interpret, export, top_norms)
     parents = jnp.broadcast_to(top_layer_parents(offset[..., 0], st.r, num_layers, prep.parents_width),
                                (B, Qc, H_kv // split, prep.parents_width))
     next_parents, tau = select_top_k_pallas(keys, parents, real_heads(n_top, split), prep.st_select, interpret)
@@ -76,18 +104,18 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
     if first is not None:  # tree rows
         next_parents = jnp.where(next_parents >= 0, next_parents + real_heads(first, split), -1)
     top = [keys, tau, next_parents] + ([kept_values(keys, tau, imp, st.top_k)] if export else [])
-    return qc, t, n_top, first, q_top, tuple(virtual_heads(x, split) for x in top)
+    return rows, t, n_top, first, q_top, tuple(virtual_heads(x, split) for x in top)
 
 
-def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool):
+def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool, norms=None):
     """The top layer's packed importance keys `[B, Q, H_kv, Mp]` for the real kv heads,
-    and with `export` their importance (else None). Split heads (`head_split`): the
-    kernel's per-split importance, summed over the group here (`shared_max`: each
+    and with `export` their importance (else None); `norms`: the bound's group norms of
+    `q_top` (`chunk_rows`), None without the bound. Split heads (`head_split`):
+    the kernel's per-split importance, summed over the group here (`shared_max`: each
     split's rescaled from its own group max to the largest), then packed as the kernel
     packs it."""
     split, st, width = prep.head_split, prep.st_top_keys, prep.cos.shape[0]
-    qn = query_group_norms(prep, q_top)
-    bound = None if qn is None else Bound(qn, prep.top_radii)
+    bound = None if norms is None else Bound(norms, prep.top_radii)
     if split == 1:
         out = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret, export,
                                          bound=bound)
@@ -107,15 +135,16 @@ def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool)
     return keys, imp
 
 
-def select_below_top(prep: Prepared, q_rows, parents, n, layer: int, interpret: bool, export: bool = False):
-    """Layer `layer` (below the top) selects: `(keys, next_parents, tau, scores,
-    importance)`, the keys, parents and `tau` in the virtual heads' layout (`parents`,
-    `n` given in it), the scores for `merge_scored_pallas`, the kept nodes' importance
-    (`export`, else None). The keys and the top-K are made once per real kv head; with
-    `selection="bound"` they rank by the bound scores (SPEC 11)."""
-    split = prep.head_split
-    qn = query_group_norms(prep, q_rows)
-    bound = None if qn is None else Bound(qn, prep.radii[layer])
+def select_below_top(prep: Prepared, rows: ChunkRows, parents, n, layer: int, interpret: bool,
+                     export: bool = False):
+    """Layer `layer` (below the top) selects for the chunk's `rows`: `(keys,
+    next_parents, tau, scores, importance)`, the keys, parents and `tau` in the virtual
+    heads' layout (`parents`, `n` given in it), the scores for `merge_scored_pallas`,
+    the kept nodes' importance (`export`, else None). The keys and the top-K are made
+    once per real kv head; with `selection="bound"` they rank by the bound scores (SPEC
+    11, on the rows' norms)."""
+    split, q_rows = prep.head_split, rows.per_query
+    bound = None if rows.norms is None else Bound(rows.norms, prep.radii[layer])
     keys, scores = importance_keys_pallas(q_rows, parents, n, prep.layers[layer][0], prep.cos, prep.sin, prep.st_scores,
                                           interpret, return_scores=True, export=export, split=split, bound=bound)
     imp = None

@@ -80,7 +80,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
                 jnp.zeros((B, Qc, H_kv, rows, vp), jnp.float32))
 
     def chunk(c):
-        qc, t, n_top, first, q_top, top = chunk_queries(prep, c, T, L, interpret, export=return_importance)
+        rows, t, n_top, first, q_top, top = chunk_queries(prep, c, T, L, interpret, export=return_importance)
         keys, tau, parents = top[:3]
         exported = list(top[3:])
         if L == 1:
@@ -93,19 +93,18 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
         rows_to_gp = lambda rows, ndim: [(0, 0)] * 3 + [(0, gp - rows)] + [(0, 0)] * (ndim - 4)
         state = tuple(jnp.pad(x, rows_to_gp(x.shape[3], x.ndim)) for x in state)
         selections = [parents[..., : config.top_k]]
-        q_rows = jnp.pad(qc, rows_to_gp(G, qc.ndim))
         for l in reversed(range(1, L - 1)):
             vl = prep.layers[l][2]
             n = valid_candidates(parents, t, l, prep)
             # The merge reads the scores the importance pass stored, not the keys.
-            keys, next_parents, tau, scores, imp = select_below_top(prep, q_rows, parents, n, l, interpret,
+            keys, next_parents, tau, scores, imp = select_below_top(prep, rows, parents, n, l, interpret,
                                                                     return_importance)
             if return_importance:
                 exported.append(imp)
             state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
             parents = next_parents
             selections.append(parents[..., : config.top_k])
-        o, lse = bottom_merge(prep, q_rows, parents, t, state, interpret, q.dtype)
+        o, lse = bottom_merge(prep, rows.per_query, parents, t, state, interpret, q.dtype)
         return o[:, :, :, :G], lse[..., :G], selections, exported
 
     o, lse, sels, imps = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))

@@ -156,7 +156,7 @@ def chunk_size(config: HTreeConfig, tuning: KernelConfigs, B, T, H_kv, Mp, score
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
                                 "top_local", "positions", "radii", "top_radii"],
                    meta_fields=["st", "st_scores", "st_merge", "st_top", "st_top_keys", "st_select", "parents_width",
-                                "chunk", "sizes", "head_split", "bound_rope", "bound_width"])
+                                "chunk", "sizes", "head_split", "bound_rope", "bound_width", "query_rows"])
 @dataclasses.dataclass(frozen=True)
 class Prepared:
     """Everything the per-layer launches share: padded tree, RoPE tables, queries."""
@@ -194,6 +194,7 @@ class Prepared:
     top_radii: object = None
     bound_rope: int = 0
     bound_width: int = 0
+    query_rows: int = 0  # Gp: a query's G heads padded for the kernels below the top (`group_rows`)
 
 
 def packed_tree(k, v, packing, config: HTreeConfig):
@@ -318,7 +319,8 @@ def prepare(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool
     st_select = dataclasses.replace(st, num_warps=tuning.layer.select_num_warps)
     return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_scores, st_merge, st_top, st_top_keys,
                     st_select, P, Qc, sizes, packing,
-                    top_local, positions, split, radii, top_radii, bound_rope, bound_width)
+                    top_local, positions, split, radii, top_radii, bound_rope, bound_width,
+                    group_rows(G, tuning))
 
 
 def split_heads(k, v, G: int):
