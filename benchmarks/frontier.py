@@ -91,6 +91,12 @@ def score(args, params_model, configuration: dict, windows: dict) -> dict:
         fields["selection_block"] = args.compression_rate
     model = train_tiny_lm.build_model(args, attention=configuration["attention"], **fields)
     nnx.update(model, nnx.state(params_model, nnx.Param))
+    return score_model(model, windows)
+
+
+def score_model(model, windows: dict) -> dict:
+    """Bits per byte `{T: float}` of `model` on `windows` (`{T: (tokens, targets)}`,
+    each `[n, T]`), one window a call."""
     out = {}
     for T, (tokens, targets) in windows.items():
         losses = [np.asarray(position_losses(model, jnp.asarray(tokens[i:i + 1]), jnp.asarray(targets[i:i + 1])))
@@ -261,15 +267,17 @@ def merged(rows: list[dict], configs, a) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """One entry per configuration: bits per byte at each length (mean, spread over the
-    checkpoints) and its change against dense on the same checkpoints, beside its speed."""
+    """One entry per (training length, configuration): bits per byte at each length
+    (mean, spread over the checkpoints trained at that length) and its change against
+    dense on the same checkpoints, beside its speed. Models trained at different lengths
+    are never averaged together."""
     quality = [r for r in rows if r["kind"] == "quality"]
     speed = {r["config"]: r for r in rows if r["kind"] == "speed"}
     dense = {(r["checkpoint"], r["T"]): r["bits"] for r in quality if r["config"] == "dense"}
     out = []
-    for name in dict.fromkeys(r["config"] for r in quality):
-        mine = [r for r in quality if r["config"] == name]
-        entry = dict(config=name, rule=mine[0]["rule"], top_k=mine[0]["top_k"], lengths={})
+    for train_len, name in dict.fromkeys((r["train_len"], r["config"]) for r in quality):
+        mine = [r for r in quality if r["config"] == name and r["train_len"] == train_len]
+        entry = dict(config=name, rule=mine[0]["rule"], top_k=mine[0]["top_k"], train_len=train_len, lengths={})
         for T in sorted({r["T"] for r in mine}):
             at = [r for r in mine if r["T"] == T]
             bits = [r["bits"] for r in at]
@@ -278,26 +286,31 @@ def summarize(rows: list[dict]) -> list[dict]:
                                        change=statistics.mean(change) if change else None,
                                        change_min=min(change) if change else None,
                                        change_max=max(change) if change else None, seeds=len(at),
-                                       train_len=at[0]["train_len"])
+                                       train_len=train_len)
         entry["speed"] = speed.get(name)
         out.append(entry)
     return out
 
 
 def table(summary: list[dict], speed_T: int, long_T: int) -> str:
-    lengths = sorted({T for e in summary for T in e["lengths"]})
-    head = ["configuration"] + [f"bits/byte at {T} (change vs dense, seeds' range)" for T in lengths] + [
-        f"forward x cuDNN at {speed_T}", f"fwd+bwd x cuDNN at {speed_T}", f"counted x cuDNN at {speed_T}",
-        f"counted x cuDNN at {long_T}"]
+    """One markdown table: a row per (training length, configuration), the lengths
+    scored as multiples of the training length."""
+    multiples = sorted({T / e["train_len"] for e in summary for T in e["lengths"]})
+    head = ["trained at", "configuration"] + [
+        f"bits/byte at {'the training length' if m == 1 else f'{m:g}x it'} (change vs dense, seeds' range)"
+        for m in multiples] + [f"forward x cuDNN at {speed_T}", f"fwd+bwd x cuDNN at {speed_T}",
+                               f"counted x cuDNN at {speed_T}", f"counted x cuDNN at {long_T}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for e in summary:
-        cells = [e["config"]]
-        for T in lengths:
-            x = e["lengths"].get(T)
+        cells = [str(e["train_len"]), e["config"]]
+        by_multiple = {T / e["train_len"]: (T, x) for T, x in e["lengths"].items()}
+        for m in multiples:
+            T, x = by_multiple.get(m, (None, None))
             if x is None:
                 cells.append("")
             elif x["change"] is None or e["config"] == "dense":
-                cells.append(f"{x['bits']:.4f} (±{x['bits_spread'] / 2:.4f}, {x['seeds']} seeds)")
+                cells.append(f"{x['bits']:.4f} (±{x['bits_spread'] / 2:.4f}, {x['seeds']} seed"
+                             f"{'s' if x['seeds'] > 1 else ''}; T={T})")
             else:
                 cells.append(f"{x['bits']:.4f} ({x['change']:+.1f}%: {x['change_min']:+.1f}..{x['change_max']:+.1f}, "
                              f"{x['seeds']} seed{'s' if x['seeds'] > 1 else ''})")
@@ -321,10 +334,11 @@ def plot(summary: list[dict], png: str, speed_T: int, device: str = "GPU") -> No
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 5))
-    for rule in dict.fromkeys(e["rule"] for e in summary if e["rule"] != "dense"):
+    train_lens = sorted({e["train_len"] for e in summary})
+    for train_len, rule in dict.fromkeys((e["train_len"], e["rule"]) for e in summary if e["rule"] != "dense"):
         points = []
-        for e in (e for e in summary if e["rule"] == rule and e["speed"]):
-            at = e["lengths"].get(min(e["lengths"], key=lambda T: abs(T - e["lengths"][T]["train_len"])))
+        for e in (e for e in summary if e["rule"] == rule and e["train_len"] == train_len and e["speed"]):
+            at = e["lengths"].get(train_len)
             s = e["speed"]
             x = s.get("forward_speedup") or (s.get(f"count_{speed_T}") or s.get(str(f"count_{speed_T}")))["speedup"]
             if at and at["change"] is not None:
@@ -334,8 +348,10 @@ def plot(summary: list[dict], png: str, speed_T: int, device: str = "GPU") -> No
         points.sort()
         counted = points[0][3]
         note = " (counted speed: no kernel yet)" if rule.startswith("block") else " (counted speed: not timed)"
-        line, = ax.plot([p[0] for p in points], [p[1] for p in points], "--" if counted else "-", marker="o",
-                        label=rule + (note if counted else ""))
+        trained = f", trained at {train_len // 1024}K" if len(train_lens) > 1 else ""
+        line, = ax.plot([p[0] for p in points], [p[1] for p in points], "--" if counted else "-",
+                        marker="o" if train_len == train_lens[0] else "s",
+                        label=rule + trained + (note if counted else ""))
         for x, y, k, _ in points:
             ax.annotate(str(k), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=line.get_color())
     ax.axhline(0, color="grey", lw=0.8)
@@ -354,8 +370,12 @@ def plot(summary: list[dict], png: str, speed_T: int, device: str = "GPU") -> No
 
 
 def write(path, rows) -> None:
+    """Writes `rows` to `path` whole or not at all (a run stopped at its time limit
+    leaves the rows of the configurations it finished)."""
     if path:
-        pathlib.Path(path).write_text(json.dumps(rows, indent=1, default=float))
+        partial = pathlib.Path(f"{path}.partial")
+        partial.write_text(json.dumps(rows, indent=1, default=float))
+        os.replace(partial, path)
 
 
 def parse_args(argv=None):

@@ -380,6 +380,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: min(100, steps/10 + 1))")
     p.add_argument("--eval-size", type=int, default=512)
     p.add_argument("--eval-batch", type=int, default=None, help="eval rows per call (default: --batch)")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out evaluation every N steps as well as at the end (0: at the end only): the curve "
+                        "and its change over the last tenth of the steps (the text task: bits per byte)")
     p.add_argument("--backend", default="auto", help="htree backend: auto, reference, pallas")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=50)
@@ -403,6 +406,8 @@ def parse_args(argv=None):
                  "heads", "kv_heads", "eval_size", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.eval_every < 0:
+        p.error("--eval-every must be >= 0 (0: evaluate at the end only)")
     if args.seq_len < 4:
         p.error("--seq-len must be >= 4")
     if args.dense_steps < 0 or args.dense_steps >= max(args.steps, 1):
@@ -549,8 +554,20 @@ def main(argv=None) -> dict:
     return train(parse_args(argv))[1]
 
 
-def train(args) -> tuple[TinyLM, dict]:
-    """Trains the model `args` describe and evaluates it: `(model, result)`."""
+def last_tenth_change(curve: list, steps: int) -> float | None:
+    """The held-out loss's relative change (%) over the last tenth of `steps`: from the
+    last evaluation at or before `0.9 * steps` to the final one; None without one there
+    (`curve`: `[(step, loss), ...]`, ascending, ending at `steps`)."""
+    before = [loss for step, loss in curve[:-1] if step <= 0.9 * steps]
+    if not before or curve[-1][0] != steps:
+        return None
+    return 100 * (curve[-1][1] / before[-1] - 1)
+
+
+def train(args, on_step=None) -> tuple[TinyLM, dict]:
+    """Trains the model `args` describe and evaluates it: `(model, result)`.
+    `on_step(step, model)`, if given, is called after every step (`step` counted from
+    1), e.g. to score the model part way."""
     task = task_of(args)
     dtype = compute_dtype(args.dtype)
     model = build_model(args)
@@ -592,7 +609,8 @@ def train(args) -> tuple[TinyLM, dict]:
         from tqdm import tqdm
 
         steps = bar = tqdm(steps, desc=f"train {args.attention}", mininterval=0.5)
-    losses, accuracies, step_seconds = [], [], []
+    losses, accuracies, step_seconds, eval_curve = [], [], [], []
+    per_byte = lambda loss: f" ({loss / math.log(2):.4f} bits per byte)" if args.task == "text" else ""
     start = time.perf_counter()
     schedule = length_schedule(args.steps, args.seq_len, args.len_warmup_start, args.len_warmup_steps)
     for step in steps:
@@ -618,12 +636,19 @@ def train(args) -> tuple[TinyLM, dict]:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{accuracies[-1]:.2f}", tok_s=f"{tokens_per_s:,.0f}")
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print(f"step {step + 1:5d}  loss {losses[-1]:.4f}  batch acc {accuracies[-1]:.3f}", flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            eval_curve.append((step + 1, eval_accuracy(model, args, args.seq_len)[1]))
+            print(f"step {step + 1:5d}  held out: loss {eval_curve[-1][1]:.4f}{per_byte(eval_curve[-1][1])}",
+                  flush=True)
+        if on_step is not None:
+            on_step(step + 1, model)
     train_s = time.perf_counter() - start
     # the step time: the median over the steps at the full length but its first (it
     # compiles), with the model's own attention (after any dense warm-up)
     full = [s for i, (s, n) in enumerate(zip(step_seconds, schedule)) if n == args.seq_len and i >= dense_steps]
     step_ms = 1e3 * statistics.median(full[1:] if len(full) > 1 else full) if full else float("nan")
     accuracy, eval_loss = eval_accuracy(model, args, args.seq_len)
+    eval_curve.append((args.steps, eval_loss))
     result = dict(task=args.task, attention=args.attention, seq_len=args.seq_len,
                   top_k=args.top_k if args.attention == "htree" else None,
                   selection=args.selection if args.attention == "htree" else None,
@@ -637,6 +662,7 @@ def train(args) -> tuple[TinyLM, dict]:
                   batch_accuracies=accuracies,
                   eval_loss=eval_loss, accuracy=accuracy, chance=chance_of(args), train_seconds=train_s,
                   step_ms=step_ms, tokens_per_second=args.batch * args.seq_len / (step_ms / 1e3),
+                  eval_curve=eval_curve, last_tenth_change=last_tenth_change(eval_curve, args.steps),
                   device=jax.devices()[0].device_kind)
     if args.task == "text":
         result.update(data=task.root, bits_per_byte=eval_loss / math.log(2))
@@ -646,6 +672,8 @@ def train(args) -> tuple[TinyLM, dict]:
         save_model(model, args, args.save, result)
         print(f"saved to {args.save}", flush=True)
     held = f", {eval_loss / math.log(2):.3f} bits per byte held out" if args.task == "text" else ""
+    if result["last_tenth_change"] is not None:
+        held += f" ({result['last_tenth_change']:+.2f}% over the last tenth of the steps)"
     print(f"final: task={args.task} attention={attention} T={args.seq_len} eval accuracy {accuracy:.3f} (chance "
           f"{chance_of(args):.3f}), eval loss {eval_loss:.4f}{held}, {train_s:.0f} s, {step_ms:.1f} ms/step, "
           f"{result['tokens_per_second']:,.0f} tokens/s", flush=True)

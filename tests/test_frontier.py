@@ -61,7 +61,8 @@ def test_frontier_scores_checkpoints_and_draws_the_table(tmp_path):
     assert png.stat().st_size > 10_000
     summary = frontier.summarize(rows + speed)
     text = frontier.table(summary, 131072, 524288)
-    assert "| block first bound top_k=2 |" in text and "| - | - |" in text  # no kernel: counted only
+    assert "| 32 | block first bound top_k=2 |" in text and "| - | - |" in text  # no kernel: counted only
+    assert "bits/byte at the training length" in text and "bits/byte at 4x it" in text
     assert "1.50x | 1.20x" in text
 
 
@@ -83,3 +84,44 @@ def test_the_count_favours_blocks_by_their_gathers():
     block = frontier.counted_ms(HTreeConfig(top_k=256, selection_block=16), 131072, 300.0, 3.0)
     assert block["flops"] == per_query["flops"]
     assert block["bytes"] < per_query["bytes"] / 8 and block["floor_ms"] < per_query["floor_ms"]
+
+
+def test_adaptation_continues_a_dense_checkpoint_with_htree_and_scores_each_share(tmp_path):
+    """`benchmarks/adaptation.py` on the CPU: a 4-step dense checkpoint continued with htree
+    (reference backend) for 1 and 2 steps (shares 0.25, 0.5), scored on the frontier's
+    windows beside the checkpoint's dense score; the curve over the continued run's held-out
+    evaluations (`--eval-every`) and its last tenth."""
+    from benchmarks import adaptation
+
+    example = load_example()
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, example)
+    result = example.main(["--data", str(corpus), "--attention", "dense", "--seq-len", "32", "--steps", "4",
+                           "--batch", "2", "--d-model", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                           "--compression-rate", "4", "--top-k", "2", "--eval-size", "2", "--no-progress",
+                           "--eval-every", "2", "--save", str(tmp_path / "ck")])
+    assert [step for step, _ in result["eval_curve"]] == [2, 4]
+    assert result["last_tenth_change"] == pytest.approx(100 * (result["eval_curve"][1][1] / result["eval_curve"][0][1]
+                                                              - 1))
+    out = tmp_path / "adaptation.json"
+    rows = adaptation.main(["--checkpoint", str(tmp_path / "ck"), "--top-ks", "2", "--shares", "0.25,0.5",
+                            "--eval-windows", "2", "--backend", "reference", "--out", str(out)])
+    assert [(r["steps"], r["T"]) for r in rows] == [(0, 32), (0, 128), (1, 32), (1, 128), (2, 32), (2, 128)]
+    assert json.loads(out.read_text()) == rows
+    assert all(np.isfinite(r["bits"]) and r["change"] == pytest.approx(100 * (r["bits"] / r["dense_bits"] - 1))
+               for r in rows)
+    assert rows[4]["bits"] != rows[0]["bits"]  # the continued run changed the weights (its first step: lr 0)
+    assert "| htree bound top_k=2 | 2 (50%) |" in adaptation.table(rows)
+
+
+def test_models_trained_at_different_lengths_are_not_averaged():
+    rows = [dict(kind="quality", checkpoint=c, seed=0, train_len=L, config=name, rule=name.split()[0], top_k=None,
+                 T=T, bits=bits, windows=8)
+            for c, L, name, T, bits in (("a", 16, "dense", 16, 1.0), ("a", 16, "htree", 16, 1.1),
+                                        ("b", 64, "dense", 64, 2.0), ("b", 64, "htree", 64, 2.4))]
+    summary = frontier.summarize(rows)
+    assert [(e["train_len"], e["config"]) for e in summary] == [(16, "dense"), (16, "htree"), (64, "dense"),
+                                                                 (64, "htree")]
+    assert summary[1]["lengths"][16]["change"] == pytest.approx(10.0)
+    assert summary[3]["lengths"][64]["change"] == pytest.approx(20.0)
+    assert "| 64 | htree |" in frontier.table(summary, 131072, 524288)
