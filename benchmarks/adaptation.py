@@ -1,7 +1,8 @@
 """Adaptation: a dense-trained checkpoint, training continued with htree, scored part way.
 
     python benchmarks/adaptation.py --checkpoint ck/seed0 [--top-ks 64,128] [--selection bound] \\
-        [--shares 0.01,0.03,0.1] [--lr 3e-4] [--eval-lens 16384,65536] [--eval-windows 8] [--out adaptation.json]
+        [--compression-rate 16] [--shares 0.01,0.03,0.1] [--lr 3e-4] [--eval-lens 16384,65536] \\
+        [--eval-windows 8] [--out adaptation.json]
 
 The recipe a user converting a dense model follows (DeepSeek's sparse attention was
 trained this way, from a dense checkpoint): for each `top_k`, `examples/train_tiny_lm.py`
@@ -42,7 +43,7 @@ def step_counts(shares, trained_steps: int) -> list[int]:
 def adaptation_args(a, top_k: int, steps: int, trained: dict):
     """`train_tiny_lm` arguments that continue `a.checkpoint` with htree at `top_k`."""
     argv = ["--task", "text", "--init", a.checkpoint, "--attention", "htree", "--top-k", str(top_k),
-            "--selection", a.selection, "--steps", str(steps), "--seq-len", str(trained["seq_len"]),
+            "--compression-rate", str(a.compression_rate), "--selection", a.selection, "--steps", str(steps), "--seq-len", str(trained["seq_len"]),
             "--batch", str(trained["batch"]), "--lr", str(a.lr), "--grad-clip", str(a.grad_clip),
             "--backend", a.backend, "--eval-size", str(a.eval_size), "--seed", str(a.seed),
             "--log-every", str(max(1, steps // 10)), "--no-progress"]
@@ -63,11 +64,13 @@ def adaptation_rows(a) -> list[dict]:
     train_tiny_lm.load_params(dense_model, a.checkpoint)
     dense = frontier.score_model(dense_model, windows)
     rows = []
+    rate = "" if a.compression_rate == frontier.DEFAULT_RATE else f" r={a.compression_rate}"
+    name = lambda top_k: f"htree {a.selection} top_k={top_k}{rate}"
 
     def add(top_k, steps, bits):
         for T, value in bits.items():
-            rows.append(dict(kind="adaptation", checkpoint=a.checkpoint, config=f"htree {a.selection} top_k={top_k}",
-                             rule=a.selection, top_k=top_k, share=steps / total, steps=steps, T=T, bits=value,
+            rows.append(dict(kind="adaptation", checkpoint=a.checkpoint, config=name(top_k), rule=a.selection,
+                             top_k=top_k, compression_rate=a.compression_rate, share=steps / total, steps=steps, T=T, bits=value,
                              dense_bits=dense[T], change=100 * (value / dense[T] - 1), lr=a.lr,
                              windows=a.eval_windows))
         print(f"top_k={top_k} after {steps} steps ({100 * steps / total:g}% of {total}): "
@@ -78,7 +81,8 @@ def adaptation_rows(a) -> list[dict]:
     counts = step_counts(a.shares, total)
     for top_k in a.top_ks:
         tic = time.perf_counter()
-        configuration = dict(attention="htree", fields=dict(top_k=top_k, selection=a.selection))
+        configuration = dict(attention="htree", fields=dict(top_k=top_k, selection=a.selection,
+                                                            compression_rate=a.compression_rate))
         add(top_k, 0, frontier.score(args, dense_model, configuration, windows))
 
         def on_step(step, model, top_k=top_k):
@@ -110,6 +114,8 @@ def parse_args(argv=None):
     p.add_argument("--data", default=None, help="the corpus, where it is elsewhere than the checkpoint says")
     p.add_argument("--top-ks", default="64,128")
     p.add_argument("--selection", choices=("bound", "mean"), default="bound")
+    p.add_argument("--compression-rate", type=int, default=frontier.DEFAULT_RATE,
+                   help="the htree runs' tree (the library's default; the checkpoint's own flag is not used)")
     p.add_argument("--shares", default="0.01,0.03,0.1", help="shares of the checkpoint's steps scored after")
     p.add_argument("--lr", type=float, default=3e-4, help="the continued run's peak learning rate")
     p.add_argument("--grad-clip", type=float, default=1.0)

@@ -56,22 +56,30 @@ import train_tiny_lm  # noqa: E402
 from benchmarks.text_quality import eval_windows, position_losses  # noqa: E402
 
 
-def configurations(top_ks, rules, block_sources, block_top_ks, block_rules) -> list[dict]:
+DEFAULT_RATE = HTreeConfig().compression_rate
+
+
+def configurations(top_ks, rules, block_sources, block_top_ks, block_rules,
+                   compression_rate: int = DEFAULT_RATE) -> list[dict]:
     """Every configuration a frontier row is made of: dense, then htree per rule and
-    `top_k`, then block selection per source, rule and `top_k`. Each `{name, attention,
-    fields}`, `fields` the `HTreeConfig` fields beside the model's own."""
+    `top_k`, then block selection (`selection_block = compression_rate`) per source,
+    rule and `top_k`, every htree one with the tree's `compression_rate` (named in the
+    configuration's name where it is not the library's default). Each `{name,
+    attention, rule, fields}`, `fields` the `HTreeConfig` fields the model is scored with
+    (and, timed, the kernels run with)."""
     out = [dict(name="dense", attention="dense", rule="dense", fields={})]
+    rate = "" if compression_rate == DEFAULT_RATE else f" r={compression_rate}"
     for rule in rules:
         for k in top_ks:
-            out.append(dict(name=f"htree {rule} top_k={k}", attention="htree", rule=rule,
-                            fields=dict(top_k=k, selection=rule)))
+            out.append(dict(name=f"htree {rule} top_k={k}{rate}", attention="htree", rule=rule + rate,
+                            fields=dict(top_k=k, selection=rule, compression_rate=compression_rate)))
     for source in block_sources:
         for rule in block_rules:
             for k in block_top_ks:
-                # selection_block: the model's compression_rate, set where the model is known
-                out.append(dict(name=f"block {source} {rule} top_k={k}", attention="htree",
-                                rule=f"block {source} {rule}", block=True,
-                                fields=dict(top_k=k, selection=rule, block_source=source)))
+                out.append(dict(name=f"block {source} {rule} top_k={k}{rate}", attention="htree",
+                                rule=f"block {source} {rule}{rate}", block=True,
+                                fields=dict(top_k=k, selection=rule, block_source=source,
+                                            compression_rate=compression_rate, selection_block=compression_rate)))
     return out
 
 
@@ -86,10 +94,7 @@ def checkpoint_args(directory: str, data: str | None, backend: str):
 def score(args, params_model, configuration: dict, windows: dict) -> dict:
     """Bits per byte `{T: float}` of the checkpoint's weights under `configuration` on
     `windows` (`{T: (tokens, targets)}`, each `[n, T]`), one window a call."""
-    fields = dict(configuration["fields"])
-    if configuration.get("block"):
-        fields["selection_block"] = args.compression_rate
-    model = train_tiny_lm.build_model(args, attention=configuration["attention"], **fields)
+    model = train_tiny_lm.build_model(args, attention=configuration["attention"], **configuration["fields"])
     nnx.update(model, nnx.state(params_model, nnx.Param))
     return score_model(model, windows)
 
@@ -144,7 +149,8 @@ def _quality_rows(a, configs) -> list[dict]:
             for T, value in bits.items():
                 rows.append(dict(kind="quality", checkpoint=directory, seed=trained.get("seed"), train_len=train_len,
                                  config=configuration["name"], rule=configuration["rule"],
-                                 top_k=configuration["fields"].get("top_k"), T=T, bits=value,
+                                 top_k=configuration["fields"].get("top_k"),
+                                 compression_rate=configuration["fields"].get("compression_rate"), T=T, bits=value,
                                  windows=a.eval_windows))
             print(f"{directory} {configuration['name']}: " + ", ".join(f"T={T} {b:.4f}" for T, b in bits.items())
                   + f" ({time.perf_counter() - tic:.0f} s)", flush=True)
@@ -202,9 +208,9 @@ def grad_of(fn):
 def count_row(configuration: dict, dense_ms: dict, a) -> dict:
     """A configuration's counted floor at `--speed-T` and `--count-long-T`, and its
     speed-up over cuDNN's measured forward there (`dense_ms {T: {"forward": ms}}`)."""
-    block = dict(selection_block=HTreeConfig().compression_rate) if configuration.get("block") else {}
-    config = HTreeConfig(**configuration["fields"], **block)
-    row = dict(kind="speed", config=configuration["name"], rule=configuration["rule"], top_k=config.top_k)
+    config = HTreeConfig(**configuration["fields"])
+    row = dict(kind="speed", config=configuration["name"], rule=configuration["rule"], top_k=config.top_k,
+               compression_rate=config.compression_rate)
     for T in (a.speed_T, a.count_long_T):
         counted = counted_ms(config, T, a.count_tflops, a.count_tbps)
         row[f"count_{T}"] = dict(counted, speedup=dense_ms[T]["forward"] / counted["floor_ms"],
@@ -260,6 +266,13 @@ def merged(rows: list[dict], configs, a) -> list[dict]:
         dense_ms = {int(T): ms for T, ms in dense["dense_ms"].items()}
         have = {r["config"] for r in out if r["kind"] == "speed"}
         out += [count_row(c, dense_ms, a) for c in configs[1:] if c["name"] not in have]
+        # a speed run that timed cuDNN at one length only (`--count-long-T` = `--speed-T`)
+        # gets the count at the other from the first run's cuDNN times
+        by_name = {c["name"]: c for c in configs[1:]}
+        for r in out:
+            if r["kind"] == "speed" and f"count_{a.count_long_T}" not in r and r["config"] in by_name:
+                counted = count_row(by_name[r["config"]], dense_ms, a)
+                r[f"count_{a.count_long_T}"] = counted[f"count_{a.count_long_T}"]
     return out
 
 
@@ -289,7 +302,9 @@ def summarize(rows: list[dict]) -> list[dict]:
                                        train_len=train_len)
         entry["speed"] = speed.get(name)
         out.append(entry)
-    return out
+    # by training length, then rule (in the order first seen), then top_k
+    first_seen = {key: i for i, key in enumerate(dict.fromkeys((e["train_len"], e["rule"]) for e in out))}
+    return sorted(out, key=lambda e: (e["train_len"], first_seen[(e["train_len"], e["rule"])], e["top_k"] or 0))
 
 
 def table(summary: list[dict], speed_T: int, long_T: int) -> str:
@@ -346,13 +361,16 @@ def plot(summary: list[dict], png: str, speed_T: int, device: str = "GPU") -> No
         if not points:
             continue
         points.sort()
-        counted = points[0][3]
-        note = " (counted speed: no kernel yet)" if rule.startswith("block") else " (counted speed: not timed)"
+        counted = [p[3] for p in points]
+        note = (" (counted speed: no kernel yet)" if rule.startswith("block") else " (hollow: counted speed, not timed)"
+                if any(counted) else "")
         trained = f", trained at {train_len // 1024}K" if len(train_lens) > 1 else ""
-        line, = ax.plot([p[0] for p in points], [p[1] for p in points], "--" if counted else "-",
-                        marker="o" if train_len == train_lens[0] else "s",
-                        label=rule + trained + (note if counted else ""))
-        for x, y, k, _ in points:
+        marker = "o" if train_len == train_lens[0] else "s"
+        line, = ax.plot([p[0] for p in points], [p[1] for p in points], "--" if all(counted) else "-",
+                        marker=marker, label=rule + trained + (note if counted else ""))
+        for x, y, k, was_counted in points:
+            if was_counted:  # hollow: the count's speed, not a timed one
+                ax.plot([x], [y], marker, mfc="white", mec=line.get_color())
             ax.annotate(str(k), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=line.get_color())
     ax.axhline(0, color="grey", lw=0.8)
     ax.axhline(1, color="grey", lw=0.8, ls=":")
@@ -390,6 +408,9 @@ def parse_args(argv=None):
     p.add_argument("--block-sources", default="first,previous", help="SPEC 12's sources ('' for none)")
     p.add_argument("--block-top-ks", default="64,128,256,512")
     p.add_argument("--block-rules", default="bound")
+    p.add_argument("--compression-rate", type=int, default=DEFAULT_RATE,
+                   help="the htree configurations' tree (the library's default; a dense checkpoint's own training "
+                        "flag for it is not used)")
     p.add_argument("--backend", default="auto", help="htree backend of the per-query configurations")
     p.add_argument("--speed-T", type=int, default=131072, help="T of the measured speeds")
     p.add_argument("--count-long-T", type=int, default=524288, help="a second T for the counted speed-up")
@@ -416,7 +437,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
-    configs = configurations(a.top_ks, a.rules, a.block_sources, a.block_top_ks, a.block_rules)
+    configs = configurations(a.top_ks, a.rules, a.block_sources, a.block_top_ks, a.block_rules, a.compression_rate)
     if a.merge:
         rows = merged([r for path in a.merge for r in json.loads(pathlib.Path(path).read_text())], configs, a)
         write(a.out, rows)

@@ -391,8 +391,8 @@ def parse_args(argv=None):
                    help="write the trained model to DIR (its parameters and the flags that shape it)")
     p.add_argument("--init", default=None, metavar="DIR",
                    help="start from the model saved in DIR (its shape flags replace these; --steps 0: only "
-                        "evaluate it). The attention, top_k, selection and backend stay this run's: a dense "
-                        "checkpoint continues with htree")
+                        "evaluate it). The attention, compression_rate, top_k, selection and backend stay this "
+                        "run's: a dense checkpoint continues with htree")
     args = p.parse_args(argv)
     if args.init:
         load_shape_flags(args)
@@ -442,8 +442,11 @@ def length_schedule(steps: int, seq_len: int, start: int, warmup_steps: int) -> 
 
 
 # The flags that fix a model's parameters: a checkpoint records them, `--init` takes them.
+# (`compression_rate`, like `top_k` and `selection`, shapes no parameter: htree's tree is
+# this run's choice, a dense checkpoint's training flag for it meant nothing; the run's
+# own value is recorded beside the flags, under "trained".)
 SHAPE_FLAGS = ("task", "data", "d_model", "layers", "heads", "kv_heads", "token_shift", "num_values", "num_keys",
-               "compression_rate", "rope_base", "scale")
+               "rope_base", "scale")
 CHECKPOINT_PARAMS, CHECKPOINT_FLAGS = "params.msgpack", "model.json"
 
 
@@ -557,7 +560,7 @@ def main(argv=None) -> dict:
 def last_tenth_change(curve: list, steps: int) -> float | None:
     """The held-out loss's relative change (%) over the last tenth of `steps`: from the
     last evaluation at or before `0.9 * steps` to the final one; None without one there
-    (`curve`: `[(step, loss), ...]`, ascending, ending at `steps`)."""
+    (`curve`: `[[step, loss], ...]`, ascending, ending at `steps`)."""
     before = [loss for step, loss in curve[:-1] if step <= 0.9 * steps]
     if not before or curve[-1][0] != steps:
         return None
@@ -637,7 +640,7 @@ def train(args, on_step=None) -> tuple[TinyLM, dict]:
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             print(f"step {step + 1:5d}  loss {losses[-1]:.4f}  batch acc {accuracies[-1]:.3f}", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            eval_curve.append((step + 1, eval_accuracy(model, args, args.seq_len)[1]))
+            eval_curve.append([step + 1, eval_accuracy(model, args, args.seq_len)[1]])
             print(f"step {step + 1:5d}  held out: loss {eval_curve[-1][1]:.4f}{per_byte(eval_curve[-1][1])}",
                   flush=True)
         if on_step is not None:
@@ -648,7 +651,7 @@ def train(args, on_step=None) -> tuple[TinyLM, dict]:
     full = [s for i, (s, n) in enumerate(zip(step_seconds, schedule)) if n == args.seq_len and i >= dense_steps]
     step_ms = 1e3 * statistics.median(full[1:] if len(full) > 1 else full) if full else float("nan")
     accuracy, eval_loss = eval_accuracy(model, args, args.seq_len)
-    eval_curve.append((args.steps, eval_loss))
+    eval_curve.append([args.steps, eval_loss])  # lists, as JSON gives them back
     result = dict(task=args.task, attention=args.attention, seq_len=args.seq_len,
                   top_k=args.top_k if args.attention == "htree" else None,
                   selection=args.selection if args.attention == "htree" else None,

@@ -29,25 +29,27 @@ def test_frontier_scores_checkpoints_and_draws_the_table(tmp_path):
     out = tmp_path / "quality.json"
     rows = frontier.main(["--checkpoints", ",".join(checkpoints), "--eval-windows", "2", "--top-ks", "2,8",
                           "--block-top-ks", "2", "--rules", "bound,mean", "--backend", "reference", "--quality-only",
-                          "--out", str(out)])
+                          "--compression-rate", "4", "--out", str(out)])
     names = {r["config"] for r in rows}
-    assert names == {"dense", "htree bound top_k=2", "htree bound top_k=8", "htree mean top_k=2", "htree mean top_k=8",
-                     "block first bound top_k=2", "block previous bound top_k=2"}
+    assert names == {"dense", "htree bound top_k=2 r=4", "htree bound top_k=8 r=4", "htree mean top_k=2 r=4",
+                     "htree mean top_k=8 r=4", "block first bound top_k=2 r=4", "block previous bound top_k=2 r=4"}
+    assert {r.get("compression_rate") for r in rows} == {None, 4}
     assert {r["T"] for r in rows} == {32, 128}  # the training length and 4x it
     assert len(rows) == len(names) * 2 * 2 and all(np.isfinite(r["bits"]) for r in rows)
     assert json.loads(out.read_text()) == rows
     # top_k=8 at T=32 with r=4 is one layer (M = 32): exact attention, dense's bits per byte
     dense = {(r["checkpoint"], r["T"]): r["bits"] for r in rows if r["config"] == "dense"}
-    exact = [r for r in rows if r["config"] == "htree bound top_k=8" and r["T"] == 32]
+    exact = [r for r in rows if r["config"] == "htree bound top_k=8 r=4" and r["T"] == 32]
     for r in exact:
         assert r["bits"] == pytest.approx(dense[(r["checkpoint"], 32)], rel=1e-5)
 
     # speed rows as a GPU run writes them, with the counted floor computed here
-    configs = frontier.configurations([2, 8], ["bound", "mean"], ["first", "previous"], [2], ["bound"])
+    configs = frontier.configurations([2, 8], ["bound", "mean"], ["first", "previous"], [2], ["bound"], 4)
     speed = [dict(kind="dense_speed", dense_ms={131072: {"forward": 100.0, "backward": 300.0}, 524288: {
         "forward": 1600.0}})]
     for c in configs[1:]:
-        config = HTreeConfig(**c["fields"], **({"selection_block": 16} if c.get("block") else {}))
+        config = HTreeConfig(**c["fields"])
+        assert config.compression_rate == 4 and config.selection_block == (4 if c.get("block") else 1)
         row = dict(kind="speed", config=c["name"], rule=c["rule"], top_k=config.top_k)
         for T, dense_ms in ((131072, 100.0), (524288, 1600.0)):
             counted = frontier.counted_ms(config, T, 300.0, 3.0)
@@ -57,11 +59,11 @@ def test_frontier_scores_checkpoints_and_draws_the_table(tmp_path):
         speed.append(row)
     (tmp_path / "speed.json").write_text(json.dumps(speed))
     png = tmp_path / "frontier.png"
-    frontier.main(["--merge", f"{out},{tmp_path / 'speed.json'}", "--png", str(png)])
+    frontier.main(["--merge", f"{out},{tmp_path / 'speed.json'}", "--png", str(png), "--compression-rate", "4"])
     assert png.stat().st_size > 10_000
     summary = frontier.summarize(rows + speed)
     text = frontier.table(summary, 131072, 524288)
-    assert "| 32 | block first bound top_k=2 |" in text and "| - | - |" in text  # no kernel: counted only
+    assert "| 32 | block first bound top_k=2 r=4 |" in text and "| - | - |" in text  # no kernel: counted only
     assert "bits/byte at the training length" in text and "bits/byte at 4x it" in text
     assert "1.50x | 1.20x" in text
 
@@ -125,3 +127,14 @@ def test_models_trained_at_different_lengths_are_not_averaged():
     assert summary[1]["lengths"][16]["change"] == pytest.approx(10.0)
     assert summary[3]["lengths"][64]["change"] == pytest.approx(20.0)
     assert "| 64 | htree |" in frontier.table(summary, 131072, 524288)
+
+
+def test_the_frontier_scores_at_its_own_compression_rate_not_the_checkpoints():
+    """A dense checkpoint's `--compression-rate` training flag shaped nothing (dense
+    attention has no tree): the frontier's configurations carry their own, the library's
+    default unless `--compression-rate` says otherwise, and `--init` does not take it."""
+    configs = frontier.configurations([64], ["bound"], ["first"], [64], ["bound"])
+    assert {c["fields"]["compression_rate"] for c in configs[1:]} == {HTreeConfig().compression_rate}
+    assert configs[2]["fields"]["selection_block"] == HTreeConfig().compression_rate
+    assert [c["name"] for c in configs] == ["dense", "htree bound top_k=64", "block first bound top_k=64"]
+    assert "compression_rate" not in load_example().SHAPE_FLAGS
