@@ -2,7 +2,7 @@
 
     python benchmarks/adaptation.py --checkpoint ck/seed0 [--top-ks 64,128] [--selection bound] \\
         [--compression-rate 16] [--shares 0.01,0.03,0.1] [--lr 3e-4] [--eval-lens 16384,65536] \\
-        [--eval-windows 8] [--out adaptation.json]
+        [--eval-windows 8] [--control] [--out adaptation.json]
 
 The recipe a user converting a dense model follows (DeepSeek's sparse attention was
 trained this way, from a dense checkpoint): for each `top_k`, `examples/train_tiny_lm.py`
@@ -12,7 +12,9 @@ learning-rate schedule (warm-up, cosine to 0) over that run, gradients clipped; 
 each share's step count it scores the model on the frontier's held-out windows
 (`benchmarks/frontier.py`'s, the same `--window-seed`) with htree at that
 configuration. Beside them, the checkpoint itself on the same windows: dense, and htree
-with no adaptation (share 0). Prints one markdown table; writes every row to `--out`.
+with no adaptation (share 0); with `--control`, the checkpoint continued dense by the
+same recipe and scored after the same steps, which separates adaptation from more
+training. Prints one markdown table; writes every row to `--out`.
 """
 
 from __future__ import annotations
@@ -40,13 +42,16 @@ def step_counts(shares, trained_steps: int) -> list[int]:
     return sorted({max(1, round(share * trained_steps)) for share in shares})
 
 
-def adaptation_args(a, top_k: int, steps: int, trained: dict):
-    """`train_tiny_lm` arguments that continue `a.checkpoint` with htree at `top_k`."""
-    argv = ["--task", "text", "--init", a.checkpoint, "--attention", "htree", "--top-k", str(top_k),
-            "--compression-rate", str(a.compression_rate), "--selection", a.selection, "--steps", str(steps), "--seq-len", str(trained["seq_len"]),
-            "--batch", str(trained["batch"]), "--lr", str(a.lr), "--grad-clip", str(a.grad_clip),
-            "--backend", a.backend, "--eval-size", str(a.eval_size), "--seed", str(a.seed),
-            "--log-every", str(max(1, steps // 10)), "--no-progress"]
+def adaptation_args(a, top_k: int | None, steps: int, trained: dict):
+    """`train_tiny_lm` arguments that continue `a.checkpoint` with htree at `top_k`, or
+    (`top_k=None`, the control) with dense attention, by the same recipe."""
+    attention = ["--attention", "dense"] if top_k is None else [
+        "--attention", "htree", "--top-k", str(top_k), "--compression-rate", str(a.compression_rate),
+        "--selection", a.selection]
+    argv = ["--task", "text", "--init", a.checkpoint, *attention, "--steps", str(steps),
+            "--seq-len", str(trained["seq_len"]), "--batch", str(trained["batch"]), "--lr", str(a.lr),
+            "--grad-clip", str(a.grad_clip), "--backend", a.backend, "--eval-size", str(a.eval_size),
+            "--seed", str(a.seed), "--log-every", str(max(1, steps // 10)), "--no-progress"]
     if a.data:
         argv += ["--data", a.data]
     return train_tiny_lm.parse_args(argv)
@@ -54,7 +59,9 @@ def adaptation_args(a, top_k: int, steps: int, trained: dict):
 
 def adaptation_rows(a) -> list[dict]:
     """`{kind, checkpoint, config, top_k, share, steps, T, bits, dense_bits, change}` for
-    the checkpoint (share 0, and dense) and each `top_k` after each share."""
+    the checkpoint (share 0, and dense), each `top_k` after each share, and with
+    `a.control` the checkpoint continued dense by the same recipe (`top_k` None): what
+    the same steps give without the change of attention."""
     args = frontier.checkpoint_args(a.checkpoint, a.data, a.backend)
     trained = train_tiny_lm.checkpoint_flags(a.checkpoint)["trained"]
     total = int(trained["steps"])
@@ -65,32 +72,34 @@ def adaptation_rows(a) -> list[dict]:
     dense = frontier.score_model(dense_model, windows)
     rows = []
     rate = "" if a.compression_rate == frontier.DEFAULT_RATE else f" r={a.compression_rate}"
-    name = lambda top_k: f"htree {a.selection} top_k={top_k}{rate}"
+    name = lambda top_k: "dense continued" if top_k is None else f"htree {a.selection} top_k={top_k}{rate}"
 
     def add(top_k, steps, bits):
         for T, value in bits.items():
-            rows.append(dict(kind="adaptation", checkpoint=a.checkpoint, config=name(top_k), rule=a.selection,
-                             top_k=top_k, compression_rate=a.compression_rate, share=steps / total, steps=steps, T=T, bits=value,
-                             dense_bits=dense[T], change=100 * (value / dense[T] - 1), lr=a.lr,
-                             windows=a.eval_windows))
-        print(f"top_k={top_k} after {steps} steps ({100 * steps / total:g}% of {total}): "
+            rows.append(dict(kind="adaptation", checkpoint=a.checkpoint, config=name(top_k),
+                             rule="dense" if top_k is None else a.selection, top_k=top_k,
+                             compression_rate=None if top_k is None else a.compression_rate, share=steps / total,
+                             steps=steps, T=T, bits=value, dense_bits=dense[T], change=100 * (value / dense[T] - 1),
+                             lr=a.lr, windows=a.eval_windows))
+        print(f"{name(top_k)} after {steps} steps ({100 * steps / total:g}% of {total}): "
               + ", ".join(f"T={T} {b:.4f} ({100 * (b / dense[T] - 1):+.2f}%)" for T, b in bits.items()), flush=True)
         frontier.write(a.out, rows)
 
     print(f"{a.checkpoint}: dense " + ", ".join(f"T={T} {b:.4f}" for T, b in dense.items()), flush=True)
     counts = step_counts(a.shares, total)
-    for top_k in a.top_ks:
+    for top_k in a.top_ks + ([None] if a.control else []):
         tic = time.perf_counter()
-        configuration = dict(attention="htree", fields=dict(top_k=top_k, selection=a.selection,
-                                                            compression_rate=a.compression_rate))
-        add(top_k, 0, frontier.score(args, dense_model, configuration, windows))
+        if top_k is not None:
+            configuration = dict(attention="htree", fields=dict(top_k=top_k, selection=a.selection,
+                                                                compression_rate=a.compression_rate))
+            add(top_k, 0, frontier.score(args, dense_model, configuration, windows))
 
         def on_step(step, model, top_k=top_k):
             if step in counts:
                 add(top_k, step, frontier.score_model(model, windows))
 
         train_tiny_lm.train(adaptation_args(a, top_k, counts[-1], trained), on_step)
-        print(f"top_k={top_k}: {time.perf_counter() - tic:.0f} s", flush=True)
+        print(f"{name(top_k)}: {time.perf_counter() - tic:.0f} s", flush=True)
     return rows
 
 
@@ -125,6 +134,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-size", type=int, default=2, help="the training run's own final evaluation")
     p.add_argument("--backend", default="auto")
     p.add_argument("--seed", type=int, default=0, help="the continued run's batches")
+    p.add_argument("--control", action="store_true",
+                   help="also continue the checkpoint dense by the same recipe (what the steps give without htree)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     a.top_ks = [int(x) for x in a.top_ks.split(",") if x]

@@ -107,13 +107,19 @@ def test_adaptation_continues_a_dense_checkpoint_with_htree_and_scores_each_shar
                                                               - 1))
     out = tmp_path / "adaptation.json"
     rows = adaptation.main(["--checkpoint", str(tmp_path / "ck"), "--top-ks", "2", "--shares", "0.25,0.5",
-                            "--eval-windows", "2", "--backend", "reference", "--out", str(out)])
+                            "--eval-windows", "2", "--backend", "reference", "--compression-rate", "4", "--control",
+                            "--out", str(out)])
+    control = [r for r in rows if r["config"] == "dense continued"]
+    assert [(r["steps"], r["T"]) for r in control] == [(1, 32), (1, 128), (2, 32), (2, 128)]
+    assert control[2]["bits"] != control[0]["bits"]
+    rows = [r for r in rows if r not in control]
     assert [(r["steps"], r["T"]) for r in rows] == [(0, 32), (0, 128), (1, 32), (1, 128), (2, 32), (2, 128)]
-    assert json.loads(out.read_text()) == rows
+    assert [r for r in json.loads(out.read_text()) if r["config"] != "dense continued"] == rows
     assert all(np.isfinite(r["bits"]) and r["change"] == pytest.approx(100 * (r["bits"] / r["dense_bits"] - 1))
                for r in rows)
     assert rows[4]["bits"] != rows[0]["bits"]  # the continued run changed the weights (its first step: lr 0)
-    assert "| htree bound top_k=2 | 2 (50%) |" in adaptation.table(rows)
+    assert "| htree bound top_k=2 r=4 | 2 (50%) |" in adaptation.table(rows + control)
+    assert "| dense continued | 2 (50%) |" in adaptation.table(rows + control)
 
 
 def test_models_trained_at_different_lengths_are_not_averaged():
