@@ -24,8 +24,7 @@ import pathlib
 import sys
 import time
 
-import jax
-
+from htree_jax.bench import run_header
 from htree_jax.cli import DefaultsHelpFormatter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -150,8 +149,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
-    print(f"# {time.strftime('%Y-%m-%d')} {jax.devices()[0].device_kind}, jax {jax.__version__}: "
-          f"python benchmarks/adaptation.py {' '.join(argv if argv is not None else sys.argv[1:])}", flush=True)
+    print(run_header("benchmarks/adaptation.py", argv), flush=True)
     rows = adaptation_rows(a)
     print(table(rows), flush=True)
     return rows

@@ -26,7 +26,6 @@ import argparse
 import json
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from htree_jax import HTreeConfig, htree_attention
+from htree_jax.bench import run_header
 from htree_jax.cli import DefaultsHelpFormatter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -127,8 +127,7 @@ def main(argv=None) -> list[dict]:
     a = p.parse_args(argv)
     if not 0 < a.prompt < a.seq_len:
         p.error("--prompt must be in (0, --seq-len)")
-    print(f"# {time.strftime('%Y-%m-%d')} {jax.devices()[0].device_kind}, jax {jax.__version__}: "
-          f"python benchmarks/decode_agreement.py {' '.join(argv if argv is not None else sys.argv[1:])}", flush=True)
+    print(run_header("benchmarks/decode_agreement.py", argv), flush=True)
     train_argv = ["--task", "text", "--attention", "dense", "--no-token-shift", "--seq-len", str(a.seq_len), "--batch", "4",
                   "--d-model", str(a.d_model), "--layers", "2", "--heads", "4", "--kv-heads", "2",
                   "--compression-rate", "16", "--top-k", str(a.train_top_k), "--backend", "reference",

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig, htree_attention
+from htree_jax.bench import run_header
 from htree_jax.cli import DefaultsHelpFormatter
 from htree_jax.core.rope import rope_absolute
 
@@ -112,8 +113,7 @@ def main(argv=None) -> dict:
     p.add_argument("--skip-training", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    print(f"# {time.strftime('%Y-%m-%d')} {jax.devices()[0].device_kind}, jax {jax.__version__}: "
-          f"python benchmarks/dense_baseline.py {' '.join(argv if argv is not None else sys.argv[1:])}", flush=True)
+    print(run_header("benchmarks/dense_baseline.py", argv), flush=True)
     result = {"gradients": {f"H_kv={h_kv} K={dim}": gradient_errors(a.seq_len, 4, h_kv, dim)
                             for h_kv, dim in ((4, 64), (2, 64), (1, 128))}}
     if not a.skip_training:

@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.bench import B, H, H_KV, K, V, dense_fn, inputs, median_ms
+from htree_jax.bench import B, H, H_KV, K, V, dense_fn, inputs, median_ms, run_header
 from htree_jax.cli import DefaultsHelpFormatter
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -442,8 +442,7 @@ def main(argv=None) -> list[dict]:
         rows = merged([r for path in a.merge for r in json.loads(pathlib.Path(path).read_text())], configs, a)
         write(a.out, rows)
     else:
-        print(f"# {time.strftime('%Y-%m-%d')} {jax.devices()[0].device_kind}, jax {jax.__version__}: "
-              f"python benchmarks/frontier.py {' '.join(argv if argv is not None else sys.argv[1:])}", flush=True)
+        print(run_header("benchmarks/frontier.py", argv), flush=True)
         rows = []
         if not a.speed_only:
             rows += quality_rows(a, configs)

@@ -55,6 +55,14 @@ def gpu_header(benchmark: str, setting: str, command: str) -> str:
 MIN_SAMPLE_MS = 20.0
 
 
+def run_header(script: str, argv=None) -> str:
+    """The line a benchmark prints first, for RESULTS: `# <date> <device>, jax <version>:
+    python <script> <arguments>` (`argv` as given to its `main`, None: the command line's)."""
+    arguments = " ".join(argv if argv is not None else sys.argv[1:])
+    return (f"# {time.strftime('%Y-%m-%d')} {jax.devices()[0].device_kind}, jax {jax.__version__}: "
+            f"python {script} {arguments}")
+
+
 def median_ms(fn, args, iters):
     """Median ms per call of `fn(*args)` over `iters` samples after one warm-up call; a
     sample is `ceil(MIN_SAMPLE_MS / first call's ms)` calls back to back, divided."""
