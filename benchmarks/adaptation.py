@@ -86,7 +86,7 @@ def adaptation_rows(a) -> list[dict]:
 
     print(f"{a.checkpoint}: dense " + ", ".join(f"T={T} {b:.4f}" for T, b in dense.items()), flush=True)
     counts = step_counts(a.shares, total)
-    for top_k in a.top_ks + ([None] if a.control else []):
+    for top_k in ([None] if a.control else []) + a.top_ks:   # the control first: a run cut short keeps it
         tic = time.perf_counter()
         if top_k is not None:
             configuration = dict(attention="htree", fields=dict(top_k=top_k, selection=a.selection,

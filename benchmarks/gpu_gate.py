@@ -17,7 +17,10 @@ decode steps, against the float32 JAX reference with exact dots:
   norm within the dtype's tolerance, or within 1.2x the reference's own error at that
   dtype (bfloat16 gradients are as far from float32 as
   the reference's own bfloat16 run);
-- decode steps against the full-sequence call;
+- decode steps against the full-sequence call, on the queries the float64 oracle does
+  not flag as near-ties (`fragile`: prefill runs the kernels at another length, whose
+  importance may round a near-tie the other way; H200, 2026-11-28, float32 bound G=4:
+  one flipped query put the whole output 1.6e-2 away); at most `1 - AGREE` waived;
 - a NaN key: the rows it poisons (SPEC 10) those the reference poisons.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
 rules and both `top_k` (forward and fwd+bwd compiled and run, outputs finite).
@@ -53,6 +56,7 @@ import numpy as np
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.gqa.plan import top_importance_launch
+from reference_numpy import htree_attention_numpy
 from pallas_kernels.shared.common import KERNEL_GROUP, wide_head_dims
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.shared_memory import LIMIT
@@ -111,6 +115,16 @@ def matrix(full: bool):
 def relative(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def decode_rows_error(decoded, full, fragile) -> tuple[float, float]:
+    """Relative norm of `decoded - full` (`[1, T, H, V]`) over the heads of the queries
+    not flagged `fragile` (`[1, T, H_kv]`, the oracle's near-ties, where two runs of the
+    kernels may legitimately select differently), and the share of queries waived."""
+    G = full.shape[2] // fragile.shape[2]
+    robust = np.repeat(~np.asarray(fragile), G, axis=2)
+    decoded, full = np.asarray(decoded, np.float64), np.asarray(full, np.float64)
+    return relative(decoded[robust], full[robust]), float(np.mean(fragile))
 
 
 def equal_parents(a_lists, b_lists, H_kv: int):
@@ -181,12 +195,15 @@ def run_case(rng, shape, dtype, sel, packed):
         for t in range(PREFIX, T):
             o_t, cache = decode_step(q[:, t], k[:, t], v[:, t], cache, config, backend="pallas")
             steps.append(o_t[:, None])
-        # Steps against the full call: equal but where a near-tie of the packed importance
-        # flips a selection between the two (H100, G=1, K=32, bf16: 1.1e-2 where the other
-        # shapes gave 3e-4), hence the dtype's tolerance.
-        out["decode"] = relative(jnp.concatenate(steps, axis=1), o)
+        # Steps against the full call: equal but where a near-tie flips a selection between
+        # the two (H100, G=1, K=32, bf16: 1.1e-2 where the other shapes gave 3e-4), so the
+        # oracle's near-ties are waived and the rest held to the dtype's tolerance.
+        _, fragile = htree_attention_numpy(*(np.asarray(x) for x in (q, k, v)), config,
+                                           return_fragile=True)
+        out["decode"], out["decode_waived"] = decode_rows_error(jnp.concatenate(steps, axis=1), o, fragile)
     ok = (out["agree"] >= AGREE and out["o"] <= out["o_bar"] and out["grad"] <= out["grad_bar"]
-          and out["decode"] <= out["decode_bar"] and out["nan_rows"])
+          and out["decode"] <= out["decode_bar"] and out.get("decode_waived", 0.0) <= 1 - AGREE
+          and out["nan_rows"])
     return ok, out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks import gpu_gate
@@ -206,3 +207,17 @@ def test_the_gate_reads_each_kernels_shared_memory_from_the_thunk_dump(tmp_path)
     assert gpu_gate.dumped_kernels(seen, str(tmp_path)) == {}
     (tmp_path / "module_0002.thunk_sequence.txt").write_text(line.format("_top_merge_kernel__1", 229376))
     assert gpu_gate.dumped_kernels(seen, str(tmp_path)) == {"_top_merge_kernel": 229376}
+
+
+def test_gate_decode_error_waives_only_near_ties():
+    """`gpu_gate.decode_rows_error`: a query the oracle flags as a near-tie may differ
+    between decode and the full call; any other difference counts."""
+    full = np.ones((1, 4, 4, 2))
+    fragile = np.zeros((1, 4, 2), bool)
+    fragile[0, 1, 1] = True
+    flipped = full.copy()
+    flipped[0, 1, 2:] += 5.0  # the waived query's heads (kv head 1: heads 2, 3)
+    assert gpu_gate.decode_rows_error(flipped, full, fragile) == (0.0, 1 / 8)
+    flipped[0, 1, 0] += 5.0  # kv head 0 of the same position: not waived
+    err, waived = gpu_gate.decode_rows_error(flipped, full, fragile)
+    assert err > 0.1 and waived == 1 / 8
