@@ -22,8 +22,11 @@ decode steps, against the float32 JAX reference with exact dots:
   importance may round a near-tie the other way; H200, 2026-11-28, float32 bound G=4:
   one flipped query put the whole output 1.6e-2 away); at most `1 - AGREE` waived;
 - a NaN key: the rows it poisons (SPEC 10) those the reference poisons.
+Block selection (SPEC 12, `selection_block=16`: `pallas_kernels.block`) has its cases
+with each source: the same checks but decoding, which runs on the reference for it.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
-rules and both `top_k` (forward and fwd+bwd compiled and run, outputs finite).
+rules and both `top_k`, and block selection with each source at `top_k=512` (forward
+and fwd+bwd compiled and run, outputs finite).
 Every case also reads, from XLA's thunk dump, the shared memory each of its kernels
 took: the table gives the largest (and its margin to the 232448 B a program may take is
 what RESULTS quotes), and, on the GQA kernels, the model's bytes of the top layer's
@@ -110,6 +113,18 @@ def matrix(full: bool):
         for shape in WIDE_SHAPES:
             yield shape, "bfloat16", sel, True
         yield (8, 128, 128, None), "bfloat16", sel, "one layer"  # top_k=64: T=600 is dense attention
+    # Block selection (SPEC 12, `pallas_kernels.block`): every GQA shape class with the
+    # default rule, "previous" where its b * G ranking rows fit the kernels (G <= 8),
+    # each dtype on the benchmark's head dims, and the mean rule there.
+    for shape in GQA_SHAPES:
+        yield shape, "bfloat16", "bound", "block first"
+        if shape[0] <= 8 and shape[1] <= 128:
+            yield shape, "bfloat16", "bound", "block previous"
+    for dtype in ("float32", "float16"):
+        for source in ("first", "previous"):
+            yield (8, 128, 128, None), dtype, "bound", f"block {source}"
+    for source in ("first", "previous"):
+        yield (8, 128, 128, None), "bfloat16", "mean", f"block {source}"
 
 
 def relative(a, b) -> float:
@@ -137,11 +152,15 @@ def equal_parents(a_lists, b_lists, H_kv: int):
 
 
 def run_case(rng, shape, dtype, sel, packed):
-    """`packed`: False, True (two documents) or "one layer" (`top_k=64`: the tree of T
-    tokens has one layer, which the GPU path runs as RoPE and cuDNN)."""
+    """`packed`: False, True (two documents), "one layer" (`top_k=64`: the tree of T
+    tokens has one layer, which the GPU path runs as RoPE and cuDNN) or "block first" /
+    "block previous" (SPEC 12, `selection_block=16` with that source: the block kernels;
+    their decoding runs on the reference, so no decode check)."""
     G, K, V, rope = shape
     H_kv = 1 if G > 16 else 2
-    config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel)
+    block = isinstance(packed, str) and packed.startswith("block")
+    config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel,
+                         **(dict(selection_block=16, block_source=packed.split()[1]) if block else {}))
     packed = packed is True
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
                for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, V)))
@@ -188,7 +207,9 @@ def run_case(rng, shape, dtype, sel, packed):
     nan_rows = lambda backend: np.isnan(np.asarray(attend(q, k_bad, v, backend=backend), np.float32)).any(-1)
     out["nan_rows"] = bool(np.array_equal(nan_rows("pallas"), nan_rows("reference")))
     out["decode"], out["decode_bar"], out["decode_waived"] = 0.0, TOLERANCE[dtype], 0.0
-    if not packed:  # a decode cache holds one document a row
+    if block:  # block selection decodes on the reference (no decode kernels yet)
+        out["decode"] = float("nan")
+    elif not packed:  # a decode cache holds one document a row
         cache = init_cache(1, T, H_kv, K, V, config, q.dtype)
         o_pre, cache = prefill(q[:, :PREFIX], k[:, :PREFIX], v[:, :PREFIX], cache, config, backend="pallas")
         steps = [o_pre]
@@ -202,13 +223,15 @@ def run_case(rng, shape, dtype, sel, packed):
                                            return_fragile=True)
         out["decode"], out["decode_waived"] = decode_rows_error(jnp.concatenate(steps, axis=1), o, fragile)
     ok = (out["agree"] >= AGREE and out["o"] <= out["o_bar"] and out["grad"] <= out["grad_bar"]
-          and out["decode"] <= out["decode_bar"] and out["decode_waived"] <= 1 - AGREE
+          and (block or out["decode"] <= out["decode_bar"]) and out["decode_waived"] <= 1 - AGREE
           and out["nan_rows"])
     return ok, out
 
 
-def run_benchmark_shape(rng, sel, top_k, T_big):
-    config = HTreeConfig(top_k=top_k, selection=sel)
+def run_benchmark_shape(rng, sel, top_k, T_big, source=None):
+    """`source`: block selection's (`selection_block=16`), None: per query."""
+    config = HTreeConfig(top_k=top_k, selection=sel,
+                         **(dict(selection_block=16, block_source=source) if source else {}))
     q, k, v = (jnp.asarray(rng.standard_normal((1, T_big, h, 128)).astype(np.float32), jnp.bfloat16)
                for h in (32, 4, 4))
     o = jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend="pallas"))(q, k, v)
@@ -222,8 +245,8 @@ def case_name(kind: str, c, big_T: int) -> str:
     if kind == "small":
         (G, K, V, rope), dtype, sel, packed = c
         return f"G={G} K={K} V={V} rope={rope} {dtype} {sel}" + {False: "", True: " packed"}.get(packed, f" {packed}")
-    sel, top_k = c
-    return f"bench T={big_T} top_k={top_k} bf16 {sel}"
+    sel, top_k, *source = c
+    return f"bench T={big_T} top_k={top_k} bf16 {sel}" + (f" block {source[0]}" if source else "")
 
 
 def short_error(e: Exception) -> str:
@@ -242,14 +265,14 @@ def run_one(kind: str, c, big_T: int, seed: int, dump: str | None):
     t0 = time.perf_counter()
     try:
         rng = np.random.default_rng(seed)
-        ok, out = run_case(rng, *c) if kind == "small" else run_benchmark_shape(rng, *c, big_T)
+        ok, out = run_case(rng, *c) if kind == "small" else run_benchmark_shape(rng, *c[:2], big_T, *c[2:])
     except Exception as e:  # noqa: BLE001 - a compile or run failure is a failed case
         ok, out = False, {"error": short_error(e)}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     kernels = dumped_kernels(seen, dump) if dump else {}
     if kernels:
         out["smem_kernel"], out["smem"] = max(kernels.items(), key=lambda x: x[1])
-    if kind == "small" and c[3] != "one layer" and (c[3] or not wide_head_dims(c[0][1], c[0][2])):  # GQA kernels
+    if kind == "small" and isinstance(c[3], bool) and (c[3] or not wide_head_dims(c[0][1], c[0][2])):  # GQA kernels
         (G, K, V, rope), dtype, sel, _ = c
         config = HTreeConfig(top_k=8, rope_dim=rope, selection=sel)
         tuning = KernelConfigs.resolve(None, K, V)
@@ -281,7 +304,8 @@ def report(name, ok, out, kind):
     elif kind == "big":
         detail = "outputs and gradients finite" if out["finite"] else "NON-FINITE"
     else:
-        detail = f"{out['agree']:6.4f} {out['agree_f32']:6.4f} {out['o']:9.2e} {out['grad']:9.2e} {out['decode']:9.2e}"
+        decode = "reference" if np.isnan(out["decode"]) else f"{out['decode']:9.2e}"  # block: no decode kernels
+        detail = f"{out['agree']:6.4f} {out['agree_f32']:6.4f} {out['o']:9.2e} {out['grad']:9.2e} {decode:>9s}"
     smem = f"{out['smem']:>7d} {out['smem_kernel']}" if "smem" in out else ""
     model = f"{out['model']:>7d}/{out.get('compiled', '-')}" if "model" in out else ""
     print(f"{name:44s} {'ok' if ok else 'FAIL':4s} {detail}  {out['seconds']:.0f}  {smem}  {model}", flush=True)
@@ -303,6 +327,7 @@ def main():
     cases = [("small", c) for c in matrix(args.full)]
     if args.big_T:
         cases += [("big", (sel, top_k)) for sel in ("mean", "bound") for top_k in (512, 64)]
+        cases += [("big", ("bound", 512, source)) for source in ("first", "previous")]
     if args.only:
         cases = [(kind, c) for kind, c in cases if re.search(args.only, case_name(kind, c, args.big_T))]
     dump_root = tempfile.mkdtemp(prefix="gpu_gate_")

@@ -111,7 +111,7 @@ def htree_attention(
     dims = check_qkv(q, k, v)
     config.check_rope_dim(dims.head_dim)
     check_block_sizes(block_sizes)
-    impl = full_sequence_backend(backend, dims, config)
+    impl = full_sequence_backend(backend, dims, config, packed=segment_ids is not None)
     for name, flag in (("return_selected", return_selected), ("return_importance", return_importance)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")

@@ -18,6 +18,7 @@ Inputs here are validated by the caller (`htree_jax.core.validation`), with `q`,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -35,11 +36,14 @@ from htree_jax.reference import (
     htree_attention_reference,
     htree_attention_reference_packed,
 )
+from pallas_kernels.block.backward import block_backward_pallas
+from pallas_kernels.block.forward import block_forward_pallas
+from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
 from pallas_kernels.decode.walk import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.gqa.backward import htree_backward_pallas
 from pallas_kernels.gqa.forward import htree_forward_pallas
 from pallas_kernels.gqa.plan import check_pallas_dims
-from pallas_kernels.shared.common import check_query_layout
+from pallas_kernels.shared.common import MAX_GROUP, check_query_layout
 from pallas_kernels.shared.configs import BlockSizes, DecodeBlockSizes, KernelConfigs
 from pallas_kernels.shared.dead_rows import poison_rows_in_place
 from pallas_kernels.wide.backward import wide_backward_pallas
@@ -95,33 +99,58 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
     return backend
 
 
-def full_sequence_backend(backend: str, dims, config: HTreeConfig | None = None) -> str:
+def full_sequence_backend(backend: str, dims, config: HTreeConfig | None = None, packed: bool = False) -> str:
     """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`);
-    block selection's rule (`block_selection_backend`) where `config` asks for it."""
+    block selection's rule (`block_selection_backend`) where `config` asks for it
+    (`packed`: the call has `segment_ids`)."""
     if config is not None and config.selects_by_block:
-        return block_selection_backend(backend, config)
+        return block_selection_backend(backend, config, dims, packed)
     return choose_backend(backend, lambda name: check_pallas_dims(dims, name))
 
 
 def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, latent_half: int | None = None,
                    config: HTreeConfig | None = None) -> str:
     """`choose_backend` for a decode call: the cache's `K`, `V` and the group size
-    (every `HTreeConfig.selection` decodes on the kernels); `latent_half` for a cache
-    whose values are the keys' latent features (`(K - rope_dim) / 2`); block
-    selection's rule (`block_selection_backend`) where `config` asks for it."""
+    (every `HTreeConfig.selection` decodes on the kernels); block selection decodes on
+    the reference (its decode kernels are not built: "pallas" is refused)."""
     if config is not None and config.selects_by_block:
-        return block_selection_backend(backend, config)
+        check_backend(backend)
+        if backend in ("pallas", "pallas_interpret"):
+            raise ValueError(f"backend {backend!r}: decoding with selection_block={config.selection_block} (block "
+                             "selection, SPEC 12) runs on the JAX reference only for now; use backend='reference' "
+                             "or 'auto'")
+        return "reference"
     return choose_backend(backend, lambda name: check_pallas_decode_dims(head_dim, value_dim, group, latent_half))
 
 
-def block_selection_backend(backend: str, config: HTreeConfig) -> str:
-    """Block selection (SPEC 12, `config.selection_block > 1`) has no kernels yet: "auto"
-    runs the reference (on every platform), "pallas" and "pallas_interpret" are refused."""
-    check_backend(backend)
-    if backend in ("pallas", "pallas_interpret"):
-        raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection, "
-                         "SPEC 12) runs on the JAX reference only for now; use backend='reference' or 'auto'")
-    return "reference"
+def check_block_kernel_dims(dims, config: HTreeConfig, backend: str, packed: bool) -> None:
+    """Block selection's kernels (SPEC 12, `pallas_kernels.block`): the per-query kernels'
+    limits for the call (they choose each block's nodes on its ranking rows, and run the
+    backward), heads up to `BLOCK_MAX_DIM` features, and for the ranking rows (`"previous"`: `b * G` rows a kv head), one
+    document per row, one device (a context shard's blocks reach into the shard
+    before it: the reference takes those)."""
+    check_pallas_dims(dims, backend)
+    if max(dims.head_dim, dims.value_dim) > BLOCK_MAX_DIM:
+        raise ValueError(f"backend {backend!r}: block selection's kernels take K and V up to {BLOCK_MAX_DIM}, got "
+                         f"K = {dims.head_dim}, V = {dims.value_dim}; backend='reference' takes larger heads")
+    rows = dims.group_size * (config.selection_block if config.block_source == "previous" else 1)
+    if rows > MAX_GROUP:
+        raise ValueError(f"backend {backend!r}: block_source='previous' ranks with selection_block * H / H_kv = "
+                         f"{rows} rows a kv head, at most {MAX_GROUP} on the kernels")
+    if packed:
+        raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection) with "
+                         "segment_ids runs on the JAX reference only for now; use backend='reference' or 'auto'")
+    if jax.device_count() > 1:
+        raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection) on "
+                         f"{jax.device_count()} devices runs on the JAX reference only for now; use "
+                         "backend='reference' or 'auto'")
+
+
+def block_selection_backend(backend: str, config: HTreeConfig, dims, packed: bool = False) -> str:
+    """Block selection (SPEC 12, `config.selection_block > 1`) on full sequences: the
+    block kernels where they take the call (`check_block_kernel_dims`), as for every
+    other option ("auto": on a GPU, else the reference)."""
+    return choose_backend(backend, lambda name: check_block_kernel_dims(dims, config, name, packed))
 
 
 def query_positions(positions, q):
@@ -233,6 +262,82 @@ def _pallas_forward_bwd(config, interpret, export, tuning, value_dim, q_layout, 
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
 
 
+def block_ranking_rows(q, num_kv_heads: int, config: HTreeConfig):
+    """SPEC 12's ranking rows of every block as the queries of one position, its first:
+    `q [B, T, H, K]` -> `[B, ceil(T / b), H_kv * R, K]`, each kv head's `R` rows together:
+    the block's first query (`"first"`, `R = G`) or the previous block's `b` queries
+    (`"previous"`, `R = b * G`, zeros before the first block)."""
+    B, T, H, K = q.shape
+    b = config.selection_block
+    if config.block_source == "first":
+        return q[:, ::b]
+    NB, G = -(-T // b), H // num_kv_heads
+    blocks = jnp.pad(q, ((0, 0), (0, NB * b - T), (0, 0), (0, 0))).reshape(B, NB, b, num_kv_heads, G, K)
+    previous = jnp.concatenate([jnp.zeros_like(blocks[:, :1]), blocks[:, :-1]], axis=1)
+    return jnp.swapaxes(previous, 2, 3).reshape(B, NB, num_kv_heads * b * G, K)
+
+
+def block_selections(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool, export: bool):
+    """`(selections, importance)` of every block (SPEC 12): the per-query kernels
+    (`pallas_forward_pass`) run on each block's ranking rows at its first position choose
+    what the block refines. Each `[B, ceil(T / b), H_kv, top_k]`, top layer first
+    (importance `[]` without `export`). Their outputs are not used: the block merge
+    recomputes every row's."""
+    b = config.selection_block
+    starts = jnp.arange(-(-q.shape[1] // b), dtype=jnp.int32) * b
+    rows = jax.lax.stop_gradient(block_ranking_rows(q, k.shape[2], config))
+    per_query = dataclasses.replace(config, selection_block=1)
+    _, selected, *exported = pallas_forward_pass(rows, k, v, per_query, tuning, interpret, positions=starts,
+                                                 return_importance=export)
+    return selected, (exported[0] if export else [])
+
+
+def per_token(block_values, b: int, T: int):
+    """A block's lists for each of its tokens: `[B, NB, ...]` -> `[B, T, ...]`."""
+    return jnp.repeat(block_values, b, axis=1)[:, :T]
+
+
+def _guarded_block_forward(q, k, v, config, interpret, export, tuning):
+    """Block selection's forward (`block_selections`, then `block_forward_pallas`) under
+    SPEC 10's guard: `(o, blocks' selections, lse, first, blocks' importance)`."""
+    T = k.shape[1]
+    first = first_non_finite(k, v, jnp.arange(T, dtype=jnp.int32))
+    k, v = zero_non_finite(k), zero_non_finite(v)
+    blocks, exported = block_selections(q, k, v, config, tuning, interpret, export)
+    o, lse = block_forward_pallas(q, k, v, blocks, config, interpret)
+    return poison_rows(o, jnp.arange(T, dtype=jnp.int32), first), blocks, lse, first, exported
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _block_forward(q, k, v, config, interpret, export, tuning):
+    """`(o, selections, *importance)` with block selection (SPEC 12) on the kernels, each
+    token's lists its block's; the backward is the block family's
+    (`block_backward_pallas`)."""
+    o, blocks, _, _, exported = _guarded_block_forward(q, k, v, config, interpret, export, tuning)
+    b, T = config.selection_block, q.shape[1]
+    return (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if export else []))
+
+
+def _block_forward_fwd(q, k, v, config, interpret, export, tuning):
+    o, blocks, lse, first, exported = _guarded_block_forward(q, k, v, config, interpret, export, tuning)
+    b, T = config.selection_block, q.shape[1]
+    out = (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if export else []))
+    return out, (q, k, v, o, lse, first, blocks)
+
+
+def _block_forward_bwd(config, interpret, export, tuning, residuals, cotangents):
+    q, k, v, o, lse, first, blocks = residuals
+    T = q.shape[1]
+    dead = dead_rows(jnp.arange(T, dtype=jnp.int32), first, q.shape[2])
+    dq, dk, dv = block_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, cotangents[0], blocks,
+                                       config, interpret, dead)
+    late = (jnp.arange(T, dtype=jnp.int32)[None, :, None] >= first[:, None, :])[..., None]
+    return dq, jnp.where(late, jnp.zeros((), dk.dtype), dk), jnp.where(late, jnp.zeros((), dv.dtype), dv)
+
+
+_block_forward.defvjp(_block_forward_fwd, _block_forward_bwd)
+
+
 def latent_values(k, config: HTreeConfig, value_dim: int):
     """The values that are the first `value_dim` latent (unrotated) features of `k [B, T,
     H_kv, K]` (`rope_layout` order): what `v=None` stands for (`htree_attention`)."""
@@ -270,6 +375,15 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     dense_one_layer = (v is not None and impl == "pallas" and packing is None and positions is None
                        and one_layer(config, k.shape[1]) and dense_eligible(q, k, v))
     check_query_layout(q_layout, wide=True)
+    if config.selects_by_block and impl != "reference" and not one_layer(config, k.shape[1]):
+        if packing is not None or positions is not None or rank_rows is not None:
+            raise ValueError("block selection's kernels take whole sequences of one document a row "
+                             "(no packing, no context shards): backend='reference' takes the others")
+        if q_layout == "given":
+            q = rope_layout(q, config.partial_rope(q.shape[-1]))
+        v = latent_values(k, config, value_dim) if v is None else v
+        o, selected, *exported = _block_forward(q, k, v, config, impl == "pallas_interpret", export, tuning)
+        return (o, selected, *(jax.lax.stop_gradient(x) for x in exported))
     if q_layout == "given" and (dense_one_layer or not wide):
         q, q_layout = rope_layout(q, config.partial_rope(q.shape[-1])), "rope_layout"
     if v is None:

@@ -2,7 +2,8 @@
 against the float64 oracle on multi-layer trees, the selection shared by each bottom
 node's queries, causality by perturbation, gradients against finite differences, packed
 documents, decoding (the cache keeps the recent queries that rank) against the full
-sequence, and the clear errors where it is not built (the kernels)."""
+sequence, and the clear errors where it is not built (the kernels' limits, decoding on
+the kernels). The kernels against the reference: `test_block_kernels.py`."""
 
 from __future__ import annotations
 
@@ -144,10 +145,18 @@ def test_packed_documents_are_blocked_inside_each_document(rng, source):
 def test_where_it_is_not_built_the_errors_say_so(rng):
     config = block_config(4, 4, "first")
     q, k, v = random_qkv(rng, 1, 40, 4, 2, 32, 32)
-    for backend in ("pallas", "pallas_interpret"):
-        with pytest.raises(ValueError, match="selection_block=4 .* JAX reference only"):
-            htree_attention(q, k, v, config, backend=backend)
-    o = htree_attention(q, k, v, config)  # "auto": the reference
+    with pytest.raises(ValueError, match="backend 'pallas' needs a CUDA GPU"):
+        htree_attention(q, k, v, config, backend="pallas")
+    segments = jnp.asarray((np.arange(40) >= 17).astype(np.int32))[None]
+    with pytest.raises(ValueError, match="selection_block=4 .* with segment_ids runs on the JAX reference only"):
+        htree_attention(q, k, v, config, backend="pallas_interpret", segment_ids=segments, max_documents=2)
+    wide_q, wide_k, wide_v = random_qkv(rng, 1, 40, 4, 2, 288, 32)
+    with pytest.raises(ValueError, match="block selection's kernels take K and V up to 256, got K = 288"):
+        htree_attention(wide_q, wide_k, wide_v, config, backend="pallas_interpret")
+    many_q, many_k, many_v = random_qkv(rng, 1, 40, 128, 2, 32, 32)
+    with pytest.raises(ValueError, match="block_source='previous' ranks with .* 256 rows a kv head, at most 128"):
+        htree_attention(many_q, many_k, many_v, block_config(4, 4, "previous"), backend="pallas_interpret")
+    o = htree_attention(q, k, v, config)  # "auto" off a GPU: the reference
     np.testing.assert_array_equal(np.asarray(o), np.asarray(htree_attention(q, k, v, config, backend="reference")))
     with pytest.raises(ValueError, match=r"init_cache needs num_heads \(the query heads\) with config.selection_block=4"):
         htree_jax.init_cache(1, 64, 2, 32, 32, config, jnp.float32)

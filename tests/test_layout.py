@@ -114,7 +114,7 @@ def test_no_private_name_imported_from_another_module(folder):
 # forward, backward (where it has one) and config side by side, and one shared folder.
 # A family imports the shared folder and `htree_jax.core` only, never another family;
 # the shared folder imports no family. The choice of family is `htree_jax.backends`'s.
-FAMILIES = ("gqa", "wide", "decode")
+FAMILIES = ("gqa", "wide", "decode", "block")
 SHARED = "shared"
 
 

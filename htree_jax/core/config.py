@@ -64,8 +64,9 @@ class HTreeConfig:
         keys' scores either way. Every backend, full sequences and decoding.
       selection_block: `1` (the default: each query selects for itself) or
         `compression_rate`: the queries of one bottom node share one selection at every
-        layer (SPEC 12), ranked by `block_source`'s rows. The JAX reference only, full
-        sequences (packed too); the Pallas kernels and decoding refuse it for now.
+        layer (SPEC 12), ranked by `block_source`'s rows. The JAX reference everywhere
+        (packed, sharded, decoding); the Pallas kernels for full sequences of one
+        document a row on one device (`pallas_kernels/block/`).
       block_source: with `selection_block > 1`, whose queries rank the block's
         candidates: `"first"` (the block's first query) or `"previous"` (the previous
         block's queries, their importance summed). Causal either way (SPEC 12).

@@ -1,0 +1,133 @@
+"""Block selection's kernels on the GPU (SPEC 12, `pallas_kernels.block`) against cuDNN
+in the same run: the forward through `htree_attention` (as users call it), its two
+launches apart (the blocks' selections on the per-query kernels, `block_selections`;
+the block merge, `block_forward_pallas`, with each `--variants` tile and warps) and
+the merge's rate in TFLOP/s (its score and value dots over the candidates it
+gathers), per-query htree at the same `top_k` beside it, and forward+backward at
+`--backward-sizes` (and the block backward alone, `block_backward_pallas`, with each
+`--backward-variants`; its rate counts five dots a candidate to the forward's two).
+
+    python benchmarks/bench_block.py [--sizes 131072,524288] [--top-k 512] [--json FILE]
+
+The benchmark shape: B=1, H=32, H_kv=4, K=V=128, bfloat16, `compression_rate=16`,
+random and correlated inputs (`htree_jax.bench`). Medians after warm-up
+(`median_ms`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from htree_jax import HTreeConfig, htree_attention
+from htree_jax.backends import block_selections
+from htree_jax.bench import INPUTS, dense_fn, grad_of_sum, int_list, median_ms, run_header
+from htree_jax.cli import DefaultsHelpFormatter
+from pallas_kernels.block.backward import block_backward_pallas
+from pallas_kernels.block.forward import block_forward_pallas
+from pallas_kernels.shared.configs import KernelConfigs
+
+
+def merge_flops(blocks, config: HTreeConfig, T: int, G: int, K: int, V: int) -> float:
+    """The block merge's dot FLOPs: every block's rows (`b * G`, per kv head) times the
+    candidates of its layers (`2 * (K + V)` each): the top layer's nodes up to the block,
+    each lower layer's `r` children of every parent it was given."""
+    b, r, L = config.selection_block, config.compression_rate, config.num_layers(T)
+    starts = jnp.arange(-(-T // b)) * b
+    top = (starts // r ** (L - 1) + 1).astype(jnp.float32)  # [NB]
+    per_block = top[None, :, None] + sum(jnp.sum(s >= 0, axis=-1).astype(jnp.float32) * r for s in blocks)
+    return float(jnp.sum(per_block)) * b * G * 2 * (K + V)
+
+
+def parse_variants(text: str) -> list[tuple[int, int]]:
+    """`"64x8,32x4"` -> `[(tile, warps), ...]`."""
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
+
+
+def run(args):
+    rows = []
+    for kind in args.kinds.split(","):
+        for T in int_list(args.sizes):
+            q, k, v = INPUTS[kind](T)
+            B, _, H, K = q.shape
+            H_kv, V = k.shape[2], v.shape[-1]
+            per_query = HTreeConfig(top_k=args.top_k)
+            dense_ms = median_ms(dense_fn(per_query), (q, k, v), args.iters)
+            pq = jax.jit(lambda q, k, v: htree_attention(q, k, v, per_query, backend="pallas"))
+            row = dict(inputs=kind, T=T, top_k=args.top_k, dense_ms=dense_ms,
+                       per_query_ms=median_ms(pq, (q, k, v), args.iters) if args.per_query else None)
+            backward = T in int_list(args.backward_sizes)
+            if backward:
+                row["dense_fwd_bwd_ms"] = median_ms(jax.jit(grad_of_sum(dense_fn(per_query))), (q, k, v), args.iters)
+            dense_fwd_bwd_ms = row.get("dense_fwd_bwd_ms")
+            print(row, flush=True)
+            rows.append(row)
+            for source in args.sources.split(","):
+                config = HTreeConfig(top_k=args.top_k, selection_block=16, block_source=source)
+                tuning = KernelConfigs.resolve(None, K, V)
+                full = jax.jit(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
+                select = jax.jit(lambda q, k, v, c=config: block_selections(q, k, v, c, tuning, False, False)[0])
+                blocks = select(q, k, v)
+                flops = merge_flops(blocks, config, T, H // H_kv, K, V)
+                row = dict(inputs=kind, T=T, top_k=args.top_k, source=source, dense_ms=dense_ms,
+                           block_ms=median_ms(full, (q, k, v), args.iters),
+                           selection_ms=median_ms(select, (q, k, v), args.iters), merge_tflop=flops / 1e12)
+                row["speedup"] = dense_ms / row["block_ms"]
+                for tile, warps in parse_variants(args.variants):
+                    merge = jax.jit(lambda q, k, v, s, c=config, t=tile, w=warps:
+                                    block_forward_pallas(q, k, v, s, c, tile=t, num_warps=w)[0])
+                    try:
+                        ms = median_ms(merge, (q, k, v, blocks), args.iters)
+                        row[f"merge_{tile}x{warps}_ms"] = ms
+                        row[f"merge_{tile}x{warps}_tflops"] = flops / ms / 1e9
+                    except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
+                        row[f"merge_{tile}x{warps}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
+                if backward:
+                    o, lse = block_forward_pallas(q, k, v, blocks, config)
+                    for tile, warps in parse_variants(args.backward_variants):
+                        grads = jax.jit(lambda q, k, v, o, lse, s, c=config, t=tile, w=warps:
+                                        block_backward_pallas(q, k, v, o, lse, o, s, c, tile=t, num_warps=w))
+                        try:
+                            ms = median_ms(grads, (q, k, v, o, lse, blocks), args.iters)
+                            row[f"backward_{tile}x{warps}_ms"] = ms
+                            row[f"backward_{tile}x{warps}_tflops"] = 2.5 * flops / ms / 1e9
+                        except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
+                            row[f"backward_{tile}x{warps}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
+                    del o, lse
+                    row["fwd_bwd_ms"] = median_ms(jax.jit(grad_of_sum(full)), (q, k, v), args.iters)
+                    row["fwd_bwd_speedup"] = dense_fwd_bwd_ms / row["fwd_bwd_ms"]
+                print(row, flush=True)
+                rows.append(row)
+                del blocks
+            del q, k, v
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="131072,524288", help="sequence lengths")
+    ap.add_argument("--top-k", type=int, default=512)
+    ap.add_argument("--sources", default="first,previous", help="block_source values")
+    ap.add_argument("--kinds", default="random,correlated", help="input kinds (htree_jax.bench.INPUTS)")
+    ap.add_argument("--variants", default="64x8", help="the merge's tile x warps to time apart")
+    ap.add_argument("--backward-variants", default="32x8", help="the backward's tile x warps to time apart")
+    ap.add_argument("--backward-sizes", default="131072", help="lengths also timed forward+backward")
+    ap.add_argument("--per-query", action="store_true", help="also time per-query htree at the same top_k")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        sys.exit("bench_block: needs a CUDA GPU")
+    print(run_header("benchmarks/bench_block.py", argv), flush=True)
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The block-selection backward (SPEC 5 with SPEC 12's selections constant): the
+transpose of `merge.py`'s walk, one program per `(b, queries, h_kv)` as in the forward.
+
+With the forward's per-row log-sum-exp `lse` and `delta = rowsum(do * o)`, a merged
+candidate `j` of row `i` has weight `p = exp(s - lse)` and `ds = p * (do . v_j -
+delta)`. A program gathers each candidate tile once for all its rows (as the forward
+does), sums its rows' `dq` over the tile in the layer's rotated frame and adds it,
+rotated back, to `dq` once a layer; the tile's `dk = alpha * ds^T q` (rotated back by
+each candidate's position) and `dv = p^T do` are summed over the program's rows and
+added to the layer's float32 accumulators with atomics: many blocks merge the same
+node, and with `b * G` rows a gather the atomics are a sixteenth of per-query ones.
+So the key and value gradients are summed in no fixed order (not bitwise
+reproducible run to run, unlike the per-query family's). The layers' gradients are
+pushed down the tree (`tree_backward.push_down`) to the tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.tree import build_tree
+from pallas_kernels.block.forward import DEFAULT_TILE, block_static, table_positions
+from pallas_kernels.block.merge import (
+    BlockStatic,
+    layer_arrays,
+    layer_walk,
+    merged_mask,
+    operand,
+    rope_tables,
+    rotate_back,
+    rotated_keys,
+    rotated_rows,
+    scores_dot,
+    selection_lists,
+    tile_nodes,
+)
+from pallas_kernels.shared.common import (
+    compiler_params,
+    next_power_of_two,
+    pad_axis,
+    pad_rope_halves,
+    unpad_rope_halves,
+)
+from pallas_kernels.shared.tree_backward import push_down
+
+BACKWARD_TILE = 32  # candidates a step: the backward holds five [rows, tile] float32 arrays
+
+
+def _t_dot(a, b, st: BlockStatic, dtype):
+    """`a [m, n]^T @ b [m, d]` in float32 (operands as `merge.scores_dot`)."""
+    dims = (((0,), (0,)), ((), ()))
+    if st.exact:
+        return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=jnp.float32)
+
+
+def _n_dot(a, b, st: BlockStatic, dtype):
+    """`a [m, n] @ b [n, d]` in float32 (operands as `merge.scores_dot`)."""
+    if st.exact:
+        return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, *refs, st: BlockStatic):
+    L, C, h = st.num_layers, st.tile, st.half
+    sel_refs = refs[: L - 1]
+    layer_refs = refs[L - 1: L - 1 + 2 * L]
+    zero_refs = refs[L - 1 + 2 * L: L - 1 + 4 * L]  # aliased to the gradients below
+    dq_ref, *grad_refs = refs[L - 1 + 4 * L:]
+    del zero_refs
+    rows, dtype = st.rows, q_ref.dtype
+    do = do_ref[...].reshape(rows, st.vp)
+    lse = lse_ref[...].reshape(rows)
+    delta = delta_ref[...].reshape(rows)
+    dq_lo = jnp.zeros((rows, h), jnp.float32)
+    dq_hi = jnp.zeros((rows, h), jnp.float32)
+
+    for l in reversed(range(L)):
+        k_ref, v_ref = layer_refs[2 * l], layer_refs[2 * l + 1]
+        dk_ref, dv_ref = grad_refs[2 * l], grad_refs[2 * l + 1]
+        walk = layer_walk(l, sel_refs, st)
+        q_rot = rotated_rows(q_ref, cos_ref, sin_ref, walk.angle, st)
+        qr = [operand(x, st, dtype) for x in q_rot]
+
+        def tile_grads(i, carry, k_ref=k_ref, v_ref=v_ref, dk_ref=dk_ref, dv_ref=dv_ref, walk=walk, qr=qr):
+            (g_lo, g_hi), seen = carry
+            p, valid, nodes = tile_nodes(i, walk, st)
+            kr = rotated_keys(k_ref, nodes, cos_ref, sin_ref, i, st)
+            s = st.alpha * (scores_dot(qr[0], kr[0], st, dtype) + scores_dot(qr[1], kr[1], st, dtype))
+            merged, seen = merged_mask(p, valid, nodes, seen, walk, st)
+            w = jnp.where(merged, jnp.exp(s - lse[:, None]), 0.0)  # [rows, C]
+            v = v_ref[nodes, :]
+            ds = w * (scores_dot(do, v, st, dtype) - delta[:, None]) * st.alpha
+            g_lo = g_lo + _n_dot(ds, kr[0], st, dtype)
+            g_hi = g_hi + _n_dot(ds, kr[1], st, dtype)
+            dk_lo, dk_hi = rotate_back(_t_dot(ds, qr[0], st, dtype), _t_dot(ds, qr[1], st, dtype),
+                                       cos_ref[pl.ds(i * C, C), :], sin_ref[pl.ds(i * C, C), :])
+            # Positions past `n` (nothing merged: their sums are zero) add to a spare row,
+            # each valid node to its own: no two lanes of one add share a row but spare
+            # ones (interpret mode's adds keep one of equal rows).
+            target = jnp.where(valid, nodes, dk_ref.shape[0] - 1)[:, None]
+            cols = jnp.arange(h, dtype=jnp.int32)[None, :]
+            plgpu.atomic_add(dk_ref, (target, cols), dk_lo)
+            plgpu.atomic_add(dk_ref, (target, cols + h), dk_hi)
+            plgpu.atomic_add(dv_ref, (target, jnp.arange(st.vp, dtype=jnp.int32)[None, :]), _t_dot(w, do, st, dtype))
+            return (g_lo, g_hi), seen
+
+        zero = jnp.zeros((rows, h), jnp.float32)
+        (g_lo, g_hi), _ = lax.fori_loop(0, (walk.n_max + C - 1) // C, tile_grads, ((zero, zero), jnp.int32(0)))
+        g_lo, g_hi = rotate_back(g_lo, g_hi, cos_ref[walk.angle, :], sin_ref[walk.angle, :])
+        dq_lo, dq_hi = dq_lo + g_lo, dq_hi + g_hi
+
+    shape = dq_ref.shape[:-1] + (h,)
+    dq_ref[:, :, pl.ds(0, h)] = dq_lo.reshape(shape)
+    dq_ref[:, :, pl.ds(h, h)] = dq_hi.reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "node_counts", "interpret"))
+def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTreeConfig, st: BlockStatic,
+                          head_dim: int, table_rows: int, node_counts: tuple, interpret: bool = False):
+    """`(dq [B, Tp, H_kv, Gp, 2 * half]` float32, `[dk_l, dv_l]` float32 as `layers`)`
+    for the rows of `q5` (as `merge.block_merge_pallas` takes them) with cotangents `do5
+    [B, Tp, H_kv, Gp, vp]`, their log-sum-exp `lse` and `delta = rowsum(do * o)`
+    `[B, Tp, H_kv, Gp]`; `node_counts` each layer's nodes (the gradients have a spare
+    row past them)."""
+    B, Tp, H_kv, gp, kp = q5.shape
+    qb = st.queries
+    cos, sin = rope_tables(config, head_dim, table_rows, st)
+    per_block = st.r // qb
+    rows_spec = lambda d: pl.BlockSpec((None, qb, None, gp, d), lambda i, j, h: (i, j, h, 0, 0))
+    vec_spec = pl.BlockSpec((None, qb, None, gp), lambda i, j, h: (i, j, h, 0))
+    table_spec = pl.BlockSpec((table_rows, st.half), lambda i, j, h: (0, 0))
+    sel_spec = pl.BlockSpec((None, None, None, st.width), lambda i, j, h: (i, j // per_block, h, 0))
+    whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda i, j, h: (i, h, 0, 0))
+    layer_specs = [whole(x) for x in layers]
+    # The accumulators: a spare row past every node (`next_power_of_two(N + 1)` rows).
+    zeros = [jnp.zeros(x.shape[:2] + (next_power_of_two(n + 1),) + x.shape[3:], jnp.float32)
+             for x, n in zip(layers, [n for n in node_counts for _ in range(2)])]
+    acc_specs = [whole(x) for x in zeros]
+    first_zero = 6 + len(selections) + len(layers)
+    return pl.pallas_call(
+        functools.partial(_block_backward_kernel, st=st),
+        grid=(B, Tp // qb, H_kv),
+        in_specs=[rows_spec(kp), rows_spec(st.vp), vec_spec, vec_spec, table_spec, table_spec]
+        + [sel_spec] * len(selections) + layer_specs + acc_specs,
+        out_specs=[rows_spec(kp)] + acc_specs,
+        out_shape=[jax.ShapeDtypeStruct(q5.shape, jnp.float32)] + [jax.ShapeDtypeStruct(x.shape, jnp.float32)
+                                                                   for x in zeros],
+        input_output_aliases={first_zero + i: 1 + i for i in range(len(layers))},
+        compiler_params=compiler_params(st.num_warps, st.num_stages),
+        interpret=interpret,
+    )(q5, do5, lse, delta, cos, sin, *selections, *layers, *zeros)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "tile", "num_warps"))
+def block_backward_pallas(q, k, v, o, lse, do, selections, config: HTreeConfig, interpret: bool = False,
+                          dead_rows=None, tile: int = BACKWARD_TILE, num_warps: int = 8):
+    """`(dq, dk, dv)` in the dtypes of `q, k, v` of `block_forward.block_forward_pallas`'s
+    output `o [B, T, H, V]` with its `lse [B, T, H]`, cotangent `do`, and the blocks'
+    `selections` it was given. `dead_rows [B, T, H]` bool (optional): rows whose output
+    is a constant (SPEC 10's NaN rows), taken as having no cotangent."""
+    B, T, H, K = q.shape
+    H_kv, V = k.shape[2], v.shape[-1]
+    G, b = H // H_kv, config.selection_block
+    st = block_static(config, T, G, K, V, q.dtype, tile, num_warps)
+    Tp = -(-T // b) * b
+    if dead_rows is not None:
+        do = jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
+        o = jnp.where(dead_rows[..., None], jnp.zeros((), o.dtype), o)
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, H]
+    rows = lambda x, width: pad_axis(pad_axis(pad_axis(x.reshape(B, T, H_kv, G, x.shape[-1]), 1, Tp), 3, st.group),
+                                     4, width)
+    vecs = lambda x: pad_axis(pad_axis(x.reshape(B, T, H_kv, G), 1, Tp), 3, st.group)
+    q5 = pad_axis(pad_axis(pad_rope_halves(q.reshape(B, T, H_kv, G, K), st.half), 1, Tp), 3, st.group)
+    tree = build_tree(k, v, config)
+    dq5, *grads = block_backward_launch(q5, rows(do, st.vp), vecs(lse), vecs(delta), layer_arrays(tree, st),
+                                        selection_lists(selections, st), config, st, K,
+                                        table_positions(config, T, st), tuple(config.layer_sizes(T)), interpret)
+    dq = unpad_rope_halves(dq5[:, :T, :, :G], K).reshape(B, T, H, K)
+    # Down the tree: each layer's gradient, from the top, shared by the children of each node.
+    dk_up = dv_up = None
+    for l in reversed(range(len(tree))):
+        N = tree[l][0].shape[1]
+        dk_l, dv_l = grads[2 * l][:, :, :N], grads[2 * l + 1][:, :, :N]
+        if dk_up is not None:
+            dk_l = dk_l + push_down(dk_up, N, config.compression_rate)
+            dv_l = dv_l + push_down(dv_up, N, config.compression_rate)
+        dk_up, dv_up = dk_l, dv_l
+    dk = jnp.swapaxes(unpad_rope_halves(dk_up, K), 1, 2)
+    dv = jnp.swapaxes(dv_up[..., :V], 1, 2)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+__all__ = ["BACKWARD_TILE", "DEFAULT_TILE", "block_backward_pallas"]

@@ -1,0 +1,75 @@
+"""The block-selection forward once the blocks' selections are known (SPEC 12): the tree,
+the queries and the selections laid out for `merge.block_merge_pallas`, one launch for
+every layer's merge. The selections themselves come from the per-query kernels run on
+each block's ranking rows at its first position (`htree_jax.backends` composes them).
+
+Device memory beyond inputs and output: the tree (`build_tree`, the input dtype), each
+layer padded to a power of two of nodes with its `(b, h_kv)` rows contiguous (one copy
+of the tree), the queries padded to a multiple of `b` positions and a power of two of
+heads and features where they are not, the selection lists (`(L - 1) * B * T / b *
+H_kv * width` int32) and the rows' log-sum-exp (`B * T * H` float32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.tree import build_tree
+from pallas_kernels.block.merge import (
+    BlockStatic,
+    block_merge_pallas,
+    block_queries,
+    layer_arrays,
+    selection_lists,
+)
+from pallas_kernels.shared.common import next_power_of_two, pad_axis, pad_rope_halves
+
+DEFAULT_TILE, DEFAULT_WARPS = 32, 4  # candidates a step (two node tiles at r = 16), warps: RESULTS
+
+
+def block_static(config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, tile: int = DEFAULT_TILE,
+                 num_warps: int = DEFAULT_WARPS) -> BlockStatic:
+    """The launch for `T` tokens, `G` heads per kv head, head dims `K, V` in `dtype`."""
+    r = config.compression_rate
+    gp, half, vp = next_power_of_two(G), next_power_of_two(K // 2, 16), next_power_of_two(V, 16)
+    tile = max(next_power_of_two(tile), r, 16)
+    return BlockStatic(r=r, top_k=config.top_k, num_layers=config.num_layers(T),
+                       queries=block_queries(r, gp, max(2 * half, vp)), group=gp, half=half, vp=vp, tile=tile,
+                       width=next_power_of_two(config.top_k + tile), alpha=config.score_scale(K),
+                       exact=jnp.dtype(dtype) == jnp.float32, num_warps=num_warps)
+
+
+def table_positions(config: HTreeConfig, T: int, st: BlockStatic) -> int:
+    """RoPE positions the merge reads: every layer's `n` (at most `top_k * r` below the
+    top, the top layer's node count there), rounded up to the tile."""
+    most = max(config.max_candidates, config.layer_sizes(T)[-1])
+    return next_power_of_two(most, st.tile)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "tile", "num_warps"))
+def block_forward_pallas(q, k, v, selections, config: HTreeConfig, interpret: bool = False,
+                         tile: int = DEFAULT_TILE, num_warps: int = DEFAULT_WARPS):
+    """htree attention with block selection (SPEC 12, `config.selection_block =
+    compression_rate`) given the blocks' selections: `q [B, T, H, K]`, `k [B, T, H_kv,
+    K]`, `v [B, T, H_kv, V]` (rope layout), `selections` the node lists of layers `L-1 ..
+    1`, each `[B, ceil(T / b), H_kv, top_k]` int32 (`-1` padded), one per block.
+    Returns `(o [B, T, H, V]` in q's dtype, `lse [B, T, H]` float32)`. Inputs validated
+    by the caller; one document per row."""
+    B, T, H, K = q.shape
+    H_kv, V = k.shape[2], v.shape[-1]
+    G, b = H // H_kv, config.selection_block
+    st = block_static(config, T, G, K, V, q.dtype, tile, num_warps)
+    if len(selections) != st.num_layers - 1:
+        raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
+    Tp = -(-T // b) * b
+    q5 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), st.half)
+    q5 = pad_axis(pad_axis(q5, 1, Tp), 3, st.group)
+    layers = layer_arrays(build_tree(k, v, config), st)
+    o, lse = block_merge_pallas(q5, layers, selection_lists(selections, st), config, st, K,
+                                table_positions(config, T, st), interpret)
+    o = o[:, :T, :, :G, :V].reshape(B, T, H, V)
+    return o, lse[:, :T, :, :G].reshape(B, T, H)
