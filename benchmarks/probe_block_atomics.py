@@ -21,6 +21,7 @@ from jax._src.pallas.triton import lowering as triton_lowering
 from htree_jax import HTreeConfig
 from htree_jax.backends import block_selections
 from htree_jax.bench import INPUTS, median_ms, run_header
+from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.block import backward as block_backward
 from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.shared.configs import KernelConfigs
@@ -58,7 +59,7 @@ def no_atomics():
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter, description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, default=131072)
     ap.add_argument("--top-k", type=int, default=512)
     ap.add_argument("--iters", type=int, default=5)
