@@ -2,7 +2,8 @@
 JAX reference with the same option: selections equal, outputs, gradients and the
 importance export to the dtype's tolerance, on multi-layer trees, both sources, both
 rules, ragged lengths, padded heads, partial RoPE, a group split over several programs
-of one block, and SPEC 10's NaN rows."""
+of one block, and SPEC 10's NaN rows; and each launch shape lowered to Triton for a
+Hopper GPU (what interpret mode cannot see, short of compiling)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
+from pallas_kernels.block.backward import block_backward_pallas
+from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.merge import block_queries
 from tests.conftest import random_qkv
 
@@ -85,3 +88,36 @@ def test_a_nan_key_poisons_the_rows_the_reference_poisons(rng):
     rows = nan_rows("pallas_interpret")
     np.testing.assert_array_equal(rows, nan_rows("reference"))
     assert rows[0, 77:].any() and not rows[0, :77].any()
+
+
+def hopper():
+    """An abstract H200 for lowering without one (jax 0.12 asks for it; 0.10 takes it)."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
+# (H, H_kv, K, V, dtype): the benchmark's rows (128 a program), float32's exact dots,
+# the widest heads (64 rows a program), a group of 16 (one program a block of 8 queries).
+LOWERED = [(32, 4, 128, 128, jnp.bfloat16), (8, 1, 128, 128, jnp.float32), (8, 1, 256, 256, jnp.bfloat16),
+           (16, 1, 192, 192, jnp.float16)]
+
+
+@pytest.mark.parametrize("H, H_kv, K, V, dtype", LOWERED)
+def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
+    """Interpret mode cannot see a lowering fault: each block launch (forward and
+    backward) lowered to Triton for a Hopper GPU, here on the CPU (`lowering_platforms`;
+    it does not compile to PTX: shared memory and registers are the GPU gate's)."""
+    T, config = 4096, HTreeConfig(top_k=8, selection_block=16)
+    q = jax.ShapeDtypeStruct((1, T, H, K), dtype)
+    k = jax.ShapeDtypeStruct((1, T, H_kv, K), dtype)
+    v = jax.ShapeDtypeStruct((1, T, H_kv, V), dtype)
+    o, lse = jax.ShapeDtypeStruct((1, T, H, V), dtype), jax.ShapeDtypeStruct((1, T, H), jnp.float32)
+    blocks = [jax.ShapeDtypeStruct((1, T // 16, H_kv, 8), jnp.int32)] * (config.num_layers(T) - 1)
+    assert config.num_layers(T) == 3
+    with hopper():
+        forward = jax.jit(lambda q, k, v, s: block_forward_pallas(q, k, v, s, config)).trace(q, k, v, blocks)
+        backward = jax.jit(lambda q, k, v, o, lse, s: block_backward_pallas(q, k, v, o, lse, o, s, config)).trace(
+            q, k, v, o, lse, blocks)
+        for traced in (forward, backward):
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            assert "triton" in text
