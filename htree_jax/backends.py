@@ -247,16 +247,22 @@ def _pallas_forward_bwd(config, interpret, export, tuning, value_dim, q_layout, 
                                        config, block_sizes=tuning, interpret=interpret, dead_rows=dead,
                                        selections=saved, positions=positions, packing=packing, value_dim=value_dim,
                                        q_layout=q_layout)
-    # Tokens at or after `first` get no gradient: the entries the guard zeroed, and the
-    # rest of those tokens, whose gradient comes only from the dead rows (causal: only
-    # later queries merge a token or a node holding it) and is 0 already. Before `first`
-    # every entry is finite. So a mask by position is SPEC 10's per-entry mask, without
-    # a bool per entry of k and v kept from the forward to here (1 GiB at T=1M, H_kv=4,
-    # K=V=128: journal, 2026-11-27 (8)).
-    late = (jnp.arange(k.shape[1], dtype=jnp.int32)[None, :, None] >= first[:, None, :])[..., None]
-    dk = jnp.where(late, jnp.zeros((), dk.dtype), dk)
-    dv = None if v is None else jnp.where(late, jnp.zeros((), dv.dtype), dv)
-    return dq, dk, dv, None, None
+    return (dq, *zero_late_tokens(dk, dv, first), None, None)
+
+
+def zero_late_tokens(dk, dv, first):
+    """`(dk, dv)` zero at and after each row's first non-finite position `first [B, H_kv]`
+    (`dv` may be None).
+
+    Tokens at or after `first` get no gradient: the entries the guard zeroed, and the
+    rest of those tokens, whose gradient comes only from the dead rows (causal: only
+    later queries merge a token or a node holding it) and is 0 already. Before `first`
+    every entry is finite. So a mask by position is SPEC 10's per-entry mask, without
+    a bool per entry of k and v kept from the forward to here (1 GiB at T=1M, H_kv=4,
+    K=V=128: journal, 2026-11-27 (8))."""
+    late = (jnp.arange(dk.shape[1], dtype=jnp.int32)[None, :, None] >= first[:, None, :])[..., None]
+    zero = lambda x: None if x is None else jnp.where(late, jnp.zeros((), x.dtype), x)
+    return zero(dk), zero(dv)
 
 
 _pallas_forward.defvjp(_pallas_forward_fwd, _pallas_forward_bwd)
@@ -308,21 +314,24 @@ def _guarded_block_forward(q, k, v, config, interpret, export, tuning):
     return poison_rows(o, jnp.arange(T, dtype=jnp.int32), first), blocks, lse, first, exported
 
 
+def _block_outputs(o, blocks, exported, config, T: int, export: bool):
+    """`(o, selections, *importance)`, each token's lists its block's."""
+    b = config.selection_block
+    return (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if export else []))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _block_forward(q, k, v, config, interpret, export, tuning):
     """`(o, selections, *importance)` with block selection (SPEC 12) on the kernels, each
     token's lists its block's; the backward is the block family's
     (`block_backward_pallas`)."""
     o, blocks, _, _, exported = _guarded_block_forward(q, k, v, config, interpret, export, tuning)
-    b, T = config.selection_block, q.shape[1]
-    return (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if export else []))
+    return _block_outputs(o, blocks, exported, config, q.shape[1], export)
 
 
 def _block_forward_fwd(q, k, v, config, interpret, export, tuning):
     o, blocks, lse, first, exported = _guarded_block_forward(q, k, v, config, interpret, export, tuning)
-    b, T = config.selection_block, q.shape[1]
-    out = (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if export else []))
-    return out, (q, k, v, o, lse, first, blocks)
+    return _block_outputs(o, blocks, exported, config, q.shape[1], export), (q, k, v, o, lse, first, blocks)
 
 
 def _block_forward_bwd(config, interpret, export, tuning, residuals, cotangents):
@@ -331,8 +340,7 @@ def _block_forward_bwd(config, interpret, export, tuning, residuals, cotangents)
     dead = dead_rows(jnp.arange(T, dtype=jnp.int32), first, q.shape[2])
     dq, dk, dv = block_backward_pallas(q, zero_non_finite(k), zero_non_finite(v), o, lse, cotangents[0], blocks,
                                        config, interpret, dead)
-    late = (jnp.arange(T, dtype=jnp.int32)[None, :, None] >= first[:, None, :])[..., None]
-    return dq, jnp.where(late, jnp.zeros((), dk.dtype), dk), jnp.where(late, jnp.zeros((), dv.dtype), dv)
+    return (dq, *zero_late_tokens(dk, dv, first))
 
 
 _block_forward.defvjp(_block_forward_fwd, _block_forward_bwd)

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.tree import build_tree
-from pallas_kernels.block.forward import DEFAULT_TILE, block_static, table_positions
+from pallas_kernels.block.forward import DEFAULT_TILE, block_layout, block_static, table_positions
 from pallas_kernels.block.merge import (
     BlockStatic,
     layer_arrays,
@@ -37,6 +37,7 @@ from pallas_kernels.block.merge import (
     rotate_back,
     rotated_keys,
     rotated_rows,
+    rows_dot,
     scores_dot,
     selection_lists,
     tile_nodes,
@@ -59,13 +60,6 @@ def _t_dot(a, b, st: BlockStatic, dtype):
     if st.exact:
         return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=jnp.float32)
-
-
-def _n_dot(a, b, st: BlockStatic, dtype):
-    """`a [m, n] @ b [n, d]` in float32 (operands as `merge.scores_dot`)."""
-    if st.exact:
-        return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, *refs, st: BlockStatic):
@@ -98,8 +92,8 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
             w = jnp.where(merged, jnp.exp(s - lse[:, None]), 0.0)  # [rows, C]
             v = v_ref[nodes, :]
             ds = w * (scores_dot(do, v, st, dtype) - delta[:, None]) * st.alpha
-            g_lo = g_lo + _n_dot(ds, kr[0], st, dtype)
-            g_hi = g_hi + _n_dot(ds, kr[1], st, dtype)
+            g_lo = g_lo + rows_dot(ds, kr[0], st, dtype)
+            g_hi = g_hi + rows_dot(ds, kr[1], st, dtype)
             dk_lo, dk_hi = rotate_back(_t_dot(ds, qr[0], st, dtype), _t_dot(ds, qr[1], st, dtype),
                                        cos_ref[pl.ds(i * C, C), :], sin_ref[pl.ds(i * C, C), :])
             # Positions past `n` (nothing merged: their sums are zero) add to a spare row,
@@ -175,12 +169,10 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, config: HTreeConfig, 
         do = jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
         o = jnp.where(dead_rows[..., None], jnp.zeros((), o.dtype), o)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, H]
-    rows = lambda x, width: pad_axis(pad_axis(pad_axis(x.reshape(B, T, H_kv, G, x.shape[-1]), 1, Tp), 3, st.group),
-                                     4, width)
-    vecs = lambda x: pad_axis(pad_axis(x.reshape(B, T, H_kv, G), 1, Tp), 3, st.group)
-    q5 = pad_axis(pad_axis(pad_rope_halves(q.reshape(B, T, H_kv, G, K), st.half), 1, Tp), 3, st.group)
+    layout = lambda x: block_layout(x, H_kv, st, Tp)
     tree = build_tree(k, v, config)
-    dq5, *grads = block_backward_launch(q5, rows(do, st.vp), vecs(lse), vecs(delta), layer_arrays(tree, st),
+    dq5, *grads = block_backward_launch(layout(pad_rope_halves(q, st.half)), layout(pad_axis(do, -1, st.vp)),
+                                        layout(lse), layout(delta), layer_arrays(tree, st),
                                         selection_lists(selections, st), config, st, K,
                                         table_positions(config, T, st), tuple(config.layer_sizes(T)), interpret)
     dq = unpad_rope_halves(dq5[:, :T, :, :G], K).reshape(B, T, H, K)

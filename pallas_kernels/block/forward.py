@@ -50,6 +50,15 @@ def table_positions(config: HTreeConfig, T: int, st: BlockStatic) -> int:
     return next_power_of_two(most, st.tile)
 
 
+def block_layout(x, num_kv_heads: int, st: BlockStatic, Tp: int):
+    """Per-row arrays as the block kernels read them: `[B, T, H, ...]` -> `[B, Tp, H_kv,
+    Gp, ...]`, the positions padded to `Tp` (a multiple of `b`), each kv head's heads to
+    `st.group`."""
+    B, T, H = x.shape[:3]
+    x = x.reshape((B, T, num_kv_heads, H // num_kv_heads) + x.shape[3:])
+    return pad_axis(pad_axis(x, 1, Tp), 3, st.group)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "tile", "num_warps"))
 def block_forward_pallas(q, k, v, selections, config: HTreeConfig, interpret: bool = False,
                          tile: int = DEFAULT_TILE, num_warps: int = DEFAULT_WARPS):
@@ -66,8 +75,7 @@ def block_forward_pallas(q, k, v, selections, config: HTreeConfig, interpret: bo
     if len(selections) != st.num_layers - 1:
         raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
     Tp = -(-T // b) * b
-    q5 = pad_rope_halves(q.reshape(B, T, H_kv, G, K), st.half)
-    q5 = pad_axis(pad_axis(q5, 1, Tp), 3, st.group)
+    q5 = block_layout(pad_rope_halves(q, st.half), H_kv, st, Tp)
     layers = layer_arrays(build_tree(k, v, config), st)
     o, lse = block_merge_pallas(q5, layers, selection_lists(selections, st), config, st, K,
                                 table_positions(config, T, st), interpret)

@@ -84,12 +84,11 @@ def scores_dot(a, b_t, st: BlockStatic, dtype):
                            preferred_element_type=jnp.float32)
 
 
-def _weighted(w, values, st: BlockStatic, dtype):
-    """`w [m, n] @ values [n, Vp]` in float32 (operands as `_dot`)."""
+def rows_dot(a, b, st: BlockStatic, dtype):
+    """`a [m, n] @ b [n, d]` in float32 (operands as `scores_dot`)."""
     if st.exact:
-        return jnp.dot(w, values.astype(jnp.float32), precision=lax.Precision.HIGHEST,
-                       preferred_element_type=jnp.float32)
-    return jnp.dot(w.astype(dtype), values.astype(dtype), preferred_element_type=jnp.float32)
+        return jnp.dot(a, b.astype(jnp.float32), precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
 
 def _rotate(lo, hi, cos, sin):
@@ -209,7 +208,7 @@ def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic):
             decay = jnp.exp(m - m_safe)
             w = jnp.exp(s - m_safe[:, None])
             total = total * decay + jnp.sum(w, axis=1)
-            acc = acc * decay[:, None] + _weighted(w, v_ref[nodes, :], st, dtype)
+            acc = acc * decay[:, None] + rows_dot(w, v_ref[nodes, :], st, dtype)
             return (m_new, total, acc), seen
 
         state, _ = lax.fori_loop(0, (walk.n_max + C - 1) // C, merge_tile, (state, jnp.int32(0)))
