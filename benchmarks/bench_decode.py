@@ -32,6 +32,7 @@ import numpy as np
 from htree_jax import DecodeBlockSizes, HTreeCache, HTreeConfig, build_tree, decode_step, init_cache
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.cli import DefaultsHelpFormatter
+from htree_jax.core.blocks import recent_queries
 from htree_jax.core.bounds import tree_radii
 from htree_jax.core.quantize import FP8, quantize_rows
 
@@ -72,7 +73,9 @@ def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V, values_from_keys=
     with the tree's radii under `selection="bound"`; `values_from_keys`: no value
     layers (the values are the keys' first `V` latent features). `token_dtype=FP8`: the
     tokens stored in e4m3 with their scales (the nodes those of the bf16 tokens: the
-    same work per step as nodes of the tokens read back)."""
+    same work per step as nodes of the tokens read back). Block selection (SPEC 12): the
+    recent queries random and no block's selection yet (`-1`): the rows' lengths must
+    start a block (`block_start_lengths`), whose first step walks."""
     parts, scales = [], []
     for rows in range(0, B, FILL_ROWS):  # in row blocks (`random_rows`), the tree's sums too
         n = min(FILL_ROWS, B - rows)
@@ -92,8 +95,20 @@ def filled_cache(B, ctx, config, lengths, H_kv=H_KV, K=K, V=V, values_from_keys=
     join = lambda i: tuple(jnp.concatenate(layer, axis=0) for layer in zip(*(p[i] for p in parts)))
     values = () if values_from_keys else join(1)
     joined_scales = tuple(jnp.concatenate(x, axis=0) for x in zip(*scales))
+    queries, selections = (), ()
+    if config.selects_by_block:
+        if np.any(np.asarray(lengths) % config.selection_block):
+            raise ValueError("filled_cache: with block selection every row's length must start a block")
+        queries = (random_rows(7, (B, recent_queries(config), H_kv, H // H_kv, K)),)
+        selections = tuple(jnp.full((B, H_kv, config.top_k), -1, jnp.int32) for _ in range(len(keys) - 1))
     return HTreeCache(join(0), values, jnp.asarray(lengths, jnp.int32), join(2), V if values_from_keys else 0,
-                      joined_scales, np.dtype(DTYPE).name if token_dtype is not None else "")
+                      joined_scales, np.dtype(DTYPE).name if token_dtype is not None else "", queries, selections)
+
+
+def block_start_lengths(lengths, config):
+    """`lengths` rounded down to a block's start where `config` selects by block (SPEC 12)."""
+    b = config.selection_block
+    return np.asarray(lengths) - np.asarray(lengths) % b if config.selects_by_block else lengths
 
 
 def start_lengths(B, ctx, steps, repeats, spread: bool):

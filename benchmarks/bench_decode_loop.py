@@ -3,7 +3,7 @@ htree against dense attention with the same projections, and the launches of one
 attention step.
 
     python benchmarks/bench_decode_loop.py [--contexts 131072] [--batches 1,8] [--top-k 64,512]
-                                           [--selections mean,bound]
+                                           [--selections mean,bound] [--sources query,first]
 
 H=32, H_kv=4, K=V=128, bf16, random inputs (`bench_decode.filled_cache`'s caches; `--spread`:
 ragged rows). Per (context, B):
@@ -12,14 +12,20 @@ ragged rows). Per (context, B):
   written into a `[B, ctx, H_kv, K]` cache, cuDNN attention), `--steps` of them inside one
   jitted `lax.fori_loop` (ms per step: the median over `--repeats` loops / steps), and one
   jitted call per step from the host (`bench_decode.per_step_ms`);
-- htree module, per (top_k, selection): `HTreeAttention(decode=True)` the same two ways,
-  the ratio dense / htree of each, and the kernels a jitted `decode_step` launches (the
-  tree append and the walk; `kernel_trace`).
+- htree module, per (top_k, selection, source): `HTreeAttention(decode=True)` the same
+  two ways, the ratio dense / htree of each, and the kernels a jitted `decode_step`
+  launches (the tree append and the walk; `kernel_trace`). `--sources`: `query`
+  (per-query selection) and block selection's (SPEC 12, `selection_block=16`) `first` /
+  `previous`, whose rows start at a block's first token (`block_start_lengths`), so one
+  step in 16 walks the ranking rows and the others keep the cache's selection (with
+  `--spread` a step walks where any row starts a block); the kernel trace is of a step
+  that keeps it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import jax
@@ -34,6 +40,7 @@ from benchmarks.bench_decode import (
     V,
     decode_module,
     dense_decode,
+    block_start_lengths,
     filled_cache,
     start_lengths,
 )
@@ -96,7 +103,9 @@ def dense_body(graphdef, x):
 
 
 def step_launches(B, ctx, config, lengths, show: bool):
-    """Launches (and us of kernels) per jitted `decode_step` (append + walk) from a trace."""
+    """Launches (and us of kernels) per jitted `decode_step` (append + walk) from a trace
+    of the five steps after a first (with block selection, rows at a block's start: the
+    first walks the ranking rows, the five traced keep the cache's selection)."""
     q_t = jax.random.normal(jax.random.key(2), (B, H, K), DTYPE)
     k_t = jax.random.normal(jax.random.key(3), (B, H_KV, K), DTYPE)
     v_t = jax.random.normal(jax.random.key(4), (B, H_KV, V), DTYPE)
@@ -121,6 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--top-k", default="64,512")
     p.add_argument("--selections", default="mean,bound")
+    p.add_argument("--sources", default="query", help="query (per-query selection), first, previous")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--spread", action="store_true", help="ragged rows (`bench_decode.start_lengths`)")
@@ -129,9 +139,9 @@ def main(argv=None) -> int:
     print(gpu_header("decode module loop", f"H={H} H_kv={H_KV} K=V={K} bf16 random",
                      f"python benchmarks/bench_decode_loop.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
           flush=True)
-    print("| ctx | B | top_k | selection | htree loop ms/step | dense loop ms/step | dense / htree (loop) | "
+    print("| ctx | B | top_k | selection | source | htree loop ms/step | dense loop ms/step | dense / htree (loop) | "
           "htree call ms | dense call ms | dense / htree (call) | launches per decode_step | kernel us |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     steps, repeats = args.steps, args.repeats
     for ctx in int_list(args.contexts):
         for B in int_list(args.batches):
@@ -143,12 +153,14 @@ def main(argv=None) -> int:
             dense_loop, dense_call = loop_and_call(dense_body(graphdef, x), state, steps, repeats)
             print(f"ctx {ctx}, B {B}: the module's projections alone {floor:.4f} ms/step in the loop", flush=True)
             for top_k in int_list(args.top_k):
-                for selection in args.selections.split(","):
-                    config = HTreeConfig(top_k=top_k, selection=selection)
-                    graphdef, state = htree_module_state(B, ctx, config, lengths)
+                for selection, source in itertools.product(args.selections.split(","), args.sources.split(",")):
+                    block = {} if source == "query" else dict(selection_block=16, block_source=source)
+                    config = HTreeConfig(top_k=top_k, selection=selection, **block)
+                    rows = block_start_lengths(lengths, config)
+                    graphdef, state = htree_module_state(B, ctx, config, rows)
                     loop_ms, call_ms = loop_and_call(module_body(graphdef, x), state, steps, repeats)
-                    launches, us = step_launches(B, ctx, config, lengths, args.show_kernels)
-                    print(f"| {ctx} | {B} | {top_k} | {selection} | {loop_ms:.4f} | {dense_loop:.4f} | "
+                    launches, us = step_launches(B, ctx, config, rows, args.show_kernels)
+                    print(f"| {ctx} | {B} | {top_k} | {selection} | {source} | {loop_ms:.4f} | {dense_loop:.4f} | "
                           f"{dense_loop / loop_ms:.2f} | {call_ms:.4f} | {dense_call:.4f} | "
                           f"{dense_call / call_ms:.2f} | {launches:.0f} | {us:.1f} |", flush=True)
     return 0

@@ -20,10 +20,12 @@ decode steps, against the float32 JAX reference with exact dots:
 - decode steps against the full-sequence call, on the queries the float64 oracle does
   not flag as near-ties (`fragile`: prefill runs the kernels at another length, whose
   importance may round a near-tie the other way; H200, 2026-11-28, float32 bound G=4:
-  one flipped query put the whole output 1.6e-2 away); at most `1 - AGREE` waived;
+  one flipped query put the whole output 1.6e-2 away); at most `1 - AGREE` waived (with
+  block selection, where one near-tie waives a block's b queries, one block per kv head);
 - a NaN key: the rows it poisons (SPEC 10) those the reference poisons.
 Block selection (SPEC 12, `selection_block=16`: `pallas_kernels.block`) has its cases
-with each source: the same checks but decoding, which runs on the reference for it.
+with each source: the same checks, decoding included (the decode kernels keep the
+block's selection, `cache.selections`).
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
 rules and both `top_k`, and block selection with each source at `top_k=512` (forward
 and fwd+bwd compiled and run, outputs finite).
@@ -85,7 +87,7 @@ def dumped_kernels(seen: set, directory: str) -> dict:
 
 TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 2e-2}
 AGREE = 0.99
-T, PREFIX = 600, 596  # r=16, top_k=8: 600 -> 38 -> 3, three layers
+T, PREFIX, BLOCK_PREFIX = 600, 596, 590  # r=16, top_k=8: 600 -> 38, two layers
 
 # (G, K, V, rope_dim): the GQA kernels' shape classes (K, V padded to 32..256), 16 heads
 # on them, and latent attention's on the wide kernels.
@@ -154,8 +156,8 @@ def equal_parents(a_lists, b_lists, H_kv: int):
 def run_case(rng, shape, dtype, sel, packed):
     """`packed`: False, True (two documents), "one layer" (`top_k=64`: the tree of T
     tokens has one layer, which the GPU path runs as RoPE and cuDNN) or "block first" /
-    "block previous" (SPEC 12, `selection_block=16` with that source: the block kernels;
-    their decoding runs on the reference, so no decode check)."""
+    "block previous" (SPEC 12, `selection_block=16` with that source: the block kernels,
+    and the decode kernels with the block's selection kept in the cache)."""
     G, K, V, rope = shape
     H_kv = 1 if G > 16 else 2
     block = isinstance(packed, str) and packed.startswith("block")
@@ -207,13 +209,14 @@ def run_case(rng, shape, dtype, sel, packed):
     nan_rows = lambda backend: np.isnan(np.asarray(attend(q, k_bad, v, backend=backend), np.float32)).any(-1)
     out["nan_rows"] = bool(np.array_equal(nan_rows("pallas"), nan_rows("reference")))
     out["decode"], out["decode_bar"], out["decode_waived"] = 0.0, TOLERANCE[dtype], 0.0
-    if block:  # block selection decodes on the reference (no decode kernels yet)
-        out["decode"] = float("nan")
-    elif not packed:  # a decode cache holds one document a row
-        cache = init_cache(1, T, H_kv, K, V, config, q.dtype)
-        o_pre, cache = prefill(q[:, :PREFIX], k[:, :PREFIX], v[:, :PREFIX], cache, config, backend="pallas")
+    if not packed:  # a decode cache holds one document a row
+        cache = init_cache(1, T, H_kv, K, V, config, q.dtype, num_heads=G * H_kv if block else None)
+        # Block selection: steps on both sides of a block's start (592), which walks the
+        # ranking rows; the others keep the block's selection from the cache.
+        prefix = BLOCK_PREFIX if block else PREFIX
+        o_pre, cache = prefill(q[:, :prefix], k[:, :prefix], v[:, :prefix], cache, config, backend="pallas")
         steps = [o_pre]
-        for t in range(PREFIX, T):
+        for t in range(prefix, T):
             o_t, cache = decode_step(q[:, t], k[:, t], v[:, t], cache, config, backend="pallas")
             steps.append(o_t[:, None])
         # Steps against the full call: equal but where a near-tie flips a selection between
@@ -222,8 +225,12 @@ def run_case(rng, shape, dtype, sel, packed):
         _, fragile = htree_attention_numpy(*(np.asarray(x) for x in (q, k, v)), config,
                                            return_fragile=True)
         out["decode"], out["decode_waived"] = decode_rows_error(jnp.concatenate(steps, axis=1), o, fragile)
+    # Block selection: one near-tie in a block's ranking waives its b queries (the oracle
+    # flags them all; H200, 2026-11-29, G=1 K=32 bf16: one block of one kv head, 1.3%),
+    # so up to one block per kv head may be waived.
+    out["decode_waive_bar"] = max(1 - AGREE, config.selection_block / T) if block else 1 - AGREE
     ok = (out["agree"] >= AGREE and out["o"] <= out["o_bar"] and out["grad"] <= out["grad_bar"]
-          and (block or out["decode"] <= out["decode_bar"]) and out["decode_waived"] <= 1 - AGREE
+          and out["decode"] <= out["decode_bar"] and out["decode_waived"] <= out["decode_waive_bar"]
           and out["nan_rows"])
     return ok, out
 
@@ -304,8 +311,8 @@ def report(name, ok, out, kind):
     elif kind == "big":
         detail = "outputs and gradients finite" if out["finite"] else "NON-FINITE"
     else:
-        decode = "reference" if np.isnan(out["decode"]) else f"{out['decode']:9.2e}"  # block: no decode kernels
-        detail = f"{out['agree']:6.4f} {out['agree_f32']:6.4f} {out['o']:9.2e} {out['grad']:9.2e} {decode:>9s}"
+        detail = (f"{out['agree']:6.4f} {out['agree_f32']:6.4f} {out['o']:9.2e} {out['grad']:9.2e} "
+                  f"{out['decode']:9.2e}")
     smem = f"{out['smem']:>7d} {out['smem_kernel']}" if "smem" in out else ""
     model = f"{out['model']:>7d}/{out.get('compiled', '-')}" if "model" in out else ""
     print(f"{name:44s} {'ok' if ok else 'FAIL':4s} {detail}  {out['seconds']:.0f}  {smem}  {model}", flush=True)

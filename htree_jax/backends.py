@@ -111,16 +111,32 @@ def full_sequence_backend(backend: str, dims, config: HTreeConfig | None = None,
 def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, latent_half: int | None = None,
                    config: HTreeConfig | None = None) -> str:
     """`choose_backend` for a decode call: the cache's `K`, `V` and the group size
-    (every `HTreeConfig.selection` decodes on the kernels); block selection decodes on
-    the reference (its decode kernels are not built: "pallas" is refused)."""
-    if config is not None and config.selects_by_block:
-        check_backend(backend)
-        if backend in ("pallas", "pallas_interpret"):
-            raise ValueError(f"backend {backend!r}: decoding with selection_block={config.selection_block} (block "
-                             "selection, SPEC 12) runs on the JAX reference only for now; use backend='reference' "
-                             "or 'auto'")
-        return "reference"
-    return choose_backend(backend, lambda name: check_pallas_decode_dims(head_dim, value_dim, group, latent_half))
+    (every `HTreeConfig.selection` decodes on the kernels). Block selection (SPEC 12)
+    also walks its ranking rows on them (`check_block_decode_dims`)."""
+    def limits(name):
+        check_pallas_decode_dims(head_dim, value_dim, group, latent_half)
+        if config is not None and config.selects_by_block:
+            check_block_decode_dims(group, config, name)
+    return choose_backend(backend, limits)
+
+
+def ranking_rows_per_kv_head(group: int, config: HTreeConfig) -> int:
+    """SPEC 12's ranking rows a kv head: the first query's `G`, or the previous block's `b * G`."""
+    return group * (config.selection_block if config.block_source == "previous" else 1)
+
+
+def check_block_decode_dims(group: int, config: HTreeConfig, backend: str) -> None:
+    """Block selection decoding on the kernels: the ranking rows walk as one query's
+    heads (at most `MAX_GROUP` a kv head), on one device (a sharded cache decodes on
+    the reference)."""
+    rows = ranking_rows_per_kv_head(group, config)
+    if rows > MAX_GROUP:
+        raise ValueError(f"backend {backend!r}: block_source='previous' ranks with selection_block * H / H_kv = "
+                         f"{rows} rows a kv head, at most {MAX_GROUP} on the kernels")
+    if jax.device_count() > 1:
+        raise ValueError(f"backend {backend!r}: decoding with selection_block={config.selection_block} (block "
+                         f"selection) on {jax.device_count()} devices runs on the JAX reference only for now; use "
+                         "backend='reference' or 'auto'")
 
 
 def check_block_kernel_dims(dims, config: HTreeConfig, backend: str, packed: bool) -> None:
@@ -133,7 +149,7 @@ def check_block_kernel_dims(dims, config: HTreeConfig, backend: str, packed: boo
     if max(dims.head_dim, dims.value_dim) > BLOCK_MAX_DIM:
         raise ValueError(f"backend {backend!r}: block selection's kernels take K and V up to {BLOCK_MAX_DIM}, got "
                          f"K = {dims.head_dim}, V = {dims.value_dim}; backend='reference' takes larger heads")
-    rows = dims.group_size * (config.selection_block if config.block_source == "previous" else 1)
+    rows = ranking_rows_per_kv_head(dims.group_size, config)
     if rows > MAX_GROUP:
         raise ValueError(f"backend {backend!r}: block_source='previous' ranks with selection_block * H / H_kv = "
                          f"{rows} rows a kv head, at most {MAX_GROUP} on the kernels")
@@ -434,7 +450,8 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
 
 @functools.partial(jax.jit, static_argnames=("config", "impl", "block_sizes", "value_dim"))
 def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: str,
-                 block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0, scales=(), rank_rows=None):
+                 block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0, scales=(), rank_rows=None,
+                 chosen=()):
     """Queries `q [B, S, H, K]` (in `rope_layout` order) at `positions [B, S]` over a
     decode cache's tree layers (`keys`, `values`, bottom first, un-rotated; `radii` of
     layers 1.. with `selection="bound"`, else `()`), on the concrete backend `impl`
@@ -444,14 +461,21 @@ def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: s
     `scales` (FP8 tokens, `htree_jax.core.quantize`): layer 0's keys (and values) are
     e4m3, these their float32 row scales `[B, H_kv, N_0]`; the reference reads them
     back in q's dtype, the kernels scale each token's score and weight. Block selection
-    (SPEC 12, the reference only): `rank_rows [B, S, H_kv, R, K]`, each query's ranking
-    rows (`reference.block_rows` over the cache's recent queries and `q`)."""
+    (SPEC 12): `rank_rows [B, S, H_kv, R, K]`, each query's ranking rows
+    (`reference.block_rows` over the cache's recent queries and `q`), which the
+    reference ranks with; the kernels keep `chosen` (every layer's kept nodes above 0,
+    top first, `[B, S, H_kv, top_k]`: `rank_cache`'s, or a cache's) or, where it is
+    empty, make them with `rank_cache`."""
     if impl != "reference":
+        if config.selects_by_block and rank_rows is not None and not chosen:
+            chosen = rank_cache(rank_rows, keys, values, radii, positions, config, impl, block_sizes, value_dim,
+                                scales)
         # One new token is the newest in the cache: nothing after it can be NaN, so the
         # decode kernels need not zero the values it does not merge (SPEC 10).
         return attend_cache_pallas(q, keys, values, positions, config, block_sizes or DecodeBlockSizes(),
                                    interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1,
-                                   radii=tuple(radii), value_dim=value_dim, scales=tuple(scales))
+                                   radii=tuple(radii), value_dim=value_dim, scales=tuple(scales),
+                                   chosen=tuple(chosen))
     if scales:
         read_back = lambda x, scale: dequantize_rows(x, jnp.swapaxes(scale, 1, 2), q.dtype)
         keys = (read_back(keys[0], scales[0]),) + tuple(keys[1:])
@@ -465,3 +489,20 @@ def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: s
     layers = [(keys[0], values[0])] + [(kl, vl) + tuple(rho) for kl, vl, *rho in
                                        zip(keys[1:], values[1:], *([radii] if radii else []))]
     return attend_tree(q, layers, positions, config, chunk, keys_rotated=False, rank_rows=rank_rows)
+
+
+def rank_cache(rank_rows, keys, values, radii, positions, config: HTreeConfig, impl: str,
+               block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0, scales=()):
+    """Block selection (SPEC 12) on the decode kernels: each query's kept nodes of every
+    layer above 0 (top first, `[B, S, H_kv, top_k]`), those its ranking rows `rank_rows
+    [B, S, H_kv, R, K]` keep when they walk the cache as one query's `R` heads at the
+    first position of the query's block (`positions [B, S]`). The walk's outputs are
+    not used: it is the block's selection that is wanted. The cache may hold tokens
+    after that position (later tokens of the block): with `strict_causal` they sit in
+    the rightmost nodes only, which are kept whatever they hold and rank nothing."""
+    B, S, H_kv, R, K = rank_rows.shape
+    starts = positions - positions % config.selection_block
+    _, selections = attend_cache_pallas(rank_rows.reshape(B, S, H_kv * R, K), keys, values, starts, config,
+                                        block_sizes or DecodeBlockSizes(), interpret=impl == "pallas_interpret",
+                                        radii=tuple(radii), value_dim=value_dim, scales=tuple(scales))
+    return tuple(selections)

@@ -33,7 +33,8 @@ from htree_jax.core.tree import child_reciprocals, round_to_storage
 from htree_jax.core.validation import check_config, check_dtype, check_latent_value_dim
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths", "radii", "scales", "queries"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "lengths", "radii", "scales", "queries",
+                                                                "selections"],
                    meta_fields=["value_dim", "compute_dtype"])
 @dataclasses.dataclass(frozen=True)
 class HTreeCache:
@@ -56,6 +57,11 @@ class HTreeCache:
              `2b` queries of each row `[B, 2b, H_kv, G, K]` (rotation layout, the
              compute dtype), oldest first, zero before a row's first token: the ranking
              rows of the next tokens' blocks (`htree_jax.core.blocks`); else `()`.
+    selections: with block selection, per layer above 0 (top first) the nodes each
+             row's newest token kept, int32 `[B, H_kv, top_k]` (ascending, `-1`
+             padded; `-1` before a row's first token): the selection of every later
+             token of its block (SPEC 12, decoding), which the decode kernels reuse
+             instead of walking again; else `()`.
 
     A NaN or infinity appended at position `p` stays in the tree (SPEC 10): no output
     before `p` reads it (every merge zeroes the values it does not merge, and the node
@@ -75,6 +81,7 @@ class HTreeCache:
     # tree's nodes); "" where that is the tokens' own dtype.
     compute_dtype: str = ""
     queries: tuple = ()
+    selections: tuple = ()
 
     @property
     def values_from_keys(self) -> bool:
@@ -177,8 +184,9 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
         config.check_rope_dim(K)
         groups = num_groups(K, config.partial_rope(K))
         radii = tuple(jnp.zeros((B, n, H_kv, groups), jnp.float32) for n in sizes[1:])
+    selections = tuple(jnp.full((B, H_kv, config.top_k), -1, jnp.int32) for _ in sizes[1:]) if queries else ()
     return HTreeCache(keys, values, jnp.zeros((B,), jnp.int32), radii, V if values_from_keys else 0, scales,
-                      np.dtype(dtype).name if fp8 else "", queries)
+                      np.dtype(dtype).name if fp8 else "", queries, selections)
 
 
 def check_cache(cache, config: HTreeConfig) -> None:
@@ -223,6 +231,12 @@ def check_cache(cache, config: HTreeConfig) -> None:
     if len(cache.queries) != (1 if P else 0) or not all(fits(x) for x in cache.queries):
         raise ValueError(f"cache: made for another selection_block than config.selection_block="
                          f"{config.selection_block}; use the config the cache was made with")
+    kept = (cache.batch_size, cache.num_kv_heads, config.top_k)
+    if (len(cache.selections) != (len(sizes) - 1 if P else 0)
+            or any(x.shape != kept or np.dtype(x.dtype) != np.int32 for x in cache.selections)):
+        raise ValueError(f"cache: its block selections do not fit config (selection_block={config.selection_block}, "
+                         f"top_k={config.top_k}: int32 {list(kept)} per layer above 0); use the config the cache "
+                         "was made with")
 
 
 def check_query_heads(cache: HTreeCache, num_heads: int) -> None:
@@ -284,7 +298,8 @@ def reset_rows(cache: HTreeCache, rows) -> HTreeCache:
     return HTreeCache(tuple(map(clear, cache.keys)), tuple(map(clear, cache.values)),
                       jnp.where(rows, 0, cache.lengths).astype(jnp.int32), tuple(map(clear, cache.radii)),
                       cache.value_dim, tuple(map(clear, cache.scales)), cache.compute_dtype,
-                      tuple(map(clear, cache.queries)))
+                      tuple(map(clear, cache.queries)),
+                      tuple(jnp.where(rows[:, None, None], -1, x) for x in cache.selections))
 
 
 def _set_rows(layer, index, rows):
@@ -397,7 +412,7 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None, t
         keys, values, radii, scales = append(cache.keys, cache.values, cache.radii, cache.scales, cache.lengths, k, v,
                                              counts)
     return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32), radii, cache.value_dim, scales,
-                      cache.compute_dtype, cache.queries)
+                      cache.compute_dtype, cache.queries, cache.selections)
 
 
 def check_decode_config(config) -> HTreeConfig:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax.backends import attend_cache, decode_backend
+from htree_jax.backends import attend_cache, decode_backend, rank_cache
 from htree_jax.cache import (
     HTreeCache,
     append_to_cache,
@@ -38,6 +38,7 @@ from htree_jax.core.config import HTreeConfig
 from htree_jax.core.rope import rope_layout
 from htree_jax.sharding import partitioned_cache_attention
 from pallas_kernels.decode.append import append_token_pallas
+from pallas_kernels.decode.kept import kept_merge_dims, kept_step_pallas
 from pallas_kernels.shared.configs import DecodeBlockSizes
 
 
@@ -95,13 +96,53 @@ def check_decode_block_sizes(block_sizes) -> None:
         raise TypeError(f"block_sizes must be an htree_jax.DecodeBlockSizes or None, got {type(block_sizes).__name__}")
 
 
-def _attend_cache(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block_sizes, rank_rows=None):
+def _attend_cache(q, cache: HTreeCache, positions, config: HTreeConfig, impl: str, block_sizes, rank_rows=None,
+                  chosen=()):
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
         return partitioned_cache_attention(q, cache.keys, cache.values, cache.radii, positions, config, impl,
                                            block_sizes, cache.value_dim, cache.scales, rank_rows)
     return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl, block_sizes,
-                        cache.value_dim, cache.scales, rank_rows)
+                        cache.value_dim, cache.scales, rank_rows, chosen)
+
+
+def _block_attend(q, cache: HTreeCache, positions, counts, rank_rows, config: HTreeConfig, impl: str, block_sizes):
+    """Block selection on the decode kernels (SPEC 12, decoding): `(o, selections)` of
+    the new queries, each keeping its block's selection of every layer above 0. The
+    ranking rows walk (`rank_cache`) for a prompt, and for one token a row only where
+    some row's token starts a block; otherwise each row's token is in the block of the
+    cache's newest token, whose selection `cache.selections` holds, and the step is one
+    launch (`kept_step_pallas`) where it takes the shape, else the walk keeping it."""
+    def walk():
+        chosen = rank_cache(rank_rows, cache.keys, cache.values, cache.radii, positions, config, impl,
+                            block_sizes, cache.value_dim, cache.scales)
+        return _attend_cache(q, cache, positions, config, impl, block_sizes, rank_rows, chosen)
+
+    if positions.shape[1] > 1 or not cache.selections:
+        return walk()
+    kept = tuple(cache.selections)
+    B, _, H, K = q.shape
+
+    def keep():
+        if kept_merge_dims(config, H // cache.num_kv_heads, K, cache.v_dim, cache.fp8_tokens, cache.values_from_keys):
+            o = kept_step_pallas(q[:, 0], cache.keys, cache.values, positions[:, 0], kept, config,
+                                 block_sizes or DecodeBlockSizes(), interpret=impl == "pallas_interpret")
+            return o[:, None], [x[:, None] for x in kept]
+        o, selected = _attend_cache(q, cache, positions, config, impl, block_sizes, rank_rows,
+                                    tuple(x[:, None] for x in kept))
+        return o, list(selected)
+
+    starts = jnp.any((positions[:, 0] % config.selection_block == 0) & (counts > 0))
+    o, selected = jax.lax.cond(starts, lambda: tuple(walk()), keep)
+    return o, list(selected)
+
+
+def _newest_selections(cache: HTreeCache, selected, counts):
+    """`cache.selections` after a call: each row's newest token's (`selected`, the
+    call's, `[B, S, H_kv, top_k]` per layer), unchanged where a row appended nothing."""
+    newest = jnp.maximum(counts - 1, 0)[:, None, None, None]
+    take = lambda x: jnp.take_along_axis(x, newest, axis=1)[:, 0]
+    return tuple(jnp.where(counts[:, None, None] > 0, take(x), old) for x, old in zip(selected, cache.selections))
 
 
 def _query_history(q, cache: HTreeCache):
@@ -149,7 +190,12 @@ def _prefill(q, k, v, cache, counts, config, return_selected, impl, block_sizes=
         rank_rows = _ranking_rows(history, cache, positions, config)
         cache = dataclasses.replace(cache, queries=(with_recent(history, counts, cache.queries[0].shape[1]),))
     cache = append_to_cache(cache, k, v, config, counts, _tree_writer(impl, cache, S, config))
-    o, selected = _attend_cache(q, cache, positions, config, impl, block_sizes, rank_rows)
+    if history is not None and impl != "reference":
+        o, selected = _block_attend(q, cache, positions, counts, rank_rows, config, impl, block_sizes)
+    else:
+        o, selected = _attend_cache(q, cache, positions, config, impl, block_sizes, rank_rows)
+    if history is not None:  # the newest token's block selection, for the next tokens of its block
+        cache = dataclasses.replace(cache, selections=_newest_selections(cache, selected, counts))
     answer = jnp.where(fits, 0.0, jnp.nan).astype(o.dtype)  # padding: 0; a row that overflows: NaN
     o = jnp.where((real & fits[:, None])[..., None, None], o, answer[:, None, None, None])
     selected = [jnp.where(real[..., None, None], x, -1) for x in selected]

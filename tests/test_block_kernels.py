@@ -2,8 +2,10 @@
 JAX reference with the same option: selections equal, outputs, gradients and the
 importance export to the dtype's tolerance, on multi-layer trees, both sources, both
 rules, ragged lengths, padded heads, partial RoPE, a group split over several programs
-of one block, and SPEC 10's NaN rows; and each launch shape lowered to Triton for a
-Hopper GPU (what interpret mode cannot see, short of compiling)."""
+of one block, and SPEC 10's NaN rows; the one-launch decode step inside a block
+(`pallas_kernels.decode.kept`) against the decode walk keeping the same selection; and
+each launch shape lowered to Triton for a Hopper GPU (what interpret mode cannot see,
+short of compiling)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from htree_jax import HTreeConfig, htree_attention
+from htree_jax import DecodeBlockSizes, HTreeConfig, build_tree, htree_attention
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.merge import block_queries
+from pallas_kernels.decode.kept import kept_merge_dims, kept_step_pallas
+from pallas_kernels.decode.walk import attend_cache_pallas
 from tests.conftest import random_qkv
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -121,3 +125,53 @@ def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
         for traced in (forward, backward):
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
             assert "triton" in text
+
+
+# (r, top_k, T, G, H_kv, K, V, span, dtype): 3+ layers each; `span` below the buffer
+# gives several tiles a layer and several splits (`target_programs`).
+KEPT_CASES = [(4, 4, 150, 2, 2, 32, 32, 16, jnp.float32), (2, 32, 600, 4, 1, 64, 32, 16, jnp.float32),
+              (16, 8, 2100, 16, 1, 128, 128, 64, jnp.bfloat16), (4, 32, 1200, 1, 2, 32, 64, 16, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("r, top_k, T, G, H_kv, K, V, span, dtype", KEPT_CASES)
+def test_the_one_launch_decode_step_matches_the_walk(rng, r, top_k, T, G, H_kv, K, V, span, dtype):
+    """`kept_step_pallas` (a token inside its block keeping the cache's selection, one
+    launch) against the decode walk keeping the same selection (`attend_cache_pallas(...,
+    chosen=)`), both interpreted, rows at ragged positions (a layer's edges included)
+    over a cache's tree of random tokens, the selection a walk of random ranking rows
+    made at each row's block start."""
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=r, selection="mean")
+    assert config.num_layers(T) >= 3
+    B, H = 3, G * H_kv
+    _, k, v = random_qkv(rng, B, T, H, H_kv, K, V)
+    layers = build_tree(jnp.asarray(k, dtype), jnp.asarray(v, dtype), config)
+    keys, values = tuple(kl for kl, _ in layers), tuple(vl for _, vl in layers)
+    positions = jnp.asarray([T - 1, r ** 2 + 1, T // 2 + r - 1], jnp.int32)
+    sizes = DecodeBlockSizes(span=span, target_programs=64)
+    q = jnp.asarray(rng.standard_normal((B, 1, H, K)), dtype)
+    ranking = jnp.asarray(rng.standard_normal((B, 1, H, K)), dtype)
+    starts = (positions - positions % r)[:, None]
+    _, kept = attend_cache_pallas(ranking, keys, values, starts, config, sizes, interpret=True)
+    want, _ = attend_cache_pallas(q, keys, values, positions[:, None], config, sizes, interpret=True,
+                                  zero_unmerged=False, chosen=tuple(kept))
+    assert kept_merge_dims(config, G, K, V, False, False)
+    got = kept_step_pallas(q[:, 0], keys, values, positions, tuple(x[:, 0] for x in kept), config, sizes,
+                           interpret=True)
+    assert relative(got, want[:, 0]) <= TOLERANCE[dtype], relative(got, want[:, 0])
+
+
+@pytest.mark.parametrize("G, K, V, dtype", [(8, 128, 128, jnp.bfloat16), (16, 256, 256, jnp.float32),
+                                            (1, 32, 32, jnp.float16)])
+def test_the_one_launch_decode_step_lowers_to_triton(G, K, V, dtype):
+    """`kept_step_pallas` lowered to Triton for a Hopper GPU on the CPU (as above)."""
+    T, B, H_kv = 131072, 8, 4
+    config = HTreeConfig(top_k=512, selection_block=16)
+    sizes = config.layer_sizes(T)
+    keys = tuple(jax.ShapeDtypeStruct((B, n, H_kv, K), dtype) for n in sizes)
+    values = tuple(jax.ShapeDtypeStruct((B, n, H_kv, V), dtype) for n in sizes)
+    kept = tuple(jax.ShapeDtypeStruct((B, H_kv, 512), jnp.int32) for _ in sizes[1:])
+    q = jax.ShapeDtypeStruct((B, G * H_kv, K), dtype)
+    positions = jax.ShapeDtypeStruct((B,), jnp.int32)
+    with hopper():
+        traced = jax.jit(lambda *a: kept_step_pallas(*a, config)).trace(q, keys, values, positions, kept)
+        assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -7,6 +7,8 @@ the kernels). The kernels against the reference: `test_block_kernels.py`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,8 +167,10 @@ def test_where_it_is_not_built_the_errors_say_so(rng):
     cache = htree_jax.init_cache(1, 64, 2, 32, 32, config, jnp.float32, num_heads=4)
     with pytest.raises(ValueError, match="q must have the 4 heads of the cache"):
         htree_jax.prefill(q[:, :8, :2], k[:, :8], v[:, :8], cache, config)
-    with pytest.raises(ValueError, match="selection_block=4 .* JAX reference only"):
-        htree_jax.prefill(q[:, :8], k[:, :8], v[:, :8], cache, config, backend="pallas_interpret")
+    wide = htree_jax.init_cache(1, 64, 2, 32, 32, block_config(4, 4, "previous"), jnp.float32, num_heads=96)
+    wq, wk, wv = random_qkv(rng, 1, 8, 96, 2, 32, 32)
+    with pytest.raises(ValueError, match="'previous' ranks with selection_block \\* H / H_kv = 192 rows a kv head"):
+        htree_jax.prefill(wq, wk, wv, wide, block_config(4, 4, "previous"), backend="pallas_interpret")
     with pytest.raises(ValueError, match="made for another selection_block"):
         htree_jax.prefill(q[:, :8], k[:, :8], v[:, :8], cache, HTreeConfig(compression_rate=4, top_k=4))
     with pytest.raises(ValueError, match="selection_block must be 1 or compression_rate"):
@@ -177,15 +181,20 @@ def test_where_it_is_not_built_the_errors_say_so(rng):
         HTreeConfig(compression_rate=4, selection_block=4, block_source="last")
 
 
-@pytest.mark.parametrize("source, selection", [("first", "bound"), ("previous", "mean")])
-def test_decoding_equals_the_full_sequence(rng, source, selection):
+@pytest.mark.parametrize("source, selection, backend", [("first", "bound", "reference"),
+                                                        ("previous", "mean", "reference"),
+                                                        ("first", "bound", "pallas_interpret"),
+                                                        ("previous", "mean", "pallas_interpret")])
+def test_decoding_equals_the_full_sequence(rng, source, selection, backend):
     """Prompts of different lengths (one empty), a second prefill of a few tokens and
     single steps, across blocks' edges: every output equals the full sequence's (the
     cache keeps the last 2b queries, which rank for the blocks the new tokens are in),
     and a row reset mid-way starts its sequence again. Per-query selection differs
-    on the same inputs, so the comparison sees the blocks."""
+    on the same inputs, so the comparison sees the blocks. On the decode kernels a
+    step walks the ranking rows only where some row starts a block (the rows here sit
+    at different offsets: some steps walk, some keep `cache.selections`)."""
     config = block_config(4, 4, source, selection)
-    B, T, H, H_kv, K = 3, 150, 4, 2, 16
+    B, T, H, H_kv, K = 3, 150, 4, 2, 32
     q, k, v = random_qkv(rng, B, T, H, H_kv, K, K)
     full = np.asarray(htree_attention(q, k, v, config, backend="reference"))
     own = np.asarray(htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, selection=selection),
@@ -193,15 +202,15 @@ def test_decoding_equals_the_full_sequence(rng, source, selection):
     assert not np.allclose(own, full, atol=1e-3)
     cache = htree_jax.init_cache(B, T, H_kv, K, K, config, num_heads=H)
     lengths = np.array([37, 0, 50])
-    o, cache = htree_jax.prefill(q[:, :50], k[:, :50], v[:, :50], cache, config, lengths=lengths)
+    o, cache = htree_jax.prefill(q[:, :50], k[:, :50], v[:, :50], cache, config, lengths=lengths, backend=backend)
     for b in range(B):
         np.testing.assert_allclose(np.asarray(o)[b, :lengths[b]], full[b, :lengths[b]], rtol=1e-5, atol=1e-5)
     rows = np.arange(B)
     o, cache = htree_jax.prefill(*(np.stack([x[b, n:n + 7] for b, n in enumerate(lengths)]) for x in (q, k, v)),
-                                 cache, config)
+                                 cache, config, backend=backend)
     for b, n in enumerate(lengths):
         np.testing.assert_allclose(np.asarray(o)[b], full[b, n:n + 7], rtol=1e-5, atol=1e-5)
-    step = jax.jit(lambda q, k, v, c: htree_jax.decode_step(q, k, v, c, config))
+    step = jax.jit(lambda q, k, v, c: htree_jax.decode_step(q, k, v, c, config, backend=backend))
     position = lengths + 7
     for i in range(12):
         if i == 6:  # row 1 starts its sequence again
@@ -224,3 +233,58 @@ def test_the_module_decodes_its_full_sequence(rng):
     layer.init_cache(x.shape)
     got = [layer(x[:, :61], decode=True)] + [layer(x[:, t:t + 1], decode=True) for t in range(61, 70)]
     np.testing.assert_allclose(np.asarray(jnp.concatenate(got, axis=1)), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+def test_the_decode_kernels_keep_the_blocks_selection(rng):
+    """One token a row on the decode kernels: the cache holds the block's selection of
+    every layer above 0 (the full sequence's at the block's tokens), a step inside a
+    block keeps it without walking (a cache given another block's selection answers
+    otherwise) and a step that starts a block walks anew."""
+    config = block_config(4, 4, "first", "mean")
+    B, T, H, H_kv, K = 2, 150, 4, 2, 32
+    q, k, v = random_qkv(rng, B, T, H, H_kv, K, K)
+    full, selections = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    full = np.asarray(full)
+    cache = htree_jax.init_cache(B, T, H_kv, K, K, config, num_heads=H)
+    _, cache = htree_jax.prefill(q[:, :120], k[:, :120], v[:, :120], cache, config, backend="pallas_interpret")
+    step = jax.jit(lambda q, k, v, c: htree_jax.decode_step(q, k, v, c, config, backend="pallas_interpret"))
+    for t in range(120, 126):
+        kept = [np.asarray(x) for x in cache.selections]
+        o_t, cache = step(q[:, t], k[:, t], v[:, t], cache)
+        np.testing.assert_allclose(np.asarray(o_t), full[:, t], rtol=1e-5, atol=1e-5)
+        for got, want in zip(cache.selections, selections):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[:, t])
+        if t % 4 == 3:  # inside a block: a cache with another block's selection answers otherwise
+            other = dataclasses.replace(cache, selections=tuple(jnp.asarray(np.asarray(x)[:, 40]) for x in selections))
+            other = dataclasses.replace(other, lengths=cache.lengths - 1)
+            o_other, _ = htree_jax.decode_step(q[:, t], k[:, t], v[:, t], jax.tree.map(jnp.copy, other), config,
+                                              backend="pallas_interpret")
+            assert not np.allclose(np.asarray(o_other), full[:, t], atol=1e-3)
+        assert all(np.array_equal(np.asarray(x), y) for x, y in zip(cache.selections, kept)) == (t % 4 != 0)
+
+
+def test_latent_fp8_decoding_on_the_kernels_matches_the_reference(rng):
+    """Block selection decoding with the values read from FP8 keys (latent attention's
+    cache, 64 heads over one kv head; `"previous"` at b = 2: 128 ranking rows a kv head):
+    the decode kernels' outputs and selections against the reference's on the same cache."""
+    config = HTreeConfig(compression_rate=2, top_k=8, rope_dim=32, selection_block=2, block_source="previous")
+    B, T, H, K, V = 1, 80, 64, 96, 32
+    q, k, _ = random_qkv(rng, B, T, H, 1, K, V)
+    q, k = (jnp.asarray(x, jnp.bfloat16) for x in (q, k))
+    outs = {}
+    for backend in ("reference", "pallas_interpret"):
+        cache = htree_jax.init_cache(B, T, 1, K, V, config, jnp.bfloat16, values_from_keys=True,
+                                     token_dtype=jnp.float8_e4m3fn, num_heads=H)
+        o, cache, sel = htree_jax.prefill(q[:, :70], k[:, :70], None, cache, config, backend=backend,
+                                          return_selected=True)
+        steps = [o]
+        for t in range(70, 75):
+            o_t, cache = htree_jax.decode_step(q[:, t], k[:, t], None, cache, config, backend=backend)
+            steps.append(o_t[:, None])
+        outs[backend] = (np.asarray(jnp.concatenate(steps, axis=1), np.float32), sel, cache.selections)
+    (o_ref, sel_ref, kept_ref), (o_ker, sel_ker, kept_ker) = outs["reference"], outs["pallas_interpret"]
+    for a, b in zip(sel_ker, sel_ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(kept_ker, kept_ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(o_ker, o_ref, rtol=2e-2, atol=2e-2)

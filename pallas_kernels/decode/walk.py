@@ -64,6 +64,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from htree_jax.core.bounds import group_count, group_norms
@@ -210,14 +211,34 @@ def decode_statics(config: HTreeConfig, dtype, K: int, G: int, Q: int, B: int, H
     ), Mp
 
 
+def kept_keys(parents, kept, r: int, Mp: int):
+    """Packed keys `[..., Mp]` int32 that keep exactly the nodes `kept [..., W]` (an
+    ascending `-1`-padded list, a subset of the candidates of `parents [..., P]`): 1 at
+    each kept node's buffer position (SPEC 2.1: `slot(parent) * r + child`), 0
+    elsewhere, so the merges' `key < tau` with `tau = 1` merges every other candidate
+    (a selection made elsewhere: block selection's, SPEC 12)."""
+    lead = parents.shape[:-1]
+    parent = kept // r
+    # A kept node's parent slot: how many valid parents precede its parent (both ascending).
+    before = (parents[..., None, :] >= 0) & (parents[..., None, :] < parent[..., :, None])
+    position = jnp.sum(before, axis=-1, dtype=jnp.int32) * r + kept % r
+    rows = jnp.arange(int(np.prod(lead)), dtype=jnp.int32).reshape(lead + (1,))
+    flat = jnp.where(kept >= 0, rows * Mp + position, rows.size * Mp).reshape(-1)
+    keys = jnp.zeros((rows.size * Mp,), jnp.int32).at[flat].set(1, mode="drop")
+    return keys.reshape(lead + (Mp,))
+
+
 def _walk_layers(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: int, cos, sin, interpret: bool,
-          zero_unmerged: bool = True, qn=None, radii=(), value_dim: int = 0, scales=()):
+          zero_unmerged: bool = True, qn=None, radii=(), value_dim: int = 0, scales=(), chosen=()):
     """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [B, Q]`
     (each batch row its own), the kernels' statics `sts`. `selection="bound"`: `qn [B,
     Q, H_kv, Gp, n_groups]` the query rows' group norms, `radii` the layers' from layer 1 up (SPEC 11). `value_dim
     > 0`: `values` is `()`, the values the keys' first `value_dim` latent features, read
-    from the key layers. `scales`: FP8 tokens' row scales (the bottom merge's). Returns
-    `(o [B, Q, H_kv, Gp, V] in q's dtype, selections)`."""
+    from the key layers. `scales`: FP8 tokens' row scales (the bottom merge's).
+    `chosen` (block selection, SPEC 12): the kept nodes of every layer above 0, top
+    first, `[B, Q, H_kv / split, top_k]` (ascending, `-1` padded): the queries score and
+    merge with their own rows but keep these nodes (no importance, no top-K; `qn` is
+    not needed). Returns `(o [B, Q, H_kv, Gp, V] in q's dtype, selections)`."""
     r, L = config.compression_rate, len(keys)
     st = sts.scores
     B, Q, H_kv, gp, _ = q.shape
@@ -250,6 +271,16 @@ def _walk_layers(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: 
                                            state=state if carried else None, scales=scales or None)
             if carried and state is not None:
                 return partials, selections
+        elif chosen:
+            scores = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret, None)[0]
+            kept = pad_axis(chosen[L - 1 - l] + 1, 3, P) - 1  # `-1` padded to the walk's width
+            packed = virtual_heads(kept_keys(real_heads(parents, split), kept, r, Mp), split)
+            tau = jnp.ones(packed.shape[:-1] + (1,), jnp.int32)
+            partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, sts.merge,
+                                           interpret, zero_unmerged, pieces, values_from_keys=bool(value_dim),
+                                           state=state if carried else None)
+            parents = virtual_heads(kept, split)
+            selections.append(kept[..., : config.top_k])
         else:
             bound = None if qn is None else Bound(qn, radii[l - 1])
             scores, *ranked, m, total = decode_scores_pallas(q, parents, n, keys[l], cos, sin, st, interpret, bound)
@@ -286,7 +317,7 @@ def query_chunk(config: HTreeConfig, B: int, S: int, H_kv: int, gp: int, Mp: int
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "zero_unmerged", "value_dim"))
 def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
                         block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
-                        zero_unmerged: bool = True, radii=(), value_dim: int = 0, scales=()):
+                        zero_unmerged: bool = True, radii=(), value_dim: int = 0, scales=(), chosen=()):
     """htree attention of queries `q [B, S, H, K]` (un-rotated) at token positions
     `positions [S]`, or `[B, S]` per batch row (int32, may be traced; each row's
     candidates and work from its own positions), over a decode cache's tree: `keys`, `values`
@@ -304,7 +335,10 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     tokens (`htree_jax.core.quantize`): layer 0's keys (and values) e4m3, these their
     float32 row scales `[B, H_kv, N_0]` (keys', then values' unless read from the keys);
     the bottom merge widens each gathered row to q's dtype (exact) and scales its score
-    and its weight. The statics are those of q's dtype."""
+    and its weight. `chosen` (block selection, SPEC 12): every layer's kept nodes above
+    0, top first, `[B, S, H_kv, top_k]` each (the selections a walk returned): the
+    queries keep those instead of choosing (`_walk_layers`); they are returned as the
+    selections. The statics are those of q's dtype."""
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], value_dim or values[0].shape[-1]
     itemsize = jnp.dtype(q.dtype).itemsize  # FP8 tokens are widened to it in the kernel
@@ -326,15 +360,17 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     if config.ranks_by_bound:
         if len(radii) != len(keys) - 1:
             raise ValueError(f"selection='bound' needs the radii of layers 1..{len(keys) - 1}, got {len(radii)}")
-        qn = per_query(group_norms(q, config.rope_dim))
-    positions = jnp.broadcast_to(positions, (B, S))
-    padded = jnp.concatenate([positions, jnp.broadcast_to(positions[:, -1:], (B, num_chunks * C - S))], axis=1)
+        qn = None if chosen else per_query(group_norms(q, config.rope_dim))
+    # Padding queries repeat the last one (a valid position and selection).
+    repeat_last = lambda x: jnp.concatenate([x, jnp.repeat(x[:, -1:], num_chunks * C - S, axis=1)], axis=1)
+    padded = repeat_last(jnp.broadcast_to(positions, (B, S)))
+    chosen = tuple(repeat_last(x) for x in chosen)
 
     def chunk(i):
         rows = lambda x: lax.dynamic_slice_in_dim(x, i * C, C, axis=1)
         qn_c = None if qn is None else rows(qn)
         return _walk_layers(rows(q5), rows(padded), keys, values, config, sts, Mp, cos, sin, interpret, zero_unmerged,
-                            qn_c, tuple(radii), value_dim, tuple(scales))
+                            qn_c, tuple(radii), value_dim, tuple(scales), tuple(map(rows, chosen)))
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, C, H_kv, Gp, V] -> [B, S, H, V]

@@ -161,12 +161,15 @@ class DecodeBlockSizes:
     # full-sequence kernels. Those programs' warps: `wide_num_warps`.
     wide_rows: int = 64
     wide_num_warps: int = 8
+    # Block selection's one-launch step inside a block (`decode/kept.py`): pipeline stages
+    # of its candidate loop.
+    kept_num_stages: int = 1
 
     def __post_init__(self):
         rows = self.wide_rows
         if not isinstance(rows, int) or rows < KERNEL_GROUP or rows & (rows - 1):
             raise ValueError(f"DecodeBlockSizes.wide_rows must be a power of two >= {KERNEL_GROUP}, got {rows!r}")
-        for name in ("target_programs", "wide_target_programs"):
+        for name in ("target_programs", "wide_target_programs", "kept_num_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeBlockSizes.{name} must be a positive int, got {value!r}")
