@@ -124,7 +124,8 @@ def _block_attend(q, cache: HTreeCache, positions, counts, rank_rows, config: HT
     B, _, H, K = q.shape
 
     def keep():
-        if kept_merge_dims(config, H // cache.num_kv_heads, K, cache.v_dim, cache.fp8_tokens, cache.values_from_keys):
+        if kept_merge_dims(config, H // cache.num_kv_heads, K, cache.v_dim, q.dtype, cache.fp8_tokens,
+                           cache.values_from_keys):
             o = kept_step_pallas(q[:, 0], cache.keys, cache.values, positions[:, 0], kept, config,
                                  block_sizes or DecodeBlockSizes(), interpret=impl == "pallas_interpret")
             return o[:, None], [x[:, None] for x in kept]
@@ -223,6 +224,9 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     512] a multiple of 16; up to 16 query heads per kv head, or a multiple of 16 up to
     128), `"pallas_interpret"` (the same kernels interpreted, any
     platform) or `"auto"` (`"pallas"` on a GPU where the dims allow, else `"reference"`).
+    Block selection (SPEC 12) on the kernels: one device, at most 128 ranking rows a kv
+    head (`backends.check_block_decode_dims`); the cache keeps each row's block selection
+    (`HTreeCache.selections`), which the steps inside a block reuse.
     `block_sizes`: the Pallas decode kernels' `DecodeBlockSizes` (None: the defaults)."""
     config = check_decode_config(config)
     check_cache(cache, config)

@@ -154,7 +154,7 @@ def test_the_one_launch_decode_step_matches_the_walk(rng, r, top_k, T, G, H_kv, 
     _, kept = attend_cache_pallas(ranking, keys, values, starts, config, sizes, interpret=True)
     want, _ = attend_cache_pallas(q, keys, values, positions[:, None], config, sizes, interpret=True,
                                   zero_unmerged=False, chosen=tuple(kept))
-    assert kept_merge_dims(config, G, K, V, False, False)
+    assert kept_merge_dims(config, G, K, V, dtype, False, False)
     got = kept_step_pallas(q[:, 0], keys, values, positions, tuple(x[:, 0] for x in kept), config, sizes,
                            interpret=True)
     assert relative(got, want[:, 0]) <= TOLERANCE[dtype], relative(got, want[:, 0])

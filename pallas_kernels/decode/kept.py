@@ -8,7 +8,8 @@ partial softmax state; the splits' states are folded in XLA (`fold_partials`).
 The per-layer decode walk (`walk.py` with `chosen`) does the same in two launches a
 layer and a few XLA ops between them; this kernel takes the shapes most caches have
 (`kept_merge_dims`): up to 16 heads a kv head, full RoPE, `K / 2` and `V` powers of two
-up to 128 and 256, no FP8 tokens, values of their own. Others take the walk.
+up to 128 and 256 (float32: 64 and 128), no FP8 tokens, values of their own. Others take
+the walk.
 
 Layouts:
   q        `[B, H_kv, Gp, K]`  the step's query rows, un-rotated, `Gp = max(16, G)` padded
@@ -46,7 +47,8 @@ MAX_HALF, MAX_VALUE = 128, 256
 class KeptStatic:
     """What one launch is compiled for: `span` candidates a step (a multiple of `r`),
     `splits` programs sharing each layer's buffer, `width` a kept list's padded length
-    (`top_k + span`, a power of two), `exact`: float32 dots in full precision."""
+    (`top_k + span`, a power of two), `exact`: float32 dots in full precision,
+    `num_stages` the candidate loop's pipeline stages."""
 
     r: int
     top_k: int
@@ -63,11 +65,14 @@ class KeptStatic:
     num_stages: int
 
 
-def kept_merge_dims(config: HTreeConfig, G: int, K: int, V: int, fp8: bool, values_from_keys: bool) -> bool:
-    """Whether the one-launch step takes the shape (else the per-layer walk does)."""
+def kept_merge_dims(config: HTreeConfig, G: int, K: int, V: int, dtype, fp8: bool, values_from_keys: bool) -> bool:
+    """Whether the one-launch step takes the shape (else the per-layer walk does). Float32
+    caches up to K = V = 128: the widest the GPU gate has run it at (its float32 block
+    cases); 16-bit ones up to 256."""
     pow2 = lambda x: x >= 16 and x & (x - 1) == 0
-    return (G <= KERNEL_GROUP and config.partial_rope(K) is None and pow2(K // 2) and K // 2 <= MAX_HALF
-            and pow2(V) and V <= MAX_VALUE and not fp8 and not values_from_keys)
+    half, value = (MAX_HALF, MAX_VALUE) if jnp.dtype(dtype).itemsize <= 2 else (MAX_HALF // 2, MAX_VALUE // 2)
+    return (G <= KERNEL_GROUP and config.partial_rope(K) is None and pow2(K // 2) and K // 2 <= half
+            and pow2(V) and V <= value and not fp8 and not values_from_keys)
 
 
 def _dot(a, b, st: KeptStatic, dtype, contract_last: bool):
@@ -150,6 +155,9 @@ def _kept_merge_kernel(q_ref, t_ref, cos_ref, sin_ref, *refs, st: KeptStatic):
 
 def kept_static(config: HTreeConfig, dtype, B: int, H_kv: int, G: int, K: int, V: int, num_layers: int,
                 block_sizes: DecodeBlockSizes) -> KeptStatic:
+    """The launch for `B` rows of `H_kv` kv heads: `DecodeBlockSizes.span` candidates a
+    step (at least 16 and `r`, at most the buffer), splits until `B * H_kv * splits`
+    reaches `target_programs` (at most one tile a split), `kept_num_stages` stages."""
     r = config.compression_rate
     M = config.max_candidates
     span = max(16, r, min(next_power_of_two(block_sizes.span), next_power_of_two(M)))
