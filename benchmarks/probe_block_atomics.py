@@ -1,8 +1,10 @@
 """Where the block backward's time goes (GPU probe, not a test): `block_backward_pallas`
 at the benchmark shape as built, then with its float32 atomics lowered with relaxed
-memory semantics instead of Pallas-Triton's acquire-release, then with no atomics at
-all (the dk, dv adds dropped: what the dots, gathers and dq cost alone; its gradients
-are wrong and only timed).
+memory semantics instead of Pallas-Triton's acquire-release, then with plain stores in
+their place (the same dots and bytes written, no read-modify-write: what a reduction of
+no cost would leave; racy, timed only), then with no atomics at all (the adds dropped,
+and with them the two dots only they read, `ds^T q` and `p^T do`: the gathers, three
+dots and dq alone). The gradients of the last two are wrong and only timed.
 
     python benchmarks/probe_block_atomics.py [--T 131072] [--top-k 512]
 
@@ -47,6 +49,21 @@ def relaxed_atomics():
 
 
 @contextlib.contextmanager
+def plain_stores():
+    """The backward's dk, dv adds as plain scatter stores (timing only)."""
+    original = block_backward.plgpu.atomic_add
+
+    def store(ref, idx, val, **kw):
+        ref[idx] = val
+
+    block_backward.plgpu.atomic_add = store
+    try:
+        yield
+    finally:
+        block_backward.plgpu.atomic_add = original
+
+
+@contextlib.contextmanager
 def no_atomics():
     """The backward's dk, dv adds dropped (timing only)."""
     original = block_backward.plgpu.atomic_add
@@ -73,7 +90,7 @@ def main(argv=None) -> int:
     blocks = jax.jit(lambda q, k, v: block_selections(q, k, v, config, tuning, False, False)[0])(q, k, v)
     o, lse = block_forward_pallas(q, k, v, blocks, config)
     for name, context in (("as built", contextlib.nullcontext), ("relaxed atomics", relaxed_atomics),
-                          ("no atomics", no_atomics)):
+                          ("plain stores", plain_stores), ("no atomics", no_atomics)):
         jax.clear_caches()  # the patches act when the kernel is traced and lowered
         with context():
             grads = jax.jit(lambda q, k, v, o, lse, s: block_backward.block_backward_pallas(
