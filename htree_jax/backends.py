@@ -120,19 +120,20 @@ def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, late
     return choose_backend(backend, limits)
 
 
-def ranking_rows_per_kv_head(group: int, config: HTreeConfig) -> int:
-    """SPEC 12's ranking rows a kv head: the first query's `G`, or the previous block's `b * G`."""
-    return group * (config.selection_block if config.block_source == "previous" else 1)
+def check_ranking_rows(group: int, config: HTreeConfig, backend: str) -> None:
+    """SPEC 12's ranking rows a kv head (the first query's `G`, or the previous block's
+    `b * G`) run on the kernels as one query's heads: at most `MAX_GROUP`."""
+    rows = group * (config.selection_block if config.block_source == "previous" else 1)
+    if rows > MAX_GROUP:
+        raise ValueError(f"backend {backend!r}: block_source='previous' ranks with selection_block * H / H_kv = "
+                         f"{rows} rows a kv head, at most {MAX_GROUP} on the kernels")
 
 
 def check_block_decode_dims(group: int, config: HTreeConfig, backend: str) -> None:
     """Block selection decoding on the kernels: the ranking rows walk as one query's
-    heads (at most `MAX_GROUP` a kv head), on one device (a sharded cache decodes on
-    the reference)."""
-    rows = ranking_rows_per_kv_head(group, config)
-    if rows > MAX_GROUP:
-        raise ValueError(f"backend {backend!r}: block_source='previous' ranks with selection_block * H / H_kv = "
-                         f"{rows} rows a kv head, at most {MAX_GROUP} on the kernels")
+    heads (`check_ranking_rows`), on one device (a sharded cache decodes on the
+    reference)."""
+    check_ranking_rows(group, config, backend)
     if jax.device_count() > 1:
         raise ValueError(f"backend {backend!r}: decoding with selection_block={config.selection_block} (block "
                          f"selection) on {jax.device_count()} devices runs on the JAX reference only for now; use "
@@ -149,10 +150,7 @@ def check_block_kernel_dims(dims, config: HTreeConfig, backend: str, packed: boo
     if max(dims.head_dim, dims.value_dim) > BLOCK_MAX_DIM:
         raise ValueError(f"backend {backend!r}: block selection's kernels take K and V up to {BLOCK_MAX_DIM}, got "
                          f"K = {dims.head_dim}, V = {dims.value_dim}; backend='reference' takes larger heads")
-    rows = ranking_rows_per_kv_head(dims.group_size, config)
-    if rows > MAX_GROUP:
-        raise ValueError(f"backend {backend!r}: block_source='previous' ranks with selection_block * H / H_kv = "
-                         f"{rows} rows a kv head, at most {MAX_GROUP} on the kernels")
+    check_ranking_rows(dims.group_size, config, backend)
     if packed:
         raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection) with "
                          "segment_ids runs on the JAX reference only for now; use backend='reference' or 'auto'")

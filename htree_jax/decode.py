@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from htree_jax.backends import attend_cache, decode_backend, rank_cache
+from htree_jax.backends import attend_cache, decode_backend
 from htree_jax.cache import (
     HTreeCache,
     append_to_cache,
@@ -113,10 +113,8 @@ def _block_attend(q, cache: HTreeCache, positions, counts, rank_rows, config: HT
     some row's token starts a block; otherwise each row's token is in the block of the
     cache's newest token, whose selection `cache.selections` holds, and the step is one
     launch (`kept_step_pallas`) where it takes the shape, else the walk keeping it."""
-    def walk():
-        chosen = rank_cache(rank_rows, cache.keys, cache.values, cache.radii, positions, config, impl,
-                            block_sizes, cache.value_dim, cache.scales)
-        return _attend_cache(q, cache, positions, config, impl, block_sizes, rank_rows, chosen)
+    def walk():  # `attend_cache` ranks (`rank_cache`), then keeps what the ranking rows kept
+        return _attend_cache(q, cache, positions, config, impl, block_sizes, rank_rows)
 
     if positions.shape[1] > 1 or not cache.selections:
         return walk()

@@ -218,10 +218,11 @@ def kept_keys(parents, kept, r: int, Mp: int):
     elsewhere, so the merges' `key < tau` with `tau = 1` merges every other candidate
     (a selection made elsewhere: block selection's, SPEC 12)."""
     lead = parents.shape[:-1]
-    parent = kept // r
-    # A kept node's parent slot: how many valid parents precede its parent (both ascending).
-    before = (parents[..., None, :] >= 0) & (parents[..., None, :] < parent[..., :, None])
-    position = jnp.sum(before, axis=-1, dtype=jnp.int32) * r + kept % r
+    # A kept node's parent slot: where its parent stands in the ascending list (the `-1`
+    # padding read as past every node, so the list stays sorted).
+    sorted_parents = jnp.where(parents < 0, jnp.iinfo(jnp.int32).max, parents).reshape(-1, parents.shape[-1])
+    slot = jax.vmap(jnp.searchsorted)(sorted_parents, (kept // r).reshape(-1, kept.shape[-1])).reshape(kept.shape)
+    position = slot.astype(jnp.int32) * r + kept % r
     rows = jnp.arange(int(np.prod(lead)), dtype=jnp.int32).reshape(lead + (1,))
     flat = jnp.where(kept >= 0, rows * Mp + position, rows.size * Mp).reshape(-1)
     keys = jnp.zeros((rows.size * Mp,), jnp.int32).at[flat].set(1, mode="drop")
