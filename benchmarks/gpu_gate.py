@@ -127,6 +127,16 @@ def matrix(full: bool):
             yield (8, 128, 128, None), dtype, "bound", f"block {source}"
     for source in ("first", "previous"):
         yield (8, 128, 128, None), "bfloat16", "mean", f"block {source}"
+    # The block merge's routes off Pallas-Triton (`KernelConfigs.block_merge`,
+    # `docs/backends.md`): forward and gradients (the decode kernels do not take them).
+    for route in ("triton", "mosaic_gpu"):
+        for source in ("first", "previous"):
+            yield (8, 128, 128, None), "bfloat16", "bound", f"block {source} via {route}"
+        yield (4, 64, 64, None), "bfloat16", "bound", f"block first via {route}"
+        yield (8, 128, 128, None), "float16", "bound", f"block first via {route}"
+    for shape, dtype in (((8, 128, 128, None), "float32"), ((8, 256, 256, None), "bfloat16"),
+                         ((1, 32, 32, None), "bfloat16"), ((16, 128, 128, None), "bfloat16")):
+        yield shape, dtype, "bound", "block first via triton"
 
 
 def relative(a, b) -> float:
@@ -161,6 +171,7 @@ def run_case(rng, shape, dtype, sel, packed):
     G, K, V, rope = shape
     H_kv = 1 if G > 16 else 2
     block = isinstance(packed, str) and packed.startswith("block")
+    route = packed.split(" via ")[1] if block and " via " in packed else None  # the merge's kernel
     config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel,
                          **(dict(selection_block=16, block_source=packed.split()[1]) if block else {}))
     packed = packed is True
@@ -169,7 +180,11 @@ def run_case(rng, shape, dtype, sel, packed):
     weights = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
     # Packed: two documents, each its own tree (SPEC 6).
     documents = dict(segment_ids=jnp.asarray(np.arange(T) >= T // 3, jnp.int32)[None], max_documents=2) if packed else {}
-    attend = functools.partial(htree_attention, config=config, **documents)
+    tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes({"block_merge": route})) if route else {}
+
+    def attend(q, k, v, backend, **kw):
+        return htree_attention(q, k, v, config=config, backend=backend, **documents,
+                               **(tuning if backend == "pallas" else {}), **kw)
 
     def grads(q, k, v, backend, weights):
         loss = lambda q, k, v: jnp.sum(attend(q, k, v, backend=backend).astype(jnp.float32) * weights)
@@ -209,7 +224,7 @@ def run_case(rng, shape, dtype, sel, packed):
     nan_rows = lambda backend: np.isnan(np.asarray(attend(q, k_bad, v, backend=backend), np.float32)).any(-1)
     out["nan_rows"] = bool(np.array_equal(nan_rows("pallas"), nan_rows("reference")))
     out["decode"], out["decode_bar"], out["decode_waived"] = 0.0, TOLERANCE[dtype], 0.0
-    if not packed:  # a decode cache holds one document a row
+    if not packed and not route:  # a decode cache holds one document a row
         cache = init_cache(1, T, H_kv, K, V, config, q.dtype, num_heads=G * H_kv if block else None)
         # Block selection: steps on both sides of a block's start (592), which walks the
         # ranking rows; the others keep the block's selection from the cache.
@@ -235,14 +250,17 @@ def run_case(rng, shape, dtype, sel, packed):
     return ok, out
 
 
-def run_benchmark_shape(rng, sel, top_k, T_big, source=None):
-    """`source`: block selection's (`selection_block=16`), None: per query."""
+def run_benchmark_shape(rng, sel, top_k, T_big, source=None, route="pallas_triton"):
+    """`source`: block selection's (`selection_block=16`), None: per query; `route` the
+    block merge's kernel (`KernelConfigs.block_merge`)."""
     config = HTreeConfig(top_k=top_k, selection=sel,
                          **(dict(selection_block=16, block_source=source) if source else {}))
+    tuning = KernelConfigs.resolve(None, 128, 128).with_changes({"block_merge": route})
     q, k, v = (jnp.asarray(rng.standard_normal((1, T_big, h, 128)).astype(np.float32), jnp.bfloat16)
                for h in (32, 4, 4))
-    o = jax.jit(lambda q, k, v: htree_attention(q, k, v, config, backend="pallas"))(q, k, v)
-    loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend="pallas").astype(jnp.float32))
+    attend = lambda q, k, v: htree_attention(q, k, v, config, backend="pallas", block_sizes=tuning)
+    o = jax.jit(attend)(q, k, v)
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     finite = bool(jnp.all(jnp.isfinite(o))) and all(bool(jnp.all(jnp.isfinite(x))) for x in g)
     return finite, {"finite": finite}
@@ -253,7 +271,8 @@ def case_name(kind: str, c, big_T: int) -> str:
         (G, K, V, rope), dtype, sel, packed = c
         return f"G={G} K={K} V={V} rope={rope} {dtype} {sel}" + {False: "", True: " packed"}.get(packed, f" {packed}")
     sel, top_k, *source = c
-    return f"bench T={big_T} top_k={top_k} bf16 {sel}" + (f" block {source[0]}" if source else "")
+    return (f"bench T={big_T} top_k={top_k} bf16 {sel}" + (f" block {source[0]}" if source else "")
+            + (f" via {source[1]}" if len(source) > 1 else ""))
 
 
 def short_error(e: Exception) -> str:
@@ -335,6 +354,7 @@ def main():
     if args.big_T:
         cases += [("big", (sel, top_k)) for sel in ("mean", "bound") for top_k in (512, 64)]
         cases += [("big", ("bound", 512, source)) for source in ("first", "previous")]
+        cases += [("big", ("bound", 512, "first", route)) for route in ("triton", "mosaic_gpu")]
     if args.only:
         cases = [(kind, c) for kind, c in cases if re.search(args.only, case_name(kind, c, args.big_T))]
     dump_root = tempfile.mkdtemp(prefix="gpu_gate_")

@@ -37,7 +37,7 @@ from htree_jax.reference import (
     htree_attention_reference_packed,
 )
 from pallas_kernels.block.backward import block_backward_pallas
-from pallas_kernels.block.forward import block_forward_pallas
+from pallas_kernels.block.forward import block_forward_pallas, block_static, check_merge_route
 from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
 from pallas_kernels.decode.walk import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.gqa.backward import htree_backward_pallas
@@ -312,6 +312,14 @@ def block_selections(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interp
     return selected, (exported[0] if export else [])
 
 
+def check_block_merge(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool) -> None:
+    """`tuning.block_merge` can run these shapes here (`check_merge_route`), checked
+    before the blocks' selections run."""
+    B, T, H, K = q.shape
+    st = block_static(config, T, H // k.shape[2], K, v.shape[-1], q.dtype)
+    check_merge_route(tuning.block_merge, (config.compression_rate, st.rows, K, v.shape[-1], q.dtype), interpret)
+
+
 def per_token(block_values, b: int, T: int):
     """A block's lists for each of its tokens: `[B, NB, ...]` -> `[B, T, ...]`."""
     return jnp.repeat(block_values, b, axis=1)[:, :T]
@@ -321,10 +329,11 @@ def _guarded_block_forward(q, k, v, config, interpret, export, tuning):
     """Block selection's forward (`block_selections`, then `block_forward_pallas`) under
     SPEC 10's guard: `(o, blocks' selections, lse, first, blocks' importance)`."""
     T = k.shape[1]
+    check_block_merge(q, k, v, config, tuning, interpret)
     first = first_non_finite(k, v, jnp.arange(T, dtype=jnp.int32))
     k, v = zero_non_finite(k), zero_non_finite(v)
     blocks, exported = block_selections(q, k, v, config, tuning, interpret, export)
-    o, lse = block_forward_pallas(q, k, v, blocks, config, interpret)
+    o, lse = block_forward_pallas(q, k, v, blocks, config, interpret, route=tuning.block_merge)
     return poison_rows(o, jnp.arange(T, dtype=jnp.int32), first), blocks, lse, first, exported
 
 

@@ -13,12 +13,14 @@ H_kv * width` int32) and the rows' log-sum-exp (`B * T * H` float32).
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.tree import build_tree
+from pallas_kernels.block import mosaic_merge, triton_merge
 from pallas_kernels.block.merge import (
     BlockStatic,
     block_merge_pallas,
@@ -27,6 +29,7 @@ from pallas_kernels.block.merge import (
     selection_lists,
 )
 from pallas_kernels.shared.common import next_power_of_two, pad_axis, pad_rope_halves
+from pallas_kernels.shared.configs import MERGE_ROUTES
 
 DEFAULT_TILE, DEFAULT_WARPS = 32, 4  # candidates a step (two node tiles at r = 16), warps: RESULTS
 
@@ -59,25 +62,56 @@ def block_layout(x, num_kv_heads: int, st: BlockStatic, Tp: int):
     return pad_axis(pad_axis(x, 1, Tp), 3, st.group)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "tile", "num_warps"))
+def check_merge_route(route: str, dims_ok: tuple[int, int, int, int, object], interpret: bool) -> None:
+    """`route` must be one of `MERGE_ROUTES` and able to run here: the routes off
+    Pallas-Triton have no interpret mode, the Triton one needs jax-triton installed, the
+    Mosaic GPU one takes only what `mosaic_merge.check_mosaic_dims` allows (`dims_ok`:
+    `r, rows, K, V, dtype`). Raises a ValueError naming the rule."""
+    if route not in MERGE_ROUTES:
+        raise ValueError(f"block_merge must be one of {MERGE_ROUTES}, got {route!r}")
+    if route == "pallas_triton":
+        return
+    if interpret:
+        raise ValueError(f"block_merge={route!r} has no interpret mode; interpreted runs take 'pallas_triton'")
+    if route == "triton":
+        if importlib.util.find_spec("jax_triton") is None or triton_merge.triton is None:
+            raise ValueError("block_merge='triton' needs jax-triton: pip install 'htree-jax[triton]'")
+    else:
+        mosaic_merge.check_mosaic_dims(*dims_ok)
+
+
+def merge_function(route: str):
+    """The merge launch of `route` (`merge.block_merge_pallas`'s arguments)."""
+    if route == "triton":
+        return lambda *a, interpret: triton_merge.block_merge_triton(*a)
+    if route == "mosaic_gpu":
+        return lambda *a, interpret: mosaic_merge.block_merge_mosaic(*a)
+    return lambda *a, interpret: block_merge_pallas(*a, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "tile", "num_warps", "route"))
 def block_forward_pallas(q, k, v, selections, config: HTreeConfig, interpret: bool = False,
-                         tile: int = DEFAULT_TILE, num_warps: int = DEFAULT_WARPS):
+                         tile: int = DEFAULT_TILE, num_warps: int = DEFAULT_WARPS, route: str = "pallas_triton"):
     """htree attention with block selection (SPEC 12, `config.selection_block =
     compression_rate`) given the blocks' selections: `q [B, T, H, K]`, `k [B, T, H_kv,
     K]`, `v [B, T, H_kv, V]` (rope layout), `selections` the node lists of layers `L-1 ..
     1`, each `[B, ceil(T / b), H_kv, top_k]` int32 (`-1` padded), one per block.
     Returns `(o [B, T, H, V]` in q's dtype, `lse [B, T, H]` float32)`. Inputs validated
-    by the caller; one document per row."""
+    by the caller; one document per row. `route` picks the merge's kernel
+    (`MERGE_ROUTES`; the Mosaic GPU one steps 64 candidates, whatever `tile`)."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G, b = H // H_kv, config.selection_block
+    if route == "mosaic_gpu":
+        tile = mosaic_merge.TILE
     st = block_static(config, T, G, K, V, q.dtype, tile, num_warps)
+    check_merge_route(route, (config.compression_rate, st.rows, K, V, q.dtype), interpret)
     if len(selections) != st.num_layers - 1:
         raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
     Tp = -(-T // b) * b
     q5 = block_layout(pad_rope_halves(q, st.half), H_kv, st, Tp)
     layers = layer_arrays(build_tree(k, v, config), st)
-    o, lse = block_merge_pallas(q5, layers, selection_lists(selections, st), config, st, K,
-                                table_positions(config, T, st), interpret)
+    o, lse = merge_function(route)(q5, layers, selection_lists(selections, st), config, st, K,
+                                   table_positions(config, T, st), interpret=interpret)
     o = o[:, :T, :, :G, :V].reshape(B, T, H, V)
     return o, lse[:, :T, :, :G].reshape(B, T, H)

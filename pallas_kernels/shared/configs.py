@@ -30,6 +30,9 @@ import dataclasses
 
 from pallas_kernels.shared.common import KERNEL_GROUP, wide_head_dims
 
+# The block-selection merge's kernels (`pallas_kernels.block.forward`, `docs/backends.md`).
+MERGE_ROUTES = ("pallas_triton", "triton", "mosaic_gpu")
+
 # Entries (query, parent pairs) one node-kernel program walks before the rest of a
 # unit's list spills to programs of its own (`node_backward`).
 UNIT_ENTRIES = 512
@@ -244,6 +247,13 @@ class KernelConfigs:
     wide: WideConfig = WideConfig()
     save_selections: bool = True
     chunk_budget_bytes: int = 2 << 30
+    # The block-selection merge's kernel (`MERGE_ROUTES`): Pallas-Triton, Triton through
+    # jax-triton, or Mosaic GPU (`docs/backends.md`).
+    block_merge: str = "pallas_triton"
+
+    def __post_init__(self):
+        if self.block_merge not in MERGE_ROUTES:
+            raise ValueError(f"KernelConfigs.block_merge must be one of {MERGE_ROUTES}, got {self.block_merge!r}")
 
     @classmethod
     def resolve(cls, block_sizes: "BlockSizes | KernelConfigs | None", K: int, V: int) -> "KernelConfigs":

@@ -1,0 +1,78 @@
+"""The block merge's routes off Pallas-Triton (`KernelConfigs.block_merge`,
+`docs/backends.md`): a route is checked before any kernel runs (a clear error naming
+the rule), and on a GPU each route equals the Pallas-Triton kernel on fresh inputs.
+The GPU's own checks are the gate's `via` cases (`benchmarks/gpu_gate.py`); the ones
+here run where a GPU is (CI has none: they skip there, and say so)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, htree_attention
+from pallas_kernels.block.forward import check_merge_route
+from pallas_kernels.block.mosaic_merge import check_mosaic_dims
+from pallas_kernels.shared.configs import KernelConfigs
+from tests.conftest import random_qkv
+
+GPU = jax.default_backend() == "gpu"
+
+
+def test_an_unknown_route_is_refused_by_name():
+    with pytest.raises(ValueError, match="block_merge must be one of"):
+        KernelConfigs(block_merge="cuda")
+
+
+@pytest.mark.parametrize("route", ["triton", "mosaic_gpu"])
+def test_routes_off_pallas_triton_refuse_interpret_mode_before_any_kernel(route):
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4)
+    q = jnp.ones((1, 64, 4, 64), jnp.float32)
+    k = jnp.ones((1, 64, 2, 64), jnp.float32)
+    tuning = KernelConfigs().with_changes({"block_merge": route})
+    with pytest.raises(ValueError, match="has no interpret mode"):
+        htree_attention(q, k, k, config, backend="pallas_interpret", block_sizes=tuning)
+
+
+def test_the_mosaic_route_names_each_rule_it_refuses():
+    check_mosaic_dims(16, 128, 128, 128, jnp.bfloat16)
+    with pytest.raises(ValueError) as e:
+        check_mosaic_dims(4, 256, 256, 32, jnp.float32)
+    text = str(e.value)
+    for rule in ("bfloat16 or float16", "compression_rate 8, 16, 32 or 64", "at most 128 rows",
+                 "K / 2 of 32 or 64", "block_merge='pallas_triton'"):
+        assert rule in text
+
+
+def test_the_triton_route_without_jax_triton_says_how_to_install_it():
+    if importlib.util.find_spec("jax_triton") is not None:
+        check_merge_route("triton", (16, 128, 128, 128, jnp.bfloat16), False)  # installed: taken
+        return
+    with pytest.raises(ValueError, match=r"htree-jax\[triton\]"):
+        check_merge_route("triton", (16, 128, 128, 128, jnp.bfloat16), False)
+
+
+# (r, top_k, T, H, H_kv, K, V, dtype, source, routes)
+GPU_CASES = [(16, 8, 4096, 32, 4, 128, 128, jnp.bfloat16, "first", ("triton", "mosaic_gpu")),
+             (16, 32, 3000, 8, 1, 128, 128, jnp.bfloat16, "previous", ("triton", "mosaic_gpu")),
+             (8, 8, 1500, 8, 2, 64, 128, jnp.float16, "first", ("triton", "mosaic_gpu")),
+             (4, 4, 150, 8, 2, 64, 32, jnp.float32, "previous", ("triton",)),
+             (16, 8, 2048, 4, 2, 256, 256, jnp.bfloat16, "first", ("triton",))]
+
+
+@pytest.mark.skipif(not GPU, reason="the routes off Pallas-Triton run on a CUDA GPU only (no interpret mode)")
+@pytest.mark.parametrize("r, top_k, T, H, H_kv, K, V, dtype, source, routes", GPU_CASES)
+def test_each_route_equals_the_pallas_triton_merge(rng, r, top_k, T, H, H_kv, K, V, dtype, source, routes):
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=r, block_source=source)
+    q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, 1, T, H, H_kv, K, V))
+    base = np.asarray(htree_attention(q, k, v, config, backend="pallas"), np.float64)
+    for route in routes:
+        if route == "triton" and importlib.util.find_spec("jax_triton") is None:
+            pytest.skip("jax-triton is not installed (pip install 'htree-jax[triton]')")
+        tuning = KernelConfigs.resolve(None, K, V).with_changes({"block_merge": route})
+        o = np.asarray(htree_attention(q, k, v, config, backend="pallas", block_sizes=tuning), np.float64)
+        error = np.linalg.norm(o - base) / np.linalg.norm(base)
+        assert error < (1e-5 if dtype == jnp.float32 else 1e-2), (route, error)
