@@ -7,9 +7,10 @@ the program's rows padded to a power of two of at least 16 (a Triton dot's least
 side) and masked, the tree's layers one array with each layer's first node given.
 
 Needs the optional extra `htree-jax[triton]` (jax-triton) and a CUDA GPU: jax-triton
-has no interpret mode inside JAX. `tests/test_block_routes.py` checks it against the
-Pallas kernel on the GPU, and the raw kernel under Triton's own interpreter
-(`TRITON_INTERPRET=1`, torch tensors) on the CPU where triton and torch are installed.
+has no interpret mode inside JAX. `tests/test_block_routes.py` and the gate's `via`
+cases check it against the Pallas kernel on the GPU. (The raw kernel also runs under
+Triton's own interpreter, `TRITON_INTERPRET=1` with torch tensors, and compiles to a
+cubin with `triton.compile` on a machine without a GPU; neither is in CI yet.)
 """
 
 from __future__ import annotations
