@@ -14,12 +14,15 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from pallas_kernels.block.forward import check_merge_route
+from pallas_kernels.block.forward import block_static, check_merge_route
 from pallas_kernels.block.mosaic_merge import check_mosaic_dims
+from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constexprs
 from pallas_kernels.shared.configs import KernelConfigs
 from tests.conftest import random_qkv
 
 GPU = jax.default_backend() == "gpu"
+TRITON = importlib.util.find_spec("triton") is not None
+SHARED_MEMORY = 232448  # bytes a block may take on an H100 or H200
 
 
 def test_an_unknown_route_is_refused_by_name():
@@ -63,6 +66,7 @@ GPU_CASES = [(16, 8, 4096, 32, 4, 128, 128, jnp.bfloat16, "first", ("triton", "m
              (16, 8, 2048, 4, 2, 256, 256, jnp.bfloat16, "first", ("triton",))]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="the routes off Pallas-Triton run on a CUDA GPU only (no interpret mode)")
 @pytest.mark.parametrize("r, top_k, T, H, H_kv, K, V, dtype, source, routes", GPU_CASES)
 def test_each_route_equals_the_pallas_triton_merge(rng, r, top_k, T, H, H_kv, K, V, dtype, source, routes):
@@ -76,3 +80,34 @@ def test_each_route_equals_the_pallas_triton_merge(rng, r, top_k, T, H, H_kv, K,
         o = np.asarray(htree_attention(q, k, v, config, backend="pallas", block_sizes=tuning), np.float64)
         error = np.linalg.norm(o - base) / np.linalg.norm(base)
         assert error < (1e-5 if dtype == jnp.float32 else 1e-2), (route, error)
+
+
+# (T, H, H_kv, K, V, dtype, top_k): the benchmark's launch, the widest heads, float32's
+# exact dots on a small tree, a group of one (rows padded to 16).
+COMPILED = [(131072, 32, 4, 128, 128, "bf16", 512), (4096, 8, 2, 256, 256, "bf16", 8),
+            (4096, 8, 2, 64, 32, "fp32", 8), (4096, 1, 1, 32, 32, "fp16", 8)]
+
+
+@pytest.mark.skipif(not TRITON, reason="needs triton installed (pip install triton; CI has none): the Triton "
+                                       "route's kernel compiled for sm_90 without a GPU")
+@pytest.mark.parametrize("T, H, H_kv, K, V, dtype, top_k", COMPILED)
+def test_the_triton_route_compiles_for_hopper_within_shared_memory(T, H, H_kv, K, V, dtype, top_k):
+    """What interpret mode cannot see, short of a GPU: the Triton kernel compiled to a
+    cubin for sm_90 (triton ships ptxas), its shared memory within a block's."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    config = HTreeConfig(top_k=top_k, selection_block=16)
+    jdtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[dtype]
+    st = block_static(config, T, H // H_kv, K, V, jdtype)
+    constexprs = kernel_constexprs(st)
+    names = block_merge_kernel.arg_names
+    pointers = dict(q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, o_ptr=dtype, cos_ptr="fp32", sin_ptr="fp32",
+                    lse_ptr="fp32", sel_ptr="i32", start_ptr="i32", power_ptr="i32")
+    signature = {n: ("constexpr" if n in constexprs else "*" + pointers[n] if n in pointers else "i32") for n in names}
+    source = ASTSource(fn=block_merge_kernel, signature=signature,
+                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=st.num_warps, num_stages=st.num_stages))
+    assert 0 < kernel.metadata.shared <= SHARED_MEMORY

@@ -10,7 +10,8 @@ Needs the optional extra `htree-jax[triton]` (jax-triton) and a CUDA GPU: jax-tr
 has no interpret mode inside JAX. `tests/test_block_routes.py` and the gate's `via`
 cases check it against the Pallas kernel on the GPU. (The raw kernel also runs under
 Triton's own interpreter, `TRITON_INTERPRET=1` with torch tensors, and compiles to a
-cubin with `triton.compile` on a machine without a GPU; neither is in CI yet.)
+cubin with `triton.compile` on a machine without a GPU: `tests/test_block_routes.py` does that
+where triton is installed, which CI is not.)
 """
 
 from __future__ import annotations
@@ -175,10 +176,14 @@ def kernel_arguments(q5, layers, selections, config: HTreeConfig, st: BlockStati
     Tp, H_kv = q5.shape[1], q5.shape[2]
     arrays = (q5, cos, sin, sel, keys, values, starts, powers)
     scalars = (Tp, H_kv, keys.shape[2], int(np.prod(sel.shape[1:])))
-    constexprs = dict(R=st.r, TOP_K=st.top_k, L=st.num_layers, QUERIES=st.queries, GROUP=st.group,
-                      ROWS=program_rows(st), HALF=st.half, VP=st.vp, TILE=st.tile, WIDTH=st.width,
-                      ALPHA=float(st.alpha), EXACT=st.exact)
-    return arrays, scalars, constexprs
+    return arrays, scalars, kernel_constexprs(st)
+
+
+def kernel_constexprs(st: BlockStatic) -> dict:
+    """The kernel's compile-time arguments for the launch `st`."""
+    return dict(R=st.r, TOP_K=st.top_k, L=st.num_layers, QUERIES=st.queries, GROUP=st.group,
+                ROWS=program_rows(st), HALF=st.half, VP=st.vp, TILE=st.tile, WIDTH=st.width,
+                ALPHA=float(st.alpha), EXACT=st.exact)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows"))
