@@ -63,8 +63,28 @@ def _release_compiled_code():
 LONG_FIRST = ("test_sharding.py",)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--one-case-each", action="store_true",
+                     help="run each test function once: the first of its parametrized cases (CI's second "
+                          "run, on the newest JAX, which checks the API each test reaches, not every shape again)")
+
+
+def first_case_of_each(items):
+    """`(kept, dropped)`: the first collected item of each test function, the rest."""
+    seen, kept, dropped = set(), [], []
+    for item in items:
+        function = item.nodeid.split("[")[0]
+        (dropped if function in seen else kept).append(item)
+        seen.add(function)
+    return kept, dropped
+
+
 def pytest_collection_modifyitems(config, items):
     """The longest tests first, each file's order kept: xdist hands tests out in
     collection order, and collected last (files sort by name) a 3-minute test left the
-    other worker idle at the end of the run."""
+    other worker idle at the end of the run. With `--one-case-each`, each test
+    function's first case only (the others reported as deselected)."""
+    if config.getoption("--one-case-each"):
+        items[:], dropped = first_case_of_each(items)
+        config.hook.pytest_deselected(items=dropped)
     items.sort(key=lambda item: item.path.name not in LONG_FIRST)
