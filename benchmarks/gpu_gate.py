@@ -26,6 +26,11 @@ decode steps, against the float32 JAX reference with exact dots:
 Block selection (SPEC 12, `selection_block=16`: `pallas_kernels.block`) has its cases
 with each source: the same checks, decoding included (the decode kernels keep the
 block's selection, `cache.selections`).
+The block merge's routes off Pallas-Triton (`KernelConfigs.block_merge`: `"triton"`
+through jax-triton, `"mosaic_gpu"`; `docs/backends.md`) have `via` cases: the forward and
+gradients (decoding does not take the route), and the benchmark shape at T=131072. The
+whole gate takes about 13 minutes on an H200: past one 10-minute device call, run it as
+`--big-T 0` and `--only bench`.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
 rules and both `top_k`, and block selection with each source at `top_k=512` (forward
 and fwd+bwd compiled and run, outputs finite).
