@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import functools
 import glob
 import json
 import multiprocessing

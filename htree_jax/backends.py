@@ -315,9 +315,9 @@ def block_selections(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interp
 def check_block_merge(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool) -> None:
     """`tuning.block_merge` can run these shapes here (`check_merge_route`), checked
     before the blocks' selections run."""
-    B, T, H, K = q.shape
+    _, T, H, K = q.shape
     st = block_static(config, T, H // k.shape[2], K, v.shape[-1], q.dtype)
-    check_merge_route(tuning.block_merge, (config.compression_rate, st.rows, K, v.shape[-1], q.dtype), interpret)
+    check_merge_route(tuning.block_merge, st, K, v.shape[-1], q.dtype, interpret)
 
 
 def per_token(block_values, b: int, T: int):

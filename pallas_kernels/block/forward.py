@@ -62,11 +62,11 @@ def block_layout(x, num_kv_heads: int, st: BlockStatic, Tp: int):
     return pad_axis(pad_axis(x, 1, Tp), 3, st.group)
 
 
-def check_merge_route(route: str, dims_ok: tuple[int, int, int, int, object], interpret: bool) -> None:
-    """`route` must be one of `MERGE_ROUTES` and able to run here: the routes off
-    Pallas-Triton have no interpret mode, the Triton one needs jax-triton installed, the
-    Mosaic GPU one takes only what `mosaic_merge.check_mosaic_dims` allows (`dims_ok`:
-    `r, rows, K, V, dtype`). Raises a ValueError naming the rule."""
+def check_merge_route(route: str, st: BlockStatic, K: int, V: int, dtype, interpret: bool) -> None:
+    """`route` must be one of `MERGE_ROUTES` and able to run the launch `st` (head dims
+    `K`, `V`, inputs in `dtype`) here: the routes off Pallas-Triton have no interpret
+    mode, the Triton one needs jax-triton installed, the Mosaic GPU one takes only what
+    `mosaic_merge.check_mosaic_dims` allows. Raises a ValueError naming the rule."""
     if route not in MERGE_ROUTES:
         raise ValueError(f"block_merge must be one of {MERGE_ROUTES}, got {route!r}")
     if route == "pallas_triton":
@@ -77,16 +77,7 @@ def check_merge_route(route: str, dims_ok: tuple[int, int, int, int, object], in
         if importlib.util.find_spec("jax_triton") is None or triton_merge.triton is None:
             raise ValueError("block_merge='triton' needs jax-triton: pip install 'htree-jax[triton]'")
     else:
-        mosaic_merge.check_mosaic_dims(*dims_ok)
-
-
-def merge_function(route: str):
-    """The merge launch of `route` (`merge.block_merge_pallas`'s arguments)."""
-    if route == "triton":
-        return lambda *a, interpret: triton_merge.block_merge_triton(*a)
-    if route == "mosaic_gpu":
-        return lambda *a, interpret: mosaic_merge.block_merge_mosaic(*a)
-    return lambda *a, interpret: block_merge_pallas(*a, interpret)
+        mosaic_merge.check_mosaic_dims(st.r, st.rows, K, V, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret", "tile", "num_warps", "route"))
@@ -105,13 +96,18 @@ def block_forward_pallas(q, k, v, selections, config: HTreeConfig, interpret: bo
     if route == "mosaic_gpu":
         tile = mosaic_merge.TILE
     st = block_static(config, T, G, K, V, q.dtype, tile, num_warps)
-    check_merge_route(route, (config.compression_rate, st.rows, K, V, q.dtype), interpret)
+    check_merge_route(route, st, K, V, q.dtype, interpret)
     if len(selections) != st.num_layers - 1:
         raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
     Tp = -(-T // b) * b
     q5 = block_layout(pad_rope_halves(q, st.half), H_kv, st, Tp)
     layers = layer_arrays(build_tree(k, v, config), st)
-    o, lse = merge_function(route)(q5, layers, selection_lists(selections, st), config, st, K,
-                                   table_positions(config, T, st), interpret=interpret)
+    args = (q5, layers, selection_lists(selections, st), config, st, K, table_positions(config, T, st))
+    if route == "triton":
+        o, lse = triton_merge.block_merge_triton(*args)
+    elif route == "mosaic_gpu":
+        o, lse = mosaic_merge.block_merge_mosaic(*args)
+    else:
+        o, lse = block_merge_pallas(*args, interpret)
     o = o[:, :T, :, :G, :V].reshape(B, T, H, V)
     return o, lse[:, :T, :, :G].reshape(B, T, H)

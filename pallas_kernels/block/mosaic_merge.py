@@ -76,15 +76,16 @@ def _transforms(minor: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def layer_parent_counts(selections, st: BlockStatic, T0):
-    """`n_P` of each layer (bottom first) for each block: `[B, NB, H_kv, Lp]` int32 (`Lp`
-    a power of two of at least 4, zeros after `L`). The top layer's virtual parents
-    count from the block's first position `T0 [NB]`; the others are the lengths of the
-    lists of the layer above (`selections`, top layer first)."""
+def layer_parent_counts(selections, st: BlockStatic, T0, blocks: tuple[int, int, int]):
+    """`n_P` of each layer (bottom first) for each block: `[B, NB, H_kv, Lp]` int32
+    (`blocks` is `(B, NB, H_kv)`; `Lp` a power of two of at least 4, zeros after `L`).
+    The top layer's virtual parents count from the block's first position `T0 [NB]`;
+    the others are the lengths of the lists of the layer above (`selections`, top layer
+    first)."""
     L = st.num_layers
     counts = [jnp.sum(selections[L - 2 - l][..., : st.top_k] < PAST_NODES, axis=-1) for l in range(L - 1)]
     counts.append(num_top_parents(T0, st.r, L)[None, :, None])
-    stacked = jnp.stack(jnp.broadcast_arrays(*counts), axis=-1).astype(jnp.int32)
+    stacked = jnp.stack([jnp.broadcast_to(c, blocks) for c in counts], axis=-1).astype(jnp.int32)
     lp = max(4, 1 << (L - 1).bit_length())
     return jnp.pad(stacked, [(0, 0)] * 3 + [(0, lp - L)])
 
@@ -265,32 +266,28 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     words = table_rows // WORD
     cos, sin = rope_tables(config, head_dim, table_rows, st)
     T0 = jnp.arange(nb, dtype=jnp.int32) * st.r
+    counts = layer_parent_counts(selections, st, T0, (B, nb, H_kv))
     if selections:
-        counts = layer_parent_counts(selections, st, T0)
         sel = jnp.stack(selections)
         bits = refined_bitmaps(selections, st, words)
-    else:
-        lp = 4
-        counts = jnp.pad(num_top_parents(T0, st.r, 1)[None, :, None, None], ((0, 0), (0, 0), (0, 0), (0, lp - 1)))
-        counts = jnp.broadcast_to(counts, (B, nb, H_kv, lp)).astype(jnp.int32)
+    else:  # a one-layer tree: nothing refined, no list read
         sel = jnp.zeros((1, B, nb, H_kv, st.width), jnp.int32)
         bits = jnp.zeros((1, B, nb, H_kv, words), jnp.int32)
     q_lo, q_hi = rotated_queries(q5, counts, cos, sin, st, rows)
-    tiled = lambda minor, dt: _transforms(minor, dt)
     scratch = (
-        plgpu.SMEM((rows, st.half), dtype, transforms=tiled(st.half, dtype)),  # q lo
-        plgpu.SMEM((rows, st.half), dtype, transforms=tiled(st.half, dtype)),  # q hi
-        plgpu.SMEM((TILE, st.half), dtype, transforms=tiled(st.half, dtype)),  # keys lo, as gathered
-        plgpu.SMEM((TILE, st.half), dtype, transforms=tiled(st.half, dtype)),  # keys hi
-        plgpu.SMEM((TILE, st.vp), dtype, transforms=tiled(st.vp, dtype)),  # values
-        plgpu.SMEM((TILE, st.half), dtype, transforms=tiled(st.half, dtype)),  # keys lo, rotated
-        plgpu.SMEM((TILE, st.half), dtype, transforms=tiled(st.half, dtype)),  # keys hi, rotated
-        plgpu.SMEM((TILE, st.half), jnp.float32, transforms=tiled(st.half, jnp.float32)),  # cos
-        plgpu.SMEM((TILE, st.half), jnp.float32, transforms=tiled(st.half, jnp.float32)),  # sin
+        plgpu.SMEM((rows, st.half), dtype, transforms=_transforms(st.half, dtype)),  # q lo
+        plgpu.SMEM((rows, st.half), dtype, transforms=_transforms(st.half, dtype)),  # q hi
+        plgpu.SMEM((TILE, st.half), dtype, transforms=_transforms(st.half, dtype)),  # keys lo, as gathered
+        plgpu.SMEM((TILE, st.half), dtype, transforms=_transforms(st.half, dtype)),  # keys hi
+        plgpu.SMEM((TILE, st.vp), dtype, transforms=_transforms(st.vp, dtype)),  # values
+        plgpu.SMEM((TILE, st.half), dtype, transforms=_transforms(st.half, dtype)),  # keys lo, rotated
+        plgpu.SMEM((TILE, st.half), dtype, transforms=_transforms(st.half, dtype)),  # keys hi, rotated
+        plgpu.SMEM((TILE, st.half), jnp.float32, transforms=_transforms(st.half, jnp.float32)),  # cos
+        plgpu.SMEM((TILE, st.half), jnp.float32, transforms=_transforms(st.half, jnp.float32)),  # sin
         plgpu.SMEM((st.width,), jnp.int32),  # the parent list
         plgpu.SMEM((words,), jnp.int32),  # the refined bitmap
         plgpu.SMEM((counts.shape[-1],), jnp.int32),  # n_P of each layer
-        plgpu.SMEM((rows, st.vp), dtype, transforms=tiled(st.vp, dtype)),  # output
+        plgpu.SMEM((rows, st.vp), dtype, transforms=_transforms(st.vp, dtype)),  # output
         plgpu.SMEM((rows,), jnp.float32),  # lse
     )
     n_bars = 3 + 3 * (TILE // st.r)
