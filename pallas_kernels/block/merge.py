@@ -9,7 +9,7 @@ they share the buffer too and differ only in how much of their own node they see
 (`tile / r` contiguous node tiles of `r` rows) once for all its rows, rotates the keys
 by their buffer position once (RoPE is relative: the rows are rotated once per layer by
 their `n - 1`), and folds the candidates a layer does not refine into one online
-softmax. Which candidates a layer refines is the block's selection of that layer,
+softmax (`shared/softmax.py`). Which candidates a layer refines is the block's selection of that layer,
 sorted as the selection passes return it, read a window of `tile` entries at a time.
 
 The selections come from the per-query kernels run on the block's ranking rows
@@ -32,6 +32,7 @@ from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_top_parents
 from htree_jax.core.rope import rope_table
 from pallas_kernels.shared.common import NEG_INF, compiler_params, next_power_of_two, pad_axis, pad_rope_halves
+from pallas_kernels.shared.softmax import fold, log_sum_exp, normalized
 
 # A selection list's padding: above every node index, and `r` times it still an int32.
 PAST_NODES = 1 << 26
@@ -197,25 +198,18 @@ def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic):
         qr = [operand(x, st, dtype) for x in rotated_rows(q_ref, cos_ref, sin_ref, walk.angle, st)]
 
         def merge_tile(i, carry, k_ref=k_ref, v_ref=v_ref, walk=walk, qr=qr):
-            (m, total, acc), seen = carry
+            state, seen = carry
             p, valid, nodes = tile_nodes(i, walk, st)
             kr = rotated_keys(k_ref, nodes, cos_ref, sin_ref, i, st)
             s = st.alpha * (scores_dot(qr[0], kr[0], st, dtype) + scores_dot(qr[1], kr[1], st, dtype))  # [rows, C]
             merged, seen = merged_mask(p, valid, nodes, seen, walk, st)
-            s = jnp.where(merged, s, NEG_INF)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-            decay = jnp.exp(m - m_safe)
-            w = jnp.exp(s - m_safe[:, None])
-            total = total * decay + jnp.sum(w, axis=1)
-            acc = acc * decay[:, None] + rows_dot(w, v_ref[nodes, :], st, dtype)
-            return (m_new, total, acc), seen
+            weighted = lambda w: rows_dot(w, v_ref[nodes, :], st, dtype)
+            return fold(state, [(jnp.where(merged, s, NEG_INF), weighted)]), seen
 
         state, _ = lax.fori_loop(0, (walk.n_max + C - 1) // C, merge_tile, (state, jnp.int32(0)))
 
-    m, total, acc = state
-    o_ref[...] = (acc / total[:, None]).reshape(o_ref.shape).astype(o_ref.dtype)
-    lse_ref[...] = (m + jnp.log(total)).reshape(lse_ref.shape)
+    o_ref[...] = normalized(state).reshape(o_ref.shape).astype(o_ref.dtype)
+    lse_ref[...] = log_sum_exp(state).reshape(lse_ref.shape)
 
 
 def selection_lists(selections, st: BlockStatic):

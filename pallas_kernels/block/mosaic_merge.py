@@ -226,6 +226,8 @@ def _merge_kernel(*refs, st: BlockStatic, rows: int, words: int, dtype):
                     word = jnp.where(col >= w * WORD, zero + bits_s[i * (C // WORD) + w], word)
                 refined = lax.shift_right_logical(word, col % WORD) & 1
                 merged = (p < n_max) & (refined == 0)
+            # `pallas_kernels.shared.softmax.fold` of one tile, transcribed (WGMMA's product,
+            # broadcasts Mosaic GPU's layouts take).
             s = jnp.where(merged, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -238,6 +240,7 @@ def _merge_kernel(*refs, st: BlockStatic, rows: int, words: int, dtype):
 
         m, total, acc = lax.fori_loop(0, (n_max + C - 1) // C, merge_tile, (m, total, acc))
 
+    # `softmax.normalized` and `softmax.log_sum_exp`, transcribed.
     o_s[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
     lse_s[...] = m + jnp.log(total)
     plgpu.commit_smem()
@@ -255,10 +258,14 @@ def split_layers(layers, st: BlockStatic):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows"))
-def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int):
+@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret"))
+def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
+                       interpret: bool = False):
     """`merge.block_merge_pallas` (same arguments and results, `st.tile` is `TILE` and
-    `table_rows` a multiple of it, no interpret mode) on the Mosaic GPU kernel above."""
+    `table_rows` a multiple of it, no interpret mode: `interpret=True` is refused) on the
+    Mosaic GPU kernel above."""
+    if interpret:
+        raise ValueError("block_merge='mosaic_gpu' has no interpret mode; interpreted runs take 'pallas_triton'")
     B, Tp, H_kv, gp, _ = q5.shape
     dtype = q5.dtype
     table_rows = max(table_rows, 4 * WORD)  # a bitmap a TMA copy of at least 16 bytes

@@ -129,6 +129,7 @@ def _block_merge_kernel(q_ptr, cos_ptr, sin_ptr, sel_ptr, k_ptr, v_ptr, start_pt
                 last = tl.max(tl.where(valid, nodes, -1), axis=0)
                 seen += tl.sum((window <= last).to(tl.int32), axis=0)
                 merged = (valid & (hits == 0))[None, :] & (rows >= 0)[:, None]
+            # `pallas_kernels.shared.softmax.fold` of one tile, transcribed.
             s = tl.where(merged, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -142,7 +143,7 @@ def _block_merge_kernel(q_ptr, cos_ptr, sin_ptr, sel_ptr, k_ptr, v_ptr, start_pt
                 acc = tl.dot(w.to(dtype), vals.to(dtype), acc * decay[:, None])
             m = m_new
 
-    out = acc / total[:, None]
+    out = acc / total[:, None]  # `softmax.normalized` and `softmax.log_sum_exp`, transcribed
     tl.store(o_ptr + q_row[:, None] * VP + dv[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + q_row, m + tl.log(total), mask=row_ok)
 
@@ -186,10 +187,13 @@ def kernel_constexprs(st: BlockStatic) -> dict:
                 ALPHA=float(st.alpha), EXACT=st.exact)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows"))
-def block_merge_triton(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int):
-    """`merge.block_merge_pallas` (same arguments and results, no interpret mode) on the
-    Triton kernel above through `jax_triton.triton_call`."""
+@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret"))
+def block_merge_triton(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
+                       interpret: bool = False):
+    """`merge.block_merge_pallas` (same arguments and results, no interpret mode:
+    `interpret=True` is refused) on the Triton kernel above through `jax_triton.triton_call`."""
+    if interpret:
+        raise ValueError("block_merge='triton' has no interpret mode; interpreted runs take 'pallas_triton'")
     import jax_triton  # the optional extra (`check_merge_route` checked it is installed)
 
     B, Tp, H_kv, gp, _ = q5.shape

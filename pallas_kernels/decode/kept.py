@@ -3,7 +3,7 @@ block keeps the block's selection of every layer above 0 (`HTreeCache.selections
 so nothing is left to choose and every layer's candidates are known before any is
 scored. One program per `(b, h_kv, split)` walks its share of every layer's candidate
 buffer, top down, scoring and folding the candidates the layer does not keep into one
-partial softmax state; the splits' states are folded in XLA (`fold_partials`).
+partial softmax state (`shared/softmax.py`); the splits' states are combined in XLA.
 
 The per-layer decode walk (`walk.py` with `chosen`) does the same in two launches a
 layer and a few XLA ops between them; this kernel takes the shapes most caches have
@@ -27,16 +27,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_top_parents
 from htree_jax.core.rope import rope_table
-from pallas_kernels.decode.merge import fold_partials
 from pallas_kernels.shared.common import KERNEL_GROUP, NEG_INF, compiler_params, next_power_of_two, pad_axis
 from pallas_kernels.shared.configs import DecodeBlockSizes
+from pallas_kernels.shared.softmax import combine, fold
 
 # A kept list's padding: above every node index, and `r` times it still an int32.
 PAST_NODES = 1 << 26
@@ -120,8 +119,8 @@ def _kept_merge_kernel(q_ref, t_ref, cos_ref, sin_ref, *refs, st: KeptStatic):
         if kept is not None:
             seen = jnp.sum((kept[...] < node_of(jnp.minimum(first * C, jnp.maximum(n - 1, 0)))).astype(jnp.int32))
 
-        def fold(i, carry, k_ref=k_ref, v_ref=v_ref, kept=kept, n=n, node_of=node_of):
-            (m, total, acc), seen = carry
+        def fold_tile(i, carry, k_ref=k_ref, v_ref=v_ref, kept=kept, n=n, node_of=node_of):
+            state, seen = carry
             p = i * C + jnp.arange(C, dtype=jnp.int32)
             valid = p < n
             nodes = jnp.where(valid, node_of(p), 0)
@@ -137,15 +136,10 @@ def _kept_merge_kernel(q_ref, t_ref, cos_ref, sin_ref, *refs, st: KeptStatic):
                 seen = seen + jnp.sum((window <= jnp.max(jnp.where(valid, nodes, -1))).astype(jnp.int32))
                 merged = valid & (hits == 0)
             scores = jnp.where(merged[None, :], scores, NEG_INF)
-            m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-            m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-            decay = jnp.exp(m - m_safe)
-            w = jnp.exp(scores - m_safe[:, None])
-            total = total * decay + jnp.sum(w, axis=1)
-            acc = acc * decay[:, None] + _dot(w, v_ref[nodes, :], st, dtype, False)
-            return (m_new, total, acc), seen
+            weighted = lambda w: _dot(w, v_ref[nodes, :], st, dtype, False)
+            return fold(state, [(scores, weighted)]), seen
 
-        state, _ = lax.fori_loop(first, last, fold, (state, seen))
+        state, _ = lax.fori_loop(first, last, fold_tile, (state, seen))
 
     m, total, acc = state
     m_ref[...] = m
@@ -214,7 +208,7 @@ def kept_step_pallas(q, keys, values, positions, kept, config: HTreeConfig,
     )(q4, t, cos, sin, *lists, *[x for kl, vl in zip(keys, values) for x in (kl, vl)])
     empty = (jnp.full((B, H_kv, gp), NEG_INF, jnp.float32), jnp.zeros((B, H_kv, gp), jnp.float32),
              jnp.zeros((B, H_kv, gp, V), jnp.float32))
-    _, total, acc = fold_partials(empty, (m, total, acc))
+    _, total, acc = combine(empty, (m, total, acc))
     o = acc / total[..., None]
     return o[:, :, :G].reshape(B, H, V).astype(q.dtype)
 

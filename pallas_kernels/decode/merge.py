@@ -1,6 +1,6 @@
 """The decode walk's merges (`decode/walk.py` composes them): per-split partial states over a
 cache's values (`decode_merge_pallas`), folded into the running state in XLA
-(`fold_partials`). Their full-sequence twins: `merge.py`.
+(`softmax.combine`). Their full-sequence twins: `pallas_kernels/gqa/merge.py`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pallas_kernels.decode.scores import (
 from pallas_kernels.shared.common import NEG_INF, LayerStatic, compiler_params, merge_score_precision, span_candidates
 from pallas_kernels.shared.importance import feature_pieces
 from pallas_kernels.shared.precision import weighted_values
+from pallas_kernels.shared.softmax import fold
 
 
 def cache_value_pieces(V: int, K: int | None = None, latent_half: int = 0) -> tuple:
@@ -45,19 +46,14 @@ def _cache_values(v_ref, nodes, pieces, widen_to=None):
     return tiles if widen_to is None else [x.astype(widen_to) for x in tiles]
 
 
-def _cache_fold(carry, scores, values, precision, operands, value_scale=None):
-    """`merge.fold_merged` of one block, the values and `U` in pieces. `value_scale
-    [span]` (FP8 values): each candidate's weight in `U` times its row's scale (the
-    normaliser's weights unscaled)."""
-    m, total, acc = carry
-    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    decay = jnp.exp(m - m_safe)
-    w = jnp.exp(scores - m_safe[:, None])
-    total = total * decay + jnp.sum(w, axis=1)
-    wv = w if value_scale is None else w * value_scale[None, :]
-    acc = tuple(u * decay[:, None] + weighted_values(wv, x, precision, operands) for u, x in zip(acc, values))
-    return m_new, total, acc
+def _weighted_pieces(values, precision, operands, value_scale=None):
+    """`softmax.fold`'s product for values read in pieces: each piece `[span, size]`
+    weighted by `w`. `value_scale [span]` (FP8 values): each candidate's weight in `U`
+    times its row's scale (the normaliser's weights unscaled)."""
+    def weighted(w):
+        wv = w if value_scale is None else w * value_scale[None, :]
+        return tuple(weighted_values(wv, x, precision, operands) for x in values)
+    return weighted
 
 
 def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: bool, value_pieces: tuple,
@@ -123,8 +119,8 @@ def _cache_merge_kernel(*refs, st: LayerStatic, bottom: bool, zero_unmerged: boo
             # a decode step time.
             values = [jnp.where(merged[:, None], x, 0) for x in values]
         value_scale = None if v_scale_ref is None else v_scale_ref[nodes]
-        return _cache_fold(carry, jnp.where(merged[None, :], scores, NEG_INF), values, precision, operands,
-                           value_scale)
+        return fold(carry, [(jnp.where(merged[None, :], scores, NEG_INF),
+                             _weighted_pieces(values, precision, operands, value_scale))])
 
     if init is None:
         init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32),
@@ -212,17 +208,3 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
         interpret=interpret,
     )(*args)
     return out if state is not None and bottom else tuple(out)
-
-
-def fold_partials(state, partials):
-    """The running state `(m, S [..., rows], U [..., rows, V])` with a layer's per-split
-    partial states (`[..., splits, rows(, V)]`) folded in (SPEC 2.4: one softmax)."""
-    m, S, U = state
-    pm, pS, pU = partials
-    m_new = jnp.maximum(m, jnp.max(pm, axis=-2))
-    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    decay = jnp.exp(m - m_safe)
-    w = jnp.exp(pm - m_safe[..., None, :])  # [..., splits, rows]; 0 for empty splits
-    S = S * decay + jnp.sum(pS * w, axis=-2)
-    U = U * decay[..., None] + jnp.sum(pU * w[..., None], axis=-3)
-    return m_new, S, U

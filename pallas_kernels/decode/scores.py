@@ -15,8 +15,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.shared.common import NEG_INF, LayerStatic, compiler_params, span_candidates
-from pallas_kernels.shared.importance import feature_pieces, online_max_sum, packed_keys, whole_groups
+from pallas_kernels.shared.importance import feature_pieces, packed_keys, whole_groups
 from pallas_kernels.shared.precision import score_dot, stored_dot
+from pallas_kernels.shared.softmax import fold_max_sum
 
 
 def half_pieces(half: int, latent: int) -> tuple:
@@ -175,7 +176,7 @@ def _cache_scores_kernel(q_ref, par_ref, n_ref, k_ref, cos_ref, sin_ref, *refs, 
         if bound:
             scores = scores + st.alpha * cache_bound_reach(qn_ref, rho_ref, nodes, st)
             plgpu.store(b_ref.at[:, pl.ds(j * st.span, st.span)], scores, mask=real_rows)
-        return online_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
+        return fold_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
 
     init = (jnp.full((gp,), NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
     m, total = lax.fori_loop(0, count, score_span, init)
@@ -261,10 +262,3 @@ def decode_keys_pallas(scores, shift, n, st: LayerStatic, split: int = 1, interp
         compiler_params=compiler_params(4, 1),
         interpret=interpret,
     )(scores, shift, n)
-
-
-def combine_max_sum(m, total):
-    """Per-split running `(max, sum of exp)` `[..., splits, rows]` -> the rows' `(max, sum)`."""
-    m_all = jnp.max(m, axis=-2)
-    m_safe = jnp.where(m_all == NEG_INF, 0.0, m_all)
-    return m_all, jnp.sum(total * jnp.exp(m - m_safe[..., None, :]), axis=-2)

@@ -1,8 +1,8 @@
 """The Pallas decode walk: a few new queries walk a decode cache's tree (SPEC 2). A
-composition of the cache kernels that live beside their full-sequence kin
-(`decode_scores.decode_scores_pallas`, `decode_merge.decode_merge_pallas`) and the shared top-K.
+composition of the decode family's kernels (`decode/scores.py`'s `decode_scores_pallas`,
+`decode/merge.py`'s `decode_merge_pallas`) and the shared top-K.
 
-The full-sequence kernels (`importance.py`, `merge.py`) read each layer's keys in `span / r`
+The full-sequence kernels (`shared/importance.py`, `gqa/merge.py`) read each layer's keys in `span / r`
 rotated copies made for the whole layer (`rotate_phases`), which for a decode step would
 be `O(T)` work per token. Here the keys are read as the cache stores them (`[B, N, H_kv,
 K]`, un-rotated, the layout `htree_jax.cache.HTreeCache` keeps) and rotated in the
@@ -11,13 +11,13 @@ is rotated by `p - p0`, the query once by `n - 1 - p0` (SPEC 2.2 is relative), t
 same arithmetic `rotate_phases` does ahead of time, so the scores are those of the
 full-sequence kernels. Features that do not rotate (SPEC 7's partial RoPE: 512 of
 latent attention's 576) are read and scored as stored, with no rotation
-(`decode_scores.half_pieces`): for 16-bit caches one exact product where a rotated piece
+(`decode/scores.py`'s `half_pieces`): for 16-bit caches one exact product where a rotated piece
 takes three (`BF16X3`).
 
 Groups of more than 16 heads (latent attention's 64-128 over one latent key) run as
 virtual kv heads of `DecodeBlockSizes.wide_rows` heads (64) that read the cache in
 place: every gathered key row feeds 64 heads (the row count that makes a gathered tile
-worth its bytes, `../shared/probes/mla_sparse_feasibility.py`), and the whole group's
+worth its bytes, `tools/probes/mla_sparse_feasibility.py`), and the whole group's
 importance decides one selection per kv head.
 
 A decode step has few queries (`B * H_kv` of them, 4 at `B = 1`), so each query's
@@ -36,12 +36,12 @@ fit (`pipelined`: all three of the wide ones, the two merges of GQA's):
     XLA                the rows' importance shift (from the splits' max and sum)
     `decode_keys_pallas` packed keys from the stored scores (groups over 16 heads;
                        GQA's in XLA, `group_keys_from_scores`)
-    `top_k.select_top_k_pallas` (shared with the forward): the kept nodes, `tau`
+    `select_top_k_pallas` (`shared/top_k.py`, the forward's): the kept nodes, `tau`
     `decode_merge_pallas` the split's merged candidates (stored scores, gathered values)
                        folded into a partial softmax state (m, S, U)
   bottom layer: `decode_merge_pallas` scoring its keys, every valid candidate merged
                        (values read from the keys: its key tiles are the values where
-                       they can be, `decode_merge.values_in_key_tiles`; FP8 tokens: each
+                       they can be, `decode/merge.py`'s `values_in_key_tiles`; FP8 tokens: each
                        gathered row widened, its score and weight times its scale);
   the partial states fold into the running one in XLA, and the output is U / S.
 
@@ -71,8 +71,8 @@ from htree_jax.core.bounds import group_count, group_norms
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
 from htree_jax.core.rope import rope_table
-from pallas_kernels.decode.merge import cache_value_pieces, decode_merge_pallas, fold_partials, values_in_key_tiles
-from pallas_kernels.decode.scores import combine_max_sum, decode_keys_pallas, decode_scores_pallas
+from pallas_kernels.decode.merge import cache_value_pieces, decode_merge_pallas, values_in_key_tiles
+from pallas_kernels.decode.scores import decode_keys_pallas, decode_scores_pallas
 from pallas_kernels.shared import shared_memory
 from pallas_kernels.shared.common import (
     Bound,
@@ -93,6 +93,7 @@ from pallas_kernels.shared.configs import DecodeBlockSizes
 from pallas_kernels.shared.importance import group_keys_from_scores, importance_shift
 from pallas_kernels.shared.precision import Precisions
 from pallas_kernels.shared.shared_memory import program_shape
+from pallas_kernels.shared.softmax import combine, combine_max_sum
 from pallas_kernels.shared.top_k import select_top_k_pallas
 
 # Keys are read in power-of-two pieces of each RoPE half (`importance.feature_pieces`:
@@ -301,7 +302,7 @@ def _walk_layers(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: 
             parents = next_parents[..., :P]
             selections.append(real_heads(parents[..., : config.top_k], split))
         if not carried:
-            state = fold_partials(state, partials)
+            state = combine(state, partials)
         else:  # the new state, or the first one: a single split's partial state
             state = partials if state is not None else tuple(x.squeeze(3) for x in partials)
     _, S, U = state

@@ -1,6 +1,6 @@
 """SPEC 2.4 in a kernel: the online-softmax merge of a layer's candidates below the top,
-one program per `(b, t, h_kv)`, and the state's fold, load and store that every
-merge-shaped kernel (here, `top_layer.py`, the backward's) shares.
+one program per `(b, t, h_kv)` (the fold itself: `shared/softmax.py`), and the state's
+tiles, load and store that this family's merge kernels (here and `top_layer.py`) share.
 
 - `merge_scored_pallas`: a layer that selects merges the candidates it did not keep, from
   the scores its importance pass stored (no key is gathered or scored again).
@@ -36,25 +36,13 @@ from pallas_kernels.shared.common import (
 from pallas_kernels.shared.importance import gather_nodes, query_rows, score_tile, scores_twin
 from pallas_kernels.shared.precision import check_key_parts, key_parts, weighted_values
 from pallas_kernels.shared.rope import full_width_inputs
+from pallas_kernels.shared.softmax import fold, log_sum_exp, normalized
 
 
-def fold_merged(carry, blocks, score_precision, operands, exp=jnp.exp):
-    """Online-softmax merge (SPEC 2.4) of score blocks into `(m, S, U)` `[rows]`,
-    `[rows]`, `[rows, Vp]`: `blocks` is a list of `(scores [rows, n], values [n, Vp])`,
-    scores `-inf` where not merged; they fold as one step (one rescale). `exp=jnp.exp2`:
-    scores and `m` in base 2 (`log2(e)` times the natural ones)."""
-    m, total, acc = carry
-    m_new = m
-    for s_m, _ in blocks:
-        m_new = jnp.maximum(m_new, jnp.max(s_m, axis=1))
-    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    decay = exp(m - m_safe)
-    total, acc = total * decay, acc * decay[:, None]
-    for s_m, values in blocks:
-        w = exp(s_m - m_safe[:, None])
-        total = total + jnp.sum(w, axis=1)
-        acc = acc + weighted_values(w, values, score_precision, operands)
-    return m_new, total, acc
+def merged_tile(scores, values, score_precision, operands):
+    """A tile as `softmax.fold` takes it: its scores (`NEG_INF` where not merged) and the
+    product of its `values [n, Vp]` with the weights."""
+    return scores, lambda w: weighted_values(w, values, score_precision, operands)
 
 
 def read_state(m_ref, s_ref, u_ref):
@@ -68,13 +56,13 @@ def write_merged(state, out_refs, bottom: bool):
     """The bottom layer writes the normalised output (`out_refs = (o_ref,)`, or `(o_ref,
     lse_ref)`), the others the state `(m_out, s_out, u_out)` (`[BQ, G]`, `[BQ, G]`,
     `[BQ, G, Vp]`)."""
-    m, total, acc = state
     if bottom:
         o_ref, *lse_ref = out_refs
-        o_ref[...] = (acc / total[:, None]).reshape(o_ref.shape).astype(o_ref.dtype)
+        o_ref[...] = normalized(state).reshape(o_ref.shape).astype(o_ref.dtype)
         if lse_ref:  # the log-sum-exp of each row's merged scores, for the backward
-            lse_ref[0][...] = (m + jnp.log(total)).reshape(lse_ref[0].shape)
+            lse_ref[0][...] = log_sum_exp(state).reshape(lse_ref[0].shape)
     else:
+        m, total, acc = state
         m_out, s_out, u_out = out_refs
         m_out[...] = m.reshape(m_out.shape)
         s_out[...] = total.reshape(s_out.shape)
@@ -105,9 +93,9 @@ def _merge_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic):
 
     def merge_tile(i, carry):
         units = score_tile(i, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st, score_precision, operands)
-        blocks = [(jnp.where(jnp.broadcast_to(valid[None, :], (rows, st.span)), scores, NEG_INF),
-                   v_ref[nodes, :]) for scores, valid, _, nodes in units]
-        return fold_merged(carry, blocks, score_precision, operands)
+        tiles = [merged_tile(jnp.where(jnp.broadcast_to(valid[None, :], (rows, st.span)), scores, NEG_INF),
+                             v_ref[nodes, :], score_precision, operands) for scores, valid, _, nodes in units]
+        return fold(carry, tiles)
 
     state = lax.fori_loop(0, (n + st.tile - 1) // st.tile, merge_tile, read_state(m_ref, s_ref, u_ref))
     write_merged(state, out_refs, bottom=True)
@@ -132,8 +120,8 @@ def _merge_scored_kernel(scores_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m
         scores = plgpu.load(scores_ref.at[:, :, pl.ds(p0, st.tile)], mask=real_rows, other=0.0)
         kept = keys_ref[:, pl.ds(p0, st.tile)] >= tau  # [BQ, tile]
         merged = jnp.broadcast_to((valid[None, :] & ~kept)[:, None, :], (bq, gp, st.tile)).reshape(rows, st.tile)
-        block = (jnp.where(merged, scores.reshape(rows, st.tile), NEG_INF), v_ref[nodes, :])
-        return fold_merged(carry, [block], merge_score_precision(st), st.merge_operands)
+        return fold(carry, [merged_tile(jnp.where(merged, scores.reshape(rows, st.tile), NEG_INF), v_ref[nodes, :],
+                                        merge_score_precision(st), st.merge_operands)])
 
     num_tiles = (n + st.tile - 1) // st.tile
     state = lax.fori_loop(0, num_tiles, merge_tile, read_state(m_ref, s_ref, u_ref))

@@ -46,10 +46,11 @@ from jax.experimental import pallas as pl
 
 from htree_jax.core.config import FORCED_IMPORTANCE
 from htree_jax.core.indexing import pack_importance
-from pallas_kernels.gqa.merge import fold_merged, merge_outputs, read_state, write_merged
+from pallas_kernels.gqa.merge import merge_outputs, merged_tile, read_state, write_merged
 from pallas_kernels.shared.common import NEG_INF, Bound, LayerStatic, compiler_params, layer_refs, merge_score_precision
-from pallas_kernels.shared.importance import importance_shift, online_max_sum, write_key_tiles
+from pallas_kernels.shared.importance import importance_shift, write_key_tiles
 from pallas_kernels.shared.precision import check_key_parts, dot_rows, key_parts, split_rows
+from pallas_kernels.shared.softmax import fold, fold_max_sum
 
 
 def block_rows(q_ref, n_ref, first_ref):
@@ -153,7 +154,7 @@ def _top_keys_kernel(*refs, st: LayerStatic, documents: bool, export: bool = Fal
     def norm_stats(i, carry):
         scores, positions = scored(i)
         in_norm = positions[None, :] < norm_end[:, None]
-        return online_max_sum(*carry, jnp.where(in_norm, scores, NEG_INF), exp=jnp.exp2)
+        return fold_max_sum(*carry, jnp.where(in_norm, scores, NEG_INF), exp=jnp.exp2)
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, norm_stats, init)
@@ -211,8 +212,8 @@ def _top_merge_kernel(*refs, st: LayerStatic, bottom: bool, documents: bool):
             scores = dot_rows(q_parts, k, score_precision, operands)
             values = v_ref[pl.ds(f + i * st.tile, st.tile), :]
             mine = merged if rows_first is None else merged & (rows_first == f)[:, None]
-            return fold_merged(state, [(jnp.where(mine, scores, NEG_INF), values)], score_precision, operands,
-                               exp=jnp.exp2)
+            return fold(state, [merged_tile(jnp.where(mine, scores, NEG_INF), values, score_precision, operands)],
+                        exp=jnp.exp2)
 
         return by_document(first_q, fold_document, carry)
 

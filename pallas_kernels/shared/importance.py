@@ -47,6 +47,7 @@ from pallas_kernels.shared.common import (
 )
 from pallas_kernels.shared.precision import check_key_parts, dot_rows, key_parts, score_dot, split_rows
 from pallas_kernels.shared.rope import full_width_inputs
+from pallas_kernels.shared.softmax import fold_max_sum
 
 
 def score_span(p0, q_parts, par_ref, k_refs, cf_ref, sf_ref, n, st: LayerStatic, precision, operands=None):
@@ -85,19 +86,10 @@ def query_rows(q_ref, qh_ref):
     return (q_ref[...].astype(jnp.float32).reshape(bq * gp, kp), qh_ref[...].astype(jnp.float32).reshape(bq * gp, kp))
 
 
-def online_max_sum(m, total, scores, exp=jnp.exp):
-    """Fold `scores [R, tile]` (-inf where excluded) into a running max and sum (`exp`:
-    `jnp.exp2` for scores in base 2, `log2(e)` times the natural ones)."""
-    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-    m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-    total = total * exp(m - m_safe) + jnp.sum(exp(scores - m_safe[:, None]), axis=1)
-    return m_new, total
-
-
 def importance_shift(m, total, real_head, group_rows: int, importance: str, log=jnp.log):
     """Per row, what the importance subtracts from scores (SPEC 2.3): the row's LSE over
     R (`softmax`), or the max over the real heads of its query's group (`shared_max`);
-    0 where R is empty. `m, total [rows]` from `online_max_sum`, rows grouped by query
+    0 where R is empty. `m, total [rows]` from `softmax.fold_max_sum`, rows grouped by query
     in blocks of `group_rows` (`log=jnp.log2` for scores in base 2)."""
     if importance == "softmax":
         return jnp.where(total > 0, m + log(jnp.where(total > 0, total, 1.0)), 0.0)
@@ -160,7 +152,7 @@ def _scores_kernel(q_ref, qh_ref, par_ref, n_ref, *refs, st: LayerStatic, bound_
                 scores = scores + st.alpha * reach
                 plgpu.store(b_ref[0].at[:, :, span], scores.reshape(bq, gp, st.span), mask=store_rows)
             in_norm = positions < last_in_norm
-            carry = online_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
+            carry = fold_max_sum(*carry, jnp.where(in_norm[None, :], scores, NEG_INF))
         return carry
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32))

@@ -2,7 +2,7 @@
 latent key) in kernels of their own: one program per `(b, t, h_kv, head block)` walks
 the query's candidate buffer `tile` candidates a step, and every gathered key row feeds
 the block's `rows` heads (64 at the MLA shape: the row count that makes a gathered tile
-worth its bytes, `../shared/probes/mla_sparse_feasibility.py`).
+worth its bytes, `tools/probes/mla_sparse_feasibility.py`).
 
 Features come in two parts, scored as two products and never padded as a whole:
 - the *latent* part, the `K - R` unrotated features (`R = rope_dim`; 512 at the MLA
@@ -41,8 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.shared.common import NEG_INF, LayerStatic, WideBound, compiler_params, span_candidates
-from pallas_kernels.shared.importance import importance_shift, keys_from_scores, online_max_sum
-from pallas_kernels.shared.precision import dot_rows, split_rows
+from pallas_kernels.shared.importance import importance_shift, keys_from_scores
+from pallas_kernels.shared.precision import dot_rows, split_rows, weighted_values
+from pallas_kernels.shared.softmax import fold, fold_max_sum, log_sum_exp, normalized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,7 @@ def _importance_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, lat_ref, *refs, w
                 reach = reach + exact_left_dots(qn_lat, bound.latent_radii, nodes, ws.lat_pieces, precision)
             scores = scores + ws.alpha * reach
         scores_ref[:, pl.ds(i * tile, tile)] = scores
-        return online_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
+        return fold_max_sum(*carry, jnp.where((positions < last_in_norm)[None, :], scores, NEG_INF))
 
     init = (jnp.full((ws.rows,), NEG_INF, jnp.float32), jnp.zeros((ws.rows,), jnp.float32))
     m, total = lax.fori_loop(0, num_tiles, step, init)
@@ -300,7 +301,6 @@ def _merge_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, *refs, ws: WideStatic,
     tau = None if bottom else tau_ref[0]
 
     def step(i, carry):
-        m, total, acc = carry
         if scored:
             _, valid, nodes = span_candidates(par_ref, i * ws.tile, ws.tile, n, ws.r)
             scores, tiles = stored_ref[:, pl.ds(i * ws.tile, ws.tile)], []
@@ -312,30 +312,22 @@ def _merge_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, *refs, ws: WideStatic,
         if not bottom:
             merged = merged & (keys_ref[pl.ds(i * ws.tile, ws.tile)] < tau)
         scores = jnp.where(merged[None, :], scores, NEG_INF)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-        m_safe = jnp.where(m_new == NEG_INF, 0.0, m_new)
-        decay = jnp.exp(m - m_safe)
-        w = jnp.exp(scores - m_safe[:, None])
-        total = total * decay + jnp.sum(w, axis=1)
-        new_acc = []
-        for (start, size), a in zip(ws.value_pieces, acc):
-            values = gathered[(start, size)] if (start, size) in gathered else v_ref[nodes, pl.ds(start, size)]
-            dtype = values.dtype if operands is not None else jnp.float32
-            prec = None if operands is not None else (
-                lax.Precision.HIGHEST if precision == lax.Precision.HIGHEST else lax.Precision.DEFAULT)
-            new_acc.append(a * decay[:, None] + lax.dot_general(
-                w.astype(dtype), values.astype(dtype), (((1,), (0,)), ((), ())),
-                preferred_element_type=jnp.float32, precision=prec))
-        return m_new, total, tuple(new_acc)
+
+        def weighted(w):  # each value piece, from the gathered key tiles where it is one
+            return tuple(weighted_values(w, gathered[piece] if piece in gathered else v_ref[nodes, pl.ds(*piece)],
+                                         precision, operands) for piece in ws.value_pieces)
+
+        return fold(carry, [(scores, weighted)])
 
     acc = tuple(u_ref[:, pl.ds(start, size)] for start, size in ws.value_pieces)
-    m, total, acc = lax.fori_loop(0, num_tiles, step, (m_ref[...], s_ref[...], acc))
+    state = lax.fori_loop(0, num_tiles, step, (m_ref[...], s_ref[...], acc))
+    m, total, acc = state
     if bottom:
         o_ref = out_refs[0]
-        for (start, size), a in zip(ws.value_pieces, acc):
-            o_ref[:, pl.ds(start, size)] = (a / total[:, None]).astype(o_ref.dtype)
+        for (start, size), o in zip(ws.value_pieces, normalized(state)):
+            o_ref[:, pl.ds(start, size)] = o.astype(o_ref.dtype)
         if return_lse:
-            out_refs[1][...] = m + jnp.log(total)
+            out_refs[1][...] = log_sum_exp(state)
     else:
         m_out, s_out, u_out = out_refs
         m_out[...] = m
