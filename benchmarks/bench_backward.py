@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.backends import pallas_backward_pass, pallas_forward_pass
+from htree_jax.backends import kernel_route
 from htree_jax.bench import (
     B,
     H,
@@ -53,8 +53,9 @@ def kernels_fn(config, save_selections: bool):
     """The Pallas forward then backward, called directly (no SPEC 10 guard), the
     backward given the forward's selections or recomputing them."""
     def step(q, k, v, do):
-        o, selected, lse = pallas_forward_pass(q, k, v, config, return_lse=True)
-        return pallas_backward_pass(q, k, v, o, lse, do, config, selections=selected if save_selections else None)
+        route = kernel_route(q, k, v, config)
+        o, selected, lse = route.forward(q, k, v, config=config, return_lse=True)
+        return route.backward(q, k, v, o, lse, do, config=config, selections=selected if save_selections else None)
     return jax.jit(step)
 
 

@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.backends import block_selections
+from htree_jax.backends import blocks_of
 from htree_jax.bench import INPUTS, dense_fn, grad_of_sum, int_list, median_ms, run_header
 from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
-from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.configs import BlockConfig
 
 
 def merge_flops(blocks, config: HTreeConfig, T: int, G: int, K: int, V: int) -> float:
@@ -67,9 +67,8 @@ def run(args):
             rows.append(row)
             for source in args.sources.split(","):
                 config = HTreeConfig(top_k=args.top_k, selection_block=16, block_source=source)
-                tuning = KernelConfigs.resolve(None, K, V)
                 full = jax.jit(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
-                select = jax.jit(lambda q, k, v, c=config: block_selections(q, k, v, c, tuning, False, False)[0])
+                select = jax.jit(lambda q, k, v, c=config: blocks_of(q, k, v, c))
                 blocks = select(q, k, v)
                 flops = merge_flops(blocks, config, T, H // H_kv, K, V)
                 row = dict(inputs=kind, T=T, top_k=args.top_k, source=source, dense_ms=dense_ms,
@@ -78,7 +77,8 @@ def run(args):
                 row["speedup"] = dense_ms / row["block_ms"]
                 for tile, warps in parse_variants(args.variants):
                     merge = jax.jit(lambda q, k, v, s, c=config, t=tile, w=warps:
-                                    block_forward_pallas(q, k, v, s, c, tile=t, num_warps=w)[0])
+                                    block_forward_pallas(q, k, v, s, config=c, block=BlockConfig(merge_tile=t,
+                                                                                       merge_num_warps=w))[0])
                     try:
                         ms = median_ms(merge, (q, k, v, blocks), args.iters)
                         row[f"merge_{tile}x{warps}_ms"] = ms
@@ -86,10 +86,11 @@ def run(args):
                     except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
                         row[f"merge_{tile}x{warps}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
                 if backward:
-                    o, lse = block_forward_pallas(q, k, v, blocks, config)
+                    o, lse = block_forward_pallas(q, k, v, blocks, config=config)
                     for tile, warps in parse_variants(args.backward_variants):
                         grads = jax.jit(lambda q, k, v, o, lse, s, c=config, t=tile, w=warps:
-                                        block_backward_pallas(q, k, v, o, lse, o, s, c, tile=t, num_warps=w))
+                                        block_backward_pallas(q, k, v, o, lse, o, s, config=c,
+                                                              block=BlockConfig(backward_tile=t, backward_num_warps=w)))
                         try:
                             ms = median_ms(grads, (q, k, v, o, lse, blocks), args.iters)
                             row[f"backward_{tile}x{warps}_ms"] = ms

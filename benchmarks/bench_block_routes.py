@@ -8,7 +8,7 @@ jax-triton for the Triton route).
 import sys, time, traceback
 import jax, jax.numpy as jnp, numpy as np
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.backends import block_selections
+from htree_jax.backends import blocks_of
 from htree_jax.bench import INPUTS, median_ms, dense_fn
 from htree_jax.kernel_trace import kernel_times
 from pallas_kernels.block.forward import block_forward_pallas
@@ -36,12 +36,12 @@ if "--check" in sys.argv:
         rng = np.random.default_rng(T)
         q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, 1, T, H, H_kv, K, V))
         config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=r, block_source=source)
-        blocks, _ = jax.jit(lambda q, k, v: block_selections(q, k, v, config, KernelConfigs.resolve(None, K, V), False, False))(q, k, v)
+        blocks = jax.jit(lambda q, k, v: blocks_of(q, k, v, config))(q, k, v)
         base = None
         for route in ROUTES:
             t0 = time.time()
             try:
-                o, lse = jax.jit(lambda q, k, v, s, rt=route: block_forward_pallas(q, k, v, s, config, route=rt))(q, k, v, blocks)
+                o, lse = jax.jit(lambda q, k, v, s, rt=route: block_forward_pallas(q, k, v, s, config=config, merge=rt))(q, k, v, blocks)
                 o = np.asarray(o.astype(jnp.float32)); lse = np.asarray(lse)
                 if base is None:
                     base = (o, lse); msg = "base"
@@ -57,11 +57,11 @@ if TIME:
         K, V = q.shape[-1], v.shape[-1]
         config = HTreeConfig(top_k=512, selection_block=16)
         dense = median_ms(dense_fn(HTreeConfig(top_k=512)), (q, k, v), 10)
-        blocks = jax.jit(lambda q, k, v: block_selections(q, k, v, config, KernelConfigs.resolve(None, K, V), False, False)[0])(q, k, v)
+        blocks = jax.jit(lambda q, k, v: blocks_of(q, k, v, config))(q, k, v)
         row = dict(kind=kind, T=T, dense_ms=dense)
         for route in ROUTES:
             try:
-                merge = jax.jit(lambda q, k, v, s, rt=route: block_forward_pallas(q, k, v, s, config, route=rt)[0])
+                merge = jax.jit(lambda q, k, v, s, rt=route: block_forward_pallas(q, k, v, s, config=config, merge=rt)[0])
                 row[f"{route}_merge_ms"] = median_ms(merge, (q, k, v, blocks), 10)
                 try:
                     times = kernel_times(lambda: merge(q, k, v, blocks), 3)

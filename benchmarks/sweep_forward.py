@@ -16,7 +16,7 @@ import dataclasses
 import jax
 
 from htree_jax import HTreeConfig
-from htree_jax.backends import pallas_forward_pass
+from htree_jax.backends import kernel_route
 from htree_jax.bench import INPUTS, dense_fn, median_ms
 from htree_jax.cli import DefaultsHelpFormatter
 from htree_jax.kernel_trace import kernel_times, print_kernel_times
@@ -61,7 +61,8 @@ def main(argv=None):
     print("| block sizes | htree ms | dense/htree |\n|---|---|---|", flush=True)
     for change in [{}] + parse_variants(args.variants):
         bs = KernelConfigs.resolve(None, x[0].shape[-1], x[2].shape[-1]).with_changes(change)
-        f = jax.jit(lambda q, k, v, bs=bs: pallas_forward_pass(q, k, v, config, bs)[0])
+        forward = kernel_route(*x, config, bs).forward
+        f = jax.jit(lambda q, k, v, bs=bs, forward=forward: forward(q, k, v, config=config, block_sizes=bs)[0])
         label = ", ".join(f"{k}={v}" for k, v in change.items()) or "default"
         try:
             ms = median_ms(f, x, args.iters)

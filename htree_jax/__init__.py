@@ -11,10 +11,11 @@ tuning), `rope`, the rotation htree applies (its convention), `memory_plan`
 The function they compute is stated in `docs/SPEC.md` ("SPEC n" in the code cites its
 section n).
 
-Layers, each importing only those below it (README, "Layout"):
+Layers, each importing only those below it (docs/CONTRIBUTING.md, "Layout"):
   public API    attention, cache, decode, module, linen, flax_attention, sharding, memory
-  backends      backends: the backend rule, `attend` and `attend_cache`
-  implementations  reference (JAX), `pallas_kernels` (Pallas-Triton)
+  backends      backends: the backend rule, `choose_route`, `attend` and `attend_cache`;
+                routes: the route table (each route's call, forward and backward)
+  implementations  reference (JAX), `pallas_kernels` (a folder per kernel family)
   core          htree_jax.core: config, validation, index arithmetic, RoPE, tree, packing, bounds
 
 The names are loaded on first use, so that `import pallas_kernels.gqa.forward` (which stands
@@ -49,7 +50,7 @@ _EXPORTS = {
 }
 # Submodules reachable as attributes after `import htree_jax` (e.g. `htree_jax.linen`).
 _SUBMODULES = ("attention", "backends", "bench", "cache", "core", "decode", "demo", "flax_attention", "introspect", "linen",
-               "memory", "module", "reference", "sharding")
+               "memory", "module", "reference", "routes", "sharding")
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from htree_jax.backends import attend, check_block_sizes, full_sequence_backend, latent_values
+from htree_jax.backends import attend, check_block_sizes, full_sequence_backend
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import check_fits, check_max_documents, check_segment_ids, pack_layout, virtual_length
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.validation import as_jax_takes_it, check_config, check_latent_value_dim, check_qkv
+from htree_jax.routes import latent_values
 from htree_jax.sharding import partitioned_attention
 from pallas_kernels.shared.configs import BlockSizes
 
@@ -92,10 +93,17 @@ def htree_attention(
 
     Gradients (`jax.grad`, every backend) treat the selections as constants (SPEC 5):
     they flow through the scores and values of the merged nodes and down the pooling.
-    The Pallas backend's are bitwise deterministic (no atomics: key and value gradients
-    are summed per tree node in a fixed order). The reference differentiates by XLA
-    autodiff; on a GPU its gathers' transposes are scatter-adds, reproducible only under
-    XLA's `--xla_gpu_deterministic_ops=true`.
+    Which are bitwise the same run to run (`docs/backends.md`, "Determinism"):
+    - per-query selection on the Pallas kernels (`selection_block=1`, the GQA and wide
+      families): all three, no atomics (key and value gradients are summed per tree
+      node in a fixed order);
+    - block selection on the Pallas kernels (`selection_block > 1`): `dq` is, `dk` and
+      `dv` are not: each block's key and value gradients are added into the nodes it
+      merged with float32 atomics, in no fixed order (they may differ in the last bits);
+    - the reference: XLA autodiff; on a GPU its gathers' transposes are scatter-adds,
+      reproducible only under XLA's `--xla_gpu_deterministic_ops=true`.
+    The selections themselves are a hard top-K: a near-tie of two nodes' importances may
+    flip with the batch size, the dtype or the backend (README, "Hard selection").
 
     Returns:
       `o [B, T, H, V]` in the input dtype, then `selected` with `return_selected`, then
@@ -111,7 +119,8 @@ def htree_attention(
     dims = check_qkv(q, k, v)
     config.check_rope_dim(dims.head_dim)
     check_block_sizes(block_sizes)
-    impl = full_sequence_backend(backend, dims, config, packed=segment_ids is not None)
+    impl = full_sequence_backend(backend, dims, config, packed=segment_ids is not None, dtype=q.dtype, latent=latent,
+                                 block_sizes=block_sizes)
     for name, flag in (("return_selected", return_selected), ("return_importance", return_importance)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")

@@ -119,8 +119,8 @@ def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
     blocks = [jax.ShapeDtypeStruct((1, T // 16, H_kv, 8), jnp.int32)] * (config.num_layers(T) - 1)
     assert config.num_layers(T) == 3
     with hopper():
-        forward = jax.jit(lambda q, k, v, s: block_forward_pallas(q, k, v, s, config)).trace(q, k, v, blocks)
-        backward = jax.jit(lambda q, k, v, o, lse, s: block_backward_pallas(q, k, v, o, lse, o, s, config)).trace(
+        forward = jax.jit(lambda q, k, v, s: block_forward_pallas(q, k, v, s, config=config)).trace(q, k, v, blocks)
+        backward = jax.jit(lambda q, k, v, o, lse, s: block_backward_pallas(q, k, v, o, lse, o, s, config=config)).trace(
             q, k, v, o, lse, blocks)
         for traced in (forward, backward):
             text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -1,4 +1,4 @@
-"""The layout holds (README, "Layout"): dependencies point one way, core <- implementations
+"""The layout holds (docs/CONTRIBUTING.md, "Layout"): dependencies point one way, core <- implementations
 (the reference, `pallas_kernels`) <- backends <- public API; the kernels load neither
 Flax nor the API; no function-local import of a project module; no private name imported
 from another module (benchmarks, examples and tests included)."""
@@ -42,7 +42,7 @@ def layer(module: str) -> int:
         return 0
     if module.startswith("pallas_kernels") or module in ("htree_jax.reference",):
         return 1
-    if module == "htree_jax.backends":
+    if module in ("htree_jax.backends", "htree_jax.routes"):
         return 2
     return 3
 
@@ -110,7 +110,7 @@ def test_no_private_name_imported_from_another_module(folder):
             assert not private, f"{path.relative_to(ROOT)}:{node.lineno} imports {private} from {target}"
 
 
-# Inside `pallas_kernels` (README, "Layout"): one folder per kernel family, each with its
+# Inside `pallas_kernels` (docs/CONTRIBUTING.md, "Layout"): one folder per kernel family, each with its
 # forward, backward (where it has one) and config side by side, and one shared folder.
 # A family imports the shared folder and `htree_jax.core` only, never another family;
 # the shared folder imports no family. The choice of family is `htree_jax.backends`'s.
@@ -150,9 +150,10 @@ def test_a_family_imports_no_other_family(path):
 
 
 def test_the_backends_choose_the_family():
-    """No family's entry function hands a call to another family: `htree_jax.backends`
-    imports each family's entry and chooses (`pallas_forward_pass`, `pallas_backward_pass`)."""
-    targets = {target for _, target, _ in imports(ROOT / "htree_jax" / "backends.py")}
+    """No family's entry function hands a call to another family: the route table
+    (`htree_jax.routes`, full sequences) and `htree_jax.backends` (which chooses, and
+    walks decode caches) import each family's entry."""
+    targets = {target for name in ("routes.py", "backends.py") for _, target, _ in imports(ROOT / "htree_jax" / name)}
     for family in FAMILIES:
         assert any(t.startswith(f"pallas_kernels.{family}.") for t in targets), family
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.backends import pallas_backward_pass, pallas_forward_pass
 from htree_jax.core.rope import apply_rope
+from pallas_kernels.gqa.backward import htree_backward_pallas
+from pallas_kernels.gqa.forward import htree_forward_pallas
 from pallas_kernels.gqa.layer_backward import layer_backward_pallas, layer_backward_twin
 from pallas_kernels.gqa.node_backward import layer_node_grads_pallas
 from pallas_kernels.gqa.top_backward import (
@@ -306,11 +307,11 @@ def test_backward_with_saved_selections_equals_recomputing_them_bitwise(rng, B, 
     if dtype == "bfloat16":
         q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
     small = BlockSizes(chunk_budget_bytes=1 << 16)  # several chunks
-    o, sel, lse = pallas_forward_pass(q, k, v, config, small, interpret=True, return_lse=True)
+    o, sel, lse = htree_forward_pallas(q, k, v, config=config, block_sizes=small, interpret=True, return_lse=True)
     do = jnp.asarray(rng.standard_normal(o.shape).astype(np.float32)).astype(o.dtype)
     dead = jnp.zeros(o.shape[:3], bool).at[:, T // 3].set(True)
-    run = lambda s: pallas_backward_pass(q, k, v, o, lse, do, config, small, interpret=True, dead_rows=dead,
-                                          selections=s)
+    run = lambda s: htree_backward_pallas(q, k, v, o, lse, do, config=config, block_sizes=small, interpret=True,
+                                           dead_rows=dead, selections=s)
     for a, b in zip(run(sel), run(None)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -362,8 +363,8 @@ def test_zeros_after_waits_for_its_anchor():
     B, T, H, K = 1, 64, 2, 32
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, h, K), jnp.float32) for i, h in enumerate((H, 1, 1)))
     config = HTreeConfig(compression_rate=4, top_k=4)
-    o, _, lse = pallas_forward_pass(q, k, v, config, interpret=True, return_lse=True)
-    text = str(jax.make_jaxpr(lambda lse: pallas_backward_pass(q, k, v, o, lse, o, config, interpret=True))(lse))
+    o, _, lse = htree_forward_pallas(q, k, v, config=config, interpret=True, return_lse=True)
+    text = str(jax.make_jaxpr(lambda lse: htree_backward_pallas(q, k, v, o, lse, o, config=config, interpret=True))(lse))
     # the top layer's two accumulators, two per layer below it, and dq's chunks
     assert text.count("optimization_barrier") >= 2 + 2 * (config.num_layers(T) - 1) + 1
 
@@ -384,8 +385,9 @@ def test_backward_chunk_loop_indexes_by_xs():
     B, T, H, K = 1, 64, 2, 32
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, h, K), jnp.float32) for i, h in enumerate((H, 1, 1)))
     config = HTreeConfig(compression_rate=4, top_k=4)
-    o, _, lse = pallas_forward_pass(q, k, v, config, interpret=True, return_lse=True)
-    jaxpr = jax.make_jaxpr(lambda lse: pallas_backward_pass(q, k, v, o, lse, o, config, interpret=True))(lse).jaxpr
+    o, _, lse = htree_forward_pallas(q, k, v, config=config, interpret=True, return_lse=True)
+    jaxpr = jax.make_jaxpr(lambda lse: htree_backward_pallas(q, k, v, o, lse, o, config=config,
+                                                             interpret=True))(lse).jaxpr
     chunk_loops = [e for e in _scans(jaxpr) if "pallas_call" in str(e.params["jaxpr"])]
     assert chunk_loops, "no scan over chunks holds the backward's kernels"
     for e in chunk_loops:  # xs come last; a fori_loop's last operand is its carry's last

@@ -1,6 +1,6 @@
 """Pallas kernels in interpret mode against their pure-JAX twins, and the whole Pallas
 backend against the JAX reference and the float64 oracle (small multi-layer configs).
-On a GPU the same kernels run compiled in `benchmarks/check_pallas_gpu.py`."""
+On a GPU the same kernels run compiled in `tools/check_pallas_gpu.py`."""
 
 from __future__ import annotations
 
@@ -302,7 +302,7 @@ def test_pallas_backend_bfloat16(rng):
     ],
 )
 def test_pallas_backend_rejects_unsupported_dims(monkeypatch, shape, match):
-    import pallas_kernels.gqa.forward as fwd
+    import pallas_kernels.gqa.attention as fwd
 
     monkeypatch.setattr(fwd, "htree_forward_pallas", lambda *a, **k: pytest.fail("launched"))
     dims = dict(K=32, V=32, G=2) | shape

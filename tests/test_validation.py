@@ -23,6 +23,7 @@ def arrays(B=1, T=8, H=4, H_kv=2, K=8, V=4, dtype=f32, Tk=None, Kk=None):
 CASES = [
     ("q rank", lambda: (np.ones((8, 4, 8), f32),) + arrays()[1:], ValueError, "q must have rank 4"),
     ("k rank", lambda: (arrays()[0], np.ones((1, 8, 2, 8, 1), f32), arrays()[2]), ValueError, "k must have rank 4"),
+    ("k rank 3", lambda: (arrays()[0], np.ones((8, 2, 8), f32), arrays()[2]), ValueError, "k must have rank 4"),
     ("v rank", lambda: arrays()[:2] + (np.ones((1, 8, 2), f32),), ValueError, "v must have rank 4"),
     ("batch mismatch", lambda: (np.ones((2, 8, 4, 8), f32),) + arrays()[1:], ValueError,
      "q must have the batch size B \\(axis 0\\) of k and v: q has 2, k has 1, v has 1"),
@@ -125,12 +126,12 @@ def test_auto_backend_choice(monkeypatch):
 def test_pallas_interpret_runs_the_interpreted_kernels(monkeypatch):
     """`backend="pallas_interpret"` runs the Pallas kernels interpreted (not the
     reference, and not compiled kernels on a GPU), with the block sizes asked for."""
-    import htree_jax.backends as backends
+    import pallas_kernels.gqa.attention as gqa
     from htree_jax import BlockSizes
 
     calls = []
-    real = backends.pallas_forward_pass
-    monkeypatch.setattr(backends, "pallas_forward_pass", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = gqa.htree_forward_pallas
+    monkeypatch.setattr(gqa, "htree_forward_pallas", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     q, k, v = arrays(K=32, V=32)
     sizes = BlockSizes(tile=32, span=32)
     htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend="pallas_interpret", block_sizes=sizes)

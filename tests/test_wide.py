@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.backends import attend, pallas_forward_pass
+from htree_jax.backends import attend
 from htree_jax.core.rope import rope_layout
 from htree_jax.reference import htree_attention_reference
 from pallas_kernels.shared import shared_memory
@@ -56,7 +56,7 @@ def test_wide_forward_equals_the_reference(rng, selection, importance, strict, B
     q, k = laid_out(q, k, config)
     v = jnp.asarray(v)
     assert wide_eligible(G, K, V, KernelConfigs(), None)
-    out = wide_forward_pallas(q, k, v, config, BlockSizes(), interpret=True, return_lse=True)
+    out = wide_forward_pallas(q, k, v, config=config, block_sizes=BlockSizes(), interpret=True, return_lse=True)
     assert_same(out, htree_attention_reference(q, k, v, config))
     assert out[2].shape == (B, 150, G)
 
@@ -72,19 +72,19 @@ def test_short_importance_steps_and_one_stage(rng, monkeypatch):
     v = jnp.asarray(v)
     plan = wide_forward.prepare_wide(q, k, v, config, KernelConfigs(), interpret=True)
     assert (plan.ws.tile, plan.ws.importance_tile, plan.ws.num_stages) == (64, 16, 1)
-    assert_same(wide_forward_pallas(q, k, v, config, BlockSizes(), interpret=True),
+    assert_same(wide_forward_pallas(q, k, v, config=config, block_sizes=BlockSizes(), interpret=True),
                 htree_attention_reference(q, k, v, config))
 
 
 def test_the_forward_takes_the_wide_kernels_for_wide_groups(rng):
-    """`pallas_forward_pass` with G >= 32 equals the virtual-head kernels (`wide_rows=0`),
+    """`attend` with G >= 32 (the wide route) equals the virtual-head kernels (`wide_rows=0`),
     two kv heads."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
     q, k, v = random_qkv(rng, 1, 120, 64, 2, 64, 32)
     q, k = laid_out(q, k, config)
     v = jnp.asarray(v)
-    wide = pallas_forward_pass(q, k, v, config, BlockSizes(wide_rows=32), interpret=True)
-    virtual = pallas_forward_pass(q, k, v, config, BlockSizes(wide_rows=0), interpret=True)
+    wide = attend(q, k, v, config, "pallas_interpret", block_sizes=BlockSizes(wide_rows=32))
+    virtual = attend(q, k, v, config, "pallas_interpret", block_sizes=BlockSizes(wide_rows=0))
     assert_same(wide, virtual)
 
 
@@ -110,7 +110,7 @@ def test_values_read_from_the_latent_keys(rng, V):
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
     q, k, _ = random_qkv(rng, 2, 150, 32, 1, 96, 8)
     ql, kl = laid_out(q, k, config)
-    out = wide_forward_pallas(ql, kl, None, config, BlockSizes(), interpret=True, value_dim=V)
+    out = wide_forward_pallas(ql, kl, None, config=config, block_sizes=BlockSizes(), interpret=True, value_dim=V)
     assert_same(out, htree_attention_reference(ql, kl, jnp.asarray(k)[..., :V], config))
 
 
@@ -118,7 +118,8 @@ def test_value_dim_beyond_the_latent_part_is_refused(rng):
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32)
     q, k, _ = random_qkv(rng, 1, 40, 32, 1, 64, 8)
     with pytest.raises(ValueError, match="value_dim 48 must be at most the latent features"):
-        wide_forward_pallas(jnp.asarray(q), jnp.asarray(k), None, config, BlockSizes(), interpret=True, value_dim=48)
+        wide_forward_pallas(jnp.asarray(q), jnp.asarray(k), None, config=config, block_sizes=BlockSizes(), interpret=True,
+                            value_dim=48)
 
 
 def test_feature_split_round_trips():
@@ -190,7 +191,7 @@ def test_wide_compiled_at_the_mla_shape(rng, selection, importance):
     config = HTreeConfig(top_k=64, rope_dim=64, selection=selection, importance=importance)
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, 1, 8192, 128, 1, 576, 512))
     q, k = laid_out(q, k, config)
-    o, sel = wide_forward_pallas(q, k, v, config, BlockSizes())
+    o, sel = wide_forward_pallas(q, k, v, config=config, block_sizes=BlockSizes())
     o_r, sel_r = htree_attention_reference(q, k, v, config)
     assert_mostly_agrees(o, sel, o_r, sel_r, 128)
 

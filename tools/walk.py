@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import collections.abc
 import contextlib
 import dataclasses
 import os
@@ -65,8 +66,10 @@ class Walk:
 
 
 def _carries_q(value) -> bool:
+    # An iterator argument (a generator, `zip`) is a leaf here, and not a tracer: named
+    # so (`is_leaf`), not left for JAX to treat as one, which it deprecates.
     try:
-        leaves = jax.tree_util.tree_leaves(value)
+        leaves = jax.tree_util.tree_leaves(value, is_leaf=lambda x: isinstance(x, collections.abc.Iterator))
     except Exception:  # noqa: BLE001 - a value that is no pytree carries nothing of q
         return False
     return any(isinstance(x, jax.interpreters.ad.JVPTracer) for x in leaves)
@@ -122,10 +125,10 @@ def walk(pass_name: str, rule: str) -> Walk:
     q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
                for s in ((1, T, H, K), (1, T, H_KV, K), (1, T, H_KV, V)))
     if pass_name == "forward":
-        body = lambda q: htree_forward_pallas(q, k, v, config, interpret=True)[0]
+        body = lambda q: htree_forward_pallas(q, k, v, config=config, interpret=True)[0]
     else:
         o, lse = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, T, H, V), (1, T, H)))
-        body = lambda q: htree_backward_pallas(q, k, v, o, lse, o, config, interpret=True)[0]
+        body = lambda q: htree_backward_pallas(q, k, v, o, lse, o, config=config, interpret=True)[0]
     stops = []
     real = pl.pallas_call
     pl.pallas_call = _zeros_pallas_call

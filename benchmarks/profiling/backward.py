@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig
-from htree_jax.backends import pallas_backward_pass, pallas_forward_pass
+from htree_jax.backends import kernel_route
 from htree_jax.bench import H_KV, INPUTS, B, H, V, median_ms
 from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.gqa.chunks import chunk_queries, select_below_top, valid_candidates
@@ -142,12 +142,13 @@ def main(argv=None):
     for name, ms, times in rows:
         print(f"| {name} | {ms:.2f} | x{times} = {ms * times:.1f} ms |", flush=True)
 
-    o, _, lse_all = jax.jit(lambda q, k, v: pallas_forward_pass(q, k, v, config, interpret=ip, return_lse=True))(
+    route = kernel_route(q, k, v, config)
+    o, _, lse_all = jax.jit(lambda q, k, v: route.forward(q, k, v, config=config, interpret=ip, return_lse=True))(
         q, k, v)
     dout = jax.random.normal(key[0], (B, T, H, V), q.dtype)
-    fwd = jax.jit(lambda q, k, v: pallas_forward_pass(q, k, v, config, interpret=ip)[0])
+    fwd = jax.jit(lambda q, k, v: route.forward(q, k, v, config=config, interpret=ip)[0])
     print(f"| whole forward | {median_ms(fwd, (q, k, v), args.iters):.1f} ms |", flush=True)
-    bwd = jax.jit(lambda *a: pallas_backward_pass(*a, config, interpret=ip))
+    bwd = jax.jit(lambda *a: route.backward(*a, config=config, interpret=ip))
     print(f"| whole backward | {median_ms(bwd, (q, k, v, o, lse_all, dout), args.iters):.1f} ms |", flush=True)
 
 

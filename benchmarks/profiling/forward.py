@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax import HTreeConfig
-from htree_jax.backends import pallas_forward_pass
+from htree_jax.backends import kernel_route
 from htree_jax.bench import H_KV, INPUTS, B, H, K, dense_fn, median_ms
 from htree_jax.cli import DefaultsHelpFormatter
 from htree_jax.core.indexing import top_layer_parents
@@ -187,7 +187,9 @@ def main(argv=None):
                 rows.append((f"  variant: {label}", median_ms(call, bargs, args.iters), chunks,
                              gathered(n, (*kl_rot, vl))))
     dense_ms = float("nan") if ip else median_ms(dense_fn(config), (q, k, v), args.iters)
-    whole = jax.jit(lambda q, k, v: pallas_forward_pass(q, k, v, config, bs, ip, precisions)[0])
+    route = kernel_route(q, k, v, config, bs)
+    whole = jax.jit(lambda q, k, v: route.forward(q, k, v, config=config, block_sizes=bs, interpret=ip,
+                                                  precisions=precisions)[0])
     whole_ms = median_ms(whole, (q, k, v), args.iters)
     if args.kernels and not ip:  # device time per kernel inside the end-to-end call
         print_kernel_times(kernel_times(lambda: whole(q, k, v), 2), "the end-to-end call's kernels", top=12)

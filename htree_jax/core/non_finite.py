@@ -47,3 +47,18 @@ def poison_rows(o, positions, first):
     """`o [B, S, H, V]` with NaN in every `dead_rows` row."""
     dead = dead_rows(positions, first, o.shape[2])
     return jnp.where(dead[..., None], jnp.asarray(jnp.nan, o.dtype), o)
+
+
+def zero_late_tokens(dk, dv, first):
+    """`(dk, dv)` zero at and after each row's first non-finite position `first [B, H_kv]`
+    (`dv` may be None).
+
+    Tokens at or after `first` get no gradient: the entries the guard zeroed, and the
+    rest of those tokens, whose gradient comes only from the dead rows (causal: only
+    later queries merge a token or a node holding it) and is 0 already. Before `first`
+    every entry is finite. So a mask by position is SPEC 10's per-entry mask, without
+    a bool per entry of k and v kept from the forward to here (1 GiB at T=1M, H_kv=4,
+    K=V=128: journal, 2026-11-27 (8))."""
+    late = (jnp.arange(dk.shape[1], dtype=jnp.int32)[None, :, None] >= first[:, None, :])[..., None]
+    zero = lambda x: None if x is None else jnp.where(late, jnp.zeros((), x.dtype), x)
+    return zero(dk), zero(dv)

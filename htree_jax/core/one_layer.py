@@ -22,12 +22,17 @@ def one_layer(config: HTreeConfig, seq_len: int) -> bool:
     return len(config.layer_sizes(seq_len)) == 1
 
 
+def dense_takes(dtype, head_dim: int, value_dim: int) -> bool:
+    """Whether `jax.nn.dot_product_attention` takes inputs of one `dtype` with head dims
+    `K, V` on cuDNN (else the kernels run: XLA's dense attention would hold a `[B, H, T,
+    T]` array)."""
+    return (any(jnp.dtype(dtype) == d for d in DENSE_DTYPES) and head_dim == value_dim and head_dim % 8 == 0
+            and head_dim <= DENSE_MAX_HEAD_DIM)
+
+
 def dense_eligible(q, k, v) -> bool:
-    """Whether `jax.nn.dot_product_attention` takes these inputs on cuDNN (else the
-    kernels run: XLA's dense attention would hold a `[B, H, T, T]` array)."""
-    K, V = q.shape[-1], v.shape[-1]
-    return (q.dtype == k.dtype == v.dtype and any(q.dtype == d for d in DENSE_DTYPES) and K == V
-            and K % 8 == 0 and K <= DENSE_MAX_HEAD_DIM)
+    """`dense_takes` for the arrays `q, k, v`, which must share their dtype."""
+    return q.dtype == k.dtype == v.dtype and dense_takes(q.dtype, q.shape[-1], v.shape[-1])
 
 
 def one_layer_attention(q, k, v, config: HTreeConfig, implementation: str | None = None):
@@ -42,4 +47,4 @@ def one_layer_attention(q, k, v, config: HTreeConfig, implementation: str | None
                                         scale=config.score_scale(q.shape[-1]), implementation=implementation)
 
 
-__all__ = ["dense_eligible", "one_layer", "one_layer_attention"]
+__all__ = ["dense_eligible", "dense_takes", "one_layer", "one_layer_attention"]

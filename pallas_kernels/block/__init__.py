@@ -3,10 +3,13 @@ of one bottom node share each layer's selection, so one gathered node tile feeds
 their `b * G` rows.
 
 - `merge`: every layer's merge of a block's rows once its selections are known (one
-  program per `(block, kv head)`), and the walk's pieces the backward shares.
-- `forward`: `block_forward_pallas` (the tree and queries laid out, one launch).
+  program per `(block, kv head)`), and the walk's pieces the backward shares;
+  `triton_merge`, `mosaic_merge`: the same merge in Triton and on Mosaic GPU.
+- `forward`: `block_forward_pallas` (the tree and queries laid out, one launch) and
+  `MERGES`, the merge's kernels by name (`KernelConfigs.block_merge`).
 - `backward`: `block_backward_pallas` (`dq` per program; `dk`, `dv` added per node with
   float32 atomics, then pushed down the tree).
+- `attention`: `block_attention`, the two paired as a `custom_vjp`.
 The blocks' selections come from the per-query families run on the ranking rows
-(`htree_jax.backends.block_selections`).
+(`htree_jax.routes.block_selections`).
 """

@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.tree import build_tree
-from pallas_kernels.block.forward import DEFAULT_TILE, block_layout, block_static, table_positions
+from pallas_kernels.block.forward import block_layout, block_static, table_positions
 from pallas_kernels.block.merge import (
     BlockStatic,
     layer_arrays,
@@ -49,9 +49,8 @@ from pallas_kernels.shared.common import (
     pad_rope_halves,
     unpad_rope_halves,
 )
+from pallas_kernels.shared.configs import BlockConfig
 from pallas_kernels.shared.tree_backward import push_down
-
-BACKWARD_TILE = 32  # candidates a step: the backward holds five [rows, tile] float32 arrays
 
 
 def _t_dot(a, b, st: BlockStatic, dtype):
@@ -153,17 +152,19 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
     )(q5, do5, lse, delta, cos, sin, *selections, *layers, *zeros)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "tile", "num_warps"))
-def block_backward_pallas(q, k, v, o, lse, do, selections, config: HTreeConfig, interpret: bool = False,
-                          dead_rows=None, tile: int = BACKWARD_TILE, num_warps: int = 8):
+@functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))
+def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfig, block: BlockConfig = BlockConfig(),
+                          interpret: bool = False, dead_rows=None):
     """`(dq, dk, dv)` in the dtypes of `q, k, v` of `block_forward.block_forward_pallas`'s
     output `o [B, T, H, V]` with its `lse [B, T, H]`, cotangent `do`, and the blocks'
     `selections` it was given. `dead_rows [B, T, H]` bool (optional): rows whose output
-    is a constant (SPEC 10's NaN rows), taken as having no cotangent."""
+    is a constant (SPEC 10's NaN rows), taken as having no cotangent. `block`: the
+    launch (`BlockConfig.backward_tile`, `backward_num_warps`). The key and value
+    gradients are summed with float32 atomics: not bitwise reproducible run to run."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G, b = H // H_kv, config.selection_block
-    st = block_static(config, T, G, K, V, q.dtype, tile, num_warps)
+    st = block_static(config, T, G, K, V, q.dtype, block.backward_tile, block.backward_num_warps)
     Tp = -(-T // b) * b
     if dead_rows is not None:
         do = jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
@@ -190,4 +191,4 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, config: HTreeConfig, 
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-__all__ = ["BACKWARD_TILE", "DEFAULT_TILE", "block_backward_pallas"]
+__all__ = ["block_backward_pallas"]

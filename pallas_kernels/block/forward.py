@@ -12,8 +12,10 @@ H_kv * width` int32) and the rows' log-sum-exp (`B * T * H` float32).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +31,43 @@ from pallas_kernels.block.merge import (
     selection_lists,
 )
 from pallas_kernels.shared.common import next_power_of_two, pad_axis, pad_rope_halves
-from pallas_kernels.shared.configs import MERGE_ROUTES
-
-DEFAULT_TILE, DEFAULT_WARPS = 32, 4  # candidates a step (two node tiles at r = 16), warps: RESULTS
+from pallas_kernels.shared.configs import MERGE_ROUTES, BlockConfig
 
 
-def block_static(config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, tile: int = DEFAULT_TILE,
-                 num_warps: int = DEFAULT_WARPS) -> BlockStatic:
+@dataclasses.dataclass(frozen=True)
+class Merge:
+    """One kernel of the block merge (`KernelConfigs.block_merge` names it): its launch,
+    with `merge.block_merge_pallas`'s arguments and results; the candidates it steps
+    (None: `BlockConfig.merge_tile`); whether it runs interpreted; and `check(st, K, V,
+    dtype)`, raising a ValueError that names the rule where it cannot run the launch."""
+
+    launch: Callable
+    tile: int | None = None
+    interprets: bool = False
+    check: Callable | None = None
+
+
+def _check_jax_triton(st, K, V, dtype) -> None:
+    if importlib.util.find_spec("jax_triton") is None or triton_merge.triton is None:
+        raise ValueError("block_merge='triton' needs jax-triton: pip install 'htree-jax[triton]'")
+
+
+def _check_mosaic(st, K, V, dtype) -> None:
+    mosaic_merge.check_mosaic_dims(st.r, st.rows, K, V, dtype)
+
+
+# The merge's kernels (`docs/backends.md`): the Pallas-Triton one (CI runs it
+# interpreted), Triton through jax-triton, and Pallas Mosaic GPU.
+MERGES = {
+    "pallas_triton": Merge(block_merge_pallas, interprets=True),
+    "triton": Merge(triton_merge.block_merge_triton, check=_check_jax_triton),
+    "mosaic_gpu": Merge(mosaic_merge.block_merge_mosaic, tile=mosaic_merge.TILE, check=_check_mosaic),
+}
+assert tuple(MERGES) == MERGE_ROUTES, "configs.MERGE_ROUTES names the merges here"
+
+
+def block_static(config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, tile: int = BlockConfig.merge_tile,
+                 num_warps: int = BlockConfig.merge_num_warps) -> BlockStatic:
     """The launch for `T` tokens, `G` heads per kv head, head dims `K, V` in `dtype`."""
     r = config.compression_rate
     gp, half, vp = next_power_of_two(G), next_power_of_two(K // 2, 16), next_power_of_two(V, 16)
@@ -44,6 +76,13 @@ def block_static(config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, til
                        queries=block_queries(r, gp, max(2 * half, vp)), group=gp, half=half, vp=vp, tile=tile,
                        width=next_power_of_two(config.top_k + tile), alpha=config.score_scale(K),
                        exact=jnp.dtype(dtype) == jnp.float32, num_warps=num_warps)
+
+
+def merge_static(config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, block: BlockConfig,
+                 merge: str) -> BlockStatic:
+    """The merge's launch: `block_static` at the kernel's own step where it has one."""
+    tile = MERGES[merge].tile if merge in MERGES and MERGES[merge].tile else block.merge_tile
+    return block_static(config, T, G, K, V, dtype, tile, block.merge_num_warps)
 
 
 def table_positions(config: HTreeConfig, T: int, st: BlockStatic) -> int:
@@ -63,51 +102,40 @@ def block_layout(x, num_kv_heads: int, st: BlockStatic, Tp: int):
 
 
 def check_merge_route(route: str, st: BlockStatic, K: int, V: int, dtype, interpret: bool) -> None:
-    """`route` must be one of `MERGE_ROUTES` and able to run the launch `st` (head dims
-    `K`, `V`, inputs in `dtype`) here: the routes off Pallas-Triton have no interpret
-    mode, the Triton one needs jax-triton installed, the Mosaic GPU one takes only what
+    """`route` must be one of `MERGES` and able to run the launch `st` (head dims `K`, `V`,
+    inputs in `dtype`) here: the kernels off Pallas-Triton have no interpret mode, the
+    Triton one needs jax-triton installed, the Mosaic GPU one takes only what
     `mosaic_merge.check_mosaic_dims` allows. Raises a ValueError naming the rule."""
-    if route not in MERGE_ROUTES:
+    if route not in MERGES:
         raise ValueError(f"block_merge must be one of {MERGE_ROUTES}, got {route!r}")
-    if route == "pallas_triton":
-        return
-    if interpret:
+    merge = MERGES[route]
+    if interpret and not merge.interprets:
         raise ValueError(f"block_merge={route!r} has no interpret mode; interpreted runs take 'pallas_triton'")
-    if route == "triton":
-        if importlib.util.find_spec("jax_triton") is None or triton_merge.triton is None:
-            raise ValueError("block_merge='triton' needs jax-triton: pip install 'htree-jax[triton]'")
-    else:
-        mosaic_merge.check_mosaic_dims(st.r, st.rows, K, V, dtype)
+    if merge.check is not None:
+        merge.check(st, K, V, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "tile", "num_warps", "route"))
-def block_forward_pallas(q, k, v, selections, config: HTreeConfig, interpret: bool = False,
-                         tile: int = DEFAULT_TILE, num_warps: int = DEFAULT_WARPS, route: str = "pallas_triton"):
+@functools.partial(jax.jit, static_argnames=("config", "block", "merge", "interpret"))
+def block_forward_pallas(q, k, v, selections, *, config: HTreeConfig, block: BlockConfig = BlockConfig(),
+                         merge: str = "pallas_triton", interpret: bool = False):
     """htree attention with block selection (SPEC 12, `config.selection_block =
     compression_rate`) given the blocks' selections: `q [B, T, H, K]`, `k [B, T, H_kv,
     K]`, `v [B, T, H_kv, V]` (rope layout), `selections` the node lists of layers `L-1 ..
     1`, each `[B, ceil(T / b), H_kv, top_k]` int32 (`-1` padded), one per block.
     Returns `(o [B, T, H, V]` in q's dtype, `lse [B, T, H]` float32)`. Inputs validated
-    by the caller; one document per row. `route` picks the merge's kernel
-    (`MERGE_ROUTES`; the Mosaic GPU one steps 64 candidates, whatever `tile`)."""
+    by the caller; one document per row. `merge` names the merge's kernel (`MERGES`),
+    `block` its launch (`BlockConfig.merge_tile`, `merge_num_warps`)."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G, b = H // H_kv, config.selection_block
-    if route == "mosaic_gpu":
-        tile = mosaic_merge.TILE
-    st = block_static(config, T, G, K, V, q.dtype, tile, num_warps)
-    check_merge_route(route, st, K, V, q.dtype, interpret)
+    st = merge_static(config, T, G, K, V, q.dtype, block, merge)
+    check_merge_route(merge, st, K, V, q.dtype, interpret)
     if len(selections) != st.num_layers - 1:
         raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
     Tp = -(-T // b) * b
     q5 = block_layout(pad_rope_halves(q, st.half), H_kv, st, Tp)
     layers = layer_arrays(build_tree(k, v, config), st)
-    args = (q5, layers, selection_lists(selections, st), config, st, K, table_positions(config, T, st))
-    if route == "triton":
-        o, lse = triton_merge.block_merge_triton(*args)
-    elif route == "mosaic_gpu":
-        o, lse = mosaic_merge.block_merge_mosaic(*args)
-    else:
-        o, lse = block_merge_pallas(*args, interpret)
+    o, lse = MERGES[merge].launch(q5, layers, selection_lists(selections, st), config, st, K,
+                                  table_positions(config, T, st), interpret=interpret)
     o = o[:, :T, :, :G, :V].reshape(B, T, H, V)
     return o, lse[:, :T, :, :G].reshape(B, T, H)

@@ -9,4 +9,5 @@ multiples of 16, as virtual kv heads), forward and backward.
 - `layer_backward`: `dq` per query; `node_backward`: `dk`, `dv` per node (no atomics);
   `top_backward`: the top layer's gradients, flash attention's two loops.
 - `backward`: `htree_backward_pallas` (gradients pushed down the tree).
+- `attention`: `gqa_attention`, the two paired as a `custom_vjp`.
 """

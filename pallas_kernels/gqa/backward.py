@@ -1,6 +1,6 @@
 """The Pallas backward of htree attention (SPEC 5) for the GQA family: `htree_backward_pallas`.
 Groups of 32 or more heads per kv head (latent attention) are the wide family's
-(`htree_jax.backends.pallas_backward_pass` chooses); this is the backward of the others.
+(`htree_jax.backends.choose_route` chooses); this is the backward of the others.
 
 The selections are the forward's (`selections=`, what `htree_attention` passes: the
 forward returns them anyway, `(L-1) * B*T*H_kv*top_k` int32 kept between the passes); the
@@ -28,7 +28,7 @@ equally by its children (mean pooling), so layer `l` receives `grad_{l+1}[j // r
 children(j // r)`.
 
 Deterministic: no atomics, every sum in a fixed order, so the gradients are bitwise
-the same run to run (checked on an H200, `benchmarks/check_backward_gpu.py`).
+the same run to run (checked on an H200, `tools/check_backward_gpu.py`).
 
 Memory beyond the forward's, per `(b, h_kv)`, O(T): the float32 accumulators (a layer's
 keys and values, rounded up to 16 rows; the top layer's tile-padded). Per chunk of `Qc`
@@ -92,7 +92,7 @@ def _per_chunk(x, Qc: int, num_chunks: int):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "value_dim", "q_layout"))
-def htree_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
+def htree_backward_pallas(q, k, v, o, lse, do, *, config: HTreeConfig,
                           block_sizes: BlockSizes | KernelConfigs | None = None,
                           interpret: bool = False, dead_rows=None, selections=None, packing=None, positions=None,
                           value_dim: int | None = None, q_layout: str = "rope_layout"):

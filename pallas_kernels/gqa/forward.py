@@ -37,7 +37,7 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
                                              "return_importance", "value_dim", "q_layout"))
-def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
+def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
                          packing=None, positions=None, return_importance: bool = False, value_dim: int | None = None,
                          q_layout: str = "rope_layout"):
@@ -50,7 +50,7 @@ def htree_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes |
 
     `q_layout`: `"rope_layout"` only (`"given"`, the caller's feature order, is the wide
     family's). `v=None` (the values read from the keys) is the wide family's
-    (`htree_jax.backends.pallas_forward_pass` chooses the family) and refused here.
+    (`htree_jax.backends.choose_route` chooses the family) and refused here.
     `precisions`: the dots' precisions, `None` for `Precisions.for_dtype(q.dtype)` (what
     `htree_attention` runs); `block_sizes`: a `BlockSizes` (`None`: the tuned values
     for `K, V`) or a `KernelConfigs` (`configs.KernelConfigs.resolve`).

@@ -1,7 +1,10 @@
-"""What the kernel families share (`pallas_kernels.gqa`, `.wide`, `.decode`); imports no family.
+"""What the kernel families share (`pallas_kernels.gqa`, `.wide`, `.block`, `.decode`); imports no family.
 
 - `configs`: each family's launch parameters as data (`BlockSizes`, `KernelConfigs`,
-  `TUNED`, `DecodeBlockSizes`).
+  `TUNED`, `BlockConfig`, `DecodeBlockSizes`).
+- `softmax`: the online softmax every Pallas kernel folds its candidates with.
+- `guarded`: a family's forward and backward paired as one `custom_vjp` under SPEC 10's
+  guard.
 - `common`: `LayerStatic` (a launch's static parameters), the kernels' limits, padding,
   candidate geometry, BlockSpecs, virtual heads for groups above 16, `Bound`.
 - `precision`: the dots' operand precision (3xTF32, `BF16X3`, input-dtype operands).

@@ -11,9 +11,11 @@ Families, each a frozen dataclass of the values its kernels read:
   queries per program).
 - `TopBackwardConfig`: the top layer's backward (`top_backward.py`).
 - `WideConfig`: groups of 32 or more heads, latent attention (`wide/kernels.py`,
-  `wide.forward.py`, `wide/backward.py`).
-- `DecodeBlockSizes`: the decode kernels (`decode/scores.py`, `decode/merge.py`), what `decode_step` and
-  `prefill` take as `block_sizes`.
+  `wide/forward.py`, `wide/backward.py`).
+- `BlockConfig`: block selection's merge and backward (`block/merge.py`,
+  `block/backward.py`; SPEC 12).
+- `DecodeBlockSizes`: the decode kernels (`decode/scores.py`, `decode/merge.py`,
+  `decode/kept.py`), what `decode_step` and `prefill` take as `block_sizes`.
 
 `KernelConfigs` holds the full-sequence families; `KernelConfigs.resolve(block_sizes, K,
 V)` picks the tuned ones for the head dims (`shape_class`, `TUNED`) and lays a user's
@@ -142,6 +144,23 @@ class WideConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Block selection's family (SPEC 12, `pallas_kernels/block/`): a program per `(block,
+    kv head)` holds the block's `b * G` rows. The merge's candidates a step (a multiple of
+    `r`, two node tiles at r = 16) and warps, and the backward's; the merge's kernel
+    itself is `KernelConfigs.block_merge`. The Mosaic GPU merge steps its own 64
+    candidates (`block/mosaic_merge.py`)."""
+
+    merge_tile: int = 32
+    merge_num_warps: int = 4
+    backward_tile: int = 32  # the backward holds five [rows, tile] float32 arrays
+    backward_num_warps: int = 8
+
+    def __post_init__(self):
+        _check_fields(self, warps=("merge_num_warps", "backward_num_warps"))
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
     """The decode family's config (`decode/scores.py`, `decode/merge.py`): what `decode_step` and `prefill`
     take as `block_sizes`."""
@@ -245,6 +264,7 @@ class KernelConfigs:
     top: TopConfig = TopConfig()
     top_backward: TopBackwardConfig = TopBackwardConfig()
     wide: WideConfig = WideConfig()
+    block: BlockConfig = BlockConfig()
     save_selections: bool = True
     chunk_budget_bytes: int = 2 << 30
     # The block-selection merge's kernel (`MERGE_ROUTES`): Pallas-Triton, Triton through
@@ -282,16 +302,19 @@ class KernelConfigs:
         for name, value in changes.items():
             family, _, field = name.rpartition(".")
             if not family:
-                if name not in {f.name for f in dataclasses.fields(self)} - {"layer", "top", "top_backward", "wide"}:
+                if name not in {f.name for f in dataclasses.fields(self)} - set(FAMILIES):
                     raise ValueError(f"{name!r} is not a KernelConfigs field")
                 top_level[name] = value
                 continue
-            if family not in ("layer", "top", "top_backward", "wide"):
-                raise ValueError(f"{name!r}: no kernel family {family!r} (layer, top, top_backward, wide)")
+            if family not in FAMILIES:
+                raise ValueError(f"{name!r}: no kernel family {family!r} ({', '.join(FAMILIES)})")
             families.setdefault(family, {})[field] = value
         replaced = {family: dataclasses.replace(getattr(self, family), **fields) for family, fields in families.items()}
         return dataclasses.replace(self, **replaced, **top_level)
 
+
+# The families' fields of `KernelConfigs` (`with_changes` takes "family.field").
+FAMILIES = ("layer", "top", "top_backward", "wide", "block")
 
 # Where each `BlockSizes` field lands.
 USER_FIELDS = {
@@ -325,6 +348,10 @@ TUNED = {
     # (2026-11-27 (1)), the node kernel 4 warps; the top layer: 128 rows (256
     # overflow), its importance 128 candidates in 2 stages (2026-11-26); its backward
     # splits each tile's queries among programs (more rows per dq program ran slower).
+    # Block selection (H200, T=131072, `top_k=512`, 2026-11-29; RESULTS, "Block
+    # selection's kernels"): the merge 32 candidates x 4 warps 123.8 ms (32 x 8 167.8,
+    # 16 x 4 170.9, 64 x 4 155.2, 64 x 8 144.9); the backward 32 x 8 879.1 ms (32 x 4
+    # 1529.7, 16 x 4 1436.3, 64 x 8 1011.4).
     "head_dims<=256": KernelConfigs(),
     # 32-candidate tiles below the top and 16 on the top layer: the fastest that fit
     # (64-candidate tiles overflow shared memory at 576 features), 4 warps; the wide
@@ -336,5 +363,5 @@ TUNED = {
 }
 
 
-__all__ = ["BlockSizes", "DecodeBlockSizes", "KernelConfigs", "LayerConfig", "TUNED",
+__all__ = ["BlockConfig", "BlockSizes", "DecodeBlockSizes", "FAMILIES", "KernelConfigs", "LayerConfig", "TUNED",
            "TopBackwardConfig", "TopConfig", "UNIT_ENTRIES", "WideConfig", "shape_class"]

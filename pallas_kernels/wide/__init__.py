@@ -4,4 +4,5 @@
 - `kernels`: the wide importance and merge kernels, a program holding many heads' rows.
 - `forward`: `wide_forward_pallas`, `wide_eligible` (which calls this family takes).
 - `backward`: `wide_backward_pallas`.
+- `attention`: `wide_attention`, the two paired as a `custom_vjp`.
 """

@@ -368,12 +368,12 @@ def layer_gradient(acc, N: int, plan: WidePlan, split: FeatureSplit, values_from
     return split.join(latent, rope), dv
 
 
-def wide_backward_pallas(q, k, v, o, lse, do, config: HTreeConfig,
+def wide_backward_pallas(q, k, v, o, lse, do, *, config: HTreeConfig,
                          block_sizes: BlockSizes | KernelConfigs | None = None, interpret: bool = False, dead_rows=None,
-                         selections=None, value_dim: int | None = None, positions=None, q_layout: str = "rope_layout"):
+                         selections=None, positions=None, value_dim: int | None = None, q_layout: str = "rope_layout"):
     """`(dq, dk, dv)` of htree attention for wide groups, in the dtypes of `q, k, v`;
     `dv` is None for values read from the keys (`v=None`, `value_dim = V`: their gradient
-    is in `dk`). Arguments as for `htree_backward_pallas` (which sends wide groups here):
+    is in `dk`). Arguments as for `htree_backward_pallas` (packing aside):
     `o [B, T, H, V]`, `lse [B, T, H]` from the forward, `do` the cotangent of `o`,
     `dead_rows [B, T, H]` rows without a cotangent, `selections` the forward's (else
     recomputed by the forward's kernels), `positions [S]` the queries' positions among

@@ -310,10 +310,10 @@ def bottom_merge(plan: WidePlan, queries, parents, t, state, interpret: bool, ou
     return o[..., :plan.value_dim], lse
 
 
-def wide_forward_pallas(q, k, v, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
-                        interpret: bool = False,
-                        precisions: Precisions | None = None, return_lse: bool = False, value_dim: int | None = None,
-                        positions=None, return_importance: bool = False, q_layout: str = "rope_layout"):
+def wide_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
+                        interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
+                        positions=None, return_importance: bool = False, value_dim: int | None = None,
+                        q_layout: str = "rope_layout"):
     """htree attention for wide groups. `q [B, S, H, K]`, `k [B, T, H_kv, K]` in
     `rope_layout` order (validated by the caller; `q_layout="given"`: `q` in the
     caller's order, each chunk's parts sliced from it, no permuted copy of q); `v [B, T, H_kv, V]`, or None with

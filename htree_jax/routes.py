@@ -1,0 +1,203 @@
+"""The ways a full-sequence call can run, and the table that maps each to its forward and
+its backward (`ROUTES`). `htree_jax.backends.choose_route` picks one of them for a call;
+this module only says what each one is.
+
+A route's `attend(q, k, v, call)` is its differentiable call: `q [B, S, H, K]`, `k [B, T,
+H_kv, K]` (both in `rope_layout` order, unless the route reads q as given), `v [B, T,
+H_kv, V]` (or None, where the route reads the values from the keys), and a `Call` ->
+`(o [B, S, H, V], selections, *importance)`. For the kernel routes it is the family's
+`jax.custom_vjp` (`pallas_kernels/<family>/attention.py`), which pairs the route's
+`forward` with its `backward`; the reference and cuDNN routes are differentiated by XLA
+(`backward` None). Every route applies SPEC 10's guard to `k`, `v`.
+
+| route | runs | backward |
+|---|---|---|
+| `reference` | the JAX reference (`htree_attention_reference`) | XLA autodiff |
+| `reference_packed` | the JAX reference over packed rows | XLA autodiff |
+| `dense` | a one-layer tree: RoPE, then cuDNN (`core.one_layer`) | XLA (cuDNN's) |
+| `gqa` | the GQA family (`pallas_kernels/gqa/`) | `htree_backward_pallas` |
+| `wide` | the wide family (latent attention, `pallas_kernels/wide/`) | `wide_backward_pallas` |
+| `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`) | `block_backward_pallas` |
+
+Adding a route is a row here (and a rule in `choose_route`), the family's file and its tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from htree_jax.core.config import HTreeConfig
+from htree_jax.core.non_finite import first_non_finite, poison_rows, zero_non_finite
+from htree_jax.core.one_layer import one_layer_attention
+from htree_jax.core.packing import local_selections
+from htree_jax.reference import htree_attention_reference, htree_attention_reference_packed
+from pallas_kernels.block.attention import block_attention
+from pallas_kernels.block.backward import block_backward_pallas
+from pallas_kernels.block.forward import MERGES, block_forward_pallas
+from pallas_kernels.gqa.attention import gqa_attention
+from pallas_kernels.gqa.backward import htree_backward_pallas
+from pallas_kernels.gqa.forward import htree_forward_pallas
+from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.dead_rows import poison_rows_in_place
+from pallas_kernels.shared.guarded import query_positions
+from pallas_kernels.wide.attention import wide_attention
+from pallas_kernels.wide.backward import wide_backward_pallas
+from pallas_kernels.wide.forward import FeatureSplit, wide_forward_pallas
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a route is called with besides `q, k, v` (built by `backends.attend`):
+    `positions [S]` the queries' positions among the `T` tokens (a context shard; None:
+    `S = T`); `packing` packed rows; `rank_rows` a context shard's block-selection ranking
+    rows (the reference's, SPEC 12); `value_dim` with `v=None`; `q_layout` q's feature
+    order (`"given"` only on routes that read it so); `selection_route` block selection's
+    route for its ranking rows."""
+
+    config: HTreeConfig
+    tuning: KernelConfigs
+    interpret: bool = False
+    export: bool = False
+    positions: object = None
+    packing: object = None
+    rank_rows: object = None
+    value_dim: int | None = None
+    q_layout: str = "rope_layout"
+    selection_route: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """One row of `ROUTES`: `attend(q, k, v, call)` (the differentiable call), the
+    `forward` it runs (kernels' forward pass, or the function XLA differentiates) and the
+    `backward` paired with it (None: XLA's). `given_layout`: takes q in the caller's
+    feature order (no permuted copy); `values_from_keys`: takes `v=None`."""
+
+    attend: Callable
+    forward: Callable
+    backward: Callable | None
+    given_layout: bool = False
+    values_from_keys: bool = False
+
+
+def latent_values(k, config: HTreeConfig, value_dim: int):
+    """The values that are the first `value_dim` latent (unrotated) features of `k [B, T,
+    H_kv, K]` (`rope_layout` order): what `v=None` stands for (`htree_attention`)."""
+    K = k.shape[-1]
+    return FeatureSplit(K, config.partial_rope(K) or K).values(k, value_dim)
+
+
+def _guarded(attention, q, k, v, positions):
+    """SPEC 10's guard around an XLA-differentiated `attention(q, k, v)`: non-finite `k`,
+    `v` entries zeroed, output rows from the first such position on NaN."""
+    first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
+    o, *rest = attention(q, zero_non_finite(k), zero_non_finite(v))
+    return (poison_rows(o, query_positions(positions, q), first), *rest)
+
+
+def _reference(q, k, v, c: Call):
+    return _guarded(lambda q, k, v: htree_attention_reference(q, k, v, c.config, positions=c.positions,
+                                                              return_importance=c.export, rank_rows=c.rank_rows),
+                    q, k, v, c.positions)
+
+
+def _reference_packed(q, k, v, c: Call):
+    return _guarded(lambda q, k, v: htree_attention_reference_packed(q, k, v, c.packing, c.config,
+                                                                     return_importance=c.export),
+                    q, k, v, None)
+
+
+def _dense(q, k, v, c: Call):
+    """A one-layer tree is causal attention: RoPE, then cuDNN (no selections, no
+    importance to export), under SPEC 10's guard."""
+    first = first_non_finite(k, v, jnp.arange(k.shape[1], dtype=jnp.int32))
+    on_gpu = jax.default_backend() == "gpu"
+    # cuDNN named: left to choose (None), jax took XLA's dense attention there, which
+    # holds a `[B, H, T, T]` array (journal, 2026-11-26 (7)).
+    o = one_layer_attention(q, zero_non_finite(k), zero_non_finite(v), c.config,
+                            implementation="cudnn" if on_gpu else None)
+    # On the GPU the poisoned rows are written in place (`pallas_kernels.shared.dead_rows`:
+    # nothing is read or written with finite inputs), not with a pass over `o`.
+    o = poison_rows_in_place(o, first) if on_gpu else poison_rows(o, query_positions(None, q), first)
+    return (o, []) + (([],) if c.export else ())
+
+
+def _gqa(q, k, v, c: Call):
+    o, selected, *exported = gqa_attention(q, k, v, config=c.config, tuning=c.tuning, interpret=c.interpret,
+                                           export=c.export, positions=c.positions, packing=c.packing)
+    if c.packing is not None:
+        selected = local_selections(selected, c.packing, c.config.compression_rate)
+    return (o, selected, *exported)
+
+
+def _wide(q, k, v, c: Call):
+    return wide_attention(q, k, v, config=c.config, tuning=c.tuning, interpret=c.interpret, export=c.export,
+                          positions=c.positions, value_dim=c.value_dim, q_layout=c.q_layout)
+
+
+def block_ranking_rows(q, num_kv_heads: int, config: HTreeConfig):
+    """SPEC 12's ranking rows of every block as the queries of one position, its first:
+    `q [B, T, H, K]` -> `[B, ceil(T / b), H_kv * R, K]`, each kv head's `R` rows together:
+    the block's first query (`"first"`, `R = G`) or the previous block's `b` queries
+    (`"previous"`, `R = b * G`, zeros before the first block)."""
+    B, T, H, K = q.shape
+    b = config.selection_block
+    if config.block_source == "first":
+        return q[:, ::b]
+    NB, G = -(-T // b), H // num_kv_heads
+    blocks = jnp.pad(q, ((0, 0), (0, NB * b - T), (0, 0), (0, 0))).reshape(B, NB, b, num_kv_heads, G, K)
+    previous = jnp.concatenate([jnp.zeros_like(blocks[:, :1]), blocks[:, :-1]], axis=1)
+    return jnp.swapaxes(previous, 2, 3).reshape(B, NB, num_kv_heads * b * G, K)
+
+
+def block_selections(q, k, v, *, config: HTreeConfig, tuning: KernelConfigs, selection_route: str,
+                     interpret: bool = False, export: bool = False):
+    """`(selections, importance)` of every block (SPEC 12): the forward of the per-query
+    route `selection_route` (`backends.ranking_route`), run on each block's ranking rows
+    at its first position, chooses what the block refines. Each `[B, ceil(T / b), H_kv,
+    top_k]`, top layer first (importance `[]` without `export`). Their outputs are not
+    used: the block merge recomputes every row's. Constants under autodiff."""
+    b = config.selection_block
+    starts = jnp.arange(-(-q.shape[1] // b), dtype=jnp.int32) * b
+    rows, k, v = (jax.lax.stop_gradient(x) for x in (block_ranking_rows(q, k.shape[2], config), k, v))
+    _, selected, *exported = ROUTES[selection_route].forward(
+        rows, k, v, config=dataclasses.replace(config, selection_block=1), block_sizes=tuning, interpret=interpret,
+        positions=starts, return_importance=export)
+    return selected, (exported[0] if export else [])
+
+
+def per_token(block_values, b: int, T: int):
+    """A block's lists for each of its tokens: `[B, NB, ...]` -> `[B, T, ...]`."""
+    return jnp.repeat(block_values, b, axis=1)[:, :T]
+
+
+def _block(q, k, v, c: Call, merge: str):
+    """Block selection on the kernels: the blocks' selections, then the block family's
+    merge `merge` and its backward; each token's lists are its block's."""
+    b, T = c.config.selection_block, q.shape[1]
+    blocks, exported = block_selections(q, zero_non_finite(k), zero_non_finite(v), config=c.config, tuning=c.tuning,
+                                        selection_route=c.selection_route, interpret=c.interpret, export=c.export)
+    o = block_attention(q, k, v, blocks, config=c.config, tuning=c.tuning, merge=merge, interpret=c.interpret)
+    return (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if c.export else []))
+
+
+ROUTES = {
+    "reference": Route(_reference, htree_attention_reference, None),
+    "reference_packed": Route(_reference_packed, htree_attention_reference_packed, None),
+    "dense": Route(_dense, one_layer_attention, None),
+    "gqa": Route(_gqa, htree_forward_pallas, htree_backward_pallas),
+    "wide": Route(_wide, wide_forward_pallas, wide_backward_pallas, given_layout=True, values_from_keys=True),
+    **{f"block_{name}": Route(functools.partial(_block, merge=name),
+                              functools.partial(block_forward_pallas, merge=name), block_backward_pallas)
+       for name in MERGES},
+}
+KERNEL_ROUTES = tuple(name for name, route in ROUTES.items() if route.backward is not None)
+
+
+__all__ = ["Call", "KERNEL_ROUTES", "ROUTES", "Route", "block_ranking_rows", "block_selections", "latent_values",
+           "per_token"]

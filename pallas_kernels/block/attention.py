@@ -1,0 +1,47 @@
+"""Block selection's differentiable call once the blocks' selections are known
+(`block_attention`, SPEC 12): the block merge and the block backward as SPEC 10's guard
+calls them, paired as one `jax.custom_vjp` at the bottom (`shared/guarded.py`). The
+selections come from the per-query families run on each block's ranking rows
+(`htree_jax.routes` composes the two).
+
+Not deterministic: the backward adds each block's key and value gradients into the
+nodes it merged with float32 atomics, in no fixed order, so `dk` and `dv` may differ in
+their last bits run to run (`dq` is summed in a fixed order).
+"""
+
+from __future__ import annotations
+
+from pallas_kernels.block.backward import block_backward_pallas
+from pallas_kernels.block.forward import block_forward_pallas
+from pallas_kernels.shared.guarded import KernelCall, guarded_vjp
+
+
+def forward(q, k, v, operands, call: KernelCall):
+    """`block_forward_pallas` with the merge `call.merge`, as the guard calls it: `(o,
+    lse, (), None)` (the selections are the caller's)."""
+    o, lse = block_forward_pallas(q, k, v, operands["selections"], config=call.config, block=call.tuning.block,
+                                  merge=call.merge, interpret=call.interpret)
+    return o, lse, (), None
+
+
+def backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
+    """`block_backward_pallas` as the guard calls it: `(dq, dk, dv)`."""
+    return block_backward_pallas(q, k, v, o, lse, do, operands["selections"], config=call.config,
+                                 block=call.tuning.block, interpret=call.interpret, dead_rows=dead)
+
+
+attention = guarded_vjp(forward, backward)
+
+
+def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpret: bool = False):
+    """htree attention with block selection given the blocks' `selections` (layers `L-1
+    .. 1`, each `[B, ceil(T / b), H_kv, top_k]` int32, `-1` padded), differentiable (the
+    selections constant): `q [B, T, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv, V]` in
+    `rope_layout` order, validated by the caller, one document a row; `merge` the merge's
+    kernel (`forward.MERGES`), `tuning.block` the launches. Returns `o [B, T, H, V]` in
+    q's dtype."""
+    call = KernelCall(config, tuning, interpret, merge=merge)
+    return attention(q, k, v, {"selections": list(selections)}, call)[0]
+
+
+__all__ = ["attention", "backward", "block_attention", "forward"]
