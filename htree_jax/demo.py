@@ -38,7 +38,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--importance", default="softmax", help="softmax | shared_max")
     p.add_argument("--selection", default="bound", choices=["bound", "mean"],
                    help="node ranking (HTreeConfig.selection): bound (default, SPEC 11) or mean (the original rule)")
-    p.add_argument("--no-strict-causal", action="store_true", help="strict_causal=False")
+    p.add_argument("--no-strict-causal", action="store_true",
+                   help="HTreeConfig(strict_causal=False): the rightmost node, whose mean includes tokens after "
+                        "the query, enters the importance normaliser, so future keys may change a selection and "
+                        "prefix runs and decoding no longer equal the full sequence (default: off, "
+                        "strict_causal=True)")
     p.add_argument("--backend", default="auto", help="htree backend (auto | reference | pallas | pallas_interpret)")
     p.add_argument("--dtype", default="float32", choices=sorted(AGREEMENT_TOL), help="input dtype")
     p.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
@@ -110,10 +114,9 @@ def run_demo(args) -> int:
     q = jnp.asarray(rng.standard_normal((B, T, H, K)), dtype)
     k = jnp.asarray(rng.standard_normal((B, T, H_kv, K)), dtype)
     v = jnp.asarray(rng.standard_normal((B, T, H_kv, V)), dtype)
-    backend = full_sequence_backend(args.backend, check_qkv(q, k, v))
-
     if args.packed < 0 or args.packed > T:
         raise DemoError(f"--packed must be in [0, T = {T}], got {args.packed}")
+    backend = full_sequence_backend(args.backend, check_qkv(q, k, v), config, packed=bool(args.packed), dtype=dtype)
     docs = args.packed or 1
     lengths = [T // docs] * (docs - 1) + [T - T // docs * (docs - 1)]
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])

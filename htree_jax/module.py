@@ -54,6 +54,11 @@ class HTreeAttention(nnx.Module):
 
     `__call__(inputs, *, mask=None)`: `mask` may be `None` (causal) or the causal mask
     itself (e.g. `nnx.make_causal_mask(x[..., 0])`); any other mask is refused.
+
+    Decoding (`init_cache`, then `decode=True`): a row appended past the cache's
+    `max_len` raises a `ValueError` in an eager call; under `jax.jit` (`nnx.jit`) it
+    cannot (no host sync), so that row's outputs are NaN and its cache row stays as it
+    was (`cache.lengths` unchanged). Size `max_len` for the longest sequence.
     """
 
     def __init__(

@@ -121,7 +121,11 @@ def check_qkv(q, k, v) -> Dims:
     if len(q_shape) != 4:
         raise ValueError(f"q must have rank 4 [B, T, H, K], got shape {q_shape}")
     check_dtype("q", q_dtype)
-    check_batch_and_length({"q": q_shape, "k": _shape_and_dtype("k", k)[0], "v": _shape_and_dtype("v", v)[0]})
+    kv_shapes = {"k": _shape_and_dtype("k", k)[0], "v": _shape_and_dtype("v", v)[0]}
+    for name, shape in kv_shapes.items():  # each array's rank before what the arrays share
+        if len(shape) != 4:
+            raise ValueError(f"{name} must have rank 4 [B, T, H_kv, D], got shape {shape}")
+    check_batch_and_length({"q": q_shape, **kv_shapes})
     kv = check_kv(k, v)
     k_dtype = np.dtype(k.dtype)
     if q_dtype != k_dtype:

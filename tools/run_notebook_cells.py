@@ -3,7 +3,7 @@ has no nbclient/ipykernel): each figure is saved as a PNG under `--out` instead 
 From any directory: the cells run in the notebook's own directory, as Jupyter runs them
 (`--notebook` and `--out` are taken relative to where it was called).
 
-    HTREE_NB_SIZES=1024,4096,16384,65536 python benchmarks/run_notebook_cells.py --out /tmp/nb
+    HTREE_NB_SIZES=1024,4096,16384,65536 python tools/run_notebook_cells.py --out /tmp/nb
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ def main(argv=None) -> int:
     p.add_argument("--notebook", default=str(ROOT / "notebooks" / "explore_htree.ipynb"), help="the notebook to run")
     p.add_argument("--out", default=".", help="where the figures are saved")
     args = p.parse_args(argv)
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the notebook's extra, not the package's
+        raise SystemExit("run_notebook_cells.py: the notebook draws with matplotlib, which is not installed: "
+                         "pip install -e '.[notebook]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
