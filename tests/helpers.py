@@ -53,12 +53,13 @@ def softmax_over_leaves(q_group, k_layers, v_layers, leaves, config):
     return (w @ np.stack(values)) / w.sum(axis=1, keepdims=True)
 
 
-def run_readme_snippet(heading: str) -> dict:
-    """Executes the first ```python block after `heading` in README.md; returns its scope."""
+def run_readme_snippet(heading: str, document: str = "README.md") -> dict:
+    """Executes the first ```python block after `heading` in `document` (a path from the
+    repository's root: the README, or a page of `docs/`); returns its scope."""
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / document).read_text()
     section = readme[readme.index(heading):]
     scope: dict = {}
     exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), scope)

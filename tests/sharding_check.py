@@ -65,7 +65,7 @@ def memory_plans() -> int:
 
 
 def module_step() -> int:
-    """README "Many devices": an nnx model whose projection kernels carry
+    """docs/sharding.md, "Batch and heads": an nnx model whose projection kernels carry
     `nnx.with_partitioning` annotations, sharded on a (data, model) mesh, one optax step
     under `nnx.jit`, against the same step unsharded."""
     import optax
@@ -74,7 +74,7 @@ def module_step() -> int:
     from htree_jax import HTreeAttention
     from tests.helpers import run_readme_snippet
 
-    scope = run_readme_snippet("## Many devices")
+    scope = run_readme_snippet("## Batch and heads", "docs/sharding.md")
     sharded_loss, model = scope["loss"], scope["model"]
     kernel = model.query.kernel[...]
     assert "model" in str(kernel.sharding.spec), kernel.sharding

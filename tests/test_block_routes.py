@@ -1,7 +1,7 @@
 """The block merge's routes off Pallas-Triton (`KernelConfigs.block_merge`,
 `docs/backends.md`): a route is checked before any kernel runs (a clear error naming
 the rule), and on a GPU each route equals the Pallas-Triton kernel on fresh inputs.
-The GPU's own checks are the gate's `via` cases (`benchmarks/gpu_gate.py`); the ones
+The GPU's own checks are the gate's `via` cases (`tools/gpu_gate.py`); the ones
 here run where a GPU is (CI has none: they skip there, and say so)."""
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def test_traced_masks_through_attention_fn():
 def test_module_on_the_gpu_kernels_matches_the_reference(dtype):
     """On a GPU, backend="auto" runs the compiled Pallas kernels (K=64 is in their range).
     Outputs equal the reference's wherever the two chose the same nodes (near-ties of the
-    packed importance may flip a few selections: README, "Backends"); the parameter
+    packed importance may flip a few selections: docs/backends.md, README "Hard selection"); the parameter
     gradients, sums over every query, agree to a relative error that leaves room for
     those (and that an all-zero or sign-flipped gradient does not meet)."""
     assert choose_backend("auto", lambda name: None) == "pallas"

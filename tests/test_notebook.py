@@ -31,7 +31,7 @@ def test_notebook_executes(monkeypatch):
                      for out in cell.outputs if out.get("output_type") == "stream")
     assert "layer sizes (300, 75, 19, 5)" in text
     # The timing sweep is skipped here (CI's CPU times say nothing); its code runs on a GPU
-    # through benchmarks/run_notebook_cells.py.
+    # through tools/run_notebook_cells.py.
     assert "max |htree - dense|" in text and "timing sweep skipped" in text
     # section 6 draws the committed training-quality runs (benchmarks/train_quality.json,
     # trained with the mean before the bound became the default: labelled so)
@@ -41,7 +41,7 @@ def test_notebook_executes(monkeypatch):
 
 
 def test_run_notebook_cells_works_from_any_directory(tmp_path, monkeypatch):
-    """`benchmarks/run_notebook_cells.py` run from another directory: the cells run in
+    """`tools/run_notebook_cells.py` run from another directory: the cells run in
     the notebook's directory (a relative read works), `--out` is the caller's."""
     import json
     import subprocess
@@ -55,7 +55,7 @@ def test_run_notebook_cells_works_from_any_directory(tmp_path, monkeypatch):
     (book / "nb.ipynb").write_text(json.dumps({"cells": cells}))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "run_notebook_cells.py"
+    script = pathlib.Path(__file__).resolve().parents[1] / "tools" / "run_notebook_cells.py"
     run = subprocess.run([sys.executable, str(script), "--notebook", "../book/nb.ipynb", "--out", "figs"],
                          cwd=elsewhere, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

@@ -287,7 +287,7 @@ def test_modules_take_segment_ids():
 
 
 def test_max_documents_sizes_the_layout_not_a_count():
-    """The README's example: `max_documents=8` at T=1024, `top_k=16` (documents start at
+    """docs/packing.md's example: `max_documents=8` at T=1024, `top_k=16` (documents start at
     multiples of 16) is a layout of 1152 tokens. 18 documents that take 1104 fit it; 202
     that take 3248 are refused, the error saying what they take and what it holds."""
     T = 1024

@@ -1,5 +1,7 @@
-"""Every ```python block of README.md runs as written, each in a fresh interpreter (as a
-new user pastes it into a script), and prints the line that shows what it computed."""
+"""Every ```python block of README.md, and the blocks of `docs/` named in `PRINTS`, runs
+as written, each in a fresh interpreter (as a new user pastes it into a script), and
+prints the line that shows what it computed. (The other blocks of `docs/` are fragments:
+a call shown with the arrays it would take.)"""
 
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ import sys
 
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
-def python_blocks() -> list[tuple[str, str]]:
-    """`(heading, code)` of each ```python block, the heading the `## ` section it is in
-    (numbered when a section has several)."""
+def python_blocks(path: pathlib.Path = README) -> list[tuple[str, str]]:
+    """`(heading, code)` of each ```python block of `path`, the heading the `## ` section
+    it is in (numbered when a section has several)."""
     blocks, heading, seen = [], "(top)", {}
-    for match in re.finditer(r"^## ([^\n]*)$|^```python\n(.*?)^```", README.read_text(), re.M | re.S):
+    for match in re.finditer(r"^## ([^\n]*)$|^```python\n(.*?)^```", path.read_text(), re.M | re.S):
         if match.group(1) is not None:
             heading = match.group(1).strip()
             continue
@@ -27,16 +30,19 @@ def python_blocks() -> list[tuple[str, str]]:
     return blocks
 
 
-BLOCKS = python_blocks()
-# What each block prints (what it computed), as its comments say.
+# What each block prints (what it computed), as its comments say: README's by section,
+# those of `docs/` as "file: section".
 PRINTS = {
-    "Use #1": "o (1, 2048, 8, 64) selected [(1, 2048, 2, 32)]",
-    "Packed documents #1": "packed o (2, 1024, 4, 64) finite: True",
-    "Many devices #1": "on a mesh of {'data': 2, 'model': 4}",
+    "Install and a first call #1": "o (1, 2048, 8, 64) selected [(1, 2048, 2, 32)]",
     "Flax #1": "y (2, 1024, 512)",
-    "Incremental decoding #1": "prefill (1, 40, 4, 16) step (1, 4, 16) rows at [1, 0, 41]",
-    "Incremental decoding #2": "largest difference from the full sequence:",
+    "Decoding #1": "prefill (1, 40, 4, 16) step (1, 4, 16) rows at [1, 0, 41]",
+    "docs/packing.md: The layout and its two static sizes #1": "packed o (2, 1024, 4, 64) finite: True",
+    "docs/sharding.md: Batch and heads #1": "on a mesh of {'data': 2, 'model': 4}",
+    "docs/decoding.md: In a model #1": "largest difference from the full sequence:",
 }
+BLOCKS = python_blocks() + [(f"{name}: {heading}", code) for name in sorted({k.split(": ")[0] for k in PRINTS
+                                                                             if ": " in k})
+                            for heading, code in python_blocks(ROOT / name) if f"{name}: {heading}" in PRINTS]
 
 
 def test_the_readme_has_its_blocks():
@@ -59,5 +65,5 @@ def test_readme_block_runs_as_written(name, code, tmp_path):
     assert printed, f"README block {name} printed nothing"
     if name in PRINTS:
         assert PRINTS[name] in run.stdout, run.stdout
-    if name == "Incremental decoding #2":  # decoding a small model equals its full sequence to rounding
+    if name == "docs/decoding.md: In a model #1":  # decoding a small model equals its full sequence to rounding
         assert float(run.stdout.split(":")[-1]) < 1e-4, run.stdout

@@ -49,7 +49,7 @@ def test_sharded_batch_and_heads_on_simulated_devices(backend):
 
 
 def test_sharded_nnx_model_optax_step():
-    """The README's "Many devices" example on 8 simulated devices."""
+    """docs/sharding.md's "Batch and heads" example on 8 simulated devices."""
     assert "ok module step" in run_check("module").stdout
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import gpu_gate
+from tools import gpu_gate
 from htree_jax import HTreeConfig
 from htree_jax.core.bounds import group_count
 from pallas_kernels.decode.walk import decode_bound_width, decode_program, pipelined
@@ -20,7 +20,7 @@ from pallas_kernels.shared.configs import DecodeBlockSizes, KernelConfigs
 from pallas_kernels.shared.precision import Precisions
 
 # The top layer's importance kernel as compiled on an H100 (jax 0.11.2, 2026-11-26,
-# the thunk dumps that `benchmarks/gpu_gate.py` reads): (G, K, rope_dim, dtype, bound, queries per program,
+# the thunk dumps that `tools/gpu_gate.py` reads): (G, K, rope_dim, dtype, bound, queries per program,
 # tile, stages) -> bytes. "exact": the bytes the thunk dump gave, or the bytes an
 # overflowing compile requested; "at most": dumps where the compiler reused scratch.
 EXACT = [

@@ -206,5 +206,5 @@ class Precisions:
     @classmethod
     def uniform(cls, precision: lax.Precision) -> "Precisions":
         """Every dot at `precision` with float32 operands (`HIGHEST`: exact float32 dots
-        for any input dtype, as `benchmarks/check_pallas_gpu.py` compares)."""
+        for any input dtype, as `tools/check_pallas_gpu.py` compares)."""
         return cls(precision, None, precision, None)

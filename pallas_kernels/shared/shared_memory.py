@@ -9,7 +9,7 @@ The model counts what Triton keeps in shared memory for a program's products: th
 left operands held for the whole loop (query rows, in each part the product takes),
 scratch of the loop's reductions, and one buffer per pipeline stage of each tile the
 loop loads (keys, radii). Each count is checked against what the compiler reported on
-an H100 (XLA's thunk dumps, which `benchmarks/gpu_gate.py` reads on every run):
+an H100 (XLA's thunk dumps, which `tools/gpu_gate.py` reads on every run):
 equal where the program's scratch is not reused, above it where the compiler reuses some.
 """
 

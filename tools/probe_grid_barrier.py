@@ -2,7 +2,7 @@
 the floor of a decode walk in one persistent launch (a selecting layer needs three:
 scores -> packed keys -> top-K -> merge; journal 2026-11-27 (7)).
 
-    python benchmarks/probe_grid_barrier.py
+    python tools/probe_grid_barrier.py
 
 Each barrier is one int32 counter: every program adds 1 (`plgpu.atomic_add`, acq_rel at
 GPU scope) and spins until it reads the grid's size. Every program must be resident at

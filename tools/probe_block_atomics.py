@@ -6,7 +6,7 @@ no cost would leave; racy, timed only), then with no atomics at all (the adds dr
 and with them the two dots only they read, `ds^T q` and `p^T do`: the gathers, three
 dots and dq alone). The gradients of the last two are wrong and only timed.
 
-    python benchmarks/probe_block_atomics.py [--T 131072] [--top-k 512]
+    python tools/probe_block_atomics.py [--T 131072] [--top-k 512]
 
 Both variants patch Pallas-Triton's lowering inside this process only; the library
 never does.
@@ -21,12 +21,12 @@ import jax
 from jax._src.pallas.triton import lowering as triton_lowering
 
 from htree_jax import HTreeConfig
-from htree_jax.backends import block_selections
+from htree_jax.backends import blocks_of
 from htree_jax.bench import INPUTS, median_ms, run_header
 from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.block import backward as block_backward
 from pallas_kernels.block.forward import block_forward_pallas
-from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.configs import BlockConfig
 
 
 @contextlib.contextmanager
@@ -83,18 +83,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu":
         sys.exit("probe_block_atomics: needs a CUDA GPU")
-    print(run_header("benchmarks/probe_block_atomics.py", argv), flush=True)
+    print(run_header("tools/probe_block_atomics.py", argv), flush=True)
     q, k, v = INPUTS["random"](args.T)
     config = HTreeConfig(top_k=args.top_k, selection_block=16)
-    tuning = KernelConfigs.resolve(None, q.shape[-1], v.shape[-1])
-    blocks = jax.jit(lambda q, k, v: block_selections(q, k, v, config, tuning, False, False)[0])(q, k, v)
-    o, lse = block_forward_pallas(q, k, v, blocks, config)
+    blocks = jax.jit(lambda q, k, v: blocks_of(q, k, v, config))(q, k, v)
+    o, lse = block_forward_pallas(q, k, v, blocks, config=config)
     for name, context in (("as built", contextlib.nullcontext), ("relaxed atomics", relaxed_atomics),
                           ("plain stores", plain_stores), ("no atomics", no_atomics)):
         jax.clear_caches()  # the patches act when the kernel is traced and lowered
         with context():
             grads = jax.jit(lambda q, k, v, o, lse, s: block_backward.block_backward_pallas(
-                q, k, v, o, lse, o, s, config, tile=32, num_warps=8))
+                q, k, v, o, lse, o, s, config=config, block=BlockConfig(backward_tile=32, backward_num_warps=8)))
             print(f"{name:16s} {median_ms(grads, (q, k, v, o, lse, blocks), args.iters):9.1f} ms", flush=True)
     return 0
 

@@ -1,6 +1,6 @@
 """GPU correctness check of the Pallas backward: gradients against the JAX reference's.
 
-    python benchmarks/check_backward_gpu.py [--sizes 4096,32768] [--top-k 512]
+    python tools/check_backward_gpu.py [--sizes 4096,32768] [--top-k 512]
 
 For each T, float32 and bfloat16 inputs (B=1, H=8, H_kv=2, K=V=64): the gradients of
 `sum(o * w)` (w fixed random) by `backend="pallas"` and by `backend="reference"`
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig, htree_attention
-from htree_jax.backends import pallas_backward_pass, pallas_forward_pass
+from htree_jax.backends import kernel_route
 from htree_jax.cli import DefaultsHelpFormatter
 
 
@@ -67,9 +67,10 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0):
         ok = finite and dq_agree < 3e-2 and max(errs.values()) < 3e-2 + flipped
     # The backward given the forward's selections (the default) against the one that
     # recomputes them with the forward's kernels: the same bits.
-    o, sel_p, lse = pallas_forward_pass(q, k, v, config, return_lse=True)
+    route = kernel_route(q, k, v, config)
+    o, sel_p, lse = route.forward(q, k, v, config=config, return_lse=True)
     do = jnp.asarray(rng.standard_normal(o.shape), o.dtype)
-    backward = jax.jit(lambda s: pallas_backward_pass(q, k, v, o, lse, do, config, selections=s))
+    backward = jax.jit(lambda s: route.backward(q, k, v, o, lse, do, config=config, selections=s))
     saved_same = bitwise_same(backward(sel_p), backward(None))
     ok = ok and same and saved_same
     print(f"T={T:6d} top_k={config.top_k} {jnp.dtype(dtype).name:8s} layers={config.layer_sizes(T)} "

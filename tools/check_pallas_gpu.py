@@ -1,6 +1,6 @@
 """GPU correctness check: the Pallas backend against the JAX reference.
 
-    python benchmarks/check_pallas_gpu.py [--sizes 4096,32768] [--dtype float32]
+    python tools/check_pallas_gpu.py [--sizes 4096,32768] [--dtype float32]
 
 For each T: float32 inputs with full-precision dots (selections must agree on >= 99.9% of
 parent lists, outputs within 1e-4 relative), and bfloat16 inputs (bf16 tolerance).
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig
-from htree_jax.backends import pallas_forward_pass
+from htree_jax.backends import kernel_route
 from htree_jax.cli import DefaultsHelpFormatter
 from htree_jax.reference import htree_attention_reference
 from jax import lax
@@ -45,8 +45,8 @@ def check(T, dtype, config, B=1, H=8, H_kv=2, K=64, V=64, seed=0, precision=None
     precisions = Precisions.for_dtype(dtype) if precision is None else Precisions.uniform(precision)
     if importance_operands != "auto":
         precisions = dataclasses.replace(precisions, importance_operands=importance_operands)
-    o, sel = jax.block_until_ready(pallas_forward_pass(q, k, v, config, block_sizes,
-                                                                       precisions=precisions))
+    forward = kernel_route(q, k, v, config, block_sizes).forward
+    o, sel = jax.block_until_ready(forward(q, k, v, config=config, block_sizes=block_sizes, precisions=precisions))
     t_pallas = time.perf_counter() - t0
     ro, rsel = jax.block_until_ready(htree_attention_reference(q, k, v, config))
     same = [float(np.mean(np.all(np.asarray(a) == np.asarray(b), axis=-1))) for a, b in zip(sel, rsel)]

@@ -1,6 +1,6 @@
 """The GPU gate: every shape class the API accepts compiles and agrees on the GPU.
 
-    python benchmarks/gpu_gate.py [--full] [--big-T 131072] [--json FILE]
+    python tools/gpu_gate.py [--full] [--big-T 131072] [--json FILE]
 
 Interpret mode (CI) cannot see shared-memory, lowering or precision faults, so any
 change to a kernel, a tile or a default runs this on the GPU before it lands. Each case

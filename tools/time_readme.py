@@ -1,12 +1,10 @@
 """Times what a new user runs first: the demo, every ```python block of README.md and the
 notebook, each in a fresh process (imports and compilation included), as they would.
 
-    python benchmarks/time_readme.py [--skip-demo] [--skip-notebook]
+    python tools/time_readme.py [--skip-demo] [--skip-notebook]
 
-Run it from the repository root with the package installed (`pip install -e .`). The
-block under "## Many devices" runs with `--xla_force_host_platform_device_count=8`
-(8 simulated CPU devices, as the README says). Prints one markdown table of wall
-seconds; exits non-zero if a step fails.
+Run it from the repository root with the package installed (`pip install -e .`). Prints
+one markdown table of wall seconds; exits non-zero if a step fails.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MANY_DEVICES = "## Many devices"
 
 
 def readme_blocks(text: str) -> list[tuple[str, str]]:
@@ -55,13 +52,12 @@ def main(argv=None) -> int:
     steps = [] if args.skip_demo else [("python -m htree_jax demo", [sys.executable, "-m", "htree_jax", "demo"], {},
                                         ROOT)]
     for i, (heading, code) in enumerate(readme_blocks((ROOT / "README.md").read_text()), 1):
-        extra = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"} if heading == MANY_DEVICES else {}
-        steps.append((f"README block {i} ({heading[3:]})", [sys.executable, "-c", code], extra, ROOT))
+        steps.append((f"README block {i} ({heading[3:]})", [sys.executable, "-c", code], {}, ROOT))
     if not args.skip_notebook:
         out = tempfile.mkdtemp()
         # From notebooks/, where Jupyter runs it (its last cell reads ../benchmarks/).
         steps.append(("notebooks/explore_htree.ipynb (defaults)",
-                      [sys.executable, str(ROOT / "benchmarks" / "run_notebook_cells.py"), "--notebook",
+                      [sys.executable, str(ROOT / "tools" / "run_notebook_cells.py"), "--notebook",
                        "explore_htree.ipynb", "--out", out], {}, ROOT / "notebooks"))
     import jax  # the header only
 
