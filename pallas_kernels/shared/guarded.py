@@ -81,7 +81,6 @@ def guarded_vjp(forward, backward):
         return (dq, *zero_late_tokens(dk, dv, first), None)  # the selections and importance: no cotangent
 
     attention.defvjp(guarded_forward, guarded_backward)
-    attention.forward, attention.backward = forward, backward  # the pair, for `htree_jax.routes`' table
     return attention
 
 
