@@ -5,7 +5,7 @@ jax-triton for the Triton route).
 
     python benchmarks/bench_block_routes.py --check --time
 """
-import sys, time, traceback
+import sys, time
 import jax, jax.numpy as jnp, numpy as np
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.backends import blocks_of
