@@ -112,3 +112,40 @@ def test_the_triton_route_compiles_for_hopper_within_shared_memory(T, H, H_kv, K
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=st.num_warps, num_stages=st.num_stages))
     assert 0 < kernel.metadata.shared <= SHARED_MEMORY
+
+
+def test_the_mosaic_merge_layouts_refuse_what_they_cannot_hold():
+    from pallas_kernels.block.mosaic_merge import Pipeline
+
+    for bad in (dict(tile=32), dict(stages=1), dict(rotator="xla"), dict(tables="bfloat16"),
+                dict(consumer_registers=232, memory_registers=64), dict(ablate="lists")):
+        with pytest.raises(ValueError, match="Pipeline"):
+            Pipeline(**bad)
+
+
+@pytest.mark.parametrize("r, top_k, T, G, H_kv, K, V, dtype", [
+    (16, 512, 131072, 8, 4, 128, 128, jnp.bfloat16),  # the benchmark shape: 3 layers, two consumers
+    (8, 8, 1500, 4, 2, 64, 128, jnp.float16),  # 4 layers, one consumer
+    (16, 8, 2048, 16, 1, 64, 64, jnp.float16),  # two programs a block
+    (64, 4, 300, 1, 1, 128, 64, jnp.bfloat16),  # one layer: no lists
+])
+def test_the_mosaic_merge_traces_on_the_cpu(r, top_k, T, G, H_kv, K, V, dtype):
+    """CI cannot run the Mosaic GPU kernel (no interpret mode for WGMMA); tracing it at
+    each shape class catches what Python sees (shapes, barriers, layouts' arguments)."""
+    from pallas_kernels.block.forward import merge_static, table_positions
+    from pallas_kernels.block.mosaic_merge import block_merge_mosaic
+
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=r)
+    st = merge_static(config, T, G, K, V, dtype, KernelConfigs().block, "mosaic_gpu")
+    Tp = -(-T // r) * r
+    q5 = jax.ShapeDtypeStruct((1, Tp, H_kv, st.group, 2 * st.half), dtype)
+    layers = []
+    for n in config.layer_sizes(T):
+        n_p = max(16, 1 << (n - 1).bit_length())
+        layers += [jax.ShapeDtypeStruct((1, H_kv, n_p, 2 * st.half), dtype),
+                   jax.ShapeDtypeStruct((1, H_kv, n_p, st.vp), dtype)]
+    sel = [jax.ShapeDtypeStruct((1, Tp // r, H_kv, st.width), jnp.int32)] * (st.num_layers - 1)
+    o, lse = jax.eval_shape(lambda q5, layers, sel: block_merge_mosaic(
+        q5, layers, sel, config, st, K, table_positions(config, T, st)), q5, layers, sel)
+    assert o.shape == (1, Tp, H_kv, st.group, st.vp) and o.dtype == dtype
+    assert lse.shape == (1, Tp, H_kv, st.group) and lse.dtype == jnp.float32

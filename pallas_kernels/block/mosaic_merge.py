@@ -1,15 +1,18 @@
-"""The block merge (`merge._block_merge_kernel`, SPEC 12) on Pallas's Mosaic GPU backend:
-the other road JAX names off Pallas's Triton lowering (`docs/backends.md`). One
-program per `(b, queries, h_kv)`, one warpgroup holding the block's rows (64 or 128,
-padded), the walk and the online softmax as in the Triton-lowered kernel; the two
-differ where Mosaic GPU works differently:
+"""The block merge (`merge._block_merge_kernel`, SPEC 12) on Pallas's Mosaic GPU backend
+(`plgpu.kernel`), warp-specialized as JAX's `attention_mgpu` is: one program per `(b,
+queries, h_kv)`; one or two consumer warpgroups of 64 rows (the block's `b * G` rows,
+padded) fold the candidates into one online softmax in registers, taking turns on the
+tensor cores; a memory warpgroup feeds them through a ring of shared-memory stages
+(`Pipeline`). The walk is the Triton-lowered kernel's; the two differ where Mosaic GPU
+works differently:
 
-- Gathers: Mosaic GPU has no gather of single rows into registers. Each node tile (`r`
-  contiguous rows of a layer, the child block of one kept parent) is its own TMA copy
-  into the tile's shared-memory buffer, at a row offset read from the parent list in
-  shared memory.
-- Operands: WGMMA reads both sides from shared memory, so a tile's keys are loaded,
-  rotated by their buffer positions in registers and stored back before the score dot.
+- Gathers: each node tile (`r` contiguous rows of a layer, the child block of one kept
+  parent) is its own TMA copy into the step's buffer, at a row offset read from the
+  parent list in shared memory.
+- Rotation: WGMMA reads both operands from shared memory, so a landed tile's keys are
+  rotated by their buffer positions once, in place, by the memory warpgroup (float32
+  tables: float16 ones measured 2x the error against the Pallas-Triton merge), before
+  the consumers score them.
 - Queries: rotated by their row's angle in XLA, once per layer (`rotated_queries`),
   because a row's angle is a gather of table rows by a per-row index.
 - Masks: the set a layer refines is a bitmap over buffer positions built in XLA
@@ -18,13 +21,18 @@ differ where Mosaic GPU works differently:
 
 Inputs in bfloat16 or float16 only (WGMMA takes float32 operands as TF32: the float32
 path's exact dots have no Mosaic GPU form here). Needs a Hopper GPU; Mosaic GPU's CPU
-interpret mode (jax 0.10-0.11) cannot run a transposed WGMMA operand, so the tests that
-run this kernel are GPU-marked (`tests/test_block_routes.py`, the gate's route cases).
+interpret mode cannot run WGMMA, so the tests that run this kernel are GPU-marked
+(`tests/test_block_routes.py`, the gate's route cases); its twin is the Pallas-Triton
+merge (`merge.py`), which CI runs interpreted. Speeds by layout:
+`tools/probes/block_merge_pipelines.py` (RESULTS).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,7 +44,8 @@ from htree_jax.core.indexing import candidate_count, num_top_parents
 from pallas_kernels.block.merge import PAST_NODES, BlockStatic, rope_tables
 from pallas_kernels.shared.common import next_power_of_two
 
-TILE = 64  # candidates a step: a WGMMA N and two bitmap words
+TILE = 64  # the default pipeline's candidates a step: a WGMMA N and two bitmap words (128 hung: journal)
+ROWS = 64  # rows a consumer warpgroup holds (WGMMA's M)
 WORD = 32  # positions a bitmap word holds
 TMA_ROWS = 256  # the most elements a TMA copy moves along a dimension
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -142,111 +151,256 @@ def rotated_queries(q5, counts, cos, sin, st: BlockStatic, rows: int):
     return lay_out(jnp.stack(out_lo)), lay_out(jnp.stack(out_hi))
 
 
-def _merge_kernel(*refs, st: BlockStatic, rows: int, words: int, dtype):
-    L, r, C, h, vp = st.num_layers, st.r, TILE, st.half, st.vp
-    q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits_ref = refs[:7]
-    layer_refs = refs[7: 7 + 3 * L]  # bottom first: keys' halves, values
-    o_ref, lse_ref = refs[7 + 3 * L: 9 + 3 * L]
-    (q_lo_s, q_hi_s, k_lo_s, k_hi_s, v_s, rot_lo_s, rot_hi_s, cos_s, sin_s, par_s, bits_s, count_s, o_s,
-     lse_s), bars = refs[9 + 3 * L:]
-    b, j, hk = lax.axis_index("b"), lax.axis_index("j"), lax.axis_index("h")
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """How the Mosaic GPU merge is laid out on one multiprocessor: `tile` candidates a
+    step (a WGMMA's N: 64 or 128), `stages` of them in the shared-memory ring (keys and
+    values; the rotation tables of one step at a time); who rotates a landed tile's keys
+    by their buffer positions (`"memory"`: the memory warpgroup once, in place;
+    `"consumers"`: each consumer warpgroup its own copy); the tables' dtype; and the
+    registers a thread of a consumer and of the memory warpgroup keeps (`setmaxnreg`:
+    `2 * consumer + memory <= 512`). `ablate` is for probes only (`tools/probes/`): it
+    drops the keys' rotation or the mask, and the result is then wrong."""
+
+    tile: int = 64
+    stages: int = 2
+    rotator: str = "memory"
+    tables: str = "float32"
+    consumer_registers: int = 176
+    memory_registers: int = 152
+    ablate: str = ""
+
+    def __post_init__(self):
+        if self.rotator not in ("memory", "consumers") or self.tables not in ("float32", "float16"):
+            raise ValueError(f"Pipeline: rotator 'memory' or 'consumers', tables 'float32' or 'float16' ({self})")
+        if self.tile not in (64, 128) or self.stages < 2:
+            raise ValueError(f"Pipeline: tile 64 or 128, stages >= 2 ({self})")
+        if 2 * self.consumer_registers + self.memory_registers > 512 or self.ablate not in ("", "rotation", "mask",
+                                                                                           "both"):
+            raise ValueError(f"Pipeline: 2 * consumer + memory registers <= 512, ablate '', 'rotation', 'mask' or "
+                             f"'both' ({self})")
+
+
+PIPELINE = Pipeline(tile=TILE)
+LOG2E = math.log2(math.e)
+
+
+def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits_ref, *refs, st: BlockStatic,
+                  consumers: int, words: tuple[int, int], lists: tuple[int, int], dtype, pipe: Pipeline):
+    """One program per `(b, queries, h_kv)`: `consumers` warpgroups of `ROWS` rows each
+    fold every layer's merged candidates into one online softmax; the last warpgroup
+    feeds them by TMA, a ring of `pipe.stages` tiles of `pipe.tile` candidates, each
+    tile `pipe.tile / r` node tiles gathered at the rows the layer's parent list names
+    (SPEC 12). Two consumers take turns on the tensor cores (`schedule`), as
+    `attention_mgpu` does."""
+    L, r, C, h, vp, S = st.num_layers, st.r, pipe.tile, st.half, st.vp, pipe.stages
+    layer_refs = refs[: 3 * L]  # bottom first: keys' halves, values
+    o_ref, lse_ref = refs[3 * L: 3 * L + 2]
+    scratch, bars = refs[3 * L + 2:]
+    by_memory = pipe.rotator == "memory"
+    rotate = pipe.ablate not in ("rotation", "both")
+    mask = pipe.ablate not in ("mask", "both")
+    (q_lo_s, q_hi_s, k_lo_s, k_hi_s, v_s, cos_s, sin_s, sel_s, bits_s, count_s, lse_s, *rotated) = scratch
+    setup, q_bars, k_bars, v_bars, k_done, v_done, schedule, finished, *landed = bars
+    b, j, hk, wg = lax.axis_index("b"), lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("wg")
     t_first = j * st.queries
     t0 = t_first - t_first % r
     blk = t_first // r
     node_tiles = C // r
-    wgmma_layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+    wrows, wcols = words
+    lrows, lcols = lists
 
-    def fetch(src, dst, bar):
-        """`src` into `dst` and wait: 1-D lists in pieces of `TMA_ROWS` (a TMA copy's most)."""
-        if len(dst.shape) > 1 or dst.shape[0] <= TMA_ROWS:
-            plgpu.copy_gmem_to_smem(src, dst, bar)
-            plgpu.barrier_wait(bar)
-            return
-        for c in range(0, dst.shape[0], TMA_ROWS):
-            plgpu.copy_gmem_to_smem(src.at[pl.ds(c, TMA_ROWS)], dst.at[pl.ds(c, TMA_ROWS)], bar)
-            plgpu.barrier_wait(bar)
-
-    fetch(count_ref.at[b, blk, hk], count_s, bars.at[0])
-    m = plgpu.layout_cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout)
-    total = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), row_layout)
-    acc = plgpu.layout_cast(jnp.zeros((rows, vp), jnp.float32), wgmma_layout)
-    row = plgpu.broadcasted_iota(jnp.int32, (rows, C), 0, layout=wgmma_layout)
-    col = plgpu.broadcasted_iota(jnp.int32, (rows, C), 1, layout=wgmma_layout)
-
-    for l in reversed(range(L)):
-        k_lo_ref, k_hi_ref, v_ref = layer_refs[3 * l: 3 * l + 3]
-        plgpu.commit_smem()  # every read of the last layer's buffers is done before they are refilled
-        fetch(q_lo_ref.at[l, b, j, hk], q_lo_s, bars.at[0])
-        fetch(q_hi_ref.at[l, b, j, hk], q_hi_s, bars.at[0])
-        top = l == L - 1
-        if not top:
-            fetch(sel_ref.at[L - 2 - l, b, blk, hk], par_s, bars.at[0])
-        if l > 0:
-            fetch(bits_ref.at[L - 1 - l, b, blk, hk], bits_s, bars.at[0])
+    def layer_counts(l):
+        """`n_P`, the block's most candidates `n` and its steps at layer `l`."""
         n_parents = count_s[l]
         n_max = candidate_count(n_parents, t_first + st.queries - 1 if l == 0 else t0, r, l)
-        if l == 0:
-            n_row = candidate_count(n_parents, t_first + row // st.group, r, 0)
+        return n_parents, n_max, (n_max + C - 1) // C
 
-        def merge_tile(i, carry, l=l, top=top, n_parents=n_parents, n_max=n_max,
-                       k_lo_ref=k_lo_ref, k_hi_ref=k_hi_ref, v_ref=v_ref):
-            m, total, acc = carry
-            plgpu.commit_smem()  # the last tile's reads are done before its buffers are refilled
-            for jn in range(node_tiles):
-                slot = i * node_tiles + jn
-                start = slot * r if top else par_s[jnp.minimum(slot, st.top_k - 1)] * r
-                start = jnp.where(slot * r < n_max, start, 0)
-                rows_at = pl.ds(jn * r, r)
-                plgpu.copy_gmem_to_smem(k_lo_ref.at[b, hk, pl.ds(start, r)], k_lo_s.at[rows_at], bars.at[1 + 3 * jn])
-                plgpu.copy_gmem_to_smem(k_hi_ref.at[b, hk, pl.ds(start, r)], k_hi_s.at[rows_at], bars.at[2 + 3 * jn])
-                plgpu.copy_gmem_to_smem(v_ref.at[b, hk, pl.ds(start, r)], v_s.at[rows_at], bars.at[3 + 3 * jn])
-            plgpu.copy_gmem_to_smem(cos_ref.at[pl.ds(i * C, C)], cos_s, bars.at[1 + 3 * node_tiles])
-            plgpu.copy_gmem_to_smem(sin_ref.at[pl.ds(i * C, C)], sin_s, bars.at[2 + 3 * node_tiles])
-            for k in range(1, 3 + 3 * node_tiles):
-                plgpu.barrier_wait(bars.at[k])
-            k_lo, k_hi = k_lo_s[...].astype(jnp.float32), k_hi_s[...].astype(jnp.float32)
-            c, s_ = cos_s[...], sin_s[...]
-            rot_lo_s[...] = (k_lo * c - k_hi * s_).astype(dtype)
-            rot_hi_s[...] = (k_lo * s_ + k_hi * c).astype(dtype)
-            plgpu.commit_smem()
+    def schedule_barrier():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
 
-            def scores(acc_ref):
-                plgpu.wgmma(acc_ref, q_lo_s, plgpu.transpose_ref(rot_lo_s, (1, 0)))
-                plgpu.wgmma(acc_ref, q_hi_s, plgpu.transpose_ref(rot_hi_s, (1, 0)))
-                return acc_ref[...]
+    def rotate_tile(slot, table, dst_lo, dst_hi):
+        """The keys landed in `slot` rotated by their buffer positions (`merge._rotate`, in
+        float32, with the step's tables in `table`) into `dst_lo, dst_hi` (`[C, half]`
+        refs), `ROWS` rows at a time (a whole 128-row tile takes more registers than one
+        warpgroup keeps)."""
+        for c0 in range(0, C, ROWS):
+            rows = pl.ds(c0, ROWS)
+            k_lo = k_lo_s.at[slot, rows][...].astype(jnp.float32)
+            k_hi = k_hi_s.at[slot, rows][...].astype(jnp.float32)
+            c, s_ = cos_s.at[table, rows][...].astype(jnp.float32), sin_s.at[table, rows][...].astype(jnp.float32)
+            dst_lo.at[rows][...] = (k_lo * c - k_hi * s_).astype(dtype)
+            dst_hi.at[rows][...] = (k_lo * s_ + k_hi * c).astype(dtype)
 
-            s = pl.run_scoped(scores, plgpu.ACC((rows, C), jnp.float32)) * st.alpha
-            p = i * C + col
+    @pl.when(wg < consumers)
+    def _consumer():
+        plgpu.set_max_registers(pipe.consumer_registers, action="increase")
+        my_rows = pl.ds(wg * ROWS, ROWS)
+        wgmma_layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
+        row = plgpu.broadcasted_iota(jnp.int32, (ROWS, C), 0, layout=wgmma_layout) + wg * ROWS
+        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, C), 1, layout=wgmma_layout)
+        scale = st.alpha * LOG2E  # the softmax in base 2, as attention_mgpu's
+
+        def load_queries(l):
+            plgpu.copy_gmem_to_smem(q_lo_ref.at[l, b, j, hk, my_rows], q_lo_s.at[wg], q_bars.at[wg])
+            plgpu.copy_gmem_to_smem(q_hi_ref.at[l, b, j, hk, my_rows], q_hi_s.at[wg], q_bars.at[wg])
+            plgpu.barrier_wait(q_bars.at[wg])
+
+        load_queries(L - 1)
+        plgpu.barrier_wait(setup)
+        total_steps = sum(layer_counts(l)[2] for l in range(L))
+        m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
+        total = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.zeros((ROWS, vp), jnp.float32), wgmma_layout)
+        g = jnp.int32(0)
+        plgpu.barrier_wait(k_bars.at[0])
+        if consumers == 2:
+            pl.when(wg == 1)(schedule_barrier)
+        for l in reversed(range(L)):
+            if l != L - 1:
+                load_queries(l)
+            n_parents, n_max, steps = layer_counts(l)
             if l == 0:
-                merged = p < n_row
-            else:
-                zero = col * 0  # a scalar word as an array in the scores' layout
-                word = zero + bits_s[i * (C // WORD)]
-                for w in range(1, C // WORD):
-                    word = jnp.where(col >= w * WORD, zero + bits_s[i * (C // WORD) + w], word)
-                refined = lax.shift_right_logical(word, col % WORD) & 1
-                merged = (p < n_max) & (refined == 0)
-            # `pallas_kernels.shared.softmax.fold` of one tile, transcribed (WGMMA's product,
-            # broadcasts Mosaic GPU's layouts take).
-            s = jnp.where(merged, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            decay = jnp.exp(m - m_safe)
-            w_ = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
-            total = total * decay + w_.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(decay, acc.shape, [0])
-            acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, w_.astype(dtype), v_s))(plgpu.ACC.init(acc))
-            return m_new, total, acc
+                n_row = candidate_count(n_parents, t_first + row // st.group, r, 0)
 
-        m, total, acc = lax.fori_loop(0, (n_max + C - 1) // C, merge_tile, (m, total, acc))
+            def step(i, carry, l=l, n_max=n_max, n_row=n_row if l == 0 else None):
+                acc, m, total, g = carry
+                slot = lax.rem(g, S)
+                if not by_memory:  # this warpgroup's own copy of the tile's keys, rotated
+                    if rotate:
+                        rotate_tile(slot, slot, rotated[0].at[wg], rotated[1].at[wg])
+                        plgpu.commit_smem()
+                    keys_lo, keys_hi = rotated[0].at[wg], rotated[1].at[wg]
+                else:
+                    keys_lo, keys_hi = k_lo_s.at[slot], k_hi_s.at[slot]
 
-    # `softmax.normalized` and `softmax.log_sum_exp`, transcribed.
-    o_s[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
-    lse_s[...] = m + jnp.log(total)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, j, hk])
-    plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, j, hk])
-    plgpu.wait_smem_to_gmem(0)
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_lo_s.at[wg], keys_lo.transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_hi_s.at[wg], keys_hi.transpose((1, 0)))
+                    if consumers == 2:
+                        schedule_barrier()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((ROWS, C), jnp.float32)) * scale
+                plgpu.barrier_arrive(k_done.at[slot])
+                if mask:
+                    p = i * C + col
+                    if l == 0:
+                        merged = p < n_row
+                    else:  # not refined: the layer's bitmap, one word of 32 positions at a time
+                        zero = col * 0  # a scalar word as an array in the scores' layout
+
+                        def word(w):
+                            at = i * (C // WORD) + w
+                            return zero + bits_s[L - 1 - l, at // wcols, at % wcols]
+
+                        bits = word(0)
+                        for w in range(1, C // WORD):
+                            bits = jnp.where(col >= w * WORD, word(w), bits)
+                        merged = (p < n_max) & ((lax.shift_right_logical(bits, col % WORD) & 1) == 0)
+                    s = jnp.where(merged, s, -jnp.inf)
+                # `pallas_kernels.shared.softmax.fold` of one tile, transcribed (base 2,
+                # WGMMA's product, the broadcasts Mosaic GPU's layouts take).
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                decay = jnp.exp2(m - m_safe)
+                w_ = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+                total = total * decay + w_.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(decay, acc.shape, [0])
+                w16 = w_.astype(dtype)
+                if consumers == 2:
+                    acc, total, m_new, w16 = lax.optimization_barrier((acc, total, m_new, w16))
+                    plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(v_bars.at[slot])
+                if consumers == 2:
+                    plgpu.barrier_wait(schedule)
+
+                def values(acc_ref):
+                    plgpu.wgmma(acc_ref, w16, v_s.at[slot])
+
+                    @pl.when(g + 1 < total_steps)
+                    def _():  # the next tile's keys, while the product runs
+                        plgpu.barrier_wait(k_bars.at[lax.rem(g + 1, S)])
+
+                acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_done.at[slot])
+                return acc, m_new, total, g + 1
+
+            acc, m, total, g = lax.fori_loop(0, steps, step, (acc, m, total, g))
+        if consumers == 2:
+            pl.when(wg == 0)(schedule_barrier)
+        # The rows' output takes a values buffer once every consumer's last product is
+        # done (the memory warpgroup has nothing left in flight by then).
+        plgpu.barrier_arrive(finished)
+        plgpu.barrier_wait(finished)
+        o_s = v_s.at[wg] if C == ROWS else v_s.at[0, my_rows]
+        # `softmax.normalized` and `softmax.log_sum_exp`, transcribed (base 2 back to e).
+        o_s[...] = (acc / lax.broadcast_in_dim(total, acc.shape, [0])).astype(dtype)
+        lse_s.at[wg][...] = (m + jnp.log2(total)) / LOG2E
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, j, hk, my_rows])
+        plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_ref.at[b, j, hk, my_rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == consumers)
+    def _memory():
+        plgpu.set_max_registers(pipe.memory_registers if by_memory else 40, action="decrease")
+        plgpu.copy_gmem_to_smem(count_ref.at[b, blk, hk], count_s, setup)
+        plgpu.copy_gmem_to_smem(sel_ref.at[b, blk, hk], sel_s, setup)
+        plgpu.copy_gmem_to_smem(bits_ref.at[b, blk, hk], bits_s, setup)
+        plgpu.barrier_wait(setup)
+        g = jnp.int32(0)
+        for l in reversed(range(L)):
+            k_lo_ref, k_hi_ref, v_ref = layer_refs[3 * l: 3 * l + 3]
+            _, n_max, steps = layer_counts(l)
+            top = l == L - 1
+
+            def node_rows(i, jn, top=top, n_max=n_max, l=l):
+                """The first row of the node tile at buffer slot `i * tile / r + jn`."""
+                at = i * node_tiles + jn
+                if top:
+                    start = at * r
+                else:
+                    entry = jnp.minimum(at, st.top_k - 1)
+                    start = sel_s[L - 2 - l, entry // lcols, entry % lcols] * r
+                return jnp.where(at * r < n_max, start, 0)
+
+            def produce(i, g, k_lo_ref=k_lo_ref, k_hi_ref=k_hi_ref, v_ref=v_ref, node_rows=node_rows):
+                slot = lax.rem(g, S)
+                land = landed[0].at[slot] if by_memory else k_bars.at[slot]
+
+                @pl.when(g >= S)
+                def _():
+                    plgpu.barrier_wait(k_done.at[slot])
+
+                for jn in range(node_tiles):
+                    start, rows_at = node_rows(i, jn), pl.ds(jn * r, r)
+                    plgpu.copy_gmem_to_smem(k_lo_ref.at[b, hk, pl.ds(start, r)], k_lo_s.at[slot, rows_at], land)
+                    plgpu.copy_gmem_to_smem(k_hi_ref.at[b, hk, pl.ds(start, r)], k_hi_s.at[slot, rows_at], land)
+                # One step's tables: the memory warpgroup rotates one step at a time, and
+                # the consumers (`rotator="consumers"`) read them before `k_done`.
+                table = slot if not by_memory else 0
+                plgpu.copy_gmem_to_smem(cos_ref.at[pl.ds(i * C, C)], cos_s.at[table], land)
+                plgpu.copy_gmem_to_smem(sin_ref.at[pl.ds(i * C, C)], sin_s.at[table], land)
+                if by_memory:  # rotated once, in place, then handed to the consumers
+                    plgpu.barrier_wait(landed[0].at[slot])
+                    if rotate:
+                        rotate_tile(slot, 0, k_lo_s.at[slot], k_hi_s.at[slot])
+                        plgpu.commit_smem()
+                    plgpu.barrier_arrive(k_bars.at[slot])
+
+                @pl.when(g >= S)
+                def _():
+                    plgpu.barrier_wait(v_done.at[slot])
+
+                for jn in range(node_tiles):
+                    start = node_rows(i, jn)
+                    plgpu.copy_gmem_to_smem(v_ref.at[b, hk, pl.ds(start, r)], v_s.at[slot, pl.ds(jn * r, r)],
+                                            v_bars.at[slot])
+                return g + 1
+
+            g = lax.fori_loop(0, steps, produce, g)
 
 
 def split_layers(layers, st: BlockStatic):
@@ -258,57 +412,89 @@ def split_layers(layers, st: BlockStatic):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret"))
+def _boxes(n: int) -> tuple[int, int]:
+    """`n` entries (a power of two) as `(rows, cols)` of a TMA box: at most `TMA_ROWS`
+    entries along a dimension, at least 16 bytes of int32 along the last."""
+    cols = max(4, min(n, TMA_ROWS))
+    return max(1, n // cols), cols
+
+
+def _lists(x, boxes: tuple[int, int]):
+    """`[L', B, NB, H_kv, n]` int32 -> `[B, NB, H_kv, L', rows, cols]`: a program's lists
+    of every layer one TMA copy."""
+    x = jnp.pad(x, [(0, 0)] * 4 + [(0, boxes[0] * boxes[1] - x.shape[-1])])
+    return jnp.moveaxis(x.reshape(x.shape[:4] + boxes), 0, 3)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret", "pipe"))
 def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
-                       interpret: bool = False):
-    """`merge.block_merge_pallas` (same arguments and results, `st.tile` is `TILE` and
-    `table_rows` a multiple of it, no interpret mode: `interpret=True` is refused) on the
-    Mosaic GPU kernel above."""
+                       interpret: bool = False, pipe: Pipeline = PIPELINE):
+    """`merge.block_merge_pallas` (same arguments and results, no interpret mode:
+    `interpret=True` is refused) on the Mosaic GPU kernel above, laid out as `pipe`
+    says (`table_rows` is rounded up to `pipe.tile`)."""
     if interpret:
         raise ValueError("block_merge='mosaic_gpu' has no interpret mode; interpreted runs take 'pallas_triton'")
     B, Tp, H_kv, gp, _ = q5.shape
-    dtype = q5.dtype
-    table_rows = max(table_rows, 4 * WORD)  # a bitmap a TMA copy of at least 16 bytes
+    dtype, C, S = q5.dtype, pipe.tile, pipe.stages
+    table_rows = -(-max(table_rows, 4 * WORD) // C) * C  # a bitmap a TMA copy of at least 16 bytes
     rows, nj, nb = program_rows(st), Tp // st.queries, Tp // st.r
+    consumers = rows // ROWS
     words = table_rows // WORD
-    cos, sin = rope_tables(config, head_dim, table_rows, st)
+    cos32, sin32 = rope_tables(config, head_dim, table_rows, st)
+    table_dtype = jnp.dtype(pipe.tables)
+    cos, sin = cos32.astype(table_dtype), sin32.astype(table_dtype)
     T0 = jnp.arange(nb, dtype=jnp.int32) * st.r
     counts = layer_parent_counts(selections, st, T0, (B, nb, H_kv))
+    list_boxes, word_boxes = _boxes(next_power_of_two(st.top_k, 4)), _boxes(words)
     if selections:
-        sel = jnp.stack(selections)
+        sel = jnp.stack([s[..., : st.top_k] for s in selections])
         bits = refined_bitmaps(selections, st, words)
     else:  # a one-layer tree: nothing refined, no list read
-        sel = jnp.zeros((1, B, nb, H_kv, st.width), jnp.int32)
+        sel = jnp.zeros((1, B, nb, H_kv, st.top_k), jnp.int32)
         bits = jnp.zeros((1, B, nb, H_kv, words), jnp.int32)
-    q_lo, q_hi = rotated_queries(q5, counts, cos, sin, st, rows)
-    scratch = (
-        plgpu.SMEM((rows, st.half), dtype, transforms=_transforms(st.half, dtype)),  # q lo
-        plgpu.SMEM((rows, st.half), dtype, transforms=_transforms(st.half, dtype)),  # q hi
-        plgpu.SMEM((TILE, st.half), dtype, transforms=_transforms(st.half, dtype)),  # keys lo, as gathered
-        plgpu.SMEM((TILE, st.half), dtype, transforms=_transforms(st.half, dtype)),  # keys hi
-        plgpu.SMEM((TILE, st.vp), dtype, transforms=_transforms(st.vp, dtype)),  # values
-        plgpu.SMEM((TILE, st.half), dtype, transforms=_transforms(st.half, dtype)),  # keys lo, rotated
-        plgpu.SMEM((TILE, st.half), dtype, transforms=_transforms(st.half, dtype)),  # keys hi, rotated
-        plgpu.SMEM((TILE, st.half), jnp.float32, transforms=_transforms(st.half, jnp.float32)),  # cos
-        plgpu.SMEM((TILE, st.half), jnp.float32, transforms=_transforms(st.half, jnp.float32)),  # sin
-        plgpu.SMEM((st.width,), jnp.int32),  # the parent list
-        plgpu.SMEM((words,), jnp.int32),  # the refined bitmap
+    sel, bits = _lists(sel, list_boxes), _lists(bits, word_boxes)
+    q_lo, q_hi = rotated_queries(q5, counts, cos32, sin32, st, rows)
+    tr = lambda minor, dt=dtype: _transforms(minor, dt)
+    by_memory = pipe.rotator == "memory"
+    tables = 1 if by_memory else S  # the memory warpgroup rotates one step at a time
+    scratch = [
+        plgpu.SMEM((consumers, ROWS, st.half), dtype, transforms=tr(st.half)),  # q lo, a layer's rotation
+        plgpu.SMEM((consumers, ROWS, st.half), dtype, transforms=tr(st.half)),  # q hi
+        plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys lo (rotated in place by memory)
+        plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys hi
+        plgpu.SMEM((S, C, st.vp), dtype, transforms=tr(st.vp)),  # values, and at the end the output
+        plgpu.SMEM((tables, C, st.half), table_dtype, transforms=tr(st.half, table_dtype)),  # cos
+        plgpu.SMEM((tables, C, st.half), table_dtype, transforms=tr(st.half, table_dtype)),  # sin
+        plgpu.SMEM(sel.shape[3:], jnp.int32),  # every layer's list
+        plgpu.SMEM(bits.shape[3:], jnp.int32),  # every refined bitmap
         plgpu.SMEM((counts.shape[-1],), jnp.int32),  # n_P of each layer
-        plgpu.SMEM((rows, st.vp), dtype, transforms=_transforms(st.vp, dtype)),  # output
-        plgpu.SMEM((rows,), jnp.float32),  # lse
-    )
-    n_bars = 3 + 3 * (TILE // st.r)
+        plgpu.SMEM((consumers, ROWS), jnp.float32),  # lse
+    ]
+    if not by_memory:  # each consumer's rotated copy
+        scratch += [plgpu.SMEM((consumers, C, st.half), dtype, transforms=tr(st.half))] * 2
+    key_copies = 2 * (C // st.r) + 2
+    bars = [plgpu.Barrier(num_arrivals=3),  # setup: the lists
+            plgpu.Barrier(num_arrivals=2, num_barriers=consumers),  # a consumer's queries
+            plgpu.Barrier(num_arrivals=1 if by_memory else key_copies, num_barriers=S),  # keys ready
+            plgpu.Barrier(num_arrivals=C // st.r, num_barriers=S),  # values landed
+            plgpu.Barrier(num_arrivals=consumers, num_barriers=S),  # keys read
+            plgpu.Barrier(num_arrivals=consumers, num_barriers=S),  # values read
+            plgpu.Barrier(num_arrivals=consumers),  # schedule: the consumers' turns
+            plgpu.Barrier(num_arrivals=consumers)]  # finished: every product done
+    if by_memory:
+        bars.append(plgpu.Barrier(num_arrivals=key_copies, num_barriers=S))  # keys landed, not yet rotated
+    kernel_fn = functools.partial(_merge_kernel, st=st, consumers=consumers, words=word_boxes, lists=list_boxes,
+                                  dtype=dtype, pipe=pipe)
 
-    def body(*refs):
-        pl.run_scoped(lambda *scoped: _merge_kernel(*refs, scoped[:-1], scoped[-1], st=st, rows=rows, words=words,
-                                                    dtype=dtype),
-                      *scratch, plgpu.Barrier(num_barriers=n_bars))
+    def entry(*refs):
+        pl.run_scoped(lambda scratch_refs, bar_refs: kernel_fn(*refs, scratch_refs, bar_refs), scratch, bars,
+                      collective_axes="wg")
 
     kernel = plgpu.kernel(
-        body,
+        entry,
         out_type=[jax.ShapeDtypeStruct((B, nj, H_kv, rows, st.vp), dtype),
                   jax.ShapeDtypeStruct((B, nj, H_kv, rows), jnp.float32)],
-        grid=(B, nj, H_kv), grid_names=("b", "j", "h"),
+        grid=(H_kv, nj, B), grid_names=("h", "j", "b"), num_threads=consumers + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True))
     o, lse = kernel(q_lo, q_hi, cos, sin, sel, counts, bits, *split_layers(layers, st))
     real = st.queries * gp

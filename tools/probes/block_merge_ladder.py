@@ -13,9 +13,11 @@ keys and values into one online softmax:
      positions, SPEC 2.2): each consumer warpgroup rotates the tile's keys in registers
      into a buffer of its own, then scores them; the queries come rotated (XLA);
   3b. as 3, the memory warpgroup rotating each tile once, in place, once it has landed
-     (`rotator="memory"`; not yet measured: its first build hung, journal 2026-12-01).
-Step 4 (the merged mask and the layers' lists) is the merge itself: the kernels of
-`pallas_kernels/block/` are timed beside these by `benchmarks/bench_block_routes.py`.
+     (`rotator="memory"`; this probe's build hung, journal 2026-12-01 (2); the merge's
+     own memory-warpgroup rotation runs, `block/mosaic_merge.py`).
+Step 4 (the merged mask and the layers' lists) is the merge itself, timed by layout with
+`tools/probes/block_merge_pipelines.py` and beside the other routes by
+`benchmarks/bench_block_routes.py`.
 
 FLOPs counted as the merge counts them (`merge_flops`): `2 * (K + V)` a candidate a row.
 
@@ -339,10 +341,11 @@ def main(argv=None) -> int:
     p.add_argument("--candidates", type=int, default=12288, help="candidates a program (the merge's mean at 128K)")
     p.add_argument("--tiles", default="128,64", help="candidates a step to try")
     p.add_argument("--steps", default="1,2,3")
+    p.add_argument("--r", type=int, default=16, help="rows a node tile (one TMA copy each)")
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
     interpret = plgpu.InterpretGPUParams() if args.interpret else None
-    r, K, V, dtype = 16, 128, 128, jnp.float16
+    r, K, V, dtype = args.r, 128, 128, jnp.float16
     if args.check:
         B, NB, H_kv, N, n_tiles = 1, 2, 2, 1024, 16
         q, k, v, nodes, cos, sin = inputs(rng, B, NB, H_kv, N, K, V, n_tiles, r, dtype)
@@ -395,7 +398,7 @@ def main(argv=None) -> int:
             f = jax.jit(functools.partial(merge_tiles, r=r, tile=tile, rotator=rotator, stages=stages))
             try:
                 ms = median_ms(f, qq, kk, v, nodes, *tables)
-                print(f"step {step} {'rotated by ' + rotator if rotate else 'gathered'} tile={tile} "
+                print(f"step {step} {'rotated by ' + rotator if rotate else 'gathered'} r={r} tile={tile} "
                       f"stages={stages}: {ms:.1f} ms, "
                       f"{flops / ms / 1e9:.0f} TFLOP/s ({flops / 1e12:.1f} TFLOP)", flush=True)
             except Exception as e:  # noqa: BLE001
