@@ -98,8 +98,11 @@ def htree_attention(
       families): all three, no atomics (key and value gradients are summed per tree
       node in a fixed order);
     - block selection on the Pallas kernels (`selection_block > 1`): `dq` is, `dk` and
-      `dv` are not: each block's key and value gradients are added into the nodes it
-      merged with float32 atomics, in no fixed order (they may differ in the last bits);
+      `dv` are not by default: each block's key and value gradients are added into the
+      nodes it merged with float32 atomics, in no fixed order (they may differ in the last
+      bits); summed by node they are (`block_sizes=KernelConfigs.resolve(None, K,
+      V).with_changes({"block.backward_sum": "by_node"})`: each node's sum over the
+      blocks that merged it, in block order);
     - the reference: XLA autodiff; on a GPU its gathers' transposes are scatter-adds,
       reproducible only under XLA's `--xla_gpu_deterministic_ops=true`.
     The selections themselves are a hard top-K: a near-tie of two nodes' importances may

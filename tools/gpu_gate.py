@@ -29,6 +29,8 @@ block's selection, `cache.selections`).
 The block merge's routes off Pallas-Triton (`KernelConfigs.block_merge`: `"triton"`
 through jax-triton, `"mosaic_gpu"`; `docs/backends.md`) have `via` cases: the forward and
 gradients (decoding does not take the route), and the benchmark shape at T=131072. The
+block backward summed by node (`BlockConfig(backward_sum="by_node")`) has `by node` cases:
+the gradients against the reference, and twice, bitwise equal. The
 whole gate takes about 13 minutes on an H200: past one 10-minute device call, run it as
 `--big-T 0` and `--only bench`.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
@@ -141,6 +143,14 @@ def matrix(full: bool):
     for shape, dtype in (((8, 128, 128, None), "float32"), ((8, 256, 256, None), "bfloat16"),
                          ((1, 32, 32, None), "bfloat16"), ((16, 128, 128, None), "bfloat16")):
         yield shape, dtype, "bound", "block first via triton"
+    # The block backward summed by node (`BlockConfig(backward_sum="by_node")`, issue 83):
+    # every GQA shape class, each dtype and source on the benchmark's head dims; each case
+    # also runs the gradients twice and asks them bitwise equal.
+    for shape in GQA_SHAPES:
+        yield shape, "bfloat16", "bound", "block first by node"
+    for dtype in ("float32", "float16"):
+        yield (8, 128, 128, None), dtype, "bound", "block first by node"
+    yield (8, 128, 128, None), "bfloat16", "bound", "block previous by node"
 
 
 def relative(a, b) -> float:
@@ -184,7 +194,9 @@ def run_case(rng, shape, dtype, sel, packed):
     weights = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
     # Packed: two documents, each its own tree (SPEC 6).
     documents = dict(segment_ids=jnp.asarray(np.arange(T) >= T // 3, jnp.int32)[None], max_documents=2) if packed else {}
-    tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes({"block_merge": route})) if route else {}
+    by_node = block and packed.endswith(" by node")  # the backward's key and value sums by node
+    changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": "by_node"} if by_node else {})}
+    tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
 
     def attend(q, k, v, backend, **kw):
         return htree_attention(q, k, v, config=config, backend=backend, **documents,
@@ -223,12 +235,15 @@ def run_case(rng, shape, dtype, sel, packed):
     own_g = grads(q, k, v, "reference", weights) if dtype != "float32" else g_ref
     out["grad"] = max(relative(a, b) for a, b in zip(g, g_ref))
     out["grad_bar"] = max(TOLERANCE[dtype], 1.2 * max(relative(a, b) for a, b in zip(own_g, g_ref)))
+    # Summed by node, the gradients are the same bits every call.
+    out["bitwise"] = (not by_node or all(np.array_equal(np.asarray(a), np.asarray(b))
+                                         for a, b in zip(g, grads(q, k, v, "pallas", weights))))
     # SPEC 10: a NaN key poisons the rows from its position on, as the reference does.
     k_bad = k.at[0, T // 2, 0, 0].set(jnp.nan)
     nan_rows = lambda backend: np.isnan(np.asarray(attend(q, k_bad, v, backend=backend), np.float32)).any(-1)
     out["nan_rows"] = bool(np.array_equal(nan_rows("pallas"), nan_rows("reference")))
     out["decode"], out["decode_bar"], out["decode_waived"] = 0.0, TOLERANCE[dtype], 0.0
-    if not packed and not route:  # a decode cache holds one document a row
+    if not packed and not route and not by_node:  # a decode cache holds one document a row
         cache = init_cache(1, T, H_kv, K, V, config, q.dtype, num_heads=G * H_kv if block else None)
         # Block selection: steps on both sides of a block's start (592), which walks the
         # ranking rows; the others keep the block's selection from the cache.
@@ -250,7 +265,7 @@ def run_case(rng, shape, dtype, sel, packed):
     out["decode_waive_bar"] = max(1 - AGREE, config.selection_block / T) if block else 1 - AGREE
     ok = (out["agree"] >= AGREE and out["o"] <= out["o_bar"] and out["grad"] <= out["grad_bar"]
           and out["decode"] <= out["decode_bar"] and out["decode_waived"] <= out["decode_waive_bar"]
-          and out["nan_rows"])
+          and out["nan_rows"] and out["bitwise"])
     return ok, out
 
 

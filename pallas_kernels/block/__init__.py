@@ -8,7 +8,9 @@ their `b * G` rows.
 - `forward`: `block_forward_pallas` (the tree and queries laid out, one launch) and
   `MERGES`, the merge's kernels by name (`KernelConfigs.block_merge`).
 - `backward`: `block_backward_pallas` (`dq` per program; `dk`, `dv` added per node with
-  float32 atomics, then pushed down the tree).
+  float32 atomics, or summed by node, then pushed down the tree); `inverted`: the blocks'
+  selections inverted, for each node tile the blocks that merged it; `by_node`: the key
+  and value gradients summed by node tile over that index, without atomics.
 - `attention`: `block_attention`, the two paired as a `custom_vjp`.
 The blocks' selections come from the per-query families run on the ranking rows
 (`htree_jax.routes.block_selections`).

@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.tree import build_tree
+from pallas_kernels.block.by_node import key_grads_by_node
 from pallas_kernels.block.forward import block_layout, block_static, table_positions
 from pallas_kernels.block.merge import (
     BlockStatic,
@@ -38,6 +39,7 @@ from pallas_kernels.block.merge import (
     rotated_keys,
     rotated_rows,
     rows_dot,
+    transposed_dot,
     scores_dot,
     selection_lists,
     tile_nodes,
@@ -53,21 +55,16 @@ from pallas_kernels.shared.configs import BlockConfig
 from pallas_kernels.shared.tree_backward import push_down
 
 
-def _t_dot(a, b, st: BlockStatic, dtype):
-    """`a [m, n]^T @ b [m, d]` in float32 (operands as `merge.scores_dot`)."""
-    dims = (((0,), (0,)), ((), ()))
-    if st.exact:
-        return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=jnp.float32)
-
-
-def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, *refs, st: BlockStatic):
+def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, *refs, st: BlockStatic,
+                           key_grads: bool):
     L, C, h = st.num_layers, st.tile, st.half
     sel_refs = refs[: L - 1]
     layer_refs = refs[L - 1: L - 1 + 2 * L]
-    zero_refs = refs[L - 1 + 2 * L: L - 1 + 4 * L]  # aliased to the gradients below
-    dq_ref, *grad_refs = refs[L - 1 + 4 * L:]
-    del zero_refs
+    if key_grads:  # the accumulators, aliased to the gradients after `dq`
+        dq_ref, *grad_refs = refs[L - 1 + 4 * L:]
+    else:
+        (dq_ref,) = refs[L - 1 + 2 * L:]
+        grad_refs = [None] * (2 * L)
     rows, dtype = st.rows, q_ref.dtype
     do = do_ref[...].reshape(rows, st.vp)
     lse = lse_ref[...].reshape(rows)
@@ -93,7 +90,9 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
             ds = w * (scores_dot(do, v, st, dtype) - delta[:, None]) * st.alpha
             g_lo = g_lo + rows_dot(ds, kr[0], st, dtype)
             g_hi = g_hi + rows_dot(ds, kr[1], st, dtype)
-            dk_lo, dk_hi = rotate_back(_t_dot(ds, qr[0], st, dtype), _t_dot(ds, qr[1], st, dtype),
+            if not key_grads:  # summed by node instead (`by_node.py`)
+                return (g_lo, g_hi), seen
+            dk_lo, dk_hi = rotate_back(transposed_dot(ds, qr[0], st, dtype), transposed_dot(ds, qr[1], st, dtype),
                                        cos_ref[pl.ds(i * C, C), :], sin_ref[pl.ds(i * C, C), :])
             # Positions past `n` (nothing merged: their sums are zero) add to a spare row,
             # each valid node to its own: no two lanes of one add share a row but spare
@@ -102,7 +101,7 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
             cols = jnp.arange(h, dtype=jnp.int32)[None, :]
             plgpu.atomic_add(dk_ref, (target, cols), dk_lo)
             plgpu.atomic_add(dk_ref, (target, cols + h), dk_hi)
-            plgpu.atomic_add(dv_ref, (target, jnp.arange(st.vp, dtype=jnp.int32)[None, :]), _t_dot(w, do, st, dtype))
+            plgpu.atomic_add(dv_ref, (target, jnp.arange(st.vp, dtype=jnp.int32)[None, :]), transposed_dot(w, do, st, dtype))
             return (g_lo, g_hi), seen
 
         zero = jnp.zeros((rows, h), jnp.float32)
@@ -115,14 +114,17 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
     dq_ref[:, :, pl.ds(h, h)] = dq_hi.reshape(shape)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "node_counts", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "node_counts", "interpret",
+                                             "key_grads"))
 def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTreeConfig, st: BlockStatic,
-                          head_dim: int, table_rows: int, node_counts: tuple, interpret: bool = False):
+                          head_dim: int, table_rows: int, node_counts: tuple, interpret: bool = False,
+                          key_grads: bool = True):
     """`(dq [B, Tp, H_kv, Gp, 2 * half]` float32, `[dk_l, dv_l]` float32 as `layers`)`
     for the rows of `q5` (as `merge.block_merge_pallas` takes them) with cotangents `do5
     [B, Tp, H_kv, Gp, vp]`, their log-sum-exp `lse` and `delta = rowsum(do * o)`
     `[B, Tp, H_kv, Gp]`; `node_counts` each layer's nodes (the gradients have a spare
-    row past them)."""
+    row past them). `key_grads=False`: `(dq,)` only, the keys' and values' dots and adds
+    left out (`by_node.py` sums those)."""
     B, Tp, H_kv, gp, kp = q5.shape
     qb = st.queries
     cos, sin = rope_tables(config, head_dim, table_rows, st)
@@ -135,18 +137,18 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
     layer_specs = [whole(x) for x in layers]
     # The accumulators: a spare row past every node (`next_power_of_two(N + 1)` rows).
     zeros = [jnp.zeros(x.shape[:2] + (next_power_of_two(n + 1),) + x.shape[3:], jnp.float32)
-             for x, n in zip(layers, [n for n in node_counts for _ in range(2)])]
+             for x, n in zip(layers, [n for n in node_counts for _ in range(2)])] if key_grads else []
     acc_specs = [whole(x) for x in zeros]
     first_zero = 6 + len(selections) + len(layers)
     return pl.pallas_call(
-        functools.partial(_block_backward_kernel, st=st),
+        functools.partial(_block_backward_kernel, st=st, key_grads=key_grads),
         grid=(B, Tp // qb, H_kv),
         in_specs=[rows_spec(kp), rows_spec(st.vp), vec_spec, vec_spec, table_spec, table_spec]
         + [sel_spec] * len(selections) + layer_specs + acc_specs,
         out_specs=[rows_spec(kp)] + acc_specs,
         out_shape=[jax.ShapeDtypeStruct(q5.shape, jnp.float32)] + [jax.ShapeDtypeStruct(x.shape, jnp.float32)
                                                                    for x in zeros],
-        input_output_aliases={first_zero + i: 1 + i for i in range(len(layers))},
+        input_output_aliases={first_zero + i: 1 + i for i in range(len(zeros))},
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
     )(q5, do5, lse, delta, cos, sin, *selections, *layers, *zeros)
@@ -159,8 +161,11 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     output `o [B, T, H, V]` with its `lse [B, T, H]`, cotangent `do`, and the blocks'
     `selections` it was given. `dead_rows [B, T, H]` bool (optional): rows whose output
     is a constant (SPEC 10's NaN rows), taken as having no cotangent. `block`: the
-    launch (`BlockConfig.backward_tile`, `backward_num_warps`). The key and value
-    gradients are summed with float32 atomics: not bitwise reproducible run to run."""
+    launch (`BlockConfig.backward_tile`, `backward_num_warps`) and how the key and value
+    gradients are summed (`BlockConfig.backward_sum`): `"atomics"`, added by every block
+    that merged a node with float32 atomics, not bitwise reproducible run to run; or
+    `"by_node"` (`by_node.py`), summed by each node tile over the blocks that merged it
+    in block order, bitwise reproducible."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G, b = H // H_kv, config.selection_block
@@ -172,10 +177,14 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, H]
     layout = lambda x: block_layout(x, H_kv, st, Tp)
     tree = build_tree(k, v, config)
-    dq5, *grads = block_backward_launch(layout(pad_rope_halves(q, st.half)), layout(pad_axis(do, -1, st.vp)),
-                                        layout(lse), layout(delta), layer_arrays(tree, st),
-                                        selection_lists(selections, st), config, st, K,
-                                        table_positions(config, T, st), tuple(config.layer_sizes(T)), interpret)
+    by_node = block.backward_sum == "by_node"
+    rows = (layout(pad_rope_halves(q, st.half)), layout(pad_axis(do, -1, st.vp)), layout(lse), layout(delta))
+    layers, table_rows = layer_arrays(tree, st), table_positions(config, T, st)
+    dq5, *grads = block_backward_launch(*rows, layers, selection_lists(selections, st), config, st, K, table_rows,
+                                        tuple(config.layer_sizes(T)), interpret, key_grads=not by_node)
+    if by_node:
+        grads = key_grads_by_node(*rows, layers, selections, config=config, st=st, head_dim=K, T=T,
+                                  table_rows=table_rows, interpret=interpret)
     dq = unpad_rope_halves(dq5[:, :T, :, :G], K).reshape(B, T, H, K)
     # Down the tree: each layer's gradient, from the top, shared by the children of each node.
     dk_up = dv_up = None

@@ -92,13 +92,21 @@ def rows_dot(a, b, st: BlockStatic, dtype):
     return jnp.dot(a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
 
 
-def _rotate(lo, hi, cos, sin):
+def transposed_dot(a, b, st: BlockStatic, dtype):
+    """`a [m, n]^T @ b [m, d]` in float32 (operands as `merge.scores_dot`)."""
+    dims = (((0,), (0,)), ((), ()))
+    if st.exact:
+        return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), dims, preferred_element_type=jnp.float32)
+
+
+def rotate_halves(lo, hi, cos, sin):
     """Rotate-half RoPE on split halves (`htree_jax.core.rope.apply_rope`)."""
     return lo * cos - hi * sin, lo * sin + hi * cos
 
 
 def rotate_back(lo, hi, cos, sin):
-    """The transpose of `_rotate` (a rotation by the opposite angle): what a gradient in
+    """The transpose of `rotate_halves` (a rotation by the opposite angle): what a gradient in
     the rotated frame is in the stored one."""
     return lo * cos + hi * sin, hi * cos - lo * sin
 
@@ -143,7 +151,7 @@ def rotated_rows(q_ref, cos_ref, sin_ref, angle, st: BlockStatic):
     h = st.half
     lo = q_ref[:, :, pl.ds(0, h)].reshape(st.rows, h).astype(jnp.float32)
     hi = q_ref[:, :, pl.ds(h, h)].reshape(st.rows, h).astype(jnp.float32)
-    return _rotate(lo, hi, cos_ref[angle, :], sin_ref[angle, :])
+    return rotate_halves(lo, hi, cos_ref[angle, :], sin_ref[angle, :])
 
 
 def tile_nodes(i, walk: LayerWalk, st: BlockStatic):
@@ -161,7 +169,7 @@ def rotated_keys(k_ref, nodes, cos_ref, sin_ref, i, st: BlockStatic):
     h, C = st.half, st.tile
     lo = k_ref[nodes, pl.ds(0, h)].astype(jnp.float32)
     hi = k_ref[nodes, pl.ds(h, h)].astype(jnp.float32)
-    return _rotate(lo, hi, cos_ref[pl.ds(i * C, C), :], sin_ref[pl.ds(i * C, C), :])
+    return rotate_halves(lo, hi, cos_ref[pl.ds(i * C, C), :], sin_ref[pl.ds(i * C, C), :])
 
 
 def merged_mask(p, valid, nodes, seen, walk: LayerWalk, st: BlockStatic):
@@ -210,6 +218,20 @@ def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic):
 
     o_ref[...] = normalized(state).reshape(o_ref.shape).astype(o_ref.dtype)
     lse_ref[...] = log_sum_exp(state).reshape(lse_ref.shape)
+
+
+def layer_parent_counts(selections, st: BlockStatic, T0, blocks: tuple[int, int, int]):
+    """`n_P` of each layer (bottom first) for each block: `[B, NB, H_kv, Lp]` int32
+    (`blocks` is `(B, NB, H_kv)`; `Lp` a power of two of at least 4, zeros after `L`).
+    The top layer's virtual parents count from the block's first position `T0 [NB]`;
+    the others are the lengths of the lists of the layer above (`selections`, top layer
+    first)."""
+    L = st.num_layers
+    counts = [jnp.sum(selections[L - 2 - l][..., : st.top_k] < PAST_NODES, axis=-1) for l in range(L - 1)]
+    counts.append(num_top_parents(T0, st.r, L)[None, :, None])
+    stacked = jnp.stack([jnp.broadcast_to(c, blocks) for c in counts], axis=-1).astype(jnp.int32)
+    lp = max(4, 1 << (L - 1).bit_length())
+    return jnp.pad(stacked, [(0, 0)] * 3 + [(0, lp - L)])
 
 
 def selection_lists(selections, st: BlockStatic):

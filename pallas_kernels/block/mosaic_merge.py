@@ -40,8 +40,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from htree_jax.core.config import HTreeConfig
-from htree_jax.core.indexing import candidate_count, num_top_parents
-from pallas_kernels.block.merge import PAST_NODES, BlockStatic, rope_tables
+from htree_jax.core.indexing import candidate_count
+from pallas_kernels.block.merge import PAST_NODES, BlockStatic, layer_parent_counts, rope_tables
 from pallas_kernels.shared.common import next_power_of_two
 
 TILE = 64  # the default pipeline's candidates a step: a WGMMA N and two bitmap words (128 hung: journal)
@@ -83,20 +83,6 @@ def _transforms(minor: int, dtype) -> tuple:
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor * bits)
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
-
-
-def layer_parent_counts(selections, st: BlockStatic, T0, blocks: tuple[int, int, int]):
-    """`n_P` of each layer (bottom first) for each block: `[B, NB, H_kv, Lp]` int32
-    (`blocks` is `(B, NB, H_kv)`; `Lp` a power of two of at least 4, zeros after `L`).
-    The top layer's virtual parents count from the block's first position `T0 [NB]`;
-    the others are the lengths of the lists of the layer above (`selections`, top layer
-    first)."""
-    L = st.num_layers
-    counts = [jnp.sum(selections[L - 2 - l][..., : st.top_k] < PAST_NODES, axis=-1) for l in range(L - 1)]
-    counts.append(num_top_parents(T0, st.r, L)[None, :, None])
-    stacked = jnp.stack([jnp.broadcast_to(c, blocks) for c in counts], axis=-1).astype(jnp.int32)
-    lp = max(4, 1 << (L - 1).bit_length())
-    return jnp.pad(stacked, [(0, 0)] * 3 + [(0, lp - L)])
 
 
 def refined_bitmaps(selections, st: BlockStatic, words: int):
@@ -221,7 +207,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits
         plgpu.barrier_wait(schedule)
 
     def rotate_tile(slot, table, dst_lo, dst_hi):
-        """The keys landed in `slot` rotated by their buffer positions (`merge._rotate`, in
+        """The keys landed in `slot` rotated by their buffer positions (`merge.rotate_halves`, in
         float32, with the step's tables in `table`) into `dst_lo, dst_hi` (`[C, half]`
         refs), `ROWS` rows at a time (a whole 128-row tile takes more registers than one
         warpgroup keeps)."""

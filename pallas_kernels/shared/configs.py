@@ -143,6 +143,9 @@ class WideConfig:
             raise ValueError(f"WideConfig.backward_rows must be >= {KERNEL_GROUP}, got {self.backward_rows!r}")
 
 
+BACKWARD_SUMS = ("atomics", "by_node")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
     """Block selection's family (SPEC 12, `pallas_kernels/block/`): a program per `(block,
@@ -155,9 +158,15 @@ class BlockConfig:
     merge_num_warps: int = 4
     backward_tile: int = 32  # the backward holds five [rows, tile] float32 arrays
     backward_num_warps: int = 8
+    # How the backward sums the key and value gradients (`block/backward.py`): float32
+    # atomics from every block that merged a node (measured 2026-11-29), or by node
+    # without atomics (`block/by_node.py`: bitwise reproducible; not yet timed on a GPU).
+    backward_sum: str = "atomics"
 
     def __post_init__(self):
         _check_fields(self, warps=("merge_num_warps", "backward_num_warps"))
+        if self.backward_sum not in BACKWARD_SUMS:
+            raise ValueError(f"BlockConfig.backward_sum must be one of {BACKWARD_SUMS}, got {self.backward_sum!r}")
 
 
 @dataclasses.dataclass(frozen=True)

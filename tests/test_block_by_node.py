@@ -1,0 +1,131 @@
+"""The block backward's key and value gradients summed by node (`pallas_kernels.block.
+by_node`, `BlockConfig(backward_sum="by_node")`, interpreted): the inverted index against
+a brute-force inversion of the blocks' selections, the gradients against the JAX
+reference and against the atomics' sums on multi-layer trees (both sources, padded
+heads, ragged lengths, partial RoPE, bfloat16, a group split over programs), two calls
+equal bitwise, and each launch lowered to Triton for a Hopper GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from htree_jax import HTreeConfig, htree_attention
+from htree_jax.backends import blocks_of
+from htree_jax.core.indexing import num_top_parents
+from pallas_kernels.block.backward import block_backward_pallas
+from pallas_kernels.block.forward import block_forward_pallas
+from pallas_kernels.block.inverted import inverted_index
+from pallas_kernels.shared.configs import BlockConfig, KernelConfigs
+from tests.conftest import random_qkv
+from tests.test_block_kernels import CASES, LOWERED, block_config, hopper, inputs, relative
+
+BY_NODE = BlockConfig(backward_sum="by_node")
+
+
+def brute_inversion(selections, r, T, L, layer_sizes):
+    """Per layer (bottom first), per (b, h_kv): `{tile: [(block, slot, refined children), ...]}`
+    by walking every block's buffer."""
+    B, NB, H_kv = selections[0].shape[:3]
+    sel = [np.asarray(s) for s in selections]  # top layer first
+    out = []
+    for l in range(L):
+        layer = {}
+        for b in range(B):
+            for h in range(H_kv):
+                tiles = {}
+                for j in range(NB):
+                    if l == L - 1:
+                        parents = list(range(int(num_top_parents(j * r, r, L))))
+                    else:
+                        parents = [int(x) for x in sel[L - 2 - l][b, j, h] if x >= 0]
+                    refined = set(int(x) for x in sel[L - 1 - l][b, j, h] if x >= 0) if l > 0 else set()
+                    for s, u in enumerate(parents):
+                        kept = frozenset(c for c in range(r) if u * r + c in refined)
+                        tiles.setdefault(u, []).append((j, s, kept))
+                layer[(b, h)] = tiles
+        out.append(layer)
+    return out
+
+
+@pytest.mark.parametrize("r, top_k, T, H_kv, source", [(4, 4, 150, 2, "first"), (4, 2, 300, 1, "previous"),
+                                                        (8, 4, 700, 2, "first"), (2, 4, 100, 1, "first")])
+def test_the_inverted_index_is_the_brute_force_inversion(rng, r, top_k, T, H_kv, source):
+    config = block_config(r, top_k, source, "bound")
+    L = config.num_layers(T)
+    assert L >= 3
+    q, k, v = inputs(rng, 2, T, 4 * H_kv, H_kv, 16, 16, jnp.float32)
+    selections = blocks_of(q, k, v, config, impl="pallas_interpret")
+    sizes = tuple(config.layer_sizes(T))
+    index = inverted_index(selections, r=r, b=r, T=T, num_layers=L, layer_sizes=sizes)
+    want = brute_inversion(selections, r, T, L, sizes)
+    for l in range(L):
+        offsets, blocks, slots, refined = (np.asarray(x) for x in index[l])
+        for (b, h), tiles in want[l].items():
+            for u in range(offsets.shape[-1] - 1):
+                lo, hi = offsets[b, h, u], offsets[b, h, u + 1]
+                got = [(int(blocks[b, h, e]), int(slots[b, h, e]),
+                        frozenset(c for c in range(r) if (int(refined[b, h, e, c // 32]) >> (c % 32)) & 1))
+                       for e in range(lo, hi)]
+                assert got == tiles.get(u, []), (l, b, h, u)
+            assert offsets[b, h, -1] == sum(len(x) for x in tiles.values())
+
+
+def by_node_tuning(K, V):
+    return KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum": "by_node"})
+
+
+@pytest.mark.parametrize("source, selection, r, top_k, T, H, H_kv, K, V, rope_dim, dtype", CASES)
+def test_gradients_summed_by_node_match_the_reference(rng, source, selection, r, top_k, T, H, H_kv, K, V, rope_dim,
+                                                      dtype):
+    config = block_config(r, top_k, source, selection, rope_dim=rope_dim)
+    q, k, v = inputs(rng, 1, T, H, H_kv, K, V, dtype)
+    weights = jnp.asarray(rng.standard_normal((1, T, H, V)), jnp.float32)
+
+    def grads(backend, tuning=None):
+        loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=backend,
+                                                       block_sizes=tuning).astype(jnp.float32) * weights)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    tolerance = 1e-5 if dtype == jnp.float32 else 3e-2
+    for name, a, b in zip("qkv", grads("pallas_interpret", by_node_tuning(K, V)), grads("reference")):
+        assert relative(a.astype(jnp.float32), b.astype(jnp.float32)) < tolerance, name
+
+
+def test_by_node_equals_the_atomics_and_is_the_same_every_call(rng):
+    config = block_config(4, 4, "first", "bound")
+    q, k, v = inputs(rng, 2, 150, 8, 2, 32, 32, jnp.float32)
+    selections = blocks_of(q, k, v, config, impl="pallas_interpret")
+    o, lse = block_forward_pallas(q, k, v, selections, config=config, interpret=True)
+    do = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+    run = lambda block: block_backward_pallas(q, k, v, o, lse, do, selections, config=config, block=block,
+                                              interpret=True)
+    atomics, first, second = run(BlockConfig()), run(BY_NODE), run(BY_NODE)
+    for a, b, c in zip(atomics, first, second):
+        assert relative(b, a) < 1e-6
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+
+
+def test_an_unknown_sum_is_refused_by_name():
+    with pytest.raises(ValueError, match="backward_sum must be one of"):
+        BlockConfig(backward_sum="sorted")
+    assert KernelConfigs().with_changes({"block.backward_sum": "by_node"}).block == BY_NODE
+
+
+@pytest.mark.parametrize("H, H_kv, K, V, dtype", LOWERED)
+def test_the_by_node_backward_lowers_to_triton(H, H_kv, K, V, dtype):
+    """Each launch of the backward summed by node (the block-major `dq` pass without its
+    adds, and every layer's node-major pass) lowered to Triton for a Hopper GPU."""
+    T, config = 4096, HTreeConfig(top_k=8, selection_block=16)
+    q = jax.ShapeDtypeStruct((1, T, H, K), dtype)
+    k = jax.ShapeDtypeStruct((1, T, H_kv, K), dtype)
+    v = jax.ShapeDtypeStruct((1, T, H_kv, V), dtype)
+    o, lse = jax.ShapeDtypeStruct((1, T, H, V), dtype), jax.ShapeDtypeStruct((1, T, H), jnp.float32)
+    blocks = [jax.ShapeDtypeStruct((1, T // 16, H_kv, 8), jnp.int32)] * (config.num_layers(T) - 1)
+    with hopper():
+        traced = jax.jit(lambda q, k, v, o, lse, s: block_backward_pallas(
+            q, k, v, o, lse, o, s, config=config, block=BY_NODE)).trace(q, k, v, o, lse, blocks)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton") >= 1 + config.num_layers(T)
