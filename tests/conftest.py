@@ -60,7 +60,7 @@ def _release_compiled_code():
 
 # Test files whose tests run for minutes (each sharded run is a process of its own on 8
 # simulated devices, the longest about 3 minutes on two cores).
-LONG_FIRST = ("test_sharding.py",)
+LONG_FIRST = ("test_sharding.py", "test_multiprocess.py")
 
 
 def pytest_addoption(parser):
