@@ -126,7 +126,9 @@ def main(argv=None) -> dict:
         raise ValueError(f"--new-tokens must be >= 2 (the prefill gives the first), got {args.new_tokens}")
     if lengths.min() < 1 or S + args.new_tokens > args.max_len:
         raise ValueError(f"prompt lengths must be >= 1 and longest + new tokens <= max_len = {args.max_len}")
-    config = htree_jax.HTreeConfig(compression_rate=args.compression_rate, top_k=args.top_k, rope_base=args.rope_base)
+    config = htree_jax.HTreeConfig(compression_rate=args.compression_rate, top_k=args.top_k, rope_base=args.rope_base,
+                                   selection=args.selection, selection_block=args.selection_block,
+                                   block_source=args.block_source)
     model = TinyLM(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads, "htree", config, args.backend,
                    nnx.Rngs(args.seed))
     for block in model.blocks:

@@ -144,3 +144,39 @@ def test_the_frontier_scores_at_its_own_compression_rate_not_the_checkpoints():
     assert configs[2]["fields"]["selection_block"] == HTreeConfig().compression_rate
     assert [c["name"] for c in configs] == ["dense", "htree bound top_k=64", "block first bound top_k=64"]
     assert "compression_rate" not in load_example().SHAPE_FLAGS
+
+
+def test_extension_continues_a_short_dense_checkpoint_at_a_longer_length(tmp_path):
+    """`benchmarks/extension.py` on the CPU: a dense checkpoint trained at 32 tokens
+    continued at 64 for 2 steps with dense attention, block selection and per-query
+    selection (reference backend), each scored at 64 and 256 and timed; the rows against
+    the dense extension, its held-out curve, the batch's tokens kept."""
+    from benchmarks import extension
+
+    example = load_example()
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, example)
+    example.main(["--data", str(corpus), "--attention", "dense", "--seq-len", "32", "--steps", "2", "--batch", "4",
+                  "--d-model", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--eval-size", "2",
+                  "--no-progress", "--save", str(tmp_path / "ck")])
+    out = tmp_path / "extension.json"
+    rows = extension.main(["--checkpoint", str(tmp_path / "ck"), "--seq-len", "64", "--steps", "2",
+                           "--variants", "dense,block:2,query:2", "--compression-rate", "4", "--eval-every", "1",
+                           "--eval-windows", "1", "--eval-lens", "64,256", "--backend", "reference", "--out", str(out)])
+    assert [(r["variant"], r["T"]) for r in rows] == [(v, T) for v in ("dense", "block top_k=2", "per-query top_k=2")
+                                                     for T in (64, 256)]
+    assert json.loads(out.read_text()) == json.loads(json.dumps(rows, default=float))
+    for r in rows:
+        assert np.isfinite(r["bits"]) and r["step_ms"] > 0 and [s for s, _ in r["curve"]] == [1, 2]
+        assert r["change"] == pytest.approx(100 * (r["bits"] / r["dense_bits"] - 1))
+        assert r["speedup"] == pytest.approx(r["dense_step_ms"] / r["step_ms"])
+    assert rows[2]["bits"] != rows[4]["bits"]  # block and per-query selection are two models
+    args = extension.extension_args(extension.parse_args(["--checkpoint", str(tmp_path / "ck"), "--seq-len", "64",
+                                                          "--steps", "1"]), extension.parse_variant("block:8"),
+                                    {"batch": 4, "seq_len": 32})
+    assert (args.batch, args.selection_block, args.block_source, args.top_k) == (2, extension.frontier.DEFAULT_RATE,
+                                                                                 "first", 8)
+    table = extension.table(rows)
+    assert "| dense |" in table and "| block top_k=2 |" in table and "x) |" in table
+    with pytest.raises(SystemExit):
+        extension.parse_args(["--checkpoint", "x", "--seq-len", "64", "--steps", "1", "--variants", "block:two"])
