@@ -113,8 +113,9 @@ def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str, packe
     """Block selection's kernels (SPEC 12, `pallas_kernels.block`): the per-query kernels'
     limits for the call (they choose each block's nodes on its ranking rows), heads up to
     `BLOCK_MAX_DIM` features, the ranking rows (`"previous"`: `b * G` rows a kv head),
-    one document per row, one device and whole sequences (a context shard's blocks reach
-    into the shard before it: the reference takes those)."""
+    one document per row and whole sequences (a context shard's blocks reach into the
+    shard before it: the reference takes those; batch and head shards are whole
+    sequences)."""
     check_pallas_dims(dims, backend)
     if max(dims.head_dim, dims.value_dim) > BLOCK_MAX_DIM:
         raise ValueError(f"backend {backend!r}: block selection's kernels take K and V up to {BLOCK_MAX_DIM}, got "
@@ -123,10 +124,6 @@ def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str, packe
     if packed:
         raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection) with "
                          "segment_ids runs on the JAX reference only for now; use backend='reference' or 'auto'")
-    if jax.device_count() > 1:
-        raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection) on "
-                         f"{jax.device_count()} devices runs on the JAX reference only for now; use "
-                         "backend='reference' or 'auto'")
     if context_shard:
         raise ValueError(WHOLE_SEQUENCES)
 

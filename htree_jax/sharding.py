@@ -47,6 +47,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from htree_jax.backends import WHOLE_SEQUENCES
 from htree_jax.backends import attend as attend_locally
 from htree_jax.backends import attend_cache
 from htree_jax.core.blocks import block_rows, recent_queries
@@ -103,8 +104,22 @@ def _backward_rule(packed: bool):
     return "b t g r k, b t g k, b t g v" + (", b t" if packed else "") + ", b t g r v -> b t g r k, b t g k, b t g v"
 
 
+def context_backend(impl: str, config, t, context_impl: str | None) -> str:
+    """The backend of a local call whose tokens are split along mesh axis `t` (None: not
+    split): `impl`, unless it names block selection's kernels, which take whole sequences
+    only (`backends.WHOLE_SEQUENCES`): then `context_impl` (what `backend="auto"` asks:
+    the reference), or a ValueError naming the axis."""
+    if t is None or not config.selects_by_block or impl not in ("pallas", "pallas_interpret"):
+        return impl
+    if context_impl is None:
+        raise ValueError(f"htree sharding: mesh axis {t!r} shards T (context parallelism) of a block-selection call "
+                         f"on backend {impl!r}; {WHOLE_SEQUENCES}")
+    return context_impl
+
+
 @functools.lru_cache(maxsize=None)
-def _partitioned_calls(config, impl: str, num_selections: int, packed=None, block_sizes=None):
+def _partitioned_calls(config, impl: str, num_selections: int, packed=None, block_sizes=None,
+                       context_impl: str | None = None):
     """`(forward, backward)`: custom-partitioned local calls for `config` and `impl`.
 
     `packed`: `(virtual_len, max_document_len)` for packed rows (`segment_ids [B, T]`
@@ -114,12 +129,14 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
     all-gathers `k`, `v` along `t` (the tree is built from every token), attends its
     queries at their own positions (`axis_index(t) * S + s`), and in the backward
     reduce-scatters its share of `dk`, `dv` back along `t` (`psum_scatter`).
-    `block_sizes`: the Pallas kernels' (`backends.attend`)."""
+    `block_sizes`: the Pallas kernels' (`backends.attend`); `context_impl`: as
+    `context_backend`."""
 
-    def attend(q5, k, v, positions=None, rank_rows=None, segment_ids=None):
+    def attend(t, q5, k, v, positions=None, rank_rows=None, segment_ids=None):
         B, S, H_kv, G, K = q5.shape
         packing = None if segment_ids is None else pack_layout(segment_ids, config, packed[0], packed[1])
-        o, selected = attend_locally(q5.reshape(B, S, H_kv * G, K), k, v, config, impl, packing, positions,
+        local = context_backend(impl, config, t, context_impl)
+        o, selected = attend_locally(q5.reshape(B, S, H_kv * G, K), k, v, config, local, packing, positions,
                                      block_sizes=block_sizes, rank_rows=rank_rows)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
 
@@ -135,7 +152,7 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
 
     def local_forward(t):
         def forward(q5, k, v, *segment_ids):
-            return attend(q5, *gathered(q5, k, v, t), *segment_ids)
+            return attend(t, q5, *gathered(q5, k, v, t), *segment_ids)
         return forward
 
     def local_backward(t):
@@ -148,7 +165,8 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
     def differentiate(t, q5, k, v, *rest):
         *segment_ids, do5 = rest
         k_all, v_all, positions, rank_rows = gathered(q5, k, v, t)
-        _, vjp = jax.vjp(lambda q5, k, v: attend(q5, k, v, positions, rank_rows, *segment_ids)[0], q5, k_all, v_all)
+        _, vjp = jax.vjp(lambda q5, k, v: attend(t, q5, k, v, positions, rank_rows, *segment_ids)[0], q5, k_all,
+                         v_all)
         dq, dk, dv = vjp(do5)
         if t is not None:  # each shard's share of every token's gradient, summed and split back
             dk, dv = (jax.lax.psum_scatter(x, t, scatter_dimension=1, tiled=True) for x in (dk, dv))
@@ -172,6 +190,7 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
         B, T, H_kv = arg_shapes[0].shape[:3]
         _check_mesh_fits(mesh, b, t, g, B, T, H_kv)
         _check_shard_blocks(mesh, t, T, config)
+        context_backend(impl, config, t, context_impl)  # a call its kernels cannot take: refused here
         q5, kv = _shardings(mesh, b, t, g)
         seg = rows_of(mesh, b, t) if packed else ()
         return mesh, local_forward(t), (q5,) + (kv,) * num_selections, (q5, kv, kv) + seg
@@ -225,20 +244,22 @@ def _num_selections(config, T: int, packed) -> int:
     return config.num_layers(T if packed is None or packed[1] is None else packed[1]) - 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attend_partitioned(q5, k, v, segment_ids, config, impl, packed, block_sizes):
-    return _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, block_sizes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _attend_partitioned(q5, k, v, segment_ids, config, impl, packed, block_sizes, context_impl):
+    return _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, block_sizes, context_impl)[0]
 
 
-def _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, block_sizes):
-    fwd, _ = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, block_sizes)
+def _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, block_sizes, context_impl):
+    fwd, _ = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, block_sizes,
+                                context_impl)
     o5, *selected = fwd(q5, k, v, *([] if segment_ids is None else [segment_ids]))
     return (o5, selected), (q5, k, v, segment_ids)
 
 
-def _attend_partitioned_bwd(config, impl, packed, block_sizes, residuals, cotangents):
+def _attend_partitioned_bwd(config, impl, packed, block_sizes, context_impl, residuals, cotangents):
     q5, k, v, segment_ids = residuals
-    _, bwd = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, block_sizes)
+    _, bwd = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, block_sizes,
+                                context_impl)
     extra = [] if segment_ids is None else [segment_ids]
     return tuple(bwd(q5, k, v, *extra, cotangents[0])) + (None,)
 
@@ -270,18 +291,21 @@ def check_input_shardings(q, k, v) -> None:
 
 
 def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_len=None, max_document_len=None,
-                          block_sizes=None):
+                          block_sizes=None, context_impl: str | None = None):
     """`(o [B, T, H, V], selections)` of validated inputs through the custom-partitioned
     calls: under `jit` with batch- or head-sharded inputs, one local call per shard.
     `impl`: a concrete backend (`backends.choose_backend`). Packed rows: `segment_ids
     [B, T]` int32 (checked) and the static layout (`virtual_len`, `max_document_len`,
-    `htree_jax.core.packing`). `block_sizes`: the Pallas kernels' (None: tuned)."""
+    `htree_jax.core.packing`). `block_sizes`: the Pallas kernels' (None: tuned).
+    `context_impl`: the backend of a context shard's local call where `impl`'s kernels
+    take no context shards (block selection's: `context_backend`); None refuses such a
+    call, naming the mesh axis."""
     check_input_shardings(q, k, v)
     B, T, H, K = q.shape
     H_kv = k.shape[2]
     packed = None if segment_ids is None else (virtual_len, max_document_len)
     o5, selected = _attend_partitioned(q.reshape(B, T, H_kv, H // H_kv, K), k, v, segment_ids, config, impl, packed,
-                                       block_sizes)
+                                       block_sizes, context_impl)
     return o5.reshape(B, T, H, -1), list(selected)
 
 

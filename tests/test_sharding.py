@@ -66,3 +66,22 @@ def test_block_selection_shards_its_tokens_and_its_cache():
         assert f"ok block selection ({source}) {layout}: forward and gradients equal the unsharded run" in out
     assert "ok block selection (previous) decode: sharded cache (batch, heads) equals unsharded" in out
     assert "ok block selection: a shard shorter than 2 * selection_block refused" in out
+    assert ("ok block selection kernels batch+heads: forward and gradients equal the unsharded kernels, no "
+            "all-gather") in out
+    assert "ok block selection kernels: a context shard refused on a kernel backend" in out
+
+
+def test_a_context_shard_of_block_selection_takes_the_reference_under_auto():
+    """`sharding.context_backend`: block selection's kernels take whole sequences only, so
+    a context shard's local call runs on what `backend="auto"` asks (the reference) or
+    is refused naming the axis; the per-query kernels and the unsplit calls keep theirs."""
+    from htree_jax import HTreeConfig
+    from htree_jax.sharding import context_backend
+
+    block, per_query = HTreeConfig(selection_block=16), HTreeConfig()
+    assert context_backend("pallas", block, "seq", "reference") == "reference"
+    assert context_backend("pallas", block, None, None) == "pallas"
+    assert context_backend("pallas", per_query, "seq", None) == "pallas"
+    assert context_backend("reference", block, "seq", None) == "reference"
+    with pytest.raises(ValueError, match="mesh axis 'seq' shards T"):
+        context_backend("pallas_interpret", block, "seq", None)
