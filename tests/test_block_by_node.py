@@ -3,7 +3,8 @@ by_node`, `BlockConfig(backward_sum="by_node")`, interpreted): the inverted inde
 a brute-force inversion of the blocks' selections, the gradients against the JAX
 reference and against the atomics' sums on multi-layer trees (both sources, padded
 heads, ragged lengths, partial RoPE, bfloat16, a group split over programs), two calls
-equal bitwise, and each launch lowered to Triton for a Hopper GPU."""
+equal bitwise. (Each of its launches is lowered to Triton for a Hopper GPU in
+`tests/test_block_kernels.py`.)"""
 
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from htree_jax import HTreeConfig, htree_attention
+from htree_jax import htree_attention
 from htree_jax.backends import blocks_of
 from htree_jax.core.indexing import num_top_parents
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.shared.configs import BlockConfig, KernelConfigs
-from tests.conftest import random_qkv
-from tests.test_block_kernels import CASES, LOWERED, block_config, hopper, inputs, relative
+from tests.test_block_kernels import CASES, block_config, inputs, relative
 
 BY_NODE = BlockConfig(backward_sum="by_node")
 
@@ -112,20 +112,3 @@ def test_an_unknown_sum_is_refused_by_name():
     with pytest.raises(ValueError, match="backward_sum must be one of"):
         BlockConfig(backward_sum="sorted")
     assert KernelConfigs().with_changes({"block.backward_sum": "by_node"}).block == BY_NODE
-
-
-@pytest.mark.parametrize("H, H_kv, K, V, dtype", LOWERED)
-def test_the_by_node_backward_lowers_to_triton(H, H_kv, K, V, dtype):
-    """Each launch of the backward summed by node (the block-major `dq` pass without its
-    adds, and every layer's node-major pass) lowered to Triton for a Hopper GPU."""
-    T, config = 4096, HTreeConfig(top_k=8, selection_block=16)
-    q = jax.ShapeDtypeStruct((1, T, H, K), dtype)
-    k = jax.ShapeDtypeStruct((1, T, H_kv, K), dtype)
-    v = jax.ShapeDtypeStruct((1, T, H_kv, V), dtype)
-    o, lse = jax.ShapeDtypeStruct((1, T, H, V), dtype), jax.ShapeDtypeStruct((1, T, H), jnp.float32)
-    blocks = [jax.ShapeDtypeStruct((1, T // 16, H_kv, 8), jnp.int32)] * (config.num_layers(T) - 1)
-    with hopper():
-        traced = jax.jit(lambda q, k, v, o, lse, s: block_backward_pallas(
-            q, k, v, o, lse, o, s, config=config, block=BY_NODE)).trace(q, k, v, o, lse, blocks)
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("triton") >= 1 + config.num_layers(T)

@@ -20,6 +20,7 @@ from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.merge import block_queries
 from pallas_kernels.decode.kept import kept_merge_dims, kept_step_pallas
 from pallas_kernels.decode.walk import attend_cache_pallas
+from pallas_kernels.shared.configs import BlockConfig
 from tests.conftest import random_qkv
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -108,9 +109,11 @@ LOWERED = [(32, 4, 128, 128, jnp.bfloat16), (8, 1, 128, 128, jnp.float32), (8, 1
 
 @pytest.mark.parametrize("H, H_kv, K, V, dtype", LOWERED)
 def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
-    """Interpret mode cannot see a lowering fault: each block launch (forward and
-    backward) lowered to Triton for a Hopper GPU, here on the CPU (`lowering_platforms`;
-    it does not compile to PTX: shared memory and registers are the GPU gate's)."""
+    """Interpret mode cannot see a lowering fault: each block launch (forward, and the
+    backward with each `BlockConfig.backward_sum`: the by-node one launches the `dq` pass
+    and a pass a layer) lowered to Triton for a Hopper GPU, here on the CPU
+    (`lowering_platforms`; it does not compile to PTX: shared memory and registers are
+    the GPU gate's)."""
     T, config = 4096, HTreeConfig(top_k=8, selection_block=16)
     q = jax.ShapeDtypeStruct((1, T, H, K), dtype)
     k = jax.ShapeDtypeStruct((1, T, H_kv, K), dtype)
@@ -120,9 +123,10 @@ def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
     assert config.num_layers(T) == 3
     with hopper():
         forward = jax.jit(lambda q, k, v, s: block_forward_pallas(q, k, v, s, config=config)).trace(q, k, v, blocks)
-        backward = jax.jit(lambda q, k, v, o, lse, s: block_backward_pallas(q, k, v, o, lse, o, s, config=config)).trace(
-            q, k, v, o, lse, blocks)
-        for traced in (forward, backward):
+        backward = [jax.jit(lambda q, k, v, o, lse, s, block=block: block_backward_pallas(
+            q, k, v, o, lse, o, s, config=config, block=block)).trace(q, k, v, o, lse, blocks)
+            for block in (BlockConfig(), BlockConfig(backward_sum="by_node"))]
+        for traced in (forward, *backward):
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
             assert "triton" in text
 

@@ -15,7 +15,6 @@ merge kernel's own time in a profile.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
