@@ -31,7 +31,8 @@ through jax-triton, `"mosaic_gpu"`; `docs/backends.md`) have `via` cases: the fo
 gradients (decoding does not take the route), and the benchmark shape at T=131072. The
 block backward summed by node (`BlockConfig(backward_sum="by_node")`) has `by node` cases:
 the gradients against the reference, and twice, bitwise equal. The
-whole gate takes about 13 minutes on an H200: past one 10-minute device call, run it as
+whole gate took about 13 minutes on an H200 (before the 16 `by node` and Mosaic GPU cases of
+2026-12-01): past one 10-minute device call, run it as
 `--big-T 0` and `--only bench`.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
 rules and both `top_k`, and block selection with each source at `top_k=512` (forward
@@ -143,6 +144,12 @@ def matrix(full: bool):
     for shape, dtype in (((8, 128, 128, None), "float32"), ((8, 256, 256, None), "bfloat16"),
                          ((1, 32, 32, None), "bfloat16"), ((16, 128, 128, None), "bfloat16")):
         yield shape, dtype, "bound", "block first via triton"
+    # The Mosaic GPU merge at the group sizes and head dims it takes (`mosaic_merge.
+    # check_mosaic_dims`: K / 2 and V padded to 32/64 and 64/128; one consumer warpgroup up
+    # to 64 rows a program, two past it; partial RoPE).
+    for shape in ((1, 64, 64, None), (2, 128, 128, None), (8, 96, 96, 32), (16, 128, 128, None)):
+        yield shape, "bfloat16", "bound", "block first via mosaic_gpu"
+    yield (16, 128, 128, None), "float16", "bound", "block first via mosaic_gpu"
     # The block backward summed by node (`BlockConfig(backward_sum="by_node")`, issue 83):
     # every GQA shape class, each dtype and source on the benchmark's head dims; each case
     # also runs the gradients twice and asks them bitwise equal.
