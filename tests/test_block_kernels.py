@@ -67,6 +67,19 @@ def test_forward_matches_the_reference(rng, source, selection, r, top_k, T, H, H
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("H, H_kv", [(128, 1), (96, 2)])
+def test_groups_up_to_128_heads_take_the_block_kernels(rng, H, H_kv):
+    """Block selection's kernels at the per-query kernels' widest groups (issue 84): 128
+    heads a kv head (one query a program) and 48 (padded to 64), against the reference."""
+    config = block_config(4, 4, "first", "bound")
+    q, k, v = inputs(rng, 1, 150, H, H_kv, 32, 32, jnp.float32)
+    o, sel = htree_attention(q, k, v, config, backend="pallas_interpret", return_selected=True)
+    o_ref, sel_ref = htree_attention(q, k, v, config, backend="reference", return_selected=True)
+    for a, b in zip(sel, sel_ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert relative(o, o_ref) < TOLERANCE[jnp.float32]
+
+
 def test_a_group_of_64_heads_takes_two_programs_a_block():
     assert block_queries(4, 64, 64) == 2 and block_queries(16, 8, 128) == 16 and block_queries(16, 8, 256) == 8
 

@@ -31,8 +31,8 @@ through jax-triton, `"mosaic_gpu"`; `docs/backends.md`) have `via` cases: the fo
 gradients (decoding does not take the route), and the benchmark shape at T=131072. The
 block backward summed by node (`BlockConfig(backward_sum="by_node")`) has `by node` cases:
 the gradients against the reference, and twice, bitwise equal. The
-whole gate took about 13 minutes on an H200 (before the 16 `by node` and Mosaic GPU cases of
-2026-12-01): past one 10-minute device call, run it as
+whole gate took about 13 minutes on an H200 (before the 17 `by node`, Mosaic GPU and 128-head cases
+of 2026-12-01): past one 10-minute device call, run it as
 `--big-T 0` and `--only bench`.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
 rules and both `top_k`, and block selection with each source at `top_k=512` (forward
@@ -134,6 +134,7 @@ def matrix(full: bool):
             yield (8, 128, 128, None), dtype, "bound", f"block {source}"
     for source in ("first", "previous"):
         yield (8, 128, 128, None), "bfloat16", "mean", f"block {source}"
+    yield (128, 128, 128, None), "bfloat16", "bound", "block first"  # one query a program (issue 84)
     # The block merge's routes off Pallas-Triton (`KernelConfigs.block_merge`,
     # `docs/backends.md`): forward and gradients (the decode kernels do not take them).
     for route in ("triton", "mosaic_gpu"):
