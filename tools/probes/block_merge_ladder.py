@@ -32,7 +32,6 @@ import argparse
 import functools
 import math
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from htree_jax.bench import median_ms
 
 ROWS = 64  # rows a consumer warpgroup holds (WGMMA's M)
 LOG2E = math.log2(math.e)
@@ -323,14 +324,6 @@ def inputs(rng, B, NB, H_kv, N, K, V, n_tiles, r, dtype):
         np.sin(positions), jnp.float32)
 
 
-def median_ms(f, *args, iters=10):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times))
 
 
 def main(argv=None) -> int:
@@ -372,13 +365,13 @@ def main(argv=None) -> int:
         for block_kv in (128, 64):
             config = attention_mgpu.TuningConfig(block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=True)
             try:
-                ms = median_ms(jax.jit(functools.partial(attention_mgpu.attention, config=config)), qd, kd, vd, iters=5)
+                ms = median_ms(jax.jit(functools.partial(attention_mgpu.attention, config=config)), (qd, kd, vd), 5)
                 print(f"step 1 attention_mgpu causal block_kv={block_kv}: {ms:.1f} ms, {flops / ms / 1e9:.0f} TFLOP/s",
                       flush=True)
             except Exception as e:  # noqa: BLE001 - a launch that does not compile is a row too
                 print(f"step 1 attention_mgpu block_kv={block_kv}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
-        ms = median_ms(cudnn, qd, kd, vd, iters=5)
+        ms = median_ms(cudnn, (qd, kd, vd), 5)
         print(f"step 1 cuDNN causal: {ms:.1f} ms, {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         del qd, kd, vd
     NB = T // 16
@@ -397,7 +390,7 @@ def main(argv=None) -> int:
             qq, kk, tables = (halves(q), halves(k), (cos, sin)) if rotate else (q, k, ())
             f = jax.jit(functools.partial(merge_tiles, r=r, tile=tile, rotator=rotator, stages=stages))
             try:
-                ms = median_ms(f, qq, kk, v, nodes, *tables)
+                ms = median_ms(f, (qq, kk, v, nodes, *tables), 10)
                 print(f"step {step} {'rotated by ' + rotator if rotate else 'gathered'} r={r} tile={tile} "
                       f"stages={stages}: {ms:.1f} ms, "
                       f"{flops / ms / 1e9:.0f} TFLOP/s ({flops / 1e12:.1f} TFLOP)", flush=True)
