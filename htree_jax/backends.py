@@ -108,6 +108,12 @@ WHOLE_SEQUENCES = ("block selection's kernels take whole sequences of one docume
                    "shards): backend='reference' takes the others")
 
 
+def takes_context_shards(impl: str, config: HTreeConfig) -> bool:
+    """Whether `impl` runs a context shard (tokens split along T) on its own route: every
+    one does but block selection's kernels (`WHOLE_SEQUENCES`)."""
+    return not (config.selects_by_block and impl in ("pallas", "pallas_interpret"))
+
+
 def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str, packed: bool,
                             context_shard: bool = False) -> None:
     """Block selection's kernels (SPEC 12, `pallas_kernels.block`): the per-query kernels'

@@ -47,7 +47,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from htree_jax.backends import WHOLE_SEQUENCES
+from htree_jax.backends import WHOLE_SEQUENCES, takes_context_shards
 from htree_jax.backends import attend as attend_locally
 from htree_jax.backends import attend_cache
 from htree_jax.core.blocks import block_rows, recent_queries
@@ -109,7 +109,7 @@ def context_backend(impl: str, config, t, context_impl: str | None) -> str:
     split): `impl`, unless it names block selection's kernels, which take whole sequences
     only (`backends.WHOLE_SEQUENCES`): then `context_impl` (what `backend="auto"` asks:
     the reference), or a ValueError naming the axis."""
-    if t is None or not config.selects_by_block or impl not in ("pallas", "pallas_interpret"):
+    if t is None or takes_context_shards(impl, config):
         return impl
     if context_impl is None:
         raise ValueError(f"htree sharding: mesh axis {t!r} shards T (context parallelism) of a block-selection call "

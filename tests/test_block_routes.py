@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from pallas_kernels.block.forward import block_static, check_merge_route
-from pallas_kernels.block.mosaic_merge import check_mosaic_dims
+from pallas_kernels.block.forward import block_static, check_merge_route, merge_static, table_positions
+from pallas_kernels.block.mosaic_merge import Pipeline, block_merge_mosaic, check_mosaic_dims
 from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constexprs
 from pallas_kernels.shared.configs import KernelConfigs
 from tests.conftest import random_qkv
@@ -115,8 +115,6 @@ def test_the_triton_route_compiles_for_hopper_within_shared_memory(T, H, H_kv, K
 
 
 def test_the_mosaic_merge_layouts_refuse_what_they_cannot_hold():
-    from pallas_kernels.block.mosaic_merge import Pipeline
-
     for bad in (dict(tile=32), dict(stages=1), dict(rotator="xla"), dict(tables="bfloat16"),
                 dict(consumer_registers=232, memory_registers=64), dict(ablate="lists")):
         with pytest.raises(ValueError, match="Pipeline"):
@@ -132,9 +130,6 @@ def test_the_mosaic_merge_layouts_refuse_what_they_cannot_hold():
 def test_the_mosaic_merge_traces_on_the_cpu(r, top_k, T, G, H_kv, K, V, dtype):
     """CI cannot run the Mosaic GPU kernel (no interpret mode for WGMMA); tracing it at
     each shape class catches what Python sees (shapes, barriers, layouts' arguments)."""
-    from pallas_kernels.block.forward import merge_static, table_positions
-    from pallas_kernels.block.mosaic_merge import block_merge_mosaic
-
     config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=r)
     st = merge_static(config, T, G, K, V, dtype, KernelConfigs().block, "mosaic_gpu")
     Tp = -(-T // r) * r

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import frontier
+from benchmarks import extension, frontier
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.introspect import candidates_per_query
 from tests.test_examples import load_example, write_corpus
@@ -151,8 +151,6 @@ def test_extension_continues_a_short_dense_checkpoint_at_a_longer_length(tmp_pat
     continued at 64 for 2 steps with dense attention, block selection and per-query
     selection (reference backend), each scored at 64 and 256 and timed; the rows against
     the dense extension, its held-out curve, the batch's tokens kept."""
-    from benchmarks import extension
-
     example = load_example()
     corpus = tmp_path / "corpus"
     write_corpus(corpus, example)

@@ -15,6 +15,9 @@ import sys
 
 import pytest
 
+from htree_jax import HTreeConfig
+from htree_jax.sharding import context_backend
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -75,9 +78,6 @@ def test_a_context_shard_of_block_selection_takes_the_reference_under_auto():
     """`sharding.context_backend`: block selection's kernels take whole sequences only, so
     a context shard's local call runs on what `backend="auto"` asks (the reference) or
     is refused naming the axis; the per-query kernels and the unsplit calls keep theirs."""
-    from htree_jax import HTreeConfig
-    from htree_jax.sharding import context_backend
-
     block, per_query = HTreeConfig(selection_block=16), HTreeConfig()
     assert context_backend("pallas", block, "seq", "reference") == "reference"
     assert context_backend("pallas", block, None, None) == "pallas"

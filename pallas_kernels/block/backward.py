@@ -180,10 +180,11 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     by_node = block.backward_sum == "by_node"
     rows = (layout(pad_rope_halves(q, st.half)), layout(pad_axis(do, -1, st.vp)), layout(lse), layout(delta))
     layers, table_rows = layer_arrays(tree, st), table_positions(config, T, st)
-    dq5, *grads = block_backward_launch(*rows, layers, selection_lists(selections, st), config, st, K, table_rows,
+    lists = selection_lists(selections, st)
+    dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows,
                                         tuple(config.layer_sizes(T)), interpret, key_grads=not by_node)
     if by_node:
-        grads = key_grads_by_node(*rows, layers, selections, config=config, st=st, head_dim=K, T=T,
+        grads = key_grads_by_node(*rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
                                   table_rows=table_rows, interpret=interpret)
     dq = unpad_rope_halves(dq5[:, :T, :, :G], K).reshape(B, T, H, K)
     # Down the tree: each layer's gradient, from the top, shared by the children of each node.

@@ -29,7 +29,6 @@ from pallas_kernels.block.merge import (
     rope_tables,
     rotate_halves,
     scores_dot,
-    selection_lists,
     transposed_dot,
 )
 from pallas_kernels.shared.common import compiler_params, next_power_of_two
@@ -132,18 +131,17 @@ def node_grads_launch(q5, do5, lse, delta, counts, cos, sin, k_l, v_l, index: In
     return dk[:, :, :, :r].reshape(B, H_kv, U * r, kp), dv[:, :, :, :r].reshape(B, H_kv, U * r, st.vp)
 
 
-def key_grads_by_node(q5, do5, lse, delta, layers, selections, *, config, st: BlockStatic, head_dim: int, T: int,
-                      table_rows: int, interpret: bool = False):
+def key_grads_by_node(q5, do5, lse, delta, layers, selections, lists, *, config, st: BlockStatic, head_dim: int,
+                      T: int, table_rows: int, interpret: bool = False):
     """Every layer's `[dk_l, dv_l]` float32 (bottom first, `[B, H_kv, >= N_l, ...]` as
     `backward.block_backward_launch` returns them) summed by node: the index of the
-    blocks' `selections` (`[B, NB, H_kv, top_k]`, `-1` padded, top layer first), then
-    one launch a layer."""
+    blocks' `selections` (`[B, NB, H_kv, top_k]`, `-1` padded, top layer first; `lists`
+    the same as `merge.selection_lists` lays them out), then one launch a layer."""
     B, Tp, H_kv = q5.shape[:3]
     NB = Tp // st.r
     index = inverted_index(selections, r=st.r, b=st.r, T=T, num_layers=st.num_layers,
                            layer_sizes=tuple(config.layer_sizes(T)))
-    counts = layer_parent_counts(selection_lists(selections, st), st, jnp.arange(NB, dtype=jnp.int32) * st.r,
-                                 (B, NB, H_kv))
+    counts = layer_parent_counts(lists, st, jnp.arange(NB, dtype=jnp.int32) * st.r, (B, NB, H_kv))
     cos, sin = rope_tables(config, head_dim, table_rows, st)
     grads = []
     for l in range(st.num_layers):
