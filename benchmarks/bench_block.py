@@ -5,7 +5,8 @@ the block merge, `block_forward_pallas`, with each `--variants` tile and warps) 
 the merge's rate in TFLOP/s (its score and value dots over the candidates it
 gathers), per-query htree at the same `top_k` beside it, and forward+backward at
 `--backward-sizes` (and the block backward alone, `block_backward_pallas`, with each
-`--backward-variants`; its rate counts five dots a candidate to the forward's two).
+`--backward-variants` and `--backward-sums`, with whether two calls agree bitwise; its
+rate counts five dots a candidate to the forward's two).
 
     python benchmarks/bench_block.py [--sizes 131072,524288] [--top-k 512] [--json FILE]
 
@@ -16,11 +17,13 @@ random and correlated inputs (`htree_jax.bench`). Medians after warm-up
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.backends import blocks_of
@@ -40,6 +43,13 @@ def merge_flops(blocks, config: HTreeConfig, T: int, G: int, K: int, V: int) -> 
     top = (starts // r ** (L - 1) + 1).astype(jnp.float32)  # [NB]
     per_block = top[None, :, None] + sum(jnp.sum(s >= 0, axis=-1).astype(jnp.float32) * r for s in blocks)
     return float(jnp.sum(per_block)) * b * G * 2 * (K + V)
+
+
+def bitwise_repeatable(fn, args) -> bool:
+    """Whether two calls of `fn` on the same `args` give bitwise equal outputs."""
+    first = jax.device_get(fn(*args))
+    second = jax.device_get(fn(*args))
+    return all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)))
 
 
 def parse_variants(text: str) -> list[tuple[int, int]]:
@@ -87,16 +97,20 @@ def run(args):
                         row[f"merge_{tile}x{warps}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
                 if backward:
                     o, lse = block_forward_pallas(q, k, v, blocks, config=config)
-                    for tile, warps in parse_variants(args.backward_variants):
-                        grads = jax.jit(lambda q, k, v, o, lse, s, c=config, t=tile, w=warps:
+                    for (tile, warps), summed in itertools.product(parse_variants(args.backward_variants),
+                                                                   args.backward_sums.split(",")):
+                        key = f"backward_{tile}x{warps}" + ("" if summed == "atomics" else f"_{summed}")
+                        grads = jax.jit(lambda q, k, v, o, lse, s, c=config, t=tile, w=warps, m=summed:
                                         block_backward_pallas(q, k, v, o, lse, o, s, config=c,
-                                                              block=BlockConfig(backward_tile=t, backward_num_warps=w)))
+                                                              block=BlockConfig(backward_tile=t, backward_num_warps=w,
+                                                                                backward_sum=m)))
                         try:
                             ms = median_ms(grads, (q, k, v, o, lse, blocks), args.iters)
-                            row[f"backward_{tile}x{warps}_ms"] = ms
-                            row[f"backward_{tile}x{warps}_tflops"] = 2.5 * flops / ms / 1e9
+                            row[f"{key}_ms"] = ms
+                            row[f"{key}_tflops"] = 2.5 * flops / ms / 1e9
+                            row[f"{key}_bitwise"] = bitwise_repeatable(grads, (q, k, v, o, lse, blocks))
                         except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported
-                            row[f"backward_{tile}x{warps}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
+                            row[f"{key}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
                     del o, lse
                     row["fwd_bwd_ms"] = median_ms(jax.jit(grad_of_sum(full)), (q, k, v), args.iters)
                     row["fwd_bwd_speedup"] = dense_fwd_bwd_ms / row["fwd_bwd_ms"]
@@ -115,6 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="random,correlated", help="input kinds (htree_jax.bench.INPUTS)")
     ap.add_argument("--variants", default="64x8", help="the merge's tile x warps to time apart")
     ap.add_argument("--backward-variants", default="32x8", help="the backward's tile x warps to time apart")
+    ap.add_argument("--backward-sums", default="atomics", help="BlockConfig.backward_sum values to time apart")
     ap.add_argument("--backward-sizes", default="131072", help="lengths also timed forward+backward")
     ap.add_argument("--per-query", action="store_true", help="also time per-query htree at the same top_k")
     ap.add_argument("--iters", type=int, default=10)

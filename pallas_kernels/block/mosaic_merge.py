@@ -44,7 +44,7 @@ from htree_jax.core.indexing import candidate_count
 from pallas_kernels.block.merge import PAST_NODES, BlockStatic, layer_parent_counts, rope_tables
 from pallas_kernels.shared.common import next_power_of_two
 
-TILE = 64  # the default pipeline's candidates a step: a WGMMA N and two bitmap words (128 hung: journal)
+TILE = 64  # the default pipeline's candidates a step: a WGMMA N and two bitmap words (RESULTS: 128 slower)
 ROWS = 64  # rows a consumer warpgroup holds (WGMMA's M)
 WORD = 32  # positions a bitmap word holds
 TMA_ROWS = 256  # the most elements a TMA copy moves along a dimension
@@ -140,54 +140,68 @@ def rotated_queries(q5, counts, cos, sin, st: BlockStatic, rows: int):
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
     """How the Mosaic GPU merge is laid out on one multiprocessor: `tile` candidates a
-    step (a WGMMA's N: 64 or 128), `stages` of them in the shared-memory ring (keys and
-    values; the rotation tables of one step at a time); who rotates a landed tile's keys
-    by their buffer positions (`"memory"`: the memory warpgroup once, in place;
-    `"consumers"`: each consumer warpgroup its own copy); the tables' dtype; and the
-    registers a thread of a consumer and of the memory warpgroup keeps (`setmaxnreg`:
-    `2 * consumer + memory <= 512`). `ablate` is for probes only (`tools/probes/`): it
-    drops the keys' rotation or the mask, and the result is then wrong."""
+    step (a WGMMA's N: 64 or 128), `stages` of them in the shared-memory ring (keys,
+    values and the step's base angles), and the registers a thread of a consumer and of
+    the memory warpgroup keeps (`setmaxnreg`, each a multiple of 8). With
+    `rotator_registers` 0 the memory warpgroup rotates each landed tile between its
+    copies; else a warpgroup of its own does, with that many registers, and the memory
+    warpgroup only copies (`2 * consumer + memory + rotator <= 512`). `ablate` is for
+    probes only (`tools/probes/`): it drops the keys' rotation or the mask, and the
+    result is then wrong."""
 
     tile: int = 64
     stages: int = 2
-    rotator: str = "memory"
-    tables: str = "float32"
     consumer_registers: int = 176
     memory_registers: int = 152
+    rotator_registers: int = 0
     ablate: str = ""
 
     def __post_init__(self):
-        if self.rotator not in ("memory", "consumers") or self.tables not in ("float32", "float16"):
-            raise ValueError(f"Pipeline: rotator 'memory' or 'consumers', tables 'float32' or 'float16' ({self})")
         if self.tile not in (64, 128) or self.stages < 2:
             raise ValueError(f"Pipeline: tile 64 or 128, stages >= 2 ({self})")
-        if 2 * self.consumer_registers + self.memory_registers > 512 or self.ablate not in ("", "rotation", "mask",
-                                                                                           "both"):
-            raise ValueError(f"Pipeline: 2 * consumer + memory registers <= 512, ablate '', 'rotation', 'mask' or "
-                             f"'both' ({self})")
+        registers = [self.consumer_registers, self.memory_registers] + [self.rotator_registers] * bool(
+            self.rotator_registers)
+        if 2 * self.consumer_registers + self.memory_registers + self.rotator_registers > 512 or any(
+                n % 8 or not 24 <= n <= 256 for n in registers):
+            raise ValueError(f"Pipeline: 2 * consumer + memory + rotator registers <= 512, each a multiple of 8 "
+                             f"in 24..256 ({self})")
+        # A launch gives each of its 128-thread warpgroups' threads at most 65536 / threads
+        # registers; `setmaxnreg` moves them from the copying warpgroups to the consumers,
+        # and a decrease past that count is an illegal instruction (measured at 4).
+        launch = 65536 // (128 * (3 + bool(self.rotator_registers))) // 8 * 8
+        if max(self.memory_registers, self.rotator_registers) > launch or self.consumer_registers < launch:
+            raise ValueError(f"Pipeline: memory and rotator registers at most, consumer registers at least "
+                             f"{launch} (a launch's share at {3 + bool(self.rotator_registers)} warpgroups) ({self})")
+        if self.ablate not in ("", "rotation", "mask", "both"):
+            raise ValueError(f"Pipeline: ablate '', 'rotation', 'mask' or 'both' ({self})")
+
+    @property
+    def rotator(self) -> bool:
+        """Whether a warpgroup of its own rotates the keys."""
+        return self.rotator_registers > 0
 
 
-PIPELINE = Pipeline(tile=TILE)
+PIPELINE = Pipeline(tile=TILE, stages=4, consumer_registers=168, memory_registers=40, rotator_registers=128)
 LOG2E = math.log2(math.e)
 
 
-def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits_ref, *refs, st: BlockStatic,
-                  consumers: int, words: tuple[int, int], lists: tuple[int, int], dtype, pipe: Pipeline):
+def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, sel_ref, count_ref, bits_ref, *refs,
+                  st: BlockStatic, consumers: int, words: tuple[int, int], lists: tuple[int, int], dtype,
+                  pipe: Pipeline):
     """One program per `(b, queries, h_kv)`: `consumers` warpgroups of `ROWS` rows each
     fold every layer's merged candidates into one online softmax; the last warpgroup
     feeds them by TMA, a ring of `pipe.stages` tiles of `pipe.tile` candidates, each
     tile `pipe.tile / r` node tiles gathered at the rows the layer's parent list names
-    (SPEC 12). Two consumers take turns on the tensor cores (`schedule`), as
-    `attention_mgpu` does."""
+    (SPEC 12), and rotates each landed tile's keys while the next tile's copies fly.
+    Two consumers take turns on the tensor cores (`schedule`), as `attention_mgpu` does."""
     L, r, C, h, vp, S = st.num_layers, st.r, pipe.tile, st.half, st.vp, pipe.stages
     layer_refs = refs[: 3 * L]  # bottom first: keys' halves, values
     o_ref, lse_ref = refs[3 * L: 3 * L + 2]
     scratch, bars = refs[3 * L + 2:]
-    by_memory = pipe.rotator == "memory"
     rotate = pipe.ablate not in ("rotation", "both")
     mask = pipe.ablate not in ("mask", "both")
-    (q_lo_s, q_hi_s, k_lo_s, k_hi_s, v_s, cos_s, sin_s, sel_s, bits_s, count_s, lse_s, *rotated) = scratch
-    setup, q_bars, k_bars, v_bars, k_done, v_done, schedule, finished, *landed = bars
+    (q_lo_s, q_hi_s, k_lo_s, k_hi_s, v_s, lcos_s, lsin_s, bcos_s, bsin_s, sel_s, bits_s, count_s, lse_s) = scratch
+    setup, q_bars, landed, k_bars, v_bars, k_done, v_done, schedule, finished = bars
     b, j, hk, wg = lax.axis_index("b"), lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("wg")
     t_first = j * st.queries
     t0 = t_first - t_first % r
@@ -197,35 +211,29 @@ def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits
     lrows, lcols = lists
 
     def layer_counts(l):
-        """`n_P`, the block's most candidates `n` and its steps at layer `l`."""
+        """`n_P`, the block's most candidates `n` and its steps at layer `l`: none above
+        layer 0 where the layer refines all `n` (its list, `n_P` of layer `l - 1`, is
+        as long), as the top layer does wherever it has at most `top_k` nodes."""
         n_parents = count_s[l]
         n_max = candidate_count(n_parents, t_first + st.queries - 1 if l == 0 else t0, r, l)
-        return n_parents, n_max, (n_max + C - 1) // C
+        steps = (n_max + C - 1) // C
+        if l > 0:
+            steps = jnp.where(count_s[l - 1] >= n_max, 0, steps)
+        return n_parents, n_max, steps
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    def rotate_tile(slot, table, dst_lo, dst_hi):
-        """The keys landed in `slot` rotated by their buffer positions (`merge.rotate_halves`, in
-        float32, with the step's tables in `table`) into `dst_lo, dst_hi` (`[C, half]`
-        refs), `ROWS` rows at a time (a whole 128-row tile takes more registers than one
-        warpgroup keeps)."""
-        for c0 in range(0, C, ROWS):
-            rows = pl.ds(c0, ROWS)
-            k_lo = k_lo_s.at[slot, rows][...].astype(jnp.float32)
-            k_hi = k_hi_s.at[slot, rows][...].astype(jnp.float32)
-            c, s_ = cos_s.at[table, rows][...].astype(jnp.float32), sin_s.at[table, rows][...].astype(jnp.float32)
-            dst_lo.at[rows][...] = (k_lo * c - k_hi * s_).astype(dtype)
-            dst_hi.at[rows][...] = (k_lo * s_ + k_hi * c).astype(dtype)
-
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(pipe.consumer_registers, action="increase")
         my_rows = pl.ds(wg * ROWS, ROWS)
-        wgmma_layout, row_layout = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1)
-        row = plgpu.broadcasted_iota(jnp.int32, (ROWS, C), 0, layout=wgmma_layout) + wg * ROWS
-        col = plgpu.broadcasted_iota(jnp.int32, (ROWS, C), 1, layout=wgmma_layout)
+        row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+        # The mask's operands as row and column vectors, broadcast where used: a `[ROWS,
+        # C]` iota held across the loop takes the registers the scores need.
+        row = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=row_layout) + wg * ROWS
+        col = plgpu.broadcasted_iota(jnp.int32, (C,), 0, layout=col_layout)
         scale = st.alpha * LOG2E  # the softmax in base 2, as attention_mgpu's
 
         def load_queries(l):
@@ -238,7 +246,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits
         total_steps = sum(layer_counts(l)[2] for l in range(L))
         m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
         total = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
-        acc = plgpu.layout_cast(jnp.zeros((ROWS, vp), jnp.float32), wgmma_layout)
+        acc = plgpu.layout_cast(jnp.zeros((ROWS, vp), jnp.float32), plgpu.Layout.WGMMA)
         g = jnp.int32(0)
         plgpu.barrier_wait(k_bars.at[0])
         if consumers == 2:
@@ -247,23 +255,32 @@ def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits
             if l != L - 1:
                 load_queries(l)
             n_parents, n_max, steps = layer_counts(l)
-            if l == 0:
-                n_row = candidate_count(n_parents, t_first + row // st.group, r, 0)
+            n_row = candidate_count(n_parents, t_first + row // st.group, r, 0) if l == 0 else None
 
-            def step(i, carry, l=l, n_max=n_max, n_row=n_row if l == 0 else None):
+            def merged_scores(s, i, l=l, n_max=n_max, n_row=n_row):
+                """The step's scores with those the layer does not merge at `-inf`: at
+                layer 0 the positions past each row's `n`; above it those past `n_max`
+                and those the layer's bitmap marks refined (one word of 32 positions at a
+                time), decided per column."""
+                if l == 0:
+                    limit = lax.broadcast_in_dim(n_row - i * C, s.shape, [0])
+                    return jnp.where(lax.broadcast_in_dim(col, s.shape, [1]) < limit, s, -jnp.inf)
+                word = lambda w: col * 0 + bits_s[L - 1 - l, (i * (C // WORD) + w) // wcols,
+                                                  (i * (C // WORD) + w) % wcols]
+                bits = word(0)
+                for w in range(1, C // WORD):
+                    bits = jnp.where(col >= w * WORD, word(w), bits)
+                refined = lax.shift_right_logical(bits, col % WORD) & 1
+                bias = jnp.where((col < n_max - i * C) & (refined == 0), 0.0, -jnp.inf)
+                return s + lax.broadcast_in_dim(bias, s.shape, [1])
+
+            def step(i, carry, merged_scores=merged_scores):
                 acc, m, total, g = carry
                 slot = lax.rem(g, S)
-                if not by_memory:  # this warpgroup's own copy of the tile's keys, rotated
-                    if rotate:
-                        rotate_tile(slot, slot, rotated[0].at[wg], rotated[1].at[wg])
-                        plgpu.commit_smem()
-                    keys_lo, keys_hi = rotated[0].at[wg], rotated[1].at[wg]
-                else:
-                    keys_lo, keys_hi = k_lo_s.at[slot], k_hi_s.at[slot]
 
                 def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_lo_s.at[wg], keys_lo.transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, q_hi_s.at[wg], keys_hi.transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_lo_s.at[wg], k_lo_s.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, q_hi_s.at[wg], k_hi_s.at[slot].transpose((1, 0)))
                     if consumers == 2:
                         schedule_barrier()
                     return acc_ref[...]
@@ -271,21 +288,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits
                 s = pl.run_scoped(scores, plgpu.ACC((ROWS, C), jnp.float32)) * scale
                 plgpu.barrier_arrive(k_done.at[slot])
                 if mask:
-                    p = i * C + col
-                    if l == 0:
-                        merged = p < n_row
-                    else:  # not refined: the layer's bitmap, one word of 32 positions at a time
-                        zero = col * 0  # a scalar word as an array in the scores' layout
-
-                        def word(w):
-                            at = i * (C // WORD) + w
-                            return zero + bits_s[L - 1 - l, at // wcols, at % wcols]
-
-                        bits = word(0)
-                        for w in range(1, C // WORD):
-                            bits = jnp.where(col >= w * WORD, word(w), bits)
-                        merged = (p < n_max) & ((lax.shift_right_logical(bits, col % WORD) & 1) == 0)
-                    s = jnp.where(merged, s, -jnp.inf)
+                    s = merged_scores(s, i)
                 # `pallas_kernels.shared.softmax.fold` of one tile, transcribed (base 2,
                 # WGMMA's product, the broadcasts Mosaic GPU's layouts take).
                 m_new = jnp.maximum(m, s.max(axis=1))
@@ -329,12 +332,44 @@ def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits
         plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_ref.at[b, j, hk, my_rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == consumers)
-    def _memory():
-        plgpu.set_max_registers(pipe.memory_registers if by_memory else 40, action="decrease")
+    def rotate_tile(slot):
+        """The keys landed in `slot` rotated in place by their buffer positions `i * C +
+        c` (SPEC 2.2, `merge.rotate_halves`, in float32): the angle of `c = 64 a + d` is
+        the step's base angle of chunk `a` (a row of `bcos`, `bsin`) plus the program's
+        local angle of `d` (`lcos`, `lsin`), added in float32 (`cos(x + y) = cos x cos y -
+        sin x sin y`), so that a step copies one row of tables a chunk, not one a key."""
+        cl, sl = lcos_s[...], lsin_s[...]
+        column = lambda ref: lax.broadcast_in_dim(plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA.reduce(0)),
+                                                  cl.shape, [1])
+        for a in range(C // ROWS):
+            rows = pl.ds(a * ROWS, ROWS)
+            cb, sb = column(bcos_s.at[slot, a]), column(bsin_s.at[slot, a])
+            c, s_ = cb * cl - sb * sl, sb * cl + cb * sl
+            k_lo = k_lo_s.at[slot, rows][...].astype(jnp.float32)
+            k_hi = k_hi_s.at[slot, rows][...].astype(jnp.float32)
+            k_lo_s.at[slot, rows][...] = (k_lo * c - k_hi * s_).astype(dtype)
+            k_hi_s.at[slot, rows][...] = (k_lo * s_ + k_hi * c).astype(dtype)
+
+    def finish(g):
+        """Step `g`'s keys, once landed, rotated and handed to the consumers."""
+        slot = lax.rem(g, S)
+        plgpu.barrier_wait(landed.at[slot])
+        if rotate:
+            rotate_tile(slot)
+            plgpu.commit_smem()
+        plgpu.barrier_arrive(k_bars.at[slot])
+
+    def load_setup():
         plgpu.copy_gmem_to_smem(count_ref.at[b, blk, hk], count_s, setup)
         plgpu.copy_gmem_to_smem(sel_ref.at[b, blk, hk], sel_s, setup)
         plgpu.copy_gmem_to_smem(bits_ref.at[b, blk, hk], bits_s, setup)
+        plgpu.copy_gmem_to_smem(lcos_ref, lcos_s, setup)
+        plgpu.copy_gmem_to_smem(lsin_ref, lsin_s, setup)
+
+    @pl.when(wg == consumers)
+    def _memory():
+        plgpu.set_max_registers(pipe.memory_registers, action="decrease")
+        load_setup()
         plgpu.barrier_wait(setup)
         g = jnp.int32(0)
         for l in reversed(range(L)):
@@ -353,8 +388,11 @@ def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits
                 return jnp.where(at * r < n_max, start, 0)
 
             def produce(i, g, k_lo_ref=k_lo_ref, k_hi_ref=k_hi_ref, v_ref=v_ref, node_rows=node_rows):
+                """Step `g`'s copies; without a rotator warpgroup, then the previous
+                step's rotation while they fly. The order keeps the ring live at two
+                stages: the consumers' wait for step `g - 1`'s keys comes before they
+                give back step `g - 2`'s values."""
                 slot = lax.rem(g, S)
-                land = landed[0].at[slot] if by_memory else k_bars.at[slot]
 
                 @pl.when(g >= S)
                 def _():
@@ -362,19 +400,15 @@ def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits
 
                 for jn in range(node_tiles):
                     start, rows_at = node_rows(i, jn), pl.ds(jn * r, r)
-                    plgpu.copy_gmem_to_smem(k_lo_ref.at[b, hk, pl.ds(start, r)], k_lo_s.at[slot, rows_at], land)
-                    plgpu.copy_gmem_to_smem(k_hi_ref.at[b, hk, pl.ds(start, r)], k_hi_s.at[slot, rows_at], land)
-                # One step's tables: the memory warpgroup rotates one step at a time, and
-                # the consumers (`rotator="consumers"`) read them before `k_done`.
-                table = slot if not by_memory else 0
-                plgpu.copy_gmem_to_smem(cos_ref.at[pl.ds(i * C, C)], cos_s.at[table], land)
-                plgpu.copy_gmem_to_smem(sin_ref.at[pl.ds(i * C, C)], sin_s.at[table], land)
-                if by_memory:  # rotated once, in place, then handed to the consumers
-                    plgpu.barrier_wait(landed[0].at[slot])
-                    if rotate:
-                        rotate_tile(slot, 0, k_lo_s.at[slot], k_hi_s.at[slot])
-                        plgpu.commit_smem()
-                    plgpu.barrier_arrive(k_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(k_lo_ref.at[b, hk, pl.ds(start, r)], k_lo_s.at[slot, rows_at],
+                                            landed.at[slot])
+                    plgpu.copy_gmem_to_smem(k_hi_ref.at[b, hk, pl.ds(start, r)], k_hi_s.at[slot, rows_at],
+                                            landed.at[slot])
+                chunks = pl.ds(i * (C // ROWS), C // ROWS)
+                plgpu.copy_gmem_to_smem(bcos_ref.at[chunks], bcos_s.at[slot], landed.at[slot])
+                plgpu.copy_gmem_to_smem(bsin_ref.at[chunks], bsin_s.at[slot], landed.at[slot])
+                if not pipe.rotator:
+                    pl.when(g >= 1)(lambda: finish(g - 1))
 
                 @pl.when(g >= S)
                 def _():
@@ -387,6 +421,19 @@ def _merge_kernel(q_lo_ref, q_hi_ref, cos_ref, sin_ref, sel_ref, count_ref, bits
                 return g + 1
 
             g = lax.fori_loop(0, steps, produce, g)
+        if not pipe.rotator:
+            pl.when(g >= 1)(lambda: finish(g - 1))
+
+    if pipe.rotator:
+        @pl.when(wg == consumers + 1)
+        def _rotator():
+            plgpu.set_max_registers(pipe.rotator_registers, action="decrease")
+            plgpu.barrier_wait(setup)
+            total_steps = sum(layer_counts(l)[2] for l in range(L))
+
+            @pl.loop(0, total_steps)
+            def _(g):
+                finish(g)
 
 
 def split_layers(layers, st: BlockStatic):
@@ -412,12 +459,45 @@ def _lists(x, boxes: tuple[int, int]):
     return jnp.moveaxis(x.reshape(x.shape[:4] + boxes), 0, 3)
 
 
+SHARED_MEMORY = 232448  # bytes a block of an H100 or H200 may hold
+
+
+def scratch_shapes(st: BlockStatic, pipe: Pipeline, dtype, list_shape, word_shape, count_len: int):
+    """The kernel's shared memory, one `plgpu.SMEM` a buffer (`_merge_kernel` unpacks them
+    in this order)."""
+    consumers, C, S = program_rows(st) // ROWS, pipe.tile, pipe.stages
+    tr = lambda minor, dt=dtype: _transforms(minor, dt)
+    return [
+        plgpu.SMEM((consumers, ROWS, st.half), dtype, transforms=tr(st.half)),  # q lo, a layer's rotation
+        plgpu.SMEM((consumers, ROWS, st.half), dtype, transforms=tr(st.half)),  # q hi
+        plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys lo (rotated in place by memory)
+        plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys hi
+        plgpu.SMEM((S, C, st.vp), dtype, transforms=tr(st.vp)),  # values, and at the end the output
+        plgpu.SMEM((ROWS, st.half), jnp.float32, transforms=tr(st.half, jnp.float32)),  # local cos
+        plgpu.SMEM((ROWS, st.half), jnp.float32, transforms=tr(st.half, jnp.float32)),  # local sin
+        plgpu.SMEM((S, C // ROWS, st.half), jnp.float32),  # a step's base cos, a row a chunk
+        plgpu.SMEM((S, C // ROWS, st.half), jnp.float32),  # base sin
+        plgpu.SMEM(list_shape, jnp.int32),  # every layer's list
+        plgpu.SMEM(word_shape, jnp.int32),  # every refined bitmap
+        plgpu.SMEM((count_len,), jnp.int32),  # n_P of each layer
+        plgpu.SMEM((consumers, ROWS), jnp.float32),  # lse
+    ]
+
+
+def shared_bytes(scratch) -> int:
+    """What `scratch` takes, each buffer aligned to 1024 bytes (the swizzle's), plus the
+    barriers: an upper bound on what Mosaic GPU allocates."""
+    sizes = [math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in scratch]
+    return sum(-(-n // 1024) * 1024 for n in sizes) + 1024
+
+
 @functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret", "pipe"))
 def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
                        interpret: bool = False, pipe: Pipeline = PIPELINE):
     """`merge.block_merge_pallas` (same arguments and results, no interpret mode:
     `interpret=True` is refused) on the Mosaic GPU kernel above, laid out as `pipe`
-    says (`table_rows` is rounded up to `pipe.tile`)."""
+    says (`table_rows` is rounded up to `pipe.tile`). A layout whose buffers pass the
+    shared memory a block holds is refused (ValueError) before it is built."""
     if interpret:
         raise ValueError("block_merge='mosaic_gpu' has no interpret mode; interpreted runs take 'pallas_triton'")
     B, Tp, H_kv, gp, _ = q5.shape
@@ -426,12 +506,19 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     rows, nj, nb = program_rows(st), Tp // st.queries, Tp // st.r
     consumers = rows // ROWS
     words = table_rows // WORD
+    list_boxes, word_boxes = _boxes(next_power_of_two(st.top_k, 4)), _boxes(words)
+    L_lists = max(st.num_layers - 1, 1)
+    lp = max(4, 1 << (st.num_layers - 1).bit_length())
+    scratch = scratch_shapes(st, pipe, dtype, (L_lists,) + list_boxes, (L_lists,) + word_boxes, lp)
+    if shared_bytes(scratch) > SHARED_MEMORY:
+        raise ValueError(f"block_merge='mosaic_gpu': Pipeline(tile={C}, stages={S}) takes {shared_bytes(scratch)} "
+                         f"bytes of shared memory at {rows} rows, K / 2 = {st.half}, V = {st.vp} (a block holds "
+                         f"{SHARED_MEMORY}): fewer stages or a smaller tile")
     cos32, sin32 = rope_tables(config, head_dim, table_rows, st)
-    table_dtype = jnp.dtype(pipe.tables)
-    cos, sin = cos32.astype(table_dtype), sin32.astype(table_dtype)
+    lcos, lsin = cos32[:ROWS], sin32[:ROWS]  # each key's angle within its chunk of ROWS
+    bcos, bsin = cos32[::ROWS], sin32[::ROWS]  # each chunk's first angle
     T0 = jnp.arange(nb, dtype=jnp.int32) * st.r
     counts = layer_parent_counts(selections, st, T0, (B, nb, H_kv))
-    list_boxes, word_boxes = _boxes(next_power_of_two(st.top_k, 4)), _boxes(words)
     if selections:
         sel = jnp.stack([s[..., : st.top_k] for s in selections])
         bits = refined_bitmaps(selections, st, words)
@@ -440,35 +527,16 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
         bits = jnp.zeros((1, B, nb, H_kv, words), jnp.int32)
     sel, bits = _lists(sel, list_boxes), _lists(bits, word_boxes)
     q_lo, q_hi = rotated_queries(q5, counts, cos32, sin32, st, rows)
-    tr = lambda minor, dt=dtype: _transforms(minor, dt)
-    by_memory = pipe.rotator == "memory"
-    tables = 1 if by_memory else S  # the memory warpgroup rotates one step at a time
-    scratch = [
-        plgpu.SMEM((consumers, ROWS, st.half), dtype, transforms=tr(st.half)),  # q lo, a layer's rotation
-        plgpu.SMEM((consumers, ROWS, st.half), dtype, transforms=tr(st.half)),  # q hi
-        plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys lo (rotated in place by memory)
-        plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys hi
-        plgpu.SMEM((S, C, st.vp), dtype, transforms=tr(st.vp)),  # values, and at the end the output
-        plgpu.SMEM((tables, C, st.half), table_dtype, transforms=tr(st.half, table_dtype)),  # cos
-        plgpu.SMEM((tables, C, st.half), table_dtype, transforms=tr(st.half, table_dtype)),  # sin
-        plgpu.SMEM(sel.shape[3:], jnp.int32),  # every layer's list
-        plgpu.SMEM(bits.shape[3:], jnp.int32),  # every refined bitmap
-        plgpu.SMEM((counts.shape[-1],), jnp.int32),  # n_P of each layer
-        plgpu.SMEM((consumers, ROWS), jnp.float32),  # lse
-    ]
-    if not by_memory:  # each consumer's rotated copy
-        scratch += [plgpu.SMEM((consumers, C, st.half), dtype, transforms=tr(st.half))] * 2
     key_copies = 2 * (C // st.r) + 2
-    bars = [plgpu.Barrier(num_arrivals=3),  # setup: the lists
+    bars = [plgpu.Barrier(num_arrivals=5),  # setup: the lists, the counts, the local tables
             plgpu.Barrier(num_arrivals=2, num_barriers=consumers),  # a consumer's queries
-            plgpu.Barrier(num_arrivals=1 if by_memory else key_copies, num_barriers=S),  # keys ready
+            plgpu.Barrier(num_arrivals=key_copies, num_barriers=S),  # keys and base angles landed
+            plgpu.Barrier(num_arrivals=1, num_barriers=S),  # keys rotated
             plgpu.Barrier(num_arrivals=C // st.r, num_barriers=S),  # values landed
             plgpu.Barrier(num_arrivals=consumers, num_barriers=S),  # keys read
             plgpu.Barrier(num_arrivals=consumers, num_barriers=S),  # values read
             plgpu.Barrier(num_arrivals=consumers),  # schedule: the consumers' turns
             plgpu.Barrier(num_arrivals=consumers)]  # finished: every product done
-    if by_memory:
-        bars.append(plgpu.Barrier(num_arrivals=key_copies, num_barriers=S))  # keys landed, not yet rotated
     kernel_fn = functools.partial(_merge_kernel, st=st, consumers=consumers, words=word_boxes, lists=list_boxes,
                                   dtype=dtype, pipe=pipe)
 
@@ -480,9 +548,10 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
         entry,
         out_type=[jax.ShapeDtypeStruct((B, nj, H_kv, rows, st.vp), dtype),
                   jax.ShapeDtypeStruct((B, nj, H_kv, rows), jnp.float32)],
-        grid=(H_kv, nj, B), grid_names=("h", "j", "b"), num_threads=consumers + 1, thread_name="wg",
+        grid=(H_kv, nj, B), grid_names=("h", "j", "b"), num_threads=consumers + 1 + pipe.rotator,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True))
-    o, lse = kernel(q_lo, q_hi, cos, sin, sel, counts, bits, *split_layers(layers, st))
+    o, lse = kernel(q_lo, q_hi, lcos, lsin, bcos, bsin, sel, counts, bits, *split_layers(layers, st))
     real = st.queries * gp
     o = o[:, :, :, :real].reshape(B, nj, H_kv, st.queries, gp, st.vp)
     lse = lse[:, :, :, :real].reshape(B, nj, H_kv, st.queries, gp)

@@ -5,7 +5,7 @@ benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16, `top_k=512`, `selection_block
 beside the Pallas-Triton merge and cuDNN, random and correlated inputs. One layout a
 process, so that a layout that hangs costs only its own timeout:
 
-    for p in 64,2,memory,float32,176,152 64,3,memory,float16,176,152; do
+    for p in 64,4,176,152 64,4,168,40,136; do
         timeout 240 python tools/probes/block_merge_pipelines.py --pipe $p --check --time; done
 
 Prints `CHECK ...` and `TIME ...` lines; the merge's rate is `merge_flops` over the
@@ -66,8 +66,8 @@ def rel(a, b):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pipe", default="64,2,memory,float32,176,152",
-                   help="tile,stages,rotator,tables,consumer registers,memory registers[,ablate]")
+    p.add_argument("--pipe", default="64,2,176,152",
+                   help="tile,stages,consumer registers,memory registers[,rotator registers][,ablate]")
     p.add_argument("--baseline", action="store_true", help="time the Pallas-Triton merge and cuDNN too")
     p.add_argument("--check", action="store_true")
     p.add_argument("--time", action="store_true")
@@ -75,9 +75,10 @@ def main(argv=None) -> int:
     p.add_argument("--cases", type=int, default=len(CASES), help="the first this many check cases")
     p.add_argument("--kinds", default="random,correlated")
     args = p.parse_args(argv)
-    tile, s, rot, tab, creg, mreg, *ablate = args.pipe.split(",")
-    pipe = mosaic_merge.Pipeline(tile=int(tile), stages=int(s), rotator=rot, tables=tab, consumer_registers=int(creg),
-                                 memory_registers=int(mreg), ablate=ablate[0] if ablate else "")
+    tile, s, creg, mreg, *rest = args.pipe.split(",")
+    rreg = int(rest.pop(0)) if rest and rest[0].isdigit() else 0
+    pipe = mosaic_merge.Pipeline(tile=int(tile), stages=int(s), consumer_registers=int(creg),
+                                 memory_registers=int(mreg), rotator_registers=rreg, ablate=rest[0] if rest else "")
     tag = args.pipe
     print(jax.devices()[0].device_kind, jax.__version__, pipe, flush=True)
     if args.check:
