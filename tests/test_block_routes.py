@@ -15,7 +15,8 @@ import pytest
 
 from htree_jax import HTreeConfig, htree_attention
 from pallas_kernels.block.forward import block_static, check_merge_route, merge_static, table_positions
-from pallas_kernels.block.mosaic_merge import PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims
+from pallas_kernels.block.merge import rope_tables, rotate_back, rotate_halves
+from pallas_kernels.block.mosaic_merge import PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims, turned_keys
 from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constexprs
 from pallas_kernels.shared.configs import KernelConfigs
 from tests.conftest import random_qkv
@@ -124,7 +125,9 @@ def test_the_mosaic_merge_layouts_refuse_what_they_cannot_hold():
 # Mosaic GPU lowers a kernel to its GPU module in Python, with no GPU, from jax 0.11 on
 # (0.10's refuses the 16-byte copy of the parent counts); compiling it needs the GPU.
 LOWERS_FOR_CUDA = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
-EVERY_LAYOUT = (PIPELINE, Pipeline(tile=128, stages=2), Pipeline(tile=64, stages=4))
+EVERY_LAYOUT = (PIPELINE, Pipeline(tile=128, stages=2, consumer_registers=232, memory_registers=40, turn="queries"),
+                Pipeline(tile=64, stages=4, consumer_registers=168, memory_registers=40, rotator_registers=128),
+                Pipeline(tile=128, stages=2), Pipeline(tile=64, stages=2))
 BENCHMARK_SHAPE = (16, 512, 131072, 8, 4, 128, 128, jnp.bfloat16)
 
 
@@ -170,3 +173,30 @@ def test_a_mosaic_merge_layout_past_shared_memory_is_refused_before_it_is_built(
     merge, args, _ = mosaic_merge_abstract(*BENCHMARK_SHAPE, Pipeline(tile=128, stages=3))
     with pytest.raises(ValueError, match="shared memory.*fewer stages"):
         jax.eval_shape(merge, *args)
+
+
+def test_turned_keys_score_as_keys_rotated_by_their_buffer_position():
+    """`Pipeline(turn="queries")`: a step's node tile `v` read from copy `v` of
+    `turned_keys`, scored against rows turned back by the step's first position
+    (`merge.rotate_back`), gives the scores of keys rotated by their buffer position
+    (`merge.rotate_halves`, SPEC 2.2): the kernel's indexing, checked where it runs."""
+    rng = np.random.default_rng(0)
+    r, tile, half, n_rows = 16, 64, 8, 256
+    config = HTreeConfig(compression_rate=r, top_k=8, selection_block=r)
+    st = merge_static(config, 4096, 8, 2 * half, 2 * half, jnp.bfloat16, KernelConfigs().block, "mosaic_gpu")
+    cos, sin = rope_tables(config, 2 * half, 1024, st)
+    k_lo, k_hi = (jnp.asarray(rng.standard_normal((1, 1, n_rows, st.half)), jnp.float32) for _ in range(2))
+    v = jnp.zeros((1, 1, n_rows, st.vp), jnp.float32)
+    t_lo, t_hi, _ = turned_keys([k_lo, k_hi, v], cos, sin, st, tile)
+    assert t_lo.shape == (tile // r, 1, 1, n_rows, st.half)
+    q_lo, q_hi = (jnp.asarray(rng.standard_normal((4, st.half)), jnp.float32) for _ in range(2))  # rotated rows
+    step = 3
+    parents = rng.choice(n_rows // r, size=tile // r, replace=False)  # a step's node tiles, any rows
+    a_lo, a_hi = rotate_back(q_lo, q_hi, cos[step * tile], sin[step * tile])
+    for v_, parent in enumerate(parents):
+        rows = parent * r + np.arange(r)
+        p = step * tile + v_ * r + np.arange(r)  # buffer positions of the node tile
+        got = a_lo @ t_lo[v_, 0, 0, rows].T + a_hi @ t_hi[v_, 0, 0, rows].T
+        r_lo, r_hi = rotate_halves(k_lo[0, 0, rows], k_hi[0, 0, rows], cos[p], sin[p])
+        want = q_lo @ r_lo.T + q_hi @ r_hi.T
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -221,3 +221,20 @@ def test_gate_decode_error_waives_only_near_ties():
     flipped[0, 1, 0] += 5.0  # kv head 0 of the same position: not waived
     err, waived = gpu_gate.decode_rows_error(flipped, full, fragile)
     assert err > 0.1 and waived == 1 / 8
+
+
+def test_every_gate_case_sets_up_on_the_cpu():
+    """`gpu_gate.case_setup` for every small case of the matrix: the GPU is the only place
+    the gate runs, so a case whose name it cannot read would otherwise fail there first
+    (as every block case once did)."""
+    setups = {gpu_gate.case_name("small", c, 0): gpu_gate.case_setup(c[0], c[2], c[3])
+              for c in gpu_gate.matrix(full=True)}
+    by_node = [s for name, s in setups.items() if name.endswith(" by node")]
+    long = [s for name, s in setups.items() if name.endswith(" T=4096")]
+    assert by_node and all(s.by_node and s.block and s.route is None for s in by_node)
+    assert long and all(s.T == 4096 and s.route == "mosaic_gpu" for s in long)
+    for name, s in setups.items():
+        assert s.T == (4096 if name.endswith(" T=4096") else gpu_gate.GATE_T)
+        assert (" via " in name) == (s.route is not None) and s.block == (" block " in name)
+        if s.block:
+            assert s.config.selection_block == 16 and s.config.block_source in ("first", "previous")

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import glob
 import json
 import multiprocessing
@@ -94,7 +95,7 @@ def dumped_kernels(seen: set, directory: str) -> dict:
 
 TOLERANCE = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 2e-2}
 AGREE = 0.99
-T, PREFIX, BLOCK_PREFIX = 600, 596, 590  # r=16, top_k=8: 600 -> 38, two layers
+GATE_T, PREFIX, BLOCK_PREFIX = 600, 596, 590  # r=16, top_k=8: 600 -> 38, two layers
 
 # (G, K, V, rope_dim): the GQA kernels' shape classes (K, V padded to 32..256), 16 heads
 # on them, and latent attention's on the wide kernels.
@@ -151,6 +152,8 @@ def matrix(full: bool):
     for shape in ((1, 64, 64, None), (2, 128, 128, None), (8, 96, 96, 32), (16, 128, 128, None)):
         yield shape, "bfloat16", "bound", "block first via mosaic_gpu"
     yield (16, 128, 128, None), "float16", "bound", "block first via mosaic_gpu"
+    for shape in ((8, 128, 128, None), (16, 64, 64, None)):  # several steps a layer, three layers
+        yield shape, "bfloat16", "bound", "block first via mosaic_gpu T=4096"
     # The block backward summed by node (`BlockConfig(backward_sum="by_node")`, issue 83):
     # every GQA shape class, each dtype and source on the benchmark's head dims; each case
     # also runs the gradients twice and asks them bitwise equal.
@@ -176,7 +179,7 @@ def decode_rows_error(decoded, full, fragile) -> tuple[float, float]:
     return relative(decoded[robust], full[robust]), float(np.mean(fragile))
 
 
-def equal_parents(a_lists, b_lists, H_kv: int):
+def equal_parents(a_lists, b_lists, T: int, H_kv: int):
     """`[1, T, H_kv]`: every layer's parent list of `a` equal to `b`'s (all True for a
     one-layer tree, which selects nothing)."""
     same = np.ones((1, T, H_kv), bool)
@@ -185,26 +188,53 @@ def equal_parents(a_lists, b_lists, H_kv: int):
     return same
 
 
-def run_case(rng, shape, dtype, sel, packed):
+@dataclasses.dataclass(frozen=True)
+class CaseSetup:
+    """What a small case's name asks for (`case_setup`)."""
+
+    T: int
+    H_kv: int
+    config: HTreeConfig
+    block: bool  # SPEC 12's block selection
+    packed: bool  # two documents
+    route: str | None  # the block merge's kernel, where not the default
+    by_node: bool  # the block backward's key and value sums by node
+    tuning: dict  # htree_attention's block_sizes where the case changes them
+
+
+def case_setup(shape, sel, packed) -> CaseSetup:
     """`packed`: False, True (two documents), "one layer" (`top_k=64`: the tree of T
     tokens has one layer, which the GPU path runs as RoPE and cuDNN) or "block first" /
     "block previous" (SPEC 12, `selection_block=16` with that source: the block kernels,
-    and the decode kernels with the block's selection kept in the cache)."""
+    and the decode kernels with the block's selection kept in the cache), optionally
+    followed by " via ROUTE" (the merge's kernel), " by node" (the backward's sums) and
+    " T=4096" (that length, so that every layer takes several of a merge's steps: at
+    T=600 each fits in one)."""
     G, K, V, rope = shape
-    H_kv = 1 if G > 16 else 2
+    length = re.search(r" T=(\d+)$", packed) if isinstance(packed, str) else None
+    packed = packed[: length.start()] if length else packed
     block = isinstance(packed, str) and packed.startswith("block")
-    route = packed.split(" via ")[1] if block and " via " in packed else None  # the merge's kernel
+    route = packed.split(" via ")[1] if block and " via " in packed else None
     config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel,
                          **(dict(selection_block=16, block_source=packed.split()[1]) if block else {}))
-    packed = packed is True
+    by_node = block and packed.endswith(" by node")
+    changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": "by_node"} if by_node else {})}
+    tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
+    return CaseSetup(T=int(length.group(1)) if length else GATE_T, H_kv=1 if G > 16 else 2, config=config,
+                     block=block, packed=packed is True, route=route, by_node=by_node, tuning=tuning)
+
+
+def run_case(rng, shape, dtype, sel, packed):
+    """One small case (`case_setup` says what its name asks for) against the reference."""
+    G, K, V, rope = shape
+    setup = case_setup(shape, sel, packed)
+    T, H_kv, config, block, packed = setup.T, setup.H_kv, setup.config, setup.block, setup.packed
+    route, by_node, tuning = setup.route, setup.by_node, setup.tuning
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
                for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, V)))
     weights = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
     # Packed: two documents, each its own tree (SPEC 6).
     documents = dict(segment_ids=jnp.asarray(np.arange(T) >= T // 3, jnp.int32)[None], max_documents=2) if packed else {}
-    by_node = block and packed.endswith(" by node")  # the backward's key and value sums by node
-    changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": "by_node"} if by_node else {})}
-    tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
 
     def attend(q, k, v, backend, **kw):
         return htree_attention(q, k, v, config=config, backend=backend, **documents,
@@ -219,14 +249,14 @@ def run_case(rng, shape, dtype, sel, packed):
     f32 = tuple(x.astype(jnp.float32) for x in (q, k, v))
     with jax.default_matmul_precision("highest"):
         o_ref, sel_ref = attend(*f32, backend="reference", return_selected=True)
-    same = equal_parents(sel_p, sel_ref, H_kv)
+    same = equal_parents(sel_p, sel_ref, T, H_kv)
     out["agree_f32"] = float(np.mean(same))
     if dtype == "float32":
         out["agree"] = out["agree_f32"]
     else:
         with jax.default_matmul_precision("highest"):
             _, sel_own = attend(q, k, v, backend="reference", return_selected=True)
-        out["agree"] = float(np.mean(equal_parents(sel_p, sel_own, H_kv)))
+        out["agree"] = float(np.mean(equal_parents(sel_p, sel_own, T, H_kv)))
     # Outputs and gradients on the rows whose selections agree: a flipped near-tie moves
     # its row by far more than rounding (H100, float32, G=8, K=128: outputs 1.9e-2 over
     # all rows at 0.9992; G=8, K=256: gradients 2.0e-2 at 0.9992), so the loss weighs

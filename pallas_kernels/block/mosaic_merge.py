@@ -9,15 +9,25 @@ works differently:
 - Gathers: each node tile (`r` contiguous rows of a layer, the child block of one kept
   parent) is its own TMA copy into the step's buffer, at a row offset read from the
   parent list in shared memory.
-- Rotation: WGMMA reads both operands from shared memory, so a landed tile's keys are
-  rotated by their buffer positions once, in place, by the memory warpgroup (float32
-  tables: float16 ones measured 2x the error against the Pallas-Triton merge), before
-  the consumers score them.
+- Rotation (`Pipeline.turn`): RoPE is relative, so a score needs the key turned by
+  its buffer position `p` against the row's angle `n - 1`. With `"queries"` (the
+  default) no key is rotated in the kernel: each layer's keys come in `tile / r`
+  copies rotated in XLA by `p % tile`, their offset within a step (`turned_keys`; the
+  offset of node tile `v` of a step is `v * r + c`, whatever the parent list says),
+  and each consumer turns its rows, held in float32 registers, back by the step's
+  first position before scoring (one row of tables a step). With `"keys"` the keys of
+  each landed tile are rotated in place by the memory warpgroup, or a rotator
+  warpgroup of its own, their angle added in float32 from a chunk's base and a local
+  table. Both round each operand once, as the Pallas-Triton merge does, but not the
+  same numbers: against it the outputs differ by the dtype's rounding (RESULTS).
 - Queries: rotated by their row's angle in XLA, once per layer (`rotated_queries`),
   because a row's angle is a gather of table rows by a per-row index.
+- Layers: one that refines every candidate it has (the top layer wherever it has at
+  most `top_k` nodes) takes no step.
 - Masks: the set a layer refines is a bitmap over buffer positions built in XLA
   (`refined_bitmaps`: a scatter of `top_k` bits a block), read one word of 32
-  positions at a time, instead of comparing each tile with a window of the sorted list.
+  positions at a time and decided per column, instead of comparing each tile with a
+  window of the sorted list.
 
 Inputs in bfloat16 or float16 only (WGMMA takes float32 operands as TF32: the float32
 path's exact dots have no Mosaic GPU form here). Needs a Hopper GPU; Mosaic GPU's CPU
@@ -41,7 +51,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count
-from pallas_kernels.block.merge import PAST_NODES, BlockStatic, layer_parent_counts, rope_tables
+from pallas_kernels.block.merge import (PAST_NODES, BlockStatic, layer_parent_counts, rope_tables, rotate_back,
+                                       rotate_halves)
 from pallas_kernels.shared.common import next_power_of_two
 
 TILE = 64  # the default pipeline's candidates a step: a WGMMA N and two bitmap words (RESULTS: 128 slower)
@@ -112,10 +123,10 @@ def refined_bitmaps(selections, st: BlockStatic, words: int):
     return jnp.stack(maps)
 
 
-def rotated_queries(q5, counts, cos, sin, st: BlockStatic, rows: int):
+def rotated_queries(q5, counts, cos, sin, st: BlockStatic, rows: int, dtype=None):
     """Each layer's queries rotated by their row's angle `n - 1` (SPEC 2.2), laid out a
     program's rows together: `q5 [B, Tp, H_kv, Gp, 2 * half]` -> `(lo, hi)` each `[L, B,
-    Tp / queries, H_kv, rows, half]` in q's dtype."""
+    Tp / queries, H_kv, rows, half]` in `dtype` (q's where None)."""
     B, Tp, H_kv, gp, _ = q5.shape
     L, r, h = st.num_layers, st.r, st.half
     t = jnp.arange(Tp, dtype=jnp.int32)
@@ -132,7 +143,7 @@ def rotated_queries(q5, counts, cos, sin, st: BlockStatic, rows: int):
     def lay_out(x):  # [L, B, Tp, H_kv, gp, h] -> [L, B, NJ, H_kv, rows, h]
         x = x.reshape(L, B, Tp // st.queries, st.queries, H_kv, gp, h)
         x = jnp.moveaxis(x, 3, 4).reshape(L, B, Tp // st.queries, H_kv, st.queries * gp, h)
-        return jnp.pad(x, [(0, 0)] * 4 + [(0, rows - st.queries * gp), (0, 0)]).astype(q5.dtype)
+        return jnp.pad(x, [(0, 0)] * 4 + [(0, rows - st.queries * gp), (0, 0)]).astype(dtype or q5.dtype)
 
     return lay_out(jnp.stack(out_lo)), lay_out(jnp.stack(out_hi))
 
@@ -145,15 +156,19 @@ class Pipeline:
     the memory warpgroup keeps (`setmaxnreg`, each a multiple of 8). With
     `rotator_registers` 0 the memory warpgroup rotates each landed tile between its
     copies; else a warpgroup of its own does, with that many registers, and the memory
-    warpgroup only copies (`2 * consumer + memory + rotator <= 512`). `ablate` is for
-    probes only (`tools/probes/`): it drops the keys' rotation or the mask, and the
-    result is then wrong."""
+    warpgroup only copies (`2 * consumer + memory + rotator <= 512`). `turn="queries"`
+    rotates no key in the kernel: each key comes rotated (XLA, once a call) by its
+    offset within a step, and each consumer turns its float32 rows back by the step's
+    first position in registers (`turned_keys`). `ablate` is for probes only
+    (`tools/probes/`): it drops the keys' rotation or the mask, and the result is then
+    wrong."""
 
     tile: int = 64
     stages: int = 2
     consumer_registers: int = 176
     memory_registers: int = 152
     rotator_registers: int = 0
+    turn: str = "keys"
     ablate: str = ""
 
     def __post_init__(self):
@@ -174,6 +189,8 @@ class Pipeline:
                              f"{launch} (a launch's share at {3 + bool(self.rotator_registers)} warpgroups) ({self})")
         if self.ablate not in ("", "rotation", "mask", "both"):
             raise ValueError(f"Pipeline: ablate '', 'rotation', 'mask' or 'both' ({self})")
+        if self.turn not in ("keys", "queries") or (self.turn == "queries" and self.rotator_registers):
+            raise ValueError(f"Pipeline: turn 'keys' or 'queries', the latter with no rotator ({self})")
 
     @property
     def rotator(self) -> bool:
@@ -181,27 +198,40 @@ class Pipeline:
         return self.rotator_registers > 0
 
 
-PIPELINE = Pipeline(tile=TILE, stages=4, consumer_registers=168, memory_registers=40, rotator_registers=128)
+PIPELINE = Pipeline(tile=TILE, stages=4, consumer_registers=232, memory_registers=40, turn="queries")
 LOG2E = math.log2(math.e)
 
 
-def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, sel_ref, count_ref, bits_ref, *refs,
-                  st: BlockStatic, consumers: int, words: tuple[int, int], lists: tuple[int, int], dtype,
-                  pipe: Pipeline):
+def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, words: tuple[int, int],
+                  lists: tuple[int, int], dtype, pipe: Pipeline):
     """One program per `(b, queries, h_kv)`: `consumers` warpgroups of `ROWS` rows each
     fold every layer's merged candidates into one online softmax; the last warpgroup
     feeds them by TMA, a ring of `pipe.stages` tiles of `pipe.tile` candidates, each
     tile `pipe.tile / r` node tiles gathered at the rows the layer's parent list names
-    (SPEC 12), and rotates each landed tile's keys while the next tile's copies fly.
-    Two consumers take turns on the tensor cores (`schedule`), as `attention_mgpu` does."""
+    (SPEC 12), and (`pipe.turn="keys"`) each landed tile's keys are rotated while the
+    next tile's copies fly, or (`"queries"`) each consumer turns its rows by the step's
+    base angle. Two consumers take turns on the tensor cores (`schedule`), as
+    `attention_mgpu` does."""
     L, r, C, h, vp, S = st.num_layers, st.r, pipe.tile, st.half, st.vp, pipe.stages
+    turned = pipe.turn == "queries"
+    tables, refs = refs[: 2 if turned else 4], refs[2 if turned else 4:]
+    lcos_ref, lsin_ref = (None, None) if turned else tables[:2]
+    bcos_ref, bsin_ref = tables[-2:]  # a step's base angles, a row a chunk of `C // chunks` positions
+    chunks = 1 if turned else C // ROWS
+    sel_ref, count_ref, bits_ref, *refs = refs
     layer_refs = refs[: 3 * L]  # bottom first: keys' halves, values
     o_ref, lse_ref = refs[3 * L: 3 * L + 2]
     scratch, bars = refs[3 * L + 2:]
     rotate = pipe.ablate not in ("rotation", "both")
     mask = pipe.ablate not in ("mask", "both")
-    (q_lo_s, q_hi_s, k_lo_s, k_hi_s, v_s, lcos_s, lsin_s, bcos_s, bsin_s, sel_s, bits_s, count_s, lse_s) = scratch
-    setup, q_bars, landed, k_bars, v_bars, k_done, v_done, schedule, finished = bars
+    q_lo_s, q_hi_s, k_lo_s, k_hi_s, v_s, *scratch = scratch
+    lcos_s, lsin_s = (None, None) if turned else scratch[:2]
+    bcos_s, bsin_s, sel_s, bits_s, count_s, lse_s = scratch[-6:]
+    if turned:
+        setup, q_bars, k_bars, v_bars, k_done, v_done, schedule, finished = bars
+        landed = None
+    else:
+        setup, q_bars, landed, k_bars, v_bars, k_done, v_done, schedule, finished = bars
     b, j, hk, wg = lax.axis_index("b"), lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("wg")
     t_first = j * st.queries
     t0 = t_first - t_first % r
@@ -225,6 +255,10 @@ def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, se
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
+    def column(ref):
+        """A `[half]` row of a table in shared memory, broadcast to `[ROWS, half]`."""
+        return lax.broadcast_in_dim(plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA.reduce(0)), (ROWS, h), [1])
+
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(pipe.consumer_registers, action="increase")
@@ -237,11 +271,14 @@ def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, se
         scale = st.alpha * LOG2E  # the softmax in base 2, as attention_mgpu's
 
         def load_queries(l):
+            """Layer `l`'s rows; turning them per step, as float32 arrays (`[ROWS, half]` x
+            2, held across the layer), else as the scores' operands in shared memory."""
             plgpu.copy_gmem_to_smem(q_lo_ref.at[l, b, j, hk, my_rows], q_lo_s.at[wg], q_bars.at[wg])
             plgpu.copy_gmem_to_smem(q_hi_ref.at[l, b, j, hk, my_rows], q_hi_s.at[wg], q_bars.at[wg])
             plgpu.barrier_wait(q_bars.at[wg])
+            return (q_lo_s.at[wg][...], q_hi_s.at[wg][...]) if turned else (q_lo_s.at[wg], q_hi_s.at[wg])
 
-        load_queries(L - 1)
+        rows_q = load_queries(L - 1)
         plgpu.barrier_wait(setup)
         total_steps = sum(layer_counts(l)[2] for l in range(L))
         m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
@@ -253,7 +290,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, se
             pl.when(wg == 1)(schedule_barrier)
         for l in reversed(range(L)):
             if l != L - 1:
-                load_queries(l)
+                rows_q = load_queries(l)
             n_parents, n_max, steps = layer_counts(l)
             n_row = candidate_count(n_parents, t_first + row // st.group, r, 0) if l == 0 else None
 
@@ -274,13 +311,18 @@ def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, se
                 bias = jnp.where((col < n_max - i * C) & (refined == 0), 0.0, -jnp.inf)
                 return s + lax.broadcast_in_dim(bias, s.shape, [1])
 
-            def step(i, carry, merged_scores=merged_scores):
+            def step(i, carry, merged_scores=merged_scores, rows_q=rows_q):
                 acc, m, total, g = carry
                 slot = lax.rem(g, S)
+                if turned:  # the rows turned back by the step's first position (`merge.rotate_back`)
+                    lo, hi = rotate_back(*rows_q, column(bcos_s.at[slot, 0]), column(bsin_s.at[slot, 0]))
+                    a_lo, a_hi = lo.astype(dtype), hi.astype(dtype)
+                else:
+                    a_lo, a_hi = rows_q
 
                 def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_lo_s.at[wg], k_lo_s.at[slot].transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, q_hi_s.at[wg], k_hi_s.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, a_lo, k_lo_s.at[slot].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, a_hi, k_hi_s.at[slot].transpose((1, 0)))
                     if consumers == 2:
                         schedule_barrier()
                     return acc_ref[...]
@@ -339,8 +381,6 @@ def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, se
         local angle of `d` (`lcos`, `lsin`), added in float32 (`cos(x + y) = cos x cos y -
         sin x sin y`), so that a step copies one row of tables a chunk, not one a key."""
         cl, sl = lcos_s[...], lsin_s[...]
-        column = lambda ref: lax.broadcast_in_dim(plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA.reduce(0)),
-                                                  cl.shape, [1])
         for a in range(C // ROWS):
             rows = pl.ds(a * ROWS, ROWS)
             cb, sb = column(bcos_s.at[slot, a]), column(bsin_s.at[slot, a])
@@ -363,8 +403,9 @@ def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, se
         plgpu.copy_gmem_to_smem(count_ref.at[b, blk, hk], count_s, setup)
         plgpu.copy_gmem_to_smem(sel_ref.at[b, blk, hk], sel_s, setup)
         plgpu.copy_gmem_to_smem(bits_ref.at[b, blk, hk], bits_s, setup)
-        plgpu.copy_gmem_to_smem(lcos_ref, lcos_s, setup)
-        plgpu.copy_gmem_to_smem(lsin_ref, lsin_s, setup)
+        if not turned:
+            plgpu.copy_gmem_to_smem(lcos_ref, lcos_s, setup)
+            plgpu.copy_gmem_to_smem(lsin_ref, lsin_s, setup)
 
     @pl.when(wg == consumers)
     def _memory():
@@ -393,6 +434,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, se
                 stages: the consumers' wait for step `g - 1`'s keys comes before they
                 give back step `g - 2`'s values."""
                 slot = lax.rem(g, S)
+                arrive = k_bars.at[slot] if turned else landed.at[slot]
 
                 @pl.when(g >= S)
                 def _():
@@ -400,14 +442,16 @@ def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, se
 
                 for jn in range(node_tiles):
                     start, rows_at = node_rows(i, jn), pl.ds(jn * r, r)
-                    plgpu.copy_gmem_to_smem(k_lo_ref.at[b, hk, pl.ds(start, r)], k_lo_s.at[slot, rows_at],
-                                            landed.at[slot])
-                    plgpu.copy_gmem_to_smem(k_hi_ref.at[b, hk, pl.ds(start, r)], k_hi_s.at[slot, rows_at],
-                                            landed.at[slot])
-                chunks = pl.ds(i * (C // ROWS), C // ROWS)
-                plgpu.copy_gmem_to_smem(bcos_ref.at[chunks], bcos_s.at[slot], landed.at[slot])
-                plgpu.copy_gmem_to_smem(bsin_ref.at[chunks], bsin_s.at[slot], landed.at[slot])
-                if not pipe.rotator:
+                    # Turned, node tile `jn` of a step comes from the copy of the layer
+                    # rotated by `jn * r + c`, its offset within the step.
+                    src = (lambda ref: ref.at[jn, b, hk, pl.ds(start, r)]) if turned else (
+                        lambda ref: ref.at[b, hk, pl.ds(start, r)])
+                    plgpu.copy_gmem_to_smem(src(k_lo_ref), k_lo_s.at[slot, rows_at], arrive)
+                    plgpu.copy_gmem_to_smem(src(k_hi_ref), k_hi_s.at[slot, rows_at], arrive)
+                step_rows = pl.ds(i * chunks, chunks)
+                plgpu.copy_gmem_to_smem(bcos_ref.at[step_rows], bcos_s.at[slot], arrive)
+                plgpu.copy_gmem_to_smem(bsin_ref.at[step_rows], bsin_s.at[slot], arrive)
+                if not (pipe.rotator or turned):
                     pl.when(g >= 1)(lambda: finish(g - 1))
 
                 @pl.when(g >= S)
@@ -421,7 +465,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, lcos_ref, lsin_ref, bcos_ref, bsin_ref, se
                 return g + 1
 
             g = lax.fori_loop(0, steps, produce, g)
-        if not pipe.rotator:
+        if not (pipe.rotator or turned):
             pl.when(g >= 1)(lambda: finish(g - 1))
 
     if pipe.rotator:
@@ -442,6 +486,23 @@ def split_layers(layers, st: BlockStatic):
     out = []
     for kl, vl in zip(layers[0::2], layers[1::2]):
         out += [kl[..., : st.half], kl[..., st.half:], vl]
+    return out
+
+
+def turned_keys(layers, cos, sin, st: BlockStatic, tile: int):
+    """`split_layers`' keys, each in `tile / r` copies: copy `v` holds row `n` rotated by
+    `v * r + n % r` (float32, then rounded to the keys' dtype once), the offset within a
+    step of `tile` positions of node tile `v` of the step, so that the kernel turns
+    only the queries, by the step's first position. `[B, H_kv, Np, half]` -> `[tile / r,
+    B, H_kv, Np, half]`; values as they are. Memory: `tile / r` times the keys of every
+    layer for the call (4x at r=16: about 0.55 GB at the benchmark shape's T=131072)."""
+    r, out = st.r, []
+    for k_lo, k_hi, vl in zip(layers[0::3], layers[1::3], layers[2::3]):
+        n = k_lo.shape[2]
+        offset = jnp.arange(tile // r)[:, None] * r + jnp.arange(n)[None, :] % r  # [copies, Np]
+        c, s_ = cos[offset][:, None, None], sin[offset][:, None, None]
+        lo, hi = rotate_halves(k_lo.astype(jnp.float32)[None], k_hi.astype(jnp.float32)[None], c, s_)
+        out += [lo.astype(k_lo.dtype), hi.astype(k_hi.dtype), vl]
     return out
 
 
@@ -466,17 +527,22 @@ def scratch_shapes(st: BlockStatic, pipe: Pipeline, dtype, list_shape, word_shap
     """The kernel's shared memory, one `plgpu.SMEM` a buffer (`_merge_kernel` unpacks them
     in this order)."""
     consumers, C, S = program_rows(st) // ROWS, pipe.tile, pipe.stages
+    turned = pipe.turn == "queries"
     tr = lambda minor, dt=dtype: _transforms(minor, dt)
+    q_dtype = jnp.float32 if turned else dtype  # turned per step in float32 registers
+    local = [] if turned else [
+        plgpu.SMEM((ROWS, st.half), jnp.float32, transforms=tr(st.half, jnp.float32)),  # local cos
+        plgpu.SMEM((ROWS, st.half), jnp.float32, transforms=tr(st.half, jnp.float32))]  # local sin
+    chunks = 1 if turned else C // ROWS
     return [
-        plgpu.SMEM((consumers, ROWS, st.half), dtype, transforms=tr(st.half)),  # q lo, a layer's rotation
-        plgpu.SMEM((consumers, ROWS, st.half), dtype, transforms=tr(st.half)),  # q hi
-        plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys lo (rotated in place by memory)
+        plgpu.SMEM((consumers, ROWS, st.half), q_dtype, transforms=tr(st.half, q_dtype)),  # q lo, a layer's
+        plgpu.SMEM((consumers, ROWS, st.half), q_dtype, transforms=tr(st.half, q_dtype)),  # q hi
+        plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys lo (rotated in place, or turned)
         plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys hi
         plgpu.SMEM((S, C, st.vp), dtype, transforms=tr(st.vp)),  # values, and at the end the output
-        plgpu.SMEM((ROWS, st.half), jnp.float32, transforms=tr(st.half, jnp.float32)),  # local cos
-        plgpu.SMEM((ROWS, st.half), jnp.float32, transforms=tr(st.half, jnp.float32)),  # local sin
-        plgpu.SMEM((S, C // ROWS, st.half), jnp.float32),  # a step's base cos, a row a chunk
-        plgpu.SMEM((S, C // ROWS, st.half), jnp.float32),  # base sin
+        *local,
+        plgpu.SMEM((S, chunks, st.half), jnp.float32),  # a step's base cos, a row a chunk
+        plgpu.SMEM((S, chunks, st.half), jnp.float32),  # base sin
         plgpu.SMEM(list_shape, jnp.int32),  # every layer's list
         plgpu.SMEM(word_shape, jnp.int32),  # every refined bitmap
         plgpu.SMEM((count_len,), jnp.int32),  # n_P of each layer
@@ -515,8 +581,11 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
                          f"bytes of shared memory at {rows} rows, K / 2 = {st.half}, V = {st.vp} (a block holds "
                          f"{SHARED_MEMORY}): fewer stages or a smaller tile")
     cos32, sin32 = rope_tables(config, head_dim, table_rows, st)
-    lcos, lsin = cos32[:ROWS], sin32[:ROWS]  # each key's angle within its chunk of ROWS
-    bcos, bsin = cos32[::ROWS], sin32[::ROWS]  # each chunk's first angle
+    turned = pipe.turn == "queries"
+    chunk = C if turned else ROWS  # positions a base angle serves
+    tables = [cos32[::chunk], sin32[::chunk]]  # each chunk's first angle
+    if not turned:
+        tables = [cos32[:ROWS], sin32[:ROWS]] + tables  # each key's angle within its chunk
     T0 = jnp.arange(nb, dtype=jnp.int32) * st.r
     counts = layer_parent_counts(selections, st, T0, (B, nb, H_kv))
     if selections:
@@ -526,12 +595,14 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
         sel = jnp.zeros((1, B, nb, H_kv, st.top_k), jnp.int32)
         bits = jnp.zeros((1, B, nb, H_kv, words), jnp.int32)
     sel, bits = _lists(sel, list_boxes), _lists(bits, word_boxes)
-    q_lo, q_hi = rotated_queries(q5, counts, cos32, sin32, st, rows)
+    q_lo, q_hi = rotated_queries(q5, counts, cos32, sin32, st, rows, jnp.float32 if turned else None)
     key_copies = 2 * (C // st.r) + 2
-    bars = [plgpu.Barrier(num_arrivals=5),  # setup: the lists, the counts, the local tables
+    keys_ready = [plgpu.Barrier(num_arrivals=key_copies, num_barriers=S)] if turned else [
+        plgpu.Barrier(num_arrivals=key_copies, num_barriers=S),  # keys and base angles landed
+        plgpu.Barrier(num_arrivals=1, num_barriers=S)]  # keys rotated
+    bars = [plgpu.Barrier(num_arrivals=3 if turned else 5),  # setup: the lists, the counts, the local tables
             plgpu.Barrier(num_arrivals=2, num_barriers=consumers),  # a consumer's queries
-            plgpu.Barrier(num_arrivals=key_copies, num_barriers=S),  # keys and base angles landed
-            plgpu.Barrier(num_arrivals=1, num_barriers=S),  # keys rotated
+            *keys_ready,
             plgpu.Barrier(num_arrivals=C // st.r, num_barriers=S),  # values landed
             plgpu.Barrier(num_arrivals=consumers, num_barriers=S),  # keys read
             plgpu.Barrier(num_arrivals=consumers, num_barriers=S),  # values read
@@ -551,7 +622,10 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
         grid=(H_kv, nj, B), grid_names=("h", "j", "b"), num_threads=consumers + 1 + pipe.rotator,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True))
-    o, lse = kernel(q_lo, q_hi, lcos, lsin, bcos, bsin, sel, counts, bits, *split_layers(layers, st))
+    layers = split_layers(layers, st)
+    if turned:
+        layers = turned_keys(layers, cos32, sin32, st, C)
+    o, lse = kernel(q_lo, q_hi, *tables, sel, counts, bits, *layers)
     real = st.queries * gp
     o = o[:, :, :, :real].reshape(B, nj, H_kv, st.queries, gp, st.vp)
     lse = lse[:, :, :, :real].reshape(B, nj, H_kv, st.queries, gp)
