@@ -126,6 +126,8 @@ def test_the_mosaic_merge_layouts_refuse_what_they_cannot_hold():
 # (0.10's refuses the 16-byte copy of the parent counts); compiling it needs the GPU.
 LOWERS_FOR_CUDA = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 EVERY_LAYOUT = (PIPELINE, Pipeline(tile=128, stages=2, consumer_registers=232, memory_registers=40, turn="queries"),
+                Pipeline(tile=128, stages=2, consumer_registers=232, memory_registers=40, turn="queries",
+                         hold_rows=False),
                 Pipeline(tile=64, stages=4, consumer_registers=168, memory_registers=40, rotator_registers=128),
                 Pipeline(tile=128, stages=2), Pipeline(tile=64, stages=2))
 BENCHMARK_SHAPE = (16, 512, 131072, 8, 4, 128, 128, jnp.bfloat16)

@@ -159,9 +159,10 @@ class Pipeline:
     warpgroup only copies (`2 * consumer + memory + rotator <= 512`). `turn="queries"`
     rotates no key in the kernel: each key comes rotated (XLA, once a call) by its
     offset within a step, and each consumer turns its float32 rows back by the step's
-    first position in registers (`turned_keys`). `ablate` is for probes only
-    (`tools/probes/`): it drops the keys' rotation or the mask, and the result is then
-    wrong."""
+    first position in registers (`turned_keys`), held there across a layer
+    (`hold_rows`) or read again from shared memory each step. `ablate` is for probes only
+    (`tools/probes/`): it drops the keys' rotation (turned: the rows' turn) or the mask,
+    and the result is then wrong."""
 
     tile: int = 64
     stages: int = 2
@@ -169,6 +170,7 @@ class Pipeline:
     memory_registers: int = 152
     rotator_registers: int = 0
     turn: str = "keys"
+    hold_rows: bool = True
     ablate: str = ""
 
     def __post_init__(self):
@@ -276,7 +278,8 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
             plgpu.copy_gmem_to_smem(q_lo_ref.at[l, b, j, hk, my_rows], q_lo_s.at[wg], q_bars.at[wg])
             plgpu.copy_gmem_to_smem(q_hi_ref.at[l, b, j, hk, my_rows], q_hi_s.at[wg], q_bars.at[wg])
             plgpu.barrier_wait(q_bars.at[wg])
-            return (q_lo_s.at[wg][...], q_hi_s.at[wg][...]) if turned else (q_lo_s.at[wg], q_hi_s.at[wg])
+            refs = (q_lo_s.at[wg], q_hi_s.at[wg])
+            return tuple(x[...] for x in refs) if turned and pipe.hold_rows else refs
 
         rows_q = load_queries(L - 1)
         plgpu.barrier_wait(setup)
@@ -315,7 +318,9 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
                 acc, m, total, g = carry
                 slot = lax.rem(g, S)
                 if turned:  # the rows turned back by the step's first position (`merge.rotate_back`)
-                    lo, hi = rotate_back(*rows_q, column(bcos_s.at[slot, 0]), column(bsin_s.at[slot, 0]))
+                    rows = rows_q if pipe.hold_rows else tuple(x[...] for x in rows_q)
+                    lo, hi = rotate_back(*rows, column(bcos_s.at[slot, 0]), column(bsin_s.at[slot, 0])) if (
+                        rotate) else rows
                     a_lo, a_hi = lo.astype(dtype), hi.astype(dtype)
                 else:
                     a_lo, a_hi = rows_q
