@@ -117,7 +117,8 @@ def test_the_triton_route_compiles_for_hopper_within_shared_memory(T, H, H_kv, K
 
 def test_the_mosaic_merge_layouts_refuse_what_they_cannot_hold():
     for bad in (dict(tile=32), dict(stages=1), dict(consumer_registers=232, memory_registers=64),
-                dict(consumer_registers=180), dict(ablate="lists")):
+                dict(consumer_registers=180), dict(ablate="lists"), dict(tile=128),
+                dict(turn="queries", consumer_registers=168, memory_registers=40, rotator_registers=128)):
         with pytest.raises(ValueError, match="Pipeline"):
             Pipeline(**bad)
 
@@ -129,7 +130,8 @@ EVERY_LAYOUT = (PIPELINE, Pipeline(tile=128, stages=2, consumer_registers=232, m
                 Pipeline(tile=128, stages=2, consumer_registers=232, memory_registers=40, turn="queries",
                          hold_rows=False),
                 Pipeline(tile=64, stages=4, consumer_registers=168, memory_registers=40, rotator_registers=128),
-                Pipeline(tile=128, stages=2), Pipeline(tile=64, stages=2))
+                Pipeline(tile=128, stages=2, consumer_registers=176, memory_registers=40, rotator_registers=120),
+                Pipeline(tile=64, stages=2))
 BENCHMARK_SHAPE = (16, 512, 131072, 8, 4, 128, 128, jnp.bfloat16)
 
 
@@ -172,7 +174,8 @@ def test_the_mosaic_merge_lowers_on_the_cpu(shape, pipes):
 
 
 def test_a_mosaic_merge_layout_past_shared_memory_is_refused_before_it_is_built():
-    merge, args, _ = mosaic_merge_abstract(*BENCHMARK_SHAPE, Pipeline(tile=128, stages=3))
+    deep = Pipeline(tile=128, stages=3, consumer_registers=232, memory_registers=40, turn="queries")
+    merge, args, _ = mosaic_merge_abstract(*BENCHMARK_SHAPE, deep)
     with pytest.raises(ValueError, match="shared memory.*fewer stages"):
         jax.eval_shape(merge, *args)
 

@@ -193,6 +193,9 @@ class Pipeline:
             raise ValueError(f"Pipeline: ablate '', 'rotation', 'mask' or 'both' ({self})")
         if self.turn not in ("keys", "queries") or (self.turn == "queries" and self.rotator_registers):
             raise ValueError(f"Pipeline: turn 'keys' or 'queries', the latter with no rotator ({self})")
+        if self.tile == 128 and self.turn == "keys" and not self.rotator_registers:
+            raise ValueError(f"Pipeline: at tile 128 the keys take a rotator warpgroup or turned queries: the memory "
+                             f"warpgroup rotating them hung on the H200 (journal, 2026-12-02 (1)) ({self})")
 
     @property
     def rotator(self) -> bool:
