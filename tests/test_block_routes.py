@@ -19,11 +19,11 @@ from pallas_kernels.block.merge import rope_tables, rotate_back, rotate_halves
 from pallas_kernels.block.mosaic_merge import PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims, turned_keys
 from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constexprs
 from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.shared_memory import LIMIT
 from tests.conftest import random_qkv
 
 GPU = jax.default_backend() == "gpu"
 TRITON = importlib.util.find_spec("triton") is not None
-SHARED_MEMORY = 232448  # bytes a block may take on an H100 or H200
 
 
 def test_an_unknown_route_is_refused_by_name():
@@ -112,7 +112,7 @@ def test_the_triton_route_compiles_for_hopper_within_shared_memory(T, H, H_kv, K
                        constexprs={(names.index(n),): v for n, v in constexprs.items()})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=st.num_warps, num_stages=st.num_stages))
-    assert 0 < kernel.metadata.shared <= SHARED_MEMORY
+    assert 0 < kernel.metadata.shared <= LIMIT
 
 
 def test_the_mosaic_merge_layouts_refuse_what_they_cannot_hold():

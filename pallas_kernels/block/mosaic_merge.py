@@ -54,6 +54,7 @@ from htree_jax.core.indexing import candidate_count
 from pallas_kernels.block.merge import (PAST_NODES, BlockStatic, layer_parent_counts, rope_tables, rotate_back,
                                        rotate_halves)
 from pallas_kernels.shared.common import next_power_of_two
+from pallas_kernels.shared.shared_memory import LIMIT
 
 TILE = 64  # the default pipeline's candidates a step: a WGMMA N and two bitmap words (RESULTS: 128 slower)
 ROWS = 64  # rows a consumer warpgroup holds (WGMMA's M)
@@ -202,6 +203,16 @@ class Pipeline:
         """Whether a warpgroup of its own rotates the keys."""
         return self.rotator_registers > 0
 
+    @property
+    def turned(self) -> bool:
+        """Whether the consumers turn their rows instead of the keys being rotated."""
+        return self.turn == "queries"
+
+    @property
+    def chunks(self) -> int:
+        """Base angles a step: one turned; else one a chunk of `ROWS` keys rotated."""
+        return 1 if self.turned else self.tile // ROWS
+
 
 PIPELINE = Pipeline(tile=TILE, stages=4, consumer_registers=232, memory_registers=40, turn="queries")
 LOG2E = math.log2(math.e)
@@ -218,11 +229,10 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
     base angle. Two consumers take turns on the tensor cores (`schedule`), as
     `attention_mgpu` does."""
     L, r, C, h, vp, S = st.num_layers, st.r, pipe.tile, st.half, st.vp, pipe.stages
-    turned = pipe.turn == "queries"
+    turned, chunks = pipe.turned, pipe.chunks
     tables, refs = refs[: 2 if turned else 4], refs[2 if turned else 4:]
     lcos_ref, lsin_ref = (None, None) if turned else tables[:2]
     bcos_ref, bsin_ref = tables[-2:]  # a step's base angles, a row a chunk of `C // chunks` positions
-    chunks = 1 if turned else C // ROWS
     sel_ref, count_ref, bits_ref, *refs = refs
     layer_refs = refs[: 3 * L]  # bottom first: keys' halves, values
     o_ref, lse_ref = refs[3 * L: 3 * L + 2]
@@ -407,18 +417,15 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
             plgpu.commit_smem()
         plgpu.barrier_arrive(k_bars.at[slot])
 
-    def load_setup():
+    @pl.when(wg == consumers)
+    def _memory():
+        plgpu.set_max_registers(pipe.memory_registers, action="decrease")
         plgpu.copy_gmem_to_smem(count_ref.at[b, blk, hk], count_s, setup)
         plgpu.copy_gmem_to_smem(sel_ref.at[b, blk, hk], sel_s, setup)
         plgpu.copy_gmem_to_smem(bits_ref.at[b, blk, hk], bits_s, setup)
         if not turned:
             plgpu.copy_gmem_to_smem(lcos_ref, lcos_s, setup)
             plgpu.copy_gmem_to_smem(lsin_ref, lsin_s, setup)
-
-    @pl.when(wg == consumers)
-    def _memory():
-        plgpu.set_max_registers(pipe.memory_registers, action="decrease")
-        load_setup()
         plgpu.barrier_wait(setup)
         g = jnp.int32(0)
         for l in reversed(range(L)):
@@ -528,20 +535,15 @@ def _lists(x, boxes: tuple[int, int]):
     return jnp.moveaxis(x.reshape(x.shape[:4] + boxes), 0, 3)
 
 
-SHARED_MEMORY = 232448  # bytes a block of an H100 or H200 may hold
-
-
 def scratch_shapes(st: BlockStatic, pipe: Pipeline, dtype, list_shape, word_shape, count_len: int):
     """The kernel's shared memory, one `plgpu.SMEM` a buffer (`_merge_kernel` unpacks them
     in this order)."""
     consumers, C, S = program_rows(st) // ROWS, pipe.tile, pipe.stages
-    turned = pipe.turn == "queries"
     tr = lambda minor, dt=dtype: _transforms(minor, dt)
-    q_dtype = jnp.float32 if turned else dtype  # turned per step in float32 registers
-    local = [] if turned else [
+    q_dtype = jnp.float32 if pipe.turned else dtype  # turned per step in float32 registers
+    local = [] if pipe.turned else [
         plgpu.SMEM((ROWS, st.half), jnp.float32, transforms=tr(st.half, jnp.float32)),  # local cos
         plgpu.SMEM((ROWS, st.half), jnp.float32, transforms=tr(st.half, jnp.float32))]  # local sin
-    chunks = 1 if turned else C // ROWS
     return [
         plgpu.SMEM((consumers, ROWS, st.half), q_dtype, transforms=tr(st.half, q_dtype)),  # q lo, a layer's
         plgpu.SMEM((consumers, ROWS, st.half), q_dtype, transforms=tr(st.half, q_dtype)),  # q hi
@@ -549,8 +551,8 @@ def scratch_shapes(st: BlockStatic, pipe: Pipeline, dtype, list_shape, word_shap
         plgpu.SMEM((S, C, st.half), dtype, transforms=tr(st.half)),  # keys hi
         plgpu.SMEM((S, C, st.vp), dtype, transforms=tr(st.vp)),  # values, and at the end the output
         *local,
-        plgpu.SMEM((S, chunks, st.half), jnp.float32),  # a step's base cos, a row a chunk
-        plgpu.SMEM((S, chunks, st.half), jnp.float32),  # base sin
+        plgpu.SMEM((S, pipe.chunks, st.half), jnp.float32),  # a step's base cos, a row a chunk
+        plgpu.SMEM((S, pipe.chunks, st.half), jnp.float32),  # base sin
         plgpu.SMEM(list_shape, jnp.int32),  # every layer's list
         plgpu.SMEM(word_shape, jnp.int32),  # every refined bitmap
         plgpu.SMEM((count_len,), jnp.int32),  # n_P of each layer
@@ -584,13 +586,13 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     L_lists = max(st.num_layers - 1, 1)
     lp = max(4, 1 << (st.num_layers - 1).bit_length())
     scratch = scratch_shapes(st, pipe, dtype, (L_lists,) + list_boxes, (L_lists,) + word_boxes, lp)
-    if shared_bytes(scratch) > SHARED_MEMORY:
+    if shared_bytes(scratch) > LIMIT:
         raise ValueError(f"block_merge='mosaic_gpu': Pipeline(tile={C}, stages={S}) takes {shared_bytes(scratch)} "
                          f"bytes of shared memory at {rows} rows, K / 2 = {st.half}, V = {st.vp} (a block holds "
-                         f"{SHARED_MEMORY}): fewer stages or a smaller tile")
+                         f"{LIMIT}): fewer stages or a smaller tile")
     cos32, sin32 = rope_tables(config, head_dim, table_rows, st)
-    turned = pipe.turn == "queries"
-    chunk = C if turned else ROWS  # positions a base angle serves
+    turned = pipe.turned
+    chunk = C // pipe.chunks  # positions a base angle serves
     tables = [cos32[::chunk], sin32[::chunk]]  # each chunk's first angle
     if not turned:
         tables = [cos32[:ROWS], sin32[:ROWS]] + tables  # each key's angle within its chunk
