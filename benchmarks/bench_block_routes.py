@@ -1,6 +1,7 @@
 """Issue 73: the block merge by route (`KernelConfigs.block_merge`): `--check` each route
 against Pallas-Triton on small shapes, `--time` each at T=131072 (merge kernel, merge call,
-whole forward) beside dense cuDNN. `--routes=a,b` picks routes. Needs a CUDA GPU (and
+whole forward) beside dense cuDNN. `--routes=a,b` picks routes, `--T=a,b` the lengths of `--time` (131072), `--kinds=` its
+inputs (random,correlated). Needs a CUDA GPU (and
 jax-triton for the Triton route).
 
     python benchmarks/bench_block_routes.py --check --time
@@ -17,6 +18,8 @@ from tests.conftest import random_qkv
 
 ROUTES = next((a.split("=")[1].split(",") for a in sys.argv if a.startswith("--routes=")), ["pallas_triton", "triton", "mosaic_gpu"])
 TIME = "--time" in sys.argv
+LENGTHS = next((a.split("=")[1].split(",") for a in sys.argv if a.startswith("--T=")), ["131072"])
+KINDS = next((a.split("=")[1].split(",") for a in sys.argv if a.startswith("--kinds=")), ["random", "correlated"])
 print(jax.devices()[0].device_kind, jax.__version__, flush=True)
 
 def rel(a, b):
@@ -50,28 +53,26 @@ if "--check" in sys.argv:
                 print(f"CHECK r={r} top_k={top_k} T={T} H={H}/{H_kv} K={K} V={V} {jnp.dtype(dtype).name} {source} {route}: {msg} ({time.time()-t0:.1f}s)", flush=True)
             except Exception as e:
                 print(f"CHECK r={r} T={T} H={H}/{H_kv} K={K} V={V} {jnp.dtype(dtype).name} {route}: FAIL {type(e).__name__}: {str(e)[:1500]}", flush=True)
-if TIME:
-    T = 131072
-    for kind in ("random", "correlated"):
-        q, k, v = INPUTS[kind](T)
-        K, V = q.shape[-1], v.shape[-1]
-        config = HTreeConfig(top_k=512, selection_block=16)
-        dense = median_ms(dense_fn(HTreeConfig(top_k=512)), (q, k, v), 10)
-        blocks = jax.jit(lambda q, k, v: blocks_of(q, k, v, config))(q, k, v)
-        row = dict(kind=kind, T=T, dense_ms=dense)
-        for route in ROUTES:
+for T, kind in ((int(t), kind) for t in LENGTHS for kind in KINDS if TIME):
+    q, k, v = INPUTS[kind](T)
+    K, V = q.shape[-1], v.shape[-1]
+    config = HTreeConfig(top_k=512, selection_block=16)
+    dense = median_ms(dense_fn(HTreeConfig(top_k=512)), (q, k, v), 10)
+    blocks = jax.jit(lambda q, k, v: blocks_of(q, k, v, config))(q, k, v)
+    row = dict(kind=kind, T=T, dense_ms=dense)
+    for route in ROUTES:
+        try:
+            merge = jax.jit(lambda q, k, v, s, rt=route: block_forward_pallas(q, k, v, s, config=config, merge=rt)[0])
+            row[f"{route}_merge_ms"] = median_ms(merge, (q, k, v, blocks), 10)
             try:
-                merge = jax.jit(lambda q, k, v, s, rt=route: block_forward_pallas(q, k, v, s, config=config, merge=rt)[0])
-                row[f"{route}_merge_ms"] = median_ms(merge, (q, k, v, blocks), 10)
-                try:
-                    times = kernel_times(lambda: merge(q, k, v, blocks), 3)
-                    row[f"{route}_kernels"] = sorted(((round(t / 1e3, 3), n[:60]) for n, (t, _) in times.items()), reverse=True)[:5]
-                except Exception as e:
-                    row[f"{route}_kernels"] = f"{type(e).__name__}: {str(e)[:200]}"
-                tuning = KernelConfigs.resolve(None, K, V).with_changes({"block_merge": route})
-                full = jax.jit(lambda q, k, v, t=tuning: htree_attention(q, k, v, config, backend="pallas", block_sizes=t))
-                row[f"{route}_forward_ms"] = median_ms(full, (q, k, v), 10)
+                times = kernel_times(lambda: merge(q, k, v, blocks), 3)
+                row[f"{route}_kernels"] = sorted(((round(t / 1e3, 3), n[:60]) for n, (t, _) in times.items()), reverse=True)[:5]
             except Exception as e:
-                row[f"{route}"] = f"FAIL {type(e).__name__}: {str(e)[:600]}"
-            print(row, flush=True)
-        print("TIMING", row, flush=True)
+                row[f"{route}_kernels"] = f"{type(e).__name__}: {str(e)[:200]}"
+            tuning = KernelConfigs.resolve(None, K, V).with_changes({"block_merge": route})
+            full = jax.jit(lambda q, k, v, t=tuning: htree_attention(q, k, v, config, backend="pallas", block_sizes=t))
+            row[f"{route}_forward_ms"] = median_ms(full, (q, k, v), 10)
+        except Exception as e:
+            row[f"{route}"] = f"FAIL {type(e).__name__}: {str(e)[:600]}"
+        print(row, flush=True)
+    print("TIMING", row, flush=True)

@@ -33,7 +33,7 @@ from htree_jax.core.rope import rope_layout
 from htree_jax.core.validation import Dims
 from htree_jax.reference import attend_tree, default_query_chunk
 from htree_jax.routes import ROUTES, Call, Route, block_selections, latent_values
-from pallas_kernels.block.forward import check_merge_route, merge_static
+from pallas_kernels.block.forward import check_merge_route, chosen_merge, merge_static
 from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
 from pallas_kernels.decode.walk import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.gqa.plan import check_pallas_dims
@@ -148,8 +148,9 @@ def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
 
     - `"reference"`, `"reference_packed"`: `impl == "reference"`.
     - `"block_<merge>"`: block selection (SPEC 12) past one layer, the merge
-      `tuning.block_merge` (`check_block_kernel_dims`; whether that merge runs the
-      shapes is `check_route`'s, an error under "auto" too).
+      `tuning.block_merge` (`"auto"`: `block.forward.chosen_merge`, Mosaic GPU on a
+      Hopper GPU where it takes the shape; `check_block_kernel_dims`; whether a named
+      merge runs the shapes is `check_route`'s, an error under backend "auto" too).
     - `"dense"`: a one-layer tree (exact causal attention) on a GPU that cuDNN takes:
       16-bit inputs of equal head dims up to 128, the values given, whole sequences of
       one document a row.
@@ -163,7 +164,8 @@ def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
             check_block_kernel_dims(dims, config, impl, packed, context_shard)
         elif packed or context_shard:
             raise ValueError(WHOLE_SEQUENCES)
-        return f"block_{tuning.block_merge}"
+        return "block_" + chosen_merge(tuning.block_merge, config, dims.seq_len, dims.group_size, dims.head_dim,
+                                       dims.value_dim, dtype, tuning.block, impl == "pallas_interpret")
     if check_limits:
         check_pallas_dims(dims, impl)
     if (whole and impl == "pallas" and not (packed or latent or context_shard)
@@ -207,11 +209,12 @@ def blocks_of(q, k, v, config: HTreeConfig, block_sizes=None, impl: str = "palla
 def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs) -> None:
     """What a call asked for explicitly and the chosen route cannot do, a ValueError
     naming the rule ("auto" does not fall back from it): block selection's merge
-    `tuning.block_merge` on these shapes (`check_merge_route`)."""
+    (the route's, `tuning.block_merge` resolved) on these shapes (`check_merge_route`)."""
     if name.startswith("block_"):
+        merge = name[len("block_"):]
         st = merge_static(config, dims.seq_len, dims.group_size, dims.head_dim, dims.value_dim, dtype, tuning.block,
-                          tuning.block_merge)
-        check_merge_route(tuning.block_merge, st, dims.head_dim, dims.value_dim, dtype, impl == "pallas_interpret")
+                          merge)
+        check_merge_route(merge, st, dims.head_dim, dims.value_dim, dtype, impl == "pallas_interpret")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim", "q_layout"))

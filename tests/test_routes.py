@@ -16,6 +16,7 @@ from htree_jax import HTreeConfig
 from htree_jax.backends import attend, choose_route, ranking_route
 from htree_jax.core.validation import Dims
 from htree_jax.routes import KERNEL_ROUTES, ROUTES
+from pallas_kernels.block import forward as block_forward
 from pallas_kernels.block.forward import MERGES
 from pallas_kernels.shared.configs import MERGE_ROUTES, KernelConfigs
 
@@ -78,6 +79,30 @@ CLASSES = [
     ("block selection, the Mosaic GPU merge", "pallas", dims(), BLOCK, BF16,
      dict(tuning=tuned(block_merge="mosaic_gpu")), "block_mosaic_gpu"),
 ]
+
+# `block_merge="auto"` (the default) on a Hopper GPU: Mosaic GPU where it takes the shape.
+ON_HOPPER = [
+    ("bf16", dims(), BLOCK, BF16, "pallas", "block_mosaic_gpu"),
+    ("f16, previous", dims(), PREVIOUS, jnp.float16, "pallas", "block_mosaic_gpu"),
+    ("K=V=64", dims(K=64, V=64), BLOCK, BF16, "pallas", "block_mosaic_gpu"),
+    ("f32: no WGMMA form of its exact dots", dims(), BLOCK, F32, "pallas", "block_pallas_triton"),
+    ("K=V=256: past shared memory", dims(K=256, V=256), BLOCK, BF16, "pallas", "block_pallas_triton"),
+    ("interpreted", dims(), BLOCK, BF16, "pallas_interpret", "block_pallas_triton"),
+]
+
+
+@pytest.mark.parametrize("what, d, config, dtype, impl, route", ON_HOPPER, ids=[c[0] for c in ON_HOPPER])
+def test_the_default_merge_is_mosaic_gpu_on_hopper_where_it_takes_the_shape(monkeypatch, what, d, config, dtype,
+                                                                           impl, route):
+    monkeypatch.setattr(block_forward, "on_hopper", lambda: True)
+    assert KernelConfigs().block_merge == "auto"
+    tuning = tuned(d.head_dim, d.value_dim)
+    assert choose_route(impl, dims=d, config=config, dtype=dtype, tuning=tuning) == route
+
+
+def test_the_default_merge_off_hopper_is_pallas_triton():
+    assert not block_forward.on_hopper()  # CI: a CPU
+    assert choose_route("pallas", dims=dims(), config=BLOCK, dtype=BF16, tuning=tuned(128, 128)) == "block_pallas_triton"
 
 
 @pytest.mark.parametrize("what, impl, d, config, dtype, options, route", CLASSES, ids=[c[0] for c in CLASSES])

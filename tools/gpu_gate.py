@@ -26,9 +26,11 @@ decode steps, against the float32 JAX reference with exact dots:
 Block selection (SPEC 12, `selection_block=16`: `pallas_kernels.block`) has its cases
 with each source: the same checks, decoding included (the decode kernels keep the
 block's selection, `cache.selections`).
-The block merge's routes off Pallas-Triton (`KernelConfigs.block_merge`: `"triton"`
-through jax-triton, `"mosaic_gpu"`; `docs/backends.md`) have `via` cases: the forward and
-gradients (decoding does not take the route), and the benchmark shape at T=131072. The
+The block merge's default (`KernelConfigs.block_merge="auto"`) is Mosaic GPU on a Hopper
+GPU where it takes the shape, so the block cases without `via` run it at bf16 and f16;
+each merge by name (`"pallas_triton"`, `"triton"` through jax-triton, `"mosaic_gpu"`;
+`docs/backends.md`) has `via` cases: the forward and gradients (decoding does not take
+the route), and the benchmark shape at T=131072. The
 block backward summed by node (`BlockConfig(backward_sum="by_node")`) has `by node` cases:
 the gradients against the reference, and twice, bitwise equal. The
 whole gate took about 13 minutes on an H200 (before the 17 `by node`, Mosaic GPU and 128-head cases
@@ -136,9 +138,10 @@ def matrix(full: bool):
     for source in ("first", "previous"):
         yield (8, 128, 128, None), "bfloat16", "mean", f"block {source}"
     yield (128, 128, 128, None), "bfloat16", "bound", "block first"  # one query a program (issue 84)
-    # The block merge's routes off Pallas-Triton (`KernelConfigs.block_merge`,
-    # `docs/backends.md`): forward and gradients (the decode kernels do not take them).
-    for route in ("triton", "mosaic_gpu"):
+    # The block merge's routes by name (`KernelConfigs.block_merge`, `docs/backends.md`;
+    # the cases above take "auto": Mosaic GPU on an H200 where it takes the shape): forward
+    # and gradients (the decode kernels do not take them).
+    for route in ("pallas_triton", "triton", "mosaic_gpu"):
         for source in ("first", "previous"):
             yield (8, 128, 128, None), "bfloat16", "bound", f"block {source} via {route}"
         yield (4, 64, 64, None), "bfloat16", "bound", f"block first via {route}"
@@ -307,7 +310,7 @@ def run_case(rng, shape, dtype, sel, packed):
     return ok, out
 
 
-def run_benchmark_shape(rng, sel, top_k, T_big, source=None, route="pallas_triton"):
+def run_benchmark_shape(rng, sel, top_k, T_big, source=None, route="auto"):
     """`source`: block selection's (`selection_block=16`), None: per query; `route` the
     block merge's kernel (`KernelConfigs.block_merge`)."""
     config = HTreeConfig(top_k=top_k, selection=sel,
@@ -411,7 +414,7 @@ def main():
     if args.big_T:
         cases += [("big", (sel, top_k)) for sel in ("mean", "bound") for top_k in (512, 64)]
         cases += [("big", ("bound", 512, source)) for source in ("first", "previous")]
-        cases += [("big", ("bound", 512, "first", route)) for route in ("triton", "mosaic_gpu")]
+        cases += [("big", ("bound", 512, "first", route)) for route in ("pallas_triton", "triton")]
     if args.only:
         cases = [(kind, c) for kind, c in cases if re.search(args.only, case_name(kind, c, args.big_T))]
     dump_root = tempfile.mkdtemp(prefix="gpu_gate_")

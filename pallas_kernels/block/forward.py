@@ -101,6 +101,31 @@ def block_layout(x, num_kv_heads: int, st: BlockStatic, Tp: int):
     return pad_axis(pad_axis(x, 1, Tp), 3, st.group)
 
 
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x), where
+    Mosaic GPU's WGMMA and TMA run."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def chosen_merge(route: str, config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, block: BlockConfig,
+                 interpret: bool) -> str:
+    """The merge `KernelConfigs.block_merge = route` names for a launch; `"auto"`: Mosaic
+    GPU where it is the fastest measured (a Hopper GPU, not interpreted) and takes the
+    shape (`check_mosaic_dims`: 16-bit inputs, the head dims and rows it holds), else
+    Pallas-Triton. Any other name is itself (`check_merge_route` checks it)."""
+    if route != "auto":
+        return route
+    if interpret or not on_hopper():
+        return "pallas_triton"
+    st = merge_static(config, T, G, K, V, dtype, block, "mosaic_gpu")
+    try:
+        _check_mosaic(st, K, V, dtype)
+    except ValueError:
+        return "pallas_triton"
+    return "mosaic_gpu"
+
+
 def check_merge_route(route: str, st: BlockStatic, K: int, V: int, dtype, interpret: bool) -> None:
     """`route` must be one of `MERGES` and able to run the launch `st` (head dims `K`, `V`,
     inputs in `dtype`) here: the kernels off Pallas-Triton have no interpret mode, the

@@ -56,7 +56,7 @@ from pallas_kernels.block.merge import (PAST_NODES, BlockStatic, layer_parent_co
 from pallas_kernels.shared.common import next_power_of_two
 from pallas_kernels.shared.shared_memory import LIMIT
 
-TILE = 64  # the default pipeline's candidates a step: a WGMMA N and two bitmap words (RESULTS: 128 slower)
+TILE = 128  # the most candidates a step of any layout (`pipeline_for`): a WGMMA N, whole bitmap words
 ROWS = 64  # rows a consumer warpgroup holds (WGMMA's M)
 WORD = 32  # positions a bitmap word holds
 TMA_ROWS = 256  # the most elements a TMA copy moves along a dimension
@@ -214,7 +214,19 @@ class Pipeline:
         return 1 if self.turned else self.tile // ROWS
 
 
-PIPELINE = Pipeline(tile=TILE, stages=4, consumer_registers=232, memory_registers=40, turn="queries")
+# The measured layouts (RESULTS, "Step 4"): 128 candidates a step, the rows read from
+# shared memory each step (held in registers they spill), turned once per 128 keys;
+# 64 a step with the rows held where 128 would take `128 / r` turned copies of the
+# keys past 8 (`turned_keys`).
+PIPELINE = Pipeline(tile=TILE, stages=2, consumer_registers=232, memory_registers=40, turn="queries",
+                    hold_rows=False)
+NARROW_PIPELINE = Pipeline(tile=64, stages=4, consumer_registers=232, memory_registers=40, turn="queries")
+
+
+def pipeline_for(st: BlockStatic) -> Pipeline:
+    """The layout a launch takes by default: `PIPELINE` at `compression_rate` 16 and
+    up, `NARROW_PIPELINE` below (its key copies, `tile / r`, half as many)."""
+    return PIPELINE if st.r >= 16 else NARROW_PIPELINE
 LOG2E = math.log2(math.e)
 
 
@@ -510,7 +522,8 @@ def turned_keys(layers, cos, sin, st: BlockStatic, tile: int):
     step of `tile` positions of node tile `v` of the step, so that the kernel turns
     only the queries, by the step's first position. `[B, H_kv, Np, half]` -> `[tile / r,
     B, H_kv, Np, half]`; values as they are. Memory: `tile / r` times the keys of every
-    layer for the call (4x at r=16: about 0.55 GB at the benchmark shape's T=131072)."""
+    layer for the call (8x at r=16 and `PIPELINE`'s 128 a step: about 1.1 GB at the
+    benchmark shape's T=131072, 4.4 GB at 524288)."""
     r, out = st.r, []
     for k_lo, k_hi, vl in zip(layers[0::3], layers[1::3], layers[2::3]):
         n = k_lo.shape[2]
@@ -569,13 +582,14 @@ def shared_bytes(scratch) -> int:
 
 @functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret", "pipe"))
 def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
-                       interpret: bool = False, pipe: Pipeline = PIPELINE):
+                       interpret: bool = False, pipe: Pipeline | None = None):
     """`merge.block_merge_pallas` (same arguments and results, no interpret mode:
     `interpret=True` is refused) on the Mosaic GPU kernel above, laid out as `pipe`
-    says (`table_rows` is rounded up to `pipe.tile`). A layout whose buffers pass the
+    says (None: `pipeline_for(st)`; `table_rows` is rounded up to `pipe.tile`). A layout whose buffers pass the
     shared memory a block holds is refused (ValueError) before it is built."""
     if interpret:
         raise ValueError("block_merge='mosaic_gpu' has no interpret mode; interpreted runs take 'pallas_triton'")
+    pipe = pipe or pipeline_for(st)
     B, Tp, H_kv, gp, _ = q5.shape
     dtype, C, S = q5.dtype, pipe.tile, pipe.stages
     table_rows = -(-max(table_rows, 4 * WORD) // C) * C  # a bitmap a TMA copy of at least 16 bytes

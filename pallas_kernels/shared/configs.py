@@ -151,8 +151,8 @@ class BlockConfig:
     """Block selection's family (SPEC 12, `pallas_kernels/block/`): a program per `(block,
     kv head)` holds the block's `b * G` rows. The merge's candidates a step (a multiple of
     `r`, two node tiles at r = 16) and warps, and the backward's; the merge's kernel
-    itself is `KernelConfigs.block_merge`. The Mosaic GPU merge steps its own 64
-    candidates (`block/mosaic_merge.py`)."""
+    itself is `KernelConfigs.block_merge`. The Mosaic GPU merge steps its own 64 or
+    128 candidates (`block/mosaic_merge.pipeline_for`)."""
 
     merge_tile: int = 32
     merge_num_warps: int = 4
@@ -278,12 +278,14 @@ class KernelConfigs:
     save_selections: bool = True
     chunk_budget_bytes: int = 2 << 30
     # The block-selection merge's kernel (`MERGE_ROUTES`): Pallas-Triton, Triton through
-    # jax-triton, or Mosaic GPU (`docs/backends.md`).
-    block_merge: str = "pallas_triton"
+    # jax-triton, or Mosaic GPU (`docs/backends.md`); "auto": Mosaic GPU on a Hopper GPU
+    # where it takes the shape, else Pallas-Triton (`block.forward.chosen_merge`).
+    block_merge: str = "auto"
 
     def __post_init__(self):
-        if self.block_merge not in MERGE_ROUTES:
-            raise ValueError(f"KernelConfigs.block_merge must be one of {MERGE_ROUTES}, got {self.block_merge!r}")
+        if self.block_merge not in ("auto",) + MERGE_ROUTES:
+            raise ValueError(f"KernelConfigs.block_merge must be 'auto' or one of {MERGE_ROUTES}, "
+                             f"got {self.block_merge!r}")
 
     @classmethod
     def resolve(cls, block_sizes: "BlockSizes | KernelConfigs | None", K: int, V: int) -> "KernelConfigs":
