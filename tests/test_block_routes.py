@@ -205,3 +205,14 @@ def test_turned_keys_score_as_keys_rotated_by_their_buffer_position():
         r_lo, r_hi = rotate_halves(k_lo[0, 0, rows], k_hi[0, 0, rows], cos[p], sin[p])
         want = q_lo @ r_lo.T + q_hi @ r_hi.T
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_layout_probe_reads_every_layout_it_names(capsys):
+    """`tools/probes/block_merge_pipelines.py --pipe`: each token it documents builds its
+    `Pipeline` (the probe runs only on a GPU; its reading of a layout runs here)."""
+    from tools.probes import block_merge_pipelines
+
+    for spec in ("128,2,232,40,queries,smem", "64,4,232,40,queries,rotation", "64,4,168,40,128", "64,2,176,152"):
+        assert block_merge_pipelines.main(["--pipe", spec]) == 0
+    out = capsys.readouterr().out
+    assert "hold_rows=False" in out and "ablate='rotation'" in out and "rotator_registers=128" in out
