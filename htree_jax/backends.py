@@ -100,12 +100,12 @@ def full_sequence_backend(backend: str, dims: Dims, config: HTreeConfig | None =
     tuning = KernelConfigs.resolve(block_sizes, dims.head_dim, dims.value_dim)
     facts = dict(dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packed, latent=latent)
     impl = choose_backend(backend, lambda name: choose_route(name, **facts))
-    check_route(choose_route(impl, **facts), impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
+    check_route(choose_route(impl, **facts), impl, dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packed)
     return impl
 
 
-WHOLE_SEQUENCES = ("block selection's kernels take whole sequences of one document a row (no packing, no context "
-                   "shards): backend='reference' takes the others")
+WHOLE_SEQUENCES = ("block selection's kernels take whole sequences (no context shards): backend='reference' takes "
+                   "the others")
 
 
 def takes_context_shards(impl: str, config: HTreeConfig) -> bool:
@@ -114,22 +114,18 @@ def takes_context_shards(impl: str, config: HTreeConfig) -> bool:
     return not (config.selects_by_block and impl in ("pallas", "pallas_interpret"))
 
 
-def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str, packed: bool,
-                            context_shard: bool = False) -> None:
+def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str, context_shard: bool = False) -> None:
     """Block selection's kernels (SPEC 12, `pallas_kernels.block`): the per-query kernels'
     limits for the call (they choose each block's nodes on its ranking rows), heads up to
     `BLOCK_MAX_DIM` features, the ranking rows (`"previous"`: `b * G` rows a kv head),
-    one document per row and whole sequences (a context shard's blocks reach into the
-    shard before it: the reference takes those; batch and head shards are whole
-    sequences)."""
+    and whole sequences (a context shard's blocks reach into the shard before it: the
+    reference takes those; batch and head shards are whole sequences). Packed rows are
+    the Pallas-Triton merge's (`check_route`)."""
     check_pallas_dims(dims, backend)
     if max(dims.head_dim, dims.value_dim) > BLOCK_MAX_DIM:
         raise ValueError(f"backend {backend!r}: block selection's kernels take K and V up to {BLOCK_MAX_DIM}, got "
                          f"K = {dims.head_dim}, V = {dims.value_dim}; backend='reference' takes larger heads")
     check_ranking_rows(dims.group_size, config, backend)
-    if packed:
-        raise ValueError(f"backend {backend!r}: selection_block={config.selection_block} (block selection) with "
-                         "segment_ids runs on the JAX reference only for now; use backend='reference' or 'auto'")
     if context_shard:
         raise ValueError(WHOLE_SEQUENCES)
 
@@ -161,11 +157,11 @@ def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     whole = one_layer(config, dims.seq_len)
     if config.selects_by_block and not whole:
         if check_limits:
-            check_block_kernel_dims(dims, config, impl, packed, context_shard)
-        elif packed or context_shard:
+            check_block_kernel_dims(dims, config, impl, context_shard)
+        elif context_shard:
             raise ValueError(WHOLE_SEQUENCES)
         return "block_" + chosen_merge(tuning.block_merge, config, dims.seq_len, dims.group_size, dims.head_dim,
-                                       dims.value_dim, dtype, tuning.block, impl == "pallas_interpret")
+                                       dims.value_dim, dtype, tuning.block, impl == "pallas_interpret", packed)
     if check_limits:
         check_pallas_dims(dims, impl)
     if (whole and impl == "pallas" and not (packed or latent or context_shard)
@@ -206,12 +202,18 @@ def blocks_of(q, k, v, config: HTreeConfig, block_sizes=None, impl: str = "palla
                             interpret=impl == "pallas_interpret")[0]
 
 
-def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs) -> None:
+def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs,
+                packed: bool = False) -> None:
     """What a call asked for explicitly and the chosen route cannot do, a ValueError
     naming the rule ("auto" does not fall back from it): block selection's merge
-    (the route's, `tuning.block_merge` resolved) on these shapes (`check_merge_route`)."""
+    (the route's, `tuning.block_merge` resolved) on these shapes (`check_merge_route`);
+    packed rows (`packed`) on the Pallas-Triton merge and the atomics' backward only."""
     if name.startswith("block_"):
         merge = name[len("block_"):]
+        if packed and (merge != "pallas_triton" or tuning.block.backward_sum != "atomics"):
+            raise ValueError(f"block selection with segment_ids runs on block_merge='pallas_triton' (or 'auto') and "
+                             f"BlockConfig(backward_sum='atomics'), got {merge!r} and "
+                             f"{tuning.block.backward_sum!r}")
         st = merge_static(config, dims.seq_len, dims.group_size, dims.head_dim, dims.value_dim, dtype, tuning.block,
                           merge)
         check_merge_route(merge, st, dims.head_dim, dims.value_dim, dtype, impl == "pallas_interpret")
@@ -247,7 +249,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     name = choose_route(impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None,
                         latent=v is None, context_shard=positions is not None or rank_rows is not None,
                         check_limits=False)
-    check_route(name, impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning)
+    check_route(name, impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None)
     route = ROUTES[name]
     if q_layout == "given" and not route.given_layout:
         q, q_layout = rope_layout(q, config.partial_rope(K)), "rope_layout"

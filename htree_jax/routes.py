@@ -17,7 +17,7 @@ H_kv, V]` (or None, where the route reads the values from the keys), and a `Call
 | `dense` | a one-layer tree: RoPE, then cuDNN (`core.one_layer`) | XLA (cuDNN's) |
 | `gqa` | the GQA family (`pallas_kernels/gqa/`) | `htree_backward_pallas` |
 | `wide` | the wide family (latent attention, `pallas_kernels/wide/`) | `wide_backward_pallas` |
-| `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`) | `block_backward_pallas` |
+| `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`); packed rows laid out virtually, on the Pallas-Triton merge (`block/packed.py`) | `block_backward_pallas` (packed: `block_backward_packed`) |
 
 Adding a route is a row here (and a rule in `choose_route`), the family's file and its tests.
 """
@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.non_finite import first_non_finite, poison_rows, zero_non_finite
 from htree_jax.core.one_layer import one_layer_attention
-from htree_jax.core.packing import local_selections
+from htree_jax.core.packing import Packing, local_selections, tokens_to_virtual, virtual_doc_starts
 from htree_jax.reference import htree_attention_reference, htree_attention_reference_packed
-from pallas_kernels.block.attention import block_attention
+from pallas_kernels.block.attention import block_attention, packed_block_attention
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import MERGES, block_forward_pallas
 from pallas_kernels.gqa.attention import gqa_attention
@@ -171,14 +171,59 @@ def block_selections(q, k, v, *, config: HTreeConfig, tuning: KernelConfigs, sel
     return selected, (exported[0] if export else [])
 
 
+def packed_block_selections(q, k, v, packing, *, config: HTreeConfig, tuning: KernelConfigs,
+                            interpret: bool = False, export: bool = False):
+    """`block_selections` over packed rows (SPEC 6, 12): the queries laid out as the tree
+    is (`core.packing`: a document starts at a multiple of `r^(L-1)`, so its blocks at
+    multiples of `b`), each virtual block ranked at its first virtual position by the
+    per-query GQA kernels over the keys' packed tree (`"previous"`: zero rows where a
+    block starts its document). Returns `(selections, firsts, importance)`: each layer's
+    `[B, T_v / b, H_kv, top_k]` virtual tree rows (top layer first), `firsts [B, T_v /
+    b]` each block's document's first top node (`pallas_kernels.block.packed`), and the
+    importance (`[]` without `export`). Blocks of padding rank too; nothing reads them."""
+    b, r, L = config.selection_block, config.compression_rate, packing.num_layers
+    doc = virtual_doc_starts(packing)[:, ::b]  # [B, NB_v]
+    starts = jnp.broadcast_to(jnp.arange(doc.shape[1], dtype=jnp.int32) * b, doc.shape)
+    rows = block_ranking_rows(tokens_to_virtual(q, packing), k.shape[2], config)
+    if config.block_source == "previous":  # the virtual block before may hold the previous document's tokens
+        rows = jnp.where((starts == doc)[:, :, None, None], jnp.zeros((), rows.dtype), rows)
+    places = Packing(starts, doc, packing.fits, packing.virtual_len, L)
+    rows, k, v = (jax.lax.stop_gradient(x) for x in (rows, k, v))
+    _, selected, *exported = ROUTES["gqa"].forward(
+        rows, k, v, config=dataclasses.replace(config, selection_block=1), block_sizes=tuning, interpret=interpret,
+        packing=packing, query_packing=places, return_importance=export)
+    return selected, doc // r ** (L - 1), (exported[0] if export else [])
+
+
 def per_token(block_values, b: int, T: int):
     """A block's lists for each of its tokens: `[B, NB, ...]` -> `[B, T, ...]`."""
     return jnp.repeat(block_values, b, axis=1)[:, :T]
 
 
+def _block_packed(q, k, v, c: Call):
+    """Block selection over packed rows on the kernels (`packed_block_selections`, then
+    `pallas_kernels.block.packed`'s merge and backward); each token's lists are its
+    virtual block's, counted inside its document. A one-layer tree is exact attention
+    in each document: the per-query route's."""
+    if c.packing.num_layers == 1:
+        return _gqa(q, k, v, dataclasses.replace(c, config=dataclasses.replace(c.config, selection_block=1)))
+    blocks, firsts, exported = packed_block_selections(q, zero_non_finite(k), zero_non_finite(v), c.packing,
+                                                       config=c.config, tuning=c.tuning, interpret=c.interpret,
+                                                       export=c.export)
+    o = packed_block_attention(q, k, v, blocks, firsts, c.packing, config=c.config, tuning=c.tuning,
+                               interpret=c.interpret)
+    block_of = (c.packing.position // c.config.selection_block)[:, :, None, None]
+    tokens = lambda x: jnp.take_along_axis(x, block_of, axis=1)
+    selected = local_selections([tokens(s) for s in blocks], c.packing, c.config.compression_rate)
+    return (o, selected, *([[tokens(x) for x in exported]] if c.export else []))
+
+
 def _block(q, k, v, c: Call, merge: str):
     """Block selection on the kernels: the blocks' selections, then the block family's
-    merge `merge` and its backward; each token's lists are its block's."""
+    merge `merge` and its backward; each token's lists are its block's. Packed rows:
+    `_block_packed` (the Pallas-Triton merge, `backends.chosen_merge`)."""
+    if c.packing is not None:
+        return _block_packed(q, k, v, c)
     b, T = c.config.selection_block, q.shape[1]
     blocks, exported = block_selections(q, zero_non_finite(k), zero_non_finite(v), config=c.config, tuning=c.tuning,
                                         selection_route=c.selection_route, interpret=c.interpret, export=c.export)
@@ -200,4 +245,4 @@ KERNEL_ROUTES = tuple(name for name, route in ROUTES.items() if route.backward i
 
 
 __all__ = ["Call", "KERNEL_ROUTES", "ROUTES", "Route", "block_ranking_rows", "block_selections", "latent_values",
-           "per_token"]
+           "packed_block_selections", "per_token"]

@@ -16,9 +16,10 @@ import pytest
 
 import htree_jax
 from htree_jax import HTreeConfig, htree_attention
+from pallas_kernels.shared.configs import KernelConfigs
 from reference_numpy import htree_attention_numpy
 from tests.conftest import random_qkv
-from tests.test_packing import assert_packed_matches_oracle
+from tests.test_packing import assert_gradients_equal_per_document, assert_packed_matches_oracle, segments
 
 SOURCES = ["first", "previous"]
 # (compression_rate, top_k, T, H, H_kv, importance): 3+ layers at small T.
@@ -135,13 +136,29 @@ def test_gradients_match_oracle_finite_differences(rng, source):
     assert checked >= 20
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
 @pytest.mark.parametrize("source", SOURCES)
-def test_packed_documents_are_blocked_inside_each_document(rng, source):
+def test_packed_documents_are_blocked_inside_each_document(rng, source, backend):
     """Each document alone (the oracle on its own tokens): blocks start at each document's
-    first token, so none spans two."""
+    first token, so none spans two; the kernels (`pallas_kernels/block/packed.py`, the
+    queries laid out as the tree) as the reference."""
     config = block_config(4, 4, source)
     q, k, v = random_qkv(rng, 2, 150, 4, 2, 32, 32)
-    assert_packed_matches_oracle(q, k, v, [[5, 9, 33, 1, 102], [70, 3, 77]], config, "reference")
+    assert_packed_matches_oracle(q, k, v, [[5, 9, 33, 1, 102], [70, 3, 77]], config, backend)
+
+
+@pytest.mark.parametrize("source, G", [("first", 2), ("previous", 4)])
+def test_packed_gradients_on_the_kernels_equal_each_document_alone(rng, source, G):
+    """The packed block kernels' backward (the tree's transpose by XLA, the layers' by
+    the kernel) against the reference run on each document by itself."""
+    config = block_config(4, 4, source)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, 150, 2 * G, 2, 32, 32))
+    w = jnp.asarray(rng.standard_normal((2, 150, 2 * G, 32)), jnp.float32)
+    rows = [[1, 20, 70, 59], [16, 2, 132]]
+    seg = segments(rows)
+    packed = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, segment_ids=seg, max_documents=4,
+                                                     backend="pallas_interpret") * w)
+    assert_gradients_equal_per_document(packed, q, k, v, w, rows, config)
 
 
 def test_where_it_is_not_built_the_errors_say_so(rng):
@@ -149,9 +166,12 @@ def test_where_it_is_not_built_the_errors_say_so(rng):
     q, k, v = random_qkv(rng, 1, 40, 4, 2, 32, 32)
     with pytest.raises(ValueError, match="backend 'pallas' needs a CUDA GPU"):
         htree_attention(q, k, v, config, backend="pallas")
-    segments = jnp.asarray((np.arange(40) >= 17).astype(np.int32))[None]
-    with pytest.raises(ValueError, match="selection_block=4 .* with segment_ids runs on the JAX reference only"):
-        htree_attention(q, k, v, config, backend="pallas_interpret", segment_ids=segments, max_documents=2)
+    ids = jnp.asarray((np.arange(40) >= 17).astype(np.int32))[None]
+    by_node = KernelConfigs().with_changes({"block.backward_sum": "by_node"})
+    for tuning in (KernelConfigs(block_merge="mosaic_gpu"), by_node):
+        with pytest.raises(ValueError, match="block selection with segment_ids runs on block_merge='pallas_triton'"):
+            htree_attention(q, k, v, config, backend="pallas_interpret", segment_ids=ids, max_documents=2,
+                            block_sizes=tuning)
     wide_q, wide_k, wide_v = random_qkv(rng, 1, 40, 4, 2, 288, 32)
     with pytest.raises(ValueError, match="block selection's kernels take K and V up to 256, got K = 288"):
         htree_attention(wide_q, wide_k, wide_v, config, backend="pallas_interpret")

@@ -139,12 +139,18 @@ def test_packed_gradients_equal_per_document(rng, backend):
     def packed(q, k, v):
         return jnp.sum(htree_attention(q, k, v, CONFIG, segment_ids=seg, backend=backend) * w)
 
+    assert_gradients_equal_per_document(packed, q, k, v, w, rows, CONFIG)
+
+
+def assert_gradients_equal_per_document(packed, q, k, v, w, rows, config):
+    """`packed(q, k, v)`, a weighted sum `w` of a packed call's outputs: its gradients
+    equal those of the reference run on each document of `rows` by itself."""
     def documents(q, k, v):
         total = 0.0
         for b, lengths in enumerate(rows):
             for s, n in per_document(lengths):
                 doc = slice(s, s + n)
-                o = htree_attention(q[b:b + 1, doc], k[b:b + 1, doc], v[b:b + 1, doc], CONFIG, backend="reference")
+                o = htree_attention(q[b:b + 1, doc], k[b:b + 1, doc], v[b:b + 1, doc], config, backend="reference")
                 total = total + jnp.sum(o * w[b:b + 1, doc])
         return total
 

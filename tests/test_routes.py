@@ -74,6 +74,7 @@ CLASSES = [
     ("block selection, previous", "pallas", dims(), PREVIOUS, BF16, {}, "block_pallas_triton"),
     ("block selection f32 K=V=256", "pallas", dims(K=256, V=256), BLOCK, F32, {}, "block_pallas_triton"),
     ("block selection, interpreted", "pallas_interpret", dims(), BLOCK, F32, {}, "block_pallas_triton"),
+    ("block selection, packed", "pallas", dims(), BLOCK, BF16, dict(packed=True), "block_pallas_triton"),
     ("block selection, the Triton merge", "pallas", dims(), BLOCK, BF16, dict(tuning=tuned(block_merge="triton")),
      "block_triton"),
     ("block selection, the Mosaic GPU merge", "pallas", dims(), BLOCK, BF16,
@@ -100,6 +101,12 @@ def test_the_default_merge_is_mosaic_gpu_on_hopper_where_it_takes_the_shape(monk
     assert choose_route(impl, dims=d, config=config, dtype=dtype, tuning=tuning) == route
 
 
+def test_packed_rows_take_the_pallas_triton_merge_on_hopper_too(monkeypatch):
+    monkeypatch.setattr(block_forward, "on_hopper", lambda: True)
+    assert choose_route("pallas", dims=dims(), config=BLOCK, dtype=BF16, tuning=tuned(128, 128),
+                        packed=True) == "block_pallas_triton"
+
+
 def test_the_default_merge_off_hopper_is_pallas_triton():
     assert not block_forward.on_hopper()  # CI: a CPU
     assert choose_route("pallas", dims=dims(), config=BLOCK, dtype=BF16, tuning=tuned(128, 128)) == "block_pallas_triton"
@@ -123,7 +130,6 @@ REFUSED = [
     ("K below the kernels' 32", dims(K=16, V=16), PER_QUERY, {}, "head dim K in \\[32, 576\\]"),
     ("V past 512", dims(V=640), PER_QUERY, {}, "value dim V in \\[32, 512\\]"),
     ("G=24", dims(H=96), PER_QUERY, {}, "at most 16 query heads per kv head, or a multiple of 16"),
-    ("block selection packed", dims(), BLOCK, dict(packed=True), "with segment_ids runs on the JAX reference"),
     ("block selection in a context shard", dims(), BLOCK, dict(context_shard=True), "no context shards"),
     ("block selection K=512", dims(K=512, V=512), BLOCK, {}, "K and V up to 256"),
     ("block previous G=16: 256 ranking rows", dims(H=64), PREVIOUS, {}, "at most 128 on the kernels"),

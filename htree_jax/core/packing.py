@@ -163,6 +163,20 @@ def tokens_to_virtual(x, packing: Packing):
     return jax.vmap(lambda row, s: row[s])(padded, source)
 
 
+def virtual_to_tokens(x, packing: Packing):
+    """`x [B, T_v, ...]` in the virtual layout -> `[B, T, ...]`, each token's entry (the
+    inverse of `tokens_to_virtual` on the tokens' positions)."""
+    index = packing.position.reshape(packing.position.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, index, axis=1)
+
+
+def virtual_doc_starts(packing: Packing):
+    """int32 `[B, T_v]`: the virtual start `V_d` of the document at each virtual position,
+    padding after a document taking that document's (starts only grow along a row)."""
+    starts = tokens_to_virtual(packing.doc_start[..., None], packing)[..., 0]  # 0 where no token
+    return lax.cummax(starts, axis=1)
+
+
 def virtual_exists(packing: Packing):
     """int32 `[B, T_v]`: 1 where a token sits."""
     B = packing.position.shape[0]

@@ -11,7 +11,11 @@ their `b * G` rows.
   float32 atomics, or summed by node, then pushed down the tree); `inverted`: the blocks'
   selections inverted, for each node tile the blocks that merged it; `by_node`: the key
   and value gradients summed by node tile over that index, without atomics.
-- `attention`: `block_attention`, the two paired as a `custom_vjp`.
+- `packed`: packed rows (`segment_ids`), the queries laid out as the tree and each
+  block's top layer from its document's first node, on the Pallas-Triton merge and
+  backward.
+- `attention`: `block_attention` (and `packed_block_attention`), each pair as a
+  `custom_vjp`.
 The blocks' selections come from the per-query families run on the ranking rows
 (`htree_jax.routes.block_selections`).
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
+from pallas_kernels.block.packed import block_backward_packed, block_forward_packed
 from pallas_kernels.shared.guarded import KernelCall, guarded_vjp
 
 
@@ -33,6 +34,23 @@ def backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
 attention = guarded_vjp(forward, backward)
 
 
+def packed_forward(q, k, v, operands, call: KernelCall):
+    """`packed.block_forward_packed` as the guard calls it."""
+    o, lse = block_forward_packed(q, k, v, operands["selections"], operands["firsts"], operands["packing"],
+                                  config=call.config, block=call.tuning.block, interpret=call.interpret)
+    return o, lse, (), None
+
+
+def packed_backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
+    """`packed.block_backward_packed` as the guard calls it."""
+    return block_backward_packed(q, k, v, o, lse, do, operands["selections"], operands["firsts"], operands["packing"],
+                                 config=call.config, block=call.tuning.block, interpret=call.interpret,
+                                 dead_rows=dead)
+
+
+packed_attention = guarded_vjp(packed_forward, packed_backward)
+
+
 def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpret: bool = False):
     """htree attention with block selection given the blocks' `selections` (layers `L-1
     .. 1`, each `[B, ceil(T / b), H_kv, top_k]` int32, `-1` padded), differentiable (the
@@ -44,4 +62,14 @@ def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpre
     return attention(q, k, v, {"selections": list(selections)}, call)[0]
 
 
-__all__ = ["attention", "backward", "block_attention", "forward"]
+def packed_block_attention(q, k, v, selections, firsts, packing, *, config, tuning, interpret: bool = False):
+    """`block_attention` over packed rows (`packed.py`, the Pallas-Triton kernels):
+    `selections` the virtual blocks' lists (virtual tree rows, `[B, T_v / b, H_kv,
+    top_k]` each), `firsts [B, T_v / b]` each one's document's first top node,
+    `packing` the rows' `htree_jax.core.packing.Packing`. Returns `o [B, T, H, V]`."""
+    call = KernelCall(config, tuning, interpret, merge="pallas_triton")
+    operands = {"selections": list(selections), "firsts": firsts, "packing": packing}
+    return packed_attention(q, k, v, operands, call)[0]
+
+
+__all__ = ["attention", "backward", "block_attention", "forward", "packed_attention", "packed_block_attention"]

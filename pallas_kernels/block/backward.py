@@ -30,6 +30,8 @@ from pallas_kernels.block.by_node import key_grads_by_node
 from pallas_kernels.block.forward import block_layout, block_static, table_positions
 from pallas_kernels.block.merge import (
     BlockStatic,
+    block_first,
+    first_spec,
     layer_arrays,
     layer_walk,
     merged_mask,
@@ -56,8 +58,10 @@ from pallas_kernels.shared.tree_backward import push_down
 
 
 def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, *refs, st: BlockStatic,
-                           key_grads: bool):
+                           key_grads: bool, packed: bool = False):
     L, C, h = st.num_layers, st.tile, st.half
+    first_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
+    first = block_first(first_ref)
     sel_refs = refs[: L - 1]
     layer_refs = refs[L - 1: L - 1 + 2 * L]
     if key_grads:  # the accumulators, aliased to the gradients after `dq`
@@ -75,7 +79,7 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
     for l in reversed(range(L)):
         k_ref, v_ref = layer_refs[2 * l], layer_refs[2 * l + 1]
         dk_ref, dv_ref = grad_refs[2 * l], grad_refs[2 * l + 1]
-        walk = layer_walk(l, sel_refs, st)
+        walk = layer_walk(l, sel_refs, st, first)
         q_rot = rotated_rows(q_ref, cos_ref, sin_ref, walk.angle, st)
         qr = [operand(x, st, dtype) for x in q_rot]
 
@@ -118,13 +122,14 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
                                              "key_grads"))
 def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTreeConfig, st: BlockStatic,
                           head_dim: int, table_rows: int, node_counts: tuple, interpret: bool = False,
-                          key_grads: bool = True):
+                          key_grads: bool = True, firsts=None):
     """`(dq [B, Tp, H_kv, Gp, 2 * half]` float32, `[dk_l, dv_l]` float32 as `layers`)`
     for the rows of `q5` (as `merge.block_merge_pallas` takes them) with cotangents `do5
     [B, Tp, H_kv, Gp, vp]`, their log-sum-exp `lse` and `delta = rowsum(do * o)`
     `[B, Tp, H_kv, Gp]`; `node_counts` each layer's nodes (the gradients have a spare
     row past them). `key_grads=False`: `(dq,)` only, the keys' and values' dots and adds
-    left out (`by_node.py` sums those)."""
+    left out (`by_node.py` sums those). `firsts`: packed rows, as `merge.block_merge_pallas`
+    takes them."""
     B, Tp, H_kv, gp, kp = q5.shape
     qb = st.queries
     cos, sin = rope_tables(config, head_dim, table_rows, st)
@@ -139,19 +144,20 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
     zeros = [jnp.zeros(x.shape[:2] + (next_power_of_two(n + 1),) + x.shape[3:], jnp.float32)
              for x, n in zip(layers, [n for n in node_counts for _ in range(2)])] if key_grads else []
     acc_specs = [whole(x) for x in zeros]
-    first_zero = 6 + len(selections) + len(layers)
+    packed = firsts is not None
+    first_zero = 6 + packed + len(selections) + len(layers)
     return pl.pallas_call(
-        functools.partial(_block_backward_kernel, st=st, key_grads=key_grads),
+        functools.partial(_block_backward_kernel, st=st, key_grads=key_grads, packed=packed),
         grid=(B, Tp // qb, H_kv),
         in_specs=[rows_spec(kp), rows_spec(st.vp), vec_spec, vec_spec, table_spec, table_spec]
-        + [sel_spec] * len(selections) + layer_specs + acc_specs,
+        + [first_spec(st)] * packed + [sel_spec] * len(selections) + layer_specs + acc_specs,
         out_specs=[rows_spec(kp)] + acc_specs,
         out_shape=[jax.ShapeDtypeStruct(q5.shape, jnp.float32)] + [jax.ShapeDtypeStruct(x.shape, jnp.float32)
                                                                    for x in zeros],
         input_output_aliases={first_zero + i: 1 + i for i in range(len(zeros))},
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
-    )(q5, do5, lse, delta, cos, sin, *selections, *layers, *zeros)
+    )(q5, do5, lse, delta, cos, sin, *([firsts] if packed else []), *selections, *layers, *zeros)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))

@@ -116,19 +116,25 @@ class LayerWalk:
     """One layer of a program's walk: `parents` the ref of this layer's parent list (None
     at the top, whose position `p` holds node `p`), `refined` the ref of the nodes it
     refines (None at the bottom), each row's `n` and the most of them, and each row's
-    query angle `n - 1` (SPEC 2.1-2.2)."""
+    query angle `n - 1` (SPEC 2.1-2.2); `first`, on the top layer of packed rows, the
+    block's document's first node there (the positions before it hold other documents'
+    nodes: not merged), else None."""
 
     parents: object
     refined: object
     n_row: object
     n_max: object
     angle: object
+    first: object = None
 
 
-def layer_walk(l: int, sel_refs, st: BlockStatic) -> LayerWalk:
+def layer_walk(l: int, sel_refs, st: BlockStatic, first=None) -> LayerWalk:
     """Layer `l` of the program's rows (`st.queries` positions of one block from
     `program_id(1) * st.queries`). Above layer 0 every row of the block has the same
-    `n`; at layer 0 each row counts its own tokens of its own (last) node."""
+    `n`; at layer 0 each row counts its own tokens of its own (last) node. `first`:
+    packed rows laid out virtually (`htree_jax.core.packing`), the block's document's
+    first top node; RoPE is relative, so its `n` and positions counted from the row's
+    start score as those counted from the document's."""
     L, r = st.num_layers, st.r
     t_first = pl.program_id(1) * st.queries
     t0 = t_first - t_first % r  # the block's first position
@@ -142,7 +148,7 @@ def layer_walk(l: int, sel_refs, st: BlockStatic) -> LayerWalk:
     n_row = candidate_count(n_parents, t_row if bottom else t0, r, l)
     n_max = candidate_count(n_parents, t_first + st.queries - 1 if bottom else t0, r, l)
     return LayerWalk(parents, None if bottom else sel_refs[L - 1 - l], n_row, n_max,
-                     jnp.broadcast_to(n_row - 1, (st.rows,)))
+                     jnp.broadcast_to(n_row - 1, (st.rows,)), first if l == L - 1 else None)
 
 
 def rotated_rows(q_ref, cos_ref, sin_ref, angle, st: BlockStatic):
@@ -177,8 +183,11 @@ def merged_mask(p, valid, nodes, seen, walk: LayerWalk, st: BlockStatic):
     valid one its `n` reaches; above it those the layer does not refine: they are the
     next entries of the sorted selection, at most `tile` of them from `seen` on (the
     count of entries up to the tile's last node is added to `seen`)."""
+    if walk.first is not None:  # packed: the document's own nodes only
+        valid = valid & (p >= walk.first)
     if walk.refined is None:
-        return p[None, :] < walk.n_row[:, None], seen
+        below = p[None, :] < walk.n_row[:, None]
+        return below if walk.first is None else below & valid[None, :], seen
     window = walk.refined[pl.ds(seen, st.tile)]
     hits = jnp.sum((nodes[:, None] == window[None, :]).astype(jnp.int32), axis=1)
     last = jnp.max(jnp.where(valid, nodes, -1))
@@ -191,8 +200,15 @@ def operand(x, st: BlockStatic, dtype):
     return x if st.exact else x.astype(dtype)
 
 
-def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic):
+def block_first(first_ref):
+    """A program's block's first top node (`firsts_layout`), or None."""
+    return None if first_ref is None else jnp.min(first_ref[...])
+
+
+def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic, packed: bool = False):
     L, C = st.num_layers, st.tile
+    first_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
+    first = block_first(first_ref)
     sel_refs = refs[: L - 1]  # layer L-1 first: node lists, sorted, PAST_NODES after the real ones
     layer_refs = refs[L - 1: L - 1 + 2 * L]  # bottom first: keys, values
     o_ref, lse_ref = refs[L - 1 + 2 * L:]
@@ -202,7 +218,7 @@ def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic):
 
     for l in reversed(range(L)):
         k_ref, v_ref = layer_refs[2 * l], layer_refs[2 * l + 1]
-        walk = layer_walk(l, sel_refs, st)
+        walk = layer_walk(l, sel_refs, st, first)
         qr = [operand(x, st, dtype) for x in rotated_rows(q_ref, cos_ref, sin_ref, walk.angle, st)]
 
         def merge_tile(i, carry, k_ref=k_ref, v_ref=v_ref, walk=walk, qr=qr):
@@ -265,16 +281,32 @@ def rope_tables(config: HTreeConfig, K: int, positions: int, st: BlockStatic):
     return jnp.asarray(np.pad(cos, pad, constant_values=1.0)), jnp.asarray(np.pad(sin, pad))
 
 
+FIRST_LANES = 16  # a block's first top node, repeated: a load of a power of two of lanes
+
+
+def firsts_layout(firsts, num_kv_heads: int):
+    """Each block's document's first top node `[B, NB]` int32 -> `[B, NB, H_kv, 16]`, as
+    the block kernels read it (`first_spec`)."""
+    B, NB = firsts.shape
+    return jnp.broadcast_to(firsts.astype(jnp.int32)[:, :, None, None], (B, NB, num_kv_heads, FIRST_LANES))
+
+
+def first_spec(st: BlockStatic):
+    """The `BlockSpec` of `firsts_layout`'s array: a program reads its block's."""
+    return pl.BlockSpec((None, None, None, FIRST_LANES), lambda i, j, h: (i, j // (st.r // st.queries), h, 0))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret"))
 def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
-                       interpret: bool = False):
+                       interpret: bool = False, firsts=None):
     """Every layer's merge for queries `q5 [B, Tp, H_kv, Gp, 2 * half]` (rope layout,
     halves padded; `Tp` a multiple of `b`) given the tree `layers` (`layer_arrays`) and
     the blocks' selections (`selection_lists`, `[B, Tp / b, H_kv, width]` each, top
     layer first). Returns `(o [B, Tp, H_kv, Gp, vp]` in q's dtype, `lse [B, Tp, H_kv,
     Gp]` float32)`: each row's output and the log-sum-exp of its merged scores.
     `head_dim` the real `K`; `table_rows` RoPE positions, at least every `n` of a layer
-    rounded up to `st.tile`."""
+    rounded up to `st.tile`. `firsts` (`firsts_layout`): packed rows laid out virtually,
+    each block's document's first top node (`layer_walk`); None: a document a row."""
     B, Tp, H_kv, gp, kp = q5.shape
     b, qb = st.r, st.queries
     cos, sin = rope_tables(config, head_dim, table_rows, st)
@@ -283,14 +315,16 @@ def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockSta
     table_spec = pl.BlockSpec((table_rows, st.half), lambda i, j, h: (0, 0))
     sel_spec = pl.BlockSpec((None, None, None, st.width), lambda i, j, h: (i, j // per_block, h, 0))
     layer_specs = [pl.BlockSpec((None, None) + x.shape[2:], lambda i, j, h: (i, h, 0, 0)) for x in layers]
+    packed = firsts is not None
     return pl.pallas_call(
-        functools.partial(_block_merge_kernel, st=st),
+        functools.partial(_block_merge_kernel, st=st, packed=packed),
         grid=(B, Tp // qb, H_kv),
-        in_specs=[q_spec, table_spec, table_spec] + [sel_spec] * len(selections) + layer_specs,
+        in_specs=[q_spec, table_spec, table_spec] + [first_spec(st)] * packed + [sel_spec] * len(selections)
+        + layer_specs,
         out_specs=[pl.BlockSpec((None, qb, None, gp, st.vp), lambda i, j, h: (i, j, h, 0, 0)),
                    pl.BlockSpec((None, qb, None, gp), lambda i, j, h: (i, j, h, 0))],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H_kv, gp, st.vp), q5.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H_kv, gp), jnp.float32)],
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
-    )(q5, cos, sin, *selections, *layers)
+    )(q5, cos, sin, *([firsts] if packed else []), *selections, *layers)

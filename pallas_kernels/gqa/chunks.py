@@ -88,7 +88,8 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
             t = rows(prep.positions[None])
         offset, first = t, None
     else:
-        t, start = rows(prep.packing.position), rows(prep.packing.doc_start)
+        places = prep.packing if prep.query_packing is None else prep.query_packing
+        t, start = rows(places.position), rows(places.doc_start)
         offset, first = t - start, jnp.broadcast_to(start // A, (B, Qc, H_kv, 1))
     n_top = jnp.broadcast_to(offset // A + 1, (B, Qc, H_kv, 1))
     select = select and num_layers > 1

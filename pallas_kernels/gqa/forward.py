@@ -40,10 +40,12 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out
 def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
                          packing=None, positions=None, return_importance: bool = False, value_dim: int | None = None,
-                         q_layout: str = "rope_layout"):
+                         q_layout: str = "rope_layout", query_packing=None):
     """htree attention with Pallas kernels. Inputs validated by the caller.
     `packing`: packed rows (`htree_jax.core.packing.Packing`); the selections returned are
-    then rows of the virtual tree (`packing.local_selections` makes them document-local).
+    then rows of the virtual tree (`packing.local_selections` makes them document-local);
+    `query_packing` (a `Packing` of the queries' own virtual places, `[B, S]`): the
+    queries are not the tokens of `packing` (block selection's ranking rows, SPEC 12).
     `positions [S]` int32: the queries' positions among `k`'s `T` tokens (`q [B, S, H,
     K]`; context parallelism), `None`: `S = T`, all of them. `return_importance`: the
     kept nodes' importance (SPEC 8) last, aligned with the selections.
@@ -68,7 +70,7 @@ def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSize
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
     prep = prepare(q, k, v, config, tuning, interpret, precisions or Precisions.for_dtype(q.dtype),
-                   packing=packing, positions=positions, split=split)
+                   packing=packing, positions=positions, split=split, query_packing=query_packing)
     st_top, Qc, L = prep.st_top, prep.chunk, len(prep.layers) + 1
     st_scored = dataclasses.replace(prep.st_merge, merge_num_warps=tuning.layer.scored_merge_num_warps)
     num_chunks = prep.q4.shape[1] // Qc

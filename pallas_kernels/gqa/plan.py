@@ -154,7 +154,7 @@ def chunk_size(config: HTreeConfig, tuning: KernelConfigs, B, T, H_kv, Mp, score
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["layers", "top_k_imp", "top_k_merge", "top_v", "cos", "sin", "q4", "packing",
-                                "top_local", "positions", "radii", "top_radii"],
+                                "top_local", "positions", "radii", "top_radii", "query_packing"],
                    meta_fields=["st", "st_scores", "st_merge", "st_top", "st_top_keys", "st_select", "parents_width",
                                 "chunk", "sizes", "head_split", "bound_rope", "bound_width", "query_rows"])
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +195,9 @@ class Prepared:
     bound_rope: int = 0
     bound_width: int = 0
     query_rows: int = 0  # Gp: a query's G heads padded for the kernels below the top (`group_rows`)
+    # Packed: where the queries sit (`position`, `doc_start` `[B, S]` virtual) where they
+    # are not the tokens of `packing` (block selection's ranking rows); None: they are.
+    query_packing: object = None
 
 
 def packed_tree(k, v, packing, config: HTreeConfig):
@@ -213,7 +216,7 @@ def packed_tree(k, v, packing, config: HTreeConfig):
 
 def prepare(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool,
             precisions: Precisions, for_backward: bool = False, packing=None, positions=None,
-            split: int = 1) -> Prepared:
+            split: int = 1, query_packing=None) -> Prepared:
     """The padded tree, keys as the products read them, tables and queries. With
     `for_backward`, every layer below the top keeps merge keys: the backward scores every
     merged candidate again with the merge dots. With `packing` the tree is laid out
@@ -221,7 +224,9 @@ def prepare(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool
     document, the top layer padded by a tile more (tiles read from a document's start).
     `positions [S]`: the queries' positions in the sequence of `k, v` (context
     parallelism: a shard's queries against every token; `None`: `q` holds them all).
-    `split`: `k, v` hold each kv head `split` times (`split_heads`)."""
+    `split`: `k, v` hold each kv head `split` times (`split_heads`). `query_packing`
+    (with `packing`): the queries' own virtual places (`Packing.position`, `doc_start`
+    `[B, S]`), where `q` is not the tokens of `k` (block selection's ranking rows)."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv
@@ -320,7 +325,7 @@ def prepare(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool
     return Prepared(lower, top_k_imp, top_k_merge, top_v, cos, sin, q4, st, st_scores, st_merge, st_top, st_top_keys,
                     st_select, P, Qc, sizes, packing,
                     top_local, positions, split, radii, top_radii, bound_rope, bound_width,
-                    group_rows(G, tuning))
+                    group_rows(G, tuning), query_packing)
 
 
 def split_heads(k, v, G: int):
