@@ -35,6 +35,7 @@ from htree_jax.reference import attend_tree, default_query_chunk
 from htree_jax.routes import ROUTES, Call, Route, block_selections, latent_values
 from pallas_kernels.block.forward import check_merge_route, chosen_merge, merge_static
 from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
+from pallas_kernels.block.packed import PACKED_MERGES
 from pallas_kernels.decode.walk import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.gqa.plan import check_pallas_dims
 from pallas_kernels.shared.common import MAX_GROUP, check_query_layout
@@ -119,8 +120,8 @@ def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str, conte
     limits for the call (they choose each block's nodes on its ranking rows), heads up to
     `BLOCK_MAX_DIM` features, the ranking rows (`"previous"`: `b * G` rows a kv head),
     and whole sequences (a context shard's blocks reach into the shard before it: the
-    reference takes those; batch and head shards are whole sequences). Packed rows are
-    the Pallas-Triton merge's (`check_route`)."""
+    reference takes those; batch and head shards are whole sequences). Which merges
+    take packed rows: `check_route`."""
     check_pallas_dims(dims, backend)
     if max(dims.head_dim, dims.value_dim) > BLOCK_MAX_DIM:
         raise ValueError(f"backend {backend!r}: block selection's kernels take K and V up to {BLOCK_MAX_DIM}, got "
@@ -161,7 +162,7 @@ def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
         elif context_shard:
             raise ValueError(WHOLE_SEQUENCES)
         return "block_" + chosen_merge(tuning.block_merge, config, dims.seq_len, dims.group_size, dims.head_dim,
-                                       dims.value_dim, dtype, tuning.block, impl == "pallas_interpret", packed)
+                                       dims.value_dim, dtype, tuning.block, impl == "pallas_interpret")
     if check_limits:
         check_pallas_dims(dims, impl)
     if (whole and impl == "pallas" and not (packed or latent or context_shard)
@@ -207,12 +208,12 @@ def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype,
     """What a call asked for explicitly and the chosen route cannot do, a ValueError
     naming the rule ("auto" does not fall back from it): block selection's merge
     (the route's, `tuning.block_merge` resolved) on these shapes (`check_merge_route`);
-    packed rows (`packed`) on the Pallas-Triton merge and the atomics' backward only."""
+    packed rows (`packed`) on `block.packed.PACKED_MERGES` and the atomics' backward only."""
     if name.startswith("block_"):
         merge = name[len("block_"):]
-        if packed and (merge != "pallas_triton" or tuning.block.backward_sum != "atomics"):
-            raise ValueError(f"block selection with segment_ids runs on block_merge='pallas_triton' (or 'auto') and "
-                             f"BlockConfig(backward_sum='atomics'), got {merge!r} and "
+        if packed and (merge not in PACKED_MERGES or tuning.block.backward_sum != "atomics"):
+            raise ValueError(f"block selection with segment_ids runs on block_merge in {PACKED_MERGES} (or 'auto') "
+                             f"and BlockConfig(backward_sum='atomics'), got {merge!r} and "
                              f"{tuning.block.backward_sum!r}")
         st = merge_static(config, dims.seq_len, dims.group_size, dims.head_dim, dims.value_dim, dtype, tuning.block,
                           merge)

@@ -17,7 +17,7 @@ H_kv, V]` (or None, where the route reads the values from the keys), and a `Call
 | `dense` | a one-layer tree: RoPE, then cuDNN (`core.one_layer`) | XLA (cuDNN's) |
 | `gqa` | the GQA family (`pallas_kernels/gqa/`) | `htree_backward_pallas` |
 | `wide` | the wide family (latent attention, `pallas_kernels/wide/`) | `wide_backward_pallas` |
-| `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`); packed rows laid out virtually, on the Pallas-Triton merge (`block/packed.py`) | `block_backward_pallas` (packed: `block_backward_packed`) |
+| `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`); packed rows laid out virtually (`block/packed.py`) | `block_backward_pallas` (packed: `block_backward_packed`) |
 
 Adding a route is a row here (and a rule in `choose_route`), the family's file and its tests.
 """
@@ -200,9 +200,9 @@ def per_token(block_values, b: int, T: int):
     return jnp.repeat(block_values, b, axis=1)[:, :T]
 
 
-def _block_packed(q, k, v, c: Call):
+def _block_packed(q, k, v, c: Call, merge: str):
     """Block selection over packed rows on the kernels (`packed_block_selections`, then
-    `pallas_kernels.block.packed`'s merge and backward); each token's lists are its
+    `pallas_kernels.block.packed`'s merge `merge` and backward); each token's lists are its
     virtual block's, counted inside its document. A one-layer tree is exact attention
     in each document: the per-query route's."""
     if c.packing.num_layers == 1:
@@ -210,7 +210,7 @@ def _block_packed(q, k, v, c: Call):
     blocks, firsts, exported = packed_block_selections(q, zero_non_finite(k), zero_non_finite(v), c.packing,
                                                        config=c.config, tuning=c.tuning, interpret=c.interpret,
                                                        export=c.export)
-    o = packed_block_attention(q, k, v, blocks, firsts, c.packing, config=c.config, tuning=c.tuning,
+    o = packed_block_attention(q, k, v, blocks, firsts, c.packing, config=c.config, tuning=c.tuning, merge=merge,
                                interpret=c.interpret)
     block_of = (c.packing.position // c.config.selection_block)[:, :, None, None]
     tokens = lambda x: jnp.take_along_axis(x, block_of, axis=1)
@@ -221,9 +221,9 @@ def _block_packed(q, k, v, c: Call):
 def _block(q, k, v, c: Call, merge: str):
     """Block selection on the kernels: the blocks' selections, then the block family's
     merge `merge` and its backward; each token's lists are its block's. Packed rows:
-    `_block_packed` (the Pallas-Triton merge, `backends.chosen_merge`)."""
+    `_block_packed`."""
     if c.packing is not None:
-        return _block_packed(q, k, v, c)
+        return _block_packed(q, k, v, c, merge)
     b, T = c.config.selection_block, q.shape[1]
     blocks, exported = block_selections(q, zero_non_finite(k), zero_non_finite(v), config=c.config, tuning=c.tuning,
                                         selection_route=c.selection_route, interpret=c.interpret, export=c.export)

@@ -17,7 +17,8 @@ import pytest
 from htree_jax import HTreeConfig, htree_attention
 from pallas_kernels.block.forward import block_static, check_merge_route, merge_static, table_positions
 from pallas_kernels.block.merge import rope_tables, rotate_back, rotate_halves
-from pallas_kernels.block.mosaic_merge import NARROW_PIPELINE, PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims, turned_keys
+from pallas_kernels.block.mosaic_merge import (NARROW_PIPELINE, PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims,
+                                              earlier_bits, refined_bitmaps, turned_keys)
 from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constexprs
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.shared_memory import LIMIT
@@ -216,3 +217,33 @@ def test_the_layout_probe_reads_every_layout_it_names(capsys):
         assert block_merge_pipelines.main(["--pipe", spec]) == 0
     out = capsys.readouterr().out
     assert "hold_rows=False" in out and "ablate='rotation'" in out and "rotator_registers=128" in out
+
+
+def test_packed_rows_mark_the_top_layer_before_each_document():
+    """Mosaic GPU's merge takes packed rows by its bitmaps (no kernel of its own): on the
+    top layer the positions before a block's document's first node are marked as the
+    refined ones are, so neither is merged (`refined_bitmaps`, `earlier_bits`)."""
+    firsts = jnp.asarray([[0, 1, 31, 32, 33, 70]], jnp.int32)
+    bits = np.asarray(earlier_bits(firsts, 4)).astype(np.uint64)
+    marked = (bits[..., None] >> np.arange(32, dtype=np.uint64)) & 1  # [1, 6, words, 32]
+    want = np.arange(128)[None, None, :] < np.asarray(firsts)[..., None]
+    np.testing.assert_array_equal(marked.reshape(1, 6, 128).astype(bool), want)
+    config = HTreeConfig(compression_rate=4, top_k=2, selection_block=4)
+    st = merge_static(config, 64, 2, 32, 32, jnp.bfloat16, KernelConfigs().block, "mosaic_gpu")
+    top = jnp.asarray([[[[5, 9]]]], jnp.int32)  # one block, one kv head: the top layer refines nodes 5, 9
+    below = jnp.asarray([[[[21, 38]]]], jnp.int32)
+    maps = np.asarray(refined_bitmaps([top, below], st, 4, firsts=jnp.asarray([[3]], jnp.int32)))
+    top_bits = (maps[0, 0, 0, 0, 0].astype(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1
+    assert set(np.flatnonzero(top_bits)) == {0, 1, 2, 5, 9}
+    plain = np.asarray(refined_bitmaps([top, below], st, 4))
+    np.testing.assert_array_equal(maps[1], plain[1])  # the layers below: unchanged
+
+
+@pytest.mark.skipif(not LOWERS_FOR_CUDA, reason="Mosaic GPU lowers for cuda from jax 0.11 on")
+def test_the_mosaic_merge_of_packed_rows_lowers_on_the_cpu():
+    merge, (q5, layers, sel), st = mosaic_merge_abstract(*BENCHMARK_SHAPE, PIPELINE)
+    config = HTreeConfig(compression_rate=16, top_k=512, selection_block=16)
+    firsts = jax.ShapeDtypeStruct((1, q5.shape[1] // 16), jnp.int32)
+    packed = jax.jit(lambda q5, layers, sel, f: block_merge_mosaic(
+        q5, layers, sel, config, st, 128, table_positions(config, BENCHMARK_SHAPE[2], st), pipe=PIPELINE, firsts=f))
+    assert "mosaic_gpu" in packed.trace(q5, layers, sel, firsts).lower(lowering_platforms=("cuda",)).as_text()

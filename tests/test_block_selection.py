@@ -168,8 +168,8 @@ def test_where_it_is_not_built_the_errors_say_so(rng):
         htree_attention(q, k, v, config, backend="pallas")
     ids = jnp.asarray((np.arange(40) >= 17).astype(np.int32))[None]
     by_node = KernelConfigs().with_changes({"block.backward_sum": "by_node"})
-    for tuning in (KernelConfigs(block_merge="mosaic_gpu"), by_node):
-        with pytest.raises(ValueError, match="block selection with segment_ids runs on block_merge='pallas_triton'"):
+    for tuning in (KernelConfigs(block_merge="triton"), by_node):
+        with pytest.raises(ValueError, match="block selection with segment_ids runs on block_merge in"):
             htree_attention(q, k, v, config, backend="pallas_interpret", segment_ids=ids, max_documents=2,
                             block_sizes=tuning)
     wide_q, wide_k, wide_v = random_qkv(rng, 1, 40, 4, 2, 288, 32)

@@ -101,10 +101,10 @@ def test_the_default_merge_is_mosaic_gpu_on_hopper_where_it_takes_the_shape(monk
     assert choose_route(impl, dims=d, config=config, dtype=dtype, tuning=tuning) == route
 
 
-def test_packed_rows_take_the_pallas_triton_merge_on_hopper_too(monkeypatch):
+def test_packed_rows_take_the_mosaic_gpu_merge_on_hopper_too(monkeypatch):
     monkeypatch.setattr(block_forward, "on_hopper", lambda: True)
     assert choose_route("pallas", dims=dims(), config=BLOCK, dtype=BF16, tuning=tuned(128, 128),
-                        packed=True) == "block_pallas_triton"
+                        packed=True) == "block_mosaic_gpu"
 
 
 def test_the_default_merge_off_hopper_is_pallas_triton():

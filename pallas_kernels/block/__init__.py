@@ -12,8 +12,8 @@ their `b * G` rows.
   selections inverted, for each node tile the blocks that merged it; `by_node`: the key
   and value gradients summed by node tile over that index, without atomics.
 - `packed`: packed rows (`segment_ids`), the queries laid out as the tree and each
-  block's top layer from its document's first node, on the Pallas-Triton merge and
-  backward.
+  block's top layer from its document's first node (`PACKED_MERGES`; the backward
+  Pallas-Triton's).
 - `attention`: `block_attention` (and `packed_block_attention`), each pair as a
   `custom_vjp`.
 The blocks' selections come from the per-query families run on the ranking rows

@@ -37,7 +37,8 @@ attention = guarded_vjp(forward, backward)
 def packed_forward(q, k, v, operands, call: KernelCall):
     """`packed.block_forward_packed` as the guard calls it."""
     o, lse = block_forward_packed(q, k, v, operands["selections"], operands["firsts"], operands["packing"],
-                                  config=call.config, block=call.tuning.block, interpret=call.interpret)
+                                  config=call.config, block=call.tuning.block, merge=call.merge,
+                                  interpret=call.interpret)
     return o, lse, (), None
 
 
@@ -62,12 +63,13 @@ def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpre
     return attention(q, k, v, {"selections": list(selections)}, call)[0]
 
 
-def packed_block_attention(q, k, v, selections, firsts, packing, *, config, tuning, interpret: bool = False):
-    """`block_attention` over packed rows (`packed.py`, the Pallas-Triton kernels):
+def packed_block_attention(q, k, v, selections, firsts, packing, *, config, tuning, merge: str,
+                           interpret: bool = False):
+    """`block_attention` over packed rows (`packed.py`; `merge` one of `PACKED_MERGES`):
     `selections` the virtual blocks' lists (virtual tree rows, `[B, T_v / b, H_kv,
     top_k]` each), `firsts [B, T_v / b]` each one's document's first top node,
     `packing` the rows' `htree_jax.core.packing.Packing`. Returns `o [B, T, H, V]`."""
-    call = KernelCall(config, tuning, interpret, merge="pallas_triton")
+    call = KernelCall(config, tuning, interpret, merge=merge)
     operands = {"selections": list(selections), "firsts": firsts, "packing": packing}
     return packed_attention(q, k, v, operands, call)[0]
 

@@ -32,6 +32,7 @@ from pallas_kernels.block.merge import (
     BlockStatic,
     block_first,
     first_spec,
+    firsts_layout,
     layer_arrays,
     layer_walk,
     merged_mask,
@@ -145,6 +146,7 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
              for x, n in zip(layers, [n for n in node_counts for _ in range(2)])] if key_grads else []
     acc_specs = [whole(x) for x in zeros]
     packed = firsts is not None
+    firsts = firsts_layout(firsts, H_kv) if packed else None
     first_zero = 6 + packed + len(selections) + len(layers)
     return pl.pallas_call(
         functools.partial(_block_backward_kernel, st=st, key_grads=key_grads, packed=packed),

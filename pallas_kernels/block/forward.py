@@ -109,15 +109,14 @@ def on_hopper() -> bool:
 
 
 def chosen_merge(route: str, config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, block: BlockConfig,
-                 interpret: bool, packed: bool = False) -> str:
+                 interpret: bool) -> str:
     """The merge `KernelConfigs.block_merge = route` names for a launch; `"auto"`: Mosaic
     GPU where it is the fastest measured (a Hopper GPU, not interpreted) and takes the
     shape (`check_mosaic_dims`: 16-bit inputs, the head dims and rows it holds), else
-    Pallas-Triton, which alone takes packed rows (`packed.py`). Any other name is
-    itself (`check_merge_route` checks it)."""
+    Pallas-Triton. Any other name is itself (`check_merge_route` checks it)."""
     if route != "auto":
         return route
-    if interpret or packed or not on_hopper():
+    if interpret or not on_hopper():
         return "pallas_triton"
     st = merge_static(config, T, G, K, V, dtype, block, "mosaic_gpu")
     try:

@@ -305,7 +305,7 @@ def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockSta
     layer first). Returns `(o [B, Tp, H_kv, Gp, vp]` in q's dtype, `lse [B, Tp, H_kv,
     Gp]` float32)`: each row's output and the log-sum-exp of its merged scores.
     `head_dim` the real `K`; `table_rows` RoPE positions, at least every `n` of a layer
-    rounded up to `st.tile`. `firsts` (`firsts_layout`): packed rows laid out virtually,
+    rounded up to `st.tile`. `firsts [B, Tp / b]` int32: packed rows laid out virtually,
     each block's document's first top node (`layer_walk`); None: a document a row."""
     B, Tp, H_kv, gp, kp = q5.shape
     b, qb = st.r, st.queries
@@ -316,6 +316,7 @@ def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockSta
     sel_spec = pl.BlockSpec((None, None, None, st.width), lambda i, j, h: (i, j // per_block, h, 0))
     layer_specs = [pl.BlockSpec((None, None) + x.shape[2:], lambda i, j, h: (i, h, 0, 0)) for x in layers]
     packed = firsts is not None
+    firsts = firsts_layout(firsts, H_kv) if packed else None
     return pl.pallas_call(
         functools.partial(_block_merge_kernel, st=st, packed=packed),
         grid=(B, Tp // qb, H_kv),

@@ -97,9 +97,11 @@ def _transforms(minor: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-def refined_bitmaps(selections, st: BlockStatic, words: int):
+def refined_bitmaps(selections, st: BlockStatic, words: int, firsts=None):
     """Each layer above 0 (top first, as `selections`): bit `p` set where buffer
-    position `p` holds a node the layer refines. `[L - 1, B, NB, H_kv, words]` int32.
+    position `p` holds a node the layer refines, or (`firsts [B, NB]`, packed rows laid
+    out virtually) on the top layer a node before the block's document's first: both
+    are not merged. `[L - 1, B, NB, H_kv, words]` int32.
     A refined node `n` of layer `l` sits at `p = n` in the top layer, else at `s * r + n
     % r` with `s` its parent's slot in the list of layer `l + 1` (the lists are sorted).
     One scatter of `top_k` bits a list (each position once: the add is an OR)."""
@@ -120,8 +122,18 @@ def refined_bitmaps(selections, st: BlockStatic, words: int):
         flat_p, flat_bit = p.reshape(-1, st.top_k) // WORD, bit.reshape(-1, st.top_k)
         lists = jnp.arange(flat_p.shape[0])[:, None]
         bits = jnp.zeros((flat_p.shape[0], words), jnp.uint32).at[lists, flat_p].add(flat_bit)
+        if index == 0 and firsts is not None:  # the top layer: other documents' nodes
+            bits = bits | jnp.broadcast_to(earlier_bits(firsts, words)[:, :, None], lead + (words,)).reshape(bits.shape)
         maps.append(lax.bitcast_convert_type(bits, jnp.int32).reshape(lead + (words,)))
     return jnp.stack(maps)
+
+
+def earlier_bits(firsts, words: int):
+    """`firsts [B, NB]` -> `[B, NB, words]` uint32: bit `p` set where `p < first`."""
+    before = jnp.arange(words * WORD, dtype=jnp.int32) < firsts[..., None]  # [B, NB, words * WORD]
+    weights = jnp.left_shift(jnp.uint32(1), jnp.arange(WORD, dtype=jnp.uint32))
+    return jnp.sum(before.reshape(firsts.shape + (words, WORD)).astype(jnp.uint32) * weights, axis=-1,
+                   dtype=jnp.uint32)
 
 
 def rotated_queries(q5, counts, cos, sin, st: BlockStatic, rows: int, dtype=None):
@@ -582,10 +594,12 @@ def shared_bytes(scratch) -> int:
 
 @functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret", "pipe"))
 def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
-                       interpret: bool = False, pipe: Pipeline | None = None):
+                       interpret: bool = False, pipe: Pipeline | None = None, firsts=None):
     """`merge.block_merge_pallas` (same arguments and results, no interpret mode:
     `interpret=True` is refused) on the Mosaic GPU kernel above, laid out as `pipe`
-    says (None: `pipeline_for(st)`; `table_rows` is rounded up to `pipe.tile`). A layout whose buffers pass the
+    says (None: `pipeline_for(st)`; `table_rows` is rounded up to `pipe.tile`). `firsts`:
+    packed rows, as there (no kernel of its own: `refined_bitmaps` marks the top layer's
+    nodes before each block's document's first). A layout whose buffers pass the
     shared memory a block holds is refused (ValueError) before it is built."""
     if interpret:
         raise ValueError("block_merge='mosaic_gpu' has no interpret mode; interpreted runs take 'pallas_triton'")
@@ -614,8 +628,10 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     counts = layer_parent_counts(selections, st, T0, (B, nb, H_kv))
     if selections:
         sel = jnp.stack([s[..., : st.top_k] for s in selections])
-        bits = refined_bitmaps(selections, st, words)
+        bits = refined_bitmaps(selections, st, words, firsts)
     else:  # a one-layer tree: nothing refined, no list read
+        if firsts is not None:
+            raise ValueError("block_merge='mosaic_gpu': packed rows of a one-layer tree have no top layer to mark")
         sel = jnp.zeros((1, B, nb, H_kv, st.top_k), jnp.int32)
         bits = jnp.zeros((1, B, nb, H_kv, words), jnp.int32)
     sel, bits = _lists(sel, list_boxes), _lists(bits, word_boxes)

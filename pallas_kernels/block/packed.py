@@ -1,11 +1,12 @@
-"""Block selection over packed rows (SPEC 6 with SPEC 12) on the Pallas-Triton block
-kernels: the queries laid out virtually as the tree is (`htree_jax.core.packing`), so
-that each document's blocks start at multiples of `b` (a document starts at a multiple
-of `A = r^(L-1)`) and no block spans two documents. Every layer below the top is then
-walked as in an unpacked row (`t0 mod r^(l+1)` does not change with a document's start);
-on the top layer a block merges only its document's nodes, from `firsts` (its first top
-node) on, and RoPE being relative, the positions counted from the row's start score as
-those counted from the document's (`merge.layer_walk`).
+"""Block selection over packed rows (SPEC 6 with SPEC 12) on the block kernels (the
+merge on Pallas-Triton or Mosaic GPU, the backward on Pallas-Triton): the queries laid
+out virtually as the tree is (`htree_jax.core.packing`), so that each document's blocks
+start at multiples of `b` (a document starts at a multiple of `A = r^(L-1)`) and no block
+spans two documents. Every layer below the top is then walked as in an unpacked row
+(`t0 mod r^(l+1)` does not change with a document's start); on the top layer a block
+merges only its document's nodes, from `firsts` (its first top node) on, and RoPE being
+relative, the positions counted from the row's start score as those counted from the
+document's (`merge.layer_walk`).
 
 The merge and the backward run on the virtual rows (`T_v` of them, padding rows zero:
 their scores are 0 and their cotangents 0, so they add nothing) and the tree is
@@ -27,10 +28,15 @@ import jax.numpy as jnp
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import Packing, build_packed_tree, tokens_to_virtual, virtual_exists, virtual_to_tokens
 from pallas_kernels.block.backward import block_backward_launch
-from pallas_kernels.block.forward import block_layout, block_static, merge_static
-from pallas_kernels.block.merge import BlockStatic, block_merge_pallas, firsts_layout, layer_arrays, selection_lists
+from pallas_kernels.block.forward import MERGES, block_layout, block_static, check_merge_route, merge_static
+from pallas_kernels.block.merge import BlockStatic, layer_arrays, selection_lists
 from pallas_kernels.shared.common import next_power_of_two, pad_axis, pad_rope_halves, unpad_rope_halves
 from pallas_kernels.shared.configs import BlockConfig
+
+
+# The merges that take packed rows: both by `firsts` (Mosaic GPU's by the refined bitmap
+# of its top layer, no kernel change); the jax-triton one has no such input.
+PACKED_MERGES = ("pallas_triton", "mosaic_gpu")
 
 
 def packed_static(st: BlockStatic, packing: Packing) -> BlockStatic:
@@ -54,22 +60,25 @@ def packed_layers(k, v, packing: Packing, config: HTreeConfig, st: BlockStatic):
     return layer_arrays(tree, st)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "block", "merge", "interpret"))
 def block_forward_packed(q, k, v, selections, firsts, packing: Packing, *, config: HTreeConfig,
-                         block: BlockConfig = BlockConfig(), interpret: bool = False):
+                         block: BlockConfig = BlockConfig(), merge: str = "pallas_triton", interpret: bool = False):
     """`forward.block_forward_pallas` over packed rows: `q [B, T, H, K]`, `k`, `v` as
     there (rope layout), `selections` the virtual blocks' lists (layers `L-1 .. 1`, each
     `[B, T_v / b, H_kv, top_k]` virtual tree rows, `-1` padded), `firsts [B, T_v / b]`
-    int32 each virtual block's document's first top node. Returns `(o [B, T, H, V]`,
-    `lse [B, T, H]` float32)`."""
+    int32 each virtual block's document's first top node; `merge` the merge's kernel
+    (`PACKED_MERGES`). Returns `(o [B, T, H, V]`, `lse [B, T, H]` float32)`."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G, Tv = H // H_kv, packing.virtual_len
-    st = packed_static(merge_static(config, Tv, G, K, V, q.dtype, block, "pallas_triton"), packing)
+    if merge not in PACKED_MERGES:
+        raise ValueError(f"packed rows take block_merge in {PACKED_MERGES}, got {merge!r}")
+    st = packed_static(merge_static(config, Tv, G, K, V, q.dtype, block, merge), packing)
+    check_merge_route(merge, st, K, V, q.dtype, interpret)
     q5 = block_layout(pad_rope_halves(tokens_to_virtual(q, packing), st.half), H_kv, st, Tv)
-    o, lse = block_merge_pallas(q5, packed_layers(k, v, packing, config, st), selection_lists(selections, st), config,
-                                st, K, packed_table_positions(config, packing, st), interpret=interpret,
-                                firsts=firsts_layout(firsts, H_kv))
+    o, lse = MERGES[merge].launch(q5, packed_layers(k, v, packing, config, st), selection_lists(selections, st),
+                                  config, st, K, packed_table_positions(config, packing, st), interpret=interpret,
+                                  firsts=firsts)
     o = virtual_to_tokens(o[:, :, :, :G, :V].reshape(B, Tv, H, V), packing)
     return o, virtual_to_tokens(lse[:, :, :, :G].reshape(B, Tv, H), packing)
 
@@ -96,7 +105,7 @@ def block_backward_packed(q, k, v, o, lse, do, selections, firsts, packing: Pack
     node_counts = tuple(Tv // config.compression_rate**l for l in range(st.num_layers))
     dq5, *grads = block_backward_launch(*rows, layers, selection_lists(selections, st), config, st, K,
                                         packed_table_positions(config, packing, st), node_counts, interpret,
-                                        firsts=firsts_layout(firsts, H_kv))
+                                        firsts=firsts)
     dq = virtual_to_tokens(unpad_rope_halves(dq5[:, :, :, :G], K).reshape(B, Tv, H, K), packing)
     # The layers' gradients back through the tree and the layout: the transpose of
     # `packed_layers` (linear), taken in float32. A layer's rows past its nodes (padding,
