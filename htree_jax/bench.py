@@ -2,7 +2,7 @@
 
     python -m htree_jax bench [--sizes 8192,32768,131072] [--long 524288]
     python benchmarks/bench_forward.py ...   (the same)
-    python -m htree_jax bench --packed 8 [--sizes 131072]   (packed documents, `run_packed`)
+    python -m htree_jax bench --packed 8 [--sizes 131072] [--selection-block 16]   (packed documents, `run_packed`)
 
 B=1, H=32, H_kv=4, K=V=128, bfloat16, causal. Times are medians of `--iters` runs after
 one warm-up; `dense/htree` > 1 means htree is faster. Peak device memory is XLA's
@@ -277,12 +277,13 @@ def grad_of_sum(fn):
     return jax.grad(lambda q, k, v, *rest: jnp.sum(fn(q, k, v, *rest).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
-def run_packed(T: int, docs: int, top_ks, iters: int, kinds=("random",), grad: bool = True):
+def run_packed(T: int, docs: int, top_ks, iters: int, kinds=("random",), grad: bool = True, selection_block: int = 1):
     """One row of `T` tokens packed with `docs` documents (equal lengths, then random
     lengths) against the same tokens as `docs` unpacked rows (equal lengths only: the
     same shapes) and dense cuDNN with the documents' structure. Forward, and forward +
     backward with `grad`. htree is told the documents' count and longest length
-    (`max_documents`, `max_document_len`), as a data pipeline knows them."""
+    (`max_documents`, `max_document_len`), as a data pipeline knows them.
+    `selection_block > 1`: block selection (SPEC 12) at that block."""
     lines = ["| inputs | documents | top_k | pass | htree packed ms | htree B=docs unpacked ms | packed/unpacked | "
              "dense documents ms | dense/packed |", "|---|---|---|---|---|---|---|---|---|"]
     for kind in kinds:
@@ -292,7 +293,7 @@ def run_packed(T: int, docs: int, top_ks, iters: int, kinds=("random",), grad: b
             seg = jnp.asarray(np.repeat(np.arange(docs), lengths)[None], jnp.int32)
             label = f"{docs} x {lengths[0]}" if equal else f"{docs} random ({min(lengths)}..{max(lengths)})"
             for top_k in top_ks:
-                config = HTreeConfig(top_k=top_k)
+                config = HTreeConfig(top_k=top_k, selection_block=selection_block)
                 packed = lambda q, k, v, s, c=config, n=max(lengths): htree_attention(
                     q, k, v, c, backend="pallas", segment_ids=s, max_documents=docs, max_document_len=n)
                 unpacked = lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")
@@ -472,6 +473,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="N > 0: one row of --sizes[0] tokens (default 131072) packed with N documents, equal and "
                         "random lengths, against N unpacked rows and dense cuDNN per document (`run_packed`)")
     p.add_argument("--no-grad", action="store_true", help="with --packed or --shape mla: the forward only")
+    p.add_argument("--selection-block", type=int, default=1,
+                   help="with --packed: HTreeConfig.selection_block (16: block selection, SPEC 12)")
     p.add_argument("--shape", default="gqa", choices=["gqa", "mla"],
                    help="mla: B=1, H=128, H_kv=1, K=576, rope_dim=64, V=512 (`run_mla`; --sizes default "
                         "32768,131072), against the ideal dense time and the best dense JAX runs")
@@ -501,7 +504,8 @@ def run_bench(args, argv=()) -> int:
         T = int_list(args.sizes)[0] if "--sizes" in " ".join(argv) else 131072
         print(gpu_header("packed", f"T={T} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}",
                          f"python -m htree_jax bench {' '.join(argv)}"))
-        print(run_packed(T, args.packed, int_list(args.top_k), args.iters, kinds, not args.no_grad))
+        print(run_packed(T, args.packed, int_list(args.top_k), args.iters, kinds, not args.no_grad,
+                         args.selection_block))
         return 0
     print(gpu_header("forward", f"B={args.batch} H={H} H_kv={H_KV} K=V={K} bfloat16, {inputs_setting(kinds)}",
                      f"python -m htree_jax bench {' '.join(argv)}"))

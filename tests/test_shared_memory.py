@@ -232,7 +232,9 @@ def test_every_gate_case_sets_up_on_the_cpu():
     by_node = [s for name, s in setups.items() if name.endswith(" by node")]
     long = [s for name, s in setups.items() if name.endswith(" T=4096")]
     assert by_node and all(s.by_node and s.block and s.route is None for s in by_node)
-    assert long and all(s.T == 4096 and s.route == "mosaic_gpu" for s in long)
+    assert long and all(s.T == 4096 and (s.route == "mosaic_gpu" or s.packed) for s in long)
+    packed = [s for name, s in setups.items() if " block " in name and " packed" in name]
+    assert packed and all(s.packed and s.block and s.config.block_source in ("first", "previous") for s in packed)
     for name, s in setups.items():
         assert s.T == (4096 if name.endswith(" T=4096") else gpu_gate.GATE_T)
         assert (" via " in name) == (s.route is not None) and s.block == (" block " in name)

@@ -138,6 +138,13 @@ def matrix(full: bool):
     for source in ("first", "previous"):
         yield (8, 128, 128, None), "bfloat16", "mean", f"block {source}"
     yield (128, 128, 128, None), "bfloat16", "bound", "block first"  # one query a program (issue 84)
+    # Packed rows on the block kernels (`block/packed.py`, issue 84): the default merge
+    # (Mosaic GPU at bf16 on an H200), Pallas-Triton's by name and at float32, each source.
+    for source in ("first", "previous"):
+        yield (8, 128, 128, None), "bfloat16", "bound", f"block {source} packed"
+    yield (8, 128, 128, None), "bfloat16", "bound", "block first packed via pallas_triton"
+    yield (8, 128, 128, None), "float32", "bound", "block first packed"
+    yield (16, 64, 64, None), "bfloat16", "bound", "block first packed T=4096"
     # The block merge's routes by name (`KernelConfigs.block_merge`, `docs/backends.md`;
     # the cases above take "auto": Mosaic GPU on an H200 where it takes the shape): forward
     # and gradients (the decode kernels do not take them).
@@ -210,13 +217,15 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     tokens has one layer, which the GPU path runs as RoPE and cuDNN) or "block first" /
     "block previous" (SPEC 12, `selection_block=16` with that source: the block kernels,
     and the decode kernels with the block's selection kept in the cache), optionally
-    followed by " via ROUTE" (the merge's kernel), " by node" (the backward's sums) and
-    " T=4096" (that length, so that every layer takes several of a merge's steps: at
-    T=600 each fits in one)."""
+    followed by " packed" (two documents), " via ROUTE" (the merge's kernel), " by node"
+    (the backward's sums) and " T=4096" (that length, so that every layer takes several
+    of a merge's steps: at T=600 each fits in one)."""
     G, K, V, rope = shape
     length = re.search(r" T=(\d+)$", packed) if isinstance(packed, str) else None
     packed = packed[: length.start()] if length else packed
     block = isinstance(packed, str) and packed.startswith("block")
+    documents = packed is True or (block and " packed" in packed)
+    packed = packed.replace(" packed", "") if block else packed
     route = packed.split(" via ")[1] if block and " via " in packed else None
     config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel,
                          **(dict(selection_block=16, block_source=packed.split()[1]) if block else {}))
@@ -224,7 +233,7 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": "by_node"} if by_node else {})}
     tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
     return CaseSetup(T=int(length.group(1)) if length else GATE_T, H_kv=1 if G > 16 else 2, config=config,
-                     block=block, packed=packed is True, route=route, by_node=by_node, tuning=tuning)
+                     block=block, packed=documents, route=route, by_node=by_node, tuning=tuning)
 
 
 def run_case(rng, shape, dtype, sel, packed):
