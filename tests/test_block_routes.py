@@ -23,6 +23,7 @@ from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constex
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.shared_memory import LIMIT
 from tests.conftest import random_qkv
+from tools.probes import block_merge_pipelines
 
 GPU = jax.default_backend() == "gpu"
 TRITON = importlib.util.find_spec("triton") is not None
@@ -211,8 +212,6 @@ def test_turned_keys_score_as_keys_rotated_by_their_buffer_position():
 def test_the_layout_probe_reads_every_layout_it_names(capsys):
     """`tools/probes/block_merge_pipelines.py --pipe`: each token it documents builds its
     `Pipeline` (the probe runs only on a GPU; its reading of a layout runs here)."""
-    from tools.probes import block_merge_pipelines
-
     for spec in ("128,2,232,40,queries,smem", "64,4,232,40,queries,rotation", "64,4,168,40,128", "64,2,176,152"):
         assert block_merge_pipelines.main(["--pipe", spec]) == 0
     out = capsys.readouterr().out
