@@ -161,6 +161,33 @@ def test_packed_gradients_on_the_kernels_equal_each_document_alone(rng, source, 
     assert_gradients_equal_per_document(packed, q, k, v, w, rows, config)
 
 
+@pytest.mark.parametrize("source", SOURCES)
+def test_packed_blocks_walk_the_top_layer_from_their_documents_tile(rng, source):
+    """Ten documents of at most 40 tokens (a two-layer tree, documents every 4 virtual
+    positions): the top layer spans four of the kernels' 16-node tiles, so most blocks
+    start their top-layer walk past tile 0 (`merge.walk_tiles`). Outputs and
+    gradients of the kernels interpreted against the reference's."""
+    config = block_config(4, 4, source)
+    rows = [[9, 40, 3, 33, 12, 1, 25, 40, 7, 30], [40, 2, 38, 40, 17, 23, 4, 36]]
+    seg = jnp.asarray(segments(rows))
+    tuning = KernelConfigs.resolve(None, 32, 32).with_changes({"block.merge_tile": 16, "block.backward_tile": 16})
+    T_v = htree_jax.core.packing.virtual_length(config, 200, 10, 40)
+    assert T_v // config.compression_rate >= 3 * 16  # the top layer's nodes: several tiles
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, 200, 4, 2, 32, 32))
+    w = jnp.asarray(rng.standard_normal((2, 200, 4, 32)), jnp.float32)
+
+    def loss(q, k, v, backend):
+        o = htree_attention(q, k, v, config, segment_ids=seg, max_documents=10, max_document_len=40,
+                            backend=backend, block_sizes=tuning)
+        return jnp.sum(o * w), o
+
+    (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, "pallas_interpret")
+    (_, o_ref), grads_ref = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, "reference")
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
+    for name, g, g_ref in zip("qkv", grads, grads_ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+
+
 def test_where_it_is_not_built_the_errors_say_so(rng):
     config = block_config(4, 4, "first")
     q, k, v = random_qkv(rng, 1, 40, 4, 2, 32, 32)

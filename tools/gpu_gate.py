@@ -145,6 +145,10 @@ def matrix(full: bool):
     yield (8, 128, 128, None), "bfloat16", "bound", "block first packed via pallas_triton"
     yield (8, 128, 128, None), "float32", "bound", "block first packed"
     yield (16, 64, 64, None), "bfloat16", "bound", "block first packed T=4096"
+    # Eight documents of about 1024 tokens: a two-layer tree whose top layer spans four
+    # of a step's 128 candidates, so blocks start their walk past the first step.
+    for route in ("", " via pallas_triton"):
+        yield (8, 128, 128, None), "bfloat16", "bound", f"block first packed 8{route} T=8192"
     # The block merge's routes by name (`KernelConfigs.block_merge`, `docs/backends.md`;
     # the cases above take "auto": Mosaic GPU on an H200 where it takes the shape): forward
     # and gradients (the decode kernels do not take them).
@@ -206,7 +210,7 @@ class CaseSetup:
     H_kv: int
     config: HTreeConfig
     block: bool  # SPEC 12's block selection
-    packed: bool  # two documents
+    packed: int  # documents in the row: 0 (one, unpacked), 2 or the name's count
     route: str | None  # the block merge's kernel, where not the default
     by_node: bool  # the block backward's key and value sums by node
     tuning: dict  # htree_attention's block_sizes where the case changes them
@@ -217,15 +221,17 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     tokens has one layer, which the GPU path runs as RoPE and cuDNN) or "block first" /
     "block previous" (SPEC 12, `selection_block=16` with that source: the block kernels,
     and the decode kernels with the block's selection kept in the cache), optionally
-    followed by " packed" (two documents), " via ROUTE" (the merge's kernel), " by node"
-    (the backward's sums) and " T=4096" (that length, so that every layer takes several
-    of a merge's steps: at T=600 each fits in one)."""
+    followed by " packed" (two documents; " packed N": N documents told their longest
+    length, whose tree's top layer then spans several of a merge's steps), " via ROUTE"
+    (the merge's kernel), " by node" (the backward's sums) and " T=4096" (that length,
+    so that every layer takes several of a merge's steps: at T=600 each fits in one)."""
     G, K, V, rope = shape
     length = re.search(r" T=(\d+)$", packed) if isinstance(packed, str) else None
     packed = packed[: length.start()] if length else packed
     block = isinstance(packed, str) and packed.startswith("block")
-    documents = packed is True or (block and " packed" in packed)
-    packed = packed.replace(" packed", "") if block else packed
+    many = re.search(r" packed (\d+)", packed) if block else None
+    documents = int(many.group(1)) if many else 2 if packed is True or (block and " packed" in packed) else 0
+    packed = re.sub(r" packed( \d+)?", "", packed) if block else packed
     route = packed.split(" via ")[1] if block and " via " in packed else None
     config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel,
                          **(dict(selection_block=16, block_source=packed.split()[1]) if block else {}))
@@ -234,6 +240,20 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
     return CaseSetup(T=int(length.group(1)) if length else GATE_T, H_kv=1 if G > 16 else 2, config=config,
                      block=block, packed=documents, route=route, by_node=by_node, tuning=tuning)
+
+
+def packed_documents(T: int, count: int) -> dict:
+    """htree_attention's packing arguments for `count` documents in a row of `T` tokens,
+    each its own tree (SPEC 6): two at `T / 3`, or (more) unequal lengths about `T /
+    count`, the longest told (`max_document_len`: the tree of the longest document)."""
+    if count == 0:
+        return {}
+    if count == 2:
+        return dict(segment_ids=jnp.asarray(np.arange(T) >= T // 3, jnp.int32)[None], max_documents=2)
+    cuts = np.asarray([0] + [T * i // count + (37 * i) % 101 - 50 for i in range(1, count)] + [T])
+    segment_ids = np.repeat(np.arange(count), np.diff(cuts))[None]
+    return dict(segment_ids=jnp.asarray(segment_ids, jnp.int32), max_documents=count,
+                max_document_len=int(np.diff(cuts).max()))
 
 
 def run_case(rng, shape, dtype, sel, packed):
@@ -245,8 +265,7 @@ def run_case(rng, shape, dtype, sel, packed):
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
                for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, V)))
     weights = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
-    # Packed: two documents, each its own tree (SPEC 6).
-    documents = dict(segment_ids=jnp.asarray(np.arange(T) >= T // 3, jnp.int32)[None], max_documents=2) if packed else {}
+    documents = packed_documents(T, packed)
 
     def attend(q, k, v, backend, **kw):
         return htree_attention(q, k, v, config=config, backend=backend, **documents,

@@ -46,6 +46,7 @@ from pallas_kernels.block.merge import (
     scores_dot,
     selection_lists,
     tile_nodes,
+    walk_tiles,
 )
 from pallas_kernels.shared.common import (
     compiler_params,
@@ -110,7 +111,8 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
             return (g_lo, g_hi), seen
 
         zero = jnp.zeros((rows, h), jnp.float32)
-        (g_lo, g_hi), _ = lax.fori_loop(0, (walk.n_max + C - 1) // C, tile_grads, ((zero, zero), jnp.int32(0)))
+        start, stop, seen = walk_tiles(walk, st)
+        (g_lo, g_hi), _ = lax.fori_loop(start, stop, tile_grads, ((zero, zero), seen))
         g_lo, g_hi = rotate_back(g_lo, g_hi, cos_ref[walk.angle, :], sin_ref[walk.angle, :])
         dq_lo, dq_hi = dq_lo + g_lo, dq_hi + g_hi
 

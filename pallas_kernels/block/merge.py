@@ -151,6 +151,21 @@ def layer_walk(l: int, sel_refs, st: BlockStatic, first=None) -> LayerWalk:
                      jnp.broadcast_to(n_row - 1, (st.rows,)), first if l == L - 1 else None)
 
 
+def walk_tiles(walk: LayerWalk, st: BlockStatic):
+    """`(start, stop, seen)`: the layer's candidate tiles `start .. stop - 1` and the
+    entries of its refined list before tile `start`. Packed rows (`walk.first`) start
+    at the tile of the document's first node: the tiles wholly before it hold other
+    documents' nodes only, and walking them masked made a row of 8 documents 1.4x the
+    time of 8 rows (journal, 2026-12-02 (4))."""
+    stop = (walk.n_max + st.tile - 1) // st.tile
+    if walk.first is None:
+        return 0, stop, jnp.int32(0)
+    start = jnp.minimum(walk.first // st.tile, stop)
+    seen = jnp.int32(0) if walk.refined is None else jnp.sum(
+        (walk.refined[pl.ds(0, st.top_k)] < start * st.tile).astype(jnp.int32))
+    return start, stop, seen
+
+
 def rotated_rows(q_ref, cos_ref, sin_ref, angle, st: BlockStatic):
     """The program's rows `[rows, half]` x 2, float32, rotated by `angle [rows]`. Read
     again at each layer rather than held across them: registers go to the accumulators."""
@@ -230,7 +245,8 @@ def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic, packed:
             weighted = lambda w: rows_dot(w, v_ref[nodes, :], st, dtype)
             return fold(state, [(jnp.where(merged, s, NEG_INF), weighted)]), seen
 
-        state, _ = lax.fori_loop(0, (walk.n_max + C - 1) // C, merge_tile, (state, jnp.int32(0)))
+        start, stop, seen = walk_tiles(walk, st)
+        state, _ = lax.fori_loop(start, stop, merge_tile, (state, seen))
 
     o_ref[...] = normalized(state).reshape(o_ref.shape).astype(o_ref.dtype)
     lse_ref[...] = log_sum_exp(state).reshape(lse_ref.shape)

@@ -128,6 +128,15 @@ def refined_bitmaps(selections, st: BlockStatic, words: int, firsts=None):
     return jnp.stack(maps)
 
 
+def with_firsts(counts, firsts, num_layers: int):
+    """Packed rows: the counts `[B, NB, H_kv, Lp]` (`merge.layer_parent_counts`) with
+    each block's document's first top node `firsts [B, NB]` in entry `num_layers`, `Lp`
+    doubled where no entry follows the layers'."""
+    if counts.shape[-1] <= num_layers:
+        counts = jnp.pad(counts, [(0, 0)] * 3 + [(0, counts.shape[-1])])
+    return counts.at[..., num_layers].set(firsts[:, :, None].astype(jnp.int32))
+
+
 def earlier_bits(firsts, words: int):
     """`firsts [B, NB]` -> `[B, NB, words]` uint32: bit `p` set where `p < first`."""
     before = jnp.arange(words * WORD, dtype=jnp.int32) < firsts[..., None]  # [B, NB, words * WORD]
@@ -243,7 +252,7 @@ LOG2E = math.log2(math.e)
 
 
 def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, words: tuple[int, int],
-                  lists: tuple[int, int], dtype, pipe: Pipeline):
+                  lists: tuple[int, int], dtype, pipe: Pipeline, packed: bool = False):
     """One program per `(b, queries, h_kv)`: `consumers` warpgroups of `ROWS` rows each
     fold every layer's merged candidates into one online softmax; the last warpgroup
     feeds them by TMA, a ring of `pipe.stages` tiles of `pipe.tile` candidates, each
@@ -280,15 +289,24 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
     lrows, lcols = lists
 
     def layer_counts(l):
-        """`n_P`, the block's most candidates `n` and its steps at layer `l`: none above
-        layer 0 where the layer refines all `n` (its list, `n_P` of layer `l - 1`, is
-        as long), as the top layer does wherever it has at most `top_k` nodes."""
+        """`n_P`, the block's most candidates `n` and its steps `start .. stop - 1` at
+        layer `l`: none above layer 0 where the layer refines all its candidates (its
+        list, `n_P` of layer `l - 1`, is as long), as the top layer does wherever it has
+        at most `top_k` nodes. Packed rows start the top layer at the step of the
+        document's first node (`count_s[L]`, `merge.walk_tiles`), whose candidates are
+        the nodes from it to `n`."""
         n_parents = count_s[l]
         n_max = candidate_count(n_parents, t_first + st.queries - 1 if l == 0 else t0, r, l)
-        steps = (n_max + C - 1) // C
+        stop = (n_max + C - 1) // C
+        skips = packed and l == L - 1
+        first = count_s[L] if skips else None
         if l > 0:
-            steps = jnp.where(count_s[l - 1] >= n_max, 0, steps)
-        return n_parents, n_max, steps
+            stop = jnp.where(count_s[l - 1] >= (n_max - first if skips else n_max), 0, stop)
+        return n_parents, n_max, jnp.minimum(first // C, stop) if skips else 0, stop
+
+    def layer_steps(l):
+        _, _, start, stop = layer_counts(l)
+        return stop - start if packed and l == L - 1 else stop
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
@@ -320,7 +338,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
 
         rows_q = load_queries(L - 1)
         plgpu.barrier_wait(setup)
-        total_steps = sum(layer_counts(l)[2] for l in range(L))
+        total_steps = sum(layer_steps(l) for l in range(L))
         m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout)
         total = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.zeros((ROWS, vp), jnp.float32), plgpu.Layout.WGMMA)
@@ -331,7 +349,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
         for l in reversed(range(L)):
             if l != L - 1:
                 rows_q = load_queries(l)
-            n_parents, n_max, steps = layer_counts(l)
+            n_parents, n_max, start, stop = layer_counts(l)
             n_row = candidate_count(n_parents, t_first + row // st.group, r, 0) if l == 0 else None
 
             def merged_scores(s, i, l=l, n_max=n_max, n_row=n_row):
@@ -400,7 +418,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
                 plgpu.barrier_arrive(v_done.at[slot])
                 return acc, m_new, total, g + 1
 
-            acc, m, total, g = lax.fori_loop(0, steps, step, (acc, m, total, g))
+            acc, m, total, g = lax.fori_loop(start, stop, step, (acc, m, total, g))
         if consumers == 2:
             pl.when(wg == 0)(schedule_barrier)
         # The rows' output takes a values buffer once every consumer's last product is
@@ -454,7 +472,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
         g = jnp.int32(0)
         for l in reversed(range(L)):
             k_lo_ref, k_hi_ref, v_ref = layer_refs[3 * l: 3 * l + 3]
-            _, n_max, steps = layer_counts(l)
+            _, n_max, start, stop = layer_counts(l)
             top = l == L - 1
 
             def node_rows(i, jn, top=top, n_max=n_max, l=l):
@@ -503,7 +521,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
                                             v_bars.at[slot])
                 return g + 1
 
-            g = lax.fori_loop(0, steps, produce, g)
+            g = lax.fori_loop(start, stop, produce, g)
         if not (pipe.rotator or turned):
             pl.when(g >= 1)(lambda: finish(g - 1))
 
@@ -512,7 +530,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
         def _rotator():
             plgpu.set_max_registers(pipe.rotator_registers, action="decrease")
             plgpu.barrier_wait(setup)
-            total_steps = sum(layer_counts(l)[2] for l in range(L))
+            total_steps = sum(layer_steps(l) for l in range(L))
 
             @pl.loop(0, total_steps)
             def _(g):
@@ -598,8 +616,9 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     """`merge.block_merge_pallas` (same arguments and results, no interpret mode:
     `interpret=True` is refused) on the Mosaic GPU kernel above, laid out as `pipe`
     says (None: `pipeline_for(st)`; `table_rows` is rounded up to `pipe.tile`). `firsts`:
-    packed rows, as there (no kernel of its own: `refined_bitmaps` marks the top layer's
-    nodes before each block's document's first). A layout whose buffers pass the
+    packed rows, as there: the top layer's walk starts at the step of each block's
+    document's first node (`with_firsts`), and `refined_bitmaps` marks the nodes before
+    it in that step. A layout whose buffers pass the
     shared memory a block holds is refused (ValueError) before it is built."""
     if interpret:
         raise ValueError("block_merge='mosaic_gpu' has no interpret mode; interpreted runs take 'pallas_triton'")
@@ -612,7 +631,8 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     words = table_rows // WORD
     list_boxes, word_boxes = _boxes(next_power_of_two(st.top_k, 4)), _boxes(words)
     L_lists = max(st.num_layers - 1, 1)
-    lp = max(4, 1 << (st.num_layers - 1).bit_length())
+    lp = max(4, 1 << (st.num_layers - 1).bit_length())  # `layer_parent_counts`' entries
+    lp = 2 * lp if firsts is not None and lp <= st.num_layers else lp  # and `with_firsts`'
     scratch = scratch_shapes(st, pipe, dtype, (L_lists,) + list_boxes, (L_lists,) + word_boxes, lp)
     if shared_bytes(scratch) > LIMIT:
         raise ValueError(f"block_merge='mosaic_gpu': Pipeline(tile={C}, stages={S}) takes {shared_bytes(scratch)} "
@@ -626,6 +646,8 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
         tables = [cos32[:ROWS], sin32[:ROWS]] + tables  # each key's angle within its chunk
     T0 = jnp.arange(nb, dtype=jnp.int32) * st.r
     counts = layer_parent_counts(selections, st, T0, (B, nb, H_kv))
+    if firsts is not None:
+        counts = with_firsts(counts, firsts, st.num_layers)
     if selections:
         sel = jnp.stack([s[..., : st.top_k] for s in selections])
         bits = refined_bitmaps(selections, st, words, firsts)
@@ -649,7 +671,7 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
             plgpu.Barrier(num_arrivals=consumers),  # schedule: the consumers' turns
             plgpu.Barrier(num_arrivals=consumers)]  # finished: every product done
     kernel_fn = functools.partial(_merge_kernel, st=st, consumers=consumers, words=word_boxes, lists=list_boxes,
-                                  dtype=dtype, pipe=pipe)
+                                  dtype=dtype, pipe=pipe, packed=firsts is not None)
 
     def entry(*refs):
         pl.run_scoped(lambda scratch_refs, bar_refs: kernel_fn(*refs, scratch_refs, bar_refs), scratch, bars,

@@ -4,7 +4,8 @@ out virtually as the tree is (`htree_jax.core.packing`), so that each document's
 start at multiples of `b` (a document starts at a multiple of `A = r^(L-1)`) and no block
 spans two documents. Every layer below the top is then walked as in an unpacked row
 (`t0 mod r^(l+1)` does not change with a document's start); on the top layer a block
-merges only its document's nodes, from `firsts` (its first top node) on, and RoPE being
+walks and merges only its document's nodes, from `firsts` (its first top node) on
+(`merge.walk_tiles`: from the tile that holds it), and RoPE being
 relative, the positions counted from the row's start score as those counted from the
 document's (`merge.layer_walk`).
 
@@ -34,8 +35,9 @@ from pallas_kernels.shared.common import next_power_of_two, pad_axis, pad_rope_h
 from pallas_kernels.shared.configs import BlockConfig
 
 
-# The merges that take packed rows: both by `firsts` (Mosaic GPU's by the refined bitmap
-# of its top layer, no kernel change); the jax-triton one has no such input.
+# The merges that take packed rows: both by `firsts`, where their top layer's walk
+# starts (Mosaic GPU's masks the rest of that step by its refined bitmap); the
+# jax-triton one has no such input.
 PACKED_MERGES = ("pallas_triton", "mosaic_gpu")
 
 
