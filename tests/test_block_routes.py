@@ -18,7 +18,7 @@ from htree_jax import HTreeConfig, htree_attention
 from pallas_kernels.block.forward import block_static, check_merge_route, merge_static, table_positions
 from pallas_kernels.block.merge import rope_tables, rotate_back, rotate_halves
 from pallas_kernels.block.mosaic_merge import (NARROW_PIPELINE, PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims,
-                                              earlier_bits, refined_bitmaps, turned_keys)
+                                              earlier_bits, refined_bitmaps, turned_keys, with_firsts)
 from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constexprs
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.shared_memory import LIMIT
@@ -219,8 +219,8 @@ def test_the_layout_probe_reads_every_layout_it_names(capsys):
 
 
 def test_packed_rows_mark_the_top_layer_before_each_document():
-    """Mosaic GPU's merge takes packed rows by its bitmaps (no kernel of its own): on the
-    top layer the positions before a block's document's first node are marked as the
+    """Mosaic GPU's merge starts its top layer at the step of a block's document's first
+    node (`with_firsts`); within that step the positions before it are marked as the
     refined ones are, so neither is merged (`refined_bitmaps`, `earlier_bits`)."""
     firsts = jnp.asarray([[0, 1, 31, 32, 33, 70]], jnp.int32)
     bits = np.asarray(earlier_bits(firsts, 4)).astype(np.uint64)
@@ -236,6 +236,21 @@ def test_packed_rows_mark_the_top_layer_before_each_document():
     assert set(np.flatnonzero(top_bits)) == {0, 1, 2, 5, 9}
     plain = np.asarray(refined_bitmaps([top, below], st, 4))
     np.testing.assert_array_equal(maps[1], plain[1])  # the layers below: unchanged
+
+
+@pytest.mark.parametrize("L", [2, 3, 4, 5])
+def test_packed_rows_give_the_mosaic_merge_each_blocks_first_node_after_the_counts(L):
+    """`with_firsts`: each block's first top node in entry `L` of the layers' counts
+    (where the kernel reads it), the counts themselves unchanged, the length doubled
+    only where no entry follows the layers' (as `block_merge_mosaic` sizes its buffer)."""
+    lp = max(4, 1 << (L - 1).bit_length())
+    counts = jnp.arange(2 * 3 * 2 * lp, dtype=jnp.int32).reshape(2, 3, 2, lp)
+    counts = jnp.where(jnp.arange(lp) < L, counts, 0)
+    firsts = jnp.asarray([[0, 64, 128], [7, 9, 300]], jnp.int32)
+    got = np.asarray(with_firsts(counts, firsts, L))
+    assert got.shape[-1] == (2 * lp if lp <= L else lp)
+    np.testing.assert_array_equal(got[..., :L], np.asarray(counts)[..., :L])
+    np.testing.assert_array_equal(got[..., L], np.broadcast_to(np.asarray(firsts)[:, :, None], (2, 3, 2)))
 
 
 @pytest.mark.skipif(not LOWERS_FOR_CUDA, reason="Mosaic GPU lowers for cuda from jax 0.11 on")
