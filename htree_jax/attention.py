@@ -145,7 +145,8 @@ def htree_attention(
         # Sharded inputs: one local call per shard (`htree_jax/sharding.py`). (The
         # importance export is not partitioned yet: with it, the plain call.)
         # `backend="auto"`: a context shard that block selection's kernels cannot take
-        # runs on the reference (`sharding.context_backend`); a kernel backend named is refused.
+        # (part of a block) runs on the reference (`sharding.context_backend`); a kernel
+        # backend named is refused.
         o, selected = partitioned_attention(q, k, v, config, impl, segment_ids, None if packing is None else
                                             packing.virtual_len, max_document_len, block_sizes,
                                             context_impl="reference" if backend == "auto" else None)

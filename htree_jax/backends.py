@@ -33,7 +33,7 @@ from htree_jax.core.rope import rope_layout
 from htree_jax.core.validation import Dims
 from htree_jax.reference import attend_tree, default_query_chunk
 from htree_jax.routes import ROUTES, Call, Route, block_selections, latent_values
-from pallas_kernels.block.forward import check_merge_route, chosen_merge, merge_static
+from pallas_kernels.block.forward import SHARD_MERGES, check_merge_route, chosen_merge, merge_static
 from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
 from pallas_kernels.block.packed import PACKED_MERGES
 from pallas_kernels.decode.walk import attend_cache_pallas, check_pallas_decode_dims
@@ -105,30 +105,29 @@ def full_sequence_backend(backend: str, dims: Dims, config: HTreeConfig | None =
     return impl
 
 
-WHOLE_SEQUENCES = ("block selection's kernels take whole sequences (no context shards): backend='reference' takes "
-                   "the others")
+WHOLE_SEQUENCES = ("block selection's kernels take context shards of whole blocks (a shard's length a multiple of "
+                   "selection_block): backend='reference' takes the others")
 
 
-def takes_context_shards(impl: str, config: HTreeConfig) -> bool:
-    """Whether `impl` runs a context shard (tokens split along T) on its own route: every
-    one does but block selection's kernels (`WHOLE_SEQUENCES`)."""
-    return not (config.selects_by_block and impl in ("pallas", "pallas_interpret"))
+def takes_context_shards(impl: str, config: HTreeConfig, shard_len: int) -> bool:
+    """Whether `impl` runs a context shard of `shard_len` tokens (tokens split along T)
+    on its own route: every one does but block selection's kernels where the shard
+    holds part of a block (`WHOLE_SEQUENCES`: its blocks would start in another)."""
+    kernels = config.selects_by_block and impl in ("pallas", "pallas_interpret")
+    return not (kernels and shard_len % config.selection_block)
 
 
-def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str, context_shard: bool = False) -> None:
+def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str) -> None:
     """Block selection's kernels (SPEC 12, `pallas_kernels.block`): the per-query kernels'
     limits for the call (they choose each block's nodes on its ranking rows), heads up to
-    `BLOCK_MAX_DIM` features, the ranking rows (`"previous"`: `b * G` rows a kv head),
-    and whole sequences (a context shard's blocks reach into the shard before it: the
-    reference takes those; batch and head shards are whole sequences). Which merges
-    take packed rows: `check_route`."""
+    `BLOCK_MAX_DIM` features and the ranking rows (`"previous"`: `b * G` rows a kv
+    head). Which merges take packed rows and context shards: `check_route`; a shard's
+    whole blocks: `block.forward.check_shard_offset`."""
     check_pallas_dims(dims, backend)
     if max(dims.head_dim, dims.value_dim) > BLOCK_MAX_DIM:
         raise ValueError(f"backend {backend!r}: block selection's kernels take K and V up to {BLOCK_MAX_DIM}, got "
                          f"K = {dims.head_dim}, V = {dims.value_dim}; backend='reference' takes larger heads")
     check_ranking_rows(dims.group_size, config, backend)
-    if context_shard:
-        raise ValueError(WHOLE_SEQUENCES)
 
 
 def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs,
@@ -158,9 +157,7 @@ def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     whole = one_layer(config, dims.seq_len)
     if config.selects_by_block and not whole:
         if check_limits:
-            check_block_kernel_dims(dims, config, impl, context_shard)
-        elif context_shard:
-            raise ValueError(WHOLE_SEQUENCES)
+            check_block_kernel_dims(dims, config, impl)
         return "block_" + chosen_merge(tuning.block_merge, config, dims.seq_len, dims.group_size, dims.head_dim,
                                        dims.value_dim, dtype, tuning.block, impl == "pallas_interpret")
     if check_limits:
@@ -204,17 +201,20 @@ def blocks_of(q, k, v, config: HTreeConfig, block_sizes=None, impl: str = "palla
 
 
 def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs,
-                packed: bool = False) -> None:
+                packed: bool = False, context_shard: bool = False) -> None:
     """What a call asked for explicitly and the chosen route cannot do, a ValueError
     naming the rule ("auto" does not fall back from it): block selection's merge
     (the route's, `tuning.block_merge` resolved) on these shapes (`check_merge_route`);
-    packed rows (`packed`) on `block.packed.PACKED_MERGES` and the atomics' backward only."""
+    packed rows (`packed`) on `block.packed.PACKED_MERGES` and a context shard's rows
+    (`context_shard`) on `block.forward.SHARD_MERGES`, each with the atomics' backward only."""
     if name.startswith("block_"):
         merge = name[len("block_"):]
-        if packed and (merge not in PACKED_MERGES or tuning.block.backward_sum != "atomics"):
-            raise ValueError(f"block selection with segment_ids runs on block_merge in {PACKED_MERGES} (or 'auto') "
-                             f"and BlockConfig(backward_sum='atomics'), got {merge!r} and "
-                             f"{tuning.block.backward_sum!r}")
+        for asked, what, merges in ((packed, "with segment_ids", PACKED_MERGES),
+                                    (context_shard, "in a context shard", SHARD_MERGES)):
+            if asked and (merge not in merges or tuning.block.backward_sum != "atomics"):
+                raise ValueError(f"block selection {what} runs on block_merge in {merges} (or 'auto') and "
+                                 f"BlockConfig(backward_sum='atomics'), got {merge!r} and "
+                                 f"{tuning.block.backward_sum!r}")
         st = merge_static(config, dims.seq_len, dims.group_size, dims.head_dim, dims.value_dim, dtype, tuning.block,
                           merge)
         check_merge_route(merge, st, dims.head_dim, dims.value_dim, dtype, impl == "pallas_interpret")
@@ -250,7 +250,8 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     name = choose_route(impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None,
                         latent=v is None, context_shard=positions is not None or rank_rows is not None,
                         check_limits=False)
-    check_route(name, impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None)
+    check_route(name, impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None,
+                context_shard=positions is not None or rank_rows is not None)
     route = ROUTES[name]
     if q_layout == "given" and not route.given_layout:
         q, q_layout = rope_layout(q, config.partial_rope(K)), "rope_layout"

@@ -155,16 +155,30 @@ def block_ranking_rows(q, num_kv_heads: int, config: HTreeConfig):
     return jnp.swapaxes(previous, 2, 3).reshape(B, NB, num_kv_heads * b * G, K)
 
 
+def shard_ranking_rows(rank_rows, config: HTreeConfig):
+    """A context shard's ranking rows as `block_ranking_rows` lays them out: each
+    query's `[B, S, H_kv, R, K]` (`sharding.shard_rank_rows`; a block's queries share
+    them) -> each block's `[B, S / b, H_kv * R, K]`."""
+    B, S, H_kv, R, K = rank_rows.shape
+    return rank_rows[:, :: config.selection_block].reshape(B, -1, H_kv * R, K)
+
+
 def block_selections(q, k, v, *, config: HTreeConfig, tuning: KernelConfigs, selection_route: str,
-                     interpret: bool = False, export: bool = False):
+                     interpret: bool = False, export: bool = False, offset=None, rank_rows=None):
     """`(selections, importance)` of every block (SPEC 12): the forward of the per-query
     route `selection_route` (`backends.ranking_route`), run on each block's ranking rows
-    at its first position, chooses what the block refines. Each `[B, ceil(T / b), H_kv,
+    at its first position, chooses what the block refines. Each `[B, ceil(S / b), H_kv,
     top_k]`, top layer first (importance `[]` without `export`). Their outputs are not
-    used: the block merge recomputes every row's. Constants under autodiff."""
+    used: the block merge recomputes every row's. Constants under autodiff. A context
+    shard: `q [B, S, H, K]` from position `offset` of `k`'s `T` tokens, `rank_rows` its
+    queries' ranking rows (`shard_ranking_rows`; None: from `q`, which holds each
+    block's first query but not the block before a shard's first)."""
     b = config.selection_block
     starts = jnp.arange(-(-q.shape[1] // b), dtype=jnp.int32) * b
-    rows, k, v = (jax.lax.stop_gradient(x) for x in (block_ranking_rows(q, k.shape[2], config), k, v))
+    if offset is not None:
+        starts = starts + offset
+    rows = block_ranking_rows(q, k.shape[2], config) if rank_rows is None else shard_ranking_rows(rank_rows, config)
+    rows, k, v = (jax.lax.stop_gradient(x) for x in (rows, k, v))
     _, selected, *exported = ROUTES[selection_route].forward(
         rows, k, v, config=dataclasses.replace(config, selection_block=1), block_sizes=tuning, interpret=interpret,
         positions=starts, return_importance=export)
@@ -218,6 +232,23 @@ def _block_packed(q, k, v, c: Call, merge: str):
     return (o, selected, *([[tokens(x) for x in exported]] if c.export else []))
 
 
+def shard_offset(c: Call, S: int):
+    """A context shard's first position (`c.positions`, consecutive from a multiple of
+    `b`, as `sharding` gives them), or None for whole sequences. Its `S` queries must be
+    whole blocks, and under `"previous"` its first block ranks with the shard before's
+    rows (`c.rank_rows`): a ValueError naming the rule otherwise."""
+    if c.positions is None and c.rank_rows is None:
+        return None
+    b = c.config.selection_block
+    if S % b:
+        raise ValueError(f"block selection's kernels take a context shard of whole blocks: its {S} queries must be "
+                         f"a multiple of selection_block = {b}")
+    if c.rank_rows is None and c.config.block_source == "previous":
+        raise ValueError("block_source='previous' in a context shard needs its ranking rows (rank_rows): its "
+                         "first block ranks with the shard before's last queries")
+    return jnp.zeros((), jnp.int32) if c.positions is None else c.positions[0].astype(jnp.int32)
+
+
 def _block(q, k, v, c: Call, merge: str):
     """Block selection on the kernels: the blocks' selections, then the block family's
     merge `merge` and its backward; each token's lists are its block's. Packed rows:
@@ -225,9 +256,12 @@ def _block(q, k, v, c: Call, merge: str):
     if c.packing is not None:
         return _block_packed(q, k, v, c, merge)
     b, T = c.config.selection_block, q.shape[1]
+    offset = shard_offset(c, T)
     blocks, exported = block_selections(q, zero_non_finite(k), zero_non_finite(v), config=c.config, tuning=c.tuning,
-                                        selection_route=c.selection_route, interpret=c.interpret, export=c.export)
-    o = block_attention(q, k, v, blocks, config=c.config, tuning=c.tuning, merge=merge, interpret=c.interpret)
+                                        selection_route=c.selection_route, interpret=c.interpret, export=c.export,
+                                        offset=offset, rank_rows=c.rank_rows)
+    o = block_attention(q, k, v, blocks, config=c.config, tuning=c.tuning, merge=merge, interpret=c.interpret,
+                        positions=c.positions)
     return (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if c.export else []))
 
 

@@ -104,12 +104,12 @@ def _backward_rule(packed: bool):
     return "b t g r k, b t g k, b t g v" + (", b t" if packed else "") + ", b t g r v -> b t g r k, b t g k, b t g v"
 
 
-def context_backend(impl: str, config, t, context_impl: str | None) -> str:
+def context_backend(impl: str, config, t, context_impl: str | None, shard_len: int) -> str:
     """The backend of a local call whose tokens are split along mesh axis `t` (None: not
-    split): `impl`, unless it names block selection's kernels, which take whole sequences
-    only (`backends.WHOLE_SEQUENCES`): then `context_impl` (what `backend="auto"` asks:
-    the reference), or a ValueError naming the axis."""
-    if t is None or takes_context_shards(impl, config):
+    split) into shards of `shard_len`: `impl`, unless it names block selection's kernels
+    and the shards hold part of a block (`backends.WHOLE_SEQUENCES`): then `context_impl`
+    (what `backend="auto"` asks: the reference), or a ValueError naming the axis."""
+    if t is None or takes_context_shards(impl, config, shard_len):
         return impl
     if context_impl is None:
         raise ValueError(f"htree sharding: mesh axis {t!r} shards T (context parallelism) of a block-selection call "
@@ -135,7 +135,7 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
     def attend(t, q5, k, v, positions=None, rank_rows=None, segment_ids=None):
         B, S, H_kv, G, K = q5.shape
         packing = None if segment_ids is None else pack_layout(segment_ids, config, packed[0], packed[1])
-        local = context_backend(impl, config, t, context_impl)
+        local = context_backend(impl, config, t, context_impl, S)
         o, selected = attend_locally(q5.reshape(B, S, H_kv * G, K), k, v, config, local, packing, positions,
                                      block_sizes=block_sizes, rank_rows=rank_rows)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
@@ -190,7 +190,7 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
         B, T, H_kv = arg_shapes[0].shape[:3]
         _check_mesh_fits(mesh, b, t, g, B, T, H_kv)
         _check_shard_blocks(mesh, t, T, config)
-        context_backend(impl, config, t, context_impl)  # a call its kernels cannot take: refused here
+        context_backend(impl, config, t, context_impl, T // _shards(mesh, t) if t else T)  # refused here
         q5, kv = _shardings(mesh, b, t, g)
         seg = rows_of(mesh, b, t) if packed else ()
         return mesh, local_forward(t), (q5,) + (kv,) * num_selections, (q5, kv, kv) + seg
@@ -298,8 +298,8 @@ def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_
     [B, T]` int32 (checked) and the static layout (`virtual_len`, `max_document_len`,
     `htree_jax.core.packing`). `block_sizes`: the Pallas kernels' (None: tuned).
     `context_impl`: the backend of a context shard's local call where `impl`'s kernels
-    take no context shards (block selection's: `context_backend`); None refuses such a
-    call, naming the mesh axis."""
+    cannot take the shards (block selection's, where a shard holds part of a block:
+    `context_backend`); None refuses such a call, naming the mesh axis."""
     check_input_shardings(q, k, v)
     B, T, H, K = q.shape
     H_kv = k.shape[2]

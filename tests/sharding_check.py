@@ -61,6 +61,18 @@ def memory_plans() -> int:
         return 1
     print("ok memory plan: each device's share falls with the device count along T, "
           f"forward {[peaks[n, False] for n in counts]}, fwd+bwd {[peaks[n, True] for n in counts]}")
+    # Block selection's kernels on context shards (interpreted): the plan is theirs.
+    block = HTreeConfig(compression_rate=4, top_k=4, selection_block=4)
+    block_peaks = []
+    for n in (1, 8):
+        mesh = jax.make_mesh((n,), ("seq",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+        sharding = NamedSharding(mesh, P(None, "seq", None, None))
+        args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes]
+        block_peaks.append(memory_plan(*args, block, gradients=True, backend="pallas_interpret").peak)
+    if block_peaks[1] >= block_peaks[0]:
+        print(f"FAIL memory plan of block selection's kernels along T (fwd+bwd over 1, 8): {block_peaks}")
+        return 1
+    print(f"ok memory plan: block selection's kernels along T, fwd+bwd over 1, 8: {block_peaks}")
     return 0
 
 
@@ -292,10 +304,13 @@ def block_selection_check() -> int:
 
 
 def block_kernels_check(config, mesh, q, k, v, w) -> int:
-    """Block selection on its kernels (interpreted) with the batch and the kv heads split:
-    forward and gradients equal the unsharded kernels' call, sharded like the inputs; the
-    tokens split (a context shard, which the block kernels do not take) refused on a
-    kernel backend, naming the mesh axis."""
+    """Block selection on its kernels (interpreted) with the batch and the kv heads split,
+    then ("previous", whose first block of a shard ranks with the shard before's rows)
+    the tokens over 2 shards of 76 and the heads: forward and gradients equal the
+    unsharded kernels' call, sharded like the inputs; the tokens over 4 shards of 38 (a
+    shard holding part of a block) refused on a kernel backend, naming the mesh axis."""
+    if block_context_check(dataclasses.replace(config, block_source="previous"), mesh, q, k, v, w):
+        return 1
     impl = "pallas_interpret"
     plain = lambda q, k, v: attend(q, k, v, config, impl)[0]
     want = plain(*(jnp.asarray(x) for x in (q, k, v)))
@@ -321,11 +336,32 @@ def block_kernels_check(config, mesh, q, k, v, w) -> int:
     try:
         jax.jit(f)(*along_t)
     except Exception as e:  # noqa: BLE001 - under jit XLA wraps the ValueError
-        assert "mesh axis 'model' shards T" in str(e) and "whole sequences" in str(e), e
-        print("ok block selection kernels: a context shard refused on a kernel backend", flush=True)
+        assert "mesh axis 'model' shards T" in str(e) and "whole blocks" in str(e), e
+        print("ok block selection kernels: a context shard of part of a block refused on a kernel backend",
+              flush=True)
         return 0
-    print("FAIL: a context shard of block selection ran on the kernels", flush=True)
+    print("FAIL: a context shard of part of a block ran on the kernels", flush=True)
     return 1
+
+
+def block_context_check(config, mesh, q, k, v, w) -> int:
+    """Block selection's kernels (interpreted) on context shards: T over mesh axis "data"
+    (2 shards of 76 tokens, whole blocks of 4), the kv heads over "model"; the forward
+    and gradients equal the unsharded kernels'."""
+    impl = "pallas_interpret"
+    plain = lambda q, k, v: attend(q, k, v, config, impl)[0]
+    want = plain(*(jnp.asarray(x) for x in (q, k, v)))
+    want_g = jax.grad(lambda q, k, v: jnp.sum(plain(q, k, v) * w), argnums=(0, 1, 2))(
+        *(jnp.asarray(x) for x in (q, k, v)))
+    args = [jax.device_put(x, NamedSharding(mesh, P(None, "data", "model", None))) for x in (q, k, v)]
+    f = lambda q, k, v: htree_attention(q, k, v, config, backend=impl)
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * w), argnums=(0, 1, 2)))(*args)
+    for a, b in zip(grads, want_g):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    print(f"ok block selection kernels ({config.block_source}) tokens+heads: forward and gradients equal the "
+          "unsharded kernels", flush=True)
+    return 0
 
 
 # The partitioning (`htree_jax.sharding`) is the same code for every backend: the

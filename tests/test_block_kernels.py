@@ -192,3 +192,44 @@ def test_the_one_launch_decode_step_lowers_to_triton(G, K, V, dtype):
     with hopper():
         traced = jax.jit(lambda *a: kept_step_pallas(*a, config)).trace(q, keys, values, positions, kept)
         assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("source, T, S", [("first", 160, 40), ("previous", 144, 48)])
+def test_context_shards_on_the_kernels_equal_the_whole_sequence(rng, source, T, S):
+    """A context shard (its queries at positions `offset ..`, every token's keys, its
+    ranking rows from the shard before: `sharding.shard_rank_rows`) on the block kernels
+    interpreted: outputs and selections those of the whole sequence's rows, `dq` its
+    rows', and the shards' `dk`, `dv` summed the whole sequence's (3 layers)."""
+    from htree_jax.backends import attend
+    from htree_jax.core.blocks import block_rows
+
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4, block_source=source)
+    B, H, H_kv, K = 2, 4, 2, 32
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, H, H_kv, K, K))
+    w = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32)
+    assert config.num_layers(T) == 3
+
+    def whole(q, k, v):
+        o, selected = attend(q, k, v, config, "pallas_interpret")
+        return jnp.sum(o * w), (o, selected)
+
+    (_, (o, selected)), grads = jax.value_and_grad(whole, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    q5 = q.reshape(B, T, H_kv, H // H_kv, K)
+    dq, dk, dv = [], 0.0, 0.0
+    for start in range(0, T, S):
+        positions = jnp.arange(start, start + S, dtype=jnp.int32)
+        rows = block_rows(q5, positions, jnp.broadcast_to(positions, (B, S)), config)  # every query before it
+
+        def shard(q_s, k, v, positions=positions, rows=rows, start=start):
+            o_s, sel_s = attend(q_s, k, v, config, "pallas_interpret", positions=positions, rank_rows=rows)
+            return jnp.sum(o_s * w[:, start:start + S]), (o_s, sel_s)
+
+        (_, (o_s, sel_s)), (dq_s, dk_s, dv_s) = jax.value_and_grad(shard, argnums=(0, 1, 2), has_aux=True)(
+            q[:, start:start + S], k, v)
+        np.testing.assert_allclose(np.asarray(o_s), np.asarray(o[:, start:start + S]), rtol=1e-5, atol=1e-5)
+        for got, want in zip(sel_s, selected):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want[:, start:start + S]))
+        dq.append(dq_s)
+        dk, dv = dk + dk_s, dv + dv_s
+    for name, got, want in zip("qkv", (jnp.concatenate(dq, axis=1), dk, dv), grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5, err_msg=f"d{name}")

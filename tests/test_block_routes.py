@@ -18,7 +18,8 @@ from htree_jax import HTreeConfig, htree_attention
 from pallas_kernels.block.forward import block_static, check_merge_route, merge_static, table_positions
 from pallas_kernels.block.merge import rope_tables, rotate_back, rotate_halves
 from pallas_kernels.block.mosaic_merge import (NARROW_PIPELINE, PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims,
-                                              earlier_bits, refined_bitmaps, turned_keys, with_firsts)
+                                              count_entries, earlier_bits, refined_bitmaps, turned_keys,
+                                              with_firsts, with_offset)
 from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constexprs
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.shared_memory import LIMIT
@@ -251,6 +252,35 @@ def test_packed_rows_give_the_mosaic_merge_each_blocks_first_node_after_the_coun
     assert got.shape[-1] == (2 * lp if lp <= L else lp)
     np.testing.assert_array_equal(got[..., :L], np.asarray(counts)[..., :L])
     np.testing.assert_array_equal(got[..., L], np.broadcast_to(np.asarray(firsts)[:, :, None], (2, 3, 2)))
+
+
+@pytest.mark.parametrize("L", [2, 3, 4])
+def test_a_context_shard_gives_the_mosaic_merge_its_offset_after_the_first_nodes(L):
+    """`with_offset`: a context shard's first position in entry `L + 1` of every block's
+    counts, after packed rows' first nodes (entry `L`), the counts as long as
+    `count_entries` says (the kernel's buffer)."""
+    lp = max(4, 1 << (L - 1).bit_length())
+    counts = jnp.where(jnp.arange(lp) < L, jnp.ones((1, 3, 2, lp), jnp.int32), 0)
+    got = np.asarray(with_offset(with_firsts(counts, jnp.asarray([[0, 4, 8]], jnp.int32), L), 512, L))
+    assert got.shape[-1] == count_entries(L, True, True) >= L + 2
+    np.testing.assert_array_equal(got[..., L + 1], 512)
+    np.testing.assert_array_equal(got[0, :, 0, L], [0, 4, 8])
+    np.testing.assert_array_equal(got[..., :L], 1)
+
+
+@pytest.mark.skipif(not LOWERS_FOR_CUDA, reason="Mosaic GPU lowers for cuda from jax 0.11 on")
+def test_the_mosaic_merge_of_a_context_shard_lowers_on_the_cpu():
+    """A quarter of the benchmark shape's queries from a traced offset over every token's tree."""
+    merge, (q5, layers, sel), st = mosaic_merge_abstract(*BENCHMARK_SHAPE, PIPELINE)
+    config = HTreeConfig(compression_rate=16, top_k=512, selection_block=16)
+    S = q5.shape[1] // 4
+    q5 = jax.ShapeDtypeStruct((1, S) + q5.shape[2:], q5.dtype)
+    sel = [jax.ShapeDtypeStruct((1, S // 16) + x.shape[2:], x.dtype) for x in sel]
+    shard = jax.jit(lambda q5, layers, sel, offset: block_merge_mosaic(
+        q5, layers, sel, config, st, 128, table_positions(config, BENCHMARK_SHAPE[2], st), pipe=PIPELINE,
+        offset=offset))
+    offset = jax.ShapeDtypeStruct((), jnp.int32)
+    assert "mosaic_gpu" in shard.trace(q5, layers, sel, offset).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.skipif(not LOWERS_FOR_CUDA, reason="Mosaic GPU lowers for cuda from jax 0.11 on")

@@ -199,6 +199,17 @@ def test_where_it_is_not_built_the_errors_say_so(rng):
         with pytest.raises(ValueError, match="block selection with segment_ids runs on block_merge in"):
             htree_attention(q, k, v, config, backend="pallas_interpret", segment_ids=ids, max_documents=2,
                             block_sizes=tuning)
+    positions = jnp.arange(20, 40, dtype=jnp.int32)
+    for tuning in (KernelConfigs(block_merge="triton"), by_node):
+        with pytest.raises(ValueError, match="block selection in a context shard runs on block_merge in"):
+            htree_jax.backends.attend(q[:, 20:], k, v, config, "pallas_interpret", positions=positions,
+                                      block_sizes=tuning)
+    with pytest.raises(ValueError, match="a context shard of whole blocks: its 18 queries must be a multiple of "
+                                         "selection_block = 4"):
+        htree_jax.backends.attend(q[:, 22:], k, v, config, "pallas_interpret", positions=positions[2:])
+    with pytest.raises(ValueError, match="block_source='previous' in a context shard needs its ranking rows"):
+        htree_jax.backends.attend(q[:, 20:], k, v, block_config(4, 4, "previous"), "pallas_interpret",
+                                  positions=positions)
     wide_q, wide_k, wide_v = random_qkv(rng, 1, 40, 4, 2, 288, 32)
     with pytest.raises(ValueError, match="block selection's kernels take K and V up to 256, got K = 288"):
         htree_attention(wide_q, wide_k, wide_v, config, backend="pallas_interpret")

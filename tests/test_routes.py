@@ -75,6 +75,7 @@ CLASSES = [
     ("block selection f32 K=V=256", "pallas", dims(K=256, V=256), BLOCK, F32, {}, "block_pallas_triton"),
     ("block selection, interpreted", "pallas_interpret", dims(), BLOCK, F32, {}, "block_pallas_triton"),
     ("block selection, packed", "pallas", dims(), BLOCK, BF16, dict(packed=True), "block_pallas_triton"),
+    ("block selection, context shard", "pallas", dims(), BLOCK, BF16, dict(context_shard=True), "block_pallas_triton"),
     ("block selection, the Triton merge", "pallas", dims(), BLOCK, BF16, dict(tuning=tuned(block_merge="triton")),
      "block_triton"),
     ("block selection, the Mosaic GPU merge", "pallas", dims(), BLOCK, BF16,
@@ -130,7 +131,6 @@ REFUSED = [
     ("K below the kernels' 32", dims(K=16, V=16), PER_QUERY, {}, "head dim K in \\[32, 576\\]"),
     ("V past 512", dims(V=640), PER_QUERY, {}, "value dim V in \\[32, 512\\]"),
     ("G=24", dims(H=96), PER_QUERY, {}, "at most 16 query heads per kv head, or a multiple of 16"),
-    ("block selection in a context shard", dims(), BLOCK, dict(context_shard=True), "no context shards"),
     ("block selection K=512", dims(K=512, V=512), BLOCK, {}, "K and V up to 256"),
     ("block previous G=16: 256 ranking rows", dims(H=64), PREVIOUS, {}, "at most 128 on the kernels"),
 ]

@@ -58,7 +58,9 @@ def test_sharded_nnx_model_optax_step():
 
 def test_memory_plan_of_context_parallelism_falls_with_the_device_count():
     """`htree_jax.memory_plan` on 8 simulated devices, `T` sharded over 1, 2 and 8."""
-    assert "ok memory plan: each device's share falls with the device count along T" in run_check("memory").stdout
+    out = run_check("memory").stdout
+    assert "ok memory plan: each device's share falls with the device count along T" in out
+    assert "ok memory plan: block selection's kernels along T" in out
 
 
 def test_block_selection_shards_its_tokens_and_its_cache():
@@ -71,17 +73,20 @@ def test_block_selection_shards_its_tokens_and_its_cache():
     assert "ok block selection: a shard shorter than 2 * selection_block refused" in out
     assert ("ok block selection kernels batch+heads: forward and gradients equal the unsharded kernels, no "
             "all-gather") in out
-    assert "ok block selection kernels: a context shard refused on a kernel backend" in out
+    assert "ok block selection kernels (previous) tokens+heads: forward and gradients equal the unsharded kernels" in out
+    assert "ok block selection kernels: a context shard of part of a block refused on a kernel backend" in out
 
 
-def test_a_context_shard_of_block_selection_takes_the_reference_under_auto():
-    """`sharding.context_backend`: block selection's kernels take whole sequences only, so
-    a context shard's local call runs on what `backend="auto"` asks (the reference) or
-    is refused naming the axis; the per-query kernels and the unsplit calls keep theirs."""
+def test_a_context_shard_of_part_of_a_block_takes_the_reference_under_auto():
+    """`sharding.context_backend`: block selection's kernels take context shards of whole
+    blocks, so a shard of part of one runs on what `backend="auto"` asks (the
+    reference) or is refused naming the axis; the per-query kernels, the unsplit calls
+    and shards of whole blocks keep theirs."""
     block, per_query = HTreeConfig(selection_block=16), HTreeConfig()
-    assert context_backend("pallas", block, "seq", "reference") == "reference"
-    assert context_backend("pallas", block, None, None) == "pallas"
-    assert context_backend("pallas", per_query, "seq", None) == "pallas"
-    assert context_backend("reference", block, "seq", None) == "reference"
+    assert context_backend("pallas", block, "seq", "reference", 40) == "reference"
+    assert context_backend("pallas", block, "seq", None, 64) == "pallas"
+    assert context_backend("pallas", block, None, None, 40) == "pallas"
+    assert context_backend("pallas", per_query, "seq", None, 40) == "pallas"
+    assert context_backend("reference", block, "seq", None, 40) == "reference"
     with pytest.raises(ValueError, match="mesh axis 'seq' shards T"):
-        context_backend("pallas_interpret", block, "seq", None)
+        context_backend("pallas_interpret", block, "seq", None, 40)

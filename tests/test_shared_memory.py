@@ -235,8 +235,13 @@ def test_every_gate_case_sets_up_on_the_cpu():
     assert long and all(s.T == 4096 and (s.route == "mosaic_gpu" or s.packed) for s in long)
     packed = [s for name, s in setups.items() if " block " in name and " packed" in name]
     assert packed and all(s.packed and s.block and s.config.block_source in ("first", "previous") for s in packed)
+    assert {s.packed for s in packed} == {2, 8}  # " packed 8": eight documents
+    shards = [s for name, s in setups.items() if name.split(" T=")[0].endswith(" shard") or " shard via " in name]
+    assert shards and all(s.shard and s.block and not s.packed and s.T % 32 == 0 for s in shards)
     for name, s in setups.items():
-        assert s.T == (4096 if name.endswith(" T=4096") else gpu_gate.GATE_T)
+        length = name.rsplit(" T=", 1)
+        assert s.T == (int(length[1]) if len(length) == 2 else gpu_gate.GATE_T)
+        assert s.shard == (s in shards)
         assert (" via " in name) == (s.route is not None) and s.block == (" block " in name)
         if s.block:
             assert s.config.selection_block == 16 and s.config.block_source in ("first", "previous")

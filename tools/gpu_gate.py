@@ -149,6 +149,13 @@ def matrix(full: bool):
     # of a step's 128 candidates, so blocks start their walk past the first step.
     for route in ("", " via pallas_triton"):
         yield (8, 128, 128, None), "bfloat16", "bound", f"block first packed 8{route} T=8192"
+    # Context shards (issue 84): two halves of a row on one GPU, each source, each merge,
+    # and float32; at T=8192 every layer takes several of a merge's steps.
+    for source in ("first", "previous"):
+        yield (8, 128, 128, None), "bfloat16", "bound", f"block {source} shard T=1024"
+    yield (8, 128, 128, None), "bfloat16", "bound", "block previous shard via pallas_triton T=1024"
+    yield (8, 128, 128, None), "float32", "bound", "block previous shard T=1024"
+    yield (4, 64, 64, None), "float16", "bound", "block first shard T=8192"
     # The block merge's routes by name (`KernelConfigs.block_merge`, `docs/backends.md`;
     # the cases above take "auto": Mosaic GPU on an H200 where it takes the shape): forward
     # and gradients (the decode kernels do not take them).
@@ -214,6 +221,7 @@ class CaseSetup:
     route: str | None  # the block merge's kernel, where not the default
     by_node: bool  # the block backward's key and value sums by node
     tuning: dict  # htree_attention's block_sizes where the case changes them
+    shard: bool = False  # the rows as two context shards (`run_shard_case`)
 
 
 def case_setup(shape, sel, packed) -> CaseSetup:
@@ -223,8 +231,9 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     and the decode kernels with the block's selection kept in the cache), optionally
     followed by " packed" (two documents; " packed N": N documents told their longest
     length, whose tree's top layer then spans several of a merge's steps), " via ROUTE"
-    (the merge's kernel), " by node" (the backward's sums) and " T=4096" (that length,
-    so that every layer takes several of a merge's steps: at T=600 each fits in one)."""
+    (the merge's kernel), " by node" (the backward's sums), " shard" (two context
+    shards, `run_shard_case`) and " T=4096" (that length, so that every layer takes
+    several of a merge's steps: at T=600 each fits in one)."""
     G, K, V, rope = shape
     length = re.search(r" T=(\d+)$", packed) if isinstance(packed, str) else None
     packed = packed[: length.start()] if length else packed
@@ -232,6 +241,8 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     many = re.search(r" packed (\d+)", packed) if block else None
     documents = int(many.group(1)) if many else 2 if packed is True or (block and " packed" in packed) else 0
     packed = re.sub(r" packed( \d+)?", "", packed) if block else packed
+    shard = block and " shard" in packed
+    packed = packed.replace(" shard", "") if block else packed
     route = packed.split(" via ")[1] if block and " via " in packed else None
     config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel,
                          **(dict(selection_block=16, block_source=packed.split()[1]) if block else {}))
@@ -239,7 +250,7 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": "by_node"} if by_node else {})}
     tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
     return CaseSetup(T=int(length.group(1)) if length else GATE_T, H_kv=1 if G > 16 else 2, config=config,
-                     block=block, packed=documents, route=route, by_node=by_node, tuning=tuning)
+                     block=block, packed=documents, route=route, by_node=by_node, tuning=tuning, shard=shard)
 
 
 def packed_documents(T: int, count: int) -> dict:
@@ -256,10 +267,55 @@ def packed_documents(T: int, count: int) -> dict:
                 max_document_len=int(np.diff(cuts).max()))
 
 
+def run_shard_case(rng, setup: CaseSetup, dtype, G: int, K: int, V: int):
+    """Block selection's kernels on two context shards of the row (`backends.attend` with
+    each half's positions and ranking rows, as `htree_jax.sharding` calls it on one
+    device each) against the whole row on the same kernels: the selections, the outputs
+    on the rows whose selections agree, `dq` there and the shards' `dk`, `dv` summed,
+    to the dtype's tolerance."""
+    from htree_jax.backends import attend
+    from htree_jax.core.blocks import block_rows
+
+    T, H_kv, config = setup.T, setup.H_kv, setup.config
+    tuning = setup.tuning.get("block_sizes")
+    q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
+               for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, V)))
+    w = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
+    S = T // 2
+
+    def call(q, k, v, w, **shard):
+        o, selected = attend(q, k, v, config, "pallas", block_sizes=tuning, **shard)
+        return jnp.sum(o.astype(jnp.float32) * w), (o, selected)
+
+    run = jax.jit(jax.value_and_grad(call, argnums=(0, 1, 2), has_aux=True))
+    (_, (o, selected)), (dq, dk, dv) = run(q, k, v, w)
+    q5 = q.reshape(1, T, H_kv, G, K)
+    parts = []
+    for start in (0, S):
+        positions = jnp.arange(start, start + S, dtype=jnp.int32)
+        rows = block_rows(q5, positions, positions[None], config)
+        parts.append(run(q[:, start:start + S], k, v, w[:, start:start + S], positions=positions, rank_rows=rows))
+    o_s = jnp.concatenate([p[0][1][0] for p in parts], axis=1)
+    sel_s = [jnp.concatenate([p[0][1][1][l] for p in parts], axis=1) for l in range(len(selected))]
+    dq_s = jnp.concatenate([p[1][0] for p in parts], axis=1)
+    dk_s, dv_s = sum(p[1][1].astype(jnp.float32) for p in parts), sum(p[1][2].astype(jnp.float32) for p in parts)
+    same = equal_parents(sel_s, selected, T, H_kv)
+    rows = np.repeat(same, G, axis=2)
+    on_rows = lambda x: np.asarray(x, np.float64)[rows]
+    out = {"agree": float(np.mean(same)), "o": relative(on_rows(o_s), on_rows(o)),
+           "grad": max(relative(on_rows(dq_s), on_rows(dq)), relative(dk_s, dk), relative(dv_s, dv)),
+           "decode": 0.0}
+    out["agree_f32"] = out["agree"]
+    ok = out["agree"] >= AGREE and out["o"] <= TOLERANCE[dtype] and out["grad"] <= TOLERANCE[dtype]
+    return ok, out
+
+
 def run_case(rng, shape, dtype, sel, packed):
     """One small case (`case_setup` says what its name asks for) against the reference."""
     G, K, V, rope = shape
     setup = case_setup(shape, sel, packed)
+    if setup.shard:
+        return run_shard_case(rng, setup, dtype, G, K, V)
     T, H_kv, config, block, packed = setup.T, setup.H_kv, setup.config, setup.block, setup.packed
     route, by_node, tuning = setup.route, setup.by_node, setup.tuning
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)

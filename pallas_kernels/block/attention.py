@@ -17,18 +17,25 @@ from pallas_kernels.block.packed import block_backward_packed, block_forward_pac
 from pallas_kernels.shared.guarded import KernelCall, guarded_vjp
 
 
+def shard_offset(operands):
+    """A context shard's first position (its `positions`' first), or None."""
+    positions = operands.get("positions")
+    return None if positions is None else positions[0].astype("int32")
+
+
 def forward(q, k, v, operands, call: KernelCall):
     """`block_forward_pallas` with the merge `call.merge`, as the guard calls it: `(o,
     lse, (), None)` (the selections are the caller's)."""
     o, lse = block_forward_pallas(q, k, v, operands["selections"], config=call.config, block=call.tuning.block,
-                                  merge=call.merge, interpret=call.interpret)
+                                  merge=call.merge, interpret=call.interpret, offset=shard_offset(operands))
     return o, lse, (), None
 
 
 def backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
     """`block_backward_pallas` as the guard calls it: `(dq, dk, dv)`."""
     return block_backward_pallas(q, k, v, o, lse, do, operands["selections"], config=call.config,
-                                 block=call.tuning.block, interpret=call.interpret, dead_rows=dead)
+                                 block=call.tuning.block, interpret=call.interpret, dead_rows=dead,
+                                 offset=shard_offset(operands))
 
 
 attention = guarded_vjp(forward, backward)
@@ -52,15 +59,19 @@ def packed_backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall)
 packed_attention = guarded_vjp(packed_forward, packed_backward)
 
 
-def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpret: bool = False):
+def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpret: bool = False, positions=None):
     """htree attention with block selection given the blocks' `selections` (layers `L-1
     .. 1`, each `[B, ceil(T / b), H_kv, top_k]` int32, `-1` padded), differentiable (the
     selections constant): `q [B, T, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv, V]` in
     `rope_layout` order, validated by the caller, one document a row; `merge` the merge's
     kernel (`forward.MERGES`), `tuning.block` the launches. Returns `o [B, T, H, V]` in
-    q's dtype."""
+    q's dtype. `positions [S]` int32: a context shard's `q [B, S, H, K]` at those
+    positions of the `T` tokens, consecutive from a multiple of `b`
+    (`forward.block_forward_pallas`'s `offset`; SPEC 10's guard reads them); `dk`, `dv`
+    are its share of every token's."""
     call = KernelCall(config, tuning, interpret, merge=merge)
-    return attention(q, k, v, {"selections": list(selections)}, call)[0]
+    operands = {"selections": list(selections), **({} if positions is None else {"positions": positions})}
+    return attention(q, k, v, operands, call)[0]
 
 
 def packed_block_attention(q, k, v, selections, firsts, packing, *, config, tuning, merge: str,

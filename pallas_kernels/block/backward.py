@@ -27,12 +27,12 @@ from jax.experimental.pallas import triton as plgpu
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.tree import build_tree
 from pallas_kernels.block.by_node import key_grads_by_node
-from pallas_kernels.block.forward import block_layout, block_static, table_positions
+from pallas_kernels.block.forward import block_layout, block_static, check_shard_offset, table_positions
 from pallas_kernels.block.merge import (
     BlockStatic,
-    block_first,
+    block_inputs,
+    block_scalars,
     first_spec,
-    firsts_layout,
     layer_arrays,
     layer_walk,
     merged_mask,
@@ -60,10 +60,9 @@ from pallas_kernels.shared.tree_backward import push_down
 
 
 def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, *refs, st: BlockStatic,
-                           key_grads: bool, packed: bool = False):
+                           key_grads: bool, packed: bool = False, shifted: bool = False):
     L, C, h = st.num_layers, st.tile, st.half
-    first_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
-    first = block_first(first_ref)
+    first, offset, refs = block_scalars(refs, packed, shifted)
     sel_refs = refs[: L - 1]
     layer_refs = refs[L - 1: L - 1 + 2 * L]
     if key_grads:  # the accumulators, aliased to the gradients after `dq`
@@ -81,7 +80,7 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
     for l in reversed(range(L)):
         k_ref, v_ref = layer_refs[2 * l], layer_refs[2 * l + 1]
         dk_ref, dv_ref = grad_refs[2 * l], grad_refs[2 * l + 1]
-        walk = layer_walk(l, sel_refs, st, first)
+        walk = layer_walk(l, sel_refs, st, first, offset)
         q_rot = rotated_rows(q_ref, cos_ref, sin_ref, walk.angle, st)
         qr = [operand(x, st, dtype) for x in q_rot]
 
@@ -125,14 +124,14 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
                                              "key_grads"))
 def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTreeConfig, st: BlockStatic,
                           head_dim: int, table_rows: int, node_counts: tuple, interpret: bool = False,
-                          key_grads: bool = True, firsts=None):
+                          key_grads: bool = True, firsts=None, offset=None):
     """`(dq [B, Tp, H_kv, Gp, 2 * half]` float32, `[dk_l, dv_l]` float32 as `layers`)`
     for the rows of `q5` (as `merge.block_merge_pallas` takes them) with cotangents `do5
     [B, Tp, H_kv, Gp, vp]`, their log-sum-exp `lse` and `delta = rowsum(do * o)`
     `[B, Tp, H_kv, Gp]`; `node_counts` each layer's nodes (the gradients have a spare
     row past them). `key_grads=False`: `(dq,)` only, the keys' and values' dots and adds
-    left out (`by_node.py` sums those). `firsts`: packed rows, as `merge.block_merge_pallas`
-    takes them."""
+    left out (`by_node.py` sums those). `firsts` (packed rows) and `offset` (a context
+    shard's rows) as `merge.block_merge_pallas` takes them."""
     B, Tp, H_kv, gp, kp = q5.shape
     qb = st.queries
     cos, sin = rope_tables(config, head_dim, table_rows, st)
@@ -147,26 +146,26 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
     zeros = [jnp.zeros(x.shape[:2] + (next_power_of_two(n + 1),) + x.shape[3:], jnp.float32)
              for x, n in zip(layers, [n for n in node_counts for _ in range(2)])] if key_grads else []
     acc_specs = [whole(x) for x in zeros]
-    packed = firsts is not None
-    firsts = firsts_layout(firsts, H_kv) if packed else None
-    first_zero = 6 + packed + len(selections) + len(layers)
+    scalars = block_inputs(firsts, offset, (B, Tp // st.r), H_kv)
+    first_zero = 6 + len(scalars) + len(selections) + len(layers)
     return pl.pallas_call(
-        functools.partial(_block_backward_kernel, st=st, key_grads=key_grads, packed=packed),
+        functools.partial(_block_backward_kernel, st=st, key_grads=key_grads, packed=firsts is not None,
+                          shifted=offset is not None),
         grid=(B, Tp // qb, H_kv),
         in_specs=[rows_spec(kp), rows_spec(st.vp), vec_spec, vec_spec, table_spec, table_spec]
-        + [first_spec(st)] * packed + [sel_spec] * len(selections) + layer_specs + acc_specs,
+        + [first_spec(st)] * len(scalars) + [sel_spec] * len(selections) + layer_specs + acc_specs,
         out_specs=[rows_spec(kp)] + acc_specs,
         out_shape=[jax.ShapeDtypeStruct(q5.shape, jnp.float32)] + [jax.ShapeDtypeStruct(x.shape, jnp.float32)
                                                                    for x in zeros],
         input_output_aliases={first_zero + i: 1 + i for i in range(len(zeros))},
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
-    )(q5, do5, lse, delta, cos, sin, *([firsts] if packed else []), *selections, *layers, *zeros)
+    )(q5, do5, lse, delta, cos, sin, *scalars, *selections, *layers, *zeros)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))
 def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfig, block: BlockConfig = BlockConfig(),
-                          interpret: bool = False, dead_rows=None):
+                          interpret: bool = False, dead_rows=None, offset=None):
     """`(dq, dk, dv)` in the dtypes of `q, k, v` of `block_forward.block_forward_pallas`'s
     output `o [B, T, H, V]` with its `lse [B, T, H]`, cotangent `do`, and the blocks'
     `selections` it was given. `dead_rows [B, T, H]` bool (optional): rows whose output
@@ -175,12 +174,14 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     gradients are summed (`BlockConfig.backward_sum`): `"atomics"`, added by every block
     that merged a node with float32 atomics, not bitwise reproducible run to run; or
     `"by_node"` (`by_node.py`), summed by each node tile over the blocks that merged it
-    in block order, bitwise reproducible."""
-    B, T, H, K = q.shape
-    H_kv, V = k.shape[2], v.shape[-1]
+    in block order, bitwise reproducible. A context shard (`offset`, as the forward
+    takes it): `dq` of its queries, `dk`, `dv` its rows' share of every token's
+    (atomics only)."""
+    B, S, H, K = q.shape
+    T, H_kv, V = k.shape[1], k.shape[2], v.shape[-1]
     G, b = H // H_kv, config.selection_block
     st = block_static(config, T, G, K, V, q.dtype, block.backward_tile, block.backward_num_warps)
-    Tp = -(-T // b) * b
+    Tp = -(-S // b) * b
     if dead_rows is not None:
         do = jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
         o = jnp.where(dead_rows[..., None], jnp.zeros((), o.dtype), o)
@@ -191,12 +192,18 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     rows = (layout(pad_rope_halves(q, st.half)), layout(pad_axis(do, -1, st.vp)), layout(lse), layout(delta))
     layers, table_rows = layer_arrays(tree, st), table_positions(config, T, st)
     lists = selection_lists(selections, st)
+    shard = {}
+    if offset is not None:
+        if by_node:
+            raise ValueError("a context shard's block backward sums by atomics: backward_sum='by_node' takes whole "
+                             "sequences")
+        shard = dict(offset=check_shard_offset("pallas_triton", S, b, offset))
     dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows,
-                                        tuple(config.layer_sizes(T)), interpret, key_grads=not by_node)
+                                        tuple(config.layer_sizes(T)), interpret, key_grads=not by_node, **shard)
     if by_node:
         grads = key_grads_by_node(*rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
                                   table_rows=table_rows, interpret=interpret)
-    dq = unpad_rope_halves(dq5[:, :T, :, :G], K).reshape(B, T, H, K)
+    dq = unpad_rope_halves(dq5[:, :S, :, :G], K).reshape(B, S, H, K)
     # Down the tree: each layer's gradient, from the top, shared by the children of each node.
     dk_up = dv_up = None
     for l in reversed(range(len(tree))):

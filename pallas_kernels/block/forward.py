@@ -101,6 +101,22 @@ def block_layout(x, num_kv_heads: int, st: BlockStatic, Tp: int):
     return pad_axis(pad_axis(x, 1, Tp), 3, st.group)
 
 
+# The merges that take a context shard's rows (an `offset`); jax-triton's has no such input.
+SHARD_MERGES = ("pallas_triton", "mosaic_gpu")
+
+
+def check_shard_offset(merge: str, S: int, b: int, offset):
+    """A context shard's rows on the merge `merge`: whole blocks (`S` a multiple of `b`)
+    on a merge of `SHARD_MERGES`; a ValueError naming the rule otherwise. Returns
+    `offset` as int32."""
+    if merge not in SHARD_MERGES:
+        raise ValueError(f"a context shard's rows take block_merge in {SHARD_MERGES}, got {merge!r}")
+    if S % b:
+        raise ValueError(f"a context shard of block selection holds whole blocks: its {S} queries must be a "
+                         f"multiple of selection_block = {b}")
+    return jnp.asarray(offset, jnp.int32)
+
+
 def on_hopper() -> bool:
     """Whether the default device is a Hopper GPU (compute capability 9.x), where
     Mosaic GPU's WGMMA and TMA run."""
@@ -142,25 +158,29 @@ def check_merge_route(route: str, st: BlockStatic, K: int, V: int, dtype, interp
 
 @functools.partial(jax.jit, static_argnames=("config", "block", "merge", "interpret"))
 def block_forward_pallas(q, k, v, selections, *, config: HTreeConfig, block: BlockConfig = BlockConfig(),
-                         merge: str = "pallas_triton", interpret: bool = False):
+                         merge: str = "pallas_triton", interpret: bool = False, offset=None):
     """htree attention with block selection (SPEC 12, `config.selection_block =
     compression_rate`) given the blocks' selections: `q [B, T, H, K]`, `k [B, T, H_kv,
     K]`, `v [B, T, H_kv, V]` (rope layout), `selections` the node lists of layers `L-1 ..
     1`, each `[B, ceil(T / b), H_kv, top_k]` int32 (`-1` padded), one per block.
     Returns `(o [B, T, H, V]` in q's dtype, `lse [B, T, H]` float32)`. Inputs validated
     by the caller; one document per row. `merge` names the merge's kernel (`MERGES`),
-    `block` its launch (`BlockConfig.merge_tile`, `merge_num_warps`)."""
-    B, T, H, K = q.shape
-    H_kv, V = k.shape[2], v.shape[-1]
+    `block` its launch (`BlockConfig.merge_tile`, `merge_num_warps`). A context shard:
+    `q [B, S, H, K]` the queries at positions `offset .. offset + S - 1` (`offset` int32,
+    a multiple of `b`; `S` too) of the `T` tokens of `k`, `v`, `selections` its blocks'
+    (`[B, S / b, H_kv, top_k]`); the merges but jax-triton's take it (`SHARD_MERGES`)."""
+    B, S, H, K = q.shape
+    T, H_kv, V = k.shape[1], k.shape[2], v.shape[-1]
     G, b = H // H_kv, config.selection_block
     st = merge_static(config, T, G, K, V, q.dtype, block, merge)
     check_merge_route(merge, st, K, V, q.dtype, interpret)
     if len(selections) != st.num_layers - 1:
         raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
-    Tp = -(-T // b) * b
+    Tp = -(-S // b) * b
     q5 = block_layout(pad_rope_halves(q, st.half), H_kv, st, Tp)
     layers = layer_arrays(build_tree(k, v, config), st)
+    shard = {} if offset is None else dict(offset=check_shard_offset(merge, S, b, offset))
     o, lse = MERGES[merge].launch(q5, layers, selection_lists(selections, st), config, st, K,
-                                  table_positions(config, T, st), interpret=interpret)
-    o = o[:, :T, :, :G, :V].reshape(B, T, H, V)
-    return o, lse[:, :T, :, :G].reshape(B, T, H)
+                                  table_positions(config, T, st), interpret=interpret, **shard)
+    o = o[:, :S, :, :G, :V].reshape(B, S, H, V)
+    return o, lse[:, :S, :, :G].reshape(B, S, H)

@@ -128,15 +128,18 @@ class LayerWalk:
     first: object = None
 
 
-def layer_walk(l: int, sel_refs, st: BlockStatic, first=None) -> LayerWalk:
+def layer_walk(l: int, sel_refs, st: BlockStatic, first=None, offset=None) -> LayerWalk:
     """Layer `l` of the program's rows (`st.queries` positions of one block from
-    `program_id(1) * st.queries`). Above layer 0 every row of the block has the same
-    `n`; at layer 0 each row counts its own tokens of its own (last) node. `first`:
-    packed rows laid out virtually (`htree_jax.core.packing`), the block's document's
-    first top node; RoPE is relative, so its `n` and positions counted from the row's
-    start score as those counted from the document's."""
+    `program_id(1) * st.queries`, plus `offset`: a context shard's first position). Above
+    layer 0 every row of the block has the same `n`; at layer 0 each row counts its own
+    tokens of its own (last) node. `first`: packed rows laid out virtually
+    (`htree_jax.core.packing`), the block's document's first top node; RoPE is relative,
+    so its `n` and positions counted from the row's start score as those counted from
+    the document's."""
     L, r = st.num_layers, st.r
     t_first = pl.program_id(1) * st.queries
+    if offset is not None:
+        t_first = t_first + offset
     t0 = t_first - t_first % r  # the block's first position
     t_row = t_first + jnp.arange(st.rows, dtype=jnp.int32) // st.group  # [rows]
     if l == L - 1:  # SPEC 2: virtual parents 0 .. floor(i*/r)
@@ -216,14 +219,23 @@ def operand(x, st: BlockStatic, dtype):
 
 
 def block_first(first_ref):
-    """A program's block's first top node (`firsts_layout`), or None."""
+    """A program's block's first top node, or a context shard's first position
+    (`firsts_layout`), or None."""
     return None if first_ref is None else jnp.min(first_ref[...])
 
 
-def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic, packed: bool = False):
-    L, C = st.num_layers, st.tile
+def block_scalars(refs, packed: bool, shifted: bool):
+    """`(first, offset, refs)`: the kernel's per-block inputs that lead `refs`, each read
+    (`block_first`) or None: packed rows' first top nodes, a context shard's offset."""
     first_ref, refs = (refs[0], refs[1:]) if packed else (None, refs)
-    first = block_first(first_ref)
+    offset_ref, refs = (refs[0], refs[1:]) if shifted else (None, refs)
+    return block_first(first_ref), block_first(offset_ref), refs
+
+
+def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic, packed: bool = False,
+                        shifted: bool = False):
+    L, C = st.num_layers, st.tile
+    first, offset, refs = block_scalars(refs, packed, shifted)
     sel_refs = refs[: L - 1]  # layer L-1 first: node lists, sorted, PAST_NODES after the real ones
     layer_refs = refs[L - 1: L - 1 + 2 * L]  # bottom first: keys, values
     o_ref, lse_ref = refs[L - 1 + 2 * L:]
@@ -233,7 +245,7 @@ def _block_merge_kernel(q_ref, cos_ref, sin_ref, *refs, st: BlockStatic, packed:
 
     for l in reversed(range(L)):
         k_ref, v_ref = layer_refs[2 * l], layer_refs[2 * l + 1]
-        walk = layer_walk(l, sel_refs, st, first)
+        walk = layer_walk(l, sel_refs, st, first, offset)
         qr = [operand(x, st, dtype) for x in rotated_rows(q_ref, cos_ref, sin_ref, walk.angle, st)]
 
         def merge_tile(i, carry, k_ref=k_ref, v_ref=v_ref, walk=walk, qr=qr):
@@ -307,6 +319,16 @@ def firsts_layout(firsts, num_kv_heads: int):
     return jnp.broadcast_to(firsts.astype(jnp.int32)[:, :, None, None], (B, NB, num_kv_heads, FIRST_LANES))
 
 
+def block_inputs(firsts, offset, blocks: tuple[int, int], num_kv_heads: int) -> list:
+    """The kernels' per-block inputs (`block_scalars` reads them), those given: packed
+    rows' `firsts [B, NB]`, then a context shard's first position `offset` (int32
+    scalar, a multiple of `b`), each as `firsts_layout`."""
+    out = [] if firsts is None else [firsts_layout(firsts, num_kv_heads)]
+    if offset is not None:
+        out.append(firsts_layout(jnp.broadcast_to(jnp.asarray(offset, jnp.int32), blocks), num_kv_heads))
+    return out
+
+
 def first_spec(st: BlockStatic):
     """The `BlockSpec` of `firsts_layout`'s array: a program reads its block's."""
     return pl.BlockSpec((None, None, None, FIRST_LANES), lambda i, j, h: (i, j // (st.r // st.queries), h, 0))
@@ -314,7 +336,7 @@ def first_spec(st: BlockStatic):
 
 @functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret"))
 def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
-                       interpret: bool = False, firsts=None):
+                       interpret: bool = False, firsts=None, offset=None):
     """Every layer's merge for queries `q5 [B, Tp, H_kv, Gp, 2 * half]` (rope layout,
     halves padded; `Tp` a multiple of `b`) given the tree `layers` (`layer_arrays`) and
     the blocks' selections (`selection_lists`, `[B, Tp / b, H_kv, width]` each, top
@@ -322,7 +344,9 @@ def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockSta
     Gp]` float32)`: each row's output and the log-sum-exp of its merged scores.
     `head_dim` the real `K`; `table_rows` RoPE positions, at least every `n` of a layer
     rounded up to `st.tile`. `firsts [B, Tp / b]` int32: packed rows laid out virtually,
-    each block's document's first top node (`layer_walk`); None: a document a row."""
+    each block's document's first top node (`layer_walk`); None: a document a row.
+    `offset` int32: the rows are a context shard's, from that position (a multiple of
+    `b`) of the tree's sequence; None: from 0."""
     B, Tp, H_kv, gp, kp = q5.shape
     b, qb = st.r, st.queries
     cos, sin = rope_tables(config, head_dim, table_rows, st)
@@ -331,12 +355,11 @@ def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockSta
     table_spec = pl.BlockSpec((table_rows, st.half), lambda i, j, h: (0, 0))
     sel_spec = pl.BlockSpec((None, None, None, st.width), lambda i, j, h: (i, j // per_block, h, 0))
     layer_specs = [pl.BlockSpec((None, None) + x.shape[2:], lambda i, j, h: (i, h, 0, 0)) for x in layers]
-    packed = firsts is not None
-    firsts = firsts_layout(firsts, H_kv) if packed else None
+    scalars = block_inputs(firsts, offset, (B, Tp // b), H_kv)
     return pl.pallas_call(
-        functools.partial(_block_merge_kernel, st=st, packed=packed),
+        functools.partial(_block_merge_kernel, st=st, packed=firsts is not None, shifted=offset is not None),
         grid=(B, Tp // qb, H_kv),
-        in_specs=[q_spec, table_spec, table_spec] + [first_spec(st)] * packed + [sel_spec] * len(selections)
+        in_specs=[q_spec, table_spec, table_spec] + [first_spec(st)] * len(scalars) + [sel_spec] * len(selections)
         + layer_specs,
         out_specs=[pl.BlockSpec((None, qb, None, gp, st.vp), lambda i, j, h: (i, j, h, 0, 0)),
                    pl.BlockSpec((None, qb, None, gp), lambda i, j, h: (i, j, h, 0))],
@@ -344,4 +367,4 @@ def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockSta
                    jax.ShapeDtypeStruct((B, Tp, H_kv, gp), jnp.float32)],
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
-    )(q5, cos, sin, *([firsts] if packed else []), *selections, *layers)
+    )(q5, cos, sin, *scalars, *selections, *layers)

@@ -128,13 +128,33 @@ def refined_bitmaps(selections, st: BlockStatic, words: int, firsts=None):
     return jnp.stack(maps)
 
 
+def count_entries(num_layers: int, packed: bool, shard: bool) -> int:
+    """The counts' length `Lp` (`merge.layer_parent_counts`' power of two of at least 4,
+    doubled until the entries after the layers' fit: `with_firsts`, `with_offset`)."""
+    lp = max(4, 1 << (num_layers - 1).bit_length())
+    while lp < num_layers + (2 if shard else 1 if packed else 0):
+        lp *= 2
+    return lp
+
+
+def with_entries(counts, length: int):
+    """`counts [B, NB, H_kv, Lp]` zero-padded to `length` entries."""
+    return jnp.pad(counts, [(0, 0)] * 3 + [(0, length - counts.shape[-1])])
+
+
 def with_firsts(counts, firsts, num_layers: int):
     """Packed rows: the counts `[B, NB, H_kv, Lp]` (`merge.layer_parent_counts`) with
     each block's document's first top node `firsts [B, NB]` in entry `num_layers`, `Lp`
     doubled where no entry follows the layers'."""
-    if counts.shape[-1] <= num_layers:
-        counts = jnp.pad(counts, [(0, 0)] * 3 + [(0, counts.shape[-1])])
+    counts = with_entries(counts, max(counts.shape[-1], count_entries(num_layers, True, False)))
     return counts.at[..., num_layers].set(firsts[:, :, None].astype(jnp.int32))
+
+
+def with_offset(counts, offset, num_layers: int):
+    """A context shard's rows: the counts with its first position `offset` in entry
+    `num_layers + 1` of every block."""
+    counts = with_entries(counts, max(counts.shape[-1], count_entries(num_layers, False, True)))
+    return counts.at[..., num_layers + 1].set(jnp.asarray(offset, jnp.int32))
 
 
 def earlier_bits(firsts, words: int):
@@ -145,19 +165,24 @@ def earlier_bits(firsts, words: int):
                    dtype=jnp.uint32)
 
 
-def rotated_queries(q5, counts, cos, sin, st: BlockStatic, rows: int, dtype=None):
+def rotated_queries(q5, counts, cos, sin, st: BlockStatic, rows: int, dtype=None, offset=None):
     """Each layer's queries rotated by their row's angle `n - 1` (SPEC 2.2), laid out a
     program's rows together: `q5 [B, Tp, H_kv, Gp, 2 * half]` -> `(lo, hi)` each `[L, B,
-    Tp / queries, H_kv, rows, half]` in `dtype` (q's where None)."""
+    Tp / queries, H_kv, rows, half]` in `dtype` (q's where None). `offset`: a context
+    shard's first position (its rows' positions from there)."""
     B, Tp, H_kv, gp, _ = q5.shape
     L, r, h = st.num_layers, st.r, st.half
     t = jnp.arange(Tp, dtype=jnp.int32)
     block_of = t // r
+    starts = None  # each row's block's first position, where shifted
+    if offset is not None:
+        t, starts = t + offset, block_of * r + offset
     lo, hi = q5[..., :h].astype(jnp.float32), q5[..., h:].astype(jnp.float32)
     out_lo, out_hi = [], []
     for l in range(L):
         n_p = counts[..., l][:, block_of]  # [B, Tp, H_kv]
-        n = candidate_count(n_p, t[None, :, None] if l == 0 else (block_of * r)[None, :, None], r, l)
+        n = candidate_count(n_p, t[None, :, None] if l == 0 else (block_of * r if starts is None else starts)[
+            None, :, None], r, l)
         c, s = cos[n - 1][:, :, :, None, :], sin[n - 1][:, :, :, None, :]
         out_lo.append(lo * c - hi * s)
         out_hi.append(lo * s + hi * c)
@@ -252,7 +277,7 @@ LOG2E = math.log2(math.e)
 
 
 def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, words: tuple[int, int],
-                  lists: tuple[int, int], dtype, pipe: Pipeline, packed: bool = False):
+                  lists: tuple[int, int], dtype, pipe: Pipeline, packed: bool = False, shard: bool = False):
     """One program per `(b, queries, h_kv)`: `consumers` warpgroups of `ROWS` rows each
     fold every layer's merged candidates into one online softmax; the last warpgroup
     feeds them by TMA, a ring of `pipe.stages` tiles of `pipe.tile` candidates, each
@@ -281,9 +306,14 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
     else:
         setup, q_bars, landed, k_bars, v_bars, k_done, v_done, schedule, finished = bars
     b, j, hk, wg = lax.axis_index("b"), lax.axis_index("j"), lax.axis_index("h"), lax.axis_index("wg")
-    t_first = j * st.queries
+    t_first = j * st.queries  # the program's first row, in the shard's rows
     t0 = t_first - t_first % r
     blk = t_first // r
+
+    def shifted(t):
+        """A position of the shard's rows in the tree's sequence: plus a context shard's
+        offset (`count_s[L + 1]`, a multiple of `b`), read once the counts have landed."""
+        return t + count_s[L + 1] if shard else t
     node_tiles = C // r
     wrows, wcols = words
     lrows, lcols = lists
@@ -296,7 +326,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
         document's first node (`count_s[L]`, `merge.walk_tiles`), whose candidates are
         the nodes from it to `n`."""
         n_parents = count_s[l]
-        n_max = candidate_count(n_parents, t_first + st.queries - 1 if l == 0 else t0, r, l)
+        n_max = candidate_count(n_parents, shifted(t_first + st.queries - 1 if l == 0 else t0), r, l)
         stop = (n_max + C - 1) // C
         skips = packed and l == L - 1
         first = count_s[L] if skips else None
@@ -350,7 +380,7 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
             if l != L - 1:
                 rows_q = load_queries(l)
             n_parents, n_max, start, stop = layer_counts(l)
-            n_row = candidate_count(n_parents, t_first + row // st.group, r, 0) if l == 0 else None
+            n_row = candidate_count(n_parents, shifted(t_first + row // st.group), r, 0) if l == 0 else None
 
             def merged_scores(s, i, l=l, n_max=n_max, n_row=n_row):
                 """The step's scores with those the layer does not merge at `-inf`: at
@@ -612,13 +642,13 @@ def shared_bytes(scratch) -> int:
 
 @functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret", "pipe"))
 def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
-                       interpret: bool = False, pipe: Pipeline | None = None, firsts=None):
+                       interpret: bool = False, pipe: Pipeline | None = None, firsts=None, offset=None):
     """`merge.block_merge_pallas` (same arguments and results, no interpret mode:
     `interpret=True` is refused) on the Mosaic GPU kernel above, laid out as `pipe`
     says (None: `pipeline_for(st)`; `table_rows` is rounded up to `pipe.tile`). `firsts`:
     packed rows, as there: the top layer's walk starts at the step of each block's
     document's first node (`with_firsts`), and `refined_bitmaps` marks the nodes before
-    it in that step. A layout whose buffers pass the
+    it in that step. `offset`: a context shard's rows, as there. A layout whose buffers pass the
     shared memory a block holds is refused (ValueError) before it is built."""
     if interpret:
         raise ValueError("block_merge='mosaic_gpu' has no interpret mode; interpreted runs take 'pallas_triton'")
@@ -631,8 +661,7 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     words = table_rows // WORD
     list_boxes, word_boxes = _boxes(next_power_of_two(st.top_k, 4)), _boxes(words)
     L_lists = max(st.num_layers - 1, 1)
-    lp = max(4, 1 << (st.num_layers - 1).bit_length())  # `layer_parent_counts`' entries
-    lp = 2 * lp if firsts is not None and lp <= st.num_layers else lp  # and `with_firsts`'
+    lp = count_entries(st.num_layers, firsts is not None, offset is not None)
     scratch = scratch_shapes(st, pipe, dtype, (L_lists,) + list_boxes, (L_lists,) + word_boxes, lp)
     if shared_bytes(scratch) > LIMIT:
         raise ValueError(f"block_merge='mosaic_gpu': Pipeline(tile={C}, stages={S}) takes {shared_bytes(scratch)} "
@@ -645,9 +674,13 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     if not turned:
         tables = [cos32[:ROWS], sin32[:ROWS]] + tables  # each key's angle within its chunk
     T0 = jnp.arange(nb, dtype=jnp.int32) * st.r
+    if offset is not None:
+        T0 = T0 + offset
     counts = layer_parent_counts(selections, st, T0, (B, nb, H_kv))
     if firsts is not None:
         counts = with_firsts(counts, firsts, st.num_layers)
+    if offset is not None:
+        counts = with_offset(counts, offset, st.num_layers)
     if selections:
         sel = jnp.stack([s[..., : st.top_k] for s in selections])
         bits = refined_bitmaps(selections, st, words, firsts)
@@ -657,7 +690,7 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
         sel = jnp.zeros((1, B, nb, H_kv, st.top_k), jnp.int32)
         bits = jnp.zeros((1, B, nb, H_kv, words), jnp.int32)
     sel, bits = _lists(sel, list_boxes), _lists(bits, word_boxes)
-    q_lo, q_hi = rotated_queries(q5, counts, cos32, sin32, st, rows, jnp.float32 if turned else None)
+    q_lo, q_hi = rotated_queries(q5, counts, cos32, sin32, st, rows, jnp.float32 if turned else None, offset)
     key_copies = 2 * (C // st.r) + 2
     keys_ready = [plgpu.Barrier(num_arrivals=key_copies, num_barriers=S)] if turned else [
         plgpu.Barrier(num_arrivals=key_copies, num_barriers=S),  # keys and base angles landed
@@ -671,7 +704,7 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
             plgpu.Barrier(num_arrivals=consumers),  # schedule: the consumers' turns
             plgpu.Barrier(num_arrivals=consumers)]  # finished: every product done
     kernel_fn = functools.partial(_merge_kernel, st=st, consumers=consumers, words=word_boxes, lists=list_boxes,
-                                  dtype=dtype, pipe=pipe, packed=firsts is not None)
+                                  dtype=dtype, pipe=pipe, packed=firsts is not None, shard=offset is not None)
 
     def entry(*refs):
         pl.run_scoped(lambda scratch_refs, bar_refs: kernel_fn(*refs, scratch_refs, bar_refs), scratch, bars,
