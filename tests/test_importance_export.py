@@ -1,7 +1,8 @@
 """The importance export (SPEC 8, `htree_attention(..., return_importance=True)`): every
 backend against the float64 oracle's importance of the nodes it kept (queries whose
 selections the oracle flags as near-ties left out), both importance modes, strict or
-not, partial RoPE, packed rows; the output stays differentiable."""
+not, partial RoPE, packed rows (block selection's too, the kernels against the
+reference); the output stays differentiable."""
 
 from __future__ import annotations
 
@@ -69,6 +70,25 @@ def test_importance_of_packed_rows_per_document(rng, backend):
         for got, want in zip(imp[len(imp) - len(ref_imp):], ref_imp):
             np.testing.assert_allclose(np.asarray(got)[:, doc][~fragile], want[~fragile], rtol=1e-5, atol=1e-6)
         start += n
+
+
+@pytest.mark.parametrize("source", ["first", "previous"])
+def test_importance_of_packed_block_rows_on_the_kernels_equals_the_reference(rng, source):
+    """Block selection (SPEC 12) over packed rows (`block/packed.py`): each token's kept
+    nodes' importance, its block's, from the kernels interpreted as from the reference
+    (3 layers, documents of 1 to 79 tokens)."""
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4, block_source=source)
+    q, k, v = random_qkv(rng, 2, 150, 4, 2, 32, 32)
+    seg = np.stack([np.repeat(np.arange(3), [1, 70, 79]), np.repeat(np.arange(4), [33, 5, 100, 12])]).astype(np.int32)
+    outs = {backend: htree_attention(q, k, v, config, backend=backend, segment_ids=seg, max_documents=4,
+                                     return_selected=True, return_importance=True)
+            for backend in BACKENDS}
+    (o, sel, imp), (o_ref, sel_ref, imp_ref) = outs["pallas_interpret"], outs["reference"]
+    assert len(imp) == len(imp_ref) == 2 and all(float(np.max(np.asarray(x))) > 0 for x in imp_ref)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
+    for s, s_ref, got, want in zip(sel, sel_ref, imp, imp_ref):
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["pallas_interpret"])  # the kernels' custom_vjp; the reference is autodiff
