@@ -232,17 +232,13 @@ def _block_packed(q, k, v, c: Call, merge: str):
     return (o, selected, *([[tokens(x) for x in exported]] if c.export else []))
 
 
-def shard_offset(c: Call, S: int):
+def shard_offset(c: Call):
     """A context shard's first position (`c.positions`, consecutive from a multiple of
-    `b`, as `sharding` gives them), or None for whole sequences. Its `S` queries must be
-    whole blocks, and under `"previous"` its first block ranks with the shard before's
-    rows (`c.rank_rows`): a ValueError naming the rule otherwise."""
+    `b`, as `sharding` gives them), or None for whole sequences. Under `"previous"` its
+    first block ranks with the shard before's rows (`c.rank_rows`): a ValueError
+    otherwise (its whole blocks: the kernels' `check_shard_offset`)."""
     if c.positions is None and c.rank_rows is None:
         return None
-    b = c.config.selection_block
-    if S % b:
-        raise ValueError(f"block selection's kernels take a context shard of whole blocks: its {S} queries must be "
-                         f"a multiple of selection_block = {b}")
     if c.rank_rows is None and c.config.block_source == "previous":
         raise ValueError("block_source='previous' in a context shard needs its ranking rows (rank_rows): its "
                          "first block ranks with the shard before's last queries")
@@ -256,7 +252,7 @@ def _block(q, k, v, c: Call, merge: str):
     if c.packing is not None:
         return _block_packed(q, k, v, c, merge)
     b, T = c.config.selection_block, q.shape[1]
-    offset = shard_offset(c, T)
+    offset = shard_offset(c)
     blocks, exported = block_selections(q, zero_non_finite(k), zero_non_finite(v), config=c.config, tuning=c.tuning,
                                         selection_route=c.selection_route, interpret=c.interpret, export=c.export,
                                         offset=offset, rank_rows=c.rank_rows)

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from htree_jax import DecodeBlockSizes, HTreeConfig, build_tree, htree_attention
+from htree_jax.backends import attend
+from htree_jax.core.blocks import block_rows
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.merge import block_queries
@@ -200,9 +202,6 @@ def test_context_shards_on_the_kernels_equal_the_whole_sequence(rng, source, T, 
     ranking rows from the shard before: `sharding.shard_rank_rows`) on the block kernels
     interpreted: outputs and selections those of the whole sequence's rows, `dq` its
     rows', and the shards' `dk`, `dv` summed the whole sequence's (3 layers)."""
-    from htree_jax.backends import attend
-    from htree_jax.core.blocks import block_rows
-
     config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4, block_source=source)
     B, H, H_kv, K = 2, 4, 2, 32
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, H, H_kv, K, K))

@@ -69,6 +69,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
+from htree_jax.backends import attend as attend_on
+from htree_jax.core.blocks import block_rows
 from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.gqa.plan import top_importance_launch
 from pallas_kernels.shared.common import KERNEL_GROUP, wide_head_dims
@@ -273,9 +275,6 @@ def run_shard_case(rng, setup: CaseSetup, dtype, G: int, K: int, V: int):
     device each) against the whole row on the same kernels: the selections, the outputs
     on the rows whose selections agree, `dq` there and the shards' `dk`, `dv` summed,
     to the dtype's tolerance."""
-    from htree_jax.backends import attend
-    from htree_jax.core.blocks import block_rows
-
     T, H_kv, config = setup.T, setup.H_kv, setup.config
     tuning = setup.tuning.get("block_sizes")
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
@@ -284,7 +283,7 @@ def run_shard_case(rng, setup: CaseSetup, dtype, G: int, K: int, V: int):
     S = T // 2
 
     def call(q, k, v, w, **shard):
-        o, selected = attend(q, k, v, config, "pallas", block_sizes=tuning, **shard)
+        o, selected = attend_on(q, k, v, config, "pallas", block_sizes=tuning, **shard)
         return jnp.sum(o.astype(jnp.float32) * w), (o, selected)
 
     run = jax.jit(jax.value_and_grad(call, argnums=(0, 1, 2), has_aux=True))

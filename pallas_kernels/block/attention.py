@@ -17,7 +17,7 @@ from pallas_kernels.block.packed import block_backward_packed, block_forward_pac
 from pallas_kernels.shared.guarded import KernelCall, guarded_vjp
 
 
-def shard_offset(operands):
+def first_position(operands):
     """A context shard's first position (its `positions`' first), or None."""
     positions = operands.get("positions")
     return None if positions is None else positions[0].astype("int32")
@@ -27,7 +27,7 @@ def forward(q, k, v, operands, call: KernelCall):
     """`block_forward_pallas` with the merge `call.merge`, as the guard calls it: `(o,
     lse, (), None)` (the selections are the caller's)."""
     o, lse = block_forward_pallas(q, k, v, operands["selections"], config=call.config, block=call.tuning.block,
-                                  merge=call.merge, interpret=call.interpret, offset=shard_offset(operands))
+                                  merge=call.merge, interpret=call.interpret, offset=first_position(operands))
     return o, lse, (), None
 
 
@@ -35,7 +35,7 @@ def backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
     """`block_backward_pallas` as the guard calls it: `(dq, dk, dv)`."""
     return block_backward_pallas(q, k, v, o, lse, do, operands["selections"], config=call.config,
                                  block=call.tuning.block, interpret=call.interpret, dead_rows=dead,
-                                 offset=shard_offset(operands))
+                                 offset=first_position(operands))
 
 
 attention = guarded_vjp(forward, backward)

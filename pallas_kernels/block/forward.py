@@ -112,8 +112,8 @@ def check_shard_offset(merge: str, S: int, b: int, offset):
     if merge not in SHARD_MERGES:
         raise ValueError(f"a context shard's rows take block_merge in {SHARD_MERGES}, got {merge!r}")
     if S % b:
-        raise ValueError(f"a context shard of block selection holds whole blocks: its {S} queries must be a "
-                         f"multiple of selection_block = {b}")
+        raise ValueError(f"block selection's kernels take a context shard of whole blocks: its {S} queries must be "
+                         f"a multiple of selection_block = {b}")
     return jnp.asarray(offset, jnp.int32)
 
 
