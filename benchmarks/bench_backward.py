@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     rules = [x for x in args.rules.split(",") if x]
     dense_measured = {}
     for kind, top_k, rule in [(kind, top_k, rule) for kind in kinds for top_k in parse(args.top_k) for rule in rules]:
-        config = HTreeConfig(top_k=top_k, selection=rule)
+        config = HTreeConfig(top_k=top_k, selection=rule, selection_block=1)
         htree = grad_fn(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"), args.cotangent)
         dense = grad_fn(dense_fn(config), args.cotangent)
         label = f"{top_k}" + ("" if rule == "mean" else f" {rule}")

@@ -64,7 +64,7 @@ def run(args):
             q, k, v = INPUTS[kind](T)
             B, _, H, K = q.shape
             H_kv, V = k.shape[2], v.shape[-1]
-            per_query = HTreeConfig(top_k=args.top_k)
+            per_query = HTreeConfig(top_k=args.top_k, selection_block=1)
             dense_ms = median_ms(dense_fn(per_query), (q, k, v), args.iters)
             pq = jax.jit(lambda q, k, v: htree_attention(q, k, v, per_query, backend="pallas"))
             row = dict(inputs=kind, T=T, top_k=args.top_k, dense_ms=dense_ms,

@@ -57,7 +57,7 @@ for T, kind in ((int(t), kind) for t in LENGTHS for kind in KINDS if TIME):
     q, k, v = INPUTS[kind](T)
     K, V = q.shape[-1], v.shape[-1]
     config = HTreeConfig(top_k=512, selection_block=16)
-    dense = median_ms(dense_fn(HTreeConfig(top_k=512)), (q, k, v), 10)
+    dense = median_ms(dense_fn(HTreeConfig(top_k=512, selection_block=1)), (q, k, v), 10)
     blocks = jax.jit(lambda q, k, v: blocks_of(q, k, v, config))(q, k, v)
     row = dict(kind=kind, T=T, dense_ms=dense)
     for route in ROUTES:

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     print(gpu_header("context parallel", f"B=1 H=32 H_kv=4 K=V=128 bf16 random, top_k={args.top_k}",
                      f"python benchmarks/bench_context_parallel.py {' '.join(sys.argv[1:] if argv is None else argv)}"))
-    config = HTreeConfig(top_k=args.top_k)
+    config = HTreeConfig(top_k=args.top_k, selection_block=1)
     T, n = args.T, args.shards
     S = T // n
     q, k, v = inputs(T)

@@ -359,7 +359,7 @@ def main(argv=None) -> int:
             d_ms, impl = dense_case(B, ctx, args.steps, args.repeats)
             dm_ms = None if args.no_module else dense_module_case(B, ctx, args.steps, args.repeats)
             for top_k, selection in itertools.product(parse(args.top_k), args.selections.split(",")):
-                config = HTreeConfig(top_k=top_k, selection=selection)
+                config = HTreeConfig(top_k=top_k, selection=selection, selection_block=1)
                 h_ms = [htree_case(B, ctx, config, args.steps, args.repeats, b) for b in backends]
                 if not args.no_module:
                     h_ms.append(module_case(B, ctx, config, args.steps, args.repeats, "pallas"))

@@ -154,7 +154,7 @@ def main(argv=None) -> int:
             print(f"ctx {ctx}, B {B}: the module's projections alone {floor:.4f} ms/step in the loop", flush=True)
             for top_k in int_list(args.top_k):
                 for selection, source in itertools.product(args.selections.split(","), args.sources.split(",")):
-                    block = {} if source == "query" else dict(selection_block=16, block_source=source)
+                    block = dict(selection_block=1) if source == "query" else dict(selection_block=16, block_source=source)
                     config = HTreeConfig(top_k=top_k, selection=selection, **block)
                     rows = block_start_lengths(lengths, config)
                     graphdef, state = htree_module_state(B, ctx, config, rows)

@@ -115,7 +115,7 @@ def batch_scaling(args, mesh, dev0, N: int) -> None:
     one = drawn_inputs(1, args.T, jax.sharding.SingleDeviceSharding(dev0))
     many = drawn_inputs(N, args.T, NamedSharding(mesh, P("x")), seed=1)
     for top_k in int_list(args.top_k):
-        config = HTreeConfig(top_k=top_k)
+        config = HTreeConfig(top_k=top_k, selection_block=1)
         single = jax.jit(grad_of_sum(lambda q, k, v, c=config: attend(q, k, v, c, "pallas", None)[0]))
         sharded = jax.jit(grad_of_sum(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas")))
         t1, tn = median_ms(single, one, args.iters), median_ms(sharded, many, args.iters)
@@ -183,7 +183,7 @@ def sharded_inputs(T: int, n: int):
 def cp_step(args, T: int, n: int):
     """`(step, (q, k, v))`: the forward + backward of `htree_attention` (a float32 sum's
     gradient) and its inputs sharded along T over the first `n` devices."""
-    config = HTreeConfig(top_k=args.cp_top_k)
+    config = HTreeConfig(top_k=args.cp_top_k, selection_block=1)
     return grad_of_sum(lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend)), sharded_inputs(T, n)
 
 

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     q, k, v = (jax.device_put(x, sharding) for x in inputs(args.T))
     print("| top_k | pass | unsharded ms | sharded path ms | sharded/unsharded |\n|---|---|---|---|---|")
     for top_k in int_list(args.top_k):
-        config = HTreeConfig(top_k=top_k)
+        config = HTreeConfig(top_k=top_k, selection_block=1)
         plain = lambda q, k, v: attend(q, k, v, config, "pallas")[0]
         sharded = lambda q, k, v: partitioned_attention(q, k, v, config, "pallas")[0]
         for name, a, b in (("forward", plain, sharded), ("fwd+bwd", grad_of_sum(plain), grad_of_sum(sharded))):

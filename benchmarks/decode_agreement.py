@@ -147,7 +147,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for rule in [x for x in a.rules.split(",") if x]:
         for top_k in [int(x) for x in a.top_ks.split(",") if x]:
-            config = HTreeConfig(compression_rate=16, top_k=top_k, selection=rule, rope_base=args.rope_base)
+            config = HTreeConfig(compression_rate=16, top_k=top_k, selection=rule, rope_base=args.rope_base, selection_block=1)
             for padded in (False, True):
                 model = train_tiny_lm.build_model(args, attention="htree", top_k=top_k, selection=rule)
                 nnx.update(model, nnx.state(trained, nnx.Param))

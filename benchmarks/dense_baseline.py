@@ -47,7 +47,7 @@ def dense(implementation: str):
 
 def one_layer_htree(q, k, v):
     """htree with one layer: exact causal attention, through the Pallas kernels."""
-    return htree_attention(q, k, v, HTreeConfig(top_k=q.shape[1] // 16, rope_base=1e6), backend="pallas")
+    return htree_attention(q, k, v, HTreeConfig(top_k=q.shape[1] // 16, rope_base=1e6, selection_block=1), backend="pallas")
 
 
 def gradient_errors(T: int, heads: int, kv_heads: int, dim: int, seed: int = 0) -> dict:

@@ -72,7 +72,7 @@ def configurations(top_ks, rules, block_sources, block_top_ks, block_rules,
     for rule in rules:
         for k in top_ks:
             out.append(dict(name=f"htree {rule} top_k={k}{rate}", attention="htree", rule=rule + rate,
-                            fields=dict(top_k=k, selection=rule, compression_rate=compression_rate)))
+                            fields=dict(top_k=k, selection=rule, compression_rate=compression_rate, selection_block=1)))
     for source in block_sources:
         for rule in block_rules:
             for k in block_top_ks:

@@ -82,10 +82,10 @@ def main(argv=None) -> int:
 
     if args.shape == "mla":
         b, h, h_kv, k_dim, v_dim = MLA["B"], MLA["H"], MLA["H_kv"], MLA["K"], MLA["V"]
-        config = HTreeConfig(top_k=args.top_k, rope_dim=MLA["rope_dim"])
+        config = HTreeConfig(top_k=args.top_k, rope_dim=MLA["rope_dim"], selection_block=1)
     else:
         b, h, h_kv, k_dim, v_dim = B, H, H_KV, K, V
-        config = HTreeConfig(top_k=args.top_k)
+        config = HTreeConfig(top_k=args.top_k, selection_block=1)
     from_keys = args.shape == "mla" and args.values == "keys"
     gib = lambda x: x / 2**30
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: {args.shape} B={b} H={h} H_kv={h_kv} K={k_dim} "

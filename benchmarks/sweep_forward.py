@@ -52,7 +52,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=3, help="timed calls per setting after one warm-up (median)")
     p.add_argument("--kernels", action="store_true", help="each kernel's device time inside each call")
     args = p.parse_args(argv)
-    config = HTreeConfig(top_k=args.top_k, selection=args.selection)
+    config = HTreeConfig(top_k=args.top_k, selection=args.selection, selection_block=1)
     x = INPUTS[args.inputs](args.T)
     dense = median_ms(dense_fn(config), x, args.iters)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}: T={args.T} top_k={args.top_k} "

@@ -97,7 +97,8 @@ def htree_attention(
     - per-query selection on the Pallas kernels (`selection_block=1`, the GQA and wide
       families): all three, no atomics (key and value gradients are summed per tree
       node in a fixed order);
-    - block selection on the Pallas kernels (`selection_block > 1`): `dq` is, `dk` and
+    - block selection on the Pallas kernels (`selection_block > 1`, `HTreeConfig()`'s
+      default): `dq` is, `dk` and
       `dv` are not by default: each block's key and value gradients are added into the
       nodes it merged with float32 atomics, in no fixed order (they may differ in the last
       bits); summed by node they are (`block_sizes=KernelConfigs.resolve(None, K,

@@ -292,13 +292,8 @@ def check_ranking_rows(group: int, config: HTreeConfig, backend: str) -> None:
 
 def check_block_decode_dims(group: int, config: HTreeConfig, backend: str) -> None:
     """Block selection decoding on the kernels: the ranking rows walk as one query's
-    heads (`check_ranking_rows`), on one device (a sharded cache decodes on the
-    reference)."""
+    heads (`check_ranking_rows`)."""
     check_ranking_rows(group, config, backend)
-    if jax.device_count() > 1:
-        raise ValueError(f"backend {backend!r}: decoding with selection_block={config.selection_block} (block "
-                         f"selection) on {jax.device_count()} devices runs on the JAX reference only for now; use "
-                         "backend='reference' or 'auto'")
 
 
 

@@ -191,10 +191,10 @@ def dense_fn(config, seq_lengths=None):
 
 
 def run(sizes, long_sizes, top_ks, iters, reference_max_t, kinds=("random",), selections=("bound",),
-        batch: int = B):
+        batch: int = B, selection_block: int = 1):
     """Rows per input kind, `top_k`, T and selection rule (`HTreeConfig.selection`: the
     rules of one (kind, top_k, T) one after the other in the same run, dense timed once),
-    `batch` rows per call."""
+    `batch` rows per call; `selection_block` (16: block selection, SPEC 12)."""
     rows, overlaps = [], []
     for kind in kinds:
         for top_k in top_ks:
@@ -202,7 +202,7 @@ def run(sizes, long_sizes, top_ks, iters, reference_max_t, kinds=("random",), se
                 args = INPUTS[kind](T, batch=batch)
                 dense_ms = dense_gb = None
                 for rule in selections:
-                    config = HTreeConfig(top_k=top_k, selection=rule)
+                    config = HTreeConfig(top_k=top_k, selection=rule, selection_block=selection_block)
                     # The public entry point, as users call it (input checks, the non-finite guard).
                     htree = jax.jit(lambda q, k, v, c=config: htree_attention(q, k, v, c, backend="pallas"))
                     ref = jax.jit(lambda q, k, v, c=config: htree_attention_reference(q, k, v, c)[0])
@@ -474,7 +474,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "random lengths, against N unpacked rows and dense cuDNN per document (`run_packed`)")
     p.add_argument("--no-grad", action="store_true", help="with --packed or --shape mla: the forward only")
     p.add_argument("--selection-block", type=int, default=1,
-                   help="with --packed: HTreeConfig.selection_block (16: block selection, SPEC 12)")
+                   help="HTreeConfig.selection_block of the gqa shape: 1 (here the default, per-query selection, as "
+                        "RESULTS' rows without this flag were measured) or 16 (block selection, SPEC 12: "
+                        "HTreeConfig()'s default)")
     p.add_argument("--shape", default="gqa", choices=["gqa", "mla"],
                    help="mla: B=1, H=128, H_kv=1, K=576, rope_dim=64, V=512 (`run_mla`; --sizes default "
                         "32768,131072), against the ideal dense time and the best dense JAX runs")
@@ -511,7 +513,7 @@ def run_bench(args, argv=()) -> int:
                      f"python -m htree_jax bench {' '.join(argv)}"))
     selections = tuple(x for x in args.selection.split(",") if x)
     rows, overlaps = run(int_list(args.sizes), int_list(args.long), int_list(args.top_k), args.iters,
-                         args.reference_max_t, kinds, selections, args.batch)
+                         args.reference_max_t, kinds, selections, args.batch, args.selection_block)
     print(table(rows))
     print(overlap_table(overlaps))
     return 0

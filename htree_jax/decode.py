@@ -116,7 +116,9 @@ def _block_attend(q, cache: HTreeCache, positions, counts, rank_rows, config: HT
     def walk():  # `attend_cache` ranks (`rank_cache`), then keeps what the ranking rows kept
         return _attend_cache(q, cache, positions, config, impl, block_sizes, rank_rows)
 
-    if positions.shape[1] > 1 or not cache.selections:
+    if positions.shape[1] > 1 or not cache.selections or jax.device_count() > 1:
+        # A sharded cache walks each shard's rows on the kernels (`partitioned_cache_attention`):
+        # a token inside its block ranks again on its block's rows, which picks what they kept.
         return walk()
     kept = tuple(cache.selections)
     B, _, H, K = q.shape

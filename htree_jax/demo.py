@@ -38,6 +38,11 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--importance", default="softmax", help="softmax | shared_max")
     p.add_argument("--selection", default="bound", choices=["bound", "mean"],
                    help="node ranking (HTreeConfig.selection): bound (default, SPEC 11) or mean (the original rule)")
+    p.add_argument("--selection-block", type=int, default=None,
+                   help="HTreeConfig.selection_block: the compression rate (the default: a bottom node's queries "
+                        "share each layer's selection, SPEC 12) or 1 (each query selects)")
+    p.add_argument("--block-source", default="first", choices=["first", "previous"],
+                   help="with block selection, whose queries rank a block (HTreeConfig.block_source)")
     p.add_argument("--no-strict-causal", action="store_true",
                    help="HTreeConfig(strict_causal=False): the rightmost node, whose mean includes tokens after "
                         "the query, enters the importance normaliser, so future keys may change a selection and "
@@ -106,6 +111,8 @@ def run_demo(args) -> int:
         strict_causal=not args.no_strict_causal,
         rope_dim=args.rope_dim,
         selection=args.selection,
+        selection_block=args.selection_block,
+        block_source=args.block_source,
     )
     B, T, H, H_kv, K = args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim
     V = args.value_dim or K
@@ -138,7 +145,9 @@ def run_demo(args) -> int:
     print(
         f"config   compression_rate={config.compression_rate} top_k={config.top_k} "
         f"(max_candidates M={config.max_candidates}) importance={config.importance} "
-        f"strict_causal={config.strict_causal}, backend {args.backend} -> {backend}"
+        f"strict_causal={config.strict_causal} selection_block={config.selection_block}"
+        + (f" block_source={config.block_source}" if config.selects_by_block else "")
+        + f", backend {args.backend} -> {backend}"
     )
     sizes = config.layer_sizes(T)
     print(f"tree     {len(sizes)} layer(s), nodes per layer bottom->top: {', '.join(map(str, sizes))}")

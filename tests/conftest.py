@@ -47,7 +47,7 @@ def rng(request):
 
 
 def small_config(r, top_k, **kw):
-    return HTreeConfig(compression_rate=r, top_k=top_k, **kw)
+    return HTreeConfig(compression_rate=r, top_k=top_k, **{"selection_block": 1, **kw})  # per query unless told
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from htree_jax import HTreeConfig, htree_attention  # noqa: E402
 
-CONFIG = HTreeConfig(compression_rate=4, top_k=4)  # 3 layers at T=152
+CONFIG = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)  # 3 layers at T=152
 B, T, H, H_KV, K, V = 2, 152, 8, 4, 32, 32
 BACKENDS = ("reference", "pallas_interpret")
 

@@ -21,7 +21,7 @@ from htree_jax.backends import attend  # noqa: E402
 from htree_jax.memory import resident_bytes  # noqa: E402
 
 # 3 layers at T=152; the mean named, as the bound (the default) has runs of its own below.
-CONFIG = HTreeConfig(compression_rate=4, top_k=4, selection="mean")
+CONFIG = HTreeConfig(compression_rate=4, top_k=4, selection="mean", selection_block=1)
 B, T, H, H_KV, K, V = 4, 152, 8, 4, 32, 32
 
 
@@ -267,7 +267,7 @@ def block_selection_check() -> int:
         S, steps = 40, 6
         lengths = np.array([40, 17, 0, 33], np.int32)
         outs = {}
-        for sharded in (False, True):
+        for impl, sharded in (("reference", False), ("reference", True), ("pallas_interpret", True)):
             cache = init_cache(B, 64, H_KV, K, V, config, num_heads=H)
             tok = NamedSharding(mesh, P("data", None, "model", None))
             step_sh = NamedSharding(mesh, P("data", "model", None))
@@ -276,19 +276,22 @@ def block_selection_check() -> int:
                 layer, rows = NamedSharding(mesh, P("data", None, "model", None)), NamedSharding(mesh, P("data"))
                 recent = NamedSharding(mesh, P("data", None, "model", None, None))
                 cache = jax.tree.map(lambda x: jax.device_put(x, {5: recent, 4: layer}.get(x.ndim, rows)), cache)
-            o, cache = jax.jit(lambda q, k, v, c, n, config=config: prefill(q, k, v, c, config, lengths=n))(
+            o, cache = jax.jit(lambda q, k, v, c, n, config=config, impl=impl: prefill(
+                q, k, v, c, config, lengths=n, backend=impl))(
                 put(q[:, :S], tok), put(k[:, :S], tok), put(v[:, :S], tok), cache, lengths)
             got = [o]
-            step = jax.jit(lambda q, k, v, c, config=config: decode_step(q, k, v, c, config))
+            step = jax.jit(lambda q, k, v, c, config=config, impl=impl: decode_step(q, k, v, c, config, backend=impl))
             for i in range(steps):
                 pos = np.minimum(lengths + i, T - 1)
                 rows_at = lambda x: x[np.arange(B), pos]
                 o_t, cache = step(put(rows_at(q), step_sh), put(rows_at(k), step_sh), put(rows_at(v), step_sh), cache)
                 got.append(o_t)
-            outs[sharded] = got
-        for a, b in zip(outs[True], outs[False]):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-        print(f"ok block selection ({source}) decode: sharded cache (batch, heads) equals unsharded", flush=True)
+            outs[impl, sharded] = got
+        for impl in ("reference", "pallas_interpret"):
+            for a, b in zip(outs[impl, True], outs["reference", False]):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+            print(f"ok block selection ({source}) decode on {impl}: sharded cache (batch, heads) equals unsharded",
+                  flush=True)
     config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4)
     if block_kernels_check(config, mesh, q, k, v, w):
         return 1

@@ -44,7 +44,7 @@ def test_parent_overlap_counts_the_union_of_neighbouring_lists():
 
 
 def test_overlap_row_on_real_selections(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = correlated_inputs(150, shape=(1, 150, 4, 2, 16, 16), dtype=jnp.float32)
     _, selected = htree_attention(q, k, v, config, backend="reference", return_selected=True)
     row = overlap_row("correlated", config, 150, selected)

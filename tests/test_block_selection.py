@@ -59,7 +59,7 @@ def test_a_bottom_nodes_queries_share_every_selection(rng, source):
         blocks = np.asarray(layer)[:, :full].reshape(1, T // r, r, 2, -1)
         assert (blocks == blocks[:, :, :1]).all()
     # per-query selection (the default) does not share them on the same inputs
-    _, own = htree_attention(q, k, v, HTreeConfig(compression_rate=r, top_k=4), backend="reference",
+    _, own = htree_attention(q, k, v, HTreeConfig(compression_rate=r, top_k=4, selection_block=1), backend="reference",
                              return_selected=True)
     blocks = np.asarray(own[-1])[:, :full].reshape(1, T // r, r, 2, -1)
     assert not (blocks == blocks[:, :, :1]).all()
@@ -94,7 +94,7 @@ def test_a_prefix_gives_the_prefix_of_the_outputs(rng):
 def test_one_layer_is_dense_attention_whatever_the_source(rng):
     """Nothing is selected in a one-layer tree: block selection changes nothing there."""
     q, k, v = random_qkv(rng, 1, 60, 4, 2, 8, 8)
-    plain = np.asarray(htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=16), backend="reference"))
+    plain = np.asarray(htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=16, selection_block=1), backend="reference"))
     for source in SOURCES:
         o = np.asarray(htree_attention(q, k, v, block_config(4, 16, source), backend="reference"))
         np.testing.assert_allclose(o, plain, rtol=1e-6, atol=1e-6)
@@ -230,7 +230,7 @@ def test_where_it_is_not_built_the_errors_say_so(rng):
     with pytest.raises(ValueError, match="'previous' ranks with selection_block \\* H / H_kv = 192 rows a kv head"):
         htree_jax.prefill(wq, wk, wv, wide, block_config(4, 4, "previous"), backend="pallas_interpret")
     with pytest.raises(ValueError, match="made for another selection_block"):
-        htree_jax.prefill(q[:, :8], k[:, :8], v[:, :8], cache, HTreeConfig(compression_rate=4, top_k=4))
+        htree_jax.prefill(q[:, :8], k[:, :8], v[:, :8], cache, HTreeConfig(compression_rate=4, top_k=4, selection_block=1))
     with pytest.raises(ValueError, match="selection_block must be 1 or compression_rate"):
         HTreeConfig(compression_rate=4, selection_block=2)
     with pytest.raises(ValueError, match="selection_block must be 1 or compression_rate"):
@@ -255,7 +255,7 @@ def test_decoding_equals_the_full_sequence(rng, source, selection, backend):
     B, T, H, H_kv, K = 3, 150, 4, 2, 32
     q, k, v = random_qkv(rng, B, T, H, H_kv, K, K)
     full = np.asarray(htree_attention(q, k, v, config, backend="reference"))
-    own = np.asarray(htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, selection=selection),
+    own = np.asarray(htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, selection=selection, selection_block=1),
                                      backend="reference"))
     assert not np.allclose(own, full, atol=1e-3)
     cache = htree_jax.init_cache(B, T, H_kv, K, K, config, num_heads=H)

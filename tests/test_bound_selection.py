@@ -27,16 +27,16 @@ from tests.test_oracle_agreement import assert_matches_oracle
 
 def test_config_takes_the_two_rules():
     assert HTreeConfig().selection == "bound"  # the default since 2026-11-26 (issue 48)
-    assert HTreeConfig(selection="mean").selection == "mean"
+    assert HTreeConfig(selection="mean", selection_block=1).selection == "mean"
     with pytest.raises(ValueError, match="selection must be one of"):
-        HTreeConfig(selection="max")
+        HTreeConfig(selection="max", selection_block=1)
 
 
 @pytest.mark.parametrize("K, rope_dim", [(16, None), (16, 6), (12, 12)])
 def test_radii_equal_the_oracle_and_bound_every_token(rng, K, rope_dim):
     """The reference's radii (feature groups in `rope_layout` order) equal the oracle's
     (original order), and every token under a node lies within them of its mean key."""
-    config = HTreeConfig(compression_rate=4, top_k=2, rope_dim=rope_dim)
+    config = HTreeConfig(compression_rate=4, top_k=2, rope_dim=rope_dim, selection_block=1)
     _, k, v = random_qkv(rng, 2, 70, 2, 2, K, 4)
     assert config.num_layers(70) == 3
     layers = build_tree_numpy(k, v, config)
@@ -103,7 +103,7 @@ def test_bound_finds_the_node_the_mean_hides():
 @pytest.mark.parametrize("r, top_k, T", MULTI_LAYER_CASES)
 @pytest.mark.parametrize("importance", ["softmax", "shared_max"])
 def test_reference_matches_oracle_with_bound(rng, r, top_k, T, importance):
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection="bound")
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection="bound", selection_block=1)
     assert config.num_layers(T) >= 3
     q, k, v = random_qkv(rng, 2, T, 4, 2, 16, 8)
     assert_matches_oracle(q, k, v, config)
@@ -112,7 +112,7 @@ def test_reference_matches_oracle_with_bound(rng, r, top_k, T, importance):
 @pytest.mark.parametrize("rope_dim, strict_causal", [(6, True), (16, False)])
 def test_reference_matches_oracle_with_bound_partial_rope(rng, rope_dim, strict_causal):
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, selection="bound",
-                         strict_causal=strict_causal)
+                         strict_causal=strict_causal, selection_block=1)
     q, k, v = random_qkv(rng, 2, 150, 4, 2, 16, 8)
     assert_matches_oracle(q, k, v, config)
 
@@ -120,13 +120,13 @@ def test_reference_matches_oracle_with_bound_partial_rope(rng, rope_dim, strict_
 def test_bound_changes_the_selection(rng):
     """Not a no-op: on random inputs the two rules keep different nodes somewhere."""
     q, k, v = random_qkv(rng, 1, 150, 4, 2, 16, 8)
-    sel = {rule: htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, selection=rule),
+    sel = {rule: htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, selection=rule, selection_block=1),
                                  backend="reference", return_selected=True)[1] for rule in ("mean", "bound")}
     assert any(np.any(np.asarray(a) != np.asarray(b)) for a, b in zip(sel["mean"], sel["bound"]))
 
 
 def test_importance_export_with_bound_matches_the_oracle(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound", selection_block=1)
     q, k, v = random_qkv(rng, 2, 150, 4, 2, 16, 8)
     _, sel, imp = htree_attention(q, k, v, config, backend="reference", return_selected=True, return_importance=True)
     _, want_sel, want_imp, fragile = htree_attention_numpy(q, k, v, config, return_selected=True,
@@ -138,7 +138,7 @@ def test_importance_export_with_bound_matches_the_oracle(rng):
 
 
 def test_packed_rows_with_bound_equal_each_document_alone(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound", selection_block=1)
     T, lengths = 160, [70, 90]
     q, k, v = random_qkv(rng, 1, T, 4, 2, 16, 8)
     segment_ids = np.repeat([0, 1], lengths)[None].astype(np.int32)
@@ -154,7 +154,7 @@ def test_packed_rows_with_bound_equal_each_document_alone(rng):
 def test_gradients_with_bound_match_finite_differences_of_the_reference(rng):
     """The bound only chooses (a constant under autodiff): gradients flow through the
     merged scores and values as with the mean rule."""
-    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound", selection_block=1)
     q, k, v = (jnp.asarray(x, jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
                for x in random_qkv(rng, 1, 40, 2, 1, 8, 4))
     w = jnp.asarray(rng.standard_normal((1, 40, 2, 4)), q.dtype)
@@ -171,12 +171,12 @@ def test_gradients_with_bound_match_finite_differences_of_the_reference(rng):
 
 
 def test_a_cache_made_for_another_rule_is_refused(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound", selection_block=1)
     q, k, v = random_qkv(rng, 1, 40, 2, 1, 32, 32)
     cache = init_cache(1, 64, 1, 32, 32, config)
     with pytest.raises(ValueError, match="made for another selection rule"):
         prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache,
-                HTreeConfig(compression_rate=4, top_k=4, selection="mean"))
+                HTreeConfig(compression_rate=4, top_k=4, selection="mean", selection_block=1))
 
 
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]
@@ -191,7 +191,7 @@ def test_decode_kernels_with_bound_equal_the_reference(rng, backend, H, H_kv, ro
     identical to the reference walk's (float32). `rope_dim=6` at K=32: 29 feature
     groups, read as pieces of 16, 8, 4 and 1; 32 heads over one kv head: virtual kv
     heads of 16. `pallas`: compiled on a GPU."""
-    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, selection="bound")
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, selection="bound", selection_block=1)
     B, T, K, V, prompt = 2, 60, 32, 32, 37
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, H, H_kv, K, V))
     results = {}
@@ -228,7 +228,7 @@ def test_decode_kernels_with_bound_equal_the_reference(rng, backend, H, H_kv, ro
 def test_kernels_match_the_oracle_with_bound(rng, r, top_k, T, importance):
     """The top layer's keys kernel and the per-query scores kernel rank by the bound (the
     bound product beside the score product); selections exact but for flagged near-ties."""
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection="bound")
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection="bound", selection_block=1)
     q, k, v = random_qkv(rng, 2, T, 4, 2, 32, 32)
     assert_matches_oracle(q, k, v, config, backend="pallas_interpret")
 
@@ -255,7 +255,7 @@ def test_kernels_with_bound_partial_rope_export_and_bfloat16(rng):
 
 
 def test_kernels_with_bound_on_packed_rows_and_large_groups(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound", selection_block=1)
     T, lengths = 160, [70, 90]
     q, k, v = random_qkv(rng, 1, T, 4, 2, 32, 32)
     segment_ids = np.repeat([0, 1], lengths)[None].astype(np.int32)
@@ -273,7 +273,7 @@ def test_kernels_with_bound_on_packed_rows_and_large_groups(rng):
 def test_kernel_gradients_with_bound_equal_the_reference(rng, save_selections):
     from htree_jax import BlockSizes
 
-    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound")
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="bound", selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, 4, 2, 32, 32))
     w = jnp.asarray(rng.standard_normal((1, 150, 4, 32)), jnp.float32)
     # Saved selections: node lists cut after 8 entries (the spill through the whole
@@ -320,7 +320,7 @@ def test_cache_radii_equal_the_whole_trees(rng):
 def test_compiled_kernels_with_bound_equal_the_reference(rng, dtype):
     """GPU: the compiled kernels rank by the bound as the reference does (3 layers, both
     lower paths: the top layer's keys kernel and the per-query scores kernel)."""
-    config = HTreeConfig(compression_rate=16, top_k=16, selection="bound")
+    config = HTreeConfig(compression_rate=16, top_k=16, selection="bound", selection_block=1)
     q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, 1, 8192, 8, 2, 64, 64))
     assert config.num_layers(8192) == 3
     o, sel = htree_attention(q, k, v, config, backend="pallas", return_selected=True)

@@ -15,6 +15,7 @@ def test_defaults_and_derived_sizes():
     c = HTreeConfig()
     assert (c.compression_rate, c.top_k, c.rope_base, c.scale) == (16, 512, 10000.0, None)
     assert (c.importance, c.strict_causal) == ("softmax", True)
+    assert (c.selection_block, c.block_source, c.selects_by_block) == (16, "first", True)  # by block (SPEC 12)
     assert c.max_candidates == 8192 and c.log_n == 13
     assert c.layer_sizes(8192) == (8192,)
     assert c.layer_sizes(8193) == (8193, 513)
@@ -23,6 +24,23 @@ def test_defaults_and_derived_sizes():
     assert c.num_layers(1) == 1 and c.num_layers(524288) == 3
     assert c.score_scale(64) == 64**-0.5
     assert HTreeConfig(scale=0.5).score_scale(64) == 0.5
+
+
+def test_the_default_selects_by_block_at_the_compression_rate_and_per_query_for_latent_attention():
+    """`selection_block=None` (the default) is the tree's `compression_rate`, stored, so a
+    default config equals (and hashes as) the one that names it; with `rope_dim` set
+    (latent attention's layout) it is 1, the per-query wide kernels' selection."""
+    for r in (2, 4, 16, 64):
+        c = HTreeConfig(compression_rate=r)
+        assert c.selection_block == r and c == HTreeConfig(compression_rate=r, selection_block=r)
+        assert hash(c) == hash(HTreeConfig(compression_rate=r, selection_block=r))
+    assert HTreeConfig(rope_dim=64).selection_block == 1
+    assert HTreeConfig(rope_dim=64, selection_block=16).selection_block == 16
+    assert not HTreeConfig(selection_block=1).selects_by_block
+    # dataclasses.replace passes the stored 16 on: the error says how to get the default
+    with pytest.raises(ValueError, match="pass selection_block=None for the default"):
+        dataclasses.replace(HTreeConfig(), compression_rate=4)
+    assert dataclasses.replace(HTreeConfig(), compression_rate=4, selection_block=None).selection_block == 4
 
 
 def test_hashable_static_jit_argument():

@@ -34,7 +34,7 @@ CASES = [
 
 @pytest.mark.parametrize("r, top_k, importance, T, max_len, prompt", CASES)
 def test_decoding_reproduces_the_full_sequence(r, top_k, importance, T, max_len, prompt, rng):
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection_block=1)
     assert 2 <= config.num_layers(T) <= 4 and config.num_layers(max_len) <= 5
     B, H, H_kv, K, V = 2, 4, 2, 8, 6
     # NumPy slices: eager jnp indexing would compile a new slice for every t
@@ -104,14 +104,14 @@ def assert_tree_is_build_tree(cache, k, v, config):
 def test_numpy_tree_is_build_tree(rng):
     for dtype in (np.float32, jnp.bfloat16):
         k = jnp.asarray(rng.standard_normal((2, 75, 2, 8)), dtype)
-        config = HTreeConfig(compression_rate=4, top_k=4)
+        config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
         for l, (kl, _) in enumerate(build_tree(k, k, config)):
             np.testing.assert_array_equal(np.asarray(kl), numpy_tree(k, config.num_layers(75), 4)[l])
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_narrow_dtypes_tree_and_output(dtype, rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     B, T, H, H_kv, K, V = 1, 50, 4, 2, 8, 8
     q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, B, T, H, H_kv, K, V))
     full = htree_attention(q, k, v, config, backend="reference")
@@ -125,7 +125,7 @@ def test_narrow_dtypes_tree_and_output(dtype, rng):
 
 
 def test_decode_step_under_jit_with_a_donated_cache(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     B, T, H, H_kv, K, V = 2, 40, 2, 1, 8, 8
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, H, H_kv, K, V))
     full = htree_attention(q, k, v, config, backend="reference")
@@ -141,7 +141,7 @@ def test_decode_step_under_jit_with_a_donated_cache(rng):
 def test_reusing_a_donated_cache_says_so(rng):
     """prefill/decode_step update the cache in place (it is donated): passing the old one
     again is refused with an error that names the donation and the fix."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 8, 2, 1, 8, 8))
     cache = init_cache(1, 16, 1, 8, 8, config)
     _, new_cache = prefill(q, k, v, cache, config, backend="reference")
@@ -155,7 +155,7 @@ def test_reusing_a_donated_cache_says_so(rng):
 
 
 def test_errors(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     B, H, H_kv, K, V = 1, 2, 1, 8, 8
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 6, H, H_kv, K, V))
     cache = init_cache(B, 5, H_kv, K, V, config)
@@ -186,9 +186,9 @@ def test_errors(rng):
     with pytest.raises(ValueError, match="at least one token"):
         prefill(q[:, :0], k[:, :0], v[:, :0], cache, config)
     with pytest.raises(ValueError, match="use the config the cache was made with"):
-        prefill(q, k, v, cache, HTreeConfig(compression_rate=2, top_k=2))
+        prefill(q, k, v, cache, HTreeConfig(compression_rate=2, top_k=2, selection_block=1))
     with pytest.raises(ValueError, match="strict_causal must be True for decoding"):
-        init_cache(B, 16, H_kv, K, V, HTreeConfig(strict_causal=False))
+        init_cache(B, 16, H_kv, K, V, HTreeConfig(strict_causal=False, selection_block=1))
     with pytest.raises(ValueError, match="backend must be one of"):
         prefill(q, k, v, cache, config, backend="cuda")
     with pytest.raises(ValueError, match="Pallas decoding supports head dim K in"):
@@ -214,7 +214,7 @@ PALLAS_CASES = [
 def test_pallas_decoding_reproduces_the_full_sequence(r, top_k, importance, T, max_len, prompt, rng):
     """The Pallas decode kernels (interpreted): a prompt, then token by token, give the
     full-sequence output and selections of the reference at every position."""
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection_block=1)
     B, H, H_kv, K, V = 2, 4, 2, 32, 32
     q, k, v = random_qkv(rng, B, T, H, H_kv, K, V)
     full, full_sel = htree_attention(q, k, v, config, backend="reference", return_selected=True)
@@ -250,7 +250,7 @@ def test_pallas_decoding_reproduces_the_full_sequence(r, top_k, importance, T, m
 def test_pallas_decode_compiled_matches_reference_on_gpu(dtype, rng):
     """Compiled kernels: a 3-layer cache (2048 -> 128 -> 8), a prompt and 6 steps, the
     Pallas decode against the reference walk on the same cache."""
-    config = HTreeConfig(compression_rate=16, top_k=8)
+    config = HTreeConfig(compression_rate=16, top_k=8, selection_block=1)
     B, T, H, H_kv, K, V, prompt = 2, 2048, 8, 2, 64, 128, 2040
     q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, B, T, H, H_kv, K, V))
     results = {}
@@ -285,7 +285,7 @@ def test_pallas_attend_cache_in_chunks_equals_the_reference_walk(rng):
     """`attend_cache_pallas` against its twin, the reference walk over the same cache,
     with the queries in several chunks (the last one padded), as a long prefill runs."""
 
-    config = HTreeConfig(compression_rate=4, top_k=4, importance="shared_max")
+    config = HTreeConfig(compression_rate=4, top_k=4, importance="shared_max", selection_block=1)
     B, S, H, H_kv, K, V = 2, 40, 4, 1, 32, 64  # G = 4
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, S, H, H_kv, K, V))
     cache = init_cache(B, 100, H_kv, K, V, config)  # 100 -> 25 -> 7: 3 layers
@@ -326,7 +326,7 @@ def test_ragged_rows_equal_their_own_full_sequences(rng, backend, selection):
     row equals, position by position, its own full-sequence output, with identical
     selections (a 3-layer tree). Compiled (`pallas` on a GPU): float32 at 1e-4. With
     `selection="bound"` the cache keeps the radii as tokens arrive (SPEC 11)."""
-    config = HTreeConfig(compression_rate=4, top_k=4, selection=selection)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection=selection, selection_block=1)
     tol = 1e-4 if backend == "pallas" else 1e-5
     B, H, H_kv, K, V = 3, 4, 2, 32, 32
     prompts, steps, S = np.array([0, 17, 40]), 10, 40
@@ -355,7 +355,7 @@ def test_ragged_rows_equal_their_own_full_sequences(rng, backend, selection):
 
 
 def test_reset_row_restarts_while_its_neighbours_continue(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     B, H, H_kv, K, V = 2, 2, 1, 8, 8
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 90, H, H_kv, K, V))
     cache = init_cache(B, 96, H_kv, K, V, config)
@@ -377,7 +377,7 @@ def test_reset_row_restarts_while_its_neighbours_continue(rng):
 
 
 def test_overflow_of_one_row_under_jit_is_nan_for_that_row_only(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     B, H, H_kv, K, V = 2, 2, 1, 8, 8
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 9, H, H_kv, K, V))
     cache = init_cache(B, 8, H_kv, K, V, config)
@@ -391,7 +391,7 @@ def test_overflow_of_one_row_under_jit_is_nan_for_that_row_only(rng):
 
 
 def test_jitted_default_step_has_no_callback(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, 3, 2, 1, 32, 32))
     cache = init_cache(2, 16, 1, 32, 32, config)
     for backend in ("reference", "pallas_interpret"):
@@ -406,7 +406,7 @@ def jaxpr_text(fn, *args):
 
 
 def test_bad_lengths_are_refused(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, 6, 2, 1, 8, 8))
     cache = init_cache(2, 16, 1, 8, 8, config)
     with pytest.raises(ValueError, match=r"lengths must be an int array of shape \[B\] = \[2\]"):
@@ -441,7 +441,7 @@ def test_append_kernel_equals_the_xla_append_bit_for_bit(r, selection, dtype, K,
     token a row at ragged lengths (a row at the end of a node, one at `max_len - 1`, a
     row that appends nothing), every layer, the radii, the lengths: the XLA append's
     arrays, bit for bit; and the tree `build_tree` makes of each row's tokens."""
-    config = HTreeConfig(compression_rate=r, top_k=4, selection=selection, rope_dim=16 if from_keys else None)
+    config = HTreeConfig(compression_rate=r, top_k=4, selection=selection, rope_dim=16 if from_keys else None, selection_block=1)
     B, H_kv = 4, 2
     _, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, B, max_len, H_kv, H_kv, K, V))
     lengths = jnp.asarray([r - 1, max_len - 1, max_len // 3, 5], jnp.int32)
@@ -471,7 +471,7 @@ def test_append_kernel_equals_the_xla_append_bit_for_bit(r, selection, dtype, K,
 
 def test_append_writer_is_refused_where_it_does_not_apply(rng):
     """`append_to_cache(tree_writer=)` takes one token a row and no FP8 tokens, saying so."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     cache = init_cache(2, 32, 1, 16, 16, config, jnp.bfloat16, token_dtype=jnp.float8_e4m3fn)
     k = jnp.zeros((2, 1, 1, 16), jnp.bfloat16)
     writer = functools.partial(append_token_pallas, r=4, interpret=True)
@@ -488,7 +488,7 @@ def test_append_writer_is_refused_where_it_does_not_apply(rng):
 def test_append_kernel_compiled_equals_the_xla_append_on_gpu(selection, K, rng):
     """Compiled, bf16, r = 16, a 3-layer cache (8192 -> 512 -> 32), ragged rows: the
     kernel's tree and radii equal the XLA append's bit for bit."""
-    config = HTreeConfig(compression_rate=16, top_k=16, selection=selection)
+    config = HTreeConfig(compression_rate=16, top_k=16, selection=selection, selection_block=1)
     B, H_kv, V, max_len = 4, 2, 128, 8192
     _, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, B, max_len, H_kv, H_kv, K, V))
     lengths = jnp.asarray([255, max_len - 1, 4100, 17], jnp.int32)

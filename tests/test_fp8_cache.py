@@ -54,7 +54,7 @@ def test_fp8_cache_decodes_the_tokens_as_read_back(rng, backend, selection):
     """Ragged prompts (0, 17, 40 tokens), then 10 steps per row: every row equals its own
     full sequence of the tokens as read back, with identical selections, and the tree
     is `build_tree` of those tokens (3 layers)."""
-    config = HTreeConfig(compression_rate=4, top_k=4, selection=selection)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection=selection, selection_block=1)
     B, H, H_kv, K, V = 3, 4, 2, 32, 32
     prompts, steps, S = np.array([0, 17, 40]), 10, 40
     q, k, v = (jnp.asarray(x, DTYPE) for x in random_qkv(rng, B, S + steps, H, H_kv, K, V))
@@ -109,7 +109,7 @@ def test_fp8_cache_within_the_stated_tolerance_of_the_bf16_cache(rng, backend, s
     here, 2026-11-26)."""
     B, H, H_kv, K, V, T = 2, 4, 2, 64, 64, 200
     q, k, v = (jnp.asarray(x, DTYPE) for x in random_qkv(rng, B, T, H, H_kv, K, V))
-    rule = dict(compression_rate=4, selection=selection)
+    rule = dict(compression_rate=4, selection=selection, selection_block=1)
     for config, bound in ((HTreeConfig(top_k=64, **rule), 0.05), (HTreeConfig(top_k=4, **rule), walk_bound)):
         outs = []
         for token_dtype in (None, FP8):
@@ -144,7 +144,7 @@ def test_fp8_cache_takes_about_half_the_bytes():
     """Tokens at 1 byte a feature and 4 per scale (per token and kv head), nodes at 2:
     K = V = 128, r = 16: (128 + 4) / 256 of the tokens' bytes, the nodes (1/15 more) as
     before."""
-    config = HTreeConfig()
+    config = HTreeConfig(selection_block=1)
     nbytes = lambda c: sum(x.nbytes for x in jax.tree_util.tree_leaves(c))
     bf16 = init_cache(2, 4096, 4, 128, 128, config, DTYPE)
     fp8 = init_cache(2, 4096, 4, 128, 128, config, DTYPE, token_dtype=FP8)
@@ -152,7 +152,7 @@ def test_fp8_cache_takes_about_half_the_bytes():
 
 
 def test_fp8_cache_refusals_and_reset(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     with pytest.raises(ValueError, match="token_dtype must be None or jnp.float8_e4m3fn"):
         init_cache(1, 32, 1, 8, 8, config, DTYPE, token_dtype=jnp.int8)
     with pytest.raises(ValueError, match="token_dtype=float8_e4m3fn needs a 16-bit dtype"):
@@ -170,7 +170,7 @@ def test_fp8_cache_refusals_and_reset(rng):
 def test_module_with_an_fp8_cache(rng):
     """`HTreeAttention.init_cache(..., token_dtype=)`: the module decodes from FP8 tokens,
     within the stated tolerance of its bf16 cache."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     m = HTreeAttention(4, 32, num_kv_heads=2, head_dim=16, config=config, dtype=DTYPE, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.standard_normal((2, 40, 32)), DTYPE)
     outs = []
@@ -186,7 +186,7 @@ def test_module_with_an_fp8_cache(rng):
 def test_linen_module_with_an_fp8_cache(rng):
     """The linen twin's `cache_token_dtype`: its `cache` collection holds FP8 tokens, and
     its decoding stays within the stated tolerance of its bf16 cache (same weights)."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     x = jnp.asarray(rng.standard_normal((2, 40, 32)), DTYPE)
     outs = []
     for token_dtype in (None, FP8):

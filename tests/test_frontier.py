@@ -71,7 +71,7 @@ def test_frontier_scores_checkpoints_and_draws_the_table(tmp_path):
 def test_counted_candidates_equal_the_selections():
     """The count's candidates per query (each layer keeping min(top_k, n)) equal what the
     reference's selections give (`introspect.candidates_per_query`)."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     rng = np.random.default_rng(0)
     T = 150
     q, k, v = (rng.standard_normal((1, T, h, 8)).astype(np.float32) for h in (2, 1, 1))
@@ -82,7 +82,7 @@ def test_counted_candidates_equal_the_selections():
 
 def test_the_count_favours_blocks_by_their_gathers():
     """Same FLOPs (first source), 16x fewer gathered bytes with a block of 16 queries."""
-    per_query = frontier.counted_ms(HTreeConfig(top_k=256), 131072, 300.0, 3.0)
+    per_query = frontier.counted_ms(HTreeConfig(top_k=256, selection_block=1), 131072, 300.0, 3.0)
     block = frontier.counted_ms(HTreeConfig(top_k=256, selection_block=16), 131072, 300.0, 3.0)
     assert block["flops"] == per_query["flops"]
     assert block["bytes"] < per_query["bytes"] / 8 and block["floor_ms"] < per_query["floor_ms"]

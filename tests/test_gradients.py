@@ -25,7 +25,7 @@ def _oracle_loss(q, k, v, w, config):
 @pytest.mark.parametrize("r, top_k, T, importance, rope_dim", [(4, 2, 40, "shared_max", None),
                                                                 (4, 2, 40, "softmax", 4)])  # SPEC 7: K=8, 4 rotated
 def test_reference_gradients_match_oracle_finite_differences(rng, r, top_k, T, importance, rope_dim):
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, rope_dim=rope_dim)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, rope_dim=rope_dim, selection_block=1)
     assert config.num_layers(T) >= 3
     q, k, v = random_qkv(rng, 1, T, 4, 2, 8, 4, dtype=np.float64)
     w = rng.standard_normal((1, T, 4, 4))  # a random linear read-out of the output
@@ -58,7 +58,7 @@ def test_reference_gradients_match_oracle_finite_differences(rng, r, top_k, T, i
 
 
 def test_reference_gradient_is_finite_for_t1_and_jits(rng):
-    config = HTreeConfig(compression_rate=2, top_k=2)
+    config = HTreeConfig(compression_rate=2, top_k=2, selection_block=1)
     for T in (1, 37):
         q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, T, 2, 1, 8, 4))
         g = jax.jit(jax.grad(lambda q, k, v: htree_attention(q, k, v, config).sum() ** 2, argnums=(0, 1, 2)))(q, k, v)

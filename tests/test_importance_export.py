@@ -39,7 +39,7 @@ def assert_importance_matches_oracle(q, k, v, config, backend, **kw):
     ("reference", "softmax", True), ("reference", "shared_max", False),
     ("pallas_interpret", "softmax", False), ("pallas_interpret", "shared_max", True)])
 def test_importance_matches_oracle(rng, backend, importance, strict_causal):
-    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, strict_causal=strict_causal)
+    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, strict_causal=strict_causal, selection_block=1)
     q, k, v = random_qkv(rng, 2, 150, 8, 2, 32, 32)
     imp = assert_importance_matches_oracle(q, k, v, config, backend)
     assert all(float(jnp.min(x)) >= 0 for x in imp)
@@ -55,7 +55,7 @@ def test_importance_with_partial_rope_and_many_layers(rng, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_importance_of_packed_rows_per_document(rng, backend):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = random_qkv(rng, 1, 150, 4, 2, 32, 32)
     lengths = [1, 70, 79]
     seg = np.repeat(np.arange(3), lengths)[None].astype(np.int32)
@@ -93,7 +93,7 @@ def test_importance_of_packed_block_rows_on_the_kernels_equals_the_reference(rng
 
 @pytest.mark.parametrize("backend", ["pallas_interpret"])  # the kernels' custom_vjp; the reference is autodiff
 def test_output_stays_differentiable_with_the_export(rng, backend):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, 4, 2, 32, 32))
 
     def loss(q, k, v, export):
@@ -118,7 +118,7 @@ def test_return_importance_must_be_a_bool(rng):
 def test_importance_compiled_kernels_match_the_reference(rng):
     """GPU: the compiled kernels' export against the reference's, float32, on the
     queries whose selections agree (4 layers: the top kernel and two lower layers)."""
-    config = HTreeConfig(compression_rate=4, top_k=16)
+    config = HTreeConfig(compression_rate=4, top_k=16, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 2048, 8, 2, 64, 64))
     _, sel, imp = htree_attention(q, k, v, config, backend="pallas", return_selected=True, return_importance=True)
     _, sel_r, imp_r = htree_attention(q, k, v, config, backend="reference", return_selected=True,

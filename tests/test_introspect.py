@@ -13,7 +13,7 @@ from tests.helpers import leaf_set
 
 @pytest.mark.parametrize("r, top_k, T", MULTI_LAYER_CASES)
 def test_merged_layer_map_is_the_leaf_set(r, top_k, T, rng):
-    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=1)
     q, k, v = random_qkv(rng, 2, T, 4, 2, 8, 8)
     _, selected = htree_attention(q, k, v, config, backend="reference", return_selected=True)
     queries = sorted({0, 1, T // 3, T // 2, T - 2, T - 1, *rng.integers(0, T, 4).tolist()})
@@ -35,7 +35,7 @@ def test_merged_layer_map_is_the_leaf_set(r, top_k, T, rng):
 
 
 def test_merged_layer_map_errors(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = random_qkv(rng, 1, 40, 2, 1, 8, 8)
     _, selected = htree_attention(q, k, v, config, backend="reference", return_selected=True)
     with pytest.raises(ValueError, match="queries must lie in"):

@@ -110,7 +110,7 @@ def test_decoding_with_values_read_from_the_keys(rng, backend, G, K, rope_dim, V
     """A cache made with `values_from_keys=True` stores no values (DeepSeek's absorbed
     form): prefill then decode steps equal the full-sequence `htree_attention(q, k,
     None, value_dim=V)`, and a cache that stores `v = k[..., :V]` step for step."""
-    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim)
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, selection_block=1)
     T, prefix = 60, 40
     q, k, _ = (jnp.asarray(x) for x in random_qkv(rng, 2, T, G, 1, K, V))
     full = np.asarray(htree_attention(q, k, None, config, backend=backend, value_dim=V))
@@ -137,7 +137,7 @@ def test_values_from_the_keys_cache_refusals():
     with pytest.raises(ValueError, match="value_dim must be at most the unrotated features of k, K - rope_dim = 64"):
         init_cache(1, 32, 1, 96, 80, config, values_from_keys=True)
     with pytest.raises(ValueError, match="K - rope_dim = 0"):
-        init_cache(1, 32, 1, 96, 16, HTreeConfig(compression_rate=4, top_k=4), values_from_keys=True)
+        init_cache(1, 32, 1, 96, 16, HTreeConfig(compression_rate=4, top_k=4, selection_block=1), values_from_keys=True)
     latent = init_cache(1, 32, 1, 96, 48, config, values_from_keys=True)
     stored = init_cache(1, 32, 1, 96, 48, config)
     q, k, v = jnp.zeros((1, 2, 96)), jnp.zeros((1, 1, 96)), jnp.zeros((1, 1, 48))
@@ -225,7 +225,7 @@ def test_two_stage_decode_kernels_equal_the_reference_walk(rng, r, top_k, span, 
     the bottom merge with its key tiles as values or, at K = 576, V = 512, gathering a
     value layer at half the span; one split: the state carried through the merges),
     interpreted, against the reference walk of the same cache."""
-    config = HTreeConfig(compression_rate=r, top_k=top_k, rope_dim=rope_dim)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, rope_dim=rope_dim, selection_block=1)
     G = 32
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, 1, T, G, 1, K, V))
     for values_from_keys in (False, True):
@@ -250,7 +250,7 @@ def test_decode_block_sizes_refused():
     for name in ("target_programs", "wide_target_programs"):
         with pytest.raises(ValueError, match=f"{name} must be a positive int"):
             DecodeBlockSizes(**{name: 0})
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     cache = init_cache(1, 32, 1, 32, 32, config, jnp.float32)
     with pytest.raises(TypeError, match="block_sizes must be an htree_jax.DecodeBlockSizes or None"):
         decode_step(jnp.zeros((1, 2, 32)), jnp.zeros((1, 1, 32)), jnp.zeros((1, 1, 32)), cache, config,
@@ -262,7 +262,7 @@ def test_decode_programs_and_feature_pieces(rng, G, K, rope_dim, wide_rows):
     """The decode kernels (interpreted) at 16-head virtual groups (`wide_rows=16`), at a
     RoPE part whose halves (12 features) no dot takes (every piece rotated), and at a
     group (48) whose programs hold 16 heads, equal the reference walk."""
-    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim)
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, selection_block=1)
     T, V = 40, 32
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, T, G, 1, K, V))
     _, cache = prefill(q, k, v, init_cache(1, T, 1, K, V, config, jnp.float32), config, backend="reference")
@@ -281,12 +281,12 @@ def test_decode_programs_and_feature_pieces(rng, G, K, rope_dim, wide_rows):
 def test_pallas_refuses_unsupported_shapes(rng, G, K, V, match):
     q, k, v = random_qkv(rng, 1, 16, G, 1, K, V)
     with pytest.raises(ValueError, match=match):
-        htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4), backend="pallas_interpret")
+        htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, selection_block=1), backend="pallas_interpret")
 
 
 @pytest.mark.parametrize("K, V, match", [(80, 64, "multiple of 32"), (64, 40, "multiple of 16")])
 def test_pallas_decoding_refuses_unsupported_dims(K, V, match):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     cache = init_cache(1, 32, 1, K, V, config, jnp.float32)
     q = jnp.zeros((1, 2, K), jnp.float32)
     with pytest.raises(ValueError, match=match):

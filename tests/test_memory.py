@@ -32,7 +32,7 @@ B, T, H, H_KV, K, V = 1, 16384, 8, 2, 64, 64
 
 
 def test_default_config_t16384_planned_memory_is_bounded():
-    config = HTreeConfig()
+    config = HTreeConfig(selection_block=1)
     assert config.layer_sizes(T) == (16384, 1024)
     chunk = default_query_chunk(config, B, T, H_KV, H // H_KV, K, V)
     shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((B, T, H, K), (B, T, H_KV, K), (B, T, H_KV, V))]
@@ -48,7 +48,7 @@ def test_default_config_t16384_planned_memory_is_bounded():
 
 
 def test_default_config_t16384_matches_oracle_at_sampled_positions():
-    config = HTreeConfig()
+    config = HTreeConfig(selection_block=1)
     rng = np.random.default_rng(7)
     q = rng.standard_normal((B, T, H, K)).astype(np.float32)
     k = rng.standard_normal((B, T, H_KV, K)).astype(np.float32)
@@ -71,7 +71,7 @@ def test_memory_plan_counts_and_checks_without_running():
     """`htree_jax.memory_plan`: XLA's plan of one call from shapes alone (nothing runs),
     the forward+backward's above the forward's; `check` raises `MemoryError` naming the
     need and the limit past a limit, and passes on devices that report none (the CPU)."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     shapes = [jax.ShapeDtypeStruct((2, 150, 4, 16), jnp.float32)] + [jax.ShapeDtypeStruct((2, 150, 2, 16),
                                                                                           jnp.float32)] * 2
     forward = memory_plan(*shapes, config, backend="reference")
@@ -93,7 +93,7 @@ def test_memory_plan_counts_and_checks_without_running():
 def small_step(rng):
     """`(step, (q, k, v))`: the gradient of a sum of squares of `htree_attention` (3 layers at
     T=150) and fresh float32 inputs `[1, 150, 4 or 2, 16]`."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, 150, 4, 16), (1, 150, 2, 16),
                                                                          (1, 150, 2, 16)))
     step = jax.grad(lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend="reference") ** 2),

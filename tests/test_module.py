@@ -20,10 +20,10 @@ from htree_jax.backends import choose_backend
 
 # (num_heads, num_kv_heads, in_features, head_dim, config, T): multi-layer trees at small T.
 CASES = [
-    (4, 2, 32, None, HTreeConfig(compression_rate=4, top_k=4), 150),  # 3 layers
-    (4, 4, 24, 6, HTreeConfig(compression_rate=2, top_k=8, importance="shared_max"), 100),  # 4 layers
-    (6, 2, 48, 16, HTreeConfig(compression_rate=8, top_k=2), 90),  # 2 layers
-    (2, 1, 16, None, HTreeConfig(), 33),  # 1 layer: exact attention
+    (4, 2, 32, None, HTreeConfig(compression_rate=4, top_k=4, selection_block=1), 150),  # 3 layers
+    (4, 4, 24, 6, HTreeConfig(compression_rate=2, top_k=8, importance="shared_max", selection_block=1), 100),  # 4 layers
+    (6, 2, 48, 16, HTreeConfig(compression_rate=8, top_k=2, selection_block=1), 90),  # 2 layers
+    (2, 1, 16, None, HTreeConfig(selection_block=1), 33),  # 1 layer: exact attention
 ]
 
 
@@ -69,7 +69,7 @@ def test_linen_twin_equals_nnx_from_the_same_weights(H, H_kv, D_in, D, config, T
 
 
 def test_extra_batch_axes_and_bfloat16():
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     m = HTreeAttention(4, 32, num_kv_heads=2, config=config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     x = _inputs(3, (2, 3, 70, 32), jnp.bfloat16)
     y = m(x)
@@ -79,7 +79,7 @@ def test_extra_batch_axes_and_bfloat16():
 
 
 def test_jit_nnx_jit_grad_and_an_optax_step():
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     m = HTreeAttention(4, 32, num_kv_heads=2, config=config, rngs=nnx.Rngs(0))
     x = _inputs(4, (2, 80, 32))
     target = _inputs(5, (2, 80, 32))
@@ -128,7 +128,7 @@ def test_defaults_match_flax_so_weights_move_between_the_modules():
     """A drop-in module: with both at their defaults (biases included), the weights of an
     `HTreeAttention` load into `nnx.MultiHeadAttention` / `nn.MultiHeadDotProductAttention`
     (and back), and the two compute the same thing."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     m = HTreeAttention(4, 32, config=config, bias_init=nnx.initializers.normal(0.5), rngs=nnx.Rngs(2))
     mha = nnx.MultiHeadAttention(4, 32, attention_fn=attention_fn(config), decode=False, rngs=nnx.Rngs(3))
     nnx.update(mha, nnx.state(m, nnx.Param))
@@ -141,7 +141,7 @@ def test_defaults_match_flax_so_weights_move_between_the_modules():
 
 
 def test_linen_multihead_attention_with_attention_fn_equals_linen_module():
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     x = _inputs(7, (2, 150, 32))
     mha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, use_bias=False,
                                           attention_fn=attention_fn(config))
@@ -155,7 +155,7 @@ def test_linen_multihead_attention_with_attention_fn_equals_linen_module():
 
 def test_pallas_backend_in_the_module_matches_the_reference():
     """The module on the Pallas kernels (interpreted here), forward and gradients."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     kw = dict(num_kv_heads=2, head_dim=32, config=config)
     ref = HTreeAttention(4, 32, backend="reference", rngs=nnx.Rngs(0), **kw)
     pal = HTreeAttention(4, 32, backend="pallas_interpret", rngs=nnx.Rngs(0), **kw)
@@ -172,7 +172,7 @@ def test_pallas_backend_in_the_module_matches_the_reference():
 
 
 def _module(**kw):
-    args = dict(num_heads=4, in_features=32, num_kv_heads=2, config=HTreeConfig(compression_rate=4, top_k=4))
+    args = dict(num_heads=4, in_features=32, num_kv_heads=2, config=HTreeConfig(compression_rate=4, top_k=4, selection_block=1))
     args.update(kw)
     return HTreeAttention(args.pop("num_heads"), args.pop("in_features"), rngs=nnx.Rngs(0), **args)
 
@@ -222,7 +222,7 @@ def test_call_errors():
 
 def _mha(**kw):
     return nnx.MultiHeadAttention(4, 32, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0),
-                                  attention_fn=attention_fn(HTreeConfig(compression_rate=4, top_k=4)), **kw)
+                                  attention_fn=attention_fn(HTreeConfig(compression_rate=4, top_k=4, selection_block=1)), **kw)
 
 
 def test_attention_fn_errors():
@@ -242,7 +242,7 @@ def test_attention_fn_errors():
                                   np.asarray(_mha()(x, is_causal=True)))
     with pytest.raises(ValueError, match="check_mask must be True, False or 'device'"):
         attention_fn(check_mask="yes")
-    fn = attention_fn(HTreeConfig(compression_rate=4, top_k=4))
+    fn = attention_fn(HTreeConfig(compression_rate=4, top_k=4, selection_block=1))
     q = _inputs(1, (2, 20, 4, 8))
     kv = _inputs(2, (2, 20, 2, 8))
     with pytest.raises(ValueError, match="same length T"):
@@ -274,19 +274,19 @@ def test_traced_masks_through_attention_fn():
         nnx.jit(lambda mha, x: mha(x, mask=nnx.make_causal_mask(x[..., 0])))(mha, x)
     want = np.asarray(mha(x, is_causal=True))
     on_device = _mha()
-    on_device.attention_fn = attention_fn(HTreeConfig(compression_rate=4, top_k=4), check_mask="device")
+    on_device.attention_fn = attention_fn(HTreeConfig(compression_rate=4, top_k=4, selection_block=1), check_mask="device")
     nnx.update(on_device, nnx.state(mha, nnx.Param))
     got = nnx.jit(lambda m, x: m(x, mask=nnx.make_causal_mask(x[..., 0])))(on_device, x)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
     with pytest.raises(jax.errors.JaxRuntimeError, match="the mask passed under jit is not the causal mask"):
         jax.block_until_ready(nnx.jit(lambda m, x, mask: m(x, mask=mask))(on_device, x, full))
-    trusting = attention_fn(HTreeConfig(compression_rate=4, top_k=4), check_mask=False)
+    trusting = attention_fn(HTreeConfig(compression_rate=4, top_k=4, selection_block=1), check_mask=False)
     q, kv = _inputs(1, (2, 20, 4, 8)), _inputs(2, (2, 20, 2, 8))
     got = jax.jit(lambda q, kv, mask: trusting(q, kv, kv, mask=mask, is_causal=False))(q, kv, causal)
     np.testing.assert_allclose(np.asarray(got), np.asarray(trusting(q, kv, kv, is_causal=True)), rtol=1e-5, atol=1e-6)
     # linen: no is_causal reaches attention_fn; a wrong traced mask is caught on the device
     lmha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, attention_fn=attention_fn(
-        HTreeConfig(compression_rate=4, top_k=4)))
+        HTreeConfig(compression_rate=4, top_k=4, selection_block=1)))
     params = lmha.init(jax.random.key(0), x, x, mask=causal)
     with pytest.raises(jax.errors.JaxRuntimeError, match="the mask passed under jit is not the causal mask"):
         jax.block_until_ready(jax.jit(lambda p, x, mask: lmha.apply(p, x, x, mask=mask))(params, x, full))
@@ -302,7 +302,7 @@ def test_module_on_the_gpu_kernels_matches_the_reference(dtype):
     gradients, sums over every query, agree to a relative error that leaves room for
     those (and that an all-zero or sign-flipped gradient does not meet)."""
     assert choose_backend("auto", lambda name: None) == "pallas"
-    config = HTreeConfig(compression_rate=8, top_k=16)  # 2048 -> 256 -> 32: 3 layers
+    config = HTreeConfig(compression_rate=8, top_k=16, selection_block=1)  # 2048 -> 256 -> 32: 3 layers
     kw = dict(num_kv_heads=2, head_dim=64, config=config, dtype=dtype)
     fast = HTreeAttention(8, 256, backend="auto", rngs=nnx.Rngs(0), **kw)
     ref = HTreeAttention(8, 256, backend="reference", rngs=nnx.Rngs(0), **kw)
@@ -351,7 +351,7 @@ def test_module_on_the_gpu_kernels_matches_the_reference(dtype):
 
 
 def test_nnx_decode_reproduces_the_full_sequence():
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     m = HTreeAttention(4, 32, num_kv_heads=2, config=config, rngs=nnx.Rngs(0))
     x = _inputs(11, (2, 45, 32))
     full = m(x)
@@ -373,7 +373,7 @@ def test_nnx_decode_reproduces_the_full_sequence():
 
 def test_nnx_decode_with_the_pallas_backend_interpreted():
     """`backend="pallas_interpret"`: decoding runs the Pallas decode kernels."""
-    config = HTreeConfig(compression_rate=4, top_k=4)  # 20 -> 5: 2 layers
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)  # 20 -> 5: 2 layers
     kw = dict(num_kv_heads=2, head_dim=32, config=config)
     m = HTreeAttention(4, 32, backend="pallas_interpret", rngs=nnx.Rngs(0), **kw)
     ref = HTreeAttention(4, 32, backend="reference", rngs=nnx.Rngs(0), **kw)
@@ -393,7 +393,7 @@ def test_decode_block_sizes_reach_the_decode_kernels(monkeypatch):
         real = module.prefill
         spy = lambda *a, real=real, **kw: seen.append(kw["block_sizes"]) or real(*a, **kw)
         monkeypatch.setattr(module, "prefill", spy)
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     x = _inputs(14, (2, 6, 32))
     m = HTreeAttention(4, 32, num_kv_heads=2, config=config, decode_block_sizes=blocks, rngs=nnx.Rngs(0))
     m.init_cache(2, 8)
@@ -412,7 +412,7 @@ def test_decode_block_sizes_reach_the_decode_kernels(monkeypatch):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_module_decode_on_the_gpu_kernels_matches_the_full_sequence():
     """On a GPU, decoding with backend="auto" runs the compiled Pallas decode kernels."""
-    config = HTreeConfig(compression_rate=8, top_k=16)  # 512 -> 64 -> 8: 3 layers
+    config = HTreeConfig(compression_rate=8, top_k=16, selection_block=1)  # 512 -> 64 -> 8: 3 layers
     kw = dict(num_kv_heads=2, head_dim=64, config=config)
     m = HTreeAttention(8, 256, backend="auto", rngs=nnx.Rngs(0), **kw)
     ref = HTreeAttention(8, 256, backend="reference", rngs=nnx.Rngs(0), **kw)
@@ -426,7 +426,7 @@ def test_module_decode_on_the_gpu_kernels_matches_the_full_sequence():
 
 
 def test_linen_decode_reproduces_the_full_sequence():
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     model = htree_linen.HTreeAttention(4, 32, num_kv_heads=2, config=config)
     x = _inputs(12, (2, 40, 32))
     params = model.init(jax.random.key(0), x)
@@ -457,7 +457,7 @@ def test_init_cache_takes_multihead_attentions_call():
     want_mha = mha(x, mask=nnx.make_causal_mask(x[..., 0]), decode=False)
     np.testing.assert_allclose(np.asarray(_decode_like_mha(mha, x)), np.asarray(want_mha), rtol=1e-5, atol=1e-5)
 
-    config = HTreeConfig(compression_rate=4, top_k=2)  # 24 -> 6: two layers
+    config = HTreeConfig(compression_rate=4, top_k=2, selection_block=1)  # 24 -> 6: two layers
     attn = HTreeAttention(4, 32, num_kv_heads=2, config=config, decode=True, rngs=nnx.Rngs(0))
     full = attn(x, decode=False)
     np.testing.assert_allclose(np.asarray(_decode_like_mha(attn, x)), np.asarray(full), rtol=1e-5, atol=1e-5)
@@ -498,7 +498,7 @@ def test_linen_module_takes_multihead_dot_product_attentions_decoding():
     got = decode_like_linen(nn.MultiHeadDotProductAttention(4, qkv_features=32, decode=True), params)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
-    kw = dict(num_kv_heads=2, config=HTreeConfig(compression_rate=4, top_k=2))  # 20 -> 5: two layers
+    kw = dict(num_kv_heads=2, config=HTreeConfig(compression_rate=4, top_k=2, selection_block=1))  # 20 -> 5: two layers
     model = htree_linen.HTreeAttention(4, 32, **kw)
     params = model.init(jax.random.key(0), x)["params"]
     full = model.apply({"params": params}, x)

@@ -40,7 +40,7 @@ def assert_causal_under_non_finite(o_clean, o_bad, p, kv_head, G):
 @pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
 @pytest.mark.parametrize("r, top_k, T", CASES)
 def test_non_finite_k_or_v_leaves_earlier_outputs_alone(rng, backend, r, top_k, T):
-    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=1)
     G, H_kv = 2, 2
     q, k, v = random_qkv(rng, 1, T, G * H_kv, H_kv, 32, 32)
     o_clean = htree_attention(q, k, v, config, backend=backend)
@@ -55,7 +55,7 @@ def test_non_finite_k_or_v_leaves_earlier_outputs_alone(rng, backend, r, top_k, 
 def test_gradients_of_earlier_outputs_ignore_a_non_finite_token(rng, backend):
     """A loss over the outputs before `p` has the same gradients (bitwise) with a NaN or
     infinity at `p` as without: finite, and zero for the bad entries themselves."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     T, p = 150, 97
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, T, 4, 2, 32, 32))
     w = jnp.asarray(rng.standard_normal((1, p, 4, 32)).astype(np.float32))
@@ -75,7 +75,7 @@ def test_non_finite_through_the_decode_cache(rng, backend):
     row 1 is untouched.
     (`p` is the last child of a layer-1 node, which is the rightmost candidate, kept and
     never merged, of the queries just before `p`: a weight of 0 times NaN broke them.)"""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     B, S, H, H_kv, K = 2, 40, 4, 2, 32
     q, k, v = random_qkv(rng, B, S + 3, H, H_kv, K, K)
     p = 23
@@ -119,7 +119,7 @@ def test_nan_importance_never_outranks_the_rightmost_node():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_non_finite_on_gpu_compiled(rng, dtype):
     """The compiled kernels (forward and decode) under the same rule."""
-    config = HTreeConfig(compression_rate=16, top_k=16)
+    config = HTreeConfig(compression_rate=16, top_k=16, selection_block=1)
     G, H_kv, T = 4, 2, 4096
     q, k, v = (np.asarray(x) for x in random_qkv(rng, 1, T, G * H_kv, H_kv, 64, 64))
     cast = lambda *xs: [jnp.asarray(x, dtype) for x in xs]

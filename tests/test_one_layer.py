@@ -21,10 +21,10 @@ from tests.conftest import random_qkv
 
 
 @pytest.mark.parametrize("T, H, H_kv, K, config", [
-    (64, 4, 2, 32, HTreeConfig(compression_rate=4, top_k=16)),
+    (64, 4, 2, 32, HTreeConfig(compression_rate=4, top_k=16, selection_block=1)),
     (37, 8, 2, 64, HTreeConfig(compression_rate=16, top_k=4, rope_dim=16)),
-    (16, 2, 2, 16, HTreeConfig(compression_rate=4, top_k=4, scale=0.3, rope_base=500.0)),
-    (50, 6, 3, 32, HTreeConfig(compression_rate=8, top_k=8, strict_causal=False, selection="mean")),
+    (16, 2, 2, 16, HTreeConfig(compression_rate=4, top_k=4, scale=0.3, rope_base=500.0, selection_block=1)),
+    (50, 6, 3, 32, HTreeConfig(compression_rate=8, top_k=8, strict_causal=False, selection="mean", selection_block=1)),
 ])
 def test_one_layer_attention_equals_the_oracle(rng, T, H, H_kv, K, config):
     assert one_layer(config, T)
@@ -41,7 +41,7 @@ def test_the_gpu_path_takes_it_for_one_layer_only(rng):
     runs here, on the CPU, where the kernels would not), no selections, the importance
     export empty, gradients those of the function; a non-finite key poisons the rows the
     reference poisons (SPEC 10)."""
-    config = HTreeConfig(compression_rate=4, top_k=16)
+    config = HTreeConfig(compression_rate=4, top_k=16, selection_block=1)
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in random_qkv(rng, 1, 64, 4, 2, 32, 32))
     assert dense_eligible(q, k, v) and not dense_eligible(q.astype(jnp.float32), k, v)
     o, selected, exported = attend(q, k, v, config, "pallas", export=True)
@@ -89,7 +89,7 @@ def test_public_rope_states_the_convention(rng, K, rope_dim, base):
     """`htree_jax.rope` (the caller's feature order) then causal softmax attention equals
     htree at one layer (the float64 oracle), full and partial RoPE; interleaved RoPE
     (pairs (2i, 2i+1)) does not."""
-    config = HTreeConfig(compression_rate=4, top_k=16, rope_base=base, rope_dim=rope_dim)
+    config = HTreeConfig(compression_rate=4, top_k=16, rope_base=base, rope_dim=rope_dim, selection_block=1)
     T, H, H_kv = 40, 4, 2
     q, k, v = random_qkv(rng, 1, T, H, H_kv, K, K)
     want = htree_attention_numpy(q, k, v, config)

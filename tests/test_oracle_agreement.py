@@ -58,7 +58,7 @@ HYPOTHESIS_SHAPES = [(1, 1, 1, 1, 4, 2), (2, 37, 3, 2, 18, 5), (1, 150, 2, 4, 32
 )
 def test_reference_matches_oracle_hypothesis(shape, r, top_k, importance, strict_causal, seed):
     B, T, H_kv, G, K, V = shape
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal, selection_block=1)
     q, k, v = random_qkv(np.random.default_rng(seed), B, T, G * H_kv, H_kv, K, V)
     assert_matches_oracle(q, k, v, config)
 
@@ -67,15 +67,15 @@ def test_reference_matches_oracle_hypothesis(shape, r, top_k, importance, strict
 @pytest.mark.parametrize("importance", ["softmax", "shared_max"])
 @pytest.mark.parametrize("strict_causal", [True, False])
 def test_reference_matches_oracle_multi_layer(rng, r, top_k, T, importance, strict_causal):
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal, selection_block=1)
     assert config.num_layers(T) >= 2
     q, k, v = random_qkv(rng, 2, T, 4, 2, 16, 8)
     assert_matches_oracle(q, k, v, config)
 
 
 def test_fixed_cases_have_three_or_more_layers():
-    assert HTreeConfig(compression_rate=4, top_k=4).layer_sizes(150) == (150, 38, 10)
-    assert HTreeConfig(compression_rate=2, top_k=8).layer_sizes(300) == (300, 150, 75, 38, 19, 10)
+    assert HTreeConfig(compression_rate=4, top_k=4, selection_block=1).layer_sizes(150) == (150, 38, 10)
+    assert HTreeConfig(compression_rate=2, top_k=8, selection_block=1).layer_sizes(300) == (300, 150, 75, 38, 19, 10)
 
 
 @pytest.mark.parametrize("dtype, tol", [("bfloat16", 1e-2), ("float16", 2e-3)])
@@ -85,7 +85,7 @@ def test_low_precision_inputs_match_oracle(rng, dtype, tol):
     import ml_dtypes  # a dependency of jax
 
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = random_qkv(rng, 1, 150, 4, 2, 16, 8, dtype=np_dtype)
     assert_matches_oracle(q, k, v, config, rtol=tol, atol=tol)
 
@@ -98,7 +98,7 @@ def test_low_precision_selections_exact_at_default_rate(rng, dtype):
     import ml_dtypes
 
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-    config = HTreeConfig(compression_rate=16, top_k=16)
+    config = HTreeConfig(compression_rate=16, top_k=16, selection_block=1)
     q, k, v = random_qkv(rng, 1, 1024, 8, 2, 32, 16, dtype=np_dtype)
     fragile = assert_matches_oracle(q, k, v, config, rtol=2e-2, atol=2e-2)
     assert fragile.mean() < 0.01

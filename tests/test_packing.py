@@ -20,7 +20,7 @@ from htree_jax.core.packing import pack_layout, virtual_length
 from reference_numpy import htree_attention_numpy
 from tests.conftest import random_qkv
 
-CONFIG = HTreeConfig(compression_rate=4, top_k=4)  # M = 16; 150 -> 38 -> 10: 3 layers
+CONFIG = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)  # M = 16; 150 -> 38 -> 10: 3 layers
 B, T, H, H_KV, K, V = 2, 150, 4, 2, 32, 32
 BACKENDS = ["reference", "pallas_interpret"]
 
@@ -87,7 +87,7 @@ LENGTHS = st.lists(st.sampled_from([1, 2, 3, M - 1, M, M + 1, 40, 70, 100]) | st
 @given(row0=LENGTHS, row1=LENGTHS, importance=st.sampled_from(["softmax", "shared_max"]),
        seed=st.integers(0, 2**31 - 1))
 def test_packed_equals_documents_alone_hypothesis(backend, row0, row1, importance, seed):
-    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance)
+    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, selection_block=1)
     q, k, v = random_qkv(np.random.default_rng(seed), B, T, H, H_KV, K, V)
     rows = [fill_row(row0), fill_row(row1)]
     assert_packed_matches_oracle(q, k, v, rows, config, backend)
@@ -97,7 +97,7 @@ def test_packed_equals_documents_alone_hypothesis(backend, row0, row1, importanc
 @pytest.mark.parametrize("importance", ["softmax", "shared_max"])
 def test_packed_fixed_layouts(rng, backend, importance):
     """Named layouts: a 1-token document first, exactly M, 3 layers of its own, many tiny."""
-    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance)
+    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, selection_block=1)
     q, k, v = random_qkv(rng, B, T, H, H_KV, K, V)
     rows = [[1, M, 70, M + 1, T - 1 - M - 70 - M - 1], [3, 1, 2, 1, 5, 1, 1, 136]]
     assert_packed_matches_oracle(q, k, v, rows, config, backend)
@@ -105,7 +105,7 @@ def test_packed_fixed_layouts(rng, backend, importance):
 
 def test_packed_many_layers(rng):
     """r=2, top_k=2: a 6-layer row, documents with 1 to 5 layers of their own."""
-    config = HTreeConfig(compression_rate=2, top_k=2)
+    config = HTreeConfig(compression_rate=2, top_k=2, selection_block=1)
     q, k, v = random_qkv(rng, 1, 100, 2, 1, 32, 32)
     assert_packed_matches_oracle(q, k, v, [[5, 9, 33, 1, 52]], config, "reference")
     assert_packed_matches_oracle(q, k, v, [[5, 9, 33, 1, 52]], config, "pallas_interpret")
@@ -241,7 +241,7 @@ def test_max_document_len_bounds():
 def test_packed_compiled_equals_per_document_compiled(rng):
     """GPU: the compiled kernels on a packed row against compiled per-document runs,
     selections identical, float32 (exact float32 products on both sides)."""
-    config = HTreeConfig(compression_rate=4, top_k=16)  # M = 64
+    config = HTreeConfig(compression_rate=4, top_k=16, selection_block=1)  # M = 64
     T_gpu = 2048
     q, k, v = random_qkv(rng, 2, T_gpu, 8, 2, 64, 64)
     rows = [[1, 64, 300, 17, 1666], [1024, 1024]]
@@ -298,7 +298,7 @@ def test_max_documents_sizes_the_layout_not_a_count():
     that take 3248 are refused, the error saying what they take and what it holds."""
     T = 1024
     q, k, v = (jax.random.normal(jax.random.key(i), (1, T, h, 32)) for i, h in enumerate((2, 1, 1)))
-    config = HTreeConfig(top_k=16)
+    config = HTreeConfig(top_k=16, selection_block=1)
     fits = np.repeat(np.arange(18), [60] * 17 + [4])[None].astype(np.int32)
     o = htree_attention(q, k, v, config, segment_ids=fits, max_documents=8, backend="reference")
     assert np.isfinite(np.asarray(o)).all()

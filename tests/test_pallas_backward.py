@@ -57,7 +57,7 @@ def _assert_gradients_close(got, want, atol=5e-5):
 
 
 # r = 32: a parent's children span two units of the node kernels.
-NODE_CONFIGS = LAYER_CONFIGS + [HTreeConfig(compression_rate=32, top_k=4)]
+NODE_CONFIGS = LAYER_CONFIGS + [HTreeConfig(compression_rate=32, top_k=4, selection_block=1)]
 
 
 @pytest.mark.parametrize("config, G, block_sizes, entries_per_step, entries_per_program", paired(NODE_CONFIGS, [
@@ -195,7 +195,7 @@ def _loss_grads(q, k, v, config, backend, weights):
 @pytest.mark.parametrize("B, T, r, top_k, G, importance, strict_causal", GRADIENT_CASES)
 def test_pallas_gradients_equal_reference(rng, B, T, r, top_k, G, importance, strict_causal):
 
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, 2 * G, 2, 40, 36))  # padded dims inside
     weights = jnp.asarray(rng.standard_normal((B, T, 2 * G, 36)).astype(np.float32))
     got = _loss_grads(q, k, v, config, "pallas_interpret", weights)
@@ -214,7 +214,7 @@ def test_pallas_gradients_bfloat16(rng, r, top_k, T):
     import ml_dtypes
 
 
-    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=1)
     assert config.num_layers(T) == (2 if r == 16 else 3)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, T, 4, 2, 32, 32, dtype=ml_dtypes.bfloat16))
     weights = jnp.asarray(rng.standard_normal((1, T, 4, 32)).astype(np.float32))
@@ -237,7 +237,7 @@ def test_middle_layer_backward_error_from_mixed_precisions_is_bounded(rng):
     Bounded here at large scores (~10, where bf16 operands err by ~3e-2): `dq` against the
     twin with `lse` from the stored scores stays within a few bfloat16 steps."""
 
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     a = layer_inputs(rng, config, G=2, K=24, V=20)
     q, layer_k = 3.0 * a["q"], 3.0 * a["layer_k"]
     st = dataclasses.replace(a["st"], precision=jax.lax.Precision.HIGH, importance_operands=BF16X3,
@@ -265,7 +265,7 @@ def test_pallas_grad_of_a_small_model_jits_without_nan(rng):
     """`jax.jit(jax.grad(loss))` of a Flax-free model (projections, htree, output), for
     T = 1 and a multi-layer T: finite gradients."""
 
-    config = HTreeConfig(compression_rate=4, top_k=2)
+    config = HTreeConfig(compression_rate=4, top_k=2, selection_block=1)
     D, H, H_kv, K = 16, 4, 2, 32
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     params = dict(wq=jax.random.normal(keys[0], (D, H * K)) * 0.3, wk=jax.random.normal(keys[1], (D, H_kv * K)) * 0.3,
@@ -301,7 +301,7 @@ def test_backward_with_saved_selections_equals_recomputing_them_bitwise(rng, B, 
     importance and top-K kernels again: bitwise the same gradients (2- to 5-layer trees,
     several chunks, non-finite rows masked)."""
 
-    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=1)
     assert config.num_layers(T) >= 2
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, 2 * G, 2, 32, 32))
     if dtype == "bfloat16":
@@ -362,7 +362,7 @@ def test_zeros_after_waits_for_its_anchor():
     assert len(barrier) == 1 and barrier[0].invars[1].aval.shape == (5,)
     B, T, H, K = 1, 64, 2, 32
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, h, K), jnp.float32) for i, h in enumerate((H, 1, 1)))
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     o, _, lse = htree_forward_pallas(q, k, v, config=config, interpret=True, return_lse=True)
     text = str(jax.make_jaxpr(lambda lse: htree_backward_pallas(q, k, v, o, lse, o, config=config, interpret=True))(lse))
     # the top layer's two accumulators, two per layer below it, and dq's chunks
@@ -384,7 +384,7 @@ def test_backward_chunk_loop_indexes_by_xs():
     slices async on other streams, a wait per chunk (journal, 2026-11-27 (9))."""
     B, T, H, K = 1, 64, 2, 32
     q, k, v = (jax.random.normal(jax.random.PRNGKey(i), (B, T, h, K), jnp.float32) for i, h in enumerate((H, 1, 1)))
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     o, _, lse = htree_forward_pallas(q, k, v, config=config, interpret=True, return_lse=True)
     jaxpr = jax.make_jaxpr(lambda lse: htree_backward_pallas(q, k, v, o, lse, o, config=config,
                                                              interpret=True))(lse).jaxpr

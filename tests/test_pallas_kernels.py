@@ -44,7 +44,7 @@ def test_pool_kernel_equals_twin(rng, r, N, dtype):
 def test_top_k_kernel_equals_twin(rng, r, top_k):
     """The shared top-K kernel on packed keys with ties (equal importance, broken by
     position) and every count of valid candidates, against `lax.top_k` and a sort."""
-    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=1)
     M, log_n = config.max_candidates, config.log_n
     B, Q, H_kv = 2, 12, 1
     imp = rng.random((B, Q, H_kv, M)).astype(np.float32)
@@ -100,10 +100,10 @@ def layer_inputs(rng, config, G, K, V, Q=8, N=None, dtype=np.float32, block_quer
 
 
 LAYER_CONFIGS = [
-    HTreeConfig(compression_rate=4, top_k=4),
-    HTreeConfig(compression_rate=8, top_k=8, importance="shared_max"),
-    HTreeConfig(compression_rate=2, top_k=16, strict_causal=False),
-    HTreeConfig(compression_rate=16, top_k=16),
+    HTreeConfig(compression_rate=4, top_k=4, selection_block=1),
+    HTreeConfig(compression_rate=8, top_k=8, importance="shared_max", selection_block=1),
+    HTreeConfig(compression_rate=2, top_k=16, strict_causal=False, selection_block=1),
+    HTreeConfig(compression_rate=16, top_k=16, selection_block=1),
 ]
 
 
@@ -256,7 +256,7 @@ BACKEND_CASES = [
 
 @pytest.mark.parametrize("r, top_k, T, G, importance, strict_causal", BACKEND_CASES)
 def test_pallas_backend_equals_reference_and_oracle(rng, r, top_k, T, G, importance, strict_causal):
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, strict_causal=strict_causal, selection_block=1)
     assert config.num_layers(T) >= 2
     q, k, v = random_qkv(rng, 2, T, 2 * G, 2, 40, 36)  # non-power-of-two dims: padded inside
     o, sel = htree_attention(q, k, v, config, backend="pallas_interpret", return_selected=True)
@@ -271,7 +271,7 @@ def test_pallas_backend_equals_reference_and_oracle(rng, r, top_k, T, G, importa
 def test_pallas_backend_eight_query_rows(rng, G):
     """A group padded to 8 product rows below the top layer (`BlockSizes.min_query_rows`)
     instead of 16, through a 3-layer tree: the same selections and output."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     assert config.num_layers(150) >= 3
     q, k, v = random_qkv(rng, 1, 150, 2 * G, 2, 32, 32)
     o, sel = htree_attention(q, k, v, config, backend="pallas_interpret", return_selected=True,
@@ -285,7 +285,7 @@ def test_pallas_backend_eight_query_rows(rng, G):
 
 
 def test_pallas_backend_bfloat16(rng):
-    config = HTreeConfig(compression_rate=16, top_k=4)
+    config = HTreeConfig(compression_rate=16, top_k=4, selection_block=1)
     q, k, v = random_qkv(rng, 1, 300, 4, 2, 32, 32, dtype=ml_dtypes.bfloat16)
     o = htree_attention(q, k, v, config, backend="pallas_interpret")
     assert o.dtype == q.dtype
@@ -323,7 +323,7 @@ def test_pallas_without_gpu_says_how_to_interpret():
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_pallas_compiled_equals_reference_on_gpu(rng):
-    config = HTreeConfig(compression_rate=16, top_k=16)
+    config = HTreeConfig(compression_rate=16, top_k=16, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 4096, 8, 2, 64, 64))
     o, sel = htree_attention(q, k, v, config, backend="pallas", return_selected=True)
     o_ref, sel_ref = htree_attention(q, k, v, config, backend="reference", return_selected=True)
@@ -335,7 +335,7 @@ def test_pallas_compiled_equals_reference_on_gpu(rng):
 @pytest.mark.parametrize("B, T, G, r, top_k", [(1, 1, 2, 4, 4), (3, 2, 2, 2, 2), (1, 5, 16, 2, 2), (2, 40, 16, 4, 2)])
 def test_pallas_backend_edge_sizes(rng, B, T, G, r, top_k):
     """T = 1, tiny T, B = 3 and the largest group (G = 16), down to 3-layer trees."""
-    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=1)
     q, k, v = random_qkv(rng, B, T, G * (2 if T == 40 else 1), 2 if T == 40 else 1, 32, 32)
     o, sel = htree_attention(q, k, v, config, backend="pallas_interpret", return_selected=True)
     o_ref, sel_ref = htree_attention(q, k, v, config, backend="reference", return_selected=True)

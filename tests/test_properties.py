@@ -18,7 +18,7 @@ from tests.helpers import leaf_set, softmax_over_leaves
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 2e-5), (ml_dtypes.bfloat16, 2e-2)])
 def test_exact_attention_when_short(rng, T, G, dtype, tol):
     """T <= M: htree is causal softmax attention with RoPE at absolute positions."""
-    config = HTreeConfig(compression_rate=8, top_k=16)  # M = 128
+    config = HTreeConfig(compression_rate=8, top_k=16, selection_block=1)  # M = 128
     assert T <= config.max_candidates and config.num_layers(T) == 1
     H_kv, K = 2, 32
     q, k, v = random_qkv(rng, 2, T, G * H_kv, H_kv, K, K, dtype=dtype)  # dense needs V = K
@@ -42,7 +42,7 @@ def test_exact_attention_when_short(rng, T, G, dtype, tol):
 def test_tree_cut_partitions_the_past(rng, r, top_k, T, importance):
     """Merged nodes of every query partition [0, t]; those merged above the bottom lie
     wholly before t. Checked for every query, from the selections the reference returns."""
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection_block=1)
     q, k, v = random_qkv(rng, 1, T, 2, 1, 8, 4)
     _, selected = htree_attention(q, k, v, config, return_selected=True)
     selected = [np.asarray(s) for s in selected]
@@ -62,7 +62,7 @@ def test_tree_cut_partitions_the_past(rng, r, top_k, T, importance):
 def test_output_is_softmax_over_leaf_set_shared_by_group(rng, r, top_k, T, importance):
     """SPEC 3 'Equivalence' and 'GQA sharing': every head of a group attends over the
     same leaf set (the one its kv head's selections define), with plain softmax."""
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection_block=1)
     G, H_kv = 4, 2
     q, k, v = random_qkv(rng, 1, T, G * H_kv, H_kv, 8, 4)
     o, selected = htree_attention(q, k, v, config, return_selected=True)
@@ -80,7 +80,7 @@ def test_output_is_softmax_over_leaf_set_shared_by_group(rng, r, top_k, T, impor
 def test_gqa_selection_is_a_function_of_the_whole_group(rng):
     """Permuting the heads within a group permutes the outputs and leaves the (shared)
     selections unchanged; MHA (G = 1) runs."""
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     G, H_kv, T = 4, 2, 150
     q, k, v = random_qkv(rng, 1, T, G * H_kv, H_kv, 16, 8)
     perm = np.concatenate([h * G + rng.permutation(G) for h in range(H_kv)])
@@ -100,7 +100,7 @@ def test_gqa_selection_is_a_function_of_the_whole_group(rng):
 
 
 def test_group_shares_selection_so_other_heads_matter(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = random_qkv(rng, 1, 150, 2, 1, 16, 8)  # one group of two heads
     _, sel = htree_attention(q, k, v, config, return_selected=True)
     q2 = q.copy()
@@ -114,7 +114,7 @@ def test_group_shares_selection_so_other_heads_matter(rng):
 def test_strict_causality(rng, r, top_k, T, importance):
     """strict_causal=True: o[:t+1] ignores k, v after t; a prefix run (fewer layers)
     gives the same outputs and selections."""
-    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, importance=importance, selection_block=1)
     q, k, v = random_qkv(rng, 1, T, 4, 2, 16, 8)
     o, sel = htree_attention(q, k, v, config, return_selected=True)
     o = np.asarray(o)
@@ -138,8 +138,8 @@ def test_non_strict_causal_may_depend_on_the_future(rng):
     """strict_causal=False puts the rightmost node (a mean over tokens after t) into the
     importance normaliser, so future keys can change the selection and the output at t.
     The same change leaves strict_causal=True outputs untouched."""
-    loose = HTreeConfig(compression_rate=4, top_k=4, strict_causal=False)
-    strict = HTreeConfig(compression_rate=4, top_k=4, strict_causal=True)
+    loose = HTreeConfig(compression_rate=4, top_k=4, strict_causal=False, selection_block=1)
+    strict = HTreeConfig(compression_rate=4, top_k=4, strict_causal=True, selection_block=1)
     T, t = 150, 70  # t = 70 sits early in its layer-1 and layer-2 nodes (64..79, 64..127)
     changed = 0
     for _ in range(5):
@@ -162,7 +162,7 @@ def test_non_strict_causal_may_depend_on_the_future(rng):
 def test_dtypes_and_huge_scores(rng, dtype, importance):
     """Output dtype = input dtype; scores of ~1e4 give finite outputs inside the
     convex hull of the values (a softmax average)."""
-    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance)
+    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, selection_block=1)
     q, k, v = random_qkv(rng, 2, 150, 4, 2, 16, 8, dtype=dtype)
     o = htree_attention(q, k, v, config)
     assert o.dtype == dtype and o.shape == (2, 150, 4, 8)
@@ -176,7 +176,7 @@ def test_dtypes_and_huge_scores(rng, dtype, importance):
 
 
 def test_jit_and_vmap(rng):
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = random_qkv(rng, 3, 60, 4, 2, 8, 4)
     eager = np.asarray(htree_attention(q, k, v, config))
     jitted = jax.jit(lambda a, b, c: htree_attention(a, b, c, config))
@@ -189,7 +189,7 @@ def test_jit_and_vmap(rng):
 def test_query_chunking_does_not_change_results(rng):
     from htree_jax.reference import htree_attention_reference
 
-    config = HTreeConfig(compression_rate=4, top_k=4)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 150, 4, 2, 8, 4))
     o_all, s_all = htree_attention_reference(q, k, v, config, query_chunk=150)
     o_7, s_7 = htree_attention_reference(q, k, v, config, query_chunk=7)  # ragged last chunk

@@ -24,7 +24,7 @@ K, V = 64, 32
                                         ("reference", 64)])
 @pytest.mark.parametrize("rope_dim, importance", [(32, "softmax"), (2, "shared_max")])
 def test_partial_rope_matches_oracle(rng, backend, G, importance, rope_dim):
-    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, rope_dim=rope_dim)
+    config = HTreeConfig(compression_rate=4, top_k=4, importance=importance, rope_dim=rope_dim, selection_block=1)
     T = 150 if G <= 8 else 70  # 3 and 2 layers
     q, k, v = random_qkv(rng, 2 if G <= 8 else 1, T, G, 1, K, V)
     assert_matches_oracle(q, k, v, config, backend=backend)
@@ -47,7 +47,7 @@ def test_rope_layout_is_the_permutation_and_its_gradient_no_scatter(rng, head_di
 @pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
 def test_rope_dim_k_and_none_are_todays_function(rng, backend):
     q, k, v = random_qkv(rng, 1, 150, 4, 2, K, V)
-    outs = [htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, rope_dim=R), backend=backend)
+    outs = [htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, rope_dim=R, selection_block=1), backend=backend)
             for R in (None, K)]
     np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
     partial = htree_attention(q, k, v, HTreeConfig(compression_rate=4, top_k=4, rope_dim=32), backend=backend)
@@ -94,7 +94,7 @@ def test_decoding_with_partial_rope_equals_the_full_sequence(rng, backend):
                                              (2.0, "positive even"), (True, "positive even")])
 def test_bad_rope_dim_in_the_config(rope_dim, match):
     with pytest.raises(ValueError, match=match):
-        HTreeConfig(rope_dim=rope_dim)
+        HTreeConfig(rope_dim=rope_dim, selection_block=1)
 
 
 def test_rope_dim_above_k_is_refused_before_any_work(rng):

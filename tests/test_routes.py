@@ -26,7 +26,7 @@ except ImportError:  # jax < 0.11
     from jax.core import jaxprs_in_params
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-PER_QUERY = HTreeConfig(top_k=64)  # T=131072: 3 layers; T=1024: one (exact attention)
+PER_QUERY = HTreeConfig(top_k=64, selection_block=1)  # T=131072: 3 layers; T=1024: one (exact attention)
 BLOCK = HTreeConfig(top_k=64, selection_block=16)
 PREVIOUS = HTreeConfig(top_k=64, selection_block=16, block_source="previous")
 
@@ -167,8 +167,8 @@ def _kernel_names(jaxpr) -> list[str]:
 
 # Small shapes each kernel route traces at (T=150, r=4, top_k=4: 3 layers).
 PAIR_CASES = {
-    "gqa": (8, 2, 32, 32, HTreeConfig(compression_rate=4, top_k=4), F32),
-    "wide": (64, 1, 64, 64, HTreeConfig(compression_rate=4, top_k=4), F32),
+    "gqa": (8, 2, 32, 32, HTreeConfig(compression_rate=4, top_k=4, selection_block=1), F32),
+    "wide": (64, 1, 64, 64, HTreeConfig(compression_rate=4, top_k=4, selection_block=1), F32),
     "block_pallas_triton": (8, 2, 32, 32, HTreeConfig(compression_rate=4, top_k=4, selection_block=4), F32),
 }
 

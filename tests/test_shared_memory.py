@@ -104,7 +104,7 @@ def test_every_top_importance_launch_fits(dtype, selection):
     precisions = Precisions.for_dtype(jnp.dtype(dtype))
     for G, (K, rope), top_k in itertools.product(GROUPS, HEAD_DIMS, [8, 16, 64, 256, 512, 1024]):
         for importance in ("softmax", "shared_max"):
-            config = HTreeConfig(top_k=top_k, rope_dim=rope, selection=selection, importance=importance)
+            config = HTreeConfig(top_k=top_k, rope_dim=rope, selection=selection, importance=importance, selection_block=1)
             block_sizes = KernelConfigs.resolve(None, K, K)
             Mp = layout(config, block_sizes)[3]
             kp, width = next_power_of_two(K, 32), bound_width(K, rope, selection == "bound")
@@ -137,7 +137,7 @@ def test_every_per_query_launch_fits_or_takes_one_stage(dtype, selection):
     for G, (K, rope) in itertools.product(GROUPS + WIDE_GROUPS, HEAD_DIMS + [(576, 64)]):
         V = 512 if K == 576 else K
         bs = KernelConfigs.resolve(None, K, V)
-        config = HTreeConfig(top_k=8, rope_dim=rope, selection=selection)
+        config = HTreeConfig(top_k=8, rope_dim=rope, selection=selection, selection_block=1)
         kp, vp = next_power_of_two(K, 32), next_power_of_two(V, 16)
         rows = group_rows(min(G, KERNEL_GROUP), bs)
         precisions = Precisions.for_dtype(jnp.dtype(dtype))
@@ -245,3 +245,10 @@ def test_every_gate_case_sets_up_on_the_cpu():
         assert (" via " in name) == (s.route is not None) and s.block == (" block " in name)
         if s.block:
             assert s.config.selection_block == 16 and s.config.block_source in ("first", "previous")
+        else:
+            assert s.config.selection_block == 1  # per query, named
+    # "block first" cases are HTreeConfig()'s selection, at every GQA shape class of the gate
+    default = {c[0] for c in gpu_gate.matrix(full=True) if c[3] == "block first"
+               and gpu_gate.case_setup(c[0], c[2], c[3]).config == HTreeConfig(top_k=8, selection=c[2],
+                                                                                rope_dim=c[0][3])}
+    assert default >= {shape for shape in gpu_gate.GQA_SHAPES if shape[3] is None}

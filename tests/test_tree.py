@@ -14,7 +14,7 @@ from tests.conftest import random_qkv
 @pytest.mark.parametrize("r, top_k, T", [(4, 4, 150), (2, 2, 37), (8, 2, 129), (4, 1, 5), (2, 4, 1)])
 @pytest.mark.parametrize("dtype, tol", [(np.float32, 1e-6), (ml_dtypes.bfloat16, 1e-2), (np.float16, 1e-3)])
 def test_build_tree_matches_oracle(rng, r, top_k, T, dtype, tol):
-    config = HTreeConfig(compression_rate=r, top_k=top_k)
+    config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=1)
     _, k, v = random_qkv(rng, 2, T, 2, 2, 6, 3, dtype=dtype)
     tree = build_tree(k, v, config)
     ref = build_tree_numpy(k, v, config)
@@ -26,7 +26,7 @@ def test_build_tree_matches_oracle(rng, r, top_k, T, dtype, tol):
 
 
 def test_ragged_last_node_divides_by_existing_children():
-    config = HTreeConfig(compression_rate=2, top_k=1)  # M = 2
+    config = HTreeConfig(compression_rate=2, top_k=1, selection_block=1)  # M = 2
     T = 5  # layers 5 -> 3 (children 2, 2, 1) -> 2 (children 2, 1)
     k = np.arange(T, dtype=np.float32).reshape(1, T, 1, 1) * np.ones((1, 1, 1, 2), np.float32)
     tree = build_tree(k, k[..., :1], config)
@@ -49,4 +49,4 @@ def test_multi_layer_cases_have_three_layers_or_more():
     from tests.conftest import MULTI_LAYER_CASES
 
     for r, top_k, T in MULTI_LAYER_CASES:
-        assert HTreeConfig(compression_rate=r, top_k=top_k).num_layers(T) >= 3, (r, top_k, T)
+        assert HTreeConfig(compression_rate=r, top_k=top_k, selection_block=1).num_layers(T) >= 3, (r, top_k, T)

@@ -51,7 +51,7 @@ def test_bad_input_raises_before_work(monkeypatch, name, make, exc, match):
 
     monkeypatch.setattr(reference, "reference_forward", must_not_run)
     with pytest.raises(exc, match=match):
-        htree_attention(*make(), HTreeConfig(compression_rate=2, top_k=2))
+        htree_attention(*make(), HTreeConfig(compression_rate=2, top_k=2, selection_block=1))
 
 
 def test_bad_config_backend_and_flags():
@@ -67,14 +67,14 @@ def test_bad_config_backend_and_flags():
     with pytest.raises(TypeError, match="return_selected must be a bool"):
         htree_attention(q, k, v, return_selected="yes")
     with pytest.raises(ValueError, match="query_chunk must be a positive int"):
-        reference.htree_attention_reference(q, k, v, HTreeConfig(), query_chunk=0)
+        reference.htree_attention_reference(q, k, v, HTreeConfig(selection_block=1), query_chunk=0)
 
 
 def test_float64_inputs_are_taken_as_jax_takes_them():
     """NumPy float64 inputs with JAX's 64-bit types off (its default) are float32, as
     `jnp.asarray` makes them: the same output as the float32 call, in float32."""
     q, k, v = arrays(T=40)
-    config = HTreeConfig(compression_rate=2, top_k=2)
+    config = HTreeConfig(compression_rate=2, top_k=2, selection_block=1)
     o64 = htree_attention(*(x.astype(np.float64) for x in (q, k, v)), config)
     assert o64.dtype == np.float32
     np.testing.assert_array_equal(np.asarray(o64), np.asarray(htree_attention(q, k, v, config)))
@@ -85,14 +85,14 @@ def test_float64_with_64_bit_types_on_is_refused_with_what_to_pass():
     with jax.enable_x64(True):
         q64 = jax.numpy.asarray(np.asarray(q, np.float64))
         with pytest.raises(TypeError, match=r"q must have a floating dtype .* got float64 \(cast it: q.astype"):
-            htree_attention(q64, k, v, HTreeConfig(compression_rate=2, top_k=2))
+            htree_attention(q64, k, v, HTreeConfig(compression_rate=2, top_k=2, selection_block=1))
 
 
 def test_nan_input_does_not_crash():
     q, k, v = arrays(T=40)
     q = q.copy()
     q[0, 3] = np.nan
-    o = np.asarray(htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2)))
+    o = np.asarray(htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2, selection_block=1)))
     assert o.shape == (1, 40, 4, 4)
     # Queries that did not read the NaN stay finite.
     assert np.all(np.isfinite(o[0, :3]))
@@ -134,7 +134,7 @@ def test_pallas_interpret_runs_the_interpreted_kernels(monkeypatch):
     monkeypatch.setattr(gqa, "htree_forward_pallas", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     q, k, v = arrays(K=32, V=32)
     sizes = BlockSizes(tile=32, span=32)
-    htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend="pallas_interpret", block_sizes=sizes)
+    htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2, selection_block=1), backend="pallas_interpret", block_sizes=sizes)
     assert calls and calls[0]["interpret"] is True
     assert calls[0]["block_sizes"] == KernelConfigs.resolve(None, 32, 32).with_changes({"layer.tile": 32, "layer.span": 32})
 
@@ -145,4 +145,4 @@ def test_kernel_limits_name_the_backend_asked_for(backend):
     for (`pallas_interpret` runs the same kernels, and is what a CPU user passes)."""
     q, k, v = (np.ones((1, 8, h, 1024), np.float32) for h in (2, 1, 1))
     with pytest.raises(ValueError, match=f"backend '{backend}' supports head dim K in"):
-        htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2), backend=backend)
+        htree_attention(q, k, v, HTreeConfig(compression_rate=2, top_k=2, selection_block=1), backend=backend)

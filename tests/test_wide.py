@@ -51,7 +51,7 @@ def test_wide_forward_equals_the_reference(rng, selection, importance, strict, B
     head blocks of 16, `rope_dim=None` has no latent part. Each shape under both rules,
     each rule with both importance modes (paired, not crossed: CI time)."""
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection,
-                         strict_causal=strict)
+                         strict_causal=strict, selection_block=1)
     q, k, v = random_qkv(rng, B, 150, G, 1, K, V)
     q, k = laid_out(q, k, config)
     v = jnp.asarray(v)
@@ -225,7 +225,7 @@ def test_htree_attention_with_values_from_the_keys(rng, backend, G):
     (80, 32, "value_dim must be at most the unrotated features of k, K - rope_dim = 64"),
     (16, None, "K - rope_dim = 0")])
 def test_values_from_the_keys_refused(rng, value_dim, rope_dim, match):
-    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim)
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 20, 32, 1, 96, 16))
     with pytest.raises(ValueError, match=match):
         htree_attention(q, k, None, config, backend="reference", value_dim=value_dim)
@@ -269,7 +269,7 @@ def test_wide_backward_equals_the_reference_gradients(rng, selection, importance
     reference, 3 layers at T=100 (r=4, top_k=4): the forward's selections saved or
     recomputed, head blocks of 16 and 32, spilled node lists (3 entries a program) over
     several chunks of queries, values of other widths than the latent pieces."""
-    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection)
+    config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=rope_dim, importance=importance, selection=selection, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 100, G, 1, K, V))
     assert wide_eligible(G, K, V, KernelConfigs.resolve(block_sizes, K, V), None)
     weights = jnp.asarray(rng.standard_normal((B, 100, G, V)).astype(np.float32))

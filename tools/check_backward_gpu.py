@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     ok = True
     for T in (int(s) for s in args.sizes.split(",")):
         for dtype in args.dtypes.split(","):
-            ok &= check(T, jnp.dtype(dtype).type, HTreeConfig(top_k=args.top_k, selection=args.selection))
+            ok &= check(T, jnp.dtype(dtype).type, HTreeConfig(top_k=args.top_k, selection=args.selection, selection_block=1))
     return 0 if ok else 1
 
 

@@ -88,7 +88,7 @@ def main(argv=None):
     ok = True
     for T in [int(s) for s in args.sizes.split(",")]:
         for mode in ["softmax", "shared_max"]:
-            config = HTreeConfig(top_k=args.top_k, importance=mode)
+            config = HTreeConfig(top_k=args.top_k, importance=mode, selection_block=1)
             for dtype, rel_tol, prec in [(jnp.float32, 1e-4, "highest"), (jnp.bfloat16, 2e-2, args.low_precision)]:
                 imp = args.importance_operands if dtype == jnp.bfloat16 else "auto"
                 imp = None if imp == "float32" else imp

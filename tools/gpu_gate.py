@@ -246,8 +246,12 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     shard = block and " shard" in packed
     packed = packed.replace(" shard", "") if block else packed
     route = packed.split(" via ")[1] if block and " via " in packed else None
-    config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel,
-                         **(dict(selection_block=16, block_source=packed.split()[1]) if block else {}))
+    source = packed.split()[1] if block else None
+    # "block first" without partial RoPE is HTreeConfig()'s own selection (the default,
+    # built as a user gets it); the others name theirs (per query: selection_block=1).
+    chosen = ({} if source == "first" and rope is None else dict(selection_block=16, block_source=source)
+              if block else dict(selection_block=1))
+    config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel, **chosen)
     by_node = block and packed.endswith(" by node")
     changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": "by_node"} if by_node else {})}
     tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
@@ -397,7 +401,7 @@ def run_benchmark_shape(rng, sel, top_k, T_big, source=None, route="auto"):
     """`source`: block selection's (`selection_block=16`), None: per query; `route` the
     block merge's kernel (`KernelConfigs.block_merge`)."""
     config = HTreeConfig(top_k=top_k, selection=sel,
-                         **(dict(selection_block=16, block_source=source) if source else {}))
+                         **(dict(selection_block=16, block_source=source) if source else dict(selection_block=1)))
     tuning = KernelConfigs.resolve(None, 128, 128).with_changes({"block_merge": route})
     q, k, v = (jnp.asarray(rng.standard_normal((1, T_big, h, 128)).astype(np.float32), jnp.bfloat16)
                for h in (32, 4, 4))
@@ -443,7 +447,7 @@ def run_one(kind: str, c, big_T: int, seed: int, dump: str | None):
         out["smem_kernel"], out["smem"] = max(kernels.items(), key=lambda x: x[1])
     if kind == "small" and isinstance(c[3], bool) and (c[3] or not wide_head_dims(c[0][1], c[0][2])):  # GQA kernels
         (G, K, V, rope), dtype, sel, _ = c
-        config = HTreeConfig(top_k=8, rope_dim=rope, selection=sel)
+        config = HTreeConfig(top_k=8, rope_dim=rope, selection=sel, selection_block=1)
         tuning = KernelConfigs.resolve(None, K, V)
         _, out["model"] = top_importance_launch(config, tuning, dtype, K, V, min(G, KERNEL_GROUP))
         if "_top_keys_kernel" in kernels:

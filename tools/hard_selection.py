@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--eps", type=float, default=1e-2, help="the finite differences' step")
     args = p.parse_args(argv)
     T, H, H_kv, K = args.T, args.heads, args.kv_heads, args.head_dim
-    config = HTreeConfig(top_k=args.top_k)
+    config = HTreeConfig(top_k=args.top_k, selection_block=1)
     rng = np.random.default_rng(args.seed)
     q, k, v = (rng.standard_normal((3, T, h, K)).astype(np.float32) for h in (H, H_kv, H_kv))
     run = lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend, return_selected=True)

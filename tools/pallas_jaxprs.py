@@ -67,14 +67,14 @@ class Case:
 
 
 CASES = [
-    Case("gqa bound top_k=64", 4096, 16, 2, 128, 128, "bfloat16", HTreeConfig(top_k=64)),
-    Case("gqa bound top_k=512", 16384, 16, 2, 128, 128, "bfloat16", HTreeConfig(top_k=512)),
-    Case("gqa mean top_k=64", 4096, 16, 2, 128, 128, "bfloat16", HTreeConfig(top_k=64, selection="mean")),
-    Case("gqa mean top_k=512", 16384, 16, 2, 128, 128, "bfloat16", HTreeConfig(top_k=512, selection="mean")),
-    Case("3-layer f32 r=4", 150, 8, 2, 32, 32, "float32", HTreeConfig(compression_rate=4, top_k=4)),
+    Case("gqa bound top_k=64", 4096, 16, 2, 128, 128, "bfloat16", HTreeConfig(top_k=64, selection_block=1)),
+    Case("gqa bound top_k=512", 16384, 16, 2, 128, 128, "bfloat16", HTreeConfig(top_k=512, selection_block=1)),
+    Case("gqa mean top_k=64", 4096, 16, 2, 128, 128, "bfloat16", HTreeConfig(top_k=64, selection="mean", selection_block=1)),
+    Case("gqa mean top_k=512", 16384, 16, 2, 128, 128, "bfloat16", HTreeConfig(top_k=512, selection="mean", selection_block=1)),
+    Case("3-layer f32 r=4", 150, 8, 2, 32, 32, "float32", HTreeConfig(compression_rate=4, top_k=4, selection_block=1)),
     Case("latent K=576 V=512 G=128", 2048, 128, 1, 576, 512, "bfloat16", HTreeConfig(top_k=64, rope_dim=64),
          latent=True),
-    Case("48-head group f16", 2048, 48, 1, 64, 64, "float16", HTreeConfig(top_k=32)),
+    Case("48-head group f16", 2048, 48, 1, 64, 64, "float16", HTreeConfig(top_k=32, selection_block=1)),
     Case("block first top_k=512", 16384, 16, 2, 128, 128, "bfloat16",
          HTreeConfig(top_k=512, selection_block=16), kept_step=True),
     Case("block previous 3-layer f32 r=4", 150, 8, 2, 32, 32, "float32",

@@ -120,7 +120,7 @@ def walk(pass_name: str, rule: str) -> Walk:
     from pallas_kernels.gqa.backward import htree_backward_pallas
     from pallas_kernels.gqa.forward import htree_forward_pallas
 
-    config = HTreeConfig(compression_rate=4, top_k=4, selection=rule)
+    config = HTreeConfig(compression_rate=4, top_k=4, selection=rule, selection_block=1)
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
                for s in ((1, T, H, K), (1, T, H_KV, K), (1, T, H_KV, V)))

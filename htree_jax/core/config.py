@@ -62,11 +62,16 @@ class HTreeConfig:
         with dense attention keeps its recall under htree (RESULTS, selection transfer).
         `"mean"`, the original rule: by their mean keys' scores. The merge uses the mean
         keys' scores either way. Every backend, full sequences and decoding.
-      selection_block: `1` (the default: each query selects for itself) or
-        `compression_rate`: the queries of one bottom node share one selection at every
-        layer (SPEC 12), ranked by `block_source`'s rows. The JAX reference everywhere
-        (packed, sharded, decoding); the Pallas kernels for full sequences of one
-        document a row on one device (`pallas_kernels/block/`).
+      selection_block: `compression_rate` (block selection, SPEC 12: the queries of one
+        bottom node share one selection at every layer, ranked by `block_source`'s rows)
+        or `1` (each query selects for itself). `None` (the default) is
+        `compression_rate`, except with `rope_dim` set (latent attention's layout), where
+        it is `1`: block selection's kernels take heads of up to 256 features, and
+        latent attention's 576 run on the per-query wide kernels, whose 128 heads a kv
+        head already share one gather a query (docs/latent_attention.md). The value is
+        resolved here, so `HTreeConfig().selection_block == 16`. Every backend (the JAX
+        reference and the kernels) takes both: full sequences, packed rows, shards and
+        decoding (docs/backends.md says which kernels run).
       block_source: with `selection_block > 1`, whose queries rank the block's
         candidates: `"first"` (the block's first query) or `"previous"` (the previous
         block's queries, their importance summed). Causal either way (SPEC 12).
@@ -80,7 +85,7 @@ class HTreeConfig:
     strict_causal: bool = True
     rope_dim: int | None = None
     selection: str = "bound"
-    selection_block: int = 1
+    selection_block: int | None = None
     block_source: str = "first"
 
     def __post_init__(self):
@@ -108,9 +113,13 @@ class HTreeConfig:
         if self.selection not in SELECTION_RULES:
             raise ValueError(f"selection must be one of {SELECTION_RULES}, got {self.selection!r}")
         b = self.selection_block
+        if b is None:  # the default: by block, per query in latent attention's layout
+            b = 1 if self.rope_dim is not None else int(r)
         if not _is_int(b) or int(b) not in (1, int(r)):
+            hint = ("; dataclasses.replace keeps the old config's selection_block: pass selection_block=None for "
+                    "the default" if _is_int(b) and int(b) > 1 and _is_power_of_two(int(b)) else "")
             raise ValueError(f"selection_block must be 1 or compression_rate (= {int(r)}): the queries of one bottom "
-                             f"node share a selection (SPEC 12), got {b!r}")
+                             f"node share a selection (SPEC 12), got {b!r}{hint}")
         object.__setattr__(self, "selection_block", int(b))
         if self.block_source not in BLOCK_SOURCES:
             raise ValueError(f"block_source must be one of {BLOCK_SOURCES}, got {self.block_source!r}")
