@@ -134,7 +134,8 @@ EVERY_LAYOUT = (PIPELINE, NARROW_PIPELINE, dataclasses.replace(NARROW_PIPELINE, 
                 dataclasses.replace(PIPELINE, hold_rows=True),
                 Pipeline(tile=64, stages=4, consumer_registers=168, memory_registers=40, rotator_registers=128),
                 Pipeline(tile=128, stages=2, consumer_registers=176, memory_registers=40, rotator_registers=120),
-                Pipeline(tile=64, stages=2))
+                Pipeline(tile=64, stages=2), dataclasses.replace(PIPELINE, absolute_top=True),
+                dataclasses.replace(NARROW_PIPELINE, absolute_top=True))
 BENCHMARK_SHAPE = (16, 512, 131072, 8, 4, 128, 128, jnp.bfloat16)
 
 
@@ -210,13 +211,40 @@ def test_turned_keys_score_as_keys_rotated_by_their_buffer_position():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_top_layers_keys_at_their_buffer_positions_score_without_a_turn():
+    """`Pipeline(absolute_top=True)`: the top layer's one copy of `turned_keys` holds
+    node `n` rotated by `n`, its buffer position in every block, so rows that are not
+    turned score as keys rotated by their position (SPEC 2.2); the lower layers keep
+    their `tile / r` copies."""
+    rng = np.random.default_rng(1)
+    r, tile, half, n_rows = 16, 128, 8, 200
+    config = HTreeConfig(compression_rate=r, top_k=8, selection_block=r)
+    st = merge_static(config, 4096, 8, 2 * half, 2 * half, jnp.bfloat16, KernelConfigs().block, "mosaic_gpu")
+    cos, sin = rope_tables(config, 2 * half, 256, st)
+    layer = lambda n: [jnp.asarray(rng.standard_normal((1, 1, n, st.half)), jnp.float32) for _ in range(2)] + [
+        jnp.zeros((1, 1, n, st.vp), jnp.float32)]
+    bottom, top = layer(512), layer(n_rows)
+    out = turned_keys(bottom + top, cos, sin, st, tile, absolute_top=True)
+    assert out[0].shape == (tile // r, 1, 1, 512, st.half) and out[3].shape == (1, 1, 1, n_rows, st.half)
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(turned_keys(bottom, cos, sin, st, tile)[0]))
+    q_lo, q_hi = (jnp.asarray(rng.standard_normal((4, st.half)), jnp.float32) for _ in range(2))
+    p = np.arange(n_rows)
+    r_lo, r_hi = rotate_halves(top[0][0, 0], top[1][0, 0], cos[p], sin[p])
+    np.testing.assert_allclose(q_lo @ out[3][0, 0, 0].T + q_hi @ out[4][0, 0, 0].T, q_lo @ r_lo.T + q_hi @ r_hi.T,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="absolute_top with turn='queries' only"):
+        Pipeline(tile=64, stages=2, absolute_top=True)
+
+
 def test_the_layout_probe_reads_every_layout_it_names(capsys):
     """`tools/probes/block_merge_pipelines.py --pipe`: each token it documents builds its
     `Pipeline` (the probe runs only on a GPU; its reading of a layout runs here)."""
-    for spec in ("128,2,232,40,queries,smem", "64,4,232,40,queries,rotation", "64,4,168,40,128", "64,2,176,152"):
+    for spec in ("128,2,232,40,queries,smem", "64,4,232,40,queries,rotation", "64,4,168,40,128", "64,2,176,152",
+                 "128,2,232,40,queries,smem,absolute"):
         assert block_merge_pipelines.main(["--pipe", spec]) == 0
     out = capsys.readouterr().out
     assert "hold_rows=False" in out and "ablate='rotation'" in out and "rotator_registers=128" in out
+    assert "absolute_top=True" in out
 
 
 def test_packed_rows_mark_the_top_layer_before_each_document():

@@ -18,7 +18,9 @@ works differently:
   first position before scoring (one row of tables a step). With `"keys"` the keys of
   each landed tile are rotated in place by the memory warpgroup, or a rotator
   warpgroup of its own, their angle added in float32 from a chunk's base and a local
-  table. Both round each operand once, as the Pallas-Triton merge does, but not the
+  table. `Pipeline.absolute_top` (opt-in, measured 1.8-2.6% faster): the top layer's
+  node `n` sits at buffer position `n` in every block, so its keys come rotated by `n`
+  and its steps turn no row. Both round each operand once, as the Pallas-Triton merge does, but not the
   same numbers: against it the outputs differ by the dtype's rounding (RESULTS).
 - Queries: rotated by their row's angle in XLA, once per layer (`rotated_queries`),
   because a row's angle is a gather of table rows by a per-row index.
@@ -207,7 +209,10 @@ class Pipeline:
     rotates no key in the kernel: each key comes rotated (XLA, once a call) by its
     offset within a step, and each consumer turns its float32 rows back by the step's
     first position in registers (`turned_keys`), held there across a layer
-    (`hold_rows`) or read again from shared memory each step. `ablate` is for probes only
+    (`hold_rows`) or read again from shared memory each step. `absolute_top` (turned
+    only): the top layer's buffer position of node `n` is `n` in every block, so its keys
+    come rotated by it (XLA, one copy instead of `tile / r`) and its steps turn no row.
+    `ablate` is for probes only
     (`tools/probes/`): it drops the keys' rotation (turned: the rows' turn) or the mask,
     and the result is then wrong."""
 
@@ -218,6 +223,7 @@ class Pipeline:
     rotator_registers: int = 0
     turn: str = "keys"
     hold_rows: bool = True
+    absolute_top: bool = False
     ablate: str = ""
 
     def __post_init__(self):
@@ -240,6 +246,8 @@ class Pipeline:
             raise ValueError(f"Pipeline: ablate '', 'rotation', 'mask' or 'both' ({self})")
         if self.turn not in ("keys", "queries") or (self.turn == "queries" and self.rotator_registers):
             raise ValueError(f"Pipeline: turn 'keys' or 'queries', the latter with no rotator ({self})")
+        if self.absolute_top and self.turn != "queries":
+            raise ValueError(f"Pipeline: absolute_top with turn='queries' only ({self})")
         if self.tile == 128 and self.turn == "keys" and not self.rotator_registers:
             raise ValueError(f"Pipeline: at tile 128 the keys take a rotator warpgroup or turned queries: the memory "
                              f"warpgroup rotating them hung on the H200 (journal, 2026-12-02 (1)) ({self})")
@@ -399,10 +407,15 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
                 bias = jnp.where((col < n_max - i * C) & (refined == 0), 0.0, -jnp.inf)
                 return s + lax.broadcast_in_dim(bias, s.shape, [1])
 
-            def step(i, carry, merged_scores=merged_scores, rows_q=rows_q):
+            absolute = pipe.absolute_top and l == L - 1  # the keys at their buffer positions
+
+            def step(i, carry, merged_scores=merged_scores, rows_q=rows_q, absolute=absolute):
                 acc, m, total, g = carry
                 slot = lax.rem(g, S)
-                if turned:  # the rows turned back by the step's first position (`merge.rotate_back`)
+                if turned and absolute:
+                    rows = rows_q if pipe.hold_rows else tuple(x[...] for x in rows_q)
+                    a_lo, a_hi = (x.astype(dtype) for x in rows)
+                elif turned:  # the rows turned back by the step's first position (`merge.rotate_back`)
                     rows = rows_q if pipe.hold_rows else tuple(x[...] for x in rows_q)
                     lo, hi = rotate_back(*rows, column(bcos_s.at[slot, 0]), column(bsin_s.at[slot, 0])) if (
                         rotate) else rows
@@ -530,8 +543,10 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
                 for jn in range(node_tiles):
                     start, rows_at = node_rows(i, jn), pl.ds(jn * r, r)
                     # Turned, node tile `jn` of a step comes from the copy of the layer
-                    # rotated by `jn * r + c`, its offset within the step.
-                    src = (lambda ref: ref.at[jn, b, hk, pl.ds(start, r)]) if turned else (
+                    # rotated by `jn * r + c`, its offset within the step (`absolute_top`:
+                    # the top layer's one copy, rotated by the buffer position itself).
+                    copy = 0 if pipe.absolute_top and top else jn
+                    src = (lambda ref, copy=copy: ref.at[copy, b, hk, pl.ds(start, r)]) if turned else (
                         lambda ref: ref.at[b, hk, pl.ds(start, r)])
                     plgpu.copy_gmem_to_smem(src(k_lo_ref), k_lo_s.at[slot, rows_at], arrive)
                     plgpu.copy_gmem_to_smem(src(k_hi_ref), k_hi_s.at[slot, rows_at], arrive)
@@ -576,18 +591,24 @@ def split_layers(layers, st: BlockStatic):
     return out
 
 
-def turned_keys(layers, cos, sin, st: BlockStatic, tile: int):
+def turned_keys(layers, cos, sin, st: BlockStatic, tile: int, absolute_top: bool = False):
     """`split_layers`' keys, each in `tile / r` copies: copy `v` holds row `n` rotated by
     `v * r + n % r` (float32, then rounded to the keys' dtype once), the offset within a
     step of `tile` positions of node tile `v` of the step, so that the kernel turns
     only the queries, by the step's first position. `[B, H_kv, Np, half]` -> `[tile / r,
     B, H_kv, Np, half]`; values as they are. Memory: `tile / r` times the keys of every
     layer for the call (8x at r=16 and `PIPELINE`'s 128 a step: about 1.1 GB at the
-    benchmark shape's T=131072, 4.4 GB at 524288)."""
+    benchmark shape's T=131072, 4.4 GB at 524288). `absolute_top`: the top layer in one
+    copy, row `n` rotated by `n` (its buffer position in every block; rows past the
+    tables, padding no block merges, by the last)."""
     r, out = st.r, []
-    for k_lo, k_hi, vl in zip(layers[0::3], layers[1::3], layers[2::3]):
+    triples = list(zip(layers[0::3], layers[1::3], layers[2::3]))
+    for index, (k_lo, k_hi, vl) in enumerate(triples):
         n = k_lo.shape[2]
-        offset = jnp.arange(tile // r)[:, None] * r + jnp.arange(n)[None, :] % r  # [copies, Np]
+        if absolute_top and index == len(triples) - 1:
+            offset = jnp.minimum(jnp.arange(n), cos.shape[0] - 1)[None, :]  # [1, Np]
+        else:
+            offset = jnp.arange(tile // r)[:, None] * r + jnp.arange(n)[None, :] % r  # [copies, Np]
         c, s_ = cos[offset][:, None, None], sin[offset][:, None, None]
         lo, hi = rotate_halves(k_lo.astype(jnp.float32)[None], k_hi.astype(jnp.float32)[None], c, s_)
         out += [lo.astype(k_lo.dtype), hi.astype(k_hi.dtype), vl]
@@ -719,7 +740,7 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
         compiler_params=plgpu.CompilerParams(approx_math=True))
     layers = split_layers(layers, st)
     if turned:
-        layers = turned_keys(layers, cos32, sin32, st, C)
+        layers = turned_keys(layers, cos32, sin32, st, C, pipe.absolute_top)
     o, lse = kernel(q_lo, q_hi, *tables, sel, counts, bits, *layers)
     real = st.queries * gp
     o = o[:, :, :, :real].reshape(B, nj, H_kv, st.queries, gp, st.vp)

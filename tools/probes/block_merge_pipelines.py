@@ -67,7 +67,8 @@ def rel(a, b):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pipe", default="64,2,176,152",
-                   help="tile,stages,consumer registers,memory registers[,rotator registers][,keys|queries][,smem][,ablate]")
+                   help="tile,stages,consumer registers,memory registers[,rotator registers][,keys|queries][,smem]"
+                        "[,absolute][,ablate]")
     p.add_argument("--baseline", action="store_true", help="time the Pallas-Triton merge and cuDNN too")
     p.add_argument("--check", action="store_true")
     p.add_argument("--time", action="store_true")
@@ -79,9 +80,10 @@ def main(argv=None) -> int:
     rreg = int(rest.pop(0)) if rest and rest[0].isdigit() else 0
     turn = rest.pop(0) if rest and rest[0] in ("keys", "queries") else "keys"
     hold = not (rest and rest[0] == "smem" and rest.pop(0))  # "smem": the rows read again each step
+    absolute = bool(rest and rest[0] == "absolute" and rest.pop(0))  # the top layer's keys at their positions
     pipe = mosaic_merge.Pipeline(tile=int(tile), stages=int(s), consumer_registers=int(creg),
                                  memory_registers=int(mreg), rotator_registers=rreg, turn=turn, hold_rows=hold,
-                                 ablate=rest[0] if rest else "")
+                                 absolute_top=absolute, ablate=rest[0] if rest else "")
     tag = args.pipe
     print(jax.devices()[0].device_kind, jax.__version__, pipe, flush=True)
     if args.check:
