@@ -1,19 +1,17 @@
 """`HTreeConfig()` selects by block (SPEC 12, `selection_block = compression_rate`,
-`block_source="first"`; the default since 2026-12-02): the function, the kernels, the
-modules and decoding at the default, as a user who names no selection gets them."""
+`block_source="first"`; the default since 2026-12-02): the function, the kernels and
+decoding at the default, as a user who names no selection gets them (the modules'
+decoding at the default: `test_module.py`, MHA's conventions)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import htree_jax
-from htree_jax import linen as htree_linen
 from htree_jax import HTreeConfig, htree_attention, init_cache
 from reference_numpy import htree_attention_numpy
 from tests.conftest import random_qkv
@@ -68,29 +66,3 @@ def test_a_decode_cache_at_the_default_needs_the_query_heads(rng):
     np.testing.assert_allclose(np.asarray(jnp.concatenate(got, axis=1)), np.asarray(full), rtol=1e-5, atol=1e-5)
     latent = HTreeConfig(compression_rate=4, top_k=4, rope_dim=8)
     assert latent.selection_block == 1 and not init_cache(B, 64, H_kv, K, K, latent).queries
-
-
-def test_code_written_for_multihead_attention_decodes_at_the_default():
-    """`nnx.MultiHeadAttention`'s decoding (`init_cache(input_shape)`, then a token a call
-    with `decode=True`) and linen's (`init` with `decode=True`, then `apply` with a
-    mutable cache) run `HTreeAttention` at the default config with no more arguments
-    than those modules take, and give the full sequence's outputs."""
-    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 40, 32)), jnp.float32)
-    config = HTreeConfig(compression_rate=4, top_k=2)  # 40 -> 10 -> 3: three layers, by block
-    attn = htree_jax.HTreeAttention(4, 32, num_kv_heads=2, config=config, decode=True, rngs=nnx.Rngs(0))
-    full = attn(x, decode=False)
-    attn.init_cache(x.shape)
-    got = jnp.concatenate([attn(x[:, t:t + 1], decode=True) for t in range(x.shape[1])], axis=1)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(full), rtol=1e-5, atol=1e-5)
-
-    model = htree_linen.HTreeAttention(4, 32, num_kv_heads=2, config=config)
-    params = model.init(jax.random.key(0), x)["params"]
-    want = model.apply({"params": params}, x)
-    decoder = htree_linen.HTreeAttention(4, 32, num_kv_heads=2, config=config, decode=True)
-    cache = decoder.init(jax.random.key(0), jnp.zeros(x.shape))["cache"]
-    outs = []
-    for t in range(x.shape[1]):
-        o, mutated = decoder.apply({"params": params, "cache": cache}, x[:, t:t + 1], mutable=["cache"])
-        cache = mutated["cache"]
-        outs.append(o)
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -449,15 +449,17 @@ def _decode_like_mha(attn, x):
     return jnp.concatenate([attn(x[:, t:t + 1], decode=True) for t in range(x.shape[1])], axis=1)
 
 
-def test_init_cache_takes_multihead_attentions_call():
+@pytest.mark.parametrize("selection_block", [1, None])  # per query; the default (by block)
+def test_init_cache_takes_multihead_attentions_call(selection_block):
     """Code written for MHA's decoding runs with `HTreeAttention` swapped in and gives its
-    full-sequence output; the same code runs MHA itself (so it is MHA's convention)."""
+    full-sequence output; the same code runs MHA itself (so it is MHA's convention). At
+    the default (block selection) too: the module passes the cache its query heads."""
     x = _inputs(15, (2, 24, 32))
     mha = nnx.MultiHeadAttention(4, 32, num_kv_heads=2, decode=True, rngs=nnx.Rngs(0))
     want_mha = mha(x, mask=nnx.make_causal_mask(x[..., 0]), decode=False)
     np.testing.assert_allclose(np.asarray(_decode_like_mha(mha, x)), np.asarray(want_mha), rtol=1e-5, atol=1e-5)
 
-    config = HTreeConfig(compression_rate=4, top_k=2, selection_block=1)  # 24 -> 6: two layers
+    config = HTreeConfig(compression_rate=4, top_k=2, selection_block=selection_block)  # 24 -> 6: two layers
     attn = HTreeAttention(4, 32, num_kv_heads=2, config=config, decode=True, rngs=nnx.Rngs(0))
     full = attn(x, decode=False)
     np.testing.assert_allclose(np.asarray(_decode_like_mha(attn, x)), np.asarray(full), rtol=1e-5, atol=1e-5)
@@ -476,7 +478,8 @@ def test_init_cache_takes_multihead_attentions_call():
         attn.init_cache(2)
 
 
-def test_linen_module_takes_multihead_dot_product_attentions_decoding():
+@pytest.mark.parametrize("selection_block", [1, None])  # per query; the default (by block)
+def test_linen_module_takes_multihead_dot_product_attentions_decoding(selection_block):
     """Linen's convention (the module built with `decode=True`, `init` on the whole
     sequence's shape makes the cache, then `apply(..., mutable=["cache"])` a token at a
     time): the same loop runs `nn.MultiHeadDotProductAttention` and the linen
@@ -498,7 +501,8 @@ def test_linen_module_takes_multihead_dot_product_attentions_decoding():
     got = decode_like_linen(nn.MultiHeadDotProductAttention(4, qkv_features=32, decode=True), params)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
-    kw = dict(num_kv_heads=2, config=HTreeConfig(compression_rate=4, top_k=2, selection_block=1))  # 20 -> 5: two layers
+    # 20 -> 5: two layers
+    kw = dict(num_kv_heads=2, config=HTreeConfig(compression_rate=4, top_k=2, selection_block=selection_block))
     model = htree_linen.HTreeAttention(4, 32, **kw)
     params = model.init(jax.random.key(0), x)["params"]
     full = model.apply({"params": params}, x)
