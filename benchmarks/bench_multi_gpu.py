@@ -9,7 +9,7 @@ context parallelism, through the public `htree_attention` under `jax.jit` with
 - Batch: forward + backward (gradient of a float32 sum), bf16, H=32, H_kv=4, K=V=128,
   B = N rows sharded one per GPU, against B = 1 on one GPU (the unsharded call): scaling
   efficiency = time on 1 GPU / time on N; dense cuDNN the same way.
-- Context parallelism (`--cp-top-k`, 64): T sharded over n of the GPUs (`--cp-devices`,
+- Context parallelism (`--cp-top-k`, 64; `--cp-selection-block 16`: block selection): T sharded over n of the GPUs (`--cp-devices`,
   default 1 and all), forward + backward, each (T, n) in a process of its own: its time,
   XLA's planned peak per device (the compiled step's, checked against free memory before
   it runs: `compile_checked`) and every device's measured peak (`memory_stats`).
@@ -81,6 +81,9 @@ def main(argv=None) -> int:
     p.add_argument("--single-max-T", type=int, default=2097152, help="the longest T also run on one GPU")
     p.add_argument("--cp-devices", default="", help="device counts of the context-parallel runs (default 1 and all)")
     p.add_argument("--cp-top-k", type=int, default=64)
+    p.add_argument("--cp-selection-block", type=int, default=1,
+                   help="HTreeConfig.selection_block of the context-parallel runs: 1 (per query, as RESULTS' rows "
+                        "were measured) or 16 (block selection, the library's default)")
     p.add_argument("--oom-T", type=int, default=0, help="a T past the plan: the out-of-memory runs (0: none)")
     p.add_argument("--nccl-timeout", type=int, default=30, help="the unchecked run's rendezvous limit, seconds")
     p.add_argument("--child-timeout", type=float, default=420, help="seconds before a child process is killed")
@@ -134,7 +137,8 @@ def context_parallel(args, N: int) -> None:
     run's alone (a device's peak counter never falls, and an earlier run's buffers stay
     cached)."""
     counts = int_list(args.cp_devices) if args.cp_devices else [1, N]
-    print(f"\n## Context parallelism: T sharded over n GPUs, top_k={args.cp_top_k}, forward + backward")
+    print(f"\n## Context parallelism: T sharded over n GPUs, top_k={args.cp_top_k}, "
+          f"selection_block={args.cp_selection_block}, forward + backward")
     print("| T | GPUs | ms | speed-up vs 1 GPU | planned peak GiB per device | measured peak GiB per device | "
           "collectives | q all-gathered |")
     print("|---|---|---|---|---|---|---|---|")
@@ -157,7 +161,8 @@ def context_parallel(args, N: int) -> None:
 
 
 def common_flags(args) -> list[str]:
-    return ["--iters", str(args.iters), "--cp-top-k", str(args.cp_top_k), "--backend", args.backend]
+    return ["--iters", str(args.iters), "--cp-top-k", str(args.cp_top_k), "--cp-selection-block",
+            str(args.cp_selection_block), "--backend", args.backend]
 
 
 def run_child(flags, timeout: float, env=None) -> subprocess.CompletedProcess:
@@ -183,7 +188,7 @@ def sharded_inputs(T: int, n: int):
 def cp_step(args, T: int, n: int):
     """`(step, (q, k, v))`: the forward + backward of `htree_attention` (a float32 sum's
     gradient) and its inputs sharded along T over the first `n` devices."""
-    config = HTreeConfig(top_k=args.cp_top_k, selection_block=1)
+    config = HTreeConfig(top_k=args.cp_top_k, selection_block=args.cp_selection_block)
     return grad_of_sum(lambda q, k, v: htree_attention(q, k, v, config, backend=args.backend)), sharded_inputs(T, n)
 
 

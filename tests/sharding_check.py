@@ -471,7 +471,26 @@ def main(backends) -> int:
     return 0
 
 
+def gate_devices_check() -> int:
+    """`tools/gpu_gate.py`'s two-device cases (one call split along T over two devices
+    against the same call on one) at a small size on the interpreted kernels: the case's
+    code runs here before a GPU pair is lent; its numerics are the GPUs'."""
+    from tools import gpu_gate
+
+    for source in ("first", "previous"):
+        ok, out = gpu_gate.run_devices_case(np.random.default_rng(5), source, "float32", 512,
+                                            backend="pallas_interpret", G=2, H_kv=2, K=32)
+        if not ok:
+            print(f"FAIL gate two-device case ({source}): {out}", flush=True)
+            return 1
+        print(f"ok gate two-device case ({source}): agree {out['agree']:.4f}, o {out['o']:.1e}, "
+              f"grad {out['grad']:.1e}", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["gate"]:
+        raise SystemExit(gate_devices_check())
     if sys.argv[1:] == ["memory"]:
         raise SystemExit(memory_plans())
     if sys.argv[1:] == ["module"]:

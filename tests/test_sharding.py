@@ -51,6 +51,15 @@ def test_sharded_batch_and_heads_on_simulated_devices(backend):
     assert "ok split group refused under jit" in res.stdout
 
 
+def test_the_gates_two_device_cases_run_on_simulated_devices():
+    """`tools/gpu_gate.py`'s two-device cases (a call split along T over two devices
+    against the same call on one; the default and "previous") at a small size on the
+    interpreted kernels (`sharding_check.gate_devices_check`)."""
+    out = run_check("gate").stdout
+    for source in ("first", "previous"):
+        assert f"ok gate two-device case ({source}): agree 1.0000" in out
+
+
 def test_sharded_nnx_model_optax_step():
     """docs/sharding.md's "Batch and heads" example on 8 simulated devices."""
     assert "ok module step" in run_check("module").stdout

@@ -4,6 +4,7 @@ reported on an H100, and every launch it picks across the accepted grid fits by 
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -247,6 +248,9 @@ def test_every_gate_case_sets_up_on_the_cpu():
             assert s.config.selection_block == 16 and s.config.block_source in ("first", "previous")
         else:
             assert s.config.selection_block == 1  # per query, named
+    # The two-device cases: named apart, and taken by the block gate's `--only`.
+    devices = {gpu_gate.case_name("devices", c, 0) for c in gpu_gate.DEVICE_CASES}
+    assert len(devices) == len(gpu_gate.DEVICE_CASES) and all(re.search("block(?!.*via triton)", n) for n in devices)
     # "block first" cases are HTreeConfig()'s selection, at every GQA shape class of the gate
     default = {c[0] for c in gpu_gate.matrix(full=True) if c[3] == "block first"
                and gpu_gate.case_setup(c[0], c[2], c[3]).config == HTreeConfig(top_k=8, selection=c[2],

@@ -38,7 +38,9 @@ of 2026-12-01): past one 10-minute device call, run it as
 `--big-T 0` and `--only bench`.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
 rules and both `top_k`, and block selection with each source at `top_k=512` (forward
-and fwd+bwd compiled and run, outputs finite).
+and fwd+bwd compiled and run, outputs finite). Where two devices are lent, one call
+split along T over two GPUs against the same call on one (`DEVICE_CASES`: the default
+and "previous"); on one device those cases are named as not run.
 Every case also reads, from XLA's thunk dump, the shared memory each of its kernels
 took: the table gives the largest (and its margin to the 232448 B a program may take is
 what RESULTS quotes), and, on the GQA kernels, the model's bytes of the top layer's
@@ -47,8 +49,8 @@ fails if its launch was not predicted to fit, or the compiler took more than the
 counted.
 Prints one table and a last line `gpu gate: N/N cases pass`; exits non-zero on a failure.
 The small cases run in `--workers` processes at once (compiling is most of a case's
-time: 17-30 s each, 63 s for latent attention's, on an H100); the benchmark shape runs
-after them, alone.
+time: 17-30 s each, 63 s for latent attention's, on an H100); the benchmark shape and
+the two-device cases run after them, alone.
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from htree_jax import HTreeConfig, decode_step, htree_attention, init_cache, prefill
 from htree_jax.backends import attend as attend_on
@@ -313,6 +316,48 @@ def run_shard_case(rng, setup: CaseSetup, dtype, G: int, K: int, V: int):
     return ok, out
 
 
+# Two devices (issue 84): one call whose tokens are split along T over two GPUs (the
+# custom-partitioned route, `htree_jax.sharding`) against the same call on one, at the
+# default (block selection, "first") and "previous". Run where two devices are lent.
+DEVICE_CASES = [("first", "bfloat16", 8192), ("previous", "bfloat16", 8192), ("first", "float32", 4096)]
+
+
+def run_devices_case(rng, source: str, dtype, T: int, backend: str = "pallas", G: int = 8, H_kv: int = 2,
+                     K: int = 128, top_k: int = 8):
+    """`htree_attention` under `jax.jit` with `q`, `k`, `v` split along T over the first
+    two devices against the unsharded call on the first: the selections, the outputs
+    on the rows whose selections agree, and the gradients of `sum(o * w)` (`dq` on
+    those rows), to the dtype's tolerance. `HTreeConfig(top_k=top_k)` is the default
+    (block selection by each block's first query); "previous" names its source."""
+    config = HTreeConfig(top_k=top_k) if source == "first" else HTreeConfig(top_k=top_k, block_source="previous")
+    dtype = jnp.dtype(dtype)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
+               for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, K)))
+    w = jnp.asarray(rng.standard_normal((1, T, G * H_kv, K)).astype(np.float32))
+
+    def loss(q, k, v, w):
+        o, selected = htree_attention(q, k, v, config, backend=backend, return_selected=True)
+        return jnp.sum(o.astype(jnp.float32) * w), (o, selected)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    halves = NamedSharding(mesh, PartitionSpec(None, "x"))
+    results = [run(*(jax.device_put(x, where) for x in (q, k, v, w))) for where in (one, halves)]
+    (_, (o, selected)), grads = results[0]
+    (_, (o_s, selected_s)), grads_s = results[1]
+    same = equal_parents(selected_s, selected, T, H_kv)
+    rows = np.repeat(same, G, axis=2)
+    on_rows = lambda x: np.asarray(x, np.float64)[rows]
+    out = {"agree": float(np.mean(same)), "o": relative(on_rows(o_s), on_rows(o)),
+           "grad": max([relative(on_rows(grads_s[0]), on_rows(grads[0]))]
+                       + [relative(a, b) for a, b in zip(grads_s[1:], grads[1:])]),
+           "decode": 0.0, "devices": 2}
+    out["agree_f32"] = out["agree"]
+    ok = out["agree"] >= AGREE and out["o"] <= TOLERANCE[dtype.name] and out["grad"] <= TOLERANCE[dtype.name]
+    return ok, out
+
+
 def run_case(rng, shape, dtype, sel, packed):
     """One small case (`case_setup` says what its name asks for) against the reference."""
     G, K, V, rope = shape
@@ -414,6 +459,9 @@ def run_benchmark_shape(rng, sel, top_k, T_big, source=None, route="auto"):
 
 
 def case_name(kind: str, c, big_T: int) -> str:
+    if kind == "devices":
+        source, dtype, T = c
+        return f"devices=2 T={T} {dtype} bound block {source}"
     if kind == "small":
         (G, K, V, rope), dtype, sel, packed = c
         return f"G={G} K={K} V={V} rope={rope} {dtype} {sel}" + {False: "", True: " packed"}.get(packed, f" {packed}")
@@ -438,7 +486,10 @@ def run_one(kind: str, c, big_T: int, seed: int, dump: str | None):
     t0 = time.perf_counter()
     try:
         rng = np.random.default_rng(seed)
-        ok, out = run_case(rng, *c) if kind == "small" else run_benchmark_shape(rng, *c[:2], big_T, *c[2:])
+        if kind == "devices":
+            ok, out = run_devices_case(rng, *c)
+        else:
+            ok, out = run_case(rng, *c) if kind == "small" else run_benchmark_shape(rng, *c[:2], big_T, *c[2:])
     except Exception as e:  # noqa: BLE001 - a compile or run failure is a failed case
         ok, out = False, {"error": short_error(e)}
     out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -502,6 +553,10 @@ def main():
         cases += [("big", (sel, top_k)) for sel in ("mean", "bound") for top_k in (512, 64)]
         cases += [("big", ("bound", 512, source)) for source in ("first", "previous")]
         cases += [("big", ("bound", 512, "first", route)) for route in ("pallas_triton", "triton")]
+    if jax.device_count() >= 2:
+        cases += [("devices", c) for c in DEVICE_CASES]
+    else:
+        print(f"gpu gate: the {len(DEVICE_CASES)} two-device cases not run: {jax.device_count()} device", flush=True)
     if args.only:
         cases = [(kind, c) for kind, c in cases if re.search(args.only, case_name(kind, c, args.big_T))]
     dump_root = tempfile.mkdtemp(prefix="gpu_gate_")
@@ -516,9 +571,10 @@ def main():
             name, ok, out = f.result()
             report(name, ok, out, futures[f][1])
             rows.append(dict(case=name, ok=ok, **out))
-    # The benchmark shape alone, after the workers are gone: it needs the GPU's memory.
+    # The benchmark shape and the two-device cases alone, after the workers are gone: they
+    # need the GPU's memory (and, two devices, both GPUs).
     for i, (kind, c) in enumerate(cases):
-        if kind == "big":
+        if kind in ("big", "devices"):
             name, ok, out = run_one(kind, c, args.big_T, seed + i, None)
             report(name, ok, out, kind)
             rows.append(dict(case=name, ok=ok, **out))
