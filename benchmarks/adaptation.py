@@ -46,7 +46,7 @@ def adaptation_args(a, top_k: int | None, steps: int, trained: dict):
     (`top_k=None`, the control) with dense attention, by the same recipe."""
     attention = ["--attention", "dense"] if top_k is None else [
         "--attention", "htree", "--top-k", str(top_k), "--compression-rate", str(a.compression_rate),
-        "--selection", a.selection]
+        "--selection", a.selection, "--selection-block", "1"]
     argv = ["--task", "text", "--init", a.checkpoint, *attention, "--steps", str(steps),
             "--seq-len", str(trained["seq_len"]), "--batch", str(trained["batch"]), "--lr", str(a.lr),
             "--grad-clip", str(a.grad_clip), "--backend", a.backend, "--eval-size", str(a.eval_size),

@@ -60,8 +60,9 @@ def extension_args(a, variant: dict, trained: dict):
             "--no-progress", "--compression-rate", str(a.compression_rate), "--selection", a.selection]
     if variant["top_k"] is not None:
         argv += ["--top-k", str(variant["top_k"])]
-    if variant["block"]:
-        argv += ["--selection-block", str(a.compression_rate), "--block-source", "first"]
+    if variant["attention"] == "htree":  # each variant names its selection
+        argv += (["--selection-block", str(a.compression_rate), "--block-source", "first"] if variant["block"]
+                 else ["--selection-block", "1"])
     if a.data:
         argv += ["--data", a.data]
     return train_tiny_lm.parse_args(argv)

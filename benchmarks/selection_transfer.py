@@ -71,7 +71,8 @@ def main(argv=None) -> list[dict]:
     example_argv = ["--attention", "dense", "--seq-len", str(args.train_len), "--steps", str(args.steps),
                     "--batch", str(args.tokens_per_step // args.train_len), "--eval-size", str(args.eval_size),
                     "--no-progress", "--seed", str(args.seed), "--len-warmup-steps", str(args.len_warmup_steps),
-                    "--compression-rate", "16", "--backend", args.backend, *DEFAULT_MODEL, *args.extra]
+                    "--compression-rate", "16", "--selection-block", "1", "--backend", args.backend, *DEFAULT_MODEL,
+                    *args.extra]
     print("# train_tiny_lm " + " ".join(example_argv), flush=True)
     example_args = train_tiny_lm.parse_args(example_argv)
     if args.load_weights:

@@ -74,6 +74,7 @@ def model_args(a, attention: str, dense_steps: int = 0):
     argv = ["--task", "text", "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--batch", str(a.batch),
             "--d-model", str(a.d_model), "--layers", str(a.layers), "--heads", str(a.heads),
             "--kv-heads", str(a.kv_heads), "--compression-rate", "16", "--top-k", str(a.train_top_k),
+            "--selection-block", "1",
             "--rope-base", str(a.rope_base), "--lr", str(a.lr), "--eval-size", "1", "--attention", attention,
             "--dense-steps", str(dense_steps), "--backend", a.backend, "--seed", str(a.seed),
             "--log-every", str(max(1, a.steps // 10))]

@@ -67,8 +67,8 @@ def train_all(args, extra) -> list[dict]:
                 "--log-every", str(args.log_every), "--no-progress", "--seed", str(args.seed),
                 "--len-warmup-steps", str(args.len_warmup_steps),
                 "--compression-rate", str(args.compression_rate), *DEFAULT_MODEL, *extra]
-        if top_k is not None:
-            argv += ["--top-k", str(top_k)]
+        if top_k is not None:  # per query, as RESULTS' rows were trained
+            argv += ["--top-k", str(top_k), "--selection-block", "1"]
         print("# train_tiny_lm " + " ".join(argv), flush=True)
         results.append(example.main(argv))
         out.write_text(json.dumps(results))

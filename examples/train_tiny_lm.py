@@ -342,8 +342,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rope-base", type=float, default=10000.0)
     p.add_argument("--selection", choices=("mean", "bound"), default="bound",
                    help="htree's ranking of nodes for refinement (HTreeConfig.selection)")
-    p.add_argument("--selection-block", type=int, default=1,
-                   help="HTreeConfig.selection_block: 1 selects per query, the compression rate by block (SPEC 12)")
+    p.add_argument("--selection-block", type=int, default=None,
+                   help="HTreeConfig.selection_block: the compression rate selects by block (SPEC 12), 1 per query; "
+                        "default: the library's (by block)")
     p.add_argument("--block-source", choices=("first", "previous"), default="first",
                    help="block selection's ranking rows (HTreeConfig.block_source)")
 
@@ -512,14 +513,19 @@ def chance_of(args) -> float:
     return 1 / (TextCorpus.vocab if args.task == "text" else args.num_values)
 
 
+def htree_config(args, **config_fields) -> htree_jax.HTreeConfig:
+    """The `HTreeConfig` `args` describe, `config_fields` replacing theirs."""
+    fields = dict(compression_rate=args.compression_rate, top_k=args.top_k, scale=args.scale,
+                  rope_base=args.rope_base, selection=args.selection, selection_block=args.selection_block,
+                  block_source=args.block_source)
+    return htree_jax.HTreeConfig(**{**fields, **config_fields})
+
+
 def build_model(args, attention: str | None = None, **config_fields) -> TinyLM:
     """The model `args` describe, with `attention` ("htree" or "dense", default
     `args.attention`) and `config_fields` replacing those of `args` (e.g. `top_k`,
     `selection`). Models that differ only there have the same parameters."""
-    fields = dict(compression_rate=args.compression_rate, top_k=args.top_k, scale=args.scale,
-                  rope_base=args.rope_base, selection=args.selection, selection_block=args.selection_block,
-                  block_source=args.block_source)
-    config = htree_jax.HTreeConfig(**{**fields, **config_fields})
+    config = htree_config(args, **config_fields)
     dtype = compute_dtype(args.dtype)
     return TinyLM(task_of(args).vocab, args.d_model, args.layers, args.heads, args.kv_heads,
                   attention or args.attention, config, args.backend, nnx.Rngs(args.seed), dtype=dtype,
@@ -660,7 +666,7 @@ def train(args, on_step=None) -> tuple[TinyLM, dict]:
     result = dict(task=args.task, attention=args.attention, seq_len=args.seq_len,
                   top_k=args.top_k if args.attention == "htree" else None,
                   selection=args.selection if args.attention == "htree" else None,
-                  selection_block=args.selection_block if args.attention == "htree" else None,
+                  selection_block=htree_config(args).selection_block if args.attention == "htree" else None,
                   compression_rate=args.compression_rate, dtype=jnp.dtype(dtype).name, steps=args.steps,
                   batch=args.batch, d_model=args.d_model, layers=args.layers, heads=args.heads,
                   kv_heads=args.kv_heads, token_shift=args.token_shift, pairs=args.pairs, queries=args.queries,
