@@ -116,8 +116,9 @@ class HTreeConfig:
         if b is None:  # the default: by block, per query in latent attention's layout
             b = 1 if self.rope_dim is not None else int(r)
         if not _is_int(b) or int(b) not in (1, int(r)):
-            hint = ("; dataclasses.replace keeps the old config's selection_block: pass selection_block=None for "
-                    "the default" if _is_int(b) and int(b) > 1 and _is_power_of_two(int(b)) else "")
+            hint = ("; if it came from dataclasses.replace, which keeps the old config's selection_block, pass "
+                    "selection_block=None for the default" if _is_int(b) and int(b) > 1 and _is_power_of_two(int(b))
+                    else "")
             raise ValueError(f"selection_block must be 1 or compression_rate (= {int(r)}): the queries of one bottom "
                              f"node share a selection (SPEC 12), got {b!r}{hint}")
         object.__setattr__(self, "selection_block", int(b))
