@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from htree_jax import HTreeConfig, htree_attention, memory_plan  # noqa: E402
 from htree_jax.backends import attend  # noqa: E402
 from htree_jax.memory import resident_bytes  # noqa: E402
+from tools import gpu_gate  # noqa: E402
 
 # 3 layers at T=152; the mean named, as the bound (the default) has runs of its own below.
 CONFIG = HTreeConfig(compression_rate=4, top_k=4, selection="mean", selection_block=1)
@@ -476,16 +477,13 @@ def gate_devices_check() -> int:
     against the same call on one) at a small size on the interpreted kernels, at the
     default: the case's code runs here before a GPU pair is lent (the sources differ only
     in the config; the block context checks above take both); its numerics are the GPUs'."""
-    from tools import gpu_gate
-
-    for source in ("first",):
-        ok, out = gpu_gate.run_devices_case(np.random.default_rng(5), source, "float32", 512,
-                                            backend="pallas_interpret", G=2, H_kv=2, K=32)
-        if not ok:
-            print(f"FAIL gate two-device case ({source}): {out}", flush=True)
-            return 1
-        print(f"ok gate two-device case ({source}): agree {out['agree']:.4f}, o {out['o']:.1e}, "
-              f"grad {out['grad']:.1e}", flush=True)
+    ok, out = gpu_gate.run_devices_case(np.random.default_rng(5), "first", "float32", 512,
+                                        backend="pallas_interpret", G=2, H_kv=2, K=32)
+    if not ok:
+        print(f"FAIL gate two-device case (first): {out}", flush=True)
+        return 1
+    print(f"ok gate two-device case (first): agree {out['agree']:.4f}, o {out['o']:.1e}, grad {out['grad']:.1e}",
+          flush=True)
     return 0
 
 

@@ -305,14 +305,23 @@ def run_shard_case(rng, setup: CaseSetup, dtype, G: int, K: int, V: int):
     sel_s = [jnp.concatenate([p[0][1][1][l] for p in parts], axis=1) for l in range(len(selected))]
     dq_s = jnp.concatenate([p[1][0] for p in parts], axis=1)
     dk_s, dv_s = sum(p[1][1].astype(jnp.float32) for p in parts), sum(p[1][2].astype(jnp.float32) for p in parts)
-    same = equal_parents(sel_s, selected, T, H_kv)
+    return rows_agreement((sel_s, o_s, dq_s, dk_s, dv_s), (selected, o, dq, dk, dv), T, H_kv, G, dtype)
+
+
+def rows_agreement(got, want, T: int, H_kv: int, G: int, dtype):
+    """`(ok, figures)` of one call's `(selections, o, dq, dk, dv)` against another's: the
+    share of rows whose selections agree, and on those rows `o` and `dq` (every `dk`,
+    `dv`), to the dtype's tolerance."""
+    same = equal_parents(got[0], want[0], T, H_kv)
     rows = np.repeat(same, G, axis=2)
     on_rows = lambda x: np.asarray(x, np.float64)[rows]
-    out = {"agree": float(np.mean(same)), "o": relative(on_rows(o_s), on_rows(o)),
-           "grad": max(relative(on_rows(dq_s), on_rows(dq)), relative(dk_s, dk), relative(dv_s, dv)),
+    out = {"agree": float(np.mean(same)), "o": relative(on_rows(got[1]), on_rows(want[1])),
+           "grad": max(relative(on_rows(got[2]), on_rows(want[2])), relative(got[3], want[3]),
+                       relative(got[4], want[4])),
            "decode": 0.0}
     out["agree_f32"] = out["agree"]
-    ok = out["agree"] >= AGREE and out["o"] <= TOLERANCE[dtype] and out["grad"] <= TOLERANCE[dtype]
+    tolerance = TOLERANCE[jnp.dtype(dtype).name]
+    ok = out["agree"] >= AGREE and out["o"] <= tolerance and out["grad"] <= tolerance
     return ok, out
 
 
@@ -346,16 +355,7 @@ def run_devices_case(rng, source: str, dtype, T: int, backend: str = "pallas", G
     results = [run(*(jax.device_put(x, where) for x in (q, k, v, w))) for where in (one, halves)]
     (_, (o, selected)), grads = results[0]
     (_, (o_s, selected_s)), grads_s = results[1]
-    same = equal_parents(selected_s, selected, T, H_kv)
-    rows = np.repeat(same, G, axis=2)
-    on_rows = lambda x: np.asarray(x, np.float64)[rows]
-    out = {"agree": float(np.mean(same)), "o": relative(on_rows(o_s), on_rows(o)),
-           "grad": max([relative(on_rows(grads_s[0]), on_rows(grads[0]))]
-                       + [relative(a, b) for a, b in zip(grads_s[1:], grads[1:])]),
-           "decode": 0.0, "devices": 2}
-    out["agree_f32"] = out["agree"]
-    ok = out["agree"] >= AGREE and out["o"] <= TOLERANCE[dtype.name] and out["grad"] <= TOLERANCE[dtype.name]
-    return ok, out
+    return rows_agreement((selected_s, o_s, *grads_s), (selected, o, *grads), T, H_kv, G, dtype)
 
 
 def run_case(rng, shape, dtype, sel, packed):

@@ -412,13 +412,11 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
             def step(i, carry, merged_scores=merged_scores, rows_q=rows_q, absolute=absolute):
                 acc, m, total, g = carry
                 slot = lax.rem(g, S)
-                if turned and absolute:
-                    rows = rows_q if pipe.hold_rows else tuple(x[...] for x in rows_q)
-                    a_lo, a_hi = (x.astype(dtype) for x in rows)
-                elif turned:  # the rows turned back by the step's first position (`merge.rotate_back`)
+                if turned:  # the rows turned back by the step's first position (`merge.rotate_back`), but where
+                    # the keys sit at their buffer positions (`absolute`)
                     rows = rows_q if pipe.hold_rows else tuple(x[...] for x in rows_q)
                     lo, hi = rotate_back(*rows, column(bcos_s.at[slot, 0]), column(bsin_s.at[slot, 0])) if (
-                        rotate) else rows
+                        rotate and not absolute) else rows
                     a_lo, a_hi = lo.astype(dtype), hi.astype(dtype)
                 else:
                     a_lo, a_hi = rows_q
