@@ -134,8 +134,8 @@ EVERY_LAYOUT = (PIPELINE, NARROW_PIPELINE, dataclasses.replace(NARROW_PIPELINE, 
                 dataclasses.replace(PIPELINE, hold_rows=True),
                 Pipeline(tile=64, stages=4, consumer_registers=168, memory_registers=40, rotator_registers=128),
                 Pipeline(tile=128, stages=2, consumer_registers=176, memory_registers=40, rotator_registers=120),
-                Pipeline(tile=64, stages=2), dataclasses.replace(PIPELINE, absolute_top=True),
-                dataclasses.replace(NARROW_PIPELINE, absolute_top=True))
+                Pipeline(tile=64, stages=2), dataclasses.replace(PIPELINE, absolute_top=False),
+                dataclasses.replace(NARROW_PIPELINE, absolute_top=False))
 BENCHMARK_SHAPE = (16, 512, 131072, 8, 4, 128, 128, jnp.bfloat16)
 
 

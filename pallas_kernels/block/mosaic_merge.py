@@ -18,9 +18,9 @@ works differently:
   first position before scoring (one row of tables a step). With `"keys"` the keys of
   each landed tile are rotated in place by the memory warpgroup, or a rotator
   warpgroup of its own, their angle added in float32 from a chunk's base and a local
-  table. `Pipeline.absolute_top` (opt-in, measured 1.8-2.6% faster): the top layer's
-  node `n` sits at buffer position `n` in every block, so its keys come rotated by `n`
-  and its steps turn no row. Both round each operand once, as the Pallas-Triton merge does, but not the
+  table. `Pipeline.absolute_top` (the default layouts', measured 1.8-2.6% faster): the
+  top layer's node `n` sits at buffer position `n` in every block, so its keys come
+  rotated by `n` and its steps turn no row. Both round each operand once, as the Pallas-Triton merge does, but not the
   same numbers: against it the outputs differ by the dtype's rounding (RESULTS).
 - Queries: rotated by their row's angle in XLA, once per layer (`rotated_queries`),
   because a row's angle is a gather of table rows by a per-row index.
@@ -269,12 +269,13 @@ class Pipeline:
 
 
 # The measured layouts (RESULTS, "Step 4"): 128 candidates a step, the rows read from
-# shared memory each step (held in registers they spill), turned once per 128 keys;
-# 64 a step with the rows held where 128 would take `128 / r` turned copies of the
-# keys past 8 (`turned_keys`).
+# shared memory each step (held in registers they spill), turned once per 128 keys
+# below the top layer; 64 a step with the rows held where 128 would take `128 / r`
+# turned copies of the keys past 8 (`turned_keys`).
 PIPELINE = Pipeline(tile=TILE, stages=2, consumer_registers=232, memory_registers=40, turn="queries",
-                    hold_rows=False)
-NARROW_PIPELINE = Pipeline(tile=64, stages=4, consumer_registers=232, memory_registers=40, turn="queries")
+                    hold_rows=False, absolute_top=True)
+NARROW_PIPELINE = Pipeline(tile=64, stages=4, consumer_registers=232, memory_registers=40, turn="queries",
+                           absolute_top=True)
 
 
 def pipeline_for(st: BlockStatic) -> Pipeline:
