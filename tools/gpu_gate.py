@@ -47,7 +47,8 @@ what RESULTS quotes), and, on the GQA kernels, the model's bytes of the top laye
 importance launch (`pallas_kernels/shared/shared_memory.py`) beside the compiler's: a case
 fails if its launch was not predicted to fit, or the compiler took more than the model
 counted.
-Prints one table and a last line `gpu gate: N/N cases pass`; exits non-zero on a failure.
+Prints one table, a line for each failed case (its name, error and the inputs' seed), and
+a last line `gpu gate: N/N cases pass`; exits non-zero on a failure.
 The small cases run in `--workers` processes at once (compiling is most of a case's
 time: 17-30 s each, 63 s for latent attention's, on an H100); the benchmark shape and
 the two-device cases run after them, alone.
@@ -582,6 +583,10 @@ def main():
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     passed = sum(r["ok"] for r in rows)
+    # The failures and the inputs' seed again at the end: a tail that cuts the table keeps them.
+    for r in rows:
+        if not r["ok"]:
+            print(f"gpu gate: FAIL {r['case']}: {r.get('error', '')} (run seed {seed})", flush=True)
     print(f"gpu gate: {passed}/{len(rows)} cases pass")
     sys.exit(0 if passed == len(rows) else 1)
 
