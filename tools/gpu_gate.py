@@ -586,7 +586,8 @@ def main():
     # The failures and the inputs' seed again at the end: a tail that cuts the table keeps them.
     for r in rows:
         if not r["ok"]:
-            print(f"gpu gate: FAIL {r['case']}: {r.get('error', '')} (run seed {seed})", flush=True)
+            why = r.get("error") or {k: r[k] for k in ("agree", "o", "grad", "decode", "finite") if k in r}
+            print(f"gpu gate: FAIL {r['case']}: {why} (run seed {seed})", flush=True)
     print(f"gpu gate: {passed}/{len(rows)} cases pass")
     sys.exit(0 if passed == len(rows) else 1)
 
