@@ -79,12 +79,35 @@ def first_case_of_each(items):
     return kept, dropped
 
 
+# Left out of the `--one-case-each` run (reported as deselected): checks on simulated
+# devices, each a process of its own (20-90 s), whose JAX API the run reaches through
+# the ones it keeps: `test_sharded_batch_and_heads_on_simulated_devices` (the
+# partitioning under jit, sharded decode caches, `shard_map` of the kernels) and the
+# two-process test; `memory_analysis` and nnx with optax in-process (test_memory.py,
+# test_module.py). The whole suite runs them all.
+SECOND_RUN_LEAVES = tuple(f"test_sharding.py::{name}" for name in (
+    "test_block_selection_shards_its_tokens_and_its_cache",
+    "test_memory_plan_of_context_parallelism_falls_with_the_device_count",
+    "test_the_gates_two_device_cases_run_on_simulated_devices",
+    "test_sharded_nnx_model_optax_step",
+))
+
+
+def second_run(items):
+    """`(kept, dropped)` of the `--one-case-each` run: each function's first case, less
+    `SECOND_RUN_LEAVES`."""
+    kept, dropped = first_case_of_each(items)
+    left = [item for item in kept if item.nodeid.endswith(SECOND_RUN_LEAVES)]
+    return [item for item in kept if item not in left], dropped + left
+
+
 def pytest_collection_modifyitems(config, items):
     """The longest tests first, each file's order kept: xdist hands tests out in
     collection order, and collected last (files sort by name) a 3-minute test left the
     other worker idle at the end of the run. With `--one-case-each`, each test
-    function's first case only (the others reported as deselected)."""
+    function's first case only, less `SECOND_RUN_LEAVES` (the others reported as
+    deselected)."""
     if config.getoption("--one-case-each"):
-        items[:], dropped = first_case_of_each(items)
+        items[:], dropped = second_run(items)
         config.hook.pytest_deselected(items=dropped)
     items.sort(key=lambda item: item.path.name not in LONG_FIRST)

@@ -7,6 +7,7 @@ here run where a GPU is (CI has none: they skip there, and say so)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 
 import jax
@@ -24,7 +25,7 @@ from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constex
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.shared_memory import LIMIT
 from tests.conftest import random_qkv
-from tools.probes import block_merge_pipelines
+from tools.probes import block_backward_ladder, block_merge_pipelines
 
 GPU = jax.default_backend() == "gpu"
 TRITON = importlib.util.find_spec("triton") is not None
@@ -245,6 +246,20 @@ def test_the_layout_probe_reads_every_layout_it_names(capsys):
     out = capsys.readouterr().out
     assert "hold_rows=False" in out and "ablate='rotation'" in out and "rotator_registers=128" in out
     assert "absolute_top=True" in out
+
+
+def test_the_backward_probe_traces_and_lowers_each_layout_it_times():
+    """`tools/probes/block_backward_ladder.py` (a GPU's): its kernel at 16, 32 and 48 keys
+    a program, 2 and 3 stages, traced here to its output shapes and, where this JAX
+    lowers Mosaic GPU on a CPU, lowered (shared memory, copies, WGMMA operands)."""
+    rng = np.random.default_rng(0)
+    for keys, stages in ((16, 2), (16, 3), (32, 2), (48, 2)):
+        ins = block_backward_ladder.inputs(rng, 1, 16, 2, 8, jnp.bfloat16, R=keys)
+        f = jax.jit(functools.partial(block_backward_ladder.node_grads, stages=stages))
+        dk, dv = jax.eval_shape(f, *ins)
+        assert dk.shape == dv.shape == (1, 2, 2, 2, 64, keys) and dk.dtype == jnp.float32
+        if LOWERS_FOR_CUDA:
+            assert "mosaic_gpu" in f.trace(*ins).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_packed_rows_mark_the_top_layer_before_each_document():

@@ -29,20 +29,20 @@ def test_two_processes_equal_one_on_the_same_mesh(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
-    one = subprocess.run([sys.executable, CHECK, "single", str(single)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     port = str(free_port())
-    pair = [subprocess.Popen([sys.executable, CHECK, "multi", str(multi), port, str(i)], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    # The one-process run beside the pair (its processes wait on each other's collectives).
+    run = lambda *a: subprocess.Popen([sys.executable, CHECK, *a], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
+    one, pair = run("single", str(single)), [run("multi", str(multi), port, str(i)) for i in range(2)]
     outputs = []
     try:
-        for p in pair:
+        for p in (one, *pair):
             outputs.append(p.communicate(timeout=900)[0])
     finally:
-        for p in pair:
+        for p in (one, *pair):
             p.kill()
-    for p, text in zip(pair, outputs):
+    assert one.returncode == 0, outputs[0][-4000:]
+    for p, text in zip(pair, outputs[1:]):
         assert p.returncode == 0, text[-4000:]
         for backend in ("reference", "pallas_interpret"):
             assert f"ok {backend}: forward and gradients along T over 2 process(es), 4 devices" in text
