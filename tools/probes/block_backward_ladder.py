@@ -66,8 +66,9 @@ def node_grads(q_lo, q_hi, do_lo, do_hi, lse, delta, k_lo, k_hi, v_lo, v_hi, lis
 
     q_lo, q_hi, do_lo, do_hi `[H_kv, NB, 128, 64]` (the rows' halves of the head dim),
     lse, delta `[H_kv, NB, 128]` float32 (`lse` natural log), k_lo, k_hi, v_lo, v_hi
-    `[H_kv, U, 16, 64]`, lists `[H_kv, U, E]` int32 (blocks). Returns `(dkT, dvT)`, each
-    `[H_kv, U, 2, 2, 64, 16]` float32: (consumer, half, head-dim row, key); the sum over
+    `[H_kv, U, R, 64]` (`R` keys a program: 16, 32 or 48), lists `[H_kv, U, E]` int32
+    (blocks; `E` a multiple of 4, whole 16 bytes for TMA). Returns `(dkT, dvT)`, each
+    `[H_kv, U, 2, 2, 64, R]` float32: (consumer, half, head-dim row, key); the sum over
     the consumer axis is the tile's gradient (XLA, in a fixed order)."""
     H_kv, NB, rows2, h = q_lo.shape
     U, E = lists.shape[1], lists.shape[2]
