@@ -253,8 +253,8 @@ def main(argv=None) -> int:
                 got = from_kernel(*node_grads(*ins, stages=stages))
                 for name, g, w in zip(("dk", "dv"), got, want):
                     err = float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-9))
-                    print(f"CHECK H_kv={H_kv} NB={NB} U={U} E={E} keys={keys} stages={stages} {name}: max rel error {err:.2e}",
-                          flush=True)
+                    print(f"CHECK H_kv={H_kv} NB={NB} U={U} E={E} keys={keys} stages={stages} {name}: "
+                          f"max rel error {err:.2e}", flush=True)
         return 0
     H_kv, NB, U, E = 4, args.blocks, args.tiles, args.entries
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: H_kv={H_kv} blocks={NB} tiles={U} entries={E}",
@@ -269,8 +269,8 @@ def main(argv=None) -> int:
             f = jax.jit(functools.partial(node_grads, stages=stages))
             try:
                 ms = median_ms(f, ins, 5)
-                print(f"TIME step 2 keys={keys} window={window or NB} stages={stages}: {ms:.1f} ms, {flops / ms / 1e9:.0f} TFLOP/s, "
-                      f"rows read at {read / ms / 1e9:.2f} TB/s", flush=True)
+                print(f"TIME step 2 keys={keys} window={window or NB} stages={stages}: {ms:.1f} ms, "
+                      f"{flops / ms / 1e9:.0f} TFLOP/s, rows read at {read / ms / 1e9:.2f} TB/s", flush=True)
             except Exception as e:  # noqa: BLE001 - a launch that does not compile is a row too
                 print(f"TIME step 2 stages={stages}: {type(e).__name__}: {str(e)[:600]}", flush=True)
         del ins
