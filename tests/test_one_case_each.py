@@ -1,9 +1,10 @@
 """CI's second run (`.ci/run`, the newest JAX) takes each test function's first case
 (`--one-case-each`, `tests/conftest.py`): every function is kept, once, in order, but
-the simulated-device checks that `SECOND_RUN_LEAVES` names."""
+the long checks that `SECOND_RUN_LEAVES` names (each a test that exists)."""
 
 from __future__ import annotations
 
+import pathlib
 import types
 
 from tests.conftest import SECOND_RUN_LEAVES, first_case_of_each, second_run
@@ -24,3 +25,11 @@ def test_the_second_run_leaves_out_the_checks_it_names_and_only_them():
     kept, dropped = second_run([types.SimpleNamespace(nodeid=i) for i in ids])
     assert [k.nodeid for k in kept] == [ids[0], ids[3]]
     assert [d.nodeid for d in dropped] == [ids[1], left]
+
+
+def test_each_check_the_second_run_leaves_is_a_test_of_the_suite():
+    """A renamed test would leave the second run's list naming nothing."""
+    tests = pathlib.Path(__file__).resolve().parent
+    for leave in SECOND_RUN_LEAVES:
+        file, name = leave.split("::")
+        assert f"def {name.split('[')[0]}(" in (tests / file).read_text(), leave
