@@ -6,7 +6,8 @@ the merge's rate in TFLOP/s (its score and value dots over the candidates it
 gathers), per-query htree at the same `top_k` beside it, and forward+backward at
 `--backward-sizes` (and the block backward alone, `block_backward_pallas`, with each
 `--backward-variants` and `--backward-sums`, with whether two calls agree bitwise; its
-rate counts five dots a candidate to the forward's two).
+rate counts five dots a candidate to the forward's two; forward+backward with each of
+`--backward-sums` too).
 
     python benchmarks/bench_block.py [--sizes 131072,524288] [--top-k 512] [--json FILE]
 
@@ -31,7 +32,7 @@ from htree_jax.bench import INPUTS, dense_fn, grad_of_sum, int_list, median_ms, 
 from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
-from pallas_kernels.shared.configs import BlockConfig
+from pallas_kernels.shared.configs import BlockConfig, KernelConfigs
 
 
 def merge_flops(blocks, config: HTreeConfig, T: int, G: int, K: int, V: int) -> float:
@@ -59,6 +60,7 @@ def parse_variants(text: str) -> list[tuple[int, int]]:
 
 def run(args):
     rows = []
+    budget = args.backward_partial_bytes
     for kind in args.kinds.split(","):
         for T in int_list(args.sizes):
             q, k, v = INPUTS[kind](T)
@@ -103,7 +105,8 @@ def run(args):
                         grads = jax.jit(lambda q, k, v, o, lse, s, c=config, t=tile, w=warps, m=summed:
                                         block_backward_pallas(q, k, v, o, lse, o, s, config=c,
                                                               block=BlockConfig(backward_tile=t, backward_num_warps=w,
-                                                                                backward_sum=m)))
+                                                                                backward_sum=m,
+                                                                                backward_partial_bytes=budget)))
                         try:
                             ms = median_ms(grads, (q, k, v, o, lse, blocks), args.iters)
                             row[f"{key}_ms"] = ms
@@ -114,6 +117,15 @@ def run(args):
                     del o, lse
                     row["fwd_bwd_ms"] = median_ms(jax.jit(grad_of_sum(full)), (q, k, v), args.iters)
                     row["fwd_bwd_speedup"] = dense_fwd_bwd_ms / row["fwd_bwd_ms"]
+                    for summed in args.backward_sums.split(","):  # the default's sums are the row's own
+                        if summed == BlockConfig().backward_sum:
+                            continue
+                        tuning = KernelConfigs.resolve(None, K, V).with_changes(
+                            {"block.backward_sum": summed, "block.backward_partial_bytes": budget})
+                        step = jax.jit(grad_of_sum(lambda q, k, v, c=config, t=tuning: htree_attention(
+                            q, k, v, c, backend="pallas", block_sizes=t)))
+                        row[f"fwd_bwd_{summed}_ms"] = median_ms(step, (q, k, v), args.iters)
+                        row[f"fwd_bwd_{summed}_speedup"] = dense_fwd_bwd_ms / row[f"fwd_bwd_{summed}_ms"]
                 print(row, flush=True)
                 rows.append(row)
                 del blocks
@@ -130,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="64x8", help="the merge's tile x warps to time apart")
     ap.add_argument("--backward-variants", default="32x8", help="the backward's tile x warps to time apart")
     ap.add_argument("--backward-sums", default="atomics", help="BlockConfig.backward_sum values to time apart")
+    ap.add_argument("--backward-partial-bytes", type=int, default=BlockConfig().backward_partial_bytes,
+                    help="BlockConfig.backward_partial_bytes with --backward-sums partials")
     ap.add_argument("--backward-sizes", default="131072", help="lengths also timed forward+backward")
     ap.add_argument("--per-query", action="store_true", help="also time per-query htree at the same top_k")
     ap.add_argument("--iters", type=int, default=10)

@@ -101,9 +101,11 @@ def htree_attention(
       default): `dq` is, `dk` and
       `dv` are not by default: each block's key and value gradients are added into the
       nodes it merged with float32 atomics, in no fixed order (they may differ in the last
-      bits); summed by node they are (`block_sizes=KernelConfigs.resolve(None, K,
-      V).with_changes({"block.backward_sum": "by_node"})`: each node's sum over the
-      blocks that merged it, in block order);
+      bits); from partial sums they are (`block_sizes=KernelConfigs.resolve(None, K,
+      V).with_changes({"block.backward_sum": "partials"})`: each block's sums written
+      out, each node's summed over the blocks that merged it in block order; faster
+      than the atomics, with up to `BlockConfig.backward_partial_bytes` more memory), and
+      summed by node (`"by_node"`, slower);
     - the reference: XLA autodiff; on a GPU its gathers' transposes are scatter-adds,
       reproducible only under XLA's `--xla_gpu_deterministic_ops=true`.
     The selections themselves are a hard top-K: a near-tie of two nodes' importances may

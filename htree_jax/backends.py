@@ -206,14 +206,15 @@ def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype,
     naming the rule ("auto" does not fall back from it): block selection's merge
     (the route's, `tuning.block_merge` resolved) on these shapes (`check_merge_route`);
     packed rows (`packed`) on `block.packed.PACKED_MERGES` and a context shard's rows
-    (`context_shard`) on `block.forward.SHARD_MERGES`, each with the atomics' backward only."""
+    (`context_shard`) on `block.forward.SHARD_MERGES`, each with the atomics' or the
+    partials' backward (not by node)."""
     if name.startswith("block_"):
         merge = name[len("block_"):]
         for asked, what, merges in ((packed, "with segment_ids", PACKED_MERGES),
                                     (context_shard, "in a context shard", SHARD_MERGES)):
-            if asked and (merge not in merges or tuning.block.backward_sum != "atomics"):
+            if asked and (merge not in merges or tuning.block.backward_sum == "by_node"):
                 raise ValueError(f"block selection {what} runs on block_merge in {merges} (or 'auto') and "
-                                 f"BlockConfig(backward_sum='atomics'), got {merge!r} and "
+                                 f"BlockConfig(backward_sum='atomics' or 'partials'), got {merge!r} and "
                                  f"{tuning.block.backward_sum!r}")
         st = merge_static(config, dims.seq_len, dims.group_size, dims.head_dim, dims.value_dim, dtype, tuning.block,
                           merge)

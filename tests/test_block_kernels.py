@@ -126,7 +126,7 @@ LOWERED = [(32, 4, 128, 128, jnp.bfloat16), (8, 1, 128, 128, jnp.float32), (8, 1
 def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
     """Interpret mode cannot see a lowering fault: each block launch (forward, and the
     backward with each `BlockConfig.backward_sum`: the by-node one launches the `dq` pass
-    and a pass a layer) lowered to Triton for a Hopper GPU, here on the CPU
+    and a pass a layer, the partials' one the walk and a sum a layer) lowered to Triton for a Hopper GPU, here on the CPU
     (`lowering_platforms`; it does not compile to PTX: shared memory and registers are
     the GPU gate's)."""
     T, config = 4096, HTreeConfig(top_k=8, selection_block=16)
@@ -140,7 +140,7 @@ def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
         forward = jax.jit(lambda q, k, v, s: block_forward_pallas(q, k, v, s, config=config)).trace(q, k, v, blocks)
         backward = [jax.jit(lambda q, k, v, o, lse, s, block=block: block_backward_pallas(
             q, k, v, o, lse, o, s, config=config, block=block)).trace(q, k, v, o, lse, blocks)
-            for block in (BlockConfig(), BlockConfig(backward_sum="by_node"))]
+            for block in (BlockConfig(), BlockConfig(backward_sum="by_node"), BlockConfig(backward_sum="partials"))]
         for traced in (forward, *backward):
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
             assert "triton" in text

@@ -25,7 +25,7 @@ from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constex
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.shared_memory import LIMIT
 from tests.conftest import random_qkv
-from tools.probes import block_backward_ladder, block_merge_pipelines
+from tools.probes import block_backward_blocks, block_backward_ladder, block_merge_pipelines
 
 GPU = jax.default_backend() == "gpu"
 TRITON = importlib.util.find_spec("triton") is not None
@@ -260,6 +260,36 @@ def test_the_backward_probe_traces_and_lowers_each_layout_it_times():
         assert dk.shape == dv.shape == (1, 2, 2, 2, 64, keys) and dk.dtype == jnp.float32
         if LOWERS_FOR_CUDA:
             assert "mosaic_gpu" in f.trace(*ins).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_block_major_backward_probe_traces_and_lowers_each_partial_kind():
+    """`tools/probes/block_backward_blocks.py` (a GPU's): the block-major kernel with no
+    partials stored, bfloat16 and float32 ones, and the sum by node of each, traced to
+    their output shapes and, where this JAX lowers Mosaic GPU on a CPU, lowered (shared
+    memory, copies, WGMMA operands); the sum's index against a brute-force inversion."""
+    rng = np.random.default_rng(0)
+    ins = block_backward_blocks.inputs(rng, 1, 4, 8, 8, jnp.bfloat16)
+    lists = np.asarray(ins[-1])
+    codes, counts = block_backward_blocks.inverted(lists, 2)
+    for u in range(8):  # tile u's entries: (block j, slot s) with lists[0, j, s] == u, in block order
+        want = [(j % 2) * 8 + s for j in range(4) for s in range(8) if lists[0, j, s] == u]
+        assert int(counts[0, u, 0]) == len(want) and list(np.asarray(codes[0, u, :len(want)])) == want
+    cos_t, sin_t = block_backward_blocks.angle_tables()
+    for kind, n_out in (("none", 1), ("bf16", 2), ("f32", 2)):
+        f = jax.jit(functools.partial(block_backward_blocks.block_grads, partials=kind, slots=2))
+        outs = jax.eval_shape(f, *ins)
+        assert len(outs) == n_out and outs[0].shape == (1, 4, 2, 128, 64)
+        if LOWERS_FOR_CUDA:
+            assert "mosaic_gpu" in f.trace(*ins).lower(lowering_platforms=("cuda",)).as_text()
+        if n_out == 1:
+            continue
+        part = outs[1]
+        assert part.shape == (1, 2, 2, 2, 2, 64, 64) and part.dtype == {"bf16": jnp.bfloat16, "f32": jnp.float32}[kind]
+        g = jax.jit(block_backward_blocks.sum_by_node)
+        args = (jnp.zeros(part.shape, part.dtype), codes, counts, cos_t, sin_t)
+        assert jax.eval_shape(g, *args).shape == (1, 8, 2, 2, 16, 64)
+        if LOWERS_FOR_CUDA:
+            assert "mosaic_gpu" in g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_packed_rows_mark_the_top_layer_before_each_document():

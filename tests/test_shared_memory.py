@@ -233,11 +233,16 @@ def test_every_gate_case_sets_up_on_the_cpu():
     by_node = [s for name, s in setups.items() if name.endswith(" by node")]
     long = [s for name, s in setups.items() if name.endswith(" T=4096")]
     assert by_node and all(s.by_node and s.block and s.route is None for s in by_node)
+    partials = [s for name, s in setups.items() if name.split(" T=")[0].endswith(" by partials")]
+    assert partials and all(s.partials and not s.by_node and s.block and
+                            s.tuning["block_sizes"].block.backward_sum == "partials" for s in partials)
+    assert any(s.packed for s in partials) and any(s.shard for s in partials)
     assert long and all(s.T == 4096 and (s.route == "mosaic_gpu" or s.packed) for s in long)
     packed = [s for name, s in setups.items() if " block " in name and " packed" in name]
     assert packed and all(s.packed and s.block and s.config.block_source in ("first", "previous") for s in packed)
     assert {s.packed for s in packed} == {2, 8}  # " packed 8": eight documents
-    shards = [s for name, s in setups.items() if name.split(" T=")[0].endswith(" shard") or " shard via " in name]
+    shards = [s for name, s in setups.items()
+              if name.split(" T=")[0].endswith(" shard") or " shard via " in name or " shard by " in name]
     assert shards and all(s.shard and s.block and not s.packed and s.T % 32 == 0 for s in shards)
     for name, s in setups.items():
         length = name.rsplit(" T=", 1)

@@ -31,7 +31,8 @@ GPU where it takes the shape, so the block cases without `via` run it at bf16 an
 each merge by name (`"pallas_triton"`, `"triton"` through jax-triton, `"mosaic_gpu"`;
 `docs/backends.md`) has `via` cases: the forward and gradients (decoding does not take
 the route), and the benchmark shape at T=131072. The
-block backward summed by node (`BlockConfig(backward_sum="by_node")`) has `by node` cases:
+block backward summed by node (`BlockConfig(backward_sum="by_node")`) has `by node` cases,
+and from partial sums (`"partials"`) `by partials` ones (packed and a shard among them):
 the gradients against the reference, and twice, bitwise equal. The
 whole gate took about 13 minutes on an H200 (before the 17 `by node`, Mosaic GPU and 128-head cases
 of 2026-12-01): past one 10-minute device call, run it as
@@ -189,6 +190,15 @@ def matrix(full: bool):
     for dtype in ("float32", "float16"):
         yield (8, 128, 128, None), dtype, "bound", "block first by node"
     yield (8, 128, 128, None), "bfloat16", "bound", "block previous by node"
+    # The block backward from partial sums (`backward_sum="partials"`, issue 83): the same
+    # classes, bitwise twice, and packed rows and context shards, which it takes.
+    for shape in GQA_SHAPES:
+        yield shape, "bfloat16", "bound", "block first by partials"
+    for dtype in ("float32", "float16"):
+        yield (8, 128, 128, None), dtype, "bound", "block first by partials"
+    yield (8, 128, 128, None), "bfloat16", "bound", "block previous by partials"
+    yield (8, 128, 128, None), "bfloat16", "bound", "block first packed by partials"
+    yield (8, 128, 128, None), "bfloat16", "bound", "block previous shard by partials T=1024"
 
 
 def relative(a, b) -> float:
@@ -228,6 +238,7 @@ class CaseSetup:
     by_node: bool  # the block backward's key and value sums by node
     tuning: dict  # htree_attention's block_sizes where the case changes them
     shard: bool = False  # the rows as two context shards (`run_shard_case`)
+    partials: bool = False  # the block backward's key and value sums from partial sums
 
 
 def case_setup(shape, sel, packed) -> CaseSetup:
@@ -237,7 +248,7 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     and the decode kernels with the block's selection kept in the cache), optionally
     followed by " packed" (two documents; " packed N": N documents told their longest
     length, whose tree's top layer then spans several of a merge's steps), " via ROUTE"
-    (the merge's kernel), " by node" (the backward's sums), " shard" (two context
+    (the merge's kernel), " by node" or " by partials" (the backward's sums), " shard" (two context
     shards, `run_shard_case`) and " T=4096" (that length, so that every layer takes
     several of a merge's steps: at T=600 each fits in one)."""
     G, K, V, rope = shape
@@ -257,10 +268,13 @@ def case_setup(shape, sel, packed) -> CaseSetup:
               if block else dict(selection_block=1))
     config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel, **chosen)
     by_node = block and packed.endswith(" by node")
-    changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": "by_node"} if by_node else {})}
+    partials = block and packed.endswith(" by partials")
+    sums = "by_node" if by_node else "partials" if partials else None
+    changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": sums} if sums else {})}
     tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
     return CaseSetup(T=int(length.group(1)) if length else GATE_T, H_kv=1 if G > 16 else 2, config=config,
-                     block=block, packed=documents, route=route, by_node=by_node, tuning=tuning, shard=shard)
+                     block=block, packed=documents, route=route, by_node=by_node, tuning=tuning, shard=shard,
+                     partials=partials)
 
 
 def packed_documents(T: int, count: int) -> dict:
@@ -366,7 +380,7 @@ def run_case(rng, shape, dtype, sel, packed):
     if setup.shard:
         return run_shard_case(rng, setup, dtype, G, K, V)
     T, H_kv, config, block, packed = setup.T, setup.H_kv, setup.config, setup.block, setup.packed
-    route, by_node, tuning = setup.route, setup.by_node, setup.tuning
+    route, by_node, tuning = setup.route, setup.by_node or setup.partials, setup.tuning
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
                for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, V)))
     weights = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
@@ -409,7 +423,7 @@ def run_case(rng, shape, dtype, sel, packed):
     own_g = grads(q, k, v, "reference", weights) if dtype != "float32" else g_ref
     out["grad"] = max(relative(a, b) for a, b in zip(g, g_ref))
     out["grad_bar"] = max(TOLERANCE[dtype], 1.2 * max(relative(a, b) for a, b in zip(own_g, g_ref)))
-    # Summed by node, the gradients are the same bits every call.
+    # Summed by node (or from partials), the gradients are the same bits every call.
     out["bitwise"] = (not by_node or all(np.array_equal(np.asarray(a), np.asarray(b))
                                          for a, b in zip(g, grads(q, k, v, "pallas", weights))))
     # SPEC 10: a NaN key poisons the rows from its position on, as the reference does.

@@ -27,6 +27,9 @@ from jax.experimental.pallas import triton as plgpu
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.tree import build_tree
 from pallas_kernels.block.by_node import key_grads_by_node
+from pallas_kernels.block.inverted import inverted_index
+from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_bounds, entry_keys, range_lanes, slab_widths,
+                                         sum_partials)
 from pallas_kernels.block.forward import block_layout, block_static, check_shard_offset, table_positions
 from pallas_kernels.block.merge import (
     BlockStatic,
@@ -60,13 +63,18 @@ from pallas_kernels.shared.tree_backward import push_down
 
 
 def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, *refs, st: BlockStatic,
-                           key_grads: bool, packed: bool = False, shifted: bool = False):
+                           sums: str, packed: bool = False, shifted: bool = False):
     L, C, h = st.num_layers, st.tile, st.half
     first, offset, refs = block_scalars(refs, packed, shifted)
     sel_refs = refs[: L - 1]
     layer_refs = refs[L - 1: L - 1 + 2 * L]
-    if key_grads:  # the accumulators, aliased to the gradients after `dq`
+    range_ref, walked = None, None
+    if sums == "atomics":  # the accumulators, aliased to the gradients after `dq`
         dq_ref, *grad_refs = refs[L - 1 + 4 * L:]
+    elif sums == "partials":  # the program's slabs, then its walked ranges (`partials.py`)
+        dq_ref, *grad_refs, range_ref = refs[L - 1 + 2 * L:]
+        lanes = jnp.arange(range_ref.shape[0], dtype=jnp.int32)
+        walked = jnp.zeros(range_ref.shape, jnp.int32)
     else:
         (dq_ref,) = refs[L - 1 + 2 * L:]
         grad_refs = [None] * (2 * L)
@@ -95,10 +103,16 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
             ds = w * (scores_dot(do, v, st, dtype) - delta[:, None]) * st.alpha
             g_lo = g_lo + rows_dot(ds, kr[0], st, dtype)
             g_hi = g_hi + rows_dot(ds, kr[1], st, dtype)
-            if not key_grads:  # summed by node instead (`by_node.py`)
+            if sums == "none":  # summed by node instead (`by_node.py`)
                 return (g_lo, g_hi), seen
             dk_lo, dk_hi = rotate_back(transposed_dot(ds, qr[0], st, dtype), transposed_dot(ds, qr[1], st, dtype),
                                        cos_ref[pl.ds(i * C, C), :], sin_ref[pl.ds(i * C, C), :])
+            if sums == "partials":  # the tile's sums at its buffer positions; masked ones are zero
+                at = pl.ds(i * C, C)
+                dk_ref[at, pl.ds(0, h)] = dk_lo
+                dk_ref[at, pl.ds(h, h)] = dk_hi
+                dv_ref[at, :] = transposed_dot(w, do, st, dtype)
+                return (g_lo, g_hi), seen
             # Positions past `n` (nothing merged: their sums are zero) add to a spare row,
             # each valid node to its own: no two lanes of one add share a row but spare
             # ones (interpret mode's adds keep one of equal rows).
@@ -111,6 +125,8 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
 
         zero = jnp.zeros((rows, h), jnp.float32)
         start, stop, seen = walk_tiles(walk, st)
+        if walked is not None:  # the positions this program's slab holds: the sums read no others
+            walked = jnp.where(lanes == 2 * l, start * C, jnp.where(lanes == 2 * l + 1, stop * C, walked))
         (g_lo, g_hi), _ = lax.fori_loop(start, stop, tile_grads, ((zero, zero), seen))
         g_lo, g_hi = rotate_back(g_lo, g_hi, cos_ref[walk.angle, :], sin_ref[walk.angle, :])
         dq_lo, dq_hi = dq_lo + g_lo, dq_hi + g_hi
@@ -118,20 +134,26 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
     shape = dq_ref.shape[:-1] + (h,)
     dq_ref[:, :, pl.ds(0, h)] = dq_lo.reshape(shape)
     dq_ref[:, :, pl.ds(h, h)] = dq_hi.reshape(shape)
+    if range_ref is not None:
+        range_ref[...] = walked
 
 
 @functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "node_counts", "interpret",
-                                             "key_grads"))
+                                             "sums", "widths"))
 def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTreeConfig, st: BlockStatic,
                           head_dim: int, table_rows: int, node_counts: tuple, interpret: bool = False,
-                          key_grads: bool = True, firsts=None, offset=None):
+                          sums: str = "atomics", firsts=None, offset=None, widths: tuple = ()):
     """`(dq [B, Tp, H_kv, Gp, 2 * half]` float32, `[dk_l, dv_l]` float32 as `layers`)`
     for the rows of `q5` (as `merge.block_merge_pallas` takes them) with cotangents `do5
     [B, Tp, H_kv, Gp, vp]`, their log-sum-exp `lse` and `delta = rowsum(do * o)`
     `[B, Tp, H_kv, Gp]`; `node_counts` each layer's nodes (the gradients have a spare
-    row past them). `key_grads=False`: `(dq,)` only, the keys' and values' dots and adds
-    left out (`by_node.py` sums those). `firsts` (packed rows) and `offset` (a context
-    shard's rows) as `merge.block_merge_pallas` takes them."""
+    row past them). `sums="none"`: `(dq,)` only, the keys' and values' dots and adds
+    left out (`by_node.py` sums those). `sums="partials"`: `(dq, [pk_l, pv_l], ranges)`,
+    each program's slab of `widths[l]` positions a layer (`[B, H_kv, NP * widths[l],
+    D]`, program `p` at rows `p * widths[l] ..`) and the `[start, stop)` positions it
+    walked (`ranges [B, H_kv, NP, partials.range_lanes(L)]` int32; `partials.py` sums
+    them). `firsts` (packed rows) and `offset` (a context shard's rows) as
+    `merge.block_merge_pallas` takes them."""
     B, Tp, H_kv, gp, kp = q5.shape
     qb = st.queries
     cos, sin = rope_tables(config, head_dim, table_rows, st)
@@ -144,23 +166,91 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
     layer_specs = [whole(x) for x in layers]
     # The accumulators: a spare row past every node (`next_power_of_two(N + 1)` rows).
     zeros = [jnp.zeros(x.shape[:2] + (next_power_of_two(n + 1),) + x.shape[3:], jnp.float32)
-             for x, n in zip(layers, [n for n in node_counts for _ in range(2)])] if key_grads else []
+             for x, n in zip(layers, [n for n in node_counts for _ in range(2)])] if sums == "atomics" else []
     acc_specs = [whole(x) for x in zeros]
+    out_specs, out_shape = [rows_spec(kp)] + acc_specs, [jax.ShapeDtypeStruct(q5.shape, jnp.float32)] + [
+        jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in zeros]
+    if sums == "partials":
+        NP = Tp // qb
+        for W in widths:
+            for d in (kp, st.vp):
+                out_specs.append(pl.BlockSpec((None, None, W, d), lambda i, j, h: (i, h, j, 0)))
+                out_shape.append(jax.ShapeDtypeStruct((B, H_kv, NP * W, d), jnp.float32))
+        lanes = range_lanes(st.num_layers)
+        out_specs.append(pl.BlockSpec((None, None, None, lanes), lambda i, j, h: (i, h, j, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((B, H_kv, NP, lanes), jnp.int32))
     scalars = block_inputs(firsts, offset, (B, Tp // st.r), H_kv)
     first_zero = 6 + len(scalars) + len(selections) + len(layers)
     return pl.pallas_call(
-        functools.partial(_block_backward_kernel, st=st, key_grads=key_grads, packed=firsts is not None,
+        functools.partial(_block_backward_kernel, st=st, sums=sums, packed=firsts is not None,
                           shifted=offset is not None),
         grid=(B, Tp // qb, H_kv),
         in_specs=[rows_spec(kp), rows_spec(st.vp), vec_spec, vec_spec, table_spec, table_spec]
         + [first_spec(st)] * len(scalars) + [sel_spec] * len(selections) + layer_specs + acc_specs,
-        out_specs=[rows_spec(kp)] + acc_specs,
-        out_shape=[jax.ShapeDtypeStruct(q5.shape, jnp.float32)] + [jax.ShapeDtypeStruct(x.shape, jnp.float32)
-                                                                   for x in zeros],
+        out_specs=out_specs,
+        out_shape=out_shape,
         input_output_aliases={first_zero + i: 1 + i for i in range(len(zeros))},
         compiler_params=compiler_params(st.num_warps, st.num_stages),
         interpret=interpret,
     )(q5, do5, lse, delta, cos, sin, *scalars, *selections, *layers, *zeros)
+
+
+def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, st: BlockStatic, head_dim: int,
+                       T: int, table_rows: int, node_counts: tuple, budget: int, interpret: bool = False,
+                       firsts=None, offset=None):
+    """`block_backward_launch`'s `(dq5, [dk_l, dv_l])` with the key and value gradients
+    summed by node from partial sums (`partials.py`): chunks of blocks whose slabs fit
+    `budget` bytes, each walked (`sums="partials"`) and then summed a layer, the totals
+    added chunk after chunk in block order. `rows` `(q5, do5, lse, delta)`, `lists` and
+    `selections` (as `block_backward_pallas` has them), `T` the keys (a packed row's
+    virtual length), `node_counts` each layer's nodes, `firsts` (packed rows) and
+    `offset` (a context shard's first position) as the launch takes them."""
+    q5 = rows[0]
+    B, Tp, H_kv = q5.shape[:3]
+    r, L = st.r, st.num_layers
+    NB, per_block = Tp // r, r // st.queries
+    widths = slab_widths(node_counts, table_rows, st)
+    per_program = B * H_kv * sum(widths) * (q5.shape[-1] + st.vp) * 4
+    count = chunk_blocks(NB, per_block, per_program, budget)
+    index = inverted_index(selections, r=r, b=r, T=T, num_layers=L, layer_sizes=node_counts, shape=(B, NB, H_kv),
+                           offset=offset)
+    keys = [entry_keys(ix, NB) for ix in index]
+    tiles = [-(-n // r) for n in node_counts]
+
+    def chunk(first_block, n_blocks: int, totals):
+        cut = lambda x, per: lax.dynamic_slice_in_dim(x, first_block * per, n_blocks * per, axis=1)
+        start = first_block * r if offset is None else offset + first_block * r
+        dq5, *out = block_backward_launch(
+            *(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], config, st, head_dim, table_rows,
+            node_counts, interpret, sums="partials", firsts=None if firsts is None else cut(firsts, 1),
+            offset=jnp.asarray(start, jnp.int32), widths=widths)
+        slabs, ranges = out[:-1], out[-1]
+        first = jnp.full((LANES,), first_block, jnp.int32)
+        new = []
+        for l in range(L):
+            lo, hi = chunk_bounds(keys[l], tiles[l], NB, first_block, n_blocks)
+            new += [t + g for t, g in zip(totals[2 * l: 2 * l + 2], sum_partials(
+                first, lo, hi, index[l], ranges, slabs[2 * l], slabs[2 * l + 1], r=r, width=widths[l],
+                per_block=per_block, layer=l, num_warps=st.num_warps, interpret=interpret))]
+        return dq5, new
+
+    totals = [jnp.zeros((B, H_kv, u * r, d), jnp.float32) for u in tiles for d in (q5.shape[-1], st.vp)]
+    full, rest = divmod(NB, count)
+    dqs = []
+    if full == 1:
+        dq5, totals = chunk(jnp.int32(0), count, totals)
+        dqs.append(dq5)
+    else:
+        def body(totals, c):
+            dq5, totals = chunk(c * count, count, totals)
+            return totals, dq5
+
+        totals, stacked = lax.scan(body, totals, jnp.arange(full, dtype=jnp.int32))
+        dqs.append(jnp.moveaxis(stacked, 0, 1).reshape((B, full * count * r) + q5.shape[2:]))
+    if rest:
+        dq5, totals = chunk(jnp.int32(full * count), rest, totals)
+        dqs.append(dq5)
+    return jnp.concatenate(dqs, axis=1) if len(dqs) > 1 else dqs[0], totals
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))
@@ -174,9 +264,10 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     gradients are summed (`BlockConfig.backward_sum`): `"atomics"`, added by every block
     that merged a node with float32 atomics, not bitwise reproducible run to run; or
     `"by_node"` (`by_node.py`), summed by each node tile over the blocks that merged it
-    in block order, bitwise reproducible. A context shard (`offset`, as the forward
-    takes it): `dq` of its queries, `dk`, `dv` its rows' share of every token's
-    (atomics only)."""
+    in block order, bitwise reproducible; or `"partials"` (`partials.py`), each block's
+    sums written out and summed by node in block order, bitwise reproducible too. A
+    context shard (`offset`, as the forward takes it): `dq` of its queries, `dk`, `dv`
+    its rows' share of every token's (atomics or partials)."""
     B, S, H, K = q.shape
     T, H_kv, V = k.shape[1], k.shape[2], v.shape[-1]
     G, b = H // H_kv, config.selection_block
@@ -188,7 +279,7 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, H]
     layout = lambda x: block_layout(x, H_kv, st, Tp)
     tree = build_tree(k, v, config)
-    by_node = block.backward_sum == "by_node"
+    by_node, by_partials = block.backward_sum == "by_node", block.backward_sum == "partials"
     rows = (layout(pad_rope_halves(q, st.half)), layout(pad_axis(do, -1, st.vp)), layout(lse), layout(delta))
     layers, table_rows = layer_arrays(tree, st), table_positions(config, T, st)
     lists = selection_lists(selections, st)
@@ -198,8 +289,14 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
             raise ValueError("a context shard's block backward sums by atomics: backward_sum='by_node' takes whole "
                              "sequences")
         shard = dict(offset=check_shard_offset("pallas_triton", S, b, offset))
-    dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows,
-                                        tuple(config.layer_sizes(T)), interpret, key_grads=not by_node, **shard)
+    if by_partials:
+        dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
+                                        table_rows=table_rows, node_counts=tuple(config.layer_sizes(T)),
+                                        budget=block.backward_partial_bytes, interpret=interpret, **shard)
+    else:
+        dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows,
+                                            tuple(config.layer_sizes(T)), interpret,
+                                            sums="none" if by_node else "atomics", **shard)
     if by_node:
         grads = key_grads_by_node(*rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
                                   table_rows=table_rows, interpret=interpret)
@@ -218,4 +315,4 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-__all__ = ["block_backward_pallas"]
+__all__ = ["block_backward_launch", "block_backward_pallas", "launch_by_partials"]

@@ -63,14 +63,18 @@ def refined_children(parents, refined, r: int):
     return jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(lead + (P, words))
 
 
-def layer_parents(selections, l: int, num_layers: int, r: int, b: int, T: int):
+def layer_parents(selections, l: int, num_layers: int, r: int, b: int, T: int, num_blocks: int | None = None,
+                  offset=None):
     """The parent lists of layer `l`'s buffers, one a block: `[B, NB, H_kv, width]`
     int32, `-1` after the real ones. Below the top, the blocks' selection of layer `l +
     1` (`selections` top layer first, `-1` padded); at the top, the virtual parents `0
-    .. num_top_parents(t0) - 1` of each block's first position `t0`."""
+    .. num_top_parents(t0) - 1` of each block's first position `t0` (`offset + j * b`
+    for block `j` of `num_blocks`, by default all of `T`'s from position 0)."""
     if l < num_layers - 1:
         return selections[num_layers - 2 - l]
-    t0 = jnp.arange(-(-T // b), dtype=jnp.int32) * b
+    t0 = jnp.arange(-(-T // b) if num_blocks is None else num_blocks, dtype=jnp.int32) * b
+    if offset is not None:
+        t0 = t0 + jnp.asarray(offset, jnp.int32)
     count = num_top_parents(t0, r, num_layers)  # [NB]
     width = int(num_top_parents((-(-T // b) - 1) * b, r, num_layers))
     slot = jnp.arange(width, dtype=jnp.int32)
@@ -100,19 +104,20 @@ def invert_layer(parents, refined, num_tiles: int, r: int, shape: tuple[int, int
                          refined=jnp.take_along_axis(bits, order[..., None], axis=2))
 
 
-def inverted_index(selections, *, r: int, b: int, T: int, num_layers: int, layer_sizes) -> list[InvertedLayer]:
+def inverted_index(selections, *, r: int, b: int, T: int, num_layers: int, layer_sizes, shape=None,
+                   offset=None) -> list[InvertedLayer]:
     """Every layer's inversion, bottom first: `selections` the blocks' lists of layers
     `L - 1 .. 1` (top first, `[B, NB, H_kv, top_k]` int32, `-1` padded, sorted, as the
     ranking passes return them), `layer_sizes` the nodes of each layer (bottom first).
-    One document a row (blocks counted from position 0)."""
+    Blocks counted from position `offset` (a context shard's first; 0 by default);
+    `shape` `(B, NB, H_kv)`, needed only where a one-layer tree has no selections."""
     if selections:
         shape = tuple(selections[0].shape[:3])
-    else:
-        raise ValueError("inverted_index: a one-layer tree has no selections to invert (every block merges every "
-                         "node there)")
+    elif shape is None:
+        raise ValueError("inverted_index: a one-layer tree's index needs shape=(B, NB, H_kv) (it has no selections)")
     out = []
     for l in range(num_layers):
-        parents = layer_parents(selections, l, num_layers, r, b, T)
+        parents = layer_parents(selections, l, num_layers, r, b, T, shape[1], offset)
         refined = selections[num_layers - 1 - l] if l > 0 else None
         num_tiles = -(-layer_sizes[l] // r)
         out.append(invert_layer(parents, refined, num_tiles, r, shape))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import Packing, build_packed_tree, tokens_to_virtual, virtual_exists, virtual_to_tokens
-from pallas_kernels.block.backward import block_backward_launch
+from pallas_kernels.block.backward import block_backward_launch, launch_by_partials
 from pallas_kernels.block.forward import MERGES, block_layout, block_static, check_merge_route, merge_static
 from pallas_kernels.block.merge import BlockStatic, layer_arrays, selection_lists
 from pallas_kernels.shared.common import next_power_of_two, pad_axis, pad_rope_halves, unpad_rope_halves
@@ -88,9 +88,11 @@ def block_forward_packed(q, k, v, selections, firsts, packing: Packing, *, confi
 @functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))
 def block_backward_packed(q, k, v, o, lse, do, selections, firsts, packing: Packing, *, config: HTreeConfig,
                           block: BlockConfig = BlockConfig(), interpret: bool = False, dead_rows=None):
-    """`backward.block_backward_pallas` (its key and value gradients by atomics) of
-    `block_forward_packed`'s output `o` with its `lse`, cotangent `do`, and the
-    selections and `firsts` it was given: `(dq, dk, dv)` in the dtypes of `q, k, v`."""
+    """`backward.block_backward_pallas` of `block_forward_packed`'s output `o` with its
+    `lse`, cotangent `do`, and the selections and `firsts` it was given: `(dq, dk, dv)`
+    in the dtypes of `q, k, v`. The key and value gradients by atomics, or with
+    `BlockConfig(backward_sum="partials")` summed by node from partial sums (bitwise
+    reproducible)."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G, Tv = H // H_kv, packing.virtual_len
@@ -105,9 +107,14 @@ def block_backward_packed(q, k, v, o, lse, do, selections, firsts, packing: Pack
 
     layers = packed_layers(k, v, packing, config, st)  # as the forward merged them
     node_counts = tuple(Tv // config.compression_rate**l for l in range(st.num_layers))
-    dq5, *grads = block_backward_launch(*rows, layers, selection_lists(selections, st), config, st, K,
-                                        packed_table_positions(config, packing, st), node_counts, interpret,
-                                        firsts=firsts)
+    lists, table_rows = selection_lists(selections, st), packed_table_positions(config, packing, st)
+    if block.backward_sum == "partials":
+        dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=Tv,
+                                        table_rows=table_rows, node_counts=node_counts,
+                                        budget=block.backward_partial_bytes, interpret=interpret, firsts=firsts)
+    else:
+        dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows, node_counts, interpret,
+                                            firsts=firsts)
     dq = virtual_to_tokens(unpad_rope_halves(dq5[:, :, :, :G], K).reshape(B, Tv, H, K), packing)
     # The layers' gradients back through the tree and the layout: the transpose of
     # `packed_layers` (linear), taken in float32. A layer's rows past its nodes (padding,

@@ -143,7 +143,7 @@ class WideConfig:
             raise ValueError(f"WideConfig.backward_rows must be >= {KERNEL_GROUP}, got {self.backward_rows!r}")
 
 
-BACKWARD_SUMS = ("atomics", "by_node")
+BACKWARD_SUMS = ("atomics", "by_node", "partials")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +159,18 @@ class BlockConfig:
     backward_tile: int = 32  # the backward holds five [rows, tile] float32 arrays
     backward_num_warps: int = 8
     # How the backward sums the key and value gradients (`block/backward.py`): float32
-    # atomics from every block that merged a node, or by node without atomics
-    # (`block/by_node.py`: bitwise reproducible). Atomics stay the default because by node
-    # is slower: 1476 ms against 891 at the benchmark shape's 128K (RESULTS, H200).
+    # atomics from every block that merged a node; `"partials"` (`block/partials.py`),
+    # each block's sums written to a buffer, then summed by node in block order (bitwise
+    # reproducible); or `"by_node"` (`block/by_node.py`), each node tile's sums recomputed
+    # over its blocks (reproducible, 1476 ms against the atomics' 891). At the benchmark
+    # shape's 128K partials take 795 ms against the atomics' 877 (681 at a 16 GiB
+    # budget; RESULTS, H200). Atomics stay the default for now: partials hold up to
+    # `backward_partial_bytes` more temporaries in every attention's backward, and the
+    # flip has not yet had the gate and the CI's sharding checks at the default.
     backward_sum: str = "atomics"
+    # With `"partials"`: the blocks go in chunks whose partial buffer stays under this many
+    # bytes (at 128K, 4 GiB is 62 blocks a chunk of 8192; fewer, larger chunks are faster).
+    backward_partial_bytes: int = 1 << 32
 
     def __post_init__(self):
         _check_fields(self, warps=("merge_num_warps", "backward_num_warps"))

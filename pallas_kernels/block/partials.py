@@ -1,0 +1,122 @@
+"""The block backward's key and value gradients as partial sums, summed by node in a
+fixed order (SPEC 5 with SPEC 12's selections constant; `BlockConfig.backward_sum =
+"partials"`): no atomics, so `dk`, `dv` are bitwise the same run to run.
+
+The walk is `backward.py`'s, block-major (the rows held, the candidates gathered, as
+the forward does). Where the atomics add each candidate tile's `dk`, `dv` into the
+layer's accumulators, this writes them, rotated back, to the program's own slab of a
+partial buffer at the tile's buffer positions (`[W_l, D]` a program and layer), and
+records the positions it walked. Then one launch a layer sums each node tile's
+partials over the blocks that merged it (`inverted.py`'s index, in block order): the
+inverse of the walk, reading instead of adding.
+
+The buffer is `B * H_kv * NB * sum_l W_l * (K + V)` float32 for the whole call (about
+570 GB at the benchmark shape's 128K), so the blocks go in chunks that keep it under
+`BlockConfig.backward_partial_bytes`: a chunk's walk, then its sums added to the
+layer's totals, chunk after chunk in block order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.block.by_node import tile_rows
+from pallas_kernels.block.inverted import InvertedLayer
+from pallas_kernels.block.merge import BlockStatic
+from pallas_kernels.shared.common import compiler_params, next_power_of_two
+
+LANES = 16  # a chunk's first block, as a vector the kernels read one lane of
+
+
+def slab_widths(layer_sizes, table_rows: int, st: BlockStatic) -> tuple[int, ...]:
+    """Each layer's positions a program's partial slab holds: its walk stops at the
+    tile past its last candidate, at most the layer's nodes and the RoPE table's rows."""
+    return tuple(next_power_of_two(min(n, table_rows), st.tile) for n in layer_sizes)
+
+
+def range_lanes(num_layers: int) -> int:
+    """Lanes of a program's walked ranges: `[start, stop)` positions a layer."""
+    return next_power_of_two(2 * num_layers, 2)
+
+
+def chunk_blocks(num_blocks: int, per_block: int, bytes_per_program: int, budget: int) -> int:
+    """Blocks a chunk: the most whose programs' slabs fit `budget` bytes (at least one)."""
+    return max(1, min(num_blocks, budget // max(1, bytes_per_program * per_block)))
+
+
+def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref, pv_ref, dk_ref, dv_ref, *, r: int,
+                width: int, per_block: int, layer: int):
+    R = dk_ref.shape[0]
+    u = pl.program_id(2)
+    c = jnp.arange(R, dtype=jnp.int32)
+    real = c < r
+    first = first_ref[0]
+
+    def entry(e, carry):
+        dk, dv = carry
+        j = blk_ref[e] - first  # the block inside the chunk
+        pos = slot_ref[e] * r + jnp.where(real, c, 0)  # the tile's buffer positions in block `j`
+        at = jnp.minimum(pos, width - 1)
+        for q in range(per_block):  # the block's programs, in order
+            prog = j * per_block + q
+            walked = real & (pos >= range_ref[prog, 2 * layer]) & (pos < range_ref[prog, 2 * layer + 1])
+            dk = dk + jnp.where(walked[:, None], pk_ref[prog * width + at, :], 0.0)
+            dv = dv + jnp.where(walked[:, None], pv_ref[prog * width + at, :], 0.0)
+        return dk, dv
+
+    zero = lambda ref: jnp.zeros(ref.shape, jnp.float32)
+    dk, dv = lax.fori_loop(lo_ref[u], hi_ref[u], entry, (zero(dk_ref), zero(dv_ref)))
+    dk_ref[...] = dk
+    dv_ref[...] = dv
+
+
+@functools.partial(jax.jit, static_argnames=("r", "width", "per_block", "layer", "num_warps", "interpret"))
+def sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, r: int, width: int, per_block: int,
+                 layer: int, num_warps: int = 4, interpret: bool = False):
+    """Layer `layer`'s `(dk [B, H_kv, U * r, kp], dv [B, H_kv, U * r, vp])` float32 from one
+    chunk's partials `pk [B, H_kv, NPc * width, kp]`, `pv` (program `p`'s slab at rows
+    `p * width ..`) and walked `ranges [B, H_kv, NPc, lanes]`: node tile `u` sums its
+    index entries `lo[..., u] .. hi[..., u] - 1` (the chunk's blocks, whose first is
+    `first [16]`'s lane 0), each block's programs in order."""
+    B, H_kv, U = lo.shape
+    R = tile_rows(r)
+    kp, vp = pk.shape[-1], pv.shape[-1]
+    whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda i, h, u: (i, h) + (0,) * (x.ndim - 2))
+    tile_out = lambda d: pl.BlockSpec((None, None, None, R, d), lambda i, h, u: (i, h, u, 0, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_sum_kernel, r=r, width=width, per_block=per_block, layer=layer),
+        grid=(B, H_kv, U),
+        in_specs=[pl.BlockSpec((LANES,), lambda i, h, u: (0,)), whole(lo), whole(hi), whole(index.blocks),
+                  whole(index.slots), whole(ranges), whole(pk), whole(pv)],
+        out_specs=[tile_out(kp), tile_out(vp)],
+        out_shape=[jax.ShapeDtypeStruct((B, H_kv, U, R, kp), jnp.float32),
+                   jax.ShapeDtypeStruct((B, H_kv, U, R, vp), jnp.float32)],
+        compiler_params=compiler_params(num_warps, 1),
+        interpret=interpret,
+    )(first, lo, hi, index.blocks, index.slots, ranges, pk, pv)
+    return dk[:, :, :, :r].reshape(B, H_kv, U * r, kp), dv[:, :, :, :r].reshape(B, H_kv, U * r, vp)
+
+
+def entry_keys(index: InvertedLayer, num_blocks: int):
+    """`[B, H_kv, E]` int32, each entry's `tile * NB + block`: ascending (tiles in order,
+    each tile's blocks in order; the padding past the last tile), so a chunk's entries of
+    a tile are one `searchsorted` range."""
+    entries = jnp.arange(index.blocks.shape[-1], dtype=jnp.int32)
+    tile = jnp.vectorize(lambda off: jnp.searchsorted(off[1:], entries, side="right"), signature="(u)->(e)")(
+        index.offsets)
+    return (tile * num_blocks + index.blocks).astype(jnp.int32)
+
+
+def chunk_bounds(keys, num_tiles: int, num_blocks: int, first, count: int):
+    """`(lo, hi) [B, H_kv, U]`: each tile's entries of blocks `first .. first + count - 1`."""
+    base = jnp.arange(num_tiles, dtype=jnp.int32) * num_blocks + first
+    find = jnp.vectorize(lambda k, x: jnp.searchsorted(k, x, side="left"), signature="(e),(u)->(u)")
+    return find(keys, base).astype(jnp.int32), find(keys, base + count).astype(jnp.int32)
+
+
+__all__ = ["chunk_blocks", "chunk_bounds", "entry_keys", "range_lanes", "slab_widths", "sum_partials"]
