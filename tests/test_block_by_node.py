@@ -1,7 +1,7 @@
 """The block backward's key and value gradients summed by node (`pallas_kernels.block.
 by_node`, `BlockConfig(backward_sum="by_node")`, interpreted): the inverted index against
-a brute-force inversion of the blocks' selections, the gradients against the JAX
-reference and against the atomics' sums on multi-layer trees (both sources, padded
+a brute-force inversion of the blocks' selections, the gradients (by node and from
+partial sums) against the JAX reference, and by node against the atomics' sums on multi-layer trees (both sources, padded
 heads, ragged lengths, partial RoPE, bfloat16, a group split over programs), two calls
 equal bitwise. (Each of its launches is lowered to Triton for a Hopper GPU in
 `tests/test_block_kernels.py`.)"""
@@ -73,13 +73,20 @@ def test_the_inverted_index_is_the_brute_force_inversion(rng, r, top_k, T, H_kv,
             assert offsets[b, h, -1] == sum(len(x) for x in tiles.values())
 
 
-def by_node_tuning(K, V):
-    return KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum": "by_node"})
+def summed_tuning(K, V, summed: str = "by_node"):
+    return KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum": summed})
 
 
-@pytest.mark.parametrize("source, selection, r, top_k, T, H, H_kv, K, V, rope_dim, dtype", CASES)
-def test_gradients_summed_by_node_match_the_reference(rng, source, selection, r, top_k, T, H, H_kv, K, V, rope_dim,
-                                                      dtype):
+# Each sum on the cases its path branches on: by node (recomputing each block's rows) on
+# float32 and bfloat16 and a group split over programs; from partials (each program's
+# slab and walked range) on ragged padded heads, bfloat16, partial RoPE and the split.
+SUMMED_CASES = ([("by_node", CASES[i]) for i in (0, 3, 5)] + [("partials", CASES[i]) for i in (2, 3, 4, 5)])
+
+
+@pytest.mark.parametrize("summed, case", SUMMED_CASES)
+def test_gradients_summed_without_atomics_match_the_reference(rng, summed, case):
+    """By node and from partial sums (`test_block_partials.py` has the partials' own)."""
+    source, selection, r, top_k, T, H, H_kv, K, V, rope_dim, dtype = case
     config = block_config(r, top_k, source, selection, rope_dim=rope_dim)
     q, k, v = inputs(rng, 1, T, H, H_kv, K, V, dtype)
     weights = jnp.asarray(rng.standard_normal((1, T, H, V)), jnp.float32)
@@ -90,7 +97,7 @@ def test_gradients_summed_by_node_match_the_reference(rng, source, selection, r,
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     tolerance = 1e-5 if dtype == jnp.float32 else 3e-2
-    for name, a, b in zip("qkv", grads("pallas_interpret", by_node_tuning(K, V)), grads("reference")):
+    for name, a, b in zip("qkv", grads("pallas_interpret", summed_tuning(K, V, summed)), grads("reference")):
         assert relative(a.astype(jnp.float32), b.astype(jnp.float32)) < tolerance, name
 
 
