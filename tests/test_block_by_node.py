@@ -101,7 +101,10 @@ def test_gradients_summed_without_atomics_match_the_reference(rng, summed, case)
         assert relative(a.astype(jnp.float32), b.astype(jnp.float32)) < tolerance, name
 
 
-def test_by_node_equals_the_atomics_and_is_the_same_every_call(rng):
+def test_sums_without_atomics_equal_the_atomics_and_are_the_same_every_call(rng):
+    """By node, and from partial sums in three chunks of several blocks and a remainder
+    (1 MiB holds 10 of this call's 38 blocks' slabs, 96 KiB a block) and one block a
+    chunk (one chunk: the reference cases)."""
     config = block_config(4, 4, "first", "bound")
     q, k, v = inputs(rng, 2, 150, 8, 2, 32, 32, jnp.float32)
     selections = blocks_of(q, k, v, config, impl="pallas_interpret")
@@ -109,13 +112,17 @@ def test_by_node_equals_the_atomics_and_is_the_same_every_call(rng):
     do = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
     run = lambda block: block_backward_pallas(q, k, v, o, lse, do, selections, config=config, block=block,
                                               interpret=True)
-    atomics, first, second = run(BlockConfig()), run(BY_NODE), run(BY_NODE)
-    for a, b, c in zip(atomics, first, second):
-        assert relative(b, a) < 1e-6
-        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+    atomics = run(BlockConfig())
+    for block in (BY_NODE, *(BlockConfig(backward_sum="partials", backward_partial_bytes=n) for n in (2 ** 20, 1))):
+        first, second = run(block), run(block)
+        for a, b, c in zip(atomics, first, second):
+            assert relative(b, a) < 1e-6, block
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
 
 
 def test_an_unknown_sum_is_refused_by_name():
     with pytest.raises(ValueError, match="backward_sum must be one of"):
         BlockConfig(backward_sum="sorted")
+    with pytest.raises(ValueError, match="backward_partial_bytes"):
+        BlockConfig(backward_sum="partials", backward_partial_bytes=0)
     assert KernelConfigs().with_changes({"block.backward_sum": "by_node"}).block == BY_NODE
