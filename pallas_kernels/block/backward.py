@@ -10,8 +10,11 @@ each candidate's position) and `dv = p^T do` are summed over the program's rows 
 added to the layer's float32 accumulators with atomics: many blocks merge the same
 node, and with `b * G` rows a gather the atomics are a sixteenth of per-query ones.
 So the key and value gradients are summed in no fixed order (not bitwise
-reproducible run to run, unlike the per-query family's). The layers' gradients are
-pushed down the tree (`tree_backward.push_down`) to the tokens.
+reproducible run to run, unlike the per-query family's). `BlockConfig.backward_sum`
+picks instead `"partials"` (each tile's sums stored in the program's slab, then summed
+by node in block order: `partials.py`, `launch_by_partials`) or `"by_node"`
+(`by_node.py`), both reproducible. The layers' gradients are pushed down the tree
+(`tree_backward.push_down`) to the tokens.
 """
 
 from __future__ import annotations
