@@ -53,6 +53,13 @@ def bitwise_repeatable(fn, args) -> bool:
     return all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)))
 
 
+def sum_and_walk(text: str) -> dict:
+    """`"partials:mosaic_gpu"` -> `BlockConfig`'s `backward_sum` and (after the colon)
+    `backward_walk`."""
+    summed, _, walk = text.partition(":")
+    return dict(backward_sum=summed, **({"backward_walk": walk} if walk else {}))
+
+
 def parse_variants(text: str) -> list[tuple[int, int]]:
     """`"64x8,32x4"` -> `[(tile, warps), ...]`."""
     return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
@@ -101,12 +108,12 @@ def run(args):
                     o, lse = block_forward_pallas(q, k, v, blocks, config=config)
                     for (tile, warps), summed in itertools.product(parse_variants(args.backward_variants),
                                                                    args.backward_sums.split(",")):
-                        key = f"backward_{tile}x{warps}" + ("" if summed == "atomics" else f"_{summed}")
-                        grads = jax.jit(lambda q, k, v, o, lse, s, c=config, t=tile, w=warps, m=summed:
+                        key = f"backward_{tile}x{warps}" + ("" if summed == "atomics" else "_" + summed.replace(":", "_"))
+                        sums = sum_and_walk(summed)
+                        grads = jax.jit(lambda q, k, v, o, lse, s, c=config, t=tile, w=warps, m=sums:
                                         block_backward_pallas(q, k, v, o, lse, o, s, config=c,
                                                               block=BlockConfig(backward_tile=t, backward_num_warps=w,
-                                                                                backward_sum=m,
-                                                                                backward_partial_bytes=budget)))
+                                                                                backward_partial_bytes=budget, **m)))
                         try:
                             ms = median_ms(grads, (q, k, v, o, lse, blocks), args.iters)
                             row[f"{key}_ms"] = ms
@@ -121,11 +128,13 @@ def run(args):
                         if summed == BlockConfig().backward_sum:
                             continue
                         tuning = KernelConfigs.resolve(None, K, V).with_changes(
-                            {"block.backward_sum": summed, "block.backward_partial_bytes": budget})
+                            {**{f"block.{name}": x for name, x in sum_and_walk(summed).items()},
+                             "block.backward_partial_bytes": budget})
                         step = jax.jit(grad_of_sum(lambda q, k, v, c=config, t=tuning: htree_attention(
                             q, k, v, c, backend="pallas", block_sizes=t)))
-                        row[f"fwd_bwd_{summed}_ms"] = median_ms(step, (q, k, v), args.iters)
-                        row[f"fwd_bwd_{summed}_speedup"] = dense_fwd_bwd_ms / row[f"fwd_bwd_{summed}_ms"]
+                        name = summed.replace(":", "_")
+                        row[f"fwd_bwd_{name}_ms"] = median_ms(step, (q, k, v), args.iters)
+                        row[f"fwd_bwd_{name}_speedup"] = dense_fwd_bwd_ms / row[f"fwd_bwd_{name}_ms"]
                 print(row, flush=True)
                 rows.append(row)
                 del blocks
@@ -141,7 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="random,correlated", help="input kinds (htree_jax.bench.INPUTS)")
     ap.add_argument("--variants", default="64x8", help="the merge's tile x warps to time apart")
     ap.add_argument("--backward-variants", default="32x8", help="the backward's tile x warps to time apart")
-    ap.add_argument("--backward-sums", default="atomics", help="BlockConfig.backward_sum values to time apart")
+    ap.add_argument("--backward-sums", default="atomics", help="BlockConfig.backward_sum values to time apart, each optionally "
+                    "':WALK' (BlockConfig.backward_walk: partials:mosaic_gpu, partials:pallas_triton)")
     ap.add_argument("--backward-partial-bytes", type=int, default=BlockConfig().backward_partial_bytes,
                     help="BlockConfig.backward_partial_bytes with --backward-sums partials")
     ap.add_argument("--backward-sizes", default="131072", help="lengths also timed forward+backward")

@@ -98,14 +98,13 @@ def htree_attention(
       families): all three, no atomics (key and value gradients are summed per tree
       node in a fixed order);
     - block selection on the Pallas kernels (`selection_block > 1`, `HTreeConfig()`'s
-      default): `dq` is, `dk` and
-      `dv` are not by default: each block's key and value gradients are added into the
-      nodes it merged with float32 atomics, in no fixed order (they may differ in the last
-      bits); from partial sums they are (`block_sizes=KernelConfigs.resolve(None, K,
-      V).with_changes({"block.backward_sum": "partials"})`: each block's sums written
-      out, each node's summed over the blocks that merged it in block order; faster
-      than the atomics, with up to `BlockConfig.backward_partial_bytes` more memory), and
-      summed by node (`"by_node"`, slower);
+      default): `dq` is, and on a GPU `dk` and `dv` are too (`BlockConfig.backward_sum=
+      "auto"`): each block's sums written out as partial sums, each node's summed over
+      the blocks that merged it in block order, with up to
+      `BlockConfig.backward_partial_bytes` (16 GiB) more memory; interpreted, or with
+      `block_sizes=KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum":
+      "atomics"})`, they are added into the nodes with float32 atomics, in no fixed order
+      (they may differ in the last bits); `"by_node"` is reproducible and slower;
     - the reference: XLA autodiff; on a GPU its gathers' transposes are scatter-adds,
       reproducible only under XLA's `--xla_gpu_deterministic_ops=true`.
     The selections themselves are a hard top-K: a near-tie of two nodes' importances may

@@ -199,6 +199,18 @@ def matrix(full: bool):
     yield (8, 128, 128, None), "bfloat16", "bound", "block previous by partials"
     yield (8, 128, 128, None), "bfloat16", "bound", "block first packed by partials"
     yield (8, 128, 128, None), "bfloat16", "bound", "block previous shard by partials T=1024"
+    # The walk's kernels by name (`BlockConfig.backward_walk`; the cases above take "auto":
+    # Mosaic GPU on an H200 where it takes the launch): the Pallas-Triton twin, and the
+    # Mosaic GPU walk with several steps a layer, two programs a block, partial RoPE and
+    # padded head dims, float16.
+    yield (8, 128, 128, None), "bfloat16", "bound", "block first walk pallas_triton by partials"
+    for shape in ((8, 128, 128, None), (16, 128, 128, None), (4, 96, 96, 32)):
+        yield shape, "bfloat16", "bound", "block first walk mosaic_gpu by partials T=4096"
+    yield (8, 128, 128, None), "float16", "bound", "block previous walk mosaic_gpu by partials"
+    # The atomics by name (the cases above that name no sums take "auto": partials on the GPU).
+    yield (8, 128, 128, None), "bfloat16", "bound", "block first by atomics"
+    yield (8, 128, 128, None), "float32", "bound", "block previous by atomics"
+    yield (8, 128, 128, None), "bfloat16", "bound", "block first packed by atomics"
 
 
 def relative(a, b) -> float:
@@ -248,7 +260,8 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     and the decode kernels with the block's selection kept in the cache), optionally
     followed by " packed" (two documents; " packed N": N documents told their longest
     length, whose tree's top layer then spans several of a merge's steps), " via ROUTE"
-    (the merge's kernel), " by node" or " by partials" (the backward's sums), " shard" (two context
+    (the merge's kernel), " walk NAME" (the backward's walk for partial sums, `BlockConfig.
+    backward_walk`), " by node" or " by partials" (the backward's sums), " shard" (two context
     shards, `run_shard_case`) and " T=4096" (that length, so that every layer takes
     several of a merge's steps: at T=600 each fits in one)."""
     G, K, V, rope = shape
@@ -260,6 +273,8 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     packed = re.sub(r" packed( \d+)?", "", packed) if block else packed
     shard = block and " shard" in packed
     packed = packed.replace(" shard", "") if block else packed
+    walk = re.search(r" walk (\w+)", packed) if block else None
+    packed = packed.replace(walk.group(0), "") if walk else packed
     route = packed.split(" via ")[1] if block and " via " in packed else None
     source = packed.split()[1] if block else None
     # "block first" without partial RoPE is HTreeConfig()'s own selection (the default,
@@ -269,8 +284,10 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     config = HTreeConfig(top_k=64 if packed == "one layer" else 8, rope_dim=rope, selection=sel, **chosen)
     by_node = block and packed.endswith(" by node")
     partials = block and packed.endswith(" by partials")
-    sums = "by_node" if by_node else "partials" if partials else None
-    changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": sums} if sums else {})}
+    atomics = block and packed.endswith(" by atomics")
+    sums = "by_node" if by_node else "partials" if partials else "atomics" if atomics else None
+    changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": sums} if sums else {}),
+               **({"block.backward_walk": walk.group(1)} if walk else {})}
     tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
     return CaseSetup(T=int(length.group(1)) if length else GATE_T, H_kv=1 if G > 16 else 2, config=config,
                      block=block, packed=documents, route=route, by_node=by_node, tuning=tuning, shard=shard,

@@ -31,9 +31,11 @@ from htree_jax.core.config import HTreeConfig
 from htree_jax.core.tree import build_tree
 from pallas_kernels.block.by_node import key_grads_by_node
 from pallas_kernels.block.inverted import inverted_index
+from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
+from pallas_kernels.block.mosaic_backward import block_backward_mosaic, check_mosaic_backward_dims
 from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_bounds, entry_keys, range_lanes, slab_widths,
                                          sum_partials)
-from pallas_kernels.block.forward import block_layout, block_static, check_shard_offset, table_positions
+from pallas_kernels.block.forward import block_layout, block_static, check_shard_offset, on_hopper, table_positions
 from pallas_kernels.block.merge import (
     BlockStatic,
     block_inputs,
@@ -200,20 +202,31 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
 
 def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, st: BlockStatic, head_dim: int,
                        T: int, table_rows: int, node_counts: tuple, budget: int, interpret: bool = False,
-                       firsts=None, offset=None):
+                       firsts=None, offset=None, walk: str = "pallas_triton"):
     """`block_backward_launch`'s `(dq5, [dk_l, dv_l])` with the key and value gradients
     summed by node from partial sums (`partials.py`): chunks of blocks whose slabs fit
     `budget` bytes, each walked (`sums="partials"`) and then summed a layer, the totals
     added chunk after chunk in block order. `rows` `(q5, do5, lse, delta)`, `lists` and
     `selections` (as `block_backward_pallas` has them), `T` the keys (a packed row's
     virtual length), `node_counts` each layer's nodes, `firsts` (packed rows) and
-    `offset` (a context shard's first position) as the launch takes them."""
+    `offset` (a context shard's first position) as the launch takes them. `walk`: the
+    kernel that walks the blocks, `"pallas_triton"` (`block_backward_launch`, float32
+    slabs of `dk` turned back) or `"mosaic_gpu"` (`mosaic_backward.block_backward_mosaic`,
+    slabs in the inputs' dtype, `dk` turned back by the sums; `st.tile` its `TILE`)."""
     q5 = rows[0]
     B, Tp, H_kv = q5.shape[:3]
     r, L = st.r, st.num_layers
     NB, per_block = Tp // r, r // st.queries
+    mosaic = walk == "mosaic_gpu"
+    launch = block_backward_mosaic if mosaic else block_backward_launch
     widths = slab_widths(node_counts, table_rows, st)
-    per_program = B * H_kv * sum(widths) * (q5.shape[-1] + st.vp) * 4
+    itemsize = jnp.dtype(q5.dtype).itemsize if mosaic else 4
+    per_program = B * H_kv * sum(widths) * (q5.shape[-1] + st.vp) * itemsize
+    tables = None
+    if mosaic:  # each key's angle by its buffer position, to `max(widths)` (identity past the table)
+        cos, sin = rope_tables(config, head_dim, table_rows, st)
+        pad = ((0, max(0, max(widths) - table_rows)), (0, 0))
+        tables = (jnp.pad(cos, pad, constant_values=1.0), jnp.pad(sin, pad))
     count = chunk_blocks(NB, per_block, per_program, budget)
     index = inverted_index(selections, r=r, b=r, T=T, num_layers=L, layer_sizes=node_counts, shape=(B, NB, H_kv),
                            offset=offset)
@@ -223,18 +236,18 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
     def chunk(first_block, n_blocks: int, totals):
         cut = lambda x, per: lax.dynamic_slice_in_dim(x, first_block * per, n_blocks * per, axis=1)
         start = first_block * r if offset is None else offset + first_block * r
-        dq5, *out = block_backward_launch(
+        dq5, *out = launch(
             *(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], config, st, head_dim, table_rows,
             node_counts, interpret, sums="partials", firsts=None if firsts is None else cut(firsts, 1),
             offset=jnp.asarray(start, jnp.int32), widths=widths)
-        slabs, ranges = out[:-1], out[-1]
+        slabs, ranges = (out[0], out[1]) if mosaic else (out[:-1], out[-1])
         first = jnp.full((LANES,), first_block, jnp.int32)
         new = []
         for l in range(L):
             lo, hi = chunk_bounds(keys[l], tiles[l], NB, first_block, n_blocks)
             new += [t + g for t, g in zip(totals[2 * l: 2 * l + 2], sum_partials(
                 first, lo, hi, index[l], ranges, slabs[2 * l], slabs[2 * l + 1], r=r, width=widths[l],
-                per_block=per_block, layer=l, num_warps=st.num_warps, interpret=interpret))]
+                per_block=per_block, layer=l, num_warps=st.num_warps, interpret=interpret, tables=tables))]
         return dq5, new
 
     totals = [jnp.zeros((B, H_kv, u * r, d), jnp.float32) for u in tiles for d in (q5.shape[-1], st.vp)]
@@ -256,6 +269,37 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
     return jnp.concatenate(dqs, axis=1) if len(dqs) > 1 else dqs[0], totals
 
 
+def chosen_sum(block: BlockConfig, interpret: bool) -> str:
+    """How the key and value gradients are summed (`BlockConfig.backward_sum`); `"auto"`:
+    from partial sums on a GPU, by atomics interpreted (the reason in `BlockConfig`)."""
+    if block.backward_sum != "auto":
+        return block.backward_sum
+    return "atomics" if interpret else "partials"
+
+
+def chosen_walk(block: BlockConfig, st: BlockStatic, K: int, V: int, dtype, table_rows: int, interpret: bool) -> str:
+    """The kernel that walks the blocks for partial sums (`BlockConfig.backward_walk`):
+    Pallas-Triton for the other sums; `"mosaic_gpu"` where asked (a ValueError naming
+    the rule where it cannot take the launch `st`, whose tile is its `TILE`); `"auto"`:
+    Mosaic GPU on a Hopper GPU wherever it takes the launch, else Pallas-Triton."""
+    route = block.backward_walk
+    if chosen_sum(block, interpret) != "partials" or route == "pallas_triton":
+        return "pallas_triton"
+    if route == "mosaic_gpu":
+        if interpret:
+            raise ValueError("BlockConfig(backward_walk='mosaic_gpu') has no interpret mode; interpreted runs take "
+                             "'pallas_triton'")
+        check_mosaic_backward_dims(st, K, V, dtype, table_rows)
+        return route
+    if interpret or not on_hopper():
+        return "pallas_triton"
+    try:
+        check_mosaic_backward_dims(st, K, V, dtype, table_rows)
+    except ValueError:
+        return "pallas_triton"
+    return "mosaic_gpu"
+
+
 @functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))
 def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfig, block: BlockConfig = BlockConfig(),
                           interpret: bool = False, dead_rows=None, offset=None):
@@ -274,7 +318,10 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     B, S, H, K = q.shape
     T, H_kv, V = k.shape[1], k.shape[2], v.shape[-1]
     G, b = H // H_kv, config.selection_block
-    st = block_static(config, T, G, K, V, q.dtype, block.backward_tile, block.backward_num_warps)
+    st = block_static(config, T, G, K, V, q.dtype, MOSAIC_TILE, block.backward_num_warps)
+    walk = chosen_walk(block, st, K, V, q.dtype, table_positions(config, T, st), interpret)
+    if walk != "mosaic_gpu":
+        st = block_static(config, T, G, K, V, q.dtype, block.backward_tile, block.backward_num_warps)
     Tp = -(-S // b) * b
     if dead_rows is not None:
         do = jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
@@ -282,7 +329,8 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, H]
     layout = lambda x: block_layout(x, H_kv, st, Tp)
     tree = build_tree(k, v, config)
-    by_node, by_partials = block.backward_sum == "by_node", block.backward_sum == "partials"
+    summed = chosen_sum(block, interpret)
+    by_node, by_partials = summed == "by_node", summed == "partials"
     rows = (layout(pad_rope_halves(q, st.half)), layout(pad_axis(do, -1, st.vp)), layout(lse), layout(delta))
     layers, table_rows = layer_arrays(tree, st), table_positions(config, T, st)
     lists = selection_lists(selections, st)
@@ -295,7 +343,8 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     if by_partials:
         dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
                                         table_rows=table_rows, node_counts=tuple(config.layer_sizes(T)),
-                                        budget=block.backward_partial_bytes, interpret=interpret, **shard)
+                                        budget=block.backward_partial_bytes, interpret=interpret, walk=walk,
+                                        **shard)
     else:
         dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows,
                                             tuple(config.layer_sizes(T)), interpret,

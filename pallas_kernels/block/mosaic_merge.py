@@ -167,34 +167,54 @@ def earlier_bits(firsts, words: int):
                    dtype=jnp.uint32)
 
 
+def row_angles(counts, Tp: int, st: BlockStatic, offset=None):
+    """Each layer's row angle `n - 1` (SPEC 2.2) of `Tp` positions: `[L, B, Tp, H_kv]`
+    int32 from the counts `[B, NB, H_kv, Lp]` (`merge.layer_parent_counts`). `offset`: a
+    context shard's first position (its rows' positions from there)."""
+    L, r = st.num_layers, st.r
+    t = jnp.arange(Tp, dtype=jnp.int32)
+    block_of = t // r
+    starts = block_of * r
+    if offset is not None:
+        t, starts = t + offset, starts + offset
+    return jnp.stack([candidate_count(counts[..., l][:, block_of], (t if l == 0 else starts)[None, :, None], r, l) - 1
+                      for l in range(L)])
+
+
+def program_layout(x, st: BlockStatic, rows: int, lead: int = 0):
+    """Per-row arrays `[*lead, B, Tp, H_kv, Gp, *tail]` (`lead` leading axes) laid out a
+    program's rows together: `[*lead, B, Tp / queries, H_kv, rows, *tail]`, each
+    program's `queries * Gp` rows (query-major) zero-padded to `rows`."""
+    shape = x.shape
+    B, Tp, H_kv, gp = shape[lead: lead + 4]
+    tail = shape[lead + 4:]
+    x = x.reshape(shape[:lead] + (B, Tp // st.queries, st.queries, H_kv, gp) + tail)
+    x = jnp.moveaxis(x, lead + 2, lead + 3).reshape(shape[:lead] + (B, Tp // st.queries, H_kv, st.queries * gp) + tail)
+    return jnp.pad(x, [(0, 0)] * (lead + 3) + [(0, rows - st.queries * gp)] + [(0, 0)] * len(tail))
+
+
+def from_program_layout(x, st: BlockStatic, gp: int, lead: int = 0):
+    """`program_layout`'s inverse: `[*lead, B, NJ, H_kv, rows, *tail]` -> `[*lead, B, NJ *
+    queries, H_kv, Gp, *tail]`, the padded rows dropped."""
+    shape = x.shape
+    B, nj, H_kv = shape[lead: lead + 3]
+    tail = shape[lead + 4:]
+    x = lax.slice_in_dim(x, 0, st.queries * gp, axis=lead + 3)
+    x = x.reshape(shape[:lead] + (B, nj, H_kv, st.queries, gp) + tail)
+    return jnp.moveaxis(x, lead + 3, lead + 2).reshape(shape[:lead] + (B, nj * st.queries, H_kv, gp) + tail)
+
+
 def rotated_queries(q5, counts, cos, sin, st: BlockStatic, rows: int, dtype=None, offset=None):
-    """Each layer's queries rotated by their row's angle `n - 1` (SPEC 2.2), laid out a
+    """Each layer's queries rotated by their row's angle `n - 1` (`row_angles`), laid out a
     program's rows together: `q5 [B, Tp, H_kv, Gp, 2 * half]` -> `(lo, hi)` each `[L, B,
     Tp / queries, H_kv, rows, half]` in `dtype` (q's where None). `offset`: a context
     shard's first position (its rows' positions from there)."""
-    B, Tp, H_kv, gp, _ = q5.shape
-    L, r, h = st.num_layers, st.r, st.half
-    t = jnp.arange(Tp, dtype=jnp.int32)
-    block_of = t // r
-    starts = None  # each row's block's first position, where shifted
-    if offset is not None:
-        t, starts = t + offset, block_of * r + offset
+    h = st.half
+    angle = row_angles(counts, q5.shape[1], st, offset)  # [L, B, Tp, H_kv]
     lo, hi = q5[..., :h].astype(jnp.float32), q5[..., h:].astype(jnp.float32)
-    out_lo, out_hi = [], []
-    for l in range(L):
-        n_p = counts[..., l][:, block_of]  # [B, Tp, H_kv]
-        n = candidate_count(n_p, t[None, :, None] if l == 0 else (block_of * r if starts is None else starts)[
-            None, :, None], r, l)
-        c, s = cos[n - 1][:, :, :, None, :], sin[n - 1][:, :, :, None, :]
-        out_lo.append(lo * c - hi * s)
-        out_hi.append(lo * s + hi * c)
-
-    def lay_out(x):  # [L, B, Tp, H_kv, gp, h] -> [L, B, NJ, H_kv, rows, h]
-        x = x.reshape(L, B, Tp // st.queries, st.queries, H_kv, gp, h)
-        x = jnp.moveaxis(x, 3, 4).reshape(L, B, Tp // st.queries, H_kv, st.queries * gp, h)
-        return jnp.pad(x, [(0, 0)] * 4 + [(0, rows - st.queries * gp), (0, 0)]).astype(dtype or q5.dtype)
-
-    return lay_out(jnp.stack(out_lo)), lay_out(jnp.stack(out_hi))
+    c, s = cos[angle][..., None, :], sin[angle][..., None, :]  # [L, B, Tp, H_kv, 1, h]
+    lay_out = lambda x: program_layout(x, st, rows, lead=1).astype(dtype or q5.dtype)
+    return lay_out(lo * c - hi * s), lay_out(lo * s + hi * c)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +305,53 @@ def pipeline_for(st: BlockStatic) -> Pipeline:
 LOG2E = math.log2(math.e)
 
 
+def shifted_position(count_s, t, num_layers: int, shard: bool):
+    """A position of a program's rows in the tree's sequence: plus a context shard's
+    offset (`count_s[L + 1]`, a multiple of `b`; `with_offset`), read once the counts
+    have landed in shared memory."""
+    return t + count_s[num_layers + 1] if shard else t
+
+
+def layer_bounds(count_s, l: int, *, st: BlockStatic, tile: int, t_first, t0, packed: bool, shard: bool):
+    """`(n_P, n_max, start, stop)` of layer `l` for a program whose rows start at
+    `t_first` (block start `t0`), its counts in shared memory (`count_s`: `n_P` of each
+    layer, then `with_firsts`' and `with_offset`'s entries): the block's most candidates
+    `n` and its steps `start .. stop - 1` of `tile` candidates; none above layer 0 where
+    the layer refines all its candidates (its list, `n_P` of layer `l - 1`, is as
+    long), as the top layer does wherever it has at most `top_k` nodes. Packed rows
+    start the top layer at the step of the document's first node (`count_s[L]`,
+    `merge.walk_tiles`), whose candidates are the nodes from it to `n`."""
+    L, r = st.num_layers, st.r
+    n_parents = count_s[l]
+    n_max = candidate_count(n_parents, shifted_position(count_s, t_first + st.queries - 1 if l == 0 else t0, L, shard),
+                            r, l)
+    stop = (n_max + tile - 1) // tile
+    skips = packed and l == L - 1
+    first = count_s[L] if skips else None
+    if l > 0:
+        stop = jnp.where(count_s[l - 1] >= (n_max - first if skips else n_max), 0, stop)
+    return n_parents, n_max, jnp.minimum(first // tile, stop) if skips else 0, stop
+
+
+def unmerged_at_minus_inf(s, i, *, layer: int, num_layers: int, tile: int, col, n_row, n_max, bits_s, wcols: int):
+    """Step `i`'s scores `s [ROWS, tile]` with those the layer does not merge at `-inf`:
+    at layer 0 the positions past each row's `n` (`n_row`, in WGMMA's row layout), above
+    it those past `n_max` and those the layer's bitmap marks refined (`bits_s [L - 1,
+    rows, wcols]` in shared memory, top layer first; one word of 32 positions at a
+    time), decided per column (`col`, the step's column iota in the column layout)."""
+    if layer == 0:
+        limit = lax.broadcast_in_dim(n_row - i * tile, s.shape, [0])
+        return jnp.where(lax.broadcast_in_dim(col, s.shape, [1]) < limit, s, -jnp.inf)
+    at = lambda w: i * (tile // WORD) + w
+    word = lambda w: col * 0 + bits_s[num_layers - 1 - layer, at(w) // wcols, at(w) % wcols]
+    bits = word(0)
+    for w in range(1, tile // WORD):
+        bits = jnp.where(col >= w * WORD, word(w), bits)
+    refined = lax.shift_right_logical(bits, col % WORD) & 1
+    bias = jnp.where((col < n_max - i * tile) & (refined == 0), 0.0, -jnp.inf)
+    return s + lax.broadcast_in_dim(bias, s.shape, [1])
+
+
 def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, words: tuple[int, int],
                   lists: tuple[int, int], dtype, pipe: Pipeline, packed: bool = False, shard: bool = False):
     """One program per `(b, queries, h_kv)`: `consumers` warpgroups of `ROWS` rows each
@@ -320,28 +387,13 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
     blk = t_first // r
 
     def shifted(t):
-        """A position of the shard's rows in the tree's sequence: plus a context shard's
-        offset (`count_s[L + 1]`, a multiple of `b`), read once the counts have landed."""
-        return t + count_s[L + 1] if shard else t
+        return shifted_position(count_s, t, L, shard)
     node_tiles = C // r
     wrows, wcols = words
     lrows, lcols = lists
 
     def layer_counts(l):
-        """`n_P`, the block's most candidates `n` and its steps `start .. stop - 1` at
-        layer `l`: none above layer 0 where the layer refines all its candidates (its
-        list, `n_P` of layer `l - 1`, is as long), as the top layer does wherever it has
-        at most `top_k` nodes. Packed rows start the top layer at the step of the
-        document's first node (`count_s[L]`, `merge.walk_tiles`), whose candidates are
-        the nodes from it to `n`."""
-        n_parents = count_s[l]
-        n_max = candidate_count(n_parents, shifted(t_first + st.queries - 1 if l == 0 else t0), r, l)
-        stop = (n_max + C - 1) // C
-        skips = packed and l == L - 1
-        first = count_s[L] if skips else None
-        if l > 0:
-            stop = jnp.where(count_s[l - 1] >= (n_max - first if skips else n_max), 0, stop)
-        return n_parents, n_max, jnp.minimum(first // C, stop) if skips else 0, stop
+        return layer_bounds(count_s, l, st=st, tile=C, t_first=t_first, t0=t0, packed=packed, shard=shard)
 
     def layer_steps(l):
         _, _, start, stop = layer_counts(l)
@@ -392,21 +444,8 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
             n_row = candidate_count(n_parents, shifted(t_first + row // st.group), r, 0) if l == 0 else None
 
             def merged_scores(s, i, l=l, n_max=n_max, n_row=n_row):
-                """The step's scores with those the layer does not merge at `-inf`: at
-                layer 0 the positions past each row's `n`; above it those past `n_max`
-                and those the layer's bitmap marks refined (one word of 32 positions at a
-                time), decided per column."""
-                if l == 0:
-                    limit = lax.broadcast_in_dim(n_row - i * C, s.shape, [0])
-                    return jnp.where(lax.broadcast_in_dim(col, s.shape, [1]) < limit, s, -jnp.inf)
-                word = lambda w: col * 0 + bits_s[L - 1 - l, (i * (C // WORD) + w) // wcols,
-                                                  (i * (C // WORD) + w) % wcols]
-                bits = word(0)
-                for w in range(1, C // WORD):
-                    bits = jnp.where(col >= w * WORD, word(w), bits)
-                refined = lax.shift_right_logical(bits, col % WORD) & 1
-                bias = jnp.where((col < n_max - i * C) & (refined == 0), 0.0, -jnp.inf)
-                return s + lax.broadcast_in_dim(bias, s.shape, [1])
+                return unmerged_at_minus_inf(s, i, layer=l, num_layers=L, tile=C, col=col, n_row=n_row,
+                                             n_max=n_max, bits_s=bits_s, wcols=wcols)
 
             absolute = pipe.absolute_top and l == L - 1  # the keys at their buffer positions
 
@@ -614,14 +653,14 @@ def turned_keys(layers, cos, sin, st: BlockStatic, tile: int, absolute_top: bool
     return out
 
 
-def _boxes(n: int) -> tuple[int, int]:
+def tma_boxes(n: int) -> tuple[int, int]:
     """`n` entries (a power of two) as `(rows, cols)` of a TMA box: at most `TMA_ROWS`
     entries along a dimension, at least 16 bytes of int32 along the last."""
     cols = max(4, min(n, TMA_ROWS))
     return max(1, n // cols), cols
 
 
-def _lists(x, boxes: tuple[int, int]):
+def per_program_lists(x, boxes: tuple[int, int]):
     """`[L', B, NB, H_kv, n]` int32 -> `[B, NB, H_kv, L', rows, cols]`: a program's lists
     of every layer one TMA copy."""
     x = jnp.pad(x, [(0, 0)] * 4 + [(0, boxes[0] * boxes[1] - x.shape[-1])])
@@ -679,7 +718,7 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     rows, nj, nb = program_rows(st), Tp // st.queries, Tp // st.r
     consumers = rows // ROWS
     words = table_rows // WORD
-    list_boxes, word_boxes = _boxes(next_power_of_two(st.top_k, 4)), _boxes(words)
+    list_boxes, word_boxes = tma_boxes(next_power_of_two(st.top_k, 4)), tma_boxes(words)
     L_lists = max(st.num_layers - 1, 1)
     lp = count_entries(st.num_layers, firsts is not None, offset is not None)
     scratch = scratch_shapes(st, pipe, dtype, (L_lists,) + list_boxes, (L_lists,) + word_boxes, lp)
@@ -709,7 +748,7 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
             raise ValueError("block_merge='mosaic_gpu': packed rows of a one-layer tree have no top layer to mark")
         sel = jnp.zeros((1, B, nb, H_kv, st.top_k), jnp.int32)
         bits = jnp.zeros((1, B, nb, H_kv, words), jnp.int32)
-    sel, bits = _lists(sel, list_boxes), _lists(bits, word_boxes)
+    sel, bits = per_program_lists(sel, list_boxes), per_program_lists(bits, word_boxes)
     q_lo, q_hi = rotated_queries(q5, counts, cos32, sin32, st, rows, jnp.float32 if turned else None, offset)
     key_copies = 2 * (C // st.r) + 2
     keys_ready = [plgpu.Barrier(num_arrivals=key_copies, num_barriers=S)] if turned else [
@@ -741,9 +780,4 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
     if turned:
         layers = turned_keys(layers, cos32, sin32, st, C, pipe.absolute_top)
     o, lse = kernel(q_lo, q_hi, *tables, sel, counts, bits, *layers)
-    real = st.queries * gp
-    o = o[:, :, :, :real].reshape(B, nj, H_kv, st.queries, gp, st.vp)
-    lse = lse[:, :, :, :real].reshape(B, nj, H_kv, st.queries, gp)
-    o = jnp.moveaxis(o, 3, 2).reshape(B, Tp, H_kv, gp, st.vp)
-    lse = jnp.moveaxis(lse, 3, 2).reshape(B, Tp, H_kv, gp)
-    return o, lse
+    return from_program_layout(o, st, gp), from_program_layout(lse, st, gp)

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import Packing, build_packed_tree, tokens_to_virtual, virtual_exists, virtual_to_tokens
-from pallas_kernels.block.backward import block_backward_launch, launch_by_partials
+from pallas_kernels.block.backward import block_backward_launch, chosen_sum, chosen_walk, launch_by_partials
+from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
 from pallas_kernels.block.forward import MERGES, block_layout, block_static, check_merge_route, merge_static
 from pallas_kernels.block.merge import BlockStatic, layer_arrays, selection_lists
 from pallas_kernels.shared.common import next_power_of_two, pad_axis, pad_rope_halves, unpad_rope_halves
@@ -96,8 +97,12 @@ def block_backward_packed(q, k, v, o, lse, do, selections, firsts, packing: Pack
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G, Tv = H // H_kv, packing.virtual_len
-    st = packed_static(block_static(config, Tv, G, K, V, q.dtype, block.backward_tile, block.backward_num_warps),
-                       packing)
+    static = lambda tile: packed_static(block_static(config, Tv, G, K, V, q.dtype, tile, block.backward_num_warps),
+                                        packing)
+    st = static(MOSAIC_TILE)
+    walk = chosen_walk(block, st, K, V, q.dtype, packed_table_positions(config, packing, st), interpret)
+    if walk != "mosaic_gpu":
+        st = static(block.backward_tile)
     if dead_rows is not None:
         do = jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
         o = jnp.where(dead_rows[..., None], jnp.zeros((), o.dtype), o)
@@ -108,10 +113,11 @@ def block_backward_packed(q, k, v, o, lse, do, selections, firsts, packing: Pack
     layers = packed_layers(k, v, packing, config, st)  # as the forward merged them
     node_counts = tuple(Tv // config.compression_rate**l for l in range(st.num_layers))
     lists, table_rows = selection_lists(selections, st), packed_table_positions(config, packing, st)
-    if block.backward_sum == "partials":
+    if chosen_sum(block, interpret) == "partials":
         dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=Tv,
                                         table_rows=table_rows, node_counts=node_counts,
-                                        budget=block.backward_partial_bytes, interpret=interpret, firsts=firsts)
+                                        budget=block.backward_partial_bytes, interpret=interpret, firsts=firsts,
+                                        walk=walk)
     else:
         dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows, node_counts, interpret,
                                             firsts=firsts)

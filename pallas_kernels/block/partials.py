@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.block.by_node import tile_rows
 from pallas_kernels.block.inverted import InvertedLayer
-from pallas_kernels.block.merge import BlockStatic
+from pallas_kernels.block.merge import BlockStatic, rotate_back
 from pallas_kernels.shared.common import compiler_params, next_power_of_two
 
 LANES = 16  # a chunk's first block, as a vector the kernels read one lane of
@@ -49,35 +49,42 @@ def chunk_blocks(num_blocks: int, per_block: int, bytes_per_program: int, budget
     return max(1, min(num_blocks, budget // max(1, bytes_per_program * per_block)))
 
 
-def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref, pv_ref, dk_ref, dv_ref, *, r: int,
-                width: int, per_block: int, layer: int):
+def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref, pv_ref, *refs, r: int, width: int,
+                per_block: int, layer: int, rotated: bool):
+    cos_ref, sin_ref, dk_ref, dv_ref = refs if rotated else (None, None) + refs
     R = dk_ref.shape[0]
+    h = dk_ref.shape[-1] // 2
     u = pl.program_id(2)
     c = jnp.arange(R, dtype=jnp.int32)
     real = c < r
     first = first_ref[0]
 
     def entry(e, carry):
-        dk, dv = carry
+        dk_lo, dk_hi, dv = carry
         j = blk_ref[e] - first  # the block inside the chunk
         pos = slot_ref[e] * r + jnp.where(real, c, 0)  # the tile's buffer positions in block `j`
         at = jnp.minimum(pos, width - 1)
         for q in range(per_block):  # the block's programs, in order
             prog = j * per_block + q
-            walked = real & (pos >= range_ref[prog, 2 * layer]) & (pos < range_ref[prog, 2 * layer + 1])
-            dk = dk + jnp.where(walked[:, None], pk_ref[prog * width + at, :], 0.0)
-            dv = dv + jnp.where(walked[:, None], pv_ref[prog * width + at, :], 0.0)
-        return dk, dv
+            walked = (real & (pos >= range_ref[prog, 2 * layer]) & (pos < range_ref[prog, 2 * layer + 1]))[:, None]
+            lo = pk_ref[prog * width + at, pl.ds(0, h)].astype(jnp.float32)
+            hi = pk_ref[prog * width + at, pl.ds(h, h)].astype(jnp.float32)
+            if rotated:  # the gradient of the key turned by its buffer position, turned back
+                lo, hi = rotate_back(lo, hi, cos_ref[at, :], sin_ref[at, :])
+            dk_lo = dk_lo + jnp.where(walked, lo, 0.0)
+            dk_hi = dk_hi + jnp.where(walked, hi, 0.0)
+            dv = dv + jnp.where(walked, pv_ref[prog * width + at, :].astype(jnp.float32), 0.0)
+        return dk_lo, dk_hi, dv
 
-    zero = lambda ref: jnp.zeros(ref.shape, jnp.float32)
-    dk, dv = lax.fori_loop(lo_ref[u], hi_ref[u], entry, (zero(dk_ref), zero(dv_ref)))
-    dk_ref[...] = dk
+    zero = lambda d: jnp.zeros((R, d), jnp.float32)
+    dk_lo, dk_hi, dv = lax.fori_loop(lo_ref[u], hi_ref[u], entry, (zero(h), zero(h), zero(dv_ref.shape[-1])))
+    dk_ref[:, pl.ds(0, h)] = dk_lo
+    dk_ref[:, pl.ds(h, h)] = dk_hi
     dv_ref[...] = dv
-
 
 @functools.partial(jax.jit, static_argnames=("r", "width", "per_block", "layer", "num_warps", "interpret"))
 def sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, r: int, width: int, per_block: int,
-                 layer: int, num_warps: int = 4, interpret: bool = False):
+                 layer: int, num_warps: int = 4, interpret: bool = False, tables=None):
     """Layer `layer`'s `(dk [B, H_kv, U * r, kp], dv [B, H_kv, U * r, vp])` float32 from one
     chunk's partials `pk [B, H_kv, NPc * width, kp]`, `pv` (program `p`'s slab at rows
     `p * width ..`) and walked `ranges [B, H_kv, NPc, lanes]`: node tile `u` sums its
@@ -88,17 +95,20 @@ def sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, r: int,
     kp, vp = pk.shape[-1], pv.shape[-1]
     whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda i, h, u: (i, h) + (0,) * (x.ndim - 2))
     tile_out = lambda d: pl.BlockSpec((None, None, None, R, d), lambda i, h, u: (i, h, u, 0, 0))
+    rotated = tables is not None
+    tables = () if tables is None else tuple(x[:width] for x in tables)
+    table_specs = [pl.BlockSpec(x.shape, lambda i, h, u: (0, 0)) for x in tables]
     dk, dv = pl.pallas_call(
-        functools.partial(_sum_kernel, r=r, width=width, per_block=per_block, layer=layer),
+        functools.partial(_sum_kernel, r=r, width=width, per_block=per_block, layer=layer, rotated=rotated),
         grid=(B, H_kv, U),
         in_specs=[pl.BlockSpec((LANES,), lambda i, h, u: (0,)), whole(lo), whole(hi), whole(index.blocks),
-                  whole(index.slots), whole(ranges), whole(pk), whole(pv)],
+                  whole(index.slots), whole(ranges), whole(pk), whole(pv)] + table_specs,
         out_specs=[tile_out(kp), tile_out(vp)],
         out_shape=[jax.ShapeDtypeStruct((B, H_kv, U, R, kp), jnp.float32),
                    jax.ShapeDtypeStruct((B, H_kv, U, R, vp), jnp.float32)],
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
-    )(first, lo, hi, index.blocks, index.slots, ranges, pk, pv)
+    )(first, lo, hi, index.blocks, index.slots, ranges, pk, pv, *tables)
     return dk[:, :, :, :r].reshape(B, H_kv, U * r, kp), dv[:, :, :, :r].reshape(B, H_kv, U * r, vp)
 
 

@@ -143,7 +143,8 @@ class WideConfig:
             raise ValueError(f"WideConfig.backward_rows must be >= {KERNEL_GROUP}, got {self.backward_rows!r}")
 
 
-BACKWARD_SUMS = ("atomics", "by_node", "partials")
+BACKWARD_SUMS = ("auto", "atomics", "by_node", "partials")
+BACKWARD_WALKS = ("auto", "pallas_triton", "mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,23 +160,38 @@ class BlockConfig:
     backward_tile: int = 32  # the backward holds five [rows, tile] float32 arrays
     backward_num_warps: int = 8
     # How the backward sums the key and value gradients (`block/backward.py`): float32
-    # atomics from every block that merged a node; `"partials"` (`block/partials.py`),
-    # each block's sums written to a buffer, then summed by node in block order (bitwise
-    # reproducible); or `"by_node"` (`block/by_node.py`), each node tile's sums recomputed
-    # over its blocks (reproducible, 1476 ms against the atomics' 891). At the benchmark
-    # shape's 128K partials take 795 ms against the atomics' 877 (681 at a 16 GiB
-    # budget; RESULTS, H200). Atomics stay the default for now: partials hold up to
-    # `backward_partial_bytes` more temporaries in every attention's backward, and the
-    # flip has not yet had the gate and the CI's sharding checks at the default.
-    backward_sum: str = "atomics"
-    # With `"partials"`: the blocks go in chunks whose partial buffer stays under this many
-    # bytes (at 128K, 4 GiB is 62 blocks a chunk of 8192; fewer, larger chunks are faster).
-    backward_partial_bytes: int = 1 << 32
+    # atomics from every block that merged a node (not bitwise reproducible run to run);
+    # `"partials"` (`block/partials.py`), each block's sums written to a buffer, then
+    # summed by node in block order (bitwise reproducible); `"by_node"`
+    # (`block/by_node.py`), each node tile's sums recomputed over its blocks
+    # (reproducible, 1476 ms against the atomics' 891); or `"auto"`: partials on a GPU,
+    # atomics interpreted. At the benchmark shape's 128K (RESULTS, H200) partials take
+    # 305 ms on the Mosaic GPU walk and 681 on the Pallas-Triton one against the atomics'
+    # 877. Interpreted runs keep the atomics: there the partials' walk and sums compile in
+    # about twice the atomics' time (3.9 s against 2.1 at T=150), which the CPU suite
+    # feels, and it tests the partials by name.
+    backward_sum: str = "auto"
+    # With partial sums: the blocks go in chunks whose partial buffer stays under this
+    # many bytes (temporaries of the backward; at 128K, 16 GiB is 512 blocks a chunk of
+    # 8192 on the Mosaic GPU walk's 16-bit slabs; fewer, larger chunks are faster: the
+    # Pallas-Triton walk took 681 ms at 16 GiB against 795 at 4).
+    backward_partial_bytes: int = 1 << 34
+    # The kernel that walks the blocks for partial sums (`backward_sum="partials"`):
+    # `"mosaic_gpu"` (`block/mosaic_backward.py`: WGMMA, TMA, warp-specialized; 16-bit
+    # inputs, K and V up to 128), `"pallas_triton"` (`block/backward.py`, its twin, the
+    # one interpreted runs take), or `"auto"`: Mosaic GPU on a Hopper GPU wherever it
+    # takes the launch, else Pallas-Triton.
+    backward_walk: str = "auto"
 
     def __post_init__(self):
         _check_fields(self, warps=("merge_num_warps", "backward_num_warps"))
         if self.backward_sum not in BACKWARD_SUMS:
             raise ValueError(f"BlockConfig.backward_sum must be one of {BACKWARD_SUMS}, got {self.backward_sum!r}")
+        if self.backward_walk not in BACKWARD_WALKS:
+            raise ValueError(f"BlockConfig.backward_walk must be one of {BACKWARD_WALKS}, got {self.backward_walk!r}")
+        if self.backward_walk == "mosaic_gpu" and self.backward_sum not in ("auto", "partials"):
+            raise ValueError(f"BlockConfig.backward_walk='mosaic_gpu' writes partial sums: it takes "
+                             f"backward_sum='partials', got {self.backward_sum!r}")
 
 
 @dataclasses.dataclass(frozen=True)
