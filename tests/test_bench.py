@@ -78,7 +78,21 @@ def test_profile_names_a_profiler_for_every_pass_and_refuses_the_rest(capsys):
 
     assert profile.PROFILERS[("decode", "mla")] is decode_mla
     assert profile.PROFILERS[("one-layer", "benchmark")] is one_layer
-    assert {p for p, _ in profile.PROFILERS} == {"forward", "backward", "decode", "one-layer"}
+    assert {p for p, _ in profile.PROFILERS} == {"forward", "backward", "decode", "one-layer", "block-backward"}
     with pytest.raises(SystemExit):
         profile.main(["--pass", "forward", "--shape", "mla"])
     assert "--shape mla is profiled with --pass decode only" in capsys.readouterr().err
+
+
+def test_the_block_backward_profile_adds_up_its_pieces_interpreted(capsys, monkeypatch):
+    """`--pass block-backward` on the CPU (its Pallas-Triton walk and sums interpreted, a
+    small T in two chunks): every piece is timed and the rest is what they leave."""
+    from benchmarks import profile
+    from htree_jax import bench
+
+    small = lambda T: tuple(x[:, :, :4] if i == 0 else x[:, :, :1] for i, x in enumerate(bench.inputs(T)))
+    monkeypatch.setitem(bench.INPUTS, "random", small)
+    profile.main(["--pass", "block-backward", "--T", "600", "--top-k", "8", "--budgets", "0.0001", "--iters", "1",
+                  "--interpret"])
+    out = capsys.readouterr().out
+    assert "pallas_triton walk" in out and "chunks; backward" in out and "the rest" in out

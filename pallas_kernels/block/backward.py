@@ -33,8 +33,8 @@ from pallas_kernels.block.by_node import key_grads_by_node
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
 from pallas_kernels.block.mosaic_backward import block_backward_mosaic, check_mosaic_backward_dims
-from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_bounds, entry_keys, range_lanes, slab_widths,
-                                         sum_partials)
+from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_edges, entry_keys, range_lanes, slab_widths,
+                                         sum_partials, totals_by_node, zero_totals)
 from pallas_kernels.block.forward import block_layout, block_static, check_shard_offset, on_hopper, table_positions
 from pallas_kernels.block.merge import (
     BlockStatic,
@@ -230,10 +230,14 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
     count = chunk_blocks(NB, per_block, per_program, budget)
     index = inverted_index(selections, r=r, b=r, T=T, num_layers=L, layer_sizes=node_counts, shape=(B, NB, H_kv),
                            offset=offset)
-    keys = [entry_keys(ix, NB) for ix in index]
     tiles = [-(-n // r) for n in node_counts]
+    full, rest = divmod(NB, count)
+    # Each tile's index entries of every chunk, found once: chunk `c` is blocks `c * count ..`.
+    edges = [c * count for c in range(full + 1)] + ([NB] if rest else [])
+    bounds = [chunk_edges(entry_keys(ix, NB), u, NB, edges) for ix, u in zip(index, tiles)]
 
-    def chunk(first_block, n_blocks: int, totals):
+    def chunk(c, n_blocks: int, totals):
+        first_block = c * count
         cut = lambda x, per: lax.dynamic_slice_in_dim(x, first_block * per, n_blocks * per, axis=1)
         start = first_block * r if offset is None else offset + first_block * r
         dq5, *out = launch(
@@ -244,29 +248,29 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
         first = jnp.full((LANES,), first_block, jnp.int32)
         new = []
         for l in range(L):
-            lo, hi = chunk_bounds(keys[l], tiles[l], NB, first_block, n_blocks)
-            new += [t + g for t, g in zip(totals[2 * l: 2 * l + 2], sum_partials(
-                first, lo, hi, index[l], ranges, slabs[2 * l], slabs[2 * l + 1], r=r, width=widths[l],
-                per_block=per_block, layer=l, num_warps=st.num_warps, interpret=interpret, tables=tables))]
+            new.append(sum_partials(
+                first, bounds[l][c], bounds[l][c + 1], index[l], ranges, slabs[2 * l], slabs[2 * l + 1], r=r,
+                width=widths[l], per_block=per_block, layer=l, num_warps=st.num_warps, interpret=interpret,
+                tables=tables, totals=totals[l]))
         return dq5, new
 
-    totals = [jnp.zeros((B, H_kv, u * r, d), jnp.float32) for u in tiles for d in (q5.shape[-1], st.vp)]
-    full, rest = divmod(NB, count)
+    totals = [zero_totals(B, H_kv, u, r, q5.shape[-1], st.vp) for u in tiles]
     dqs = []
     if full == 1:
         dq5, totals = chunk(jnp.int32(0), count, totals)
         dqs.append(dq5)
     else:
         def body(totals, c):
-            dq5, totals = chunk(c * count, count, totals)
+            dq5, totals = chunk(c, count, totals)
             return totals, dq5
 
         totals, stacked = lax.scan(body, totals, jnp.arange(full, dtype=jnp.int32))
         dqs.append(jnp.moveaxis(stacked, 0, 1).reshape((B, full * count * r) + q5.shape[2:]))
     if rest:
-        dq5, totals = chunk(jnp.int32(full * count), rest, totals)
+        dq5, totals = chunk(jnp.int32(full), rest, totals)
         dqs.append(dq5)
-    return jnp.concatenate(dqs, axis=1) if len(dqs) > 1 else dqs[0], totals
+    grads = [g for layer in totals for g in totals_by_node(layer, r)]
+    return jnp.concatenate(dqs, axis=1) if len(dqs) > 1 else dqs[0], grads
 
 
 def chosen_sum(block: BlockConfig, interpret: bool) -> str:

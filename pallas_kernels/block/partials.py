@@ -51,7 +51,8 @@ def chunk_blocks(num_blocks: int, per_block: int, bytes_per_program: int, budget
 
 def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref, pv_ref, *refs, r: int, width: int,
                 per_block: int, layer: int, rotated: bool):
-    cos_ref, sin_ref, dk_ref, dv_ref = refs if rotated else (None, None) + refs
+    cos_ref, sin_ref, refs = (refs[0], refs[1], refs[2:]) if rotated else (None, None, refs)
+    dk_in, dv_in, dk_ref, dv_ref = refs  # the totals so far, aliased to the new ones
     R = dk_ref.shape[0]
     h = dk_ref.shape[-1] // 2
     u = pl.program_id(2)
@@ -76,40 +77,68 @@ def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref,
             dv = dv + jnp.where(walked, pv_ref[prog * width + at, :].astype(jnp.float32), 0.0)
         return dk_lo, dk_hi, dv
 
-    zero = lambda d: jnp.zeros((R, d), jnp.float32)
-    dk_lo, dk_hi, dv = lax.fori_loop(lo_ref[u], hi_ref[u], entry, (zero(h), zero(h), zero(dv_ref.shape[-1])))
-    dk_ref[:, pl.ds(0, h)] = dk_lo
-    dk_ref[:, pl.ds(h, h)] = dk_hi
-    dv_ref[...] = dv
+    start, stop = lo_ref[u], hi_ref[u]
+
+    @pl.when(stop > start)
+    def _():  # a tile no block of the chunk merged keeps its totals, unread and unwritten
+        totals = (dk_in[:, pl.ds(0, h)], dk_in[:, pl.ds(h, h)], dv_in[...])
+        dk_lo, dk_hi, dv = lax.fori_loop(start, stop, entry, totals)
+        dk_ref[:, pl.ds(0, h)] = dk_lo
+        dk_ref[:, pl.ds(h, h)] = dk_hi
+        dv_ref[...] = dv
+
 
 @functools.partial(jax.jit, static_argnames=("r", "width", "per_block", "layer", "num_warps", "interpret"))
 def sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, r: int, width: int, per_block: int,
-                 layer: int, num_warps: int = 4, interpret: bool = False, tables=None):
-    """Layer `layer`'s `(dk [B, H_kv, U * r, kp], dv [B, H_kv, U * r, vp])` float32 from one
-    chunk's partials `pk [B, H_kv, NPc * width, kp]`, `pv` (program `p`'s slab at rows
-    `p * width ..`) and walked `ranges [B, H_kv, NPc, lanes]`: node tile `u` sums its
-    index entries `lo[..., u] .. hi[..., u] - 1` (the chunk's blocks, whose first is
-    `first [16]`'s lane 0), each block's programs in order."""
+                 layer: int, num_warps: int = 4, interpret: bool = False, tables=None, totals=None):
+    """Layer `layer`'s `(dk [B, H_kv, U, R, kp], dv [B, H_kv, U, R, vp])` float32
+    (`totals_layout`) with one chunk's partials added: `pk [B, H_kv, NPc * width, kp]`,
+    `pv` (program `p`'s slab at rows `p * width ..`) and walked `ranges [B, H_kv, NPc,
+    lanes]`; node tile `u` adds its index entries `lo[..., u] .. hi[..., u] - 1` (the
+    chunk's blocks, whose first is `first [16]`'s lane 0), each block's programs in
+    order, to its totals so far (`totals`, `(dk, dv)` in that layout, which the result
+    aliases: a tile with no entries keeps them untouched; None: zeros). `tables`: `(cos, sin) [>= width, kp / 2]` float32
+    where each `dk` partial is the gradient of its key turned by its buffer position
+    (`mosaic_backward.py`'s slabs): each is turned back by it before the add; None: the
+    slabs hold `dk` as it is (`backward.py`'s). Slabs in any float dtype, summed in
+    float32."""
     B, H_kv, U = lo.shape
-    R = tile_rows(r)
     kp, vp = pk.shape[-1], pv.shape[-1]
+    if totals is None:
+        totals = zero_totals(B, H_kv, U, r, kp, vp)
     whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda i, h, u: (i, h) + (0,) * (x.ndim - 2))
-    tile_out = lambda d: pl.BlockSpec((None, None, None, R, d), lambda i, h, u: (i, h, u, 0, 0))
+    tile = lambda d: pl.BlockSpec((None, None, None, tile_rows(r), d), lambda i, h, u: (i, h, u, 0, 0))
     rotated = tables is not None
     tables = () if tables is None else tuple(x[:width] for x in tables)
     table_specs = [pl.BlockSpec(x.shape, lambda i, h, u: (0, 0)) for x in tables]
-    dk, dv = pl.pallas_call(
+    first_total = 8 + len(tables)
+    return tuple(pl.pallas_call(
         functools.partial(_sum_kernel, r=r, width=width, per_block=per_block, layer=layer, rotated=rotated),
         grid=(B, H_kv, U),
         in_specs=[pl.BlockSpec((LANES,), lambda i, h, u: (0,)), whole(lo), whole(hi), whole(index.blocks),
-                  whole(index.slots), whole(ranges), whole(pk), whole(pv)] + table_specs,
-        out_specs=[tile_out(kp), tile_out(vp)],
-        out_shape=[jax.ShapeDtypeStruct((B, H_kv, U, R, kp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, H_kv, U, R, vp), jnp.float32)],
+                  whole(index.slots), whole(ranges), whole(pk), whole(pv)] + table_specs + [tile(kp), tile(vp)],
+        out_specs=[tile(kp), tile(vp)],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in totals],
+        input_output_aliases={first_total: 0, first_total + 1: 1},
         compiler_params=compiler_params(num_warps, 1),
         interpret=interpret,
-    )(first, lo, hi, index.blocks, index.slots, ranges, pk, pv, *tables)
-    return dk[:, :, :, :r].reshape(B, H_kv, U * r, kp), dv[:, :, :, :r].reshape(B, H_kv, U * r, vp)
+    )(first, lo, hi, index.blocks, index.slots, ranges, pk, pv, *tables, *totals))
+
+
+def zero_totals(B: int, H_kv: int, U: int, r: int, kp: int, vp: int):
+    """A layer's key and value totals before any chunk: `(dk [B, H_kv, U, R, kp], dv [..., vp])`
+    float32 zeros, each node tile's rows padded to `R = tile_rows(r)`."""
+    R = tile_rows(r)
+    return jnp.zeros((B, H_kv, U, R, kp), jnp.float32), jnp.zeros((B, H_kv, U, R, vp), jnp.float32)
+
+
+def totals_by_node(totals, r: int):
+    """`sum_partials`' `(dk, dv)` as `[B, H_kv, U * r, D]`: the padded rows dropped."""
+    out = []
+    for x in totals:
+        B, H_kv, U, _, D = x.shape
+        out.append(x[:, :, :, :r].reshape(B, H_kv, U * r, D))
+    return tuple(out)
 
 
 def entry_keys(index: InvertedLayer, num_blocks: int):
@@ -122,11 +151,22 @@ def entry_keys(index: InvertedLayer, num_blocks: int):
     return (tile * num_blocks + index.blocks).astype(jnp.int32)
 
 
+def chunk_edges(keys, num_tiles: int, num_blocks: int, edges):
+    """`[C, B, H_kv, U]` int32: for each block `edges[c]` (`[C]`, ascending), each tile's
+    first index entry of a block at or past it; chunk `c` of blocks `edges[c] ..
+    edges[c + 1] - 1` holds entries `[c] .. [c + 1] - 1` of each tile. One search for
+    every chunk of a call."""
+    base = jnp.arange(num_tiles, dtype=jnp.int32)[None, :] * num_blocks + jnp.asarray(edges, jnp.int32)[:, None]
+    find = jnp.vectorize(lambda k, x: jnp.searchsorted(k, x, side="left"), signature="(e),(c,u)->(c,u)")
+    return jnp.moveaxis(find(keys, base).astype(jnp.int32), 2, 0)
+
+
 def chunk_bounds(keys, num_tiles: int, num_blocks: int, first, count: int):
     """`(lo, hi) [B, H_kv, U]`: each tile's entries of blocks `first .. first + count - 1`."""
-    base = jnp.arange(num_tiles, dtype=jnp.int32) * num_blocks + first
-    find = jnp.vectorize(lambda k, x: jnp.searchsorted(k, x, side="left"), signature="(e),(u)->(u)")
-    return find(keys, base).astype(jnp.int32), find(keys, base + count).astype(jnp.int32)
+    bounds = chunk_edges(keys, num_tiles, num_blocks, jnp.stack([jnp.asarray(first, jnp.int32),
+                                                                   jnp.asarray(first + count, jnp.int32)]))
+    return bounds[0], bounds[1]
 
 
-__all__ = ["chunk_blocks", "chunk_bounds", "entry_keys", "range_lanes", "slab_widths", "sum_partials"]
+__all__ = ["chunk_blocks", "chunk_bounds", "chunk_edges", "entry_keys", "range_lanes", "slab_widths", "sum_partials",
+           "totals_by_node", "zero_totals"]
