@@ -41,6 +41,8 @@ def main(argv=None):
     p.add_argument("--budgets", default="16", help="backward_partial_bytes to profile, GiB")
     p.add_argument("--walk", default="auto", help="BlockConfig.backward_walk")
     p.add_argument("--inputs", default="random", choices=sorted(INPUTS))
+    p.add_argument("--sum-variants", default="8:1", help="the sums' warps:stages to time (the first is the whole "
+                   "backward's)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (Pallas-Triton, interpreted)")
     args = p.parse_args(argv)
@@ -57,7 +59,9 @@ def main(argv=None):
     print(f"{args.inputs} inputs, T={T} top_k={args.top_k} layers={config.layer_sizes(T)}", flush=True)
     for gib in (float(x) for x in args.budgets.split(",")):
         budget = int(gib * 2**30)
-        block = BlockConfig(backward_sum="partials", backward_walk=args.walk, backward_partial_bytes=budget)
+        variants = [tuple(int(x) for x in item.split(":")) for item in args.sum_variants.split(",")]
+        block = BlockConfig(backward_sum="partials", backward_walk=args.walk, backward_partial_bytes=budget,
+                            backward_sum_num_warps=variants[0][0], backward_sum_num_stages=variants[0][1])
         whole = jax.jit(lambda *a, b=block: block_backward_pallas(*a, config=config, block=b, interpret=ip))
         whole_ms = median_ms(whole, (q, k, v, o, lse, o, selections), args.iters)
         # The launch's operands as `block_backward_pallas` lays them out.
@@ -99,22 +103,26 @@ def main(argv=None):
             cos, sin = rope_tables(config, K, table_rows, st)
             pad = ((0, max(0, max(widths) - table_rows)), (0, 0))
             tables = (jnp.pad(cos, pad, constant_values=1.0), jnp.pad(sin, pad))
-        sum_ms = []
-        for l, ix in enumerate(index):
-            totals = zero_totals(B, H_kv, -(-nodes[l] // r), r, 2 * st.half, st.vp)
-            add = jax.jit(lambda ix, lo, hi, ranges, pk, pv, tables, totals, l=l: sum_partials(
-                jnp.zeros((LANES,), jnp.int32), lo, hi, ix, ranges, pk, pv, r=r, width=widths[l],
-                per_block=r // st.queries, layer=l, num_warps=st.num_warps, tables=tables, totals=totals,
-                interpret=ip))
-            sum_ms.append(median_ms(add, (ix, bounds[l][0], bounds[l][1], ranges, slabs[2 * l], slabs[2 * l + 1],
-                                          tables, totals), args.iters))
+        sum_ms = {}
+        for warps, stages in variants:
+            for l, ix in enumerate(index):
+                totals = zero_totals(B, H_kv, -(-nodes[l] // r), r, 2 * st.half, st.vp)
+                add = jax.jit(lambda ix, lo, hi, ranges, pk, pv, tables, totals, l=l, w=warps, s=stages: sum_partials(
+                    jnp.zeros((LANES,), jnp.int32), lo, hi, ix, ranges, pk, pv, r=r, width=widths[l],
+                    per_block=r // st.queries, layer=l, num_warps=w, num_stages=s, tables=tables, totals=totals,
+                    interpret=ip))
+                sum_ms.setdefault((warps, stages), []).append(median_ms(
+                    add, (ix, bounds[l][0], bounds[l][1], ranges, slabs[2 * l], slabs[2 * l + 1], tables, totals),
+                    args.iters))
         del dq5, slabs, ranges, out
-        pieces = index_ms + chunks * (walk_ms + sum(sum_ms))
+        first_sums = sum_ms[variants[0]]
+        pieces = index_ms + chunks * (walk_ms + sum(first_sums))
         print(f"budget {gib:g} GiB ({walk} walk): {count} blocks a chunk, {chunks} chunks; backward {whole_ms:.1f} ms; "
               f"index {index_ms:.1f}; a chunk's walk {walk_ms:.2f} (x{chunks} = {chunks * walk_ms:.1f}); "
-              f"its sums by layer " + ", ".join(f"{x:.2f}" for x in sum_ms)
-              + f" (x{chunks} = {chunks * sum(sum_ms):.1f}); pieces {pieces:.1f}, the rest (XLA: layouts, the "
-              f"tree, dq's turn, the push down) {whole_ms - pieces:.1f}", flush=True)
+              f"its sums by layer " + "; ".join(f"{w}:{s_} " + ", ".join(f"{x:.2f}" for x in ms)
+                                                + f" (x{chunks} = {chunks * sum(ms):.1f})" for (w, s_), ms in sum_ms.items())
+              + f"; pieces {pieces:.1f}, the rest (XLA: layouts, the tree, dq's turn, the push down) "
+              f"{whole_ms - pieces:.1f}", flush=True)
     return 0
 
 

@@ -202,7 +202,7 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
 
 def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, st: BlockStatic, head_dim: int,
                        T: int, table_rows: int, node_counts: tuple, budget: int, interpret: bool = False,
-                       firsts=None, offset=None, walk: str = "pallas_triton"):
+                       firsts=None, offset=None, walk: str = "pallas_triton", sum_launch: tuple[int, int] = (8, 1)):
     """`block_backward_launch`'s `(dq5, [dk_l, dv_l])` with the key and value gradients
     summed by node from partial sums (`partials.py`): chunks of blocks whose slabs fit
     `budget` bytes, each walked (`sums="partials"`) and then summed a layer, the totals
@@ -212,7 +212,8 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
     `offset` (a context shard's first position) as the launch takes them. `walk`: the
     kernel that walks the blocks, `"pallas_triton"` (`block_backward_launch`, float32
     slabs of `dk` turned back) or `"mosaic_gpu"` (`mosaic_backward.block_backward_mosaic`,
-    slabs in the inputs' dtype, `dk` turned back by the sums; `st.tile` its `TILE`)."""
+    slabs in the inputs' dtype, `dk` turned back by the sums; `st.tile` its `TILE`);
+    `sum_launch` the sums' `(warps, stages)`."""
     q5 = rows[0]
     B, Tp, H_kv = q5.shape[:3]
     r, L = st.r, st.num_layers
@@ -250,8 +251,8 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
         for l in range(L):
             new.append(sum_partials(
                 first, bounds[l][c], bounds[l][c + 1], index[l], ranges, slabs[2 * l], slabs[2 * l + 1], r=r,
-                width=widths[l], per_block=per_block, layer=l, num_warps=st.num_warps, interpret=interpret,
-                tables=tables, totals=totals[l]))
+                width=widths[l], per_block=per_block, layer=l, num_warps=sum_launch[0], num_stages=sum_launch[1],
+                interpret=interpret, tables=tables, totals=totals[l]))
         return dq5, new
 
     totals = [zero_totals(B, H_kv, u, r, q5.shape[-1], st.vp) for u in tiles]
@@ -271,6 +272,11 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
         dqs.append(dq5)
     grads = [g for layer in totals for g in totals_by_node(layer, r)]
     return jnp.concatenate(dqs, axis=1) if len(dqs) > 1 else dqs[0], grads
+
+
+def sum_launch(block: BlockConfig) -> tuple[int, int]:
+    """The partial sums' `(warps, stages)` (`BlockConfig.backward_sum_num_warps`, `_stages`)."""
+    return block.backward_sum_num_warps, block.backward_sum_num_stages
 
 
 def chosen_sum(block: BlockConfig, interpret: bool) -> str:
@@ -348,7 +354,7 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
         dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
                                         table_rows=table_rows, node_counts=tuple(config.layer_sizes(T)),
                                         budget=block.backward_partial_bytes, interpret=interpret, walk=walk,
-                                        **shard)
+                                        sum_launch=sum_launch(block), **shard)
     else:
         dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows,
                                             tuple(config.layer_sizes(T)), interpret,

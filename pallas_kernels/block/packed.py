@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import Packing, build_packed_tree, tokens_to_virtual, virtual_exists, virtual_to_tokens
-from pallas_kernels.block.backward import block_backward_launch, chosen_sum, chosen_walk, launch_by_partials
+from pallas_kernels.block.backward import (block_backward_launch, chosen_sum, chosen_walk, launch_by_partials,
+                                           sum_launch)
 from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
 from pallas_kernels.block.forward import MERGES, block_layout, block_static, check_merge_route, merge_static
 from pallas_kernels.block.merge import BlockStatic, layer_arrays, selection_lists
@@ -117,7 +118,7 @@ def block_backward_packed(q, k, v, o, lse, do, selections, firsts, packing: Pack
         dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=Tv,
                                         table_rows=table_rows, node_counts=node_counts,
                                         budget=block.backward_partial_bytes, interpret=interpret, firsts=firsts,
-                                        walk=walk)
+                                        walk=walk, sum_launch=sum_launch(block))
     else:
         dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows, node_counts, interpret,
                                             firsts=firsts)

@@ -88,9 +88,11 @@ def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref,
         dv_ref[...] = dv
 
 
-@functools.partial(jax.jit, static_argnames=("r", "width", "per_block", "layer", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("r", "width", "per_block", "layer", "num_warps", "num_stages",
+                                             "interpret"))
 def sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, r: int, width: int, per_block: int,
-                 layer: int, num_warps: int = 4, interpret: bool = False, tables=None, totals=None):
+                 layer: int, num_warps: int = 4, num_stages: int = 1, interpret: bool = False, tables=None,
+                 totals=None):
     """Layer `layer`'s `(dk [B, H_kv, U, R, kp], dv [B, H_kv, U, R, vp])` float32
     (`totals_layout`) with one chunk's partials added: `pk [B, H_kv, NPc * width, kp]`,
     `pv` (program `p`'s slab at rows `p * width ..`) and walked `ranges [B, H_kv, NPc,
@@ -120,7 +122,7 @@ def sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, r: int,
         out_specs=[tile(kp), tile(vp)],
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in totals],
         input_output_aliases={first_total: 0, first_total + 1: 1},
-        compiler_params=compiler_params(num_warps, 1),
+        compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
     )(first, lo, hi, index.blocks, index.slots, ranges, pk, pv, *tables, *totals))
 

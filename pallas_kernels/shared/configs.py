@@ -182,9 +182,15 @@ class BlockConfig:
     # one interpreted runs take), or `"auto"`: Mosaic GPU on a Hopper GPU wherever it
     # takes the launch, else Pallas-Triton.
     backward_walk: str = "auto"
+    # The partial sums' launch (`partials.sum_partials`, Pallas-Triton): warps and the
+    # pipeline stages of its loop over a tile's entries (each entry's loads depend on the
+    # index's, so one stage waits on each; more overlap them). Not yet timed apart:
+    # `python -m benchmarks.profile --pass block-backward --sum-variants 8:1,8:2,4:3`.
+    backward_sum_num_warps: int = 8
+    backward_sum_num_stages: int = 1
 
     def __post_init__(self):
-        _check_fields(self, warps=("merge_num_warps", "backward_num_warps"))
+        _check_fields(self, warps=("merge_num_warps", "backward_num_warps", "backward_sum_num_warps"))
         if self.backward_sum not in BACKWARD_SUMS:
             raise ValueError(f"BlockConfig.backward_sum must be one of {BACKWARD_SUMS}, got {self.backward_sum!r}")
         if self.backward_walk not in BACKWARD_WALKS:
