@@ -27,7 +27,7 @@ from pallas_kernels.block.backward import block_backward_launch, block_backward_
 from pallas_kernels.block.forward import block_forward_pallas, block_layout, block_static, table_positions
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.merge import layer_arrays, rope_tables, selection_lists
-from pallas_kernels.block.mosaic_backward import TILE, block_backward_mosaic
+from pallas_kernels.block.mosaic_backward import TILE, block_backward_mosaic, walk_layers
 from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_edges, entry_keys, slab_widths, sum_partials,
                                          zero_totals)
 from pallas_kernels.shared.common import pad_axis, pad_rope_halves
@@ -91,12 +91,17 @@ def main(argv=None):
         launch = block_backward_mosaic if walk == "mosaic_gpu" else block_backward_launch
         cut = lambda x, per: lax.slice_in_dim(x, 0, count * per, axis=1)
 
-        def walk_chunk(rows, layers, lists):
-            return launch(*(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], config, st, K, table_rows,
-                          nodes, ip, sums="partials", offset=jnp.int32(0), widths=widths)
+        # The Mosaic GPU walk's layers are laid out once a backward (`walk_layers`), as there.
+        prepared = jax.jit(lambda layers: walk_layers(layers, config, st, K, table_rows))(layers) if (
+            walk == "mosaic_gpu") else None
 
-        walk_ms = median_ms(jax.jit(walk_chunk), (rows, layers, lists), args.iters)
-        dq5, *out = jax.jit(walk_chunk)(rows, layers, lists)
+        def walk_chunk(rows, layers, lists, prepared):
+            more = {} if prepared is None else dict(prepared=prepared)
+            return launch(*(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], config, st, K, table_rows,
+                          nodes, ip, sums="partials", offset=jnp.int32(0), widths=widths, **more)
+
+        walk_ms = median_ms(jax.jit(walk_chunk), (rows, layers, lists, prepared), args.iters)
+        dq5, *out = jax.jit(walk_chunk)(rows, layers, lists, prepared)
         slabs, ranges = (out[0], out[1]) if walk == "mosaic_gpu" else (out[:-1], out[-1])
         tables = None
         if walk == "mosaic_gpu":
@@ -114,7 +119,7 @@ def main(argv=None):
                 sum_ms.setdefault((warps, stages), []).append(median_ms(
                     add, (ix, bounds[l][0], bounds[l][1], ranges, slabs[2 * l], slabs[2 * l + 1], tables, totals),
                     args.iters))
-        del dq5, slabs, ranges, out
+        del dq5, slabs, ranges, out, prepared
         first_sums = sum_ms[variants[0]]
         pieces = index_ms + chunks * (walk_ms + sum(first_sums))
         print(f"budget {gib:g} GiB ({walk} walk): {count} blocks a chunk, {chunks} chunks; backward {whole_ms:.1f} ms; "

@@ -32,7 +32,7 @@ from htree_jax.core.tree import build_tree
 from pallas_kernels.block.by_node import key_grads_by_node
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
-from pallas_kernels.block.mosaic_backward import block_backward_mosaic, check_mosaic_backward_dims
+from pallas_kernels.block.mosaic_backward import block_backward_mosaic, check_mosaic_backward_dims, walk_layers
 from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_edges, entry_keys, range_lanes, slab_widths,
                                          sum_partials, totals_by_node, zero_totals)
 from pallas_kernels.block.forward import block_layout, block_static, check_shard_offset, on_hopper, table_positions
@@ -223,8 +223,9 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
     widths = slab_widths(node_counts, table_rows, st)
     itemsize = jnp.dtype(q5.dtype).itemsize if mosaic else 4
     per_program = B * H_kv * sum(widths) * (q5.shape[-1] + st.vp) * itemsize
-    tables = None
+    tables, prepared = None, {}
     if mosaic:  # each key's angle by its buffer position, to `max(widths)` (identity past the table)
+        prepared = dict(prepared=walk_layers(layers, config, st, head_dim, table_rows))  # once, not a chunk
         cos, sin = rope_tables(config, head_dim, table_rows, st)
         pad = ((0, max(0, max(widths) - table_rows)), (0, 0))
         tables = (jnp.pad(cos, pad, constant_values=1.0), jnp.pad(sin, pad))
@@ -244,7 +245,7 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
         dq5, *out = launch(
             *(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], config, st, head_dim, table_rows,
             node_counts, interpret, sums="partials", firsts=None if firsts is None else cut(firsts, 1),
-            offset=jnp.asarray(start, jnp.int32), widths=widths)
+            offset=jnp.asarray(start, jnp.int32), widths=widths, **prepared)
         slabs, ranges = (out[0], out[1]) if mosaic else (out[:-1], out[-1])
         first = jnp.full((LANES,), first_block, jnp.int32)
         new = []

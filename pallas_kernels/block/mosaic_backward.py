@@ -360,6 +360,19 @@ def scratch_shapes(st: BlockStatic, pipe: BackwardPipeline, dtype, list_shape, w
     ]
 
 
+def walk_layers(layers, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int) -> list:
+    """The tree's layers (`merge.layer_arrays`, bottom first) as the walk lands them: each
+    layer's keys' halves in `TILE / r` copies turned by their offset in a step (the top
+    layer in one, turned by its node: `mosaic_merge.turned_keys`), then its values'
+    halves: `[k_lo, k_hi, v_lo, v_hi]` a layer."""
+    cos32, sin32 = rope_tables(config, head_dim, _table_rows(table_rows), st)
+    keys = turned_keys(split_layers(layers, st), cos32, sin32, st, TILE, absolute_top=True)
+    out = []
+    for k_lo, k_hi, v in zip(keys[0::3], keys[1::3], keys[2::3]):
+        out += [k_lo, k_hi, v[..., :HALF], v[..., HALF:]]
+    return out
+
+
 def walked_ranges(counts, st: BlockStatic, num_programs: int, packed: bool, shard: bool):
     """Each program's walked `[start, stop)` buffer positions a layer, as `partials.py`
     reads them: `[B, H_kv, NP, range_lanes(L)]` int32 from the kernel's counts `[B, NB,
@@ -388,13 +401,15 @@ def halves(x, axis: int):
 def block_backward_mosaic(q5, do5, lse, delta, layers, selections, config: HTreeConfig, st: BlockStatic,
                           head_dim: int, table_rows: int, node_counts: tuple, interpret: bool = False,
                           sums: str = "partials", firsts=None, offset=None, widths: tuple = (),
-                          pipe: BackwardPipeline | None = None):
+                          pipe: BackwardPipeline | None = None, prepared=None):
     """`backward.block_backward_launch` with `sums="partials"` (same arguments and
     results: `(dq5 [B, Tp, H_kv, Gp, 2 * half]` float32, `[pk_l, pv_l]` each `[B, H_kv,
     NP * widths[l], D]` in the inputs' dtype, `ranges [B, H_kv, NP, lanes]` int32)`) on
     the Mosaic GPU walk above; `st.tile` must be `TILE` (the slabs' positions a step)
     and the `dk` partials are the gradients of the keys turned by their buffer
-    positions (`sum_partials(..., rotated=True)`). No interpret mode (refused); a layout
+    positions (`sum_partials(..., tables=)`). `prepared`: `walk_layers(layers, ...)`, made
+    once for the calls of a backward's chunks (else here, from `layers`: several GB of
+    copies at 512K that a chunk's call would repeat). No interpret mode (refused); a layout
     whose buffers pass a block's shared memory is refused (ValueError) before it is
     built."""
     if interpret:
@@ -434,10 +449,7 @@ def block_backward_mosaic(q5, do5, lse, delta, layers, selections, config: HTree
     q_lo, q_hi = rotated_queries(q5, counts, cos32, sin32, st, PROGRAM_ROWS, dtype, offset)
     do2 = halves(program_layout(do5, st, PROGRAM_ROWS), 3)  # [B, NJ, H_kv, 2, rows, HALF]
     lse_p, delta_p = (program_layout(x, st, PROGRAM_ROWS) for x in (lse, delta))
-    keys = turned_keys(split_layers(layers, st), cos32, sin32, st, C, absolute_top=True)
-    inputs = []
-    for k_lo, k_hi, v in zip(keys[0::3], keys[1::3], keys[2::3]):
-        inputs += [k_lo, k_hi, v[..., :HALF], v[..., HALF:]]
+    inputs = walk_layers(layers, config, st, head_dim, table_rows) if prepared is None else prepared
     node_tiles = C // st.r
     bars = [plgpu.Barrier(num_arrivals=7),  # setup: counts, lists, bitmaps, cotangents' halves, lse, delta
             plgpu.Barrier(num_arrivals=2),  # a layer's queries' halves
@@ -468,4 +480,5 @@ def block_backward_mosaic(q5, do5, lse, delta, layers, selections, config: HTree
     return dq5, slabs, walked_ranges(counts, st, nj, packed, shard)
 
 
-__all__ = ["BACKWARD_PIPELINE", "TILE", "BackwardPipeline", "block_backward_mosaic", "check_mosaic_backward_dims"]
+__all__ = ["BACKWARD_PIPELINE", "TILE", "BackwardPipeline", "block_backward_mosaic", "check_mosaic_backward_dims",
+           "walk_layers"]
