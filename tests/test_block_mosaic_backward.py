@@ -22,6 +22,7 @@ from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.merge import rope_tables, rotate_halves
 from pallas_kernels.block.mosaic_backward import TILE, BackwardPipeline, block_backward_mosaic, check_mosaic_backward_dims
 from pallas_kernels.block.mosaic_merge import from_program_layout, program_layout
+from pallas_kernels.block.mosaic_sums import check_mosaic_sum_dims, ring_stages
 from pallas_kernels.block.partials import chunk_bounds, entry_keys, range_lanes, slab_widths, sum_partials
 from pallas_kernels.shared.configs import BlockConfig
 from tests.test_block_kernels import block_config, hopper, inputs
@@ -44,22 +45,25 @@ LOWERED = [(16, 8, 4096, 32, 4, 128, 128, jnp.bfloat16, 1 << 22), (8, 8, 1500, 8
 
 
 @pytest.mark.skipif(not LOWERS_FOR_CUDA, reason="Mosaic GPU lowers without a GPU from jax 0.11 on")
+@pytest.mark.parametrize("sums", ["pallas_triton", "mosaic_gpu"])
 @pytest.mark.parametrize("r, top_k, T, H, H_kv, K, V, dtype, budget", LOWERED)
-def test_the_mosaic_backward_lowers_on_the_cpu(r, top_k, T, H, H_kv, K, V, dtype, budget):
+def test_the_mosaic_backward_lowers_on_the_cpu(r, top_k, T, H, H_kv, K, V, dtype, budget, sums):
+    """The walk, then the sums by node on either kernel (`BlockConfig.backward_sum_kernel`)."""
     config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=r)
     q = jax.ShapeDtypeStruct((1, T, H, K), dtype)
     k = jax.ShapeDtypeStruct((1, T, H_kv, K), dtype)
     v = jax.ShapeDtypeStruct((1, T, H_kv, V), dtype)
     o, lse = jax.ShapeDtypeStruct((1, T, H, V), dtype), jax.ShapeDtypeStruct((1, T, H), jnp.float32)
     blocks = [jax.ShapeDtypeStruct((1, -(-T // r), H_kv, top_k), jnp.int32)] * (config.num_layers(T) - 1)
-    block = BlockConfig(backward_sum="partials", backward_walk="mosaic_gpu", backward_partial_bytes=budget)
+    block = BlockConfig(backward_sum="partials", backward_walk="mosaic_gpu", backward_partial_bytes=budget,
+                        backward_sum_kernel=sums)
     grads = jax.jit(lambda q, k, v, o, lse, s: block_backward_pallas(q, k, v, o, lse, o, s, config=config,
                                                                       block=block))
     dq, dk, dv = jax.eval_shape(grads, q, k, v, o, lse, blocks)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     with hopper():
         text = grads.trace(q, k, v, o, lse, blocks).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "triton" in text  # the walk, then the sums by node
+    assert "mosaic_gpu" in text and ("triton" in text) == (sums == "pallas_triton")
 
 
 @pytest.mark.skipif(not LOWERS_FOR_CUDA, reason="Mosaic GPU lowers without a GPU from jax 0.11 on")
@@ -107,6 +111,13 @@ def test_the_walk_is_chosen_by_name_and_refused_where_it_cannot_run():
         BlockConfig(backward_walk="cuda")
     with pytest.raises(ValueError, match="takes backward_sum='partials'"):
         BlockConfig(backward_sum="atomics", backward_walk="mosaic_gpu")
+    with pytest.raises(ValueError, match="backward_sum_kernel must be"):
+        BlockConfig(backward_sum_kernel="xla")
+    with pytest.raises(ValueError, match="take|sums the Mosaic GPU walk's slabs"):
+        check_mosaic_sum_dims(4, 128, 128, 64, 4)
+    with pytest.raises(ValueError, match="ranges within shared memory"):
+        check_mosaic_sum_dims(16, 128, 128, 1 << 14, 4)
+    assert ring_stages(16, 1024) == 4 and ring_stages(64, 1024) == 2
     for dtype, K, V, rule in ((jnp.float32, 128, 128, "bfloat16 or float16"), (jnp.bfloat16, 256, 256, "K in 66..128"),
                               (jnp.bfloat16, 64, 64, "K in 66..128")):
         with pytest.raises(ValueError, match=rule):
@@ -119,6 +130,13 @@ def test_the_walk_is_chosen_by_name_and_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="compression_rate 8, 16, 32 or 64"):
         check_mosaic_backward_dims(block_static(small, 600, 8, 128, 128, jnp.bfloat16, TILE), 128, 128,
                                    jnp.bfloat16, 256)
+    # The Mosaic GPU sums take the Mosaic GPU walk's slabs only: interpreted, a clear error.
+    config4 = block_config(4, 4, "first", "bound")
+    q, k, v = inputs(np.random.default_rng(0), 1, 150, 4, 2, 32, 32, jnp.float32)
+    blocks = blocks_of(q, k, v, config4, impl="pallas_interpret")
+    with pytest.raises(ValueError, match="sums the Mosaic GPU walk's slabs"):
+        block_backward_pallas(q, k, v, q, q[..., 0], q, blocks, config=config4, interpret=True,
+                              block=BlockConfig(backward_sum="partials", backward_sum_kernel="mosaic_gpu"))
     for bad in (dict(stages=1), dict(consumer_registers=208, memory_registers=96), dict(consumer_registers=160),
                 dict(memory_registers=172, consumer_registers=168)):
         with pytest.raises(ValueError, match="BackwardPipeline"):

@@ -241,6 +241,8 @@ def test_every_gate_case_sets_up_on_the_cpu():
     walks = {name: s.tuning["block_sizes"].block.backward_walk for name, s in setups.items() if " walk " in name}
     assert set(walks.values()) == {"pallas_triton", "mosaic_gpu"}
     assert all(setups[name].partials for name in walks)
+    sums = [s for name, s in setups.items() if " sums mosaic_gpu " in name]
+    assert sums and all(s.partials and s.tuning["block_sizes"].block.backward_sum_kernel == "mosaic_gpu" for s in sums)
     atomics = [s for name, s in setups.items() if name.endswith(" by atomics")]
     assert atomics and all(s.tuning["block_sizes"].block.backward_sum == "atomics" for s in atomics)
     packed = [s for name, s in setups.items() if " block " in name and " packed" in name]

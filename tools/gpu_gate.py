@@ -207,6 +207,12 @@ def matrix(full: bool):
     for shape in ((8, 128, 128, None), (16, 128, 128, None), (4, 96, 96, 32)):
         yield shape, "bfloat16", "bound", "block first walk mosaic_gpu by partials T=4096"
     yield (8, 128, 128, None), "float16", "bound", "block previous walk mosaic_gpu by partials"
+    # The Mosaic GPU sums (`BlockConfig.backward_sum_kernel`, opt-in): several steps a layer,
+    # two programs a block, packed rows, float16.
+    for shape in ((8, 128, 128, None), (16, 128, 128, None)):
+        yield shape, "bfloat16", "bound", "block first sums mosaic_gpu by partials T=4096"
+    yield (8, 128, 128, None), "bfloat16", "bound", "block first packed sums mosaic_gpu by partials"
+    yield (8, 128, 128, None), "float16", "bound", "block previous sums mosaic_gpu by partials"
     # The atomics by name (the cases above that name no sums take "auto": partials on the GPU).
     yield (8, 128, 128, None), "bfloat16", "bound", "block first by atomics"
     yield (8, 128, 128, None), "float32", "bound", "block previous by atomics"
@@ -261,7 +267,7 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     followed by " packed" (two documents; " packed N": N documents told their longest
     length, whose tree's top layer then spans several of a merge's steps), " via ROUTE"
     (the merge's kernel), " walk NAME" (the backward's walk for partial sums, `BlockConfig.
-    backward_walk`), " by node" or " by partials" (the backward's sums), " shard" (two context
+    backward_walk`), " sums NAME" (their kernel, `backward_sum_kernel`), " by node" or " by partials" (the backward's sums), " shard" (two context
     shards, `run_shard_case`) and " T=4096" (that length, so that every layer takes
     several of a merge's steps: at T=600 each fits in one)."""
     G, K, V, rope = shape
@@ -275,6 +281,8 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     packed = packed.replace(" shard", "") if block else packed
     walk = re.search(r" walk (\w+)", packed) if block else None
     packed = packed.replace(walk.group(0), "") if walk else packed
+    sum_kernel = re.search(r" sums (\w+)", packed) if block else None
+    packed = packed.replace(sum_kernel.group(0), "") if sum_kernel else packed
     route = packed.split(" via ")[1] if block and " via " in packed else None
     source = packed.split()[1] if block else None
     # "block first" without partial RoPE is HTreeConfig()'s own selection (the default,
@@ -287,7 +295,8 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     atomics = block and packed.endswith(" by atomics")
     sums = "by_node" if by_node else "partials" if partials else "atomics" if atomics else None
     changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": sums} if sums else {}),
-               **({"block.backward_walk": walk.group(1)} if walk else {})}
+               **({"block.backward_walk": walk.group(1)} if walk else {}),
+               **({"block.backward_sum_kernel": sum_kernel.group(1)} if sum_kernel else {})}
     tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
     return CaseSetup(T=int(length.group(1)) if length else GATE_T, H_kv=1 if G > 16 else 2, config=config,
                      block=block, packed=documents, route=route, by_node=by_node, tuning=tuning, shard=shard,

@@ -28,6 +28,7 @@ from pallas_kernels.block.forward import block_forward_pallas, block_layout, blo
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.merge import layer_arrays, rope_tables, selection_lists
 from pallas_kernels.block.mosaic_backward import TILE, block_backward_mosaic, walk_layers
+from pallas_kernels.block.mosaic_sums import mosaic_sum_partials
 from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_edges, entry_keys, slab_widths, sum_partials,
                                          zero_totals)
 from pallas_kernels.shared.common import pad_axis, pad_rope_halves
@@ -42,7 +43,7 @@ def main(argv=None):
     p.add_argument("--walk", default="auto", help="BlockConfig.backward_walk")
     p.add_argument("--inputs", default="random", choices=sorted(INPUTS))
     p.add_argument("--sum-variants", default="8:1", help="the sums' warps:stages to time (the first is the whole "
-                   "backward's)")
+                   "backward's), or 'mosaic' (BlockConfig.backward_sum_kernel='mosaic_gpu', with the Mosaic GPU walk)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (Pallas-Triton, interpreted)")
     args = p.parse_args(argv)
@@ -59,9 +60,12 @@ def main(argv=None):
     print(f"{args.inputs} inputs, T={T} top_k={args.top_k} layers={config.layer_sizes(T)}", flush=True)
     for gib in (float(x) for x in args.budgets.split(",")):
         budget = int(gib * 2**30)
-        variants = [tuple(int(x) for x in item.split(":")) for item in args.sum_variants.split(",")]
+        variants = [item if item == "mosaic" else tuple(int(x) for x in item.split(":"))
+                    for item in args.sum_variants.split(",")]
+        launch_of = dict(backward_sum_kernel="mosaic_gpu") if variants[0] == "mosaic" else dict(
+            backward_sum_num_warps=variants[0][0], backward_sum_num_stages=variants[0][1])
         block = BlockConfig(backward_sum="partials", backward_walk=args.walk, backward_partial_bytes=budget,
-                            backward_sum_num_warps=variants[0][0], backward_sum_num_stages=variants[0][1])
+                            **launch_of)
         whole = jax.jit(lambda *a, b=block: block_backward_pallas(*a, config=config, block=b, interpret=ip))
         whole_ms = median_ms(whole, (q, k, v, o, lse, o, selections), args.iters)
         # The launch's operands as `block_backward_pallas` lays them out.
@@ -109,14 +113,19 @@ def main(argv=None):
             pad = ((0, max(0, max(widths) - table_rows)), (0, 0))
             tables = (jnp.pad(cos, pad, constant_values=1.0), jnp.pad(sin, pad))
         sum_ms = {}
-        for warps, stages in variants:
+        for variant in variants:
             for l, ix in enumerate(index):
                 totals = zero_totals(B, H_kv, -(-nodes[l] // r), r, 2 * st.half, st.vp)
-                add = jax.jit(lambda ix, lo, hi, ranges, pk, pv, tables, totals, l=l, w=warps, s=stages: sum_partials(
-                    jnp.zeros((LANES,), jnp.int32), lo, hi, ix, ranges, pk, pv, r=r, width=widths[l],
-                    per_block=r // st.queries, layer=l, num_warps=w, num_stages=s, tables=tables, totals=totals,
-                    interpret=ip))
-                sum_ms.setdefault((warps, stages), []).append(median_ms(
+                common = dict(r=r, width=widths[l], per_block=r // st.queries, layer=l)
+                if variant == "mosaic":
+                    add = jax.jit(lambda ix, lo, hi, ranges, pk, pv, tables, totals, c=common: mosaic_sum_partials(
+                        jnp.zeros((LANES,), jnp.int32), lo, hi, ix, ranges, pk, pv, tables=tables, totals=totals, **c))
+                else:
+                    add = jax.jit(lambda ix, lo, hi, ranges, pk, pv, tables, totals, c=common, w=variant[0],
+                                  s=variant[1]: sum_partials(jnp.zeros((LANES,), jnp.int32), lo, hi, ix, ranges, pk,
+                                                             pv, num_warps=w, num_stages=s, tables=tables,
+                                                             totals=totals, interpret=ip, **c))
+                sum_ms.setdefault(variant, []).append(median_ms(
                     add, (ix, bounds[l][0], bounds[l][1], ranges, slabs[2 * l], slabs[2 * l + 1], tables, totals),
                     args.iters))
         del dq5, slabs, ranges, out, prepared
@@ -124,8 +133,9 @@ def main(argv=None):
         pieces = index_ms + chunks * (walk_ms + sum(first_sums))
         print(f"budget {gib:g} GiB ({walk} walk): {count} blocks a chunk, {chunks} chunks; backward {whole_ms:.1f} ms; "
               f"index {index_ms:.1f}; a chunk's walk {walk_ms:.2f} (x{chunks} = {chunks * walk_ms:.1f}); "
-              f"its sums by layer " + "; ".join(f"{w}:{s_} " + ", ".join(f"{x:.2f}" for x in ms)
-                                                + f" (x{chunks} = {chunks * sum(ms):.1f})" for (w, s_), ms in sum_ms.items())
+              f"its sums by layer " + "; ".join(
+                  ("mosaic" if v == "mosaic" else f"{v[0]}:{v[1]}") + " " + ", ".join(f"{x:.2f}" for x in ms)
+                  + f" (x{chunks} = {chunks * sum(ms):.1f})" for v, ms in sum_ms.items())
               + f"; pieces {pieces:.1f}, the rest (XLA: layouts, the tree, dq's turn, the push down) "
               f"{whole_ms - pieces:.1f}", flush=True)
     return 0

@@ -33,6 +33,7 @@ from pallas_kernels.block.by_node import key_grads_by_node
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
 from pallas_kernels.block.mosaic_backward import block_backward_mosaic, check_mosaic_backward_dims, walk_layers
+from pallas_kernels.block.mosaic_sums import mosaic_sum_partials
 from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_edges, entry_keys, range_lanes, slab_widths,
                                          sum_partials, totals_by_node, zero_totals)
 from pallas_kernels.block.forward import block_layout, block_static, check_shard_offset, on_hopper, table_positions
@@ -202,7 +203,8 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
 
 def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, st: BlockStatic, head_dim: int,
                        T: int, table_rows: int, node_counts: tuple, budget: int, interpret: bool = False,
-                       firsts=None, offset=None, walk: str = "pallas_triton", sum_launch: tuple[int, int] = (8, 1)):
+                       firsts=None, offset=None, walk: str = "pallas_triton", sum_launch: tuple[int, int] = (8, 1),
+                       sum_kernel: str = "pallas_triton"):
     """`block_backward_launch`'s `(dq5, [dk_l, dv_l])` with the key and value gradients
     summed by node from partial sums (`partials.py`): chunks of blocks whose slabs fit
     `budget` bytes, each walked (`sums="partials"`) and then summed a layer, the totals
@@ -213,7 +215,11 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
     kernel that walks the blocks, `"pallas_triton"` (`block_backward_launch`, float32
     slabs of `dk` turned back) or `"mosaic_gpu"` (`mosaic_backward.block_backward_mosaic`,
     slabs in the inputs' dtype, `dk` turned back by the sums; `st.tile` its `TILE`);
-    `sum_launch` the sums' `(warps, stages)`."""
+    `sum_launch` the sums' `(warps, stages)`; `sum_kernel` theirs (`"mosaic_gpu"`:
+    `mosaic_sums.py`, with the Mosaic GPU walk only: a ValueError otherwise)."""
+    if sum_kernel == "mosaic_gpu" and walk != "mosaic_gpu":
+        raise ValueError(f"BlockConfig(backward_sum_kernel='mosaic_gpu') sums the Mosaic GPU walk's slabs; this "
+                         f"launch walks on {walk!r} (16-bit inputs, K and V up to 128: see backward_walk)")
     q5 = rows[0]
     B, Tp, H_kv = q5.shape[:3]
     r, L = st.r, st.num_layers
@@ -250,10 +256,15 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
         first = jnp.full((LANES,), first_block, jnp.int32)
         new = []
         for l in range(L):
+            lo, hi, pk, pv = bounds[l][c], bounds[l][c + 1], slabs[2 * l], slabs[2 * l + 1]
+            if sum_kernel == "mosaic_gpu":
+                new.append(mosaic_sum_partials(first, lo, hi, index[l], ranges, pk, pv, r=r, width=widths[l],
+                                               per_block=per_block, layer=l, tables=tables, totals=totals[l]))
+                continue
             new.append(sum_partials(
-                first, bounds[l][c], bounds[l][c + 1], index[l], ranges, slabs[2 * l], slabs[2 * l + 1], r=r,
-                width=widths[l], per_block=per_block, layer=l, num_warps=sum_launch[0], num_stages=sum_launch[1],
-                interpret=interpret, tables=tables, totals=totals[l]))
+                first, lo, hi, index[l], ranges, pk, pv, r=r, width=widths[l], per_block=per_block, layer=l,
+                num_warps=sum_launch[0], num_stages=sum_launch[1], interpret=interpret, tables=tables,
+                totals=totals[l]))
         return dq5, new
 
     totals = [zero_totals(B, H_kv, u, r, q5.shape[-1], st.vp) for u in tiles]
@@ -355,7 +366,8 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
         dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
                                         table_rows=table_rows, node_counts=tuple(config.layer_sizes(T)),
                                         budget=block.backward_partial_bytes, interpret=interpret, walk=walk,
-                                        sum_launch=sum_launch(block), **shard)
+                                        sum_launch=sum_launch(block), sum_kernel=block.backward_sum_kernel,
+                                        **shard)
     else:
         dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows,
                                             tuple(config.layer_sizes(T)), interpret,

@@ -118,7 +118,7 @@ def block_backward_packed(q, k, v, o, lse, do, selections, firsts, packing: Pack
         dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=Tv,
                                         table_rows=table_rows, node_counts=node_counts,
                                         budget=block.backward_partial_bytes, interpret=interpret, firsts=firsts,
-                                        walk=walk, sum_launch=sum_launch(block))
+                                        walk=walk, sum_launch=sum_launch(block), sum_kernel=block.backward_sum_kernel)
     else:
         dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows, node_counts, interpret,
                                             firsts=firsts)

@@ -188,6 +188,10 @@ class BlockConfig:
     # `python -m benchmarks.profile --pass block-backward --sum-variants 8:1,8:2,4:3`.
     backward_sum_num_warps: int = 8
     backward_sum_num_stages: int = 1
+    # The kernel of the Mosaic GPU walk's sums: `"pallas_triton"` (`block/partials.py`, in
+    # place) or `"mosaic_gpu"` (`block/mosaic_sums.py`: TMA, every tile a chunk; not yet
+    # run on a GPU, so opt-in until the gate and the profile have).
+    backward_sum_kernel: str = "pallas_triton"
 
     def __post_init__(self):
         _check_fields(self, warps=("merge_num_warps", "backward_num_warps", "backward_sum_num_warps"))
@@ -195,6 +199,9 @@ class BlockConfig:
             raise ValueError(f"BlockConfig.backward_sum must be one of {BACKWARD_SUMS}, got {self.backward_sum!r}")
         if self.backward_walk not in BACKWARD_WALKS:
             raise ValueError(f"BlockConfig.backward_walk must be one of {BACKWARD_WALKS}, got {self.backward_walk!r}")
+        if self.backward_sum_kernel not in ("pallas_triton", "mosaic_gpu"):
+            raise ValueError(f"BlockConfig.backward_sum_kernel must be 'pallas_triton' or 'mosaic_gpu', got "
+                             f"{self.backward_sum_kernel!r}")
         if self.backward_walk == "mosaic_gpu" and self.backward_sum not in ("auto", "partials"):
             raise ValueError(f"BlockConfig.backward_walk='mosaic_gpu' writes partial sums: it takes "
                              f"backward_sum='partials', got {self.backward_sum!r}")
