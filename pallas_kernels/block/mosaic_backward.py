@@ -51,7 +51,8 @@ from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count
 from pallas_kernels.block.merge import BlockStatic, layer_parent_counts, rope_tables, rotate_back
 from pallas_kernels.block.mosaic_merge import (DTYPES, WORD, count_entries, from_program_layout, layer_bounds,
-                                               per_program_lists, program_layout, shifted_position,
+                                               node_first_row, per_program_lists, program_layout,
+                                               shifted_position,
                                                refined_bitmaps, rotated_queries, row_angles, shared_bytes,
                                                split_layers, tma_boxes, turned_keys, unmerged_at_minus_inf, with_firsts,
                                                with_offset)
@@ -291,15 +292,8 @@ def _walk_kernel(q_lo_ref, q_hi_ref, do_ref, lse_ref, delta_ref, bcos_ref, bsin_
             plgpu.copy_gmem_to_smem(q_lo_ref.at[l, b, j, hk], qd_s.at[0, 0], q_bar)
             plgpu.copy_gmem_to_smem(q_hi_ref.at[l, b, j, hk], qd_s.at[0, 1], q_bar)
 
-            def node_rows(i, jn, top=top, n_max=n_max, l=l):
-                """The first row of the node tile at buffer slot `i * TILE / r + jn`."""
-                at = i * node_tiles + jn
-                if top:
-                    first = at * r
-                else:
-                    entry = jnp.minimum(at, st.top_k - 1)
-                    first = sel_s[L - 2 - l, entry // lcols, entry % lcols] * r
-                return jnp.where(at * r < n_max, first, 0)
+            def node_rows(i, jn, n_max=n_max, l=l):
+                return node_first_row(sel_s, i * node_tiles + jn, layer=l, st=st, n_max=n_max, lcols=lcols)
 
             def produce(i, g, k_lo_ref=k_lo_ref, k_hi_ref=k_hi_ref, v_lo_ref=v_lo_ref, v_hi_ref=v_hi_ref,
                         node_rows=node_rows, top=top, start=start):

@@ -333,6 +333,20 @@ def layer_bounds(count_s, l: int, *, st: BlockStatic, tile: int, t_first, t0, pa
     return n_parents, n_max, jnp.minimum(first // tile, stop) if skips else 0, stop
 
 
+def node_first_row(sel_s, at, *, layer: int, st: BlockStatic, n_max, lcols: int):
+    """The layer's first row of the node tile at buffer slot `at` (a step's tiles from
+    `i * tile / r`): the top layer's slot `at` holds node tile `at`; below it the tile
+    of entry `at` of the parent list (`sel_s [L - 1, rows, lcols]` in shared memory, top
+    layer first). Row 0 past `n_max` (padding no row merges)."""
+    r, L = st.r, st.num_layers
+    if layer == L - 1:
+        first = at * r
+    else:
+        entry = jnp.minimum(at, st.top_k - 1)
+        first = sel_s[L - 2 - layer, entry // lcols, entry % lcols] * r
+    return jnp.where(at * r < n_max, first, 0)
+
+
 def unmerged_at_minus_inf(s, i, *, layer: int, num_layers: int, tile: int, col, n_row, n_max, bits_s, wcols: int):
     """Step `i`'s scores `s [ROWS, tile]` with those the layer does not merge at `-inf`:
     at layer 0 the positions past each row's `n` (`n_row`, in WGMMA's row layout), above
@@ -556,15 +570,8 @@ def _merge_kernel(q_lo_ref, q_hi_ref, *refs, st: BlockStatic, consumers: int, wo
             _, n_max, start, stop = layer_counts(l)
             top = l == L - 1
 
-            def node_rows(i, jn, top=top, n_max=n_max, l=l):
-                """The first row of the node tile at buffer slot `i * tile / r + jn`."""
-                at = i * node_tiles + jn
-                if top:
-                    start = at * r
-                else:
-                    entry = jnp.minimum(at, st.top_k - 1)
-                    start = sel_s[L - 2 - l, entry // lcols, entry % lcols] * r
-                return jnp.where(at * r < n_max, start, 0)
+            def node_rows(i, jn, n_max=n_max, l=l):
+                return node_first_row(sel_s, i * node_tiles + jn, layer=l, st=st, n_max=n_max, lcols=lcols)
 
             def produce(i, g, k_lo_ref=k_lo_ref, k_hi_ref=k_hi_ref, v_ref=v_ref, node_rows=node_rows):
                 """Step `g`'s copies; without a rotator warpgroup, then the previous
