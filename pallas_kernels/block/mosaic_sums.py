@@ -65,7 +65,7 @@ def _shared_bytes(r: int, programs: int, stages: int) -> int:
 def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref, pv_ref, cos_ref, sin_ref, zero_ref,
                 tk_ref, tv_ref, ok_ref, ov_ref, scratch, bars, *, r: int, width: int, per_block: int, layer: int,
                 stages: int, programs: int):
-    klo_s, khi_s, v_s, c_s, s_s, blk_s, slot_s, range_s, bound_s, first_s, tk_s, tv_s = scratch
+    klo_s, khi_s, v_s, c_s, s_s, blk_s, slot_s, range_s, lo_s, hi_s, first_s, tk_s, tv_s = scratch
     setup, codes, landed, consumed = bars
     u, hk, b = lax.axis_index("u"), lax.axis_index("h"), lax.axis_index("b")
     wg = lax.axis_index("wg")
@@ -75,7 +75,7 @@ def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref,
     @pl.when(wg == 0)
     def _consumer():
         plgpu.barrier_wait(setup)
-        n = (bound_s[1, u % 4] - bound_s[0, u % 4]) * per_block
+        n = (hi_s[u % 4] - lo_s[u % 4]) * per_block
         acc = (tk_s.at[0][...], tk_s.at[1][...], tv_s[...])
 
         def entry(g, acc):
@@ -101,8 +101,9 @@ def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref,
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
         quad = pl.ds(u // 4 * 4, 4)  # a 16-byte box holding tile `u`'s bound
-        plgpu.copy_gmem_to_smem(lo_ref.at[b, hk, quad], bound_s.at[0], setup)
-        plgpu.copy_gmem_to_smem(hi_ref.at[b, hk, quad], bound_s.at[1], setup)
+        # Bounds in buffers of their own: a TMA destination starts at 128 bytes.
+        plgpu.copy_gmem_to_smem(lo_ref.at[b, hk, quad], lo_s, setup)
+        plgpu.copy_gmem_to_smem(hi_ref.at[b, hk, quad], hi_s, setup)
         plgpu.copy_gmem_to_smem(first_ref, first_s, setup)
         for piece in range(_padded_programs(programs) // RANGE_ROWS):
             rows = pl.ds(piece * RANGE_ROWS, RANGE_ROWS)
@@ -111,7 +112,7 @@ def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref,
             plgpu.copy_gmem_to_smem(tk_ref.at[b, hk, u, tile, pl.ds(half * HALF, HALF)], tk_s.at[half], setup)
         plgpu.copy_gmem_to_smem(tv_ref.at[b, hk, u, tile], tv_s, setup)
         plgpu.barrier_wait(setup)
-        start, stop = bound_s[0, u % 4], bound_s[1, u % 4]
+        start, stop = lo_s[u % 4], hi_s[u % 4]
         w0 = start // 4 * 4  # a window starts at a 16-byte boundary
         first = first_s[0]
 
@@ -199,7 +200,7 @@ def mosaic_sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, 
                plgpu.SMEM((stages, r, HALF), jnp.float32), plgpu.SMEM((stages, r, HALF), jnp.float32),
                plgpu.SMEM((2, WINDOW), jnp.int32), plgpu.SMEM((2, WINDOW), jnp.int32),
                plgpu.SMEM((_padded_programs(programs), ranges.shape[-1]), jnp.int32),
-               plgpu.SMEM((2, 4), jnp.int32), plgpu.SMEM((first.shape[0],), jnp.int32),
+               plgpu.SMEM((4,), jnp.int32), plgpu.SMEM((4,), jnp.int32), plgpu.SMEM((first.shape[0],), jnp.int32),
                plgpu.SMEM((2, r, HALF), jnp.float32), plgpu.SMEM((r, 2 * HALF), jnp.float32)]
     setup = 3 + _padded_programs(programs) // RANGE_ROWS + 3
     bars = [plgpu.Barrier(num_arrivals=setup), plgpu.Barrier(num_arrivals=2, num_barriers=2),
