@@ -13,7 +13,9 @@ a zero tile instead. `plgpu.kernel` has no input-output aliasing, so each progra
 its tile's totals so far and writes the new ones, every tile of the layer a chunk.
 
 Needs a Hopper GPU (no interpret mode); `partials.sum_partials` is its twin, which CI runs
-interpreted and the gate compares against (`BlockConfig.backward_sum_kernel`).
+interpreted and the gate compares against (`BlockConfig.backward_sum_kernel`). Opt-in:
+writing every tile of the layer a chunk makes layer 0 slower than the twin's in-place sums
+(benchmarks/RESULTS.md, "The block backward without atomics").
 """
 
 from __future__ import annotations

@@ -184,13 +184,16 @@ class BlockConfig:
     backward_walk: str = "auto"
     # The partial sums' launch (`partials.sum_partials`, Pallas-Triton): warps and the
     # pipeline stages of its loop over a tile's entries (each entry's loads depend on the
-    # index's, so one stage waits on each; more overlap them). Not yet timed apart:
-    # `python -m benchmarks.profile --pass block-backward --sum-variants 8:1,8:2,4:3`.
+    # index's, so one stage waits on each; more might overlap them). Timed apart at 128K
+    # (`python -m benchmarks.profile --pass block-backward --sum-variants 8:1,8:2,4:3`,
+    # H100, RESULTS): 8:1 43.1 ms, 8:2 43.2, 4:3 47.7; the default stays 8:1.
     backward_sum_num_warps: int = 8
     backward_sum_num_stages: int = 1
     # The kernel of the Mosaic GPU walk's sums: `"pallas_triton"` (`block/partials.py`, in
-    # place) or `"mosaic_gpu"` (`block/mosaic_sums.py`: TMA, every tile a chunk; not yet
-    # run on a GPU, so opt-in until the gate and the profile have).
+    # place) or `"mosaic_gpu"` (`block/mosaic_sums.py`: TMA, every tile a chunk, since it
+    # cannot alias its totals). Mosaic GPU is opt-in: gated, but its sums took 333 ms
+    # against 225 at 512K (H200; layer 0 3.85 ms a chunk against 2.15) for 40.7 against
+    # 43.1 at 128K (H100) (RESULTS).
     backward_sum_kernel: str = "pallas_triton"
 
     def __post_init__(self):
