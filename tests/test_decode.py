@@ -502,3 +502,46 @@ def test_append_kernel_compiled_equals_the_xla_append_on_gpu(selection, K, rng):
     kernel = jax.jit(lambda c: append_to_cache(c, token_k, token_v, config, counts, writer))(cache)
     for a, b in zip(jax.tree.leaves(kernel), jax.tree.leaves(xla)):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+# Groups of 16 * n heads for n not a power of two run as n virtual kv heads of 16; the
+# importance keys take the whole group's rows again (`decode_keys_pallas`), padded to a
+# power of two for Triton (a gate case at G=48 found the unpadded launch did not lower).
+ODD_GROUPS = [48, 112]
+
+
+@pytest.mark.parametrize("selection_block", [1, 4])
+def test_decoding_a_group_of_48_heads_reproduces_the_full_sequence(selection_block, rng):
+    """Interpreted decode kernels at G=48 (three virtual kv heads of 16, their rows padded
+    to 64 where the keys are packed): prefill then steps equal the reference's full
+    sequence, per query and by block, with `shared_max` (the heads' shifts shared)."""
+    config = HTreeConfig(compression_rate=4, top_k=4, importance="shared_max", selection_block=selection_block)
+    B, T, H_kv, G, K = 1, 40, 1, 48, 32
+    q, k, v = random_qkv(rng, B, T, G * H_kv, H_kv, K, K)
+    full = htree_attention(q, k, v, config, backend="reference")
+    cache = init_cache(B, T, H_kv, K, K, config, num_heads=G * H_kv)
+    prompt = T - 6
+    o, cache = prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache, config, backend="pallas_interpret")
+    outputs = [o]
+    for t in range(prompt, T):
+        o, cache = decode_step(q[:, t], k[:, t], v[:, t], cache, config, backend="pallas_interpret")
+        outputs.append(o[:, None])
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(outputs, axis=1)), np.asarray(full), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("selection_block", [1, 16])
+@pytest.mark.parametrize("G", ODD_GROUPS)
+def test_decoding_groups_of_16_times_an_odd_count_lowers_to_triton(G, selection_block, monkeypatch):
+    """A decode step at G = 48 and 112 (the API's multiples of 16 that are not powers of
+    two) lowered to Triton for a Hopper GPU on the CPU, each selection: interpret mode
+    cannot see the power-of-two rule that the unpadded keys launch broke."""
+    from tests.test_block_kernels import hopper
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # backend="pallas" asks for a GPU
+    config, T, K = HTreeConfig(top_k=8, selection_block=selection_block), 600, 64
+    cache = jax.eval_shape(lambda: init_cache(1, T, 1, K, K, config, jnp.bfloat16, num_heads=G))
+    q, kv = jax.ShapeDtypeStruct((1, G, K), jnp.bfloat16), jax.ShapeDtypeStruct((1, 1, K), jnp.bfloat16)
+    step = jax.jit(lambda q, k, v, c: decode_step(q, k, v, c, config, backend="pallas"))
+    with hopper():
+        text = step.trace(q, kv, kv, cache).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text

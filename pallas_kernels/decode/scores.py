@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.shared.common import NEG_INF, LayerStatic, compiler_params, span_candidates
+from pallas_kernels.shared.common import NEG_INF, LayerStatic, compiler_params, next_power_of_two, pad_axis, span_candidates
 from pallas_kernels.shared.importance import feature_pieces, packed_keys, whole_groups
 from pallas_kernels.shared.precision import score_dot, stored_dot
 from pallas_kernels.shared.softmax import fold_max_sum
@@ -248,6 +248,11 @@ def decode_keys_pallas(scores, shift, n, st: LayerStatic, split: int = 1, interp
     1]` (kv heads virtual, `split` per kv head, as `group_keys_from_scores`). XLA's
     fusion put the heads minor first (a transpose of every score; journal, 2026-11-25 (8))."""
     scores, shift, n, st = whole_groups(scores, shift, n, st, split)
+    # Triton's arrays have power-of-two sizes: a whole group of 48, 80, 96 or 112 heads
+    # (3, 5, 6 or 7 virtual heads of 16) takes zero rows up to the next one, which the
+    # kernel masks (`st.group`).
+    rows = next_power_of_two(scores.shape[3])
+    scores, shift = pad_axis(scores, 3, rows), pad_axis(shift, 3, rows)
     B, Q, H_kv, rows, Mp = scores.shape
     tile = min(KEYS_TILE, Mp)
     grid = (B, Q, H_kv, Mp // tile)
