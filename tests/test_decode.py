@@ -20,6 +20,7 @@ from pallas_kernels.decode.append import append_token_pallas
 from pallas_kernels.decode.walk import attend_cache_pallas, query_chunk
 from pallas_kernels.shared.configs import DecodeBlockSizes
 from tests.conftest import random_qkv
+from tests.test_block_kernels import hopper
 
 # (compression_rate, top_k, importance, T, max_len, prompt): the sequence's tree and the
 # cache's (sized for max_len) have 2-4 layers, not always as many.
@@ -535,8 +536,6 @@ def test_decoding_groups_of_16_times_an_odd_count_lowers_to_triton(G, selection_
     """A decode step at G = 48 and 112 (the API's multiples of 16 that are not powers of
     two) lowered to Triton for a Hopper GPU on the CPU, each selection: interpret mode
     cannot see the power-of-two rule that the unpadded keys launch broke."""
-    from tests.test_block_kernels import hopper
-
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # backend="pallas" asks for a GPU
     config, T, K = HTreeConfig(top_k=8, selection_block=selection_block), 600, 64
     cache = jax.eval_shape(lambda: init_cache(1, T, 1, K, K, config, jnp.bfloat16, num_heads=G))
