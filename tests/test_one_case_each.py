@@ -1,4 +1,4 @@
-"""CI's second run (`.ci/run`, the newest JAX) takes each test function's first case
+"""CI's second run (`.ci/run`, the oldest supported JAX) takes each test function's first case
 (`--one-case-each`, `tests/conftest.py`): every function is kept, once, in order, but
 the long checks that `SECOND_RUN_LEAVES` names (each a test that exists)."""
 
