@@ -15,6 +15,8 @@ in their collectives).
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,26 +31,51 @@ def readable(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
+def constant_argument_bytes(lowered) -> int:
+    """Bytes of the constant arrays a lowered program takes as arguments (its `main`'s
+    arguments marked `jax.const`): from jax 0.12.1 on, constants over 1 KB (RoPE tables,
+    masks) are passed to the compiled program beside the inputs instead of being embedded
+    in it (`jax_use_simplified_jaxpr_constants`); 0 before."""
+    for op in lowered.compiler_ir("stablehlo").body.operations:
+        if "sym_name" in op.attributes and op.attributes["sym_name"].value == "main":
+            types = op.attributes["function_type"].value.inputs
+            attrs = op.attributes["arg_attrs"] if "arg_attrs" in op.attributes else [None] * len(types)
+            return sum(math.prod(t.shape) * max(1, int(re.search(r"\d+", str(t.element_type)).group()) // 8)
+                       for t, a in zip(types, attrs) if a is not None and "jax.const" in a)
+    raise ValueError("the lowered program has no main function")
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Bytes one device holds for one compiled call (XLA's `memory_analysis` of the
-    partitioned program): its `arguments`, `outputs` and `temporaries`; `peak` is their
-    sum, what the device must have free (XLA may alias an output to an argument, so the
-    true peak can be lower, never higher)."""
+    partitioned program): its `arguments` (the inputs, and the `constants` among them),
+    `outputs` and `temporaries`; `peak` is their sum, what the device must have free (XLA
+    may alias an output to an argument, so the true peak can be lower, never higher).
+    `constants`: the bytes of constant arrays the program takes as arguments
+    (`constant_argument_bytes`; 0 where the plan was made without the lowered program)."""
 
     arguments: int
     outputs: int
     temporaries: int
     what: str = "the htree call"
+    constants: int = 0
 
     @classmethod
-    def of(cls, compiled, what: str = "the htree call") -> "MemoryPlan":
-        """The plan of a compiled call (`jax.jit(f).lower(...).compile()`); `NotImplementedError`
+    def of(cls, compiled, what: str = "the htree call", lowered=None) -> "MemoryPlan":
+        """The plan of a compiled call (`jax.jit(f).lower(...).compile()`), its constants
+        counted from `lowered` (that call's `Lowered`) where given; `NotImplementedError`
         where XLA gives no memory analysis."""
         stats = compiled.memory_analysis()
         if stats is None:
             raise NotImplementedError(f"XLA gives no memory analysis on {jax.default_backend()}")
-        return cls(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes, what)
+        constants = 0 if lowered is None else constant_argument_bytes(lowered)
+        return cls(stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.temp_size_in_bytes, what,
+                   constants)
+
+    @property
+    def inputs(self) -> int:
+        """The bytes of the call's own arguments: `arguments` less `constants`."""
+        return self.arguments - self.constants
 
     @property
     def peak(self) -> int:
@@ -151,8 +178,9 @@ def memory_plan(q, k, v, config=None, *, gradients: bool = False, backend: str =
         fn, args = (lambda q, k, v, do: jax.vjp(forward, q, k, v)[1](do)), args + [cotangent]
     else:
         fn = forward
-    return MemoryPlan.of(jax.jit(fn).lower(*args).compile(),
-                         "htree's forward and backward" if gradients else "htree's forward")
+    lowered = jax.jit(fn).lower(*args)
+    return MemoryPlan.of(lowered.compile(), "htree's forward and backward" if gradients else "htree's forward",
+                         lowered)
 
 
 def compile_checked(fn, *args, what: str = "the call", limit_bytes: int | None = None):
@@ -164,9 +192,10 @@ def compile_checked(fn, *args, what: str = "the call", limit_bytes: int | None =
     a device's need is the plan less them (`resident_bytes`); `limit_bytes` bounds the
     whole plan. For a whole training step around `htree_attention`, under which an
     out-of-memory on one device leaves the others waiting in their collectives."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    MemoryPlan.of(compiled, what).check(limit_bytes, held=resident_bytes(args))
+    lowered = jax.jit(fn).lower(*args)
+    compiled = lowered.compile()
+    MemoryPlan.of(compiled, what, lowered).check(limit_bytes, held=resident_bytes(args))
     return compiled
 
 
-__all__ = ["MemoryPlan", "compile_checked", "free_bytes", "largest_free_block", "memory_plan", "resident_bytes"]
+__all__ = ["MemoryPlan", "compile_checked", "constant_argument_bytes", "free_bytes", "largest_free_block", "memory_plan", "resident_bytes"]

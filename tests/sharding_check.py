@@ -29,7 +29,8 @@ B, T, H, H_KV, K, V = 4, 152, 8, 4, 32, 32
 
 def memory_plans() -> int:
     """`memory_plan` of a call sharded along T over 1, 2 and 8 devices: each device
-    holds its share of q, k, v (arguments exactly 1/n of the whole), and the peak of the
+    holds its share of q, k, v (its inputs, the arguments less the constants the program
+    takes, exactly 1/n of the whole), and the peak of the
     forward and of the forward+backward falls with the device count."""
     T_plan = 1024
     shapes = [(1, T_plan, 8, 32), (1, T_plan, 2, 32), (1, T_plan, 2, 32)]
@@ -42,8 +43,9 @@ def memory_plans() -> int:
         for gradients in (False, True):
             plan = memory_plan(*args, CONFIG, gradients=gradients, backend="reference")
             whole = sum(np.prod(s) for s in shapes) * 4 + (np.prod(shapes[0]) * 4 if gradients else 0)
-            if plan.arguments * n != whole:
-                print(f"FAIL memory plan over {n}: arguments {plan.arguments} B, the whole {whole} B")
+            if plan.inputs * n != whole:
+                print(f"FAIL memory plan over {n}: inputs {plan.inputs} B (arguments {plan.arguments} B less "
+                      f"constants {plan.constants} B), the whole {whole} B")
                 return 1
             peaks[n, gradients] = plan.peak
     for gradients in (False, True):

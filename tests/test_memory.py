@@ -16,7 +16,7 @@ import pytest
 from htree_jax import HTreeConfig, MemoryPlan, compile_checked, htree_attention, memory_plan
 from htree_jax import memory
 from htree_jax.core.tree import build_tree
-from htree_jax.memory import resident_bytes
+from htree_jax.memory import constant_argument_bytes, resident_bytes
 from htree_jax.reference import (
     CPU_CHUNK_BUDGET_BYTES,
     chunk_budget_bytes,
@@ -36,13 +36,16 @@ def test_default_config_t16384_planned_memory_is_bounded():
     assert config.layer_sizes(T) == (16384, 1024)
     chunk = default_query_chunk(config, B, T, H_KV, H // H_KV, K, V)
     shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((B, T, H, K), (B, T, H_KV, K), (B, T, H_KV, V))]
-    plan = reference_forward.lower(*shapes, config=config, query_chunk=chunk).compile().memory_analysis()
+    lowered = reference_forward.lower(*shapes, config=config, query_chunk=chunk)
+    plan = lowered.compile().memory_analysis()
     if plan is None:  # a platform without a compiled-memory report
         raise AssertionError("no memory_analysis on this platform")
     # Beyond inputs (48 MiB) and outputs (o 32 MiB, selections 64 MiB): the tree and its
     # float32 rotated keys (~9 MiB), the scan's stacked outputs and one chunk of
-    # intermediates (<= 64 MiB, the budget). Measured on jax 0.10.2, CPU: 137 MiB.
-    assert plan.argument_size_in_bytes == 48 * 2**20
+    # intermediates (<= 64 MiB, the budget). Measured on jax 0.10.2, CPU: 137 MiB. The
+    # arguments are the inputs and the constants the program takes (jax 0.12.1 on: 6.6 MB).
+    constants = constant_argument_bytes(lowered)
+    assert plan.argument_size_in_bytes == 48 * 2**20 + constants and constants < 8 * 2**20
     assert plan.output_size_in_bytes <= 97 * 2**20
     assert plan.temp_size_in_bytes < 2 * CPU_CHUNK_BUDGET_BYTES + 96 * 2**20, plan.temp_size_in_bytes
 
@@ -76,9 +79,11 @@ def test_memory_plan_counts_and_checks_without_running():
                                                                                           jnp.float32)] * 2
     forward = memory_plan(*shapes, config, backend="reference")
     both = memory_plan(*shapes, config, gradients=True, backend="reference")
-    assert isinstance(forward, MemoryPlan) and forward.arguments == 4 * (2 * 150 * 4 * 16 + 2 * 2 * 150 * 2 * 16)
+    # XLA's arguments are the inputs and the constants the lowered program takes.
+    assert isinstance(forward, MemoryPlan) and forward.inputs == 4 * (2 * 150 * 4 * 16 + 2 * 2 * 150 * 2 * 16)
+    assert forward.arguments == forward.inputs + forward.constants
     assert forward.outputs >= 4 * 2 * 150 * 4 * 16 and forward.temporaries > 0
-    assert both.peak > forward.peak and both.arguments == forward.arguments + 4 * 2 * 150 * 4 * 16
+    assert both.peak > forward.peak and both.inputs == forward.inputs + 4 * 2 * 150 * 4 * 16
     both.check(limit_bytes=both.peak)
     with pytest.raises(MemoryError, match=r"forward and backward needs \d+\.\d MiB on each device .* the limit "
                                           r"given has \d+\.\d MiB free: shard the call over more devices"):
@@ -99,6 +104,19 @@ def small_step(rng):
     step = jax.grad(lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend="reference") ** 2),
                     argnums=(0, 1, 2))
     return step, (q, k, v)
+
+
+def test_constant_arguments_are_counted_from_the_lowered_program():
+    """A constant array the program takes as an argument (jax 0.12.1 on: those over 1 KB)
+    is in XLA's arguments beside the inputs, and `constant_argument_bytes` counts it; a
+    program that embeds it (before) counts none."""
+    table = np.arange(1000, dtype=np.float32)
+    lowered = jax.jit(lambda x: x * table).lower(jax.ShapeDtypeStruct((1000,), jnp.float32))
+    constants = constant_argument_bytes(lowered)
+    assert constants in (0, table.nbytes)
+    assert ('jax.const' in lowered.as_text()) == (constants > 0)
+    plan = MemoryPlan.of(lowered.compile(), lowered=lowered)
+    assert plan.constants == constants and plan.arguments == 4000 + constants and plan.inputs == 4000
 
 
 def test_compile_checked_runs_what_fits_and_refuses_what_does_not():
@@ -125,8 +143,9 @@ def test_compile_checked_takes_the_arguments_a_device_holds_off_its_need(monkeyp
     held = resident_bytes((q, k, v))
     assert held == {device: q.nbytes + k.nbytes + v.nbytes}
     assert resident_bytes((q, q, jax.ShapeDtypeStruct(k.shape, k.dtype))) == {device: q.nbytes}
-    plan = MemoryPlan.of(jax.jit(step).lower(q, k, v).compile())
-    assert plan.arguments == held[device]
+    lowered = jax.jit(step).lower(q, k, v)
+    plan = MemoryPlan.of(lowered.compile(), lowered=lowered)
+    assert plan.arguments == held[device] + plan.constants
     monkeypatch.setattr(memory, "free_bytes", lambda d: plan.peak - held[d])
     compile_checked(step, q, k, v)
     monkeypatch.setattr(memory, "free_bytes", lambda d: plan.peak - held[d] - 1)
