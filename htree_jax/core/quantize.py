@@ -3,7 +3,7 @@ DeepSeek's sparse-attention serving stores its latent cache (the tree's nodes st
 cache's compute dtype).
 
 A row `x [..., D]` (one token of one kv head) is stored as `round_e4m3(x / s)` with
-`s = max|x| / 448` (e4m3's largest finite value; `s = 1` for an all-zero row), and read
+`s = max|x| * float32(1 / 448)` (e4m3's largest finite value; `s = 1` for an all-zero row), and read
 back as `stored * s` in float32. Every e4m3 value is exact in bfloat16 and float16, so a
 kernel widens the stored row to the compute dtype without rounding and applies `s` to the
 row's score and to its weight (`pallas_kernels.gqa.merge`), never to the row itself.
@@ -18,6 +18,11 @@ from htree_jax.core.tree import round_to_storage
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
+# The scale is `amax * (1 / 448)` rounded to float32, a multiply: XLA rewrites a division
+# by a constant into this multiply under `jit` but (jax 0.12.1 on) not eagerly, and the
+# two differ in the last bit for about half the rows, which moves a quotient that lies
+# between two e4m3 values to the other one. A multiply is the same everywhere.
+INV_FP8_MAX = np.float32(1.0 / FP8_MAX)
 
 
 def is_fp8(dtype) -> bool:
@@ -29,7 +34,7 @@ def quantize_rows(x):
     non-finite row stays non-finite when read back (its scale is NaN or infinite)."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
-    scale = jnp.where(amax == 0, 1.0, amax / FP8_MAX)
+    scale = jnp.where(amax == 0, 1.0, amax * INV_FP8_MAX)
     stored = jnp.clip(x / scale[..., None], -FP8_MAX, FP8_MAX).astype(FP8)
     return stored, scale
 
