@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from htree_jax.backends import attend, check_block_sizes, full_sequence_backend
 from htree_jax.core.config import HTreeConfig
+from htree_jax.core.one_layer import fitted_to_length
 from htree_jax.core.packing import check_fits, check_max_documents, check_segment_ids, pack_layout, virtual_length
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.validation import as_jax_takes_it, check_config, check_latent_value_dim, check_qkv
@@ -124,6 +125,8 @@ def htree_attention(
     dims = check_qkv(q, k, v)
     config.check_rope_dim(dims.head_dim)
     check_block_sizes(block_sizes)
+    # One layer is causal attention whatever top_k is: no buffer sized by a larger top_k.
+    config = fitted_to_length(config, dims.seq_len)
     impl = full_sequence_backend(backend, dims, config, packed=segment_ids is not None, dtype=q.dtype, latent=latent,
                                  block_sizes=block_sizes)
     for name, flag in (("return_selected", return_selected), ("return_importance", return_importance)):

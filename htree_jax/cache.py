@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax.core.blocks import recent_queries
+from htree_jax.core.one_layer import fitted_to_length
 from htree_jax.core.bounds import children_radii, num_groups
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.quantize import FP8, dequantize_rows, is_fp8, quantize_rows
@@ -146,6 +147,7 @@ def init_cache(batch_size: int, max_len: int, num_kv_heads: int, k_dim: int, v_d
     config = check_decode_config(config)
     B = _positive_int("batch_size", batch_size)
     T = _positive_int("max_len", max_len)
+    config = fitted_to_length(config, T)  # a one-layer cache is sized by its tokens, not by top_k
     H_kv = _positive_int("num_kv_heads", num_kv_heads)
     K = _positive_int("k_dim", k_dim)
     V = _positive_int("v_dim", v_dim)
@@ -218,14 +220,17 @@ def check_cache(cache, config: HTreeConfig) -> None:
                              "and a compute dtype; make the cache with init_cache(..., token_dtype=jnp.float8_e4m3fn)")
     sizes = config.layer_sizes(cache.max_len)
     got = tuple(k.shape[1] for k in cache.keys)
+    # The layers first: a config of another compression_rate or top_k has another layer
+    # count, and so another count of radii too, which is not another selection rule.
+    if got != sizes:
+        raise ValueError(
+            f"cache: its layers {got} are not those of config for max_len={cache.max_len} {sizes} "
+            f"(compression_rate={config.compression_rate}, top_k={config.top_k}); use the config the cache was "
+            "made with"
+        )
     if len(cache.radii) != (len(sizes) - 1 if config.ranks_by_bound else 0):
         raise ValueError(f"cache: made for another selection rule than config.selection={config.selection!r}; use "
                          "the config the cache was made with")
-    if got != sizes:
-        raise ValueError(
-            f"cache: its layers {got} are not those of config for max_len={cache.max_len} {sizes}; "
-            "use the config the cache was made with"
-        )
     P = recent_queries(config)
     fits = lambda x: x.shape[:3] == (cache.batch_size, P, cache.num_kv_heads) and x.shape[-1] == cache.keys[0].shape[-1]
     if len(cache.queries) != (1 if P else 0) or not all(fits(x) for x in cache.queries):

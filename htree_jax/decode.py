@@ -35,6 +35,7 @@ from htree_jax.cache import (
 )
 from htree_jax.core.blocks import block_rows, with_recent
 from htree_jax.core.config import HTreeConfig
+from htree_jax.core.one_layer import fitted_to_length
 from htree_jax.core.rope import rope_layout
 from htree_jax.sharding import partitioned_cache_attention
 from pallas_kernels.decode.append import append_token_pallas
@@ -230,6 +231,7 @@ def prefill(q, k, v, cache: HTreeCache, config: HTreeConfig | None = None, *, le
     `block_sizes`: the Pallas decode kernels' `DecodeBlockSizes` (None: the defaults)."""
     config = check_decode_config(config)
     check_cache(cache, config)
+    config = fitted_to_length(config, cache.max_len)  # one layer: the same function, buffers of its tokens
     S = _check_tokens(cache, q, k, v, step=False)
     check_query_heads(cache, q.shape[2])
     check_decode_block_sizes(block_sizes)
@@ -257,6 +259,7 @@ def decode_step(q_t, k_t, v_t, cache: HTreeCache, config: HTreeConfig | None = N
     sequence at that position (strict causality). `backend`, `block_sizes` and the overflow rule as in `prefill`."""
     config = check_decode_config(config)
     check_cache(cache, config)
+    config = fitted_to_length(config, cache.max_len)
     _check_tokens(cache, q_t, k_t, v_t, step=True)
     check_query_heads(cache, q_t.shape[1])
     check_decode_block_sizes(block_sizes)

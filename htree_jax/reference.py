@@ -28,6 +28,7 @@ from htree_jax.core.indexing import (
     pack_importance,
     top_layer_parents,
 )
+from htree_jax.core.one_layer import causal_attention_reference, one_layer
 from htree_jax.core.packing import build_packed_tree, layer_exists, tokens_to_virtual, virtual_exists
 from htree_jax.core.rope import apply_rope, rope_table
 from htree_jax.core.softmax import importance, merge, normalize
@@ -66,6 +67,30 @@ def chunk_bytes_per_query(config: HTreeConfig, batch, num_kv_heads, group, head_
         rows = group * (config.selection_block if config.block_source == "previous" else 1)
         per_head += rows * (2 * M + config.top_k * head_dim + head_dim)
     return 4 * per_head * batch * num_kv_heads
+
+
+def memory_limit_bytes() -> int:
+    """The bytes one call can hold at most: the default device's limit where it reports
+    one (a GPU), else the host's physical memory (the CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_candidate_buffer(config: HTreeConfig, batch, num_kv_heads, group, head_dim, value_dim) -> None:
+    """A ValueError, before any work, where the reference's intermediates for a single
+    query position (`chunk_bytes_per_query`: its candidate buffer of `M = top_k *
+    compression_rate` nodes, for every batch row and kv head) exceed what the device
+    holds (`memory_limit_bytes`): no chunking could run such a call."""
+    need = chunk_bytes_per_query(config, batch, num_kv_heads, group, head_dim, value_dim)
+    limit = memory_limit_bytes()
+    if need > limit:
+        raise ValueError(
+            f"top_k * compression_rate = {config.top_k} * {config.compression_rate} = {config.max_candidates} "
+            f"candidates a query: the reference needs {need / 2**30:.1f} GiB for one query position (B = {batch}, "
+            f"H_kv = {num_kv_heads}), more than the {limit / 2**30:.1f} GiB of {jax.devices()[0].platform!r}; "
+            "lower top_k or compression_rate (a tree of one layer, T <= top_k * compression_rate, takes any)")
 
 
 def default_query_chunk(config, batch, seq_len, num_kv_heads, group, head_dim, value_dim, budget_bytes=None):
@@ -328,6 +353,9 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
     the chunk under `chunk_budget_bytes()` (64 MiB unless `HTREE_REFERENCE_CHUNK_BYTES` says
     otherwise; at least 1): e.g. 6 positions for B=1, H_kv=2, G=4,
     K=V=64 with the default config, whose whole T=16384 call peaks at ~1.3 GB RSS.
+    A one-layer tree (`T <= M`) is causal attention, computed as such
+    (`core.one_layer.causal_attention_reference`, chunks of `[B, H, chunk, T]` under the
+    same budget): no selections, and dense attention's cost whatever `top_k` is.
     """
     B, T, H, K = q.shape
     H_kv, Vd = k.shape[2], v.shape[-1]
@@ -335,6 +363,10 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
         query_chunk = default_query_chunk(config, B, T, H_kv, H // H_kv, K, Vd)
     elif isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
         raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
+    if one_layer(config, k.shape[1]):  # exact causal attention: nothing selects, nothing to walk
+        o = causal_attention_reference(q, k, v, config, positions=positions, budget_bytes=chunk_budget_bytes())
+        return (o, [], []) if return_importance else (o, [])
+    check_candidate_buffer(config, B, H_kv, H // H_kv, K, Vd)
     return reference_forward(q, k, v, config, min(query_chunk, T), positions, return_importance, rank_rows)
 
 
@@ -346,6 +378,8 @@ def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, q
     with document-local positions; its keys are rotated as gathered (a top node's place
     in its document is not its row's)."""
     B, T, H, K = q.shape
+    if packing.num_layers > 1:
+        check_candidate_buffer(config, B, k.shape[2], H // k.shape[2], K, v.shape[-1])
     if query_chunk is None:
         query_chunk = default_query_chunk(config, B, T, k.shape[2], H // k.shape[2], K, v.shape[-1])
     exists = virtual_exists(packing)

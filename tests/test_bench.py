@@ -3,11 +3,14 @@ timing itself needs a GPU, `benchmarks/RESULTS.md`)."""
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
+from benchmarks import bench_cpu
 from htree_jax.bench import correlated_inputs, input_kinds, overlap_row, parent_overlap
 
 
@@ -96,3 +99,15 @@ def test_the_block_backward_profile_adds_up_its_pieces_interpreted(capsys, monke
                   "--interpret"])
     out = capsys.readouterr().out
     assert "pallas_triton walk" in out and "chunks; backward" in out and "the rest" in out
+
+
+def test_the_cpu_benchmark_times_the_default_against_dense(tmp_path):
+    """`benchmarks/bench_cpu.py`: a row per size (the default and dense attention with
+    RoPE, the ratio) and the first call of an oversized `top_k`, written as JSON."""
+    out = tmp_path / "cpu.json"
+    rows = bench_cpu.main(["--sizes", "64,128", "--iters", "1", "--oversized-top-k", "4096", "--out", str(out)])
+    assert [(r["what"], r["T"]) for r in rows] == [("HTreeConfig() against dense with RoPE", 64),
+                                                   ("HTreeConfig() against dense with RoPE", 128),
+                                                   ("first call, top_k=4096", 64)]
+    assert rows[0]["htree_over_dense"] == pytest.approx(rows[0]["htree_ms"] / rows[0]["dense_ms"])
+    assert json.loads(out.read_text()) == rows and "| first call, top_k=4096 | 64 |" in bench_cpu.table(rows)

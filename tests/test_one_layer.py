@@ -4,16 +4,20 @@ here against the float64 oracle (XLA's dense attention on the CPU: the same func
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import htree_jax
-from htree_jax import HTreeConfig
+from htree_jax import HTreeConfig, reference
+from htree_jax import attention as htree_attention_module
+from htree_jax import decode as decode_module
 from htree_jax.backends import attend
 from htree_jax.core.non_finite import poison_rows
-from htree_jax.core.one_layer import dense_eligible, one_layer, one_layer_attention
+from htree_jax.core.one_layer import dense_eligible, fitted_to_length, one_layer, one_layer_attention
 from htree_jax.core.rope import rope_layout
 from pallas_kernels.shared.dead_rows import poison_rows_in_place
 from reference_numpy import htree_attention_numpy
@@ -103,3 +107,92 @@ def test_public_rope_states_the_convention(rng, K, rope_dim, base):
     order = np.concatenate([np.arange(K - R), K - R + np.stack([np.arange(R // 2), R // 2 + np.arange(R // 2)], 1).ravel()])
     inter = lambda x: rotate(x[..., order])[..., np.argsort(order)]
     assert np.max(np.abs(dense(inter(q), inter(k)) - want)) > 1e-2
+
+
+@pytest.mark.parametrize("T, H, H_kv, K, V, config", [
+    (64, 4, 2, 32, 32, HTreeConfig(compression_rate=4, top_k=16, selection_block=1)),
+    (37, 8, 2, 64, 48, HTreeConfig(compression_rate=16, top_k=4, rope_dim=16)),
+    (50, 6, 3, 32, 32, HTreeConfig(compression_rate=8, top_k=8, scale=0.3, rope_base=500.0)),
+])
+def test_the_reference_computes_a_one_layer_tree_as_causal_attention(rng, monkeypatch, T, H, H_kv, K, V, config):
+    """The reference's one-layer path (`causal_attention_reference`, in query chunks: a
+    budget of 3 queries' scores here) equals the oracle, and its gradients the walk's
+    (`reference_forward`, which pays for every candidate of the buffer); queries at
+    given positions (a context shard's) read the keys up to theirs."""
+    assert one_layer(config, T)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, T, H, H_kv, K, V))
+    monkeypatch.setenv(reference.CHUNK_BUDGET_ENV, str(3 * 12 * 2 * H * T))
+    want = htree_attention_numpy(q, k, v, config)
+    q, k = (rope_layout(x, config.partial_rope(K)) for x in (q, k))  # as the reference takes them
+    o, selected = reference.htree_attention_reference(q, k, v, config)
+    assert selected == []
+    np.testing.assert_allclose(np.asarray(o, np.float64), want, rtol=1e-5, atol=1e-5)
+    w = jnp.asarray(rng.standard_normal((2, T, H, V)), jnp.float32)
+    fast = lambda q, k, v: jnp.sum(reference.htree_attention_reference(q, k, v, config)[0] * w)
+    walk = lambda q, k, v: jnp.sum(reference.reference_forward(q, k, v, config, 8)[0] * w)
+    for name, a, b in zip("qkv", jax.grad(fast, argnums=(0, 1, 2))(q, k, v), jax.grad(walk, argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=name)
+    positions = jnp.asarray([3, 20, T - 1], jnp.int32)
+    o_at, _ = reference.htree_attention_reference(q[:, positions], k, v, config, positions=positions)
+    np.testing.assert_allclose(np.asarray(o_at), np.asarray(reference.htree_attention_reference(q, k, v, config)[0])[
+        :, np.asarray(positions)], rtol=1e-6, atol=1e-6)
+
+
+def test_a_one_layer_tree_costs_its_tokens_not_top_k(rng, monkeypatch):
+    """`top_k=2**20` (a buffer of 2**24 candidates) at T=512 returns at once on every
+    backend, as the causal attention a one-layer tree is (`fitted_to_length`: the
+    smallest `top_k` whose layer holds the sequence); a tree of more layers keeps its
+    config."""
+    config = HTreeConfig(top_k=2 ** 20)
+    assert fitted_to_length(config, 512) == dataclasses.replace(config, top_k=32)
+    assert fitted_to_length(config, 512 * 16 + 1) == dataclasses.replace(config, top_k=1024)
+    assert fitted_to_length(HTreeConfig(top_k=4), 100) == HTreeConfig(top_k=4)  # 3 layers
+    assert fitted_to_length(HTreeConfig(compression_rate=4, top_k=1), 3) == HTreeConfig(compression_rate=4, top_k=1)
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 1, 512, 4, 2, 32, 32))
+    want = jax.nn.dot_product_attention(htree_jax.rope(q), htree_jax.rope(k), v, is_causal=True)
+    seen = []
+    monkeypatch.setattr(htree_attention_module, "attend", lambda q, k, v, config, *a, **kw: seen.append(config)
+                        or attend(q, k, v, config, *a, **kw))
+    for backend in ("reference", "pallas_interpret"):
+        o = htree_jax.htree_attention(q, k, v, config, backend=backend)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=backend)
+    assert [c.top_k for c in seen] == [32, 32]  # what the backends were given
+
+
+def test_a_candidate_buffer_no_device_holds_is_refused_before_any_work(monkeypatch):
+    """A tree of several layers whose one query's buffer (`M = top_k * compression_rate`
+    candidates, every batch row and kv head) exceeds the device's memory: a ValueError
+    naming `top_k` and `compression_rate`, at trace time."""
+    assert reference.memory_limit_bytes() > 2**30  # the host's memory on a CPU
+    config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
+    need = reference.chunk_bytes_per_query(config, 2, 2, 2, 16, 16)
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((2, 150, 4, 16), (2, 150, 2, 16), (2, 150, 2, 16))]
+    monkeypatch.setattr(reference, "memory_limit_bytes", lambda: need - 1)
+    with pytest.raises(ValueError, match=r"top_k \* compression_rate = 4 \* 4 = 16 candidates a query: the "
+                                         r"reference needs .* GiB for one query position \(B = 2, H_kv = 2\), more "
+                                         r"than the .* lower top_k or compression_rate"):
+        jax.eval_shape(lambda q, k, v: htree_jax.htree_attention(q, k, v, config, backend="reference"), *shapes)
+    monkeypatch.setattr(reference, "memory_limit_bytes", lambda: need)
+    jax.eval_shape(lambda q, k, v: htree_jax.htree_attention(q, k, v, config, backend="reference"), *shapes)
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
+def test_a_one_layer_cache_decodes_whatever_top_k_is(rng, monkeypatch, backend):
+    """A cache whose `max_len` a single layer holds is sized by its tokens: `top_k=2**20`
+    decodes at once (the steps are given `top_k=4`, 64 tokens' worth), a prefill then
+    steps equal to the full sequence."""
+    config = HTreeConfig(top_k=2**20)
+    B, T, H, H_kv, K = 1, 40, 4, 2, 32
+    seen, steps_of = [], decode_module._prefill
+    monkeypatch.setattr(decode_module, "_prefill", lambda *a: seen.append(a[5].top_k) or steps_of(*a))
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, H, H_kv, K, K))
+    cache = htree_jax.init_cache(B, 64, H_kv, K, K, config, num_heads=H)
+    o, cache = htree_jax.prefill(q[:, :36], k[:, :36], v[:, :36], cache, config, backend=backend)
+    assert seen == [4]
+    steps = [o]
+    for t in range(36, T):
+        o_t, cache = htree_jax.decode_step(q[:, t], k[:, t], v[:, t], cache, config, backend=backend)
+        steps.append(o_t[:, None])
+    want = htree_jax.htree_attention(q, k, v, config, backend="reference")
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert seen == [4] * 5
