@@ -71,7 +71,7 @@ def extension_args(a, variant: dict, trained: dict):
 def extension_rows(a) -> list[dict]:
     """`{variant, T, bits, dense_bits, change, step_ms, dense_step_ms, speedup, curve}`
     for each variant at each scored length (dense first: the others are against it)."""
-    trained = train_tiny_lm.checkpoint_flags(a.checkpoint)["trained"]
+    trained = train_tiny_lm.checkpoint_flags(a.checkpoint, flag="--checkpoint")["trained"]
     args = frontier.checkpoint_args(a.checkpoint, a.data, a.backend)
     lens = a.eval_lens or [a.seq_len, 4 * a.seq_len]
     windows = {T: eval_windows(train_tiny_lm.task_of(args), T, a.eval_windows, a.window_seed) for T in lens}

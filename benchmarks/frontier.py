@@ -137,7 +137,7 @@ def _quality_rows(a, configs) -> list[dict]:
     for directory in a.checkpoints:
         args = checkpoint_args(directory, a.data, a.backend)
         corpus = train_tiny_lm.task_of(args)
-        trained = train_tiny_lm.checkpoint_flags(directory)["trained"]
+        trained = train_tiny_lm.checkpoint_flags(directory, flag="--checkpoints")["trained"]
         train_len = int(trained.get("seq_len") or a.eval_lens[0])
         lens = a.eval_lens or [train_len, 4 * train_len]
         windows = {T: eval_windows(corpus, T, a.eval_windows, a.window_seed) for T in lens}

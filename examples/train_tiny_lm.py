@@ -470,11 +470,13 @@ def save_model(model, args, directory, result: dict | None = None) -> pathlib.Pa
     return directory
 
 
-def checkpoint_flags(directory) -> dict:
-    """The `SHAPE_FLAGS` (and what the run recorded) of a model saved by `save_model`."""
+def checkpoint_flags(directory, flag: str = "--init") -> dict:
+    """The `SHAPE_FLAGS` (and what the run recorded) of a model saved by `save_model`;
+    a missing one is a ValueError naming `flag`, the option that gave `directory`."""
     path = pathlib.Path(directory) / CHECKPOINT_FLAGS
     if not path.is_file():
-        raise ValueError(f"--init {str(directory)!r}: no {CHECKPOINT_FLAGS} there (a directory written by --save)")
+        raise ValueError(f"{flag} {str(directory)!r}: no {CHECKPOINT_FLAGS} there (a directory written by "
+                         "train_tiny_lm.py --save)")
     return json.loads(path.read_text())
 
 

@@ -285,7 +285,9 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
             raise ValueError(
                 f"query and key must have the same length T (self-attention over the whole "
                 f"sequence), got {query.shape[-3]} and {key.shape[-3]}; token-by-token decoding "
-                "with a cache needs htree's own decode path, not a dense KV cache"
+                "needs htree's own cache, not the dense KV cache of nnx.MultiHeadAttention(decode=True): "
+                "use htree_jax.HTreeAttention(..., decode=True) (or htree_jax.init_cache with prefill and "
+                "decode_step)"
             )
         batch_shape, (T, H) = query.shape[:-3], query.shape[-3:-1]
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=H, seq_len=T, is_causal=bool(is_causal),

@@ -177,6 +177,10 @@ def test_a_cache_made_for_another_rule_is_refused(rng):
     with pytest.raises(ValueError, match="made for another selection rule"):
         prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), cache,
                 HTreeConfig(compression_rate=4, top_k=4, selection="mean", selection_block=1))
+    # Another compression_rate (under the same rule) is named as such, not as another rule.
+    with pytest.raises(ValueError, match=r"its layers \(64, 16\) are not those of config .*compression_rate=2"):
+        decode_step(jnp.asarray(q[:, 0]), jnp.asarray(k[:, 0]), jnp.asarray(v[:, 0]), cache,
+                    HTreeConfig(compression_rate=2, top_k=4, selection="bound", selection_block=1))
 
 
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")]

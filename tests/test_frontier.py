@@ -178,3 +178,5 @@ def test_extension_continues_a_short_dense_checkpoint_at_a_longer_length(tmp_pat
     assert "| dense |" in table and "| block top_k=2 |" in table and "x) |" in table
     with pytest.raises(SystemExit):
         extension.parse_args(["--checkpoint", "x", "--seq-len", "64", "--steps", "1", "--variants", "block:two"])
+    with pytest.raises(ValueError, match=r"^--checkpoint '.*missing': no .* there"):  # its own flag, not --init
+        extension.main(["--checkpoint", str(tmp_path / "missing"), "--seq-len", "64", "--steps", "1"])

@@ -245,7 +245,8 @@ def test_attention_fn_errors():
     fn = attention_fn(HTreeConfig(compression_rate=4, top_k=4, selection_block=1))
     q = _inputs(1, (2, 20, 4, 8))
     kv = _inputs(2, (2, 20, 2, 8))
-    with pytest.raises(ValueError, match="same length T"):
+    with pytest.raises(ValueError, match=r"same length T.*use htree_jax.HTreeAttention\(\.\.\., decode=True\) "
+                                         r"\(or htree_jax.init_cache"):  # a decode step: where htree decodes
         fn(q[:, :1], kv, kv, is_causal=True)
     with pytest.raises(ValueError, match="bias"):
         fn(q, kv, kv, bias=jnp.zeros((20, 20)), is_causal=True)
