@@ -68,13 +68,14 @@ def test_packed_gradients_from_partials_equal_each_document_alone(rng):
 
 def test_context_shards_from_partials_equal_the_whole_sequence(rng):
     """Two context shards (`positions`, ranking rows from the shard before) with the key
-    and value gradients from partials: `dq` the whole sequence's rows', `dk`, `dv`
+    and value gradients from partials in several chunks each (a chunk's first position
+    is the shard's offset plus its blocks'): `dq` the whole sequence's rows', `dk`, `dv`
     summed the whole sequence's."""
     config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4)
     B, H, H_kv, K, T, S = 2, 4, 2, 32, 160, 80
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, T, H, H_kv, K, K))
     w = jnp.asarray(rng.standard_normal((B, T, H, K)), jnp.float32)
-    tuning = partials_tuning(K, K)
+    tuning = partials_tuning(K, K, **{"block.backward_partial_bytes": 2 ** 19})  # 4 chunks a shard
 
     def whole(q, k, v):
         return jnp.sum(attend(q, k, v, config, "pallas_interpret")[0] * w)

@@ -391,6 +391,29 @@ def test_overflow_of_one_row_under_jit_is_nan_for_that_row_only(rng):
     np.testing.assert_array_equal(np.asarray(after.keys[0][0]), np.asarray(cache.keys[0][0]))
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas_interpret"])
+def test_block_selection_overflow_of_one_row_under_jit_leaves_that_row_alone(rng, backend):
+    """Block selection (SPEC 12) past `max_len`: eagerly refused; under `jit` the full
+    row answers NaN and keeps its tokens, recent queries and block selections, while
+    the other row steps on and equals its full sequence (3 layers)."""
+    config = HTreeConfig(compression_rate=4, top_k=2)
+    assert config.selects_by_block and config.num_layers(40) == 3
+    B, H, H_kv, K, V = 2, 2, 1, 32, 32
+    q, k, v = (jnp.asarray(x) for x in random_qkv(rng, B, 41, H, H_kv, K, V))
+    cache = init_cache(B, 40, H_kv, K, V, config, num_heads=H)
+    _, cache = prefill(q[:, :40], k[:, :40], v[:, :40], cache, config, lengths=jnp.asarray([40, 21]), backend=backend)
+    with pytest.raises(ValueError, match="cache overflow: appending 1 token.*row 0 holding 40 of max_len=40"):
+        decode_step(q[:, 40], k[:, 40], v[:, 40], cache, config, backend=backend)
+    kept = jax.tree.map(np.asarray, (cache.keys, cache.values, cache.queries, cache.selections))
+    o, after = jax.jit(lambda c: decode_step(q[:, 21], k[:, 21], v[:, 21], c, config, backend=backend))(cache)
+    assert np.all(np.isnan(np.asarray(o[0]))) and np.asarray(after.lengths).tolist() == [40, 22]
+    for got, was in zip(jax.tree.leaves((after.keys, after.values, after.queries, after.selections)),
+                        jax.tree.leaves(kept)):
+        np.testing.assert_array_equal(np.asarray(got[0]), was[0])
+    full = htree_attention(q[1:, :22], k[1:, :22], v[1:, :22], config, backend="reference")
+    np.testing.assert_allclose(np.asarray(o[1]), np.asarray(full[0, 21]), rtol=2e-5, atol=2e-5)
+
+
 def test_jitted_default_step_has_no_callback(rng):
     config = HTreeConfig(compression_rate=4, top_k=4, selection_block=1)
     q, k, v = (jnp.asarray(x) for x in random_qkv(rng, 2, 3, 2, 1, 32, 32))
