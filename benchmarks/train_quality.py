@@ -91,7 +91,8 @@ def label(result: dict) -> str:
         return "dense"
     # Runs written before the bound became the default (2026-11-26) name no rule: the mean.
     rule = result.get("selection") or "mean"
-    return f"htree top_k={result['top_k']}" + ("" if rule == "bound" else f" {rule}")
+    warm = f" after {result['dense_steps']} dense" if result.get("dense_steps") else ""
+    return f"htree top_k={result['top_k']}" + ("" if rule == "bound" else f" {rule}") + warm
 
 
 def plot(results: list[dict], png: str | None = None, window: int = 20):
