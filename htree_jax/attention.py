@@ -62,9 +62,11 @@ def htree_attention(
         `top_k=64`, documents of 16384 tokens take 2 layers instead of 3). Longer
         documents: as for `max_documents`.
       backend: `"auto"` (`"pallas"` on a GPU when the shapes allow it, else the reference),
-        `"reference"` (the jittable JAX reference), `"pallas"` (Pallas-Triton kernels,
-        CUDA GPUs; K in [32, 576], V in [32, 512] (padded inside to powers of two); up
-        to 16 query heads per kv head, or a multiple of 16 up to 128) or
+        `"reference"` (the jittable JAX reference), `"pallas"` (the Pallas kernels, CUDA
+        GPUs; per-query selection, `selection_block=1`: K in [32, 576], V in [32, 512]
+        (padded inside to powers of two); block selection, the default: K and V up to
+        256, larger heads on `"reference"`; up to 16 query heads per kv head, or a
+        multiple of 16 up to 128) or
         `"pallas_interpret"` (the same kernels interpreted, any platform; slow: how CI
         tests them).
       return_selected: also return the nodes selected for refinement at every layer

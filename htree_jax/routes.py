@@ -17,7 +17,7 @@ H_kv, V]` (or None, where the route reads the values from the keys), and a `Call
 | `dense` | a one-layer tree: RoPE, then cuDNN (`core.one_layer`) | XLA (cuDNN's) |
 | `gqa` | the GQA family (`pallas_kernels/gqa/`) | `htree_backward_pallas` |
 | `wide` | the wide family (latent attention, `pallas_kernels/wide/`) | `wide_backward_pallas` |
-| `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`); packed rows laid out virtually (`block/packed.py`) | `block_backward_pallas` (packed: `block_backward_packed`) |
+| `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`); packed rows laid out virtually (`pallas_kernels/block/packed.py`) | `block_backward_pallas` (packed: `block_backward_packed`) |
 
 Adding a route is a row here (and a rule in `choose_route`), the family's file and its tests.
 """

@@ -4,9 +4,11 @@ calls them, paired as one `jax.custom_vjp` at the bottom (`shared/guarded.py`). 
 selections come from the per-query families run on each block's ranking rows
 (`htree_jax.routes` composes the two).
 
-Not deterministic: the backward adds each block's key and value gradients into the
-nodes it merged with float32 atomics, in no fixed order, so `dk` and `dv` may differ in
-their last bits run to run (`dq` is summed in a fixed order).
+Determinism follows `BlockConfig.backward_sum` (`backward.chosen_sum`): on a GPU, by
+default, each block's key and value gradients are written as partial sums and summed by
+node in block order (bitwise the same run to run); interpreted, or with `"atomics"`,
+they are added into the nodes with float32 atomics, in no fixed order, so `dk` and `dv`
+may differ in their last bits run to run. `dq` is summed in a fixed order either way.
 """
 
 from __future__ import annotations

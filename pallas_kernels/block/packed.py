@@ -1,5 +1,6 @@
 """Block selection over packed rows (SPEC 6 with SPEC 12) on the block kernels (the
-merge on Pallas-Triton or Mosaic GPU, the backward on Pallas-Triton): the queries laid
+merge on Pallas-Triton or Mosaic GPU, the backward's walk on Pallas-Triton or, for
+partial sums on a Hopper GPU, Mosaic GPU: `backward.chosen_walk`): the queries laid
 out virtually as the tree is (`htree_jax.core.packing`), so that each document's blocks
 start at multiples of `b` (a document starts at a multiple of `A = r^(L-1)`) and no block
 spans two documents. Every layer below the top is then walked as in an unpacked row
