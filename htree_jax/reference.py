@@ -70,9 +70,11 @@ def chunk_bytes_per_query(config: HTreeConfig, batch, num_kv_heads, group, head_
 
 
 def memory_limit_bytes() -> int:
-    """The bytes one call can hold at most: the default device's limit where it reports
-    one (a GPU), else the host's physical memory (the CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """The bytes one call can hold at most: this process's first device's limit where it
+    reports one (a GPU), else the host's physical memory (the CPU). A local device: in a
+    run of several processes another process's device answers nothing of its memory (a
+    call to it left two processes' collectives waiting)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -89,7 +91,7 @@ def check_candidate_buffer(config: HTreeConfig, batch, num_kv_heads, group, head
         raise ValueError(
             f"top_k * compression_rate = {config.top_k} * {config.compression_rate} = {config.max_candidates} "
             f"candidates a query: the reference needs {need / 2**30:.1f} GiB for one query position (B = {batch}, "
-            f"H_kv = {num_kv_heads}), more than the {limit / 2**30:.1f} GiB of {jax.devices()[0].platform!r}; "
+            f"H_kv = {num_kv_heads}), more than the {limit / 2**30:.1f} GiB of {jax.local_devices()[0].platform!r}; "
             "lower top_k or compression_rate (a tree of one layer, T <= top_k * compression_rate, takes any)")
 
 
