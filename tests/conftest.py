@@ -87,14 +87,36 @@ def first_case_of_each(items):
 # and nnx with optax in-process (test_memory.py, test_module.py); the packed block
 # kernels' gradients against each document alone, through
 # `test_packed_blocks_walk_the_top_layer_from_their_documents_tile` (the same kernels'
-# gradients against the reference's). The partial sums' packed rows and context shards
-# stay: no kept test reaches their chunks' offsets. The whole suite runs them all.
+# gradients against the reference's); the wide kernels reading values from the keys,
+# through `test_wide_backward_with_values_from_the_keys` (forward and backward), and q in
+# the caller's order, which every `htree_attention` call on them reads; the saved
+# selections' backward, through the GQA kernels' gradient tests; the latent shape (K=576,
+# 128 heads), through the wide kernels at K=320 (`test_sixteen_heads_at_wide_head_dims_...`);
+# the block sums without atomics against the atomics, through the partials' and by-node
+# sums against the reference (test_block_partials.py, test_block_by_node.py); the reference
+# against the oracle by hypothesis, through every reference test; the frontier's,
+# adaptation's and extension's training and scoring and the needle task's curriculum,
+# through test_examples.py's training (nnx, optax, the same jitted step). The two-process test is left too, the
+# longest check of the pass (three processes at once): jax.distributed and gloo are tested
+# on the newest JAX only. The partial sums' packed rows and context shards stay: no kept
+# test reaches their chunks' offsets. The whole suite runs them all.
 SECOND_RUN_LEAVES = tuple(f"test_sharding.py::{name}" for name in (
     "test_block_selection_shards_its_tokens_and_its_cache",
     "test_memory_plan_of_context_parallelism_falls_with_the_device_count",
     "test_the_gates_two_device_cases_run_on_simulated_devices",
     "test_sharded_nnx_model_optax_step",
-)) + ("test_block_selection.py::test_packed_gradients_on_the_kernels_equal_each_document_alone[first-2]",)
+)) + ("test_block_selection.py::test_packed_gradients_on_the_kernels_equal_each_document_alone[first-2]",
+      "test_multiprocess.py::test_two_processes_equal_one_on_the_same_mesh",
+      "test_wide.py::test_htree_attention_with_values_from_the_keys[pallas_interpret-32]",
+      "test_wide.py::test_queries_in_the_given_order_equal_the_permuted_ones[32]",
+      "test_pallas_backward.py::test_backward_with_saved_selections_equals_recomputing_them_bitwise[1-77-2-4-3-bfloat16]",
+      "test_oracle_agreement.py::test_reference_matches_oracle_hypothesis",
+      "test_frontier.py::test_extension_continues_a_short_dense_checkpoint_at_a_longer_length",
+      "test_frontier.py::test_frontier_scores_checkpoints_and_draws_the_table",
+      "test_examples.py::test_needle_task_with_a_length_curriculum_and_bfloat16_lowers_the_loss",
+      "test_latent_shapes.py::test_mla_dims_equal_the_reference",
+      "test_block_by_node.py::test_sums_without_atomics_equal_the_atomics_and_are_the_same_every_call[float32]",
+      "test_frontier.py::test_adaptation_continues_a_dense_checkpoint_with_htree_and_scores_each_share")
 
 
 def second_run(items):
