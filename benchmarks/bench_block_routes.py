@@ -1,8 +1,7 @@
 """Issue 73: the block merge by route (`KernelConfigs.block_merge`): `--check` each route
 against Pallas-Triton on small shapes, `--time` each at T=131072 (merge kernel, merge call,
 whole forward) beside dense cuDNN. `--routes=a,b` picks routes, `--T=a,b` the lengths of `--time` (131072), `--kinds=` its
-inputs (random,correlated). Needs a CUDA GPU (and
-jax-triton for the Triton route).
+inputs (random,correlated). Needs a CUDA GPU.
 
     python benchmarks/bench_block_routes.py --check --time
 """
@@ -16,7 +15,7 @@ from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.shared.configs import KernelConfigs
 from tests.conftest import random_qkv
 
-ROUTES = next((a.split("=")[1].split(",") for a in sys.argv if a.startswith("--routes=")), ["pallas_triton", "triton", "mosaic_gpu"])
+ROUTES = next((a.split("=")[1].split(",") for a in sys.argv if a.startswith("--routes=")), ["pallas_triton", "mosaic_gpu"])
 TIME = "--time" in sys.argv
 LENGTHS = next((a.split("=")[1].split(",") for a in sys.argv if a.startswith("--T=")), ["131072"])
 KINDS = next((a.split("=")[1].split(",") for a in sys.argv if a.startswith("--kinds=")), ["random", "correlated"])

@@ -107,7 +107,7 @@ def htree_attention(
       `BlockConfig.backward_partial_bytes` (16 GiB) more memory; interpreted, or with
       `block_sizes=KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum":
       "atomics"})`, they are added into the nodes with float32 atomics, in no fixed order
-      (they may differ in the last bits); `"by_node"` is reproducible and slower;
+      (they may differ in the last bits);
     - the reference: XLA autodiff; on a GPU its gathers' transposes are scatter-adds,
       reproducible only under XLA's `--xla_gpu_deterministic_ops=true`.
     The selections themselves are a hard top-K: a near-tie of two nodes' importances may

@@ -33,9 +33,8 @@ from htree_jax.core.rope import rope_layout
 from htree_jax.core.validation import Dims
 from htree_jax.reference import attend_tree, default_query_chunk
 from htree_jax.routes import ROUTES, Call, Route, block_selections, latent_values
-from pallas_kernels.block.forward import SHARD_MERGES, check_merge_route, chosen_merge, merge_static
+from pallas_kernels.block.forward import check_merge_route, chosen_merge, merge_static
 from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
-from pallas_kernels.block.packed import PACKED_MERGES
 from pallas_kernels.decode.walk import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.gqa.plan import check_pallas_dims
 from pallas_kernels.shared.common import MAX_GROUP, check_query_layout
@@ -101,7 +100,7 @@ def full_sequence_backend(backend: str, dims: Dims, config: HTreeConfig | None =
     tuning = KernelConfigs.resolve(block_sizes, dims.head_dim, dims.value_dim)
     facts = dict(dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packed, latent=latent)
     impl = choose_backend(backend, lambda name: choose_route(name, **facts))
-    check_route(choose_route(impl, **facts), impl, dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packed)
+    check_route(choose_route(impl, **facts), impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
     return impl
 
 
@@ -121,8 +120,7 @@ def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str) -> No
     """Block selection's kernels (SPEC 12, `pallas_kernels.block`): the per-query kernels'
     limits for the call (they choose each block's nodes on its ranking rows), heads up to
     `BLOCK_MAX_DIM` features and the ranking rows (`"previous"`: `b * G` rows a kv
-    head). Which merges take packed rows and context shards: `check_route`; a shard's
-    whole blocks: `block.forward.check_shard_offset`."""
+    head). A context shard's whole blocks: `block.forward.check_shard_offset`."""
     check_pallas_dims(dims, backend)
     if max(dims.head_dim, dims.value_dim) > BLOCK_MAX_DIM:
         raise ValueError(f"backend {backend!r}: block selection's kernels take K and V up to {BLOCK_MAX_DIM}, got "
@@ -200,22 +198,13 @@ def blocks_of(q, k, v, config: HTreeConfig, block_sizes=None, impl: str = "palla
                             interpret=impl == "pallas_interpret")[0]
 
 
-def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs,
-                packed: bool = False, context_shard: bool = False) -> None:
+def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs) -> None:
     """What a call asked for explicitly and the chosen route cannot do, a ValueError
     naming the rule ("auto" does not fall back from it): block selection's merge
-    (the route's, `tuning.block_merge` resolved) on these shapes (`check_merge_route`);
-    packed rows (`packed`) on `block.packed.PACKED_MERGES` and a context shard's rows
-    (`context_shard`) on `block.forward.SHARD_MERGES`, each with the atomics' or the
-    partials' backward (not by node)."""
+    (the route's, `tuning.block_merge` resolved) on these shapes (`check_merge_route`).
+    Every merge takes packed rows and context shards."""
     if name.startswith("block_"):
         merge = name[len("block_"):]
-        for asked, what, merges in ((packed, "with segment_ids", PACKED_MERGES),
-                                    (context_shard, "in a context shard", SHARD_MERGES)):
-            if asked and (merge not in merges or tuning.block.backward_sum == "by_node"):
-                raise ValueError(f"block selection {what} runs on block_merge in {merges} (or 'auto') and "
-                                 f"BlockConfig(backward_sum='atomics' or 'partials'), got {merge!r} and "
-                                 f"{tuning.block.backward_sum!r}")
         st = merge_static(config, dims.seq_len, dims.group_size, dims.head_dim, dims.value_dim, dtype, tuning.block,
                           merge)
         check_merge_route(merge, st, dims.head_dim, dims.value_dim, dtype, impl == "pallas_interpret")
@@ -251,8 +240,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     name = choose_route(impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None,
                         latent=v is None, context_shard=positions is not None or rank_rows is not None,
                         check_limits=False)
-    check_route(name, impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None,
-                context_shard=positions is not None or rank_rows is not None)
+    check_route(name, impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning)
     route = ROUTES[name]
     if q_layout == "given" and not route.given_layout:
         q, q_layout = rope_layout(q, config.partial_rope(K)), "rope_layout"

@@ -1,5 +1,5 @@
 """Pallas kernels for htree attention on NVIDIA GPUs (most on Pallas's Triton lowering;
-block selection's merge also in Triton through jax-triton and on Pallas Mosaic GPU).
+block selection's merge and backward walk also on Pallas Mosaic GPU).
 
 They stand on `htree_jax.core` (configuration, index arithmetic, RoPE tables, the tree,
 the packing layout) and on each other, nothing else: `import pallas_kernels.gqa.forward`

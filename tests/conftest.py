@@ -92,8 +92,8 @@ def first_case_of_each(items):
 # the caller's order, which every `htree_attention` call on them reads; the saved
 # selections' backward, through the GQA kernels' gradient tests; the latent shape (K=576,
 # 128 heads), through the wide kernels at K=320 (`test_sixteen_heads_at_wide_head_dims_...`);
-# the block sums without atomics against the atomics, through the partials' and by-node
-# sums against the reference (test_block_partials.py, test_block_by_node.py); the reference
+# the block sums without atomics against the atomics, through the partials' sums against
+# the reference (test_block_partials.py, test_block_sums.py); the reference
 # against the oracle by hypothesis, through every reference test; the frontier's,
 # adaptation's and extension's training and scoring and the needle task's curriculum,
 # through test_examples.py's training (nnx, optax, the same jitted step). The two-process test is left too, the
@@ -115,7 +115,7 @@ SECOND_RUN_LEAVES = tuple(f"test_sharding.py::{name}" for name in (
       "test_frontier.py::test_frontier_scores_checkpoints_and_draws_the_table",
       "test_examples.py::test_needle_task_with_a_length_curriculum_and_bfloat16_lowers_the_loss",
       "test_latent_shapes.py::test_mla_dims_equal_the_reference",
-      "test_block_by_node.py::test_sums_without_atomics_equal_the_atomics_and_are_the_same_every_call[float32]",
+      "test_block_sums.py::test_sums_without_atomics_equal_the_atomics_and_are_the_same_every_call[float32]",
       "test_frontier.py::test_adaptation_continues_a_dense_checkpoint_with_htree_and_scores_each_share")
 
 

@@ -140,7 +140,7 @@ def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
         forward = jax.jit(lambda q, k, v, s: block_forward_pallas(q, k, v, s, config=config)).trace(q, k, v, blocks)
         backward = [jax.jit(lambda q, k, v, o, lse, s, block=block: block_backward_pallas(
             q, k, v, o, lse, o, s, config=config, block=block)).trace(q, k, v, o, lse, blocks)
-            for block in (BlockConfig(), BlockConfig(backward_sum="by_node"), BlockConfig(backward_sum="partials"))]
+            for block in (BlockConfig(), BlockConfig(backward_sum="partials"))]
         for traced in (forward, *backward):
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
             assert "triton" in text

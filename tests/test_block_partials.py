@@ -2,7 +2,7 @@
 partials`, `BlockConfig(backward_sum="partials")`, interpreted): the chunks' index ranges,
 packed rows against each document alone, context shards against the whole sequence. The
 gradients against the JAX reference, against the atomics' sums in several chunks and two
-calls equal bitwise: `tests/test_block_by_node.py`. (Its launches are lowered to Triton
+calls equal bitwise: `tests/test_block_sums.py`. (Its launches are lowered to Triton
 for a Hopper GPU in `tests/test_block_kernels.py`.)"""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The block merge's routes off Pallas-Triton (`KernelConfigs.block_merge`,
-`docs/backends.md`): a route is checked before any kernel runs (a clear error naming
-the rule), and on a GPU each route equals the Pallas-Triton kernel on fresh inputs.
+"""The block merge's route off Pallas-Triton, Mosaic GPU (`KernelConfigs.block_merge`,
+`docs/backends.md`): it is checked before any kernel runs (a clear error naming the
+rule), and on a GPU it equals the Pallas-Triton kernel on fresh inputs.
 The GPU's own checks are the gate's `via` cases (`tools/gpu_gate.py`); the ones
 here run where a GPU is (CI has none: they skip there, and say so)."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -16,19 +15,16 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from pallas_kernels.block.forward import block_static, check_merge_route, merge_static, table_positions
+from pallas_kernels.block.forward import merge_static, table_positions
 from pallas_kernels.block.merge import rope_tables, rotate_back, rotate_halves
 from pallas_kernels.block.mosaic_merge import (NARROW_PIPELINE, PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims,
                                               count_entries, earlier_bits, refined_bitmaps, turned_keys,
                                               with_firsts, with_offset)
-from pallas_kernels.block.triton_merge import block_merge_kernel, kernel_constexprs
 from pallas_kernels.shared.configs import KernelConfigs
-from pallas_kernels.shared.shared_memory import LIMIT
 from tests.conftest import random_qkv
 from tools.probes import block_backward_blocks, block_backward_ladder, block_merge_pipelines
 
 GPU = jax.default_backend() == "gpu"
-TRITON = importlib.util.find_spec("triton") is not None
 
 
 def test_an_unknown_route_is_refused_by_name():
@@ -36,7 +32,7 @@ def test_an_unknown_route_is_refused_by_name():
         KernelConfigs(block_merge="cuda")
 
 
-@pytest.mark.parametrize("route", ["triton", "mosaic_gpu"])
+@pytest.mark.parametrize("route", ["mosaic_gpu"])
 def test_routes_off_pallas_triton_refuse_interpret_mode_before_any_kernel(route):
     config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4)
     q = jnp.ones((1, 64, 4, 64), jnp.float32)
@@ -56,21 +52,10 @@ def test_the_mosaic_route_names_each_rule_it_refuses():
         assert rule in text
 
 
-def test_the_triton_route_without_jax_triton_says_how_to_install_it():
-    st = block_static(HTreeConfig(top_k=8, selection_block=16), 4096, 8, 128, 128, jnp.bfloat16)
-    if importlib.util.find_spec("jax_triton") is not None:
-        check_merge_route("triton", st, 128, 128, jnp.bfloat16, False)  # installed: taken
-        return
-    with pytest.raises(ValueError, match=r"htree-jax\[triton\]"):
-        check_merge_route("triton", st, 128, 128, jnp.bfloat16, False)
-
-
 # (r, top_k, T, H, H_kv, K, V, dtype, source, routes)
-GPU_CASES = [(16, 8, 4096, 32, 4, 128, 128, jnp.bfloat16, "first", ("triton", "mosaic_gpu")),
-             (16, 32, 3000, 8, 1, 128, 128, jnp.bfloat16, "previous", ("triton", "mosaic_gpu")),
-             (8, 8, 1500, 8, 2, 64, 128, jnp.float16, "first", ("triton", "mosaic_gpu")),
-             (4, 4, 150, 8, 2, 64, 32, jnp.float32, "previous", ("triton",)),
-             (16, 8, 2048, 4, 2, 256, 256, jnp.bfloat16, "first", ("triton",))]
+GPU_CASES = [(16, 8, 4096, 32, 4, 128, 128, jnp.bfloat16, "first", ("mosaic_gpu",)),
+             (16, 32, 3000, 8, 1, 128, 128, jnp.bfloat16, "previous", ("mosaic_gpu",)),
+             (8, 8, 1500, 8, 2, 64, 128, jnp.float16, "first", ("mosaic_gpu",))]
 
 
 @pytest.mark.gpu
@@ -81,43 +66,10 @@ def test_each_route_equals_the_pallas_triton_merge(rng, r, top_k, T, H, H_kv, K,
     q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, 1, T, H, H_kv, K, V))
     base = np.asarray(htree_attention(q, k, v, config, backend="pallas"), np.float64)
     for route in routes:
-        if route == "triton" and importlib.util.find_spec("jax_triton") is None:
-            pytest.skip("jax-triton is not installed (pip install 'htree-jax[triton]')")
         tuning = KernelConfigs.resolve(None, K, V).with_changes({"block_merge": route})
         o = np.asarray(htree_attention(q, k, v, config, backend="pallas", block_sizes=tuning), np.float64)
         error = np.linalg.norm(o - base) / np.linalg.norm(base)
         assert error < (1e-5 if dtype == jnp.float32 else 1e-2), (route, error)
-
-
-# (T, H, H_kv, K, V, dtype, top_k): the benchmark's launch, the widest heads, float32's
-# exact dots on a small tree, a group of one (rows padded to 16).
-COMPILED = [(131072, 32, 4, 128, 128, "bf16", 512), (4096, 8, 2, 256, 256, "bf16", 8),
-            (4096, 8, 2, 64, 32, "fp32", 8), (4096, 1, 1, 32, 32, "fp16", 8)]
-
-
-@pytest.mark.skipif(not TRITON, reason="needs triton installed (pip install triton; CI has none): the Triton "
-                                       "route's kernel compiled for sm_90 without a GPU")
-@pytest.mark.parametrize("T, H, H_kv, K, V, dtype, top_k", COMPILED)
-def test_the_triton_route_compiles_for_hopper_within_shared_memory(T, H, H_kv, K, V, dtype, top_k):
-    """What interpret mode cannot see, short of a GPU: the Triton kernel compiled to a
-    cubin for sm_90 (triton ships ptxas), its shared memory within a block's."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    config = HTreeConfig(top_k=top_k, selection_block=16)
-    jdtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}[dtype]
-    st = block_static(config, T, H // H_kv, K, V, jdtype)
-    constexprs = kernel_constexprs(st)
-    names = block_merge_kernel.arg_names
-    pointers = dict(q_ptr=dtype, k_ptr=dtype, v_ptr=dtype, o_ptr=dtype, cos_ptr="fp32", sin_ptr="fp32",
-                    lse_ptr="fp32", sel_ptr="i32", start_ptr="i32", power_ptr="i32")
-    signature = {n: ("constexpr" if n in constexprs else "*" + pointers[n] if n in pointers else "i32") for n in names}
-    source = ASTSource(fn=block_merge_kernel, signature=signature,
-                       constexprs={(names.index(n),): v for n, v in constexprs.items()})
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=st.num_warps, num_stages=st.num_stages))
-    assert 0 < kernel.metadata.shared <= LIMIT
 
 
 def test_the_mosaic_merge_layouts_refuse_what_they_cannot_hold():

@@ -193,17 +193,7 @@ def test_where_it_is_not_built_the_errors_say_so(rng):
     q, k, v = random_qkv(rng, 1, 40, 4, 2, 32, 32)
     with pytest.raises(ValueError, match="backend 'pallas' needs a CUDA GPU"):
         htree_attention(q, k, v, config, backend="pallas")
-    ids = jnp.asarray((np.arange(40) >= 17).astype(np.int32))[None]
-    by_node = KernelConfigs().with_changes({"block.backward_sum": "by_node"})
-    for tuning in (KernelConfigs(block_merge="triton"), by_node):
-        with pytest.raises(ValueError, match="block selection with segment_ids runs on block_merge in"):
-            htree_attention(q, k, v, config, backend="pallas_interpret", segment_ids=ids, max_documents=2,
-                            block_sizes=tuning)
     positions = jnp.arange(20, 40, dtype=jnp.int32)
-    for tuning in (KernelConfigs(block_merge="triton"), by_node):
-        with pytest.raises(ValueError, match="block selection in a context shard runs on block_merge in"):
-            htree_jax.backends.attend(q[:, 20:], k, v, config, "pallas_interpret", positions=positions,
-                                      block_sizes=tuning)
     with pytest.raises(ValueError, match="a context shard of whole blocks: its 18 queries must be a multiple of "
                                          "selection_block = 4"):
         htree_jax.backends.attend(q[:, 22:], k, v, config, "pallas_interpret", positions=positions[2:])

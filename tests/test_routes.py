@@ -80,8 +80,6 @@ CLASSES = [
     ("block selection, interpreted", "pallas_interpret", dims(), BLOCK, F32, {}, "block_pallas_triton"),
     ("block selection, packed", "pallas", dims(), BLOCK, BF16, dict(packed=True), "block_pallas_triton"),
     ("block selection, context shard", "pallas", dims(), BLOCK, BF16, dict(context_shard=True), "block_pallas_triton"),
-    ("block selection, the Triton merge", "pallas", dims(), BLOCK, BF16, dict(tuning=tuned(block_merge="triton")),
-     "block_triton"),
     ("block selection, the Mosaic GPU merge", "pallas", dims(), BLOCK, BF16,
      dict(tuning=tuned(block_merge="mosaic_gpu")), "block_mosaic_gpu"),
 ]

@@ -28,15 +28,16 @@ with each source: the same checks, decoding included (the decode kernels keep th
 block's selection, `cache.selections`).
 The block merge's default (`KernelConfigs.block_merge="auto"`) is Mosaic GPU on a Hopper
 GPU where it takes the shape, so the block cases without `via` run it at bf16 and f16;
-each merge by name (`"pallas_triton"`, `"triton"` through jax-triton, `"mosaic_gpu"`;
+each merge by name (`"pallas_triton"`, `"mosaic_gpu"`;
 `docs/backends.md`) has `via` cases: the forward and gradients (decoding does not take
 the route), and the benchmark shape at T=131072. The
-block backward summed by node (`BlockConfig(backward_sum="by_node")`) has `by node` cases,
-and from partial sums (`"partials"`) `by partials` ones (packed and a shard among them):
-the gradients against the reference, and twice, bitwise equal. The
-whole gate took about 13 minutes on an H200 (before the 17 `by node`, Mosaic GPU and 128-head cases
-of 2026-12-01): past one 10-minute device call, run it as
-`--big-T 0` and `--only bench`.
+block backward from partial sums (`BlockConfig(backward_sum="partials")`) has `by
+partials` cases (packed and a shard among them), and by atomics `by atomics` ones: the
+gradients against the reference, and (partials) twice, bitwise equal. The
+whole gate takes more than one 10-minute device call (2026-12-07, H100, `--workers 16`:
+three calls for the small cases): run it in parts with `--big-T 0 --only R` (for instance
+`'^(?!.*block)'`, `'block.*by (partials|atomics)'`, `'block(?!.*by (partials|atomics))'`),
+and `--only bench` for the benchmark shape.
 The benchmark shape (B=1, H=32, H_kv=4, K=V=128, bf16) runs at T=131072 with both
 rules and both `top_k`, and block selection with each source at `top_k=512` (forward
 and fwd+bwd compiled and run, outputs finite). Where two devices are lent, one call
@@ -176,14 +177,11 @@ def matrix(full: bool):
     # The block merge's routes by name (`KernelConfigs.block_merge`, `docs/backends.md`;
     # the cases above take "auto": Mosaic GPU on an H200 where it takes the shape): forward
     # and gradients (the decode kernels do not take them).
-    for route in ("pallas_triton", "triton", "mosaic_gpu"):
+    for route in ("pallas_triton", "mosaic_gpu"):
         for source in ("first", "previous"):
             yield (8, 128, 128, None), "bfloat16", "bound", f"block {source} via {route}"
         yield (4, 64, 64, None), "bfloat16", "bound", f"block first via {route}"
         yield (8, 128, 128, None), "float16", "bound", f"block first via {route}"
-    for shape, dtype in (((8, 128, 128, None), "float32"), ((8, 256, 256, None), "bfloat16"),
-                         ((1, 32, 32, None), "bfloat16"), ((16, 128, 128, None), "bfloat16")):
-        yield shape, dtype, "bound", "block first via triton"
     # The Mosaic GPU merge at the group sizes and head dims it takes (`mosaic_merge.
     # check_mosaic_dims`: K / 2 and V padded to 32/64 and 64/128; one consumer warpgroup up
     # to 64 rows a program, two past it; partial RoPE).
@@ -192,16 +190,9 @@ def matrix(full: bool):
     yield (16, 128, 128, None), "float16", "bound", "block first via mosaic_gpu"
     for shape in ((8, 128, 128, None), (16, 64, 64, None)):  # several steps a layer, three layers
         yield shape, "bfloat16", "bound", "block first via mosaic_gpu T=4096"
-    # The block backward summed by node (`BlockConfig(backward_sum="by_node")`, issue 83):
-    # every GQA shape class, each dtype and source on the benchmark's head dims; each case
-    # also runs the gradients twice and asks them bitwise equal.
-    for shape in GQA_SHAPES:
-        yield shape, "bfloat16", "bound", "block first by node"
-    for dtype in ("float32", "float16"):
-        yield (8, 128, 128, None), dtype, "bound", "block first by node"
-    yield (8, 128, 128, None), "bfloat16", "bound", "block previous by node"
-    # The block backward from partial sums (`backward_sum="partials"`, issue 83): the same
-    # classes, bitwise twice, and packed rows and context shards, which it takes.
+    # The block backward from partial sums (`backward_sum="partials"`, issue 83): every
+    # GQA shape class, each dtype and source on the benchmark's head dims, packed rows and
+    # context shards; each case also runs the gradients twice and asks them bitwise equal.
     for shape in GQA_SHAPES:
         yield shape, "bfloat16", "bound", "block first by partials"
     for dtype in ("float32", "float16"):
@@ -263,7 +254,6 @@ class CaseSetup:
     block: bool  # SPEC 12's block selection
     packed: int  # documents in the row: 0 (one, unpacked), 2 or the name's count
     route: str | None  # the block merge's kernel, where not the default
-    by_node: bool  # the block backward's key and value sums by node
     tuning: dict  # htree_attention's block_sizes where the case changes them
     shard: bool = False  # the rows as two context shards (`run_shard_case`)
     partials: bool = False  # the block backward's key and value sums from partial sums
@@ -277,7 +267,7 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     followed by " packed" (two documents; " packed N": N documents told their longest
     length, whose tree's top layer then spans several of a merge's steps), " via ROUTE"
     (the merge's kernel), " walk NAME" (the backward's walk for partial sums, `BlockConfig.
-    backward_walk`), " sums NAME" (their kernel, `backward_sum_kernel`), " by node" or " by partials" (the backward's sums), " shard" (two context
+    backward_walk`), " sums NAME" (their kernel, `backward_sum_kernel`), " by partials" or " by atomics" (the backward's sums), " shard" (two context
     shards, `run_shard_case`) and " T=4096" (that length, so that every layer takes
     several of a merge's steps: at T=600 each fits in one)."""
     G, K, V, rope = shape
@@ -301,16 +291,15 @@ def case_setup(shape, sel, packed) -> CaseSetup:
               if block else dict(selection_block=1))
     # "one layer": an oversized top_k, which a one-layer tree fits to T (64 at T=600).
     config = HTreeConfig(top_k=2**20 if packed == "one layer" else 8, rope_dim=rope, selection=sel, **chosen)
-    by_node = block and packed.endswith(" by node")
     partials = block and packed.endswith(" by partials")
     atomics = block and packed.endswith(" by atomics")
-    sums = "by_node" if by_node else "partials" if partials else "atomics" if atomics else None
+    sums = "partials" if partials else "atomics" if atomics else None
     changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": sums} if sums else {}),
                **({"block.backward_walk": walk.group(1)} if walk else {}),
                **({"block.backward_sum_kernel": sum_kernel.group(1)} if sum_kernel else {})}
     tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
     return CaseSetup(T=int(length.group(1)) if length else GATE_T, H_kv=1 if G > 16 else 2, config=config,
-                     block=block, packed=documents, route=route, by_node=by_node, tuning=tuning, shard=shard,
+                     block=block, packed=documents, route=route, tuning=tuning, shard=shard,
                      partials=partials)
 
 
@@ -417,7 +406,7 @@ def run_case(rng, shape, dtype, sel, packed):
     if setup.shard:
         return run_shard_case(rng, setup, dtype, G, K, V)
     T, H_kv, config, block, packed = setup.T, setup.H_kv, setup.config, setup.block, setup.packed
-    route, by_node, tuning = setup.route, setup.by_node or setup.partials, setup.tuning
+    route, partials, tuning = setup.route, setup.partials, setup.tuning
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
                for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, V)))
     weights = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
@@ -460,15 +449,15 @@ def run_case(rng, shape, dtype, sel, packed):
     own_g = grads(q, k, v, "reference", weights) if dtype != "float32" else g_ref
     out["grad"] = max(relative(a, b) for a, b in zip(g, g_ref))
     out["grad_bar"] = max(TOLERANCE[dtype], 1.2 * max(relative(a, b) for a, b in zip(own_g, g_ref)))
-    # Summed by node (or from partials), the gradients are the same bits every call.
-    out["bitwise"] = (not by_node or all(np.array_equal(np.asarray(a), np.asarray(b))
+    # Summed from partials, the gradients are the same bits every call.
+    out["bitwise"] = (not partials or all(np.array_equal(np.asarray(a), np.asarray(b))
                                          for a, b in zip(g, grads(q, k, v, "pallas", weights))))
     # SPEC 10: a NaN key poisons the rows from its position on, as the reference does.
     k_bad = k.at[0, T // 2, 0, 0].set(jnp.nan)
     nan_rows = lambda backend: np.isnan(np.asarray(attend(q, k_bad, v, backend=backend), np.float32)).any(-1)
     out["nan_rows"] = bool(np.array_equal(nan_rows("pallas"), nan_rows("reference")))
     out["decode"], out["decode_bar"], out["decode_waived"] = 0.0, TOLERANCE[dtype], 0.0
-    if not packed and not route and not by_node:  # a decode cache holds one document a row
+    if not packed and not route and not partials:  # a decode cache holds one document a row
         cache = init_cache(1, T, H_kv, K, V, config, q.dtype, num_heads=G * H_kv if block else None)
         # Block selection: steps on both sides of a block's start (592), which walks the
         # ranking rows; the others keep the block's selection from the cache.
@@ -604,7 +593,7 @@ def main():
     if args.big_T:
         cases += [("big", (sel, top_k)) for sel in ("mean", "bound") for top_k in (512, 64)]
         cases += [("big", ("bound", 512, source)) for source in ("first", "previous")]
-        cases += [("big", ("bound", 512, "first", route)) for route in ("pallas_triton", "triton")]
+        cases += [("big", ("bound", 512, "first", route)) for route in ("pallas_triton",)]
     if jax.device_count() >= 2:
         cases += [("devices", c) for c in DEVICE_CASES]
     else:

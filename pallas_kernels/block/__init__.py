@@ -4,18 +4,17 @@ their `b * G` rows.
 
 - `merge`: every layer's merge of a block's rows once its selections are known (one
   program per `(block, kv head)`), and the walk's pieces the backward shares;
-  `triton_merge`, `mosaic_merge`: the same merge in Triton and on Mosaic GPU.
+  `mosaic_merge`: the same merge on Mosaic GPU.
 - `forward`: `block_forward_pallas` (the tree and queries laid out, one launch) and
   `MERGES`, the merge's kernels by name (`KernelConfigs.block_merge`).
 - `backward`: `block_backward_pallas` (`dq` per program; `dk`, `dv` added per node with
-  float32 atomics, summed by node, or written as partial sums and summed by node, then
-  pushed down the tree); `inverted`: the blocks' selections inverted, for each node tile
-  the blocks that merged it; `by_node`: the key and value gradients summed by node tile
-  over that index, without atomics; `partials`: the partial sums' chunks and their sum
+  float32 atomics, or written as partial sums and summed by node, then pushed down the
+  tree); `inverted`: the blocks' selections inverted, for each node tile the blocks
+  that merged it; `partials`: the partial sums' chunks and their sum
   by node (Pallas-Triton); `mosaic_backward`: the walk that writes the partial sums on
   Mosaic GPU; `mosaic_sums`: their sum by node on Mosaic GPU.
 - `packed`: packed rows (`segment_ids`), the queries laid out as the tree and each
-  block's top layer from its document's first node (`PACKED_MERGES`; the backward's
+  block's top layer from its document's first node (on either merge; the backward's
   walk as `backward.chosen_walk` picks it).
 - `attention`: `block_attention` (and `packed_block_attention`), each pair as a
   `custom_vjp`.

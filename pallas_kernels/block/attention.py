@@ -78,7 +78,7 @@ def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpre
 
 def packed_block_attention(q, k, v, selections, firsts, packing, *, config, tuning, merge: str,
                            interpret: bool = False):
-    """`block_attention` over packed rows (`packed.py`; `merge` one of `PACKED_MERGES`):
+    """`block_attention` over packed rows (`packed.py`; `merge` one of `forward.MERGES`):
     `selections` the virtual blocks' lists (virtual tree rows, `[B, T_v / b, H_kv,
     top_k]` each), `firsts [B, T_v / b]` each one's document's first top node,
     `packing` the rows' `htree_jax.core.packing.Packing`. Returns `o [B, T, H, V]`."""

@@ -5,16 +5,16 @@ With the forward's per-row log-sum-exp `lse` and `delta = rowsum(do * o)`, a mer
 candidate `j` of row `i` has weight `p = exp(s - lse)` and `ds = p * (do . v_j -
 delta)`. A program gathers each candidate tile once for all its rows (as the forward
 does), sums its rows' `dq` over the tile in the layer's rotated frame and adds it,
-rotated back, to `dq` once a layer; the tile's `dk = alpha * ds^T q` (rotated back by
-each candidate's position) and `dv = p^T do` are summed over the program's rows and
-added to the layer's float32 accumulators with atomics: many blocks merge the same
-node, and with `b * G` rows a gather the atomics are a sixteenth of per-query ones.
-So the key and value gradients are summed in no fixed order (not bitwise
-reproducible run to run, unlike the per-query family's). `BlockConfig.backward_sum`
-picks instead `"partials"` (each tile's sums stored in the program's slab, then summed
-by node in block order: `partials.py`, `launch_by_partials`) or `"by_node"`
-(`by_node.py`), both reproducible. The layers' gradients are pushed down the tree
-(`tree_backward.push_down`) to the tokens.
+rotated back, to `dq` once a layer. The tile's `dk = alpha * ds^T q` (rotated back by
+each candidate's position) and `dv = p^T do`, summed over the program's rows, are
+summed over the blocks one of two ways (`BlockConfig.backward_sum`): `"partials"`, the
+default on a GPU, stores them in the program's slab and sums them by node in block
+order afterwards (`partials.py`, `launch_by_partials`; bitwise reproducible); or
+`"atomics"`, the default interpreted, adds them to the layer's float32 accumulators
+with atomics (many blocks merge the same node; with `b * G` rows a gather the atomics
+are a sixteenth of per-query ones), in no fixed order: not bitwise reproducible run to
+run. The layers' gradients are pushed down the tree (`tree_backward.push_down`) to the
+tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.tree import build_tree
-from pallas_kernels.block.by_node import key_grads_by_node
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
 from pallas_kernels.block.mosaic_backward import block_backward_mosaic, check_mosaic_backward_dims, walk_layers
@@ -77,13 +76,10 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
     range_ref, walked = None, None
     if sums == "atomics":  # the accumulators, aliased to the gradients after `dq`
         dq_ref, *grad_refs = refs[L - 1 + 4 * L:]
-    elif sums == "partials":  # the program's slabs, then its walked ranges (`partials.py`)
+    else:  # "partials": the program's slabs, then its walked ranges (`partials.py`)
         dq_ref, *grad_refs, range_ref = refs[L - 1 + 2 * L:]
         lanes = jnp.arange(range_ref.shape[0], dtype=jnp.int32)
         walked = jnp.zeros(range_ref.shape, jnp.int32)
-    else:
-        (dq_ref,) = refs[L - 1 + 2 * L:]
-        grad_refs = [None] * (2 * L)
     rows, dtype = st.rows, q_ref.dtype
     do = do_ref[...].reshape(rows, st.vp)
     lse = lse_ref[...].reshape(rows)
@@ -109,8 +105,6 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
             ds = w * (scores_dot(do, v, st, dtype) - delta[:, None]) * st.alpha
             g_lo = g_lo + rows_dot(ds, kr[0], st, dtype)
             g_hi = g_hi + rows_dot(ds, kr[1], st, dtype)
-            if sums == "none":  # summed by node instead (`by_node.py`)
-                return (g_lo, g_hi), seen
             dk_lo, dk_hi = rotate_back(transposed_dot(ds, qr[0], st, dtype), transposed_dot(ds, qr[1], st, dtype),
                                        cos_ref[pl.ds(i * C, C), :], sin_ref[pl.ds(i * C, C), :])
             if sums == "partials":  # the tile's sums at its buffer positions; masked ones are zero
@@ -153,8 +147,7 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
     for the rows of `q5` (as `merge.block_merge_pallas` takes them) with cotangents `do5
     [B, Tp, H_kv, Gp, vp]`, their log-sum-exp `lse` and `delta = rowsum(do * o)`
     `[B, Tp, H_kv, Gp]`; `node_counts` each layer's nodes (the gradients have a spare
-    row past them). `sums="none"`: `(dq,)` only, the keys' and values' dots and adds
-    left out (`by_node.py` sums those). `sums="partials"`: `(dq, [pk_l, pv_l], ranges)`,
+    row past them). `sums="partials"`: `(dq, [pk_l, pv_l], ranges)`,
     each program's slab of `widths[l]` positions a layer (`[B, H_kv, NP * widths[l],
     D]`, program `p` at rows `p * widths[l] ..`) and the `[start, stop)` positions it
     walked (`ranges [B, H_kv, NP, partials.range_lanes(L)]` int32; `partials.py` sums
@@ -332,9 +325,8 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     launch (`BlockConfig.backward_tile`, `backward_num_warps`) and how the key and value
     gradients are summed (`BlockConfig.backward_sum`): `"atomics"`, added by every block
     that merged a node with float32 atomics, not bitwise reproducible run to run; or
-    `"by_node"` (`by_node.py`), summed by each node tile over the blocks that merged it
-    in block order, bitwise reproducible; or `"partials"` (`partials.py`), each block's
-    sums written out and summed by node in block order, bitwise reproducible too. A
+    `"partials"` (`partials.py`), each block's sums written out and summed by node in
+    block order, bitwise reproducible. A
     context shard (`offset`, as the forward takes it): `dq` of its queries, `dk`, `dv`
     its rows' share of every token's (atomics or partials)."""
     B, S, H, K = q.shape
@@ -351,18 +343,13 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, H]
     layout = lambda x: block_layout(x, H_kv, st, Tp)
     tree = build_tree(k, v, config)
-    summed = chosen_sum(block, interpret)
-    by_node, by_partials = summed == "by_node", summed == "partials"
     rows = (layout(pad_rope_halves(q, st.half)), layout(pad_axis(do, -1, st.vp)), layout(lse), layout(delta))
     layers, table_rows = layer_arrays(tree, st), table_positions(config, T, st)
     lists = selection_lists(selections, st)
     shard = {}
     if offset is not None:
-        if by_node:
-            raise ValueError("a context shard's block backward sums by atomics: backward_sum='by_node' takes whole "
-                             "sequences")
-        shard = dict(offset=check_shard_offset("pallas_triton", S, b, offset))
-    if by_partials:
+        shard = dict(offset=check_shard_offset(S, b, offset))
+    if chosen_sum(block, interpret) == "partials":
         dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
                                         table_rows=table_rows, node_counts=tuple(config.layer_sizes(T)),
                                         budget=block.backward_partial_bytes, interpret=interpret, walk=walk,
@@ -371,10 +358,7 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfi
     else:
         dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows,
                                             tuple(config.layer_sizes(T)), interpret,
-                                            sums="none" if by_node else "atomics", **shard)
-    if by_node:
-        grads = key_grads_by_node(*rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
-                                  table_rows=table_rows, interpret=interpret)
+                                            sums="atomics", **shard)
     dq = unpad_rope_halves(dq5[:, :S, :, :G], K).reshape(B, S, H, K)
     # Down the tree: each layer's gradient, from the top, shared by the children of each node.
     dk_up = dv_up = None

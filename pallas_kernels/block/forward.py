@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from typing import Callable
 
 import jax
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.tree import build_tree
-from pallas_kernels.block import mosaic_merge, triton_merge
+from pallas_kernels.block import mosaic_merge
 from pallas_kernels.block.merge import (
     BlockStatic,
     block_merge_pallas,
@@ -47,20 +46,16 @@ class Merge:
     check: Callable | None = None
 
 
-def _check_jax_triton(st, K, V, dtype) -> None:
-    if importlib.util.find_spec("jax_triton") is None or triton_merge.triton is None:
-        raise ValueError("block_merge='triton' needs jax-triton: pip install 'htree-jax[triton]'")
-
-
 def _check_mosaic(st, K, V, dtype) -> None:
     mosaic_merge.check_mosaic_dims(st.r, st.rows, K, V, dtype)
 
 
 # The merge's kernels (`docs/backends.md`): the Pallas-Triton one (CI runs it
-# interpreted), Triton through jax-triton, and Pallas Mosaic GPU.
+# interpreted) and Pallas Mosaic GPU. Each takes packed rows (`firsts`) and a context
+# shard's rows (`offset`). (A Triton one through jax-triton ran 0.93x Pallas-Triton's
+# at 128K and left on 12-07: journal.)
 MERGES = {
     "pallas_triton": Merge(block_merge_pallas, interprets=True),
-    "triton": Merge(triton_merge.block_merge_triton, check=_check_jax_triton),
     "mosaic_gpu": Merge(mosaic_merge.block_merge_mosaic, tile=mosaic_merge.TILE, check=_check_mosaic),
 }
 assert tuple(MERGES) == MERGE_ROUTES, "configs.MERGE_ROUTES names the merges here"
@@ -101,16 +96,9 @@ def block_layout(x, num_kv_heads: int, st: BlockStatic, Tp: int):
     return pad_axis(pad_axis(x, 1, Tp), 3, st.group)
 
 
-# The merges that take a context shard's rows (an `offset`); jax-triton's has no such input.
-SHARD_MERGES = ("pallas_triton", "mosaic_gpu")
-
-
-def check_shard_offset(merge: str, S: int, b: int, offset):
-    """A context shard's rows on the merge `merge`: whole blocks (`S` a multiple of `b`)
-    on a merge of `SHARD_MERGES`; a ValueError naming the rule otherwise. Returns
-    `offset` as int32."""
-    if merge not in SHARD_MERGES:
-        raise ValueError(f"a context shard's rows take block_merge in {SHARD_MERGES}, got {merge!r}")
+def check_shard_offset(S: int, b: int, offset):
+    """A context shard's rows: whole blocks (`S` a multiple of `b`); a ValueError naming
+    the rule otherwise. Returns `offset` as int32."""
     if S % b:
         raise ValueError(f"block selection's kernels take a context shard of whole blocks: its {S} queries must be "
                          f"a multiple of selection_block = {b}")
@@ -145,7 +133,7 @@ def chosen_merge(route: str, config: HTreeConfig, T: int, G: int, K: int, V: int
 def check_merge_route(route: str, st: BlockStatic, K: int, V: int, dtype, interpret: bool) -> None:
     """`route` must be one of `MERGES` and able to run the launch `st` (head dims `K`, `V`,
     inputs in `dtype`) here: the kernels off Pallas-Triton have no interpret mode, the
-    Triton one needs jax-triton installed, the Mosaic GPU one takes only what
+    Mosaic GPU one takes only what
     `mosaic_merge.check_mosaic_dims` allows. Raises a ValueError naming the rule."""
     if route not in MERGES:
         raise ValueError(f"block_merge must be one of {MERGE_ROUTES}, got {route!r}")
@@ -168,7 +156,7 @@ def block_forward_pallas(q, k, v, selections, *, config: HTreeConfig, block: Blo
     `block` its launch (`BlockConfig.merge_tile`, `merge_num_warps`). A context shard:
     `q [B, S, H, K]` the queries at positions `offset .. offset + S - 1` (`offset` int32,
     a multiple of `b`; `S` too) of the `T` tokens of `k`, `v`, `selections` its blocks'
-    (`[B, S / b, H_kv, top_k]`); the merges but jax-triton's take it (`SHARD_MERGES`)."""
+    (`[B, S / b, H_kv, top_k]`)."""
     B, S, H, K = q.shape
     T, H_kv, V = k.shape[1], k.shape[2], v.shape[-1]
     G, b = H // H_kv, config.selection_block
@@ -179,7 +167,7 @@ def block_forward_pallas(q, k, v, selections, *, config: HTreeConfig, block: Blo
     Tp = -(-S // b) * b
     q5 = block_layout(pad_rope_halves(q, st.half), H_kv, st, Tp)
     layers = layer_arrays(build_tree(k, v, config), st)
-    shard = {} if offset is None else dict(offset=check_shard_offset(merge, S, b, offset))
+    shard = {} if offset is None else dict(offset=check_shard_offset(S, b, offset))
     o, lse = MERGES[merge].launch(q5, layers, selection_lists(selections, st), config, st, K,
                                   table_positions(config, T, st), interpret=interpret, **shard)
     o = o[:, :S, :, :G, :V].reshape(B, S, H, V)

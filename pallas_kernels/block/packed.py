@@ -38,12 +38,6 @@ from pallas_kernels.shared.common import next_power_of_two, pad_axis, pad_rope_h
 from pallas_kernels.shared.configs import BlockConfig
 
 
-# The merges that take packed rows: both by `firsts`, where their top layer's walk
-# starts (Mosaic GPU's masks the rest of that step by its refined bitmap); the
-# jax-triton one has no such input.
-PACKED_MERGES = ("pallas_triton", "mosaic_gpu")
-
-
 def packed_static(st: BlockStatic, packing: Packing) -> BlockStatic:
     """A launch for `T_v` virtual positions with the packing's layer count (that of its
     longest document, SPEC 6: `T_v` alone may count one more)."""
@@ -72,12 +66,11 @@ def block_forward_packed(q, k, v, selections, firsts, packing: Packing, *, confi
     there (rope layout), `selections` the virtual blocks' lists (layers `L-1 .. 1`, each
     `[B, T_v / b, H_kv, top_k]` virtual tree rows, `-1` padded), `firsts [B, T_v / b]`
     int32 each virtual block's document's first top node; `merge` the merge's kernel
-    (`PACKED_MERGES`). Returns `(o [B, T, H, V]`, `lse [B, T, H]` float32)`."""
+    (`forward.MERGES`; each takes `firsts`, where its top layer's walk starts: Mosaic
+    GPU's masks the rest of that step by its refined bitmap). Returns `(o [B, T, H, V]`, `lse [B, T, H]` float32)`."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G, Tv = H // H_kv, packing.virtual_len
-    if merge not in PACKED_MERGES:
-        raise ValueError(f"packed rows take block_merge in {PACKED_MERGES}, got {merge!r}")
     st = packed_static(merge_static(config, Tv, G, K, V, q.dtype, block, merge), packing)
     check_merge_route(merge, st, K, V, q.dtype, interpret)
     q5 = block_layout(pad_rope_halves(tokens_to_virtual(q, packing), st.half), H_kv, st, Tv)
@@ -94,8 +87,8 @@ def block_backward_packed(q, k, v, o, lse, do, selections, firsts, packing: Pack
     """`backward.block_backward_pallas` of `block_forward_packed`'s output `o` with its
     `lse`, cotangent `do`, and the selections and `firsts` it was given: `(dq, dk, dv)`
     in the dtypes of `q, k, v`. The key and value gradients by atomics, or with
-    `BlockConfig(backward_sum="partials")` summed by node from partial sums (bitwise
-    reproducible)."""
+    `BlockConfig(backward_sum="partials")` (the default on a GPU) summed by node from
+    partial sums (bitwise reproducible)."""
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G, Tv = H // H_kv, packing.virtual_len

@@ -25,12 +25,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.block.by_node import tile_rows
 from pallas_kernels.block.inverted import InvertedLayer
 from pallas_kernels.block.merge import BlockStatic, rotate_back
 from pallas_kernels.shared.common import compiler_params, next_power_of_two
 
 LANES = 16  # a chunk's first block, as a vector the kernels read one lane of
+
+
+def tile_rows(r: int) -> int:
+    """Rows a node tile takes in the totals: `r`, at least 16, a power of two."""
+    return max(16, next_power_of_two(r))
 
 
 def slab_widths(layer_sizes, table_rows: int, st: BlockStatic) -> tuple[int, ...]:

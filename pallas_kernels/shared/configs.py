@@ -33,7 +33,7 @@ import dataclasses
 from pallas_kernels.shared.common import KERNEL_GROUP, wide_head_dims
 
 # The block-selection merge's kernels (`pallas_kernels.block.forward`, `docs/backends.md`).
-MERGE_ROUTES = ("pallas_triton", "triton", "mosaic_gpu")
+MERGE_ROUTES = ("pallas_triton", "mosaic_gpu")
 
 # Entries (query, parent pairs) one node-kernel program walks before the rest of a
 # unit's list spills to programs of its own (`node_backward`).
@@ -143,7 +143,7 @@ class WideConfig:
             raise ValueError(f"WideConfig.backward_rows must be >= {KERNEL_GROUP}, got {self.backward_rows!r}")
 
 
-BACKWARD_SUMS = ("auto", "atomics", "by_node", "partials")
+BACKWARD_SUMS = ("auto", "atomics", "partials")
 BACKWARD_WALKS = ("auto", "pallas_triton", "mosaic_gpu")
 
 
@@ -162,9 +162,7 @@ class BlockConfig:
     # How the backward sums the key and value gradients (`block/backward.py`): float32
     # atomics from every block that merged a node (not bitwise reproducible run to run);
     # `"partials"` (`block/partials.py`), each block's sums written to a buffer, then
-    # summed by node in block order (bitwise reproducible); `"by_node"`
-    # (`block/by_node.py`), each node tile's sums recomputed over its blocks
-    # (reproducible, 1476 ms against the atomics' 891); or `"auto"`: partials on a GPU,
+    # summed by node in block order (bitwise reproducible); or `"auto"`: partials on a GPU,
     # atomics interpreted. At the benchmark shape's 128K (RESULTS, H200) partials take
     # 305 ms on the Mosaic GPU walk and 681 on the Pallas-Triton one against the atomics'
     # 877. Interpreted runs keep the atomics: there the partials' walk and sums compile in
@@ -317,8 +315,8 @@ class KernelConfigs:
     block: BlockConfig = BlockConfig()
     save_selections: bool = True
     chunk_budget_bytes: int = 2 << 30
-    # The block-selection merge's kernel (`MERGE_ROUTES`): Pallas-Triton, Triton through
-    # jax-triton, or Mosaic GPU (`docs/backends.md`); "auto": Mosaic GPU on a Hopper GPU
+    # The block-selection merge's kernel (`MERGE_ROUTES`): Pallas-Triton or Mosaic GPU
+    # (`docs/backends.md`); "auto": Mosaic GPU on a Hopper GPU
     # where it takes the shape, else Pallas-Triton (`block.forward.chosen_merge`).
     block_merge: str = "auto"
 

@@ -17,7 +17,7 @@ arises and its weights are 0.
 `exp=jnp.exp2` (and `log=jnp.log2`): scores and `m` in base 2, `log2(e)` times the
 natural ones, which the top layer's kernels fold in. The kernels that are not
 Pallas-Triton transcribe `fold` and `normalized` / `log_sum_exp` into their own language
-(`pallas_kernels/block/triton_merge.py`, `pallas_kernels/block/mosaic_merge.py`).
+(`pallas_kernels/block/mosaic_merge.py`).
 """
 
 from __future__ import annotations

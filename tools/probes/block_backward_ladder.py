@@ -1,5 +1,6 @@
 """Probe (issue 83): how fast can the block backward's key and value gradients, summed
-by node (`block/by_node.py`'s algorithm), run on Mosaic GPU at layer 0's shape?
+by node (the node-major algorithm of the library's `"by_node"` sums, which left it on
+12-07; git keeps them), run on Mosaic GPU at layer 0's shape?
 
 At T=131072 (`top_k=512`, `selection_block=16`) layer 0's node tiles are 16 rows (the
 children of one layer-1 node), and each is merged by the blocks that kept its parent:

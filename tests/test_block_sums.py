@@ -1,10 +1,10 @@
-"""The block backward's key and value gradients summed by node (`pallas_kernels.block.
-by_node`, `BlockConfig(backward_sum="by_node")`, interpreted): the inverted index against
-a brute-force inversion of the blocks' selections, the gradients (by node and from
-partial sums) against the JAX reference, and by node against the atomics' sums on multi-layer trees (both sources, padded
-heads, ragged lengths, partial RoPE, bfloat16, a group split over programs), two calls
-equal bitwise. (Each of its launches is lowered to Triton for a Hopper GPU in
-`tests/test_block_kernels.py`.)"""
+"""The block backward's key and value gradients summed without atomics (`BlockConfig(
+backward_sum="partials")`, interpreted): the inverted index the sums read against a
+brute-force inversion of the blocks' selections, the gradients against the JAX
+reference on multi-layer trees (both sources, padded heads, ragged lengths, partial
+RoPE, bfloat16, a group split over programs), and against the atomics' sums, two calls
+equal bitwise. (Each launch is lowered to Triton for a Hopper GPU in
+`tests/test_block_kernels.py`; `test_block_partials.py` has the partials' own checks.)"""
 
 from __future__ import annotations
 
@@ -21,9 +21,6 @@ from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.shared.configs import BlockConfig, KernelConfigs
 from tests.test_block_kernels import CASES, block_config, inputs, relative
-
-BY_NODE = BlockConfig(backward_sum="by_node")
-
 
 def brute_inversion(selections, r, T, L, layer_sizes):
     """Per layer (bottom first), per (b, h_kv): `{tile: [(block, slot, refined children), ...]}`
@@ -73,19 +70,14 @@ def test_the_inverted_index_is_the_brute_force_inversion(rng, r, top_k, T, H_kv,
             assert offsets[b, h, -1] == sum(len(x) for x in tiles.values())
 
 
-def summed_tuning(K, V, summed: str = "by_node"):
-    return KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum": summed})
+def partials_tuning(K, V):
+    return KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum": "partials"})
 
 
-# Each sum on the cases its path branches on: by node (recomputing each block's rows) on
-# float32 and bfloat16 and a group split over programs; from partials (each program's
-# slab and walked range) on ragged padded heads, bfloat16, partial RoPE and the split.
-SUMMED_CASES = ([("by_node", CASES[i]) for i in (0, 3, 5)] + [("partials", CASES[i]) for i in (2, 3, 4, 5)])
-
-
-@pytest.mark.parametrize("summed, case", SUMMED_CASES)
-def test_gradients_summed_without_atomics_match_the_reference(rng, summed, case):
-    """By node and from partial sums (`test_block_partials.py` has the partials' own)."""
+# The cases the partials' path branches on (each program's slab and walked range):
+# ragged padded heads, bfloat16, partial RoPE and a group split over programs.
+@pytest.mark.parametrize("case", [CASES[i] for i in (2, 3, 4, 5)])
+def test_gradients_summed_from_partials_match_the_reference(rng, case):
     source, selection, r, top_k, T, H, H_kv, K, V, rope_dim, dtype = case
     config = block_config(r, top_k, source, selection, rope_dim=rope_dim)
     q, k, v = inputs(rng, 1, T, H, H_kv, K, V, dtype)
@@ -97,13 +89,13 @@ def test_gradients_summed_without_atomics_match_the_reference(rng, summed, case)
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     tolerance = 1e-5 if dtype == jnp.float32 else 3e-2
-    for name, a, b in zip("qkv", grads("pallas_interpret", summed_tuning(K, V, summed)), grads("reference")):
+    for name, a, b in zip("qkv", grads("pallas_interpret", partials_tuning(K, V)), grads("reference")):
         assert relative(a.astype(jnp.float32), b.astype(jnp.float32)) < tolerance, name
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sums_without_atomics_equal_the_atomics_and_are_the_same_every_call(rng, dtype):
-    """By node, and from partial sums in three chunks of several blocks and a remainder
+    """From partial sums in three chunks of several blocks and a remainder
     (1 MiB holds 10 of this call's 38 blocks' slabs, 96 KiB a block) and one block a
     chunk (one chunk: the reference cases). The same float32 terms summed in another
     order: in bfloat16 too the gradients differ from the atomics' only where a sum
@@ -118,7 +110,7 @@ def test_sums_without_atomics_equal_the_atomics_and_are_the_same_every_call(rng,
                                               interpret=True)
     atomics = run(BlockConfig())
     tolerance = 1e-6 if dtype == jnp.float32 else 1e-4
-    for block in (BY_NODE, *(BlockConfig(backward_sum="partials", backward_partial_bytes=n) for n in (2 ** 20, 1))):
+    for block in (BlockConfig(backward_sum="partials", backward_partial_bytes=n) for n in (2 ** 20, 1)):
         first, second = run(block), run(block)
         for name, a, b, c in zip("qkv", atomics, first, second):
             assert relative(b, a) < tolerance, (name, block, relative(b, a))
@@ -130,4 +122,6 @@ def test_an_unknown_sum_is_refused_by_name():
         BlockConfig(backward_sum="sorted")
     with pytest.raises(ValueError, match="backward_partial_bytes"):
         BlockConfig(backward_sum="partials", backward_partial_bytes=0)
-    assert KernelConfigs().with_changes({"block.backward_sum": "by_node"}).block == BY_NODE
+    with pytest.raises(ValueError, match="backward_sum must be one of"):
+        BlockConfig(backward_sum="by_node")  # left the library on 12-07 (1476 ms against 297 at 128K)
+    assert KernelConfigs().with_changes({"block.backward_sum": "partials"}).block == BlockConfig(backward_sum="partials")
