@@ -68,31 +68,49 @@ def extension_args(a, variant: dict, trained: dict):
     return train_tiny_lm.parse_args(argv)
 
 
+def scoring_windows(a) -> dict:
+    """`{T: (tokens, targets)}`: the frontier's held-out windows at each scored length
+    (`--eval-lens`; default the extended length and 4x it)."""
+    args = frontier.checkpoint_args(a.checkpoint, a.data, a.backend)
+    lens = a.eval_lens or [a.seq_len, 4 * a.seq_len]
+    return {T: eval_windows(train_tiny_lm.task_of(args), T, a.eval_windows, a.window_seed) for T in lens}
+
+
+def extend(a, variant: dict, windows: dict, dense_rows: list[dict] = (), on_step=None) -> list[dict]:
+    """One variant's extension of `a.checkpoint` (`extension_args`) scored on `windows`:
+    a row a scored length, against the dense extension's rows `dense_rows` (the dense
+    variant without them: against itself). `on_step(step, model)`: `train_tiny_lm.train`'s."""
+    trained = train_tiny_lm.checkpoint_flags(a.checkpoint, flag="--checkpoint")["trained"]
+    tic = time.perf_counter()
+    model, result = train_tiny_lm.train(extension_args(a, variant, trained), on_step=on_step)
+    bits = frontier.score_model(model, windows)
+    rows = [dict(kind="extension", checkpoint=a.checkpoint, variant=variant["name"], seq_len=a.seq_len,
+                 steps=a.steps, trained_steps=trained.get("steps"), trained_seq_len=trained.get("seq_len"),
+                 T=T, bits=value, step_ms=result["step_ms"], train_seconds=result["train_seconds"],
+                 curve=result["eval_curve"], lr=a.lr, windows=a.eval_windows, device=result["device"])
+            for T, value in bits.items()]
+    dense = {r["T"]: r for r in (dense_rows or (rows if variant["attention"] == "dense" else []))}
+    for row in rows:
+        if row["T"] in dense:
+            d = dense[row["T"]]
+            row.update(dense_bits=d["bits"], change=100 * (row["bits"] / d["bits"] - 1), dense_step_ms=d["step_ms"],
+                       speedup=d["step_ms"] / row["step_ms"], dense_train_seconds=d["train_seconds"])
+    print(f"{variant['name']}: " + ", ".join(f"T={T} {b:.4f} bits/byte" for T, b in bits.items())
+          + f", {result['step_ms']:.1f} ms/step ({time.perf_counter() - tic:.0f} s)", flush=True)
+    return rows
+
+
 def extension_rows(a) -> list[dict]:
     """`{variant, T, bits, dense_bits, change, step_ms, dense_step_ms, speedup, curve}`
     for each variant at each scored length (dense first: the others are against it)."""
-    trained = train_tiny_lm.checkpoint_flags(a.checkpoint, flag="--checkpoint")["trained"]
-    args = frontier.checkpoint_args(a.checkpoint, a.data, a.backend)
-    lens = a.eval_lens or [a.seq_len, 4 * a.seq_len]
-    windows = {T: eval_windows(train_tiny_lm.task_of(args), T, a.eval_windows, a.window_seed) for T in lens}
-    rows, dense = [], None
+    train_tiny_lm.checkpoint_flags(a.checkpoint, flag="--checkpoint")  # named by its own flag if missing
+    windows = scoring_windows(a)
+    rows, dense = [], []
     for variant in a.variants:
-        tic = time.perf_counter()
-        model, result = train_tiny_lm.train(extension_args(a, variant, trained))
-        bits = frontier.score_model(model, windows)
-        if dense is None and variant["attention"] == "dense":
-            dense = dict(bits=bits, step_ms=result["step_ms"])
-        for T, value in bits.items():
-            row = dict(kind="extension", checkpoint=a.checkpoint, variant=variant["name"], seq_len=a.seq_len,
-                       steps=a.steps, trained_steps=trained.get("steps"), trained_seq_len=trained.get("seq_len"),
-                       T=T, bits=value, step_ms=result["step_ms"], curve=result["eval_curve"], lr=a.lr,
-                       windows=a.eval_windows, device=result["device"])
-            if dense is not None:
-                row.update(dense_bits=dense["bits"][T], change=100 * (value / dense["bits"][T] - 1),
-                           dense_step_ms=dense["step_ms"], speedup=dense["step_ms"] / result["step_ms"])
-            rows.append(row)
-        print(f"{variant['name']}: " + ", ".join(f"T={T} {b:.4f} bits/byte" for T, b in bits.items())
-              + f", {result['step_ms']:.1f} ms/step ({time.perf_counter() - tic:.0f} s)", flush=True)
+        new = extend(a, variant, windows, dense)
+        if not dense and variant["attention"] == "dense":
+            dense = new
+        rows += new
         frontier.write(a.out, rows)
     return rows
 

@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx, serialization
 
 import htree_jax
@@ -452,17 +453,21 @@ def length_schedule(steps: int, seq_len: int, start: int, warmup_steps: int) -> 
 # own value is recorded beside the flags, under "trained".)
 SHAPE_FLAGS = ("task", "data", "d_model", "layers", "heads", "kv_heads", "token_shift", "num_values", "num_keys",
                "rope_base", "scale")
-CHECKPOINT_PARAMS, CHECKPOINT_FLAGS = "params.msgpack", "model.json"
+# The parameters as an orbax-checkpoint `StandardCheckpointer` writes them (measured
+# against Flax's msgpack on the frontier's model, 18.4M float32 parameters on this
+# project's CPU machine, 2026-12-07: saves 0.31-0.52 s against 0.42-0.64, loads 0.15-0.17
+# against 0.04-0.12, 64.7 MB against 70.1; journal). Checkpoints of the msgpack file
+# written before it are still read.
+CHECKPOINT_PARAMS, CHECKPOINT_FLAGS, MSGPACK_PARAMS = "params", "model.json", "params.msgpack"
 
 
 def save_model(model, args, directory, result: dict | None = None) -> pathlib.Path:
-    """Writes `model`'s parameters (float32, Flax's msgpack serialization of the pure
-    dict of `nnx.state(model, nnx.Param)`) and the flags that shape it to `directory`;
+    """Writes `model`'s parameters (float32, the pure dict of `nnx.state(model,
+    nnx.Param)` through orbax-checkpoint: `write_params`) and the flags that shape it to
+    `directory`;
     `result`'s scalars (steps, bits per byte, ...) are recorded beside them."""
     directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    (directory / CHECKPOINT_PARAMS).write_bytes(serialization.msgpack_serialize(jax.device_get(params)))
+    write_params(directory, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     flags = {name: getattr(args, name) for name in SHAPE_FLAGS}
     flags["data"] = str(task_of(args).root) if args.task == "text" else None
     scalars = {k: v for k, v in (result or {}).items() if isinstance(v, (int, float, str, bool)) or v is None}
@@ -489,12 +494,31 @@ def load_shape_flags(args) -> None:
         setattr(args, name, saved[name])
 
 
+def write_params(directory, params: dict) -> None:
+    """Writes a model's parameters, the pure dict of `nnx.state(model, nnx.Param)`, to
+    `directory/CHECKPOINT_PARAMS` (created; replaced where it is) with orbax-checkpoint."""
+    directory = pathlib.Path(directory).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory / CHECKPOINT_PARAMS, params, force=True)
+
+
+def read_params(directory, like: dict | None = None) -> dict:
+    """The pure dict of parameters `write_params` wrote to `directory`, laid out as `like`
+    (a pure dict of the model's own: its list entries keep int keys) where given; a
+    checkpoint of the earlier msgpack file is read too."""
+    directory = pathlib.Path(directory).resolve()
+    if (directory / MSGPACK_PARAMS).is_file():
+        return serialization.msgpack_restore((directory / MSGPACK_PARAMS).read_bytes())
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(directory / CHECKPOINT_PARAMS, like)
+
+
 def load_params(model, directory) -> None:
     """Sets `model`'s parameters to those `save_model` wrote to `directory` (the same
     shapes: `load_shape_flags` made the model so)."""
     state = nnx.state(model, nnx.Param)
-    saved = serialization.msgpack_restore((pathlib.Path(directory) / CHECKPOINT_PARAMS).read_bytes())
-    nnx.replace_by_pure_dict(state, saved)
+    nnx.replace_by_pure_dict(state, read_params(directory, like=nnx.to_pure_dict(state)))
     nnx.update(model, state)
 
 

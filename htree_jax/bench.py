@@ -41,6 +41,20 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def head_shapes(text: str) -> list[tuple[int, int]]:
+    """A `--shapes` flag, `"32/4,32/8,4/1"` -> `[(32, 4), (32, 8), (4, 1)]`: the queries'
+    heads over the keys' (`H / H_kv`, a whole GQA group)."""
+    shapes = []
+    for item in (x for x in text.split(",") if x):
+        h, _, h_kv = item.partition("/")
+        if not (h.isdigit() and h_kv.isdigit() and int(h_kv) > 0 and int(h) % int(h_kv) == 0):
+            raise ValueError(f"--shapes: each is H/H_kv with H a multiple of H_kv > 0, got {item!r}")
+        shapes.append((int(h), int(h_kv)))
+    if not shapes:
+        raise ValueError(f"--shapes: at least one H/H_kv, got {text!r}")
+    return shapes
+
+
 def gpu_header(benchmark: str, setting: str, command: str) -> str:
     """The first line a benchmark prints (date, device, jax, its setting, the command that
     reproduces it); refuses to run off a GPU, where there is nothing to time against."""
@@ -88,12 +102,13 @@ def planned_gb(fn, args):
         return float("nan")
 
 
-def inputs(T, seed=0, batch: int = B):
-    """Random inputs: q, k, v independent standard normal, bfloat16 `[batch, T, heads, 128]`."""
+def inputs(T, seed=0, batch: int = B, heads: tuple[int, int] = (H, H_KV)):
+    """Random inputs: q, k, v independent standard normal, bfloat16 `[batch, T, heads, 128]`
+    (`heads`: the queries' and the keys' `(H, H_kv)`)."""
     ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (batch, T, H, K), jnp.bfloat16)
-    k = jax.random.normal(ks[1], (batch, T, H_KV, K), jnp.bfloat16)
-    v = jax.random.normal(ks[2], (batch, T, H_KV, V), jnp.bfloat16)
+    q = jax.random.normal(ks[0], (batch, T, heads[0], K), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (batch, T, heads[1], K), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (batch, T, heads[1], V), jnp.bfloat16)
     return q, k, v
 
 
@@ -103,18 +118,18 @@ NOISE = 0.5
 
 
 def correlated_inputs(T, seed=0, rho: float = CORRELATION, noise: float = NOISE, dtype=jnp.bfloat16,
-                      shape=None, batch: int = B):
+                      shape=None, batch: int = B, heads: tuple[int, int] = (H, H_KV)):
     """Inputs whose neighbouring queries attend alike, as in trained models (the premise of
     NSA's blockwise selection and of MoBA): a latent AR(1) process `z_t = rho * z_{t-1} +
     sqrt(1 - rho^2) * e_t` (unit variance, `K` features, `e_t` standard normal) shared by
     q and k, `q = z + noise * n_q`, `k = z + noise * n_k` with independent standard normal
     `n` per head, and `v` standard normal. `shape`: `(B, T, H, H_kv, K, V)`, by default the
-    benchmarks' `(batch, T, 32, 4, 128, 128)`. Returns `q, k, v` in `dtype`.
+    benchmarks' `(batch, T, *heads, 128, 128)`. Returns `q, k, v` in `dtype`.
 
     With `rho = 0.999` the latent forgets over ~1000 tokens: at T=131072 a block of 16
     consecutive queries needs about a ninth of the bottom layer's per-query gathers
     (`parent_overlap`, benchmarks/RESULTS.md)."""
-    B_, T_, H_, H_kv, K_, V_ = shape or (batch, T, H, H_KV, K, V)
+    B_, T_, H_, H_kv, K_, V_ = shape or (batch, T, *heads, K, V)
     keys = jax.random.split(jax.random.key(seed), 5)
     z0 = jax.random.normal(keys[0], (B_, 1, K_), jnp.float32)
     steps = jnp.sqrt(1.0 - rho**2) * jax.random.normal(keys[1], (B_, T_ - 1, K_), jnp.float32)

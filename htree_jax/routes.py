@@ -20,6 +20,10 @@ H_kv, V]` (or None, where the route reads the values from the keys), and a `Call
 | `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`); packed rows laid out virtually (`pallas_kernels/block/packed.py`) | `block_backward_pallas` (packed: `block_backward_packed`) |
 
 Adding a route is a row here (and a rule in `choose_route`), the family's file and its tests.
+Each row also declares what it takes (`Support`): `support_matrix` prints those as the
+table of `docs/backends.md`, from the same constants the routes' checks read
+(`tools/support_matrix.py --write` writes it there; `tests/test_docs.py` fails where the
+two differ).
 """
 
 from __future__ import annotations
@@ -33,15 +37,19 @@ import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.non_finite import first_non_finite, poison_rows, zero_non_finite
-from htree_jax.core.one_layer import one_layer_attention
+from htree_jax.core.one_layer import DENSE_DTYPES, DENSE_MAX_HEAD_DIM, one_layer_attention
 from htree_jax.core.packing import Packing, local_selections, tokens_to_virtual, virtual_doc_starts
 from htree_jax.reference import htree_attention_reference, htree_attention_reference_packed
 from pallas_kernels.block.attention import block_attention, packed_block_attention
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import MERGES, block_forward_pallas
+from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
+from pallas_kernels.block.mosaic_merge import DTYPES as MOSAIC_DTYPES
+from pallas_kernels.block.mosaic_merge import HALVES, MAX_PROGRAM_ROWS, RATES, VALUE_DIMS, spoken
 from pallas_kernels.gqa.attention import gqa_attention
 from pallas_kernels.gqa.backward import htree_backward_pallas
 from pallas_kernels.gqa.forward import htree_forward_pallas
+from pallas_kernels.shared.common import KERNEL_GROUP, MAX_GROUP, MAX_HEAD_DIM, MAX_VALUE_DIM, MIN_DIM
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.dead_rows import poison_rows_in_place
 from pallas_kernels.shared.guarded import query_positions
@@ -72,17 +80,96 @@ class Call:
 
 
 @dataclasses.dataclass(frozen=True)
+class Support:
+    """What a route takes, a phrase a feature: the columns of `docs/backends.md`'s support
+    matrix (`support_matrix`), written from the constants its checks read."""
+
+    runs_on: str
+    dtypes: str
+    head_dims: str
+    group: str
+    tree: str
+    selection: str
+    packed: str
+    context_shards: str
+    values_from_keys: str
+    export: str
+    backward: str
+    sharding: str = "yes"
+
+
+# The matrix's rows: `Support`'s fields and how the table names them.
+SUPPORT_ROWS = (("runs_on", "runs on"), ("dtypes", "dtypes"), ("head_dims", "head dims"),
+                ("group", "heads a kv head (G)"), ("tree", "tree"), ("selection", "selection"),
+                ("packed", "packed rows (`segment_ids`)"), ("context_shards", "context shards (T sharded)"),
+                ("sharding", "batch / head sharding"), ("values_from_keys", "values from the keys (`v=None`)"),
+                ("export", "importance export (SPEC 8)"), ("backward", "backward"))
+
+
+def dtype_names(dtypes) -> str:
+    """`(jnp.bfloat16, jnp.float16)` -> `"bf16, f16"`."""
+    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+    return ", ".join(short[jnp.dtype(d).name] for d in dtypes)
+
+
+ALL_DTYPES = dtype_names((jnp.float32, jnp.bfloat16, jnp.float16))
+KERNELS = "a GPU; interpreted anywhere"
+REFERENCE = Support(
+    runs_on="any platform", dtypes=ALL_DTYPES, head_dims="any even K", group="any", tree="any",
+    selection="per query and by block", packed="yes (`reference_packed`)", context_shards="yes",
+    values_from_keys="copied out", export="yes", backward="XLA autodiff")
+DENSE = Support(
+    runs_on="a GPU (cuDNN)", dtypes=dtype_names(DENSE_DTYPES),
+    head_dims=f"K = V <= {DENSE_MAX_HEAD_DIM}, a multiple of 8", group="any", tree="one layer",
+    selection="none (exact attention)", packed="no (`gqa`)", context_shards="no (`gqa`)",
+    values_from_keys="no (`gqa`/`wide`)", export="none: one layer", backward="XLA (cuDNN's)")
+GQA = Support(
+    runs_on=KERNELS, dtypes=ALL_DTYPES, head_dims=f"K in [{MIN_DIM}, {MAX_HEAD_DIM}], V in [{MIN_DIM}, "
+                                                  f"{MAX_VALUE_DIM}]",
+    group=f"<= {KERNEL_GROUP}, or {2 * KERNEL_GROUP}-{MAX_GROUP} in multiples of {KERNEL_GROUP} (virtual kv heads)",
+    tree="any", selection="per query", packed="yes", context_shards="yes", values_from_keys="copied out",
+    export="yes", backward="its own, deterministic")
+WIDE = dataclasses.replace(
+    GQA, head_dims="the same", group=f">= {2 * KERNEL_GROUP}, or {KERNEL_GROUP} at K past 256",
+    packed="no (`gqa`, virtual heads)", values_from_keys="read in place")
+BLOCK = Support(
+    runs_on=KERNELS, dtypes=ALL_DTYPES, head_dims=f"K, V <= {BLOCK_MAX_DIM}",
+    group=f"as `gqa`; ranking rows `b * G` <= {MAX_GROUP} (`\"previous\"`)", tree="past one layer",
+    selection="by block (SPEC 12)",
+    packed="yes: the queries laid out as the tree (`block/packed.py`), partials' (or atomics') backward",
+    context_shards="yes: whole blocks a shard (`S` a multiple of `b`), from its offset; partials' (or atomics') "
+                   "backward",
+    values_from_keys="copied out", export="yes",
+    backward="its own, `dk`/`dv` from partial sums on a GPU (deterministic; atomics interpreted)")
+# Each block merge: its `Support` where it differs from the Pallas-Triton one's.
+MERGE_SUPPORT = {
+    "pallas_triton": BLOCK,
+    "mosaic_gpu": dataclasses.replace(
+        BLOCK, runs_on="a Hopper GPU", dtypes=dtype_names(MOSAIC_DTYPES),
+        head_dims=f"K / 2 of {spoken(HALVES)}, V of {spoken(VALUE_DIMS)}",
+        group=f"the same, at most {MAX_PROGRAM_ROWS} rows a program",
+        tree=f"past one layer; r of {RATES[0]}-{RATES[-1]}", selection="by block",
+        packed="yes, as `block_pallas_triton` (its top layer's steps from the document's; the earlier nodes of that "
+               "step marked in its bitmaps)",
+        context_shards="yes, as `block_pallas_triton`", backward="`block_pallas_triton`'s"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class Route:
     """One row of `ROUTES`: `attend(q, k, v, call)` (the differentiable call), the
     `forward` it runs (kernels' forward pass, or the function XLA differentiates) and the
     `backward` paired with it (None: XLA's). `given_layout`: takes q in the caller's
-    feature order (no permuted copy); `values_from_keys`: takes `v=None`."""
+    feature order (no permuted copy); `values_from_keys`: takes `v=None`. `support`:
+    what it takes (None: another route's column says it, as `reference_packed`'s is the
+    reference's)."""
 
     attend: Callable
     forward: Callable
     backward: Callable | None
     given_layout: bool = False
     values_from_keys: bool = False
+    support: Support | None = None
 
 
 def latent_values(k, config: HTreeConfig, value_dim: int):
@@ -262,17 +349,30 @@ def _block(q, k, v, c: Call, merge: str):
 
 
 ROUTES = {
-    "reference": Route(_reference, htree_attention_reference, None),
+    "reference": Route(_reference, htree_attention_reference, None, support=REFERENCE),
     "reference_packed": Route(_reference_packed, htree_attention_reference_packed, None),
-    "dense": Route(_dense, one_layer_attention, None),
-    "gqa": Route(_gqa, htree_forward_pallas, htree_backward_pallas),
-    "wide": Route(_wide, wide_forward_pallas, wide_backward_pallas, given_layout=True, values_from_keys=True),
+    "dense": Route(_dense, one_layer_attention, None, support=DENSE),
+    "gqa": Route(_gqa, htree_forward_pallas, htree_backward_pallas, support=GQA),
+    "wide": Route(_wide, wide_forward_pallas, wide_backward_pallas, given_layout=True, values_from_keys=True,
+                  support=WIDE),
     **{f"block_{name}": Route(functools.partial(_block, merge=name),
-                              functools.partial(block_forward_pallas, merge=name), block_backward_pallas)
+                              functools.partial(block_forward_pallas, merge=name), block_backward_pallas,
+                              support=MERGE_SUPPORT[name])
        for name in MERGES},
 }
 KERNEL_ROUTES = tuple(name for name, route in ROUTES.items() if route.backward is not None)
 
 
-__all__ = ["Call", "KERNEL_ROUTES", "ROUTES", "Route", "block_ranking_rows", "block_selections", "latent_values",
+def support_matrix(routes: dict = ROUTES) -> str:
+    """The support matrix of `docs/backends.md`: a column a route with a `Support`, a row
+    a feature (`SUPPORT_ROWS`), as Markdown."""
+    shown = [(name, route.support) for name, route in routes.items() if route.support is not None]
+    lines = ["| | " + " | ".join(f"`{name}`" for name, _ in shown) + " |",
+             "|---|" + "---|" * len(shown)]
+    for field, label in SUPPORT_ROWS:
+        lines.append(f"| {label} | " + " | ".join(getattr(s, field) for _, s in shown) + " |")
+    return "\n".join(lines)
+
+
+__all__ = ["Call", "KERNEL_ROUTES", "ROUTES", "Route", "Support", "block_ranking_rows", "support_matrix", "block_selections", "latent_values",
            "packed_block_selections", "per_token"]

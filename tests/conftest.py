@@ -95,7 +95,8 @@ def first_case_of_each(items):
 # the block sums without atomics against the atomics, through the partials' sums against
 # the reference (test_block_partials.py, test_block_sums.py); the reference
 # against the oracle by hypothesis, through every reference test; the frontier's,
-# adaptation's and extension's training and scoring and the needle task's curriculum,
+# adaptation's and extension's training and scoring (and a seed of the extension study,
+# stage by stage), the training-step benchmark's step and the needle task's curriculum,
 # through test_examples.py's training (nnx, optax, the same jitted step). The two-process test is left too, the
 # longest check of the pass (three processes at once): jax.distributed and gloo are tested
 # on the newest JAX only. The partial sums' packed rows and context shards stay: no kept
@@ -116,7 +117,9 @@ SECOND_RUN_LEAVES = tuple(f"test_sharding.py::{name}" for name in (
       "test_examples.py::test_needle_task_with_a_length_curriculum_and_bfloat16_lowers_the_loss",
       "test_latent_shapes.py::test_mla_dims_equal_the_reference",
       "test_block_sums.py::test_sums_without_atomics_equal_the_atomics_and_are_the_same_every_call[float32]",
-      "test_frontier.py::test_adaptation_continues_a_dense_checkpoint_with_htree_and_scores_each_share")
+      "test_frontier.py::test_adaptation_continues_a_dense_checkpoint_with_htree_and_scores_each_share",
+      "test_frontier.py::test_a_seed_runs_end_to_end_resumes_by_stage_and_travels_in_pieces",
+      "test_bench.py::test_the_training_step_benchmark_times_dense_and_htree_in_one_call")
 
 
 def second_run(items):

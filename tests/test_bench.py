@@ -10,8 +10,13 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from benchmarks import bench_cpu
-from htree_jax.bench import correlated_inputs, input_kinds, overlap_row, parent_overlap
+from benchmarks import bench_cpu, bench_train_step
+from htree_jax.bench import correlated_inputs, head_shapes, input_kinds, inputs, overlap_row, parent_overlap
+
+
+def train_tiny_lm_config(args) -> HTreeConfig:
+    """The `HTreeConfig` the benchmark's `train_tiny_lm` arguments give."""
+    return bench_train_step.train_tiny_lm.htree_config(args)
 
 
 def test_correlated_inputs_are_an_ar1_latent_shared_by_q_and_k():
@@ -111,3 +116,33 @@ def test_the_cpu_benchmark_times_the_default_against_dense(tmp_path):
                                                    ("first call, top_k=4096", 64)]
     assert rows[0]["htree_over_dense"] == pytest.approx(rows[0]["htree_ms"] / rows[0]["dense_ms"])
     assert json.loads(out.read_text()) == rows and "| first call, top_k=4096 | 64 |" in bench_cpu.table(rows)
+
+
+def test_head_shapes_read_whole_groups_and_refuse_the_rest():
+    assert head_shapes("32/4,32/8,4/1") == [(32, 4), (32, 8), (4, 1)]
+    for bad in ("32/5", "32", "32/0", "a/b", ""):
+        with pytest.raises(ValueError, match="--shapes"):
+            head_shapes(bad)
+    q, k, v = inputs(64, heads=(8, 2))
+    assert q.shape == (1, 64, 8, 128) and k.shape == v.shape == (1, 64, 2, 128)
+    q, k, v = correlated_inputs(64, heads=(4, 1))
+    assert q.shape == (1, 64, 4, 128) and k.shape == (1, 64, 1, 128)
+
+
+def test_the_training_step_benchmark_times_dense_and_htree_in_one_call(tmp_path, monkeypatch):
+    """`benchmarks/bench_train_step.py` (a small model in its table's place): a row per
+    model, length and input kind, both attentions timed, their ratio, written as JSON."""
+    monkeypatch.setitem(bench_train_step.MODELS, "frontier", dict(d_model=64, layers=1, heads=4, kv_heads=1))
+    out = tmp_path / "step.json"
+    rows = bench_train_step.main(["--models", "frontier", "--sizes", "256", "--inputs", "random,text",
+                                  "--top-k", "2", "--iters", "1", "--commit", "abc", "--json", str(out)])
+    assert [(r["model"], r["T"], r["inputs"], r["heads"], r["kv_heads"]) for r in rows] == [
+        ("frontier", 256, "random", 4, 1), ("frontier", 256, "text", 4, 1)]
+    assert all(r["dense_over_htree"] == pytest.approx(r["dense_ms"] / r["htree_ms"]) and r["commit"] == "abc"
+               for r in rows)
+    assert json.loads(out.read_text()) == rows and "| frontier (d64, 1 layers) | 4 / 1 | 256 | text |" in \
+        bench_train_step.table(rows)
+    args = bench_train_step.model_args("frontier", 256, 1, "htree", 2)
+    assert train_tiny_lm_config(args) == HTreeConfig(top_k=2)
+    with pytest.raises(SystemExit, match="--models"):
+        bench_train_step.parse_args(["--models", "llama"])

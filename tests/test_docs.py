@@ -6,6 +6,7 @@ comments cite exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pathlib
 import re
@@ -112,3 +113,24 @@ def test_the_journal_index_lists_every_entry():
         sys.path.remove(str(ROOT / "tools"))
     assert (ROOT / "benchmarks" / "journal" / "README.md").read_text() == journal_index.index_text(), \
         "run python tools/journal_index.py"
+
+
+def test_the_support_matrix_is_the_routes_own(monkeypatch):
+    """`docs/backends.md`'s support matrix is what `htree_jax.routes.support_matrix`
+    writes from the routes' `Support` declarations; a limit changed in the code (here a
+    block kernel's head dim) changes the table, and the document then differs."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import support_matrix as tool
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    from htree_jax import routes
+
+    doc = (ROOT / "docs" / "backends.md").read_text()
+    assert tool.documented(doc) == routes.support_matrix(), "run python tools/support_matrix.py --write"
+    columns = [name for name, route in routes.ROUTES.items() if route.support is not None]
+    assert set(routes.ROUTES) - set(columns) == {"reference_packed"} and f"`{columns[-1]}`" in doc
+    changed = {**routes.ROUTES, "block_pallas_triton": dataclasses.replace(
+        routes.ROUTES["block_pallas_triton"], support=dataclasses.replace(routes.BLOCK, head_dims="K, V <= 512"))}
+    assert tool.documented(doc) != routes.support_matrix(changed)
+    assert tool.documented(tool.written(doc, "| x |")) == "| x |"

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import extension, frontier
+from benchmarks import extension, extension_seed, frontier
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.introspect import candidates_per_query
 from tests.test_examples import load_example, write_corpus
@@ -180,3 +181,45 @@ def test_extension_continues_a_short_dense_checkpoint_at_a_longer_length(tmp_pat
         extension.parse_args(["--checkpoint", "x", "--seq-len", "64", "--steps", "1", "--variants", "block:two"])
     with pytest.raises(ValueError, match=r"^--checkpoint '.*missing': no .* there"):  # its own flag, not --init
         extension.main(["--checkpoint", str(tmp_path / "missing"), "--seq-len", "64", "--steps", "1"])
+
+
+def test_a_seed_runs_end_to_end_resumes_by_stage_and_travels_in_pieces(tmp_path, capsys):
+    """`benchmarks/extension_seed.py` on the CPU (a small model in the recipe's place): the
+    dense base, each variant's extension scored against dense, the rows and the table;
+    run again it trains only what has no result; the base as bfloat16 pieces of at most
+    the piece size rebuilds the same parameters rounded to bfloat16."""
+    example = load_example()
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, example)
+    run, pieces = tmp_path / "seed0", tmp_path / "out"
+    argv = ["--dir", str(run), "--data", str(corpus), "--base-len", "32", "--base-steps", "2", "--base-batch", "4",
+            "--base-args=--d-model 32 --layers 1 --heads 2 --kv-heads 1 --eval-size 2", "--seq-len", "64",
+            "--steps", "2", "--variants", "dense,block:2", "--eval-lens", "64", "--eval-windows", "1",
+            "--backend", "reference", "--progress-every", "1", "--pieces", str(pieces)]
+    rows = extension_seed.main(argv)
+    out = capsys.readouterr().out
+    assert [(r["variant"], r["T"]) for r in rows] == [("dense", 64), ("block top_k=2", 64)]
+    assert json.loads((run / "rows.json").read_text()) == json.loads(json.dumps(rows, default=float))
+    assert "[base] step 2/2" in out and "[block top_k=2] step 1/2" in out and "s left" in out
+    assert rows[1]["change"] == pytest.approx(100 * (rows[1]["bits"] / rows[0]["bits"] - 1))
+    assert "extension s (dense / this)" in extension_seed.table(rows) and "x) |" in extension_seed.table(rows)
+    # Again, one result gone: the base and the dense extension are read back, block runs.
+    extension_seed.result_path(run, extension.parse_variant("block:2")).unlink()
+    again = extension_seed.main([a for a in argv if a != "--pieces" and a != str(pieces)])
+    out = capsys.readouterr().out
+    assert "[base] found" in out and "[dense] found" in out and "[block top_k=2] step 2/2" in out
+    assert again[0] == rows[0] and again[1]["variant"] == "block top_k=2"
+    # The pieces: each within the size, the same parameters rounded to bfloat16.
+    files = extension_seed.write_pieces(run / "base", tmp_path / "small", piece_bytes=4096)
+    assert len(files) > 3 and all(f.stat().st_size <= 4096 for f in files[:-1])
+    extension_seed.read_pieces(tmp_path / "small", tmp_path / "rebuilt")
+    original = dict(extension_seed.flat_params(example.read_params(run / "base")))
+    rebuilt = dict(extension_seed.flat_params(example.read_params(tmp_path / "rebuilt")))
+    assert original.keys() == rebuilt.keys() and (pieces / extension_seed.INDEX).is_file()
+    for path, value in original.items():
+        np.testing.assert_array_equal(rebuilt[path], np.asarray(value, jnp.bfloat16).astype(np.float32))
+    assert example.checkpoint_flags(tmp_path / "rebuilt") == example.checkpoint_flags(run / "base")
+    args = frontier.checkpoint_args(str(tmp_path / "rebuilt"), str(corpus), "reference")
+    model = example.build_model(args)
+    example.load_params(model, tmp_path / "rebuilt")  # a model takes the rebuilt checkpoint
+    np.testing.assert_array_equal(np.asarray(model.head.kernel[...]), rebuilt[("head", "kernel")])

@@ -63,6 +63,15 @@ ROWS = 64  # rows a consumer warpgroup holds (WGMMA's M)
 WORD = 32  # positions a bitmap word holds
 TMA_ROWS = 256  # the most elements a TMA copy moves along a dimension
 DTYPES = (jnp.bfloat16, jnp.float16)
+# What `check_mosaic_dims` takes (the reasons in its docstring): compression rates, the
+# padded `K / 2` and `V`, rows a program.
+RATES, HALVES, VALUE_DIMS, MAX_PROGRAM_ROWS = (8, 16, 32, 64), (32, 64), (64, 128), 128
+
+
+def spoken(values) -> str:
+    """`(8, 16, 32)` -> `"8, 16 or 32"`."""
+    values = [str(x) for x in values]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
 
 
 def check_mosaic_dims(r: int, rows: int, K: int, V: int, dtype) -> None:
@@ -75,13 +84,14 @@ def check_mosaic_dims(r: int, rows: int, K: int, V: int, dtype) -> None:
     rules = []
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES]:
         rules.append(f"bfloat16 or float16 inputs (got {jnp.dtype(dtype).name})")
-    if r not in (8, 16, 32, 64):
-        rules.append(f"compression_rate 8, 16, 32 or 64 (got {r})")
-    if rows > 128:
-        rules.append(f"at most 128 rows a program (got {rows})")
+    if r not in RATES:
+        rules.append(f"compression_rate {spoken(RATES)} (got {r})")
+    if rows > MAX_PROGRAM_ROWS:
+        rules.append(f"at most {MAX_PROGRAM_ROWS} rows a program (got {rows})")
     half, vp = next_power_of_two(K // 2, 16), next_power_of_two(V, 16)
-    if half not in (32, 64) or vp not in (64, 128):
-        rules.append(f"K / 2 of 32 or 64 and V of 64 or 128, padded to powers of two (got K = {K}, V = {V})")
+    if half not in HALVES or vp not in VALUE_DIMS:
+        rules.append(f"K / 2 of {spoken(HALVES)} and V of {spoken(VALUE_DIMS)}, padded to powers of two (got K = "
+                     f"{K}, V = {V})")
     if rules:
         raise ValueError("block_merge='mosaic_gpu' takes " + "; ".join(rules) + ": use block_merge='pallas_triton'")
 
