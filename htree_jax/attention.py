@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from htree_jax.backends import attend, check_block_sizes, full_sequence_backend
+from htree_jax.backends import attend, check_block_sizes, full_sequence_plan
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.one_layer import fitted_to_length
 from htree_jax.core.packing import check_fits, check_max_documents, check_segment_ids, pack_layout, virtual_length
@@ -129,8 +129,10 @@ def htree_attention(
     check_block_sizes(block_sizes)
     # One layer is causal attention whatever top_k is: no buffer sized by a larger top_k.
     config = fitted_to_length(config, dims.seq_len)
-    impl = full_sequence_backend(backend, dims, config, packed=segment_ids is not None, dtype=q.dtype, latent=latent,
-                                 block_sizes=block_sizes)
+    # What runs the call, decided once here (the backend, the route, block selection's
+    # ranking route) and passed down: nothing below chooses again.
+    plan = full_sequence_plan(backend, dims, config, packed=segment_ids is not None, dtype=q.dtype, latent=latent,
+                              block_sizes=block_sizes)
     for name, flag in (("return_selected", return_selected), ("return_importance", return_importance)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -154,11 +156,11 @@ def htree_attention(
         # `backend="auto"`: a context shard that block selection's kernels cannot take
         # (part of a block) runs on the reference (`sharding.context_backend`); a kernel
         # backend named is refused.
-        o, selected = partitioned_attention(q, k, v, config, impl, segment_ids, None if packing is None else
+        o, selected = partitioned_attention(q, k, v, config, plan.impl, segment_ids, None if packing is None else
                                             packing.virtual_len, max_document_len, block_sizes,
                                             context_impl="reference" if backend == "auto" else None)
     else:
-        o, selected, *exported = attend(q, k, v, config, impl, packing, export=return_importance,
+        o, selected, *exported = attend(q, k, v, config, plan, packing, export=return_importance,
                                         block_sizes=block_sizes, value_dim=value_dim if latent else None,
                                         q_layout="given")
     result = (o,) + ((selected,) if return_selected else ()) + tuple(exported)

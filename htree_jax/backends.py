@@ -1,10 +1,11 @@
-"""The backend layer: which implementation runs a call (`choose_backend`, `choose_route`),
-and the two calls every entry point above it makes (`htree_attention`, decoding, the
-sharded wrappers, benchmarks):
+"""The backend layer: which implementation runs a call, decided once (`plan_call`: the
+backend by `choose_backend`, the route by `choose_route`, into a frozen `Plan`), and the
+two calls every entry point above it makes (`htree_attention`, decoding, the sharded
+wrappers, benchmarks):
 
-- `attend`: a full sequence (or a context-parallel shard's queries) on the route
-  `choose_route` gives (`htree_jax.routes.ROUTES`: the JAX reference, cuDNN for a
-  one-layer tree, or a Pallas kernel family with its backward).
+- `attend`: a full sequence (or a context-parallel shard's queries) by its `Plan`
+  (`htree_jax.routes.ROUTES`: the JAX reference, cuDNN for a one-layer tree, or a Pallas
+  kernel family with its backward).
 - `attend_cache`: new queries walking a decode cache's tree (`htree_jax.decode`).
 
 Backend names (one rule for both): `"auto"` (the Pallas kernels on a GPU where they take
@@ -91,17 +92,55 @@ def choose_backend(backend: str, check_kernel_limits) -> str:
     return backend
 
 
-def full_sequence_backend(backend: str, dims: Dims, config: HTreeConfig | None = None, packed: bool = False,
-                          dtype=jnp.float32, latent: bool = False, block_sizes=None) -> str:
-    """`choose_backend` for `htree_attention` with `dims` (`core.validation.Dims`),
-    inputs in `dtype` (`latent`: `v=None`, the values read from the keys; `packed`: the
-    call has `segment_ids`): the kernels where `choose_route` finds a kernel route."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What runs a full-sequence call, decided once (`plan_call`) and passed down: the
+    concrete backend `impl` (`"reference"`, `"pallas"` or `"pallas_interpret"`), the
+    `route` (a key of `htree_jax.routes.ROUTES`) and, for block selection, the
+    `selection_route` its ranking rows take (`ranking_route`)."""
+
+    impl: str
+    route: str
+    selection_route: str | None = None
+
+
+def plan_call(backend: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs, packed: bool = False,
+              latent: bool = False, context_shard: bool = False, check_limits: bool = True) -> Plan:
+    """The `Plan` of a full-sequence call with `dims`, inputs in `dtype`, `tuning` the
+    kernels' configs (`packed`, `latent`, `context_shard` as `choose_route` takes them):
+    the backend `backend` names (`choose_backend`, each candidate's route chosen once,
+    its limits checked), the route's explicit asks checked (`check_route`), and block
+    selection's ranking route. `check_limits=False`: `backend` is already concrete and
+    its limits were checked by the caller (a shard of a call planned whole)."""
+    facts = dict(dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packed, latent=latent,
+                 context_shard=context_shard)
+    routes = {}
+
+    def route_on(name):  # what `choose_backend` asks of a candidate: its route, or the rule it breaks
+        routes[name] = choose_route(name, **facts)
+
+    impl = choose_backend(backend, route_on) if check_limits else backend
+    route = routes[impl] if impl in routes else choose_route(impl, **facts, check_limits=check_limits)
+    check_route(route, impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
+    selection = (ranking_route(impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
+                 if route.startswith("block_") else None)
+    return Plan(impl=impl, route=route, selection_route=selection)
+
+
+def full_sequence_plan(backend: str, dims: Dims, config: HTreeConfig | None = None, packed: bool = False,
+                       dtype=jnp.float32, latent: bool = False, block_sizes=None) -> Plan:
+    """`plan_call` for `htree_attention` with `dims` (`core.validation.Dims`), inputs in
+    `dtype` (`latent`: `v=None`, the values read from the keys; `packed`: the call has
+    `segment_ids`): the kernels where `choose_route` finds a kernel route."""
     config = config or HTreeConfig()
     tuning = KernelConfigs.resolve(block_sizes, dims.head_dim, dims.value_dim)
-    facts = dict(dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packed, latent=latent)
-    impl = choose_backend(backend, lambda name: choose_route(name, **facts))
-    check_route(choose_route(impl, **facts), impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
-    return impl
+    return plan_call(backend, dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packed, latent=latent)
+
+
+def full_sequence_backend(backend: str, dims: Dims, config: HTreeConfig | None = None, packed: bool = False,
+                          dtype=jnp.float32, latent: bool = False, block_sizes=None) -> str:
+    """The concrete backend of `full_sequence_plan` (for callers that pass it on)."""
+    return full_sequence_plan(backend, dims, config, packed, dtype, latent, block_sizes).impl
 
 
 WHOLE_SEQUENCES = ("block selection's kernels take context shards of whole blocks (a shard's length a multiple of "
@@ -211,14 +250,15 @@ def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim", "q_layout"))
-def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None, export: bool = False,
+def attend(q, k, v, config: HTreeConfig, impl: str | Plan, packing=None, positions=None, export: bool = False,
            block_sizes: BlockSizes | KernelConfigs | None = None, value_dim: int | None = None,
            q_layout: str = "rope_layout", rank_rows=None):
     """htree attention of validated `q [B, S, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv,
     V]` (`q`, `k` in `rope_layout` order; `q_layout="given"`: `q` in the caller's order,
     which the wide kernels read as it is, no permuted copy of q; elsewhere it is permuted
-    here) on the concrete backend `impl` (`choose_backend`), by the route `choose_route`
-    gives. Returns `(o [B, S, H, V], selections)`, and the kept nodes' importance last
+    here) by the `Plan` `impl` (`htree_attention`'s, made once), or on the concrete
+    backend `impl` (`choose_backend`'s; its limits checked by the caller) by the plan made
+    here. Returns `(o [B, S, H, V], selections)`, and the kept nodes' importance last
     with `export` (SPEC 8).
 
     SPEC 10's guard (`htree_jax.core.non_finite`): non-finite `k`, `v` entries zeroed,
@@ -237,21 +277,17 @@ def attend(q, k, v, config: HTreeConfig, impl: str, packing=None, positions=None
     V = value_dim if v is None else v.shape[-1]
     tuning = KernelConfigs.resolve(block_sizes, K, V)
     dims = Dims(B, k.shape[1], H, k.shape[2], K, V)
-    name = choose_route(impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None,
-                        latent=v is None, context_shard=positions is not None or rank_rows is not None,
-                        check_limits=False)
-    check_route(name, impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning)
-    route = ROUTES[name]
+    plan = impl if isinstance(impl, Plan) else plan_call(
+        impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None, latent=v is None,
+        context_shard=positions is not None or rank_rows is not None, check_limits=False)
+    route = ROUTES[plan.route]
     if q_layout == "given" and not route.given_layout:
         q, q_layout = rope_layout(q, config.partial_rope(K)), "rope_layout"
     if v is None and not route.values_from_keys:
         v = latent_values(k, config, value_dim)
-    selection_route = None
-    if name.startswith("block_"):
-        selection_route = ranking_route(impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning)
-    call = Call(config=config, tuning=tuning, interpret=impl == "pallas_interpret", export=export,
+    call = Call(config=config, tuning=tuning, interpret=plan.impl == "pallas_interpret", export=export,
                 positions=positions, packing=packing, rank_rows=rank_rows, value_dim=value_dim if v is None else None,
-                q_layout=q_layout, selection_route=selection_route)
+                q_layout=q_layout, selection_route=plan.selection_route)
     o, selected, *exported = route.attend(q, k, v, call)
     if packing is not None:
         o = jnp.where(packing.fits[:, None, None, None], o, jnp.asarray(jnp.nan, o.dtype))

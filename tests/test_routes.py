@@ -6,13 +6,14 @@ pair its row names."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from htree_jax import HTreeConfig
+from htree_jax import HTreeConfig, backends, htree_attention
 from htree_jax.backends import attend, choose_route, ranking_route
 from htree_jax.core.validation import Dims
 from htree_jax.routes import KERNEL_ROUTES, ROUTES
@@ -223,3 +224,35 @@ def test_a_route_runs_the_forward_and_backward_of_its_row(name):
 def test_the_xla_routes_have_no_backward_of_their_own():
     for name in ("reference", "reference_packed", "dense"):
         assert ROUTES[name].backward is None and name not in KERNEL_ROUTES
+
+
+COUNTED = ("plan_call", "choose_route", "choose_backend", "check_route")
+
+
+def counted_planning(monkeypatch) -> collections.Counter:
+    """A counter of the planning functions of `htree_jax.backends` (`COUNTED`) called
+    from here on."""
+    counts = collections.Counter()
+    for name in COUNTED:
+        def counted(*args, _name=name, _function=getattr(backends, name), **kwargs):
+            counts[_name] += 1
+            return _function(*args, **kwargs)
+        monkeypatch.setattr(backends, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("config, H, routes", [
+    (HTreeConfig(compression_rate=4, top_k=4, selection_block=4), 8, 2),  # block selection: the ranking route too
+    (HTreeConfig(compression_rate=4, top_k=4, selection_block=1), 8, 1),
+])
+def test_the_plan_is_made_once_a_call(monkeypatch, config, H, routes):
+    """`htree_attention` decides what runs once (`backends.plan_call`) and passes the
+    plan down: under `jax.grad`, one plan, one backend chosen, the route chosen once (and
+    block selection's ranking route once), checked once. (Before the plan, a block call
+    chose its route four times.)"""
+    q = jax.ShapeDtypeStruct((1, 150, H, 32), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 150, 2, 32), jnp.float32)
+    loss = lambda q, k, v: htree_attention(q, k, v, config, backend="pallas_interpret").sum()
+    counts = counted_planning(monkeypatch)
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
+    assert counts == {"plan_call": 1, "choose_backend": 1, "choose_route": routes, "check_route": 1}, counts
