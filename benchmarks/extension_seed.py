@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 import time
@@ -48,7 +47,7 @@ for folder in (ROOT, ROOT / "examples"):  # run as a script or imported as bench
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 import train_tiny_lm  # noqa: E402
-from benchmarks import extension  # noqa: E402
+from benchmarks import extension, frontier  # noqa: E402
 
 # The frontier's dense recipe (RESULTS, "The frontier at compression_rate 16"), less the
 # length, steps, batch and seed this script takes.
@@ -72,13 +71,6 @@ def progress(stage: str, steps: int, every: int):
         print(f"[{stage}] step {step}/{steps}, {spent:.0f} s, about {left:.0f} s left", flush=True)
 
     return on_step
-
-
-def write_json(path: pathlib.Path, value) -> None:
-    """`value` to `path` whole or not at all."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=1, default=float))
-    os.replace(partial, path)
 
 
 def flat_params(params: dict, prefix=()):
@@ -109,7 +101,7 @@ def write_pieces(checkpoint: pathlib.Path, out: pathlib.Path, piece_bytes: int =
         files.append(out / f"base.bf16.{i // piece_bytes:03d}")
         files[-1].write_bytes(whole[i:i + piece_bytes])
     flags = json.loads((checkpoint / train_tiny_lm.CHECKPOINT_FLAGS).read_text())
-    write_json(out / INDEX, dict(params=entries, pieces=[f.name for f in files], model=flags))
+    frontier.write(out / INDEX, dict(params=entries, pieces=[f.name for f in files], model=flags))
     return files + [out / INDEX]
 
 
@@ -126,7 +118,7 @@ def read_pieces(pieces: pathlib.Path, checkpoint: pathlib.Path) -> None:
             node = node.setdefault(key, {})
         node[entry["path"][-1]] = raw.astype(np.float32).reshape(entry["shape"])
     train_tiny_lm.write_params(checkpoint, params)
-    write_json(checkpoint / train_tiny_lm.CHECKPOINT_FLAGS, index["model"])
+    frontier.write(checkpoint / train_tiny_lm.CHECKPOINT_FLAGS, index["model"])
 
 
 def base_stage(a, directory: pathlib.Path) -> None:
@@ -170,7 +162,7 @@ def extension_stage(a, directory: pathlib.Path, variant: dict, windows, dense_ro
     print(f"[{variant['name']}] from the base at {a.seq_len} tokens, {a.steps} steps", flush=True)
     rows = extension.extend(extension_options(a, directory), variant, windows(), dense_rows,
                             on_step=progress(variant["name"], a.steps, a.progress_every))
-    write_json(path, rows)
+    frontier.write(path, rows)
     return rows
 
 
@@ -199,7 +191,7 @@ def run_seed(a) -> list[dict]:
         if not dense and variant["attention"] == "dense":
             dense = new
         rows += new
-    write_json(directory / "rows.json", rows)
+    frontier.write(directory / "rows.json", rows)
     print(f"[seed {a.seed}] every stage done ({time.perf_counter() - tic:.0f} s this call)", flush=True)
     print(table(rows), flush=True)
     return rows
