@@ -17,7 +17,7 @@ H_kv, V]` (or None, where the route reads the values from the keys), and a `Call
 | `dense` | a one-layer tree: RoPE, then cuDNN (`core.one_layer`) | XLA (cuDNN's) |
 | `gqa` | the GQA family (`pallas_kernels/gqa/`) | `htree_backward_pallas` |
 | `wide` | the wide family (latent attention, `pallas_kernels/wide/`) | `wide_backward_pallas` |
-| `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`); packed rows laid out virtually (`pallas_kernels/block/packed.py`) | `block_backward_pallas` (packed: `block_backward_packed`) |
+| `block_<merge>` | block selection: the blocks' selections on `Call.selection_route`, then the block merge `<merge>` (`pallas_kernels/block/`); packed rows laid out virtually (`pallas_kernels/block/layout.py`) | `block_backward_pallas` (over the same layout) |
 
 Adding a route is a row here (and a rule in `choose_route`), the family's file and its tests.
 Each row also declares what it takes (`Support`): `support_matrix` prints those as the
@@ -136,7 +136,7 @@ BLOCK = Support(
     runs_on=KERNELS, dtypes=ALL_DTYPES, head_dims=f"K, V <= {BLOCK_MAX_DIM}",
     group=f"as `gqa`; ranking rows `b * G` <= {MAX_GROUP} (`\"previous\"`)", tree="past one layer",
     selection="by block (SPEC 12)",
-    packed="yes: the queries laid out as the tree (`block/packed.py`), partials' (or atomics') backward",
+    packed="yes: the queries laid out as the tree (`block/layout.py`), partials' (or atomics') backward",
     context_shards="yes: whole blocks a shard (`S` a multiple of `b`), from its offset; partials' (or atomics') "
                    "backward",
     values_from_keys="copied out", export="yes",
@@ -280,7 +280,7 @@ def packed_block_selections(q, k, v, packing, *, config: HTreeConfig, tuning: Ke
     per-query GQA kernels over the keys' packed tree (`"previous"`: zero rows where a
     block starts its document). Returns `(selections, firsts, importance)`: each layer's
     `[B, T_v / b, H_kv, top_k]` virtual tree rows (top layer first), `firsts [B, T_v /
-    b]` each block's document's first top node (`pallas_kernels.block.packed`), and the
+    b]` each block's document's first top node (`pallas_kernels.block.layout.PackedLayout`), and the
     importance (`[]` without `export`). Blocks of padding rank too; nothing reads them."""
     b, r, L = config.selection_block, config.compression_rate, packing.num_layers
     doc = virtual_doc_starts(packing)[:, ::b]  # [B, NB_v]
@@ -303,7 +303,7 @@ def per_token(block_values, b: int, T: int):
 
 def _block_packed(q, k, v, c: Call, merge: str):
     """Block selection over packed rows on the kernels (`packed_block_selections`, then
-    `pallas_kernels.block.packed`'s merge `merge` and backward); each token's lists are its
+    the block merge `merge` and backward over `PackedLayout`); each token's lists are its
     virtual block's, counted inside its document. A one-layer tree is exact attention
     in each document: the per-query route's."""
     if c.packing.num_layers == 1:

@@ -17,7 +17,8 @@ import pytest
 from htree_jax import HTreeConfig
 from htree_jax.backends import blocks_of
 from pallas_kernels.block.backward import block_backward_pallas, chosen_sum, chosen_walk
-from pallas_kernels.block.forward import block_static, table_positions
+from pallas_kernels.block.forward import block_static
+from pallas_kernels.block.layout import table_positions
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.merge import rope_tables, rotate_halves
 from pallas_kernels.block.mosaic_backward import TILE, BackwardPipeline, block_backward_mosaic, check_mosaic_backward_dims

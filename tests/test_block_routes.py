@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from htree_jax import HTreeConfig, htree_attention
-from pallas_kernels.block.forward import merge_static, table_positions
+from pallas_kernels.block.forward import merge_static
+from pallas_kernels.block.layout import table_positions
 from pallas_kernels.block.merge import rope_tables, rotate_back, rotate_halves
 from pallas_kernels.block.mosaic_merge import (NARROW_PIPELINE, PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims,
                                               count_entries, earlier_bits, refined_bitmaps, turned_keys,

@@ -140,7 +140,7 @@ def test_gradients_match_oracle_finite_differences(rng, source):
 @pytest.mark.parametrize("source", SOURCES)
 def test_packed_documents_are_blocked_inside_each_document(rng, source, backend):
     """Each document alone (the oracle on its own tokens): blocks start at each document's
-    first token, so none spans two; the kernels (`pallas_kernels/block/packed.py`, the
+    first token, so none spans two; the kernels (`pallas_kernels/block/layout.py`'s `PackedLayout`, the
     queries laid out as the tree) as the reference."""
     config = block_config(4, 4, source)
     q, k, v = random_qkv(rng, 2, 150, 4, 2, 32, 32)

@@ -74,7 +74,7 @@ def test_importance_of_packed_rows_per_document(rng, backend):
 
 @pytest.mark.parametrize("source", ["first", "previous"])
 def test_importance_of_packed_block_rows_on_the_kernels_equals_the_reference(rng, source):
-    """Block selection (SPEC 12) over packed rows (`block/packed.py`): each token's kept
+    """Block selection (SPEC 12) over packed rows (`block/layout.py`'s `PackedLayout`): each token's kept
     nodes' importance, its block's, from the kernels interpreted as from the reference
     (3 layers, documents of 1 to 79 tokens)."""
     config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4, block_source=source)

@@ -156,7 +156,7 @@ def matrix(full: bool):
     # programs of 128 rows on the Mosaic GPU merge, and the decode step at G=48.
     for G, K in ((32, 128), (48, 64), (64, 128)):
         yield (G, K, K, None), "bfloat16", "bound", "block first"
-    # Packed rows on the block kernels (`block/packed.py`, issue 84): the default merge
+    # Packed rows on the block kernels (`block/layout.py`'s `PackedLayout`, issue 84): the default merge
     # (Mosaic GPU at bf16 on an H200), Pallas-Triton's by name and at float32, each source.
     for source in ("first", "previous"):
         yield (8, 128, 128, None), "bfloat16", "bound", f"block {source} packed"

@@ -24,7 +24,8 @@ from htree_jax.bench import INPUTS, median_ms
 from htree_jax.cli import DefaultsHelpFormatter
 from htree_jax.core.tree import build_tree
 from pallas_kernels.block.backward import block_backward_launch, block_backward_pallas, chosen_walk
-from pallas_kernels.block.forward import block_forward_pallas, block_layout, block_static, table_positions
+from pallas_kernels.block.forward import block_forward_pallas, block_static
+from pallas_kernels.block.layout import block_layout, table_positions
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.merge import layer_arrays, rope_tables, selection_lists
 from pallas_kernels.block.mosaic_backward import TILE, block_backward_mosaic, walk_layers

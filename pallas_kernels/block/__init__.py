@@ -5,19 +5,20 @@ their `b * G` rows.
 - `merge`: every layer's merge of a block's rows once its selections are known (one
   program per `(block, kv head)`), and the walk's pieces the backward shares;
   `mosaic_merge`: the same merge on Mosaic GPU.
-- `forward`: `block_forward_pallas` (the tree and queries laid out, one launch) and
-  `MERGES`, the merge's kernels by name (`KernelConfigs.block_merge`).
-- `backward`: `block_backward_pallas` (`dq` per program; `dk`, `dv` added per node with
+- `layout`: where the rows and the tree come from, one value the forward and the
+  backward take: `RowLayout` (one document a row, or a context shard of one) and
+  `PackedLayout` (packed rows, `segment_ids`: the queries laid out as the tree and each
+  block's top layer from its document's first node).
+- `forward`: `block_forward_pallas` (the tree and queries laid out, one launch, over any
+  layout) and `MERGES`, the merge's kernels by name (`KernelConfigs.block_merge`).
+- `backward`: `block_backward_pallas` (over any layout; `dq` per program; `dk`, `dv` added per node with
   float32 atomics, or written as partial sums and summed by node, then pushed down the
   tree); `inverted`: the blocks' selections inverted, for each node tile the blocks
   that merged it; `partials`: the partial sums' chunks and their sum
   by node (Pallas-Triton); `mosaic_backward`: the walk that writes the partial sums on
   Mosaic GPU; `mosaic_sums`: their sum by node on Mosaic GPU.
-- `packed`: packed rows (`segment_ids`), the queries laid out as the tree and each
-  block's top layer from its document's first node (on either merge; the backward's
-  walk as `backward.chosen_walk` picks it).
-- `attention`: `block_attention` (and `packed_block_attention`), each pair as a
-  `custom_vjp`.
+- `attention`: `block_attention` (and `packed_block_attention`, its layout packed), the
+  pair as one `custom_vjp`.
 The blocks' selections come from the per-query families run on the ranking rows
 (`htree_jax.routes.block_selections`).
 """

@@ -15,50 +15,25 @@ from __future__ import annotations
 
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
-from pallas_kernels.block.packed import block_backward_packed, block_forward_packed
+from pallas_kernels.block.layout import PackedLayout, row_layout
 from pallas_kernels.shared.guarded import KernelCall, guarded_vjp
 
 
-def first_position(operands):
-    """A context shard's first position (its `positions`' first), or None."""
-    positions = operands.get("positions")
-    return None if positions is None else positions[0].astype("int32")
-
-
 def forward(q, k, v, operands, call: KernelCall):
-    """`block_forward_pallas` with the merge `call.merge`, as the guard calls it: `(o,
-    lse, (), None)` (the selections are the caller's)."""
-    o, lse = block_forward_pallas(q, k, v, operands["selections"], config=call.config, block=call.tuning.block,
-                                  merge=call.merge, interpret=call.interpret, offset=first_position(operands))
+    """`block_forward_pallas` over `operands["layout"]` with the merge `call.merge`, as
+    the guard calls it: `(o, lse, (), None)` (the selections are the caller's)."""
+    o, lse = block_forward_pallas(q, k, v, operands["selections"], operands["layout"], config=call.config,
+                                  block=call.tuning.block, merge=call.merge, interpret=call.interpret)
     return o, lse, (), None
 
 
 def backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
-    """`block_backward_pallas` as the guard calls it: `(dq, dk, dv)`."""
-    return block_backward_pallas(q, k, v, o, lse, do, operands["selections"], config=call.config,
-                                 block=call.tuning.block, interpret=call.interpret, dead_rows=dead,
-                                 offset=first_position(operands))
+    """`block_backward_pallas` over `operands["layout"]`, as the guard calls it: `(dq, dk, dv)`."""
+    return block_backward_pallas(q, k, v, o, lse, do, operands["selections"], operands["layout"], config=call.config,
+                                 block=call.tuning.block, interpret=call.interpret, dead_rows=dead)
 
 
 attention = guarded_vjp(forward, backward)
-
-
-def packed_forward(q, k, v, operands, call: KernelCall):
-    """`packed.block_forward_packed` as the guard calls it."""
-    o, lse = block_forward_packed(q, k, v, operands["selections"], operands["firsts"], operands["packing"],
-                                  config=call.config, block=call.tuning.block, merge=call.merge,
-                                  interpret=call.interpret)
-    return o, lse, (), None
-
-
-def packed_backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
-    """`packed.block_backward_packed` as the guard calls it."""
-    return block_backward_packed(q, k, v, o, lse, do, operands["selections"], operands["firsts"], operands["packing"],
-                                 config=call.config, block=call.tuning.block, interpret=call.interpret,
-                                 dead_rows=dead)
-
-
-packed_attention = guarded_vjp(packed_forward, packed_backward)
 
 
 def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpret: bool = False, positions=None):
@@ -68,23 +43,24 @@ def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpre
     `rope_layout` order, validated by the caller, one document a row; `merge` the merge's
     kernel (`forward.MERGES`), `tuning.block` the launches. Returns `o [B, T, H, V]` in
     q's dtype. `positions [S]` int32: a context shard's `q [B, S, H, K]` at those
-    positions of the `T` tokens, consecutive from a multiple of `b`
-    (`forward.block_forward_pallas`'s `offset`; SPEC 10's guard reads them); `dk`, `dv`
-    are its share of every token's."""
+    positions of the `T` tokens, consecutive from a multiple of `b` (`layout.row_layout`'s
+    `offset`; SPEC 10's guard reads them); `dk`, `dv` are its share of every token's."""
     call = KernelCall(config, tuning, interpret, merge=merge)
-    operands = {"selections": list(selections), **({} if positions is None else {"positions": positions})}
+    offset = None if positions is None else positions[0].astype("int32")
+    operands = {"selections": list(selections), "layout": row_layout(q, k, config, offset),
+                **({} if positions is None else {"positions": positions})}
     return attention(q, k, v, operands, call)[0]
 
 
 def packed_block_attention(q, k, v, selections, firsts, packing, *, config, tuning, merge: str,
                            interpret: bool = False):
-    """`block_attention` over packed rows (`packed.py`; `merge` one of `forward.MERGES`):
-    `selections` the virtual blocks' lists (virtual tree rows, `[B, T_v / b, H_kv,
-    top_k]` each), `firsts [B, T_v / b]` each one's document's first top node,
-    `packing` the rows' `htree_jax.core.packing.Packing`. Returns `o [B, T, H, V]`."""
+    """`block_attention` over packed rows (`layout.PackedLayout`; `merge` one of
+    `forward.MERGES`): `selections` the virtual blocks' lists (virtual tree rows, `[B,
+    T_v / b, H_kv, top_k]` each), `firsts [B, T_v / b]` each one's document's first top
+    node, `packing` the rows' `htree_jax.core.packing.Packing`. Returns `o [B, T, H, V]`."""
     call = KernelCall(config, tuning, interpret, merge=merge)
-    operands = {"selections": list(selections), "firsts": firsts, "packing": packing}
-    return packed_attention(q, k, v, operands, call)[0]
+    operands = {"selections": list(selections), "layout": PackedLayout(packing, firsts)}
+    return attention(q, k, v, operands, call)[0]
 
 
-__all__ = ["attention", "backward", "block_attention", "forward", "packed_attention", "packed_block_attention"]
+__all__ = ["attention", "backward", "block_attention", "forward", "packed_block_attention"]

@@ -28,20 +28,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from htree_jax.core.config import HTreeConfig
-from htree_jax.core.tree import build_tree
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
 from pallas_kernels.block.mosaic_backward import block_backward_mosaic, check_mosaic_backward_dims, walk_layers
 from pallas_kernels.block.mosaic_sums import mosaic_sum_partials
 from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_edges, entry_keys, range_lanes, slab_widths,
                                          sum_partials, totals_by_node, zero_totals)
-from pallas_kernels.block.forward import block_layout, block_static, check_shard_offset, on_hopper, table_positions
+from pallas_kernels.block.forward import block_static, on_hopper
+from pallas_kernels.block.layout import row_layout
 from pallas_kernels.block.merge import (
     BlockStatic,
     block_inputs,
     block_scalars,
     first_spec,
-    layer_arrays,
     layer_walk,
     merged_mask,
     operand,
@@ -64,7 +63,6 @@ from pallas_kernels.shared.common import (
     unpad_rope_halves,
 )
 from pallas_kernels.shared.configs import BlockConfig
-from pallas_kernels.shared.tree_backward import push_down
 
 
 def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, *refs, st: BlockStatic,
@@ -229,35 +227,38 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
         pad = ((0, max(0, max(widths) - table_rows)), (0, 0))
         tables = (jnp.pad(cos, pad, constant_values=1.0), jnp.pad(sin, pad))
     count = chunk_blocks(NB, per_block, per_program, budget)
-    index = inverted_index(selections, r=r, b=r, T=T, num_layers=L, layer_sizes=node_counts, shape=(B, NB, H_kv),
-                           offset=offset)
     tiles = [-(-n // r) for n in node_counts]
     full, rest = divmod(NB, count)
-    # Each tile's index entries of every chunk, found once: chunk `c` is blocks `c * count ..`.
-    edges = [c * count for c in range(full + 1)] + ([NB] if rest else [])
-    bounds = [chunk_edges(entry_keys(ix, NB), u, NB, edges) for ix, u in zip(index, tiles)]
+    with jax.named_scope("htree_index"):
+        index = inverted_index(selections, r=r, b=r, T=T, num_layers=L, layer_sizes=node_counts,
+                               shape=(B, NB, H_kv), offset=offset)
+        # Each tile's index entries of every chunk, found once: chunk `c` is blocks `c * count ..`.
+        edges = [c * count for c in range(full + 1)] + ([NB] if rest else [])
+        bounds = [chunk_edges(entry_keys(ix, NB), u, NB, edges) for ix, u in zip(index, tiles)]
 
     def chunk(c, n_blocks: int, totals):
         first_block = c * count
         cut = lambda x, per: lax.dynamic_slice_in_dim(x, first_block * per, n_blocks * per, axis=1)
         start = first_block * r if offset is None else offset + first_block * r
-        dq5, *out = launch(
-            *(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], config, st, head_dim, table_rows,
-            node_counts, interpret, sums="partials", firsts=None if firsts is None else cut(firsts, 1),
-            offset=jnp.asarray(start, jnp.int32), widths=widths, **prepared)
+        with jax.named_scope("htree_walk"):
+            dq5, *out = launch(
+                *(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], config, st, head_dim, table_rows,
+                node_counts, interpret, sums="partials", firsts=None if firsts is None else cut(firsts, 1),
+                offset=jnp.asarray(start, jnp.int32), widths=widths, **prepared)
         slabs, ranges = (out[0], out[1]) if mosaic else (out[:-1], out[-1])
         first = jnp.full((LANES,), first_block, jnp.int32)
         new = []
         for l in range(L):
             lo, hi, pk, pv = bounds[l][c], bounds[l][c + 1], slabs[2 * l], slabs[2 * l + 1]
-            if sum_kernel == "mosaic_gpu":
-                new.append(mosaic_sum_partials(first, lo, hi, index[l], ranges, pk, pv, r=r, width=widths[l],
-                                               per_block=per_block, layer=l, tables=tables, totals=totals[l]))
-                continue
-            new.append(sum_partials(
-                first, lo, hi, index[l], ranges, pk, pv, r=r, width=widths[l], per_block=per_block, layer=l,
-                num_warps=sum_launch[0], num_stages=sum_launch[1], interpret=interpret, tables=tables,
-                totals=totals[l]))
+            with jax.named_scope("htree_sums"):
+                if sum_kernel == "mosaic_gpu":
+                    new.append(mosaic_sum_partials(first, lo, hi, index[l], ranges, pk, pv, r=r, width=widths[l],
+                                                   per_block=per_block, layer=l, tables=tables, totals=totals[l]))
+                    continue
+                new.append(sum_partials(
+                    first, lo, hi, index[l], ranges, pk, pv, r=r, width=widths[l], per_block=per_block, layer=l,
+                    num_warps=sum_launch[0], num_stages=sum_launch[1], interpret=interpret, tables=tables,
+                    totals=totals[l]))
         return dq5, new
 
     totals = [zero_totals(B, H_kv, u, r, q5.shape[-1], st.vp) for u in tiles]
@@ -275,7 +276,8 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
     if rest:
         dq5, totals = chunk(jnp.int32(full), rest, totals)
         dqs.append(dq5)
-    grads = [g for layer in totals for g in totals_by_node(layer, r)]
+    with jax.named_scope("htree_sums"):
+        grads = [g for layer in totals for g in totals_by_node(layer, r)]
     return jnp.concatenate(dqs, axis=1) if len(dqs) > 1 else dqs[0], grads
 
 
@@ -316,62 +318,51 @@ def chosen_walk(block: BlockConfig, st: BlockStatic, K: int, V: int, dtype, tabl
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))
-def block_backward_pallas(q, k, v, o, lse, do, selections, *, config: HTreeConfig, block: BlockConfig = BlockConfig(),
-                          interpret: bool = False, dead_rows=None, offset=None):
+def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, config: HTreeConfig,
+                          block: BlockConfig = BlockConfig(), interpret: bool = False, dead_rows=None):
     """`(dq, dk, dv)` in the dtypes of `q, k, v` of `block_forward.block_forward_pallas`'s
     output `o [B, T, H, V]` with its `lse [B, T, H]`, cotangent `do`, and the blocks'
-    `selections` it was given. `dead_rows [B, T, H]` bool (optional): rows whose output
-    is a constant (SPEC 10's NaN rows), taken as having no cotangent. `block`: the
-    launch (`BlockConfig.backward_tile`, `backward_num_warps`) and how the key and value
-    gradients are summed (`BlockConfig.backward_sum`): `"atomics"`, added by every block
-    that merged a node with float32 atomics, not bitwise reproducible run to run; or
-    `"partials"` (`partials.py`), each block's sums written out and summed by node in
-    block order, bitwise reproducible. A
-    context shard (`offset`, as the forward takes it): `dq` of its queries, `dk`, `dv`
-    its rows' share of every token's (atomics or partials)."""
-    B, S, H, K = q.shape
-    T, H_kv, V = k.shape[1], k.shape[2], v.shape[-1]
-    G, b = H // H_kv, config.selection_block
-    st = block_static(config, T, G, K, V, q.dtype, MOSAIC_TILE, block.backward_num_warps)
-    walk = chosen_walk(block, st, K, V, q.dtype, table_positions(config, T, st), interpret)
+    `selections` and `layout` (`layout.py`; None: one document a row) it was given.
+    `dead_rows [B, T, H]` bool (optional): rows whose output is a constant (SPEC 10's NaN
+    rows), taken as having no cotangent. `block`: the launch (`BlockConfig.backward_tile`,
+    `backward_num_warps`) and how the key and value gradients are summed
+    (`BlockConfig.backward_sum`): `"atomics"`, added by every block that merged a node
+    with float32 atomics, not bitwise reproducible run to run; or `"partials"`
+    (`partials.py`), each block's sums written out and summed by node in block order,
+    bitwise reproducible. A context shard (`row_layout(q, k, config, offset)`): `dq` of
+    its queries, `dk`, `dv` its rows' share of every token's (atomics or partials)."""
+    K, H_kv, V = q.shape[-1], k.shape[2], v.shape[-1]
+    G = q.shape[2] // H_kv
+    layout = row_layout(q, k, config) if layout is None else layout
+    static = lambda tile: layout.static(block_static(config, layout.length, G, K, V, q.dtype, tile,
+                                                     block.backward_num_warps))
+    st = static(MOSAIC_TILE)
+    walk = chosen_walk(block, st, K, V, q.dtype, layout.table_rows(config, st), interpret)
     if walk != "mosaic_gpu":
-        st = block_static(config, T, G, K, V, q.dtype, block.backward_tile, block.backward_num_warps)
-    Tp = -(-S // b) * b
-    if dead_rows is not None:
-        do = jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
-        o = jnp.where(dead_rows[..., None], jnp.zeros((), o.dtype), o)
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, H]
-    layout = lambda x: block_layout(x, H_kv, st, Tp)
-    tree = build_tree(k, v, config)
-    rows = (layout(pad_rope_halves(q, st.half)), layout(pad_axis(do, -1, st.vp)), layout(lse), layout(delta))
-    layers, table_rows = layer_arrays(tree, st), table_positions(config, T, st)
-    lists = selection_lists(selections, st)
-    shard = {}
-    if offset is not None:
-        shard = dict(offset=check_shard_offset(S, b, offset))
+        st = static(block.backward_tile)
+    with jax.named_scope("htree_layout"):  # the rows, the tree and the lists as the walk reads them
+        if dead_rows is not None:
+            do = jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
+            o = jnp.where(dead_rows[..., None], jnp.zeros((), o.dtype), o)
+        delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, T, H]
+        rows = tuple(layout.rows(x, H_kv, st) for x in (pad_rope_halves(q, st.half), pad_axis(do, -1, st.vp), lse,
+                                                          delta))
+        layers, table_rows = layout.layers(k, v, config, st), layout.table_rows(config, st)
+        lists, node_counts = selection_lists(selections, st), layout.node_counts(config, st)
     if chosen_sum(block, interpret) == "partials":
-        dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K, T=T,
-                                        table_rows=table_rows, node_counts=tuple(config.layer_sizes(T)),
+        dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K,
+                                        T=layout.length, table_rows=table_rows, node_counts=node_counts,
                                         budget=block.backward_partial_bytes, interpret=interpret, walk=walk,
                                         sum_launch=sum_launch(block), sum_kernel=block.backward_sum_kernel,
-                                        **shard)
+                                        **layout.extras())
     else:
-        dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows,
-                                            tuple(config.layer_sizes(T)), interpret,
-                                            sums="atomics", **shard)
-    dq = unpad_rope_halves(dq5[:, :S, :, :G], K).reshape(B, S, H, K)
-    # Down the tree: each layer's gradient, from the top, shared by the children of each node.
-    dk_up = dv_up = None
-    for l in reversed(range(len(tree))):
-        N = tree[l][0].shape[1]
-        dk_l, dv_l = grads[2 * l][:, :, :N], grads[2 * l + 1][:, :, :N]
-        if dk_up is not None:
-            dk_l = dk_l + push_down(dk_up, N, config.compression_rate)
-            dv_l = dv_l + push_down(dv_up, N, config.compression_rate)
-        dk_up, dv_up = dk_l, dv_l
-    dk = jnp.swapaxes(unpad_rope_halves(dk_up, K), 1, 2)
-    dv = jnp.swapaxes(dv_up[..., :V], 1, 2)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows, node_counts, interpret,
+                                            sums="atomics", **layout.extras())
+    with jax.named_scope("htree_dq"):
+        dq = layout.tokens(unpad_rope_halves(dq5[:, :, :, :G], K)).astype(q.dtype)
+    with jax.named_scope("htree_push_down"):
+        dk, dv = layout.key_grads(grads, k, v, layers, config, st)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 __all__ = ["block_backward_launch", "block_backward_pallas", "launch_by_partials"]

@@ -20,16 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
-from htree_jax.core.tree import build_tree
 from pallas_kernels.block import mosaic_merge
-from pallas_kernels.block.merge import (
-    BlockStatic,
-    block_merge_pallas,
-    block_queries,
-    layer_arrays,
-    selection_lists,
-)
-from pallas_kernels.shared.common import next_power_of_two, pad_axis, pad_rope_halves
+from pallas_kernels.block.layout import row_layout
+from pallas_kernels.block.merge import BlockStatic, block_merge_pallas, block_queries, selection_lists
+from pallas_kernels.shared.common import next_power_of_two, pad_rope_halves
 from pallas_kernels.shared.configs import MERGE_ROUTES, BlockConfig
 
 
@@ -80,31 +74,6 @@ def merge_static(config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, blo
     return block_static(config, T, G, K, V, dtype, tile, block.merge_num_warps)
 
 
-def table_positions(config: HTreeConfig, T: int, st: BlockStatic) -> int:
-    """RoPE positions the merge reads: every layer's `n` (at most `top_k * r` below the
-    top, the top layer's node count there), rounded up to the tile."""
-    most = max(config.max_candidates, config.layer_sizes(T)[-1])
-    return next_power_of_two(most, st.tile)
-
-
-def block_layout(x, num_kv_heads: int, st: BlockStatic, Tp: int):
-    """Per-row arrays as the block kernels read them: `[B, T, H, ...]` -> `[B, Tp, H_kv,
-    Gp, ...]`, the positions padded to `Tp` (a multiple of `b`), each kv head's heads to
-    `st.group`."""
-    B, T, H = x.shape[:3]
-    x = x.reshape((B, T, num_kv_heads, H // num_kv_heads) + x.shape[3:])
-    return pad_axis(pad_axis(x, 1, Tp), 3, st.group)
-
-
-def check_shard_offset(S: int, b: int, offset):
-    """A context shard's rows: whole blocks (`S` a multiple of `b`); a ValueError naming
-    the rule otherwise. Returns `offset` as int32."""
-    if S % b:
-        raise ValueError(f"block selection's kernels take a context shard of whole blocks: its {S} queries must be "
-                         f"a multiple of selection_block = {b}")
-    return jnp.asarray(offset, jnp.int32)
-
-
 def on_hopper() -> bool:
     """Whether the default device is a Hopper GPU (compute capability 9.x), where
     Mosaic GPU's WGMMA and TMA run."""
@@ -145,30 +114,28 @@ def check_merge_route(route: str, st: BlockStatic, K: int, V: int, dtype, interp
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block", "merge", "interpret"))
-def block_forward_pallas(q, k, v, selections, *, config: HTreeConfig, block: BlockConfig = BlockConfig(),
-                         merge: str = "pallas_triton", interpret: bool = False, offset=None):
+def block_forward_pallas(q, k, v, selections, layout=None, *, config: HTreeConfig, block: BlockConfig = BlockConfig(),
+                         merge: str = "pallas_triton", interpret: bool = False):
     """htree attention with block selection (SPEC 12, `config.selection_block =
     compression_rate`) given the blocks' selections: `q [B, T, H, K]`, `k [B, T, H_kv,
     K]`, `v [B, T, H_kv, V]` (rope layout), `selections` the node lists of layers `L-1 ..
     1`, each `[B, ceil(T / b), H_kv, top_k]` int32 (`-1` padded), one per block.
     Returns `(o [B, T, H, V]` in q's dtype, `lse [B, T, H]` float32)`. Inputs validated
-    by the caller; one document per row. `merge` names the merge's kernel (`MERGES`),
-    `block` its launch (`BlockConfig.merge_tile`, `merge_num_warps`). A context shard:
-    `q [B, S, H, K]` the queries at positions `offset .. offset + S - 1` (`offset` int32,
-    a multiple of `b`; `S` too) of the `T` tokens of `k`, `v`, `selections` its blocks'
-    (`[B, S / b, H_kv, top_k]`)."""
-    B, S, H, K = q.shape
-    T, H_kv, V = k.shape[1], k.shape[2], v.shape[-1]
-    G, b = H // H_kv, config.selection_block
-    st = merge_static(config, T, G, K, V, q.dtype, block, merge)
+    by the caller. `layout` (`layout.py`): where the rows and the tree come from; None,
+    one document a row (`row_layout`). A context shard, `row_layout(q, k, config,
+    offset)`: `q [B, S, H, K]` the queries at positions `offset .. offset + S - 1` of the
+    `T` tokens of `k`, `v`, `selections` its blocks' (`[B, S / b, H_kv, top_k]`). Packed
+    rows, `PackedLayout`: `selections` the virtual blocks' lists (virtual tree rows,
+    `[B, T_v / b, H_kv, top_k]`). `merge` names the merge's kernel (`MERGES`; each takes
+    every layout), `block` its launch (`BlockConfig.merge_tile`, `merge_num_warps`)."""
+    K, H_kv, V = q.shape[-1], k.shape[2], v.shape[-1]
+    G = q.shape[2] // H_kv
+    layout = row_layout(q, k, config) if layout is None else layout
+    st = layout.static(merge_static(config, layout.length, G, K, V, q.dtype, block, merge))
     check_merge_route(merge, st, K, V, q.dtype, interpret)
     if len(selections) != st.num_layers - 1:
         raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
-    Tp = -(-S // b) * b
-    q5 = block_layout(pad_rope_halves(q, st.half), H_kv, st, Tp)
-    layers = layer_arrays(build_tree(k, v, config), st)
-    shard = {} if offset is None else dict(offset=check_shard_offset(S, b, offset))
-    o, lse = MERGES[merge].launch(q5, layers, selection_lists(selections, st), config, st, K,
-                                  table_positions(config, T, st), interpret=interpret, **shard)
-    o = o[:, :S, :, :G, :V].reshape(B, S, H, V)
-    return o, lse[:, :S, :, :G].reshape(B, S, H)
+    o, lse = MERGES[merge].launch(layout.rows(pad_rope_halves(q, st.half), H_kv, st), layout.layers(k, v, config, st),
+                                  selection_lists(selections, st), config, st, K, layout.table_rows(config, st),
+                                  interpret=interpret, **layout.extras())
+    return layout.tokens(o[:, :, :, :G, :V]), layout.tokens(lse[:, :, :, :G])

@@ -29,7 +29,8 @@ from htree_jax.bench import INPUTS, dense_fn, median_ms
 from htree_jax.core.tree import build_tree
 from htree_jax.kernel_trace import kernel_times
 from pallas_kernels.block import mosaic_merge
-from pallas_kernels.block.forward import block_forward_pallas, block_layout, merge_static, table_positions
+from pallas_kernels.block.forward import block_forward_pallas, merge_static
+from pallas_kernels.block.layout import block_layout, table_positions
 from pallas_kernels.block.merge import layer_arrays, selection_lists
 from pallas_kernels.shared.common import pad_rope_halves
 from pallas_kernels.shared.configs import BlockConfig

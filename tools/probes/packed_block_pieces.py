@@ -23,7 +23,7 @@ from htree_jax.core.packing import pack_layout, virtual_length
 from htree_jax.routes import block_selections, packed_block_selections
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas, block_static
-from pallas_kernels.block.packed import block_backward_packed, block_forward_packed, packed_layers, packed_static
+from pallas_kernels.block.layout import PackedLayout
 from pallas_kernels.shared.configs import BlockConfig, KernelConfigs
 
 
@@ -54,19 +54,20 @@ def main(argv=None) -> None:
                                                             interpret=interpret)[:2])
     sel_u = jax.jit(lambda q, k, v: block_selections(q, k, v, config=config, tuning=tuning, selection_route="gqa",
                                                      interpret=interpret)[0])
-    fwd_p = jax.jit(lambda q, k, v, s, f: block_forward_packed(q, k, v, s, f, packing, config=config, merge=merge,
-                                                               interpret=interpret))
+    fwd_p = jax.jit(lambda q, k, v, s, f: block_forward_pallas(q, k, v, s, PackedLayout(packing, f), config=config,
+                                                               merge=merge, interpret=interpret))
     fwd_u = jax.jit(lambda q, k, v, s: block_forward_pallas(q, k, v, s, config=config, merge=merge,
                                                             interpret=interpret))
-    bwd_p = jax.jit(lambda q, k, v, o, l, do, s, f: block_backward_packed(q, k, v, o, l, do, s, f, packing,
-                                                                          config=config, interpret=interpret))
+    bwd_p = jax.jit(lambda q, k, v, o, l, do, s, f: block_backward_pallas(
+        q, k, v, o, l, do, s, PackedLayout(packing, f), config=config, interpret=interpret))
     bwd_u = jax.jit(lambda q, k, v, o, l, do, s: block_backward_pallas(q, k, v, o, l, do, s, config=config,
                                                                        interpret=interpret))
-    st = packed_static(block_static(config, packing.virtual_len, H // H_kv, K, K, jnp.bfloat16,
-                                    BlockConfig().backward_tile, BlockConfig().backward_num_warps), packing)
+    layout = PackedLayout(packing, jnp.zeros((1, packing.virtual_len // r), jnp.int32))  # the tree only
+    st = layout.static(block_static(config, packing.virtual_len, H // H_kv, K, K, jnp.bfloat16,
+                                    BlockConfig().backward_tile, BlockConfig().backward_num_warps))
     f32 = lambda x: x.astype(jnp.float32)
-    tree = jax.jit(lambda k, v: packed_layers(f32(k), f32(v), packing, config, st))
-    transpose = jax.jit(lambda k, v, g: jax.vjp(lambda a, b: packed_layers(a, b, packing, config, st),
+    tree = jax.jit(lambda k, v: layout.layers(f32(k), f32(v), config, st))
+    transpose = jax.jit(lambda k, v, g: jax.vjp(lambda a, b: layout.layers(a, b, config, st),
                                                 f32(k), f32(v))[1](g))
 
     s_p, firsts = sel_p(q, k, v)
