@@ -1,7 +1,7 @@
 """htree-jax: hierarchical sparse (htree) attention for JAX and Flax.
 
 Public API: `HTreeConfig`, `build_tree`, `htree_attention` (and `BlockSizes`, the Pallas
-kernels' tuning), the Flax NNX module `HTreeAttention` (linen twin:
+kernels' tuning; `Index`, a learned indexer's inputs with `selection="indexer"`), the Flax NNX module `HTreeAttention` (linen twin:
 `htree_jax.linen.HTreeAttention`), `attention_fn` for `nnx.MultiHeadAttention` /
 `nn.MultiHeadDotProductAttention`, and incremental decoding: `init_cache`, `prefill`,
 `decode_step`, `reset_rows` (`HTreeCache`; `DecodeBlockSizes`, the decode kernels'
@@ -36,6 +36,9 @@ _EXPORTS = {
     "HTreeAttention": "htree_jax.module",
     "HTreeCache": "htree_jax.cache",
     "HTreeConfig": "htree_jax.core.config",
+    "Index": "htree_jax.core.indexer",
+    "IndexLoss": "htree_jax.module",
+    "IndexerConfig": "htree_jax.core.indexer",
     "MemoryPlan": "htree_jax.memory",
     "attention_fn": "htree_jax.flax_attention",
     "build_tree": "htree_jax.core.tree",
@@ -72,10 +75,11 @@ def __dir__():
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from htree_jax.attention import htree_attention
     from htree_jax.core.config import HTreeConfig
+    from htree_jax.core.indexer import Index, IndexerConfig
     from htree_jax.core.rope import rope
     from htree_jax.core.tree import build_tree
     from htree_jax.cache import HTreeCache, init_cache, reset_rows
     from htree_jax.decode import decode_step, prefill
     from htree_jax.flax_attention import attention_fn
-    from htree_jax.module import HTreeAttention
+    from htree_jax.module import HTreeAttention, IndexLoss
     from pallas_kernels.shared.configs import BlockSizes, DecodeBlockSizes

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from htree_jax.backends import attend, check_block_sizes, full_sequence_plan
 from htree_jax.core.config import HTreeConfig
+from htree_jax.core.indexer import Index, check_index
 from htree_jax.core.one_layer import fitted_to_length
 from htree_jax.core.packing import check_fits, check_max_documents, check_segment_ids, pack_layout, virtual_length
 from htree_jax.core.rope import rope_layout
@@ -30,6 +31,7 @@ def htree_attention(
     return_importance: bool = False,
     block_sizes: BlockSizes | None = None,
     value_dim: int | None = None,
+    index: Index | None = None,
 ):
     """Hierarchical sparse (htree) attention, causal, with RoPE applied inside.
 
@@ -85,6 +87,16 @@ def htree_attention(
         head-summed distribution): e.g. a KL loss between an indexer's scores over the
         kept nodes and `importance / G`. A constant under autodiff, like the selections.
       value_dim: with `v=None`, how many leading features of `k` are the values.
+      index: with `config.selection="indexer"` (SPEC 13), the learned indexer's inputs,
+        `htree_jax.Index(q=[B, T, H_I, D_I], k=[B, T, H_ik, D_I], w=[B, T, H_I])`
+        (`H_ik` 1 or `H_kv`): every layer above 0 ranks its candidates by `sum_i w_i *
+        relu(q_i . k_node)` over the index keys' tree, and SPEC 13's loss comes back
+        last, float32 `[B, T, H_kv]`: per query and kv head, the KL divergence from the
+        attention's own group-summed distribution over each layer's candidates to the
+        softmax of the index scores, summed over the layers (add its mean to the training
+        loss; its gradient reaches `index` only, and the output's reaches `q, k, v`
+        only). The reference backend only, one document a row, not sharded (each
+        refused by name otherwise); zeros where the tree has one layer.
       block_sizes: the Pallas kernels' tiling and launch parameters
         (`htree_jax.BlockSizes`, static; `None`, and each field left `None`: the tuned
         value for the head dims). The reference ignores them.
@@ -115,7 +127,8 @@ def htree_attention(
 
     Returns:
       `o [B, T, H, V]` in the input dtype, then `selected` with `return_selected`, then
-      `importance` with `return_importance` (a tuple when either is asked).
+      `importance` with `return_importance`, then SPEC 13's loss with `index` (a tuple
+      when any is asked).
     """
     config = check_config(config)
     q, k, v = (as_jax_takes_it(x) for x in (q, k, v))
@@ -136,6 +149,8 @@ def htree_attention(
     for name, flag in (("return_selected", return_selected), ("return_importance", return_importance)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
+    check_indexer_call(index, config, q, k, packed=segment_ids is not None, latent=latent,
+                       return_importance=return_importance)
     packing, segment_ids = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len,
                                       max_document_len)
     q, k = jnp.asarray(q), jnp.asarray(k)
@@ -147,7 +162,7 @@ def htree_attention(
     R = config.partial_rope(dims.head_dim)
     k = rope_layout(k, R)
     exported = ()
-    if jax.device_count() > 1 and not return_importance:
+    if jax.device_count() > 1 and not return_importance and index is None:
         q = rope_layout(q, R)
         if latent:  # the sharded calls take the values as an array
             v = latent_values(k, config, value_dim)
@@ -160,11 +175,29 @@ def htree_attention(
                                             packing.virtual_len, max_document_len, block_sizes,
                                             context_impl="reference" if backend == "auto" else None)
     else:
+        # (The importance export and the indexer are not partitioned yet: with either, the plain call.)
         o, selected, *exported = attend(q, k, v, config, plan, packing, export=return_importance,
                                         block_sizes=block_sizes, value_dim=value_dim if latent else None,
-                                        q_layout="given")
+                                        q_layout="given", index=index)
     result = (o,) + ((selected,) if return_selected else ()) + tuple(exported)
     return result if len(result) > 1 else o
+
+
+def check_indexer_call(index, config: HTreeConfig, q, k, *, packed: bool, latent: bool,
+                       return_importance: bool) -> None:
+    """`index` goes with `selection="indexer"` and only with it (SPEC 13), fitted to `q`
+    and `k` (`core.indexer.check_index`); what the indexer does not take yet is refused
+    by name: packed rows, `v=None`, the importance export."""
+    if (config.selection == "indexer") != (index is not None):
+        raise ValueError("index (htree_jax.Index) goes with HTreeConfig(selection='indexer'), and only with it (SPEC "
+                         f"13): selection={config.selection!r}, index {'given' if index is not None else 'None'}")
+    if index is None:
+        return
+    check_index(index, q, k)
+    for name, asked in (("segment_ids", packed), ("v=None", latent), ("return_importance", return_importance)):
+        if asked:
+            raise ValueError(f"selection='indexer' (SPEC 13) does not take {name} yet: one document a row, the "
+                             "values given; its training signal is the loss it returns")
 
 
 def values_stand_in(k, value_dim, config: HTreeConfig):

@@ -191,6 +191,9 @@ def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     - `"gqa"`: every other call the kernels take (`check_pallas_dims`)."""
     if impl == "reference":
         return "reference_packed" if packed else "reference"
+    if config.selection == "indexer":
+        raise ValueError(f"backend {impl!r}: selection='indexer' (SPEC 13) runs on backend='reference' only; the "
+                         "kernels do not rank by an indexer yet")
     whole = one_layer(config, dims.seq_len)
     if config.selects_by_block and not whole:
         if check_limits:
@@ -252,7 +255,7 @@ def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype,
 @functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim", "q_layout"))
 def attend(q, k, v, config: HTreeConfig, impl: str | Plan, packing=None, positions=None, export: bool = False,
            block_sizes: BlockSizes | KernelConfigs | None = None, value_dim: int | None = None,
-           q_layout: str = "rope_layout", rank_rows=None):
+           q_layout: str = "rope_layout", rank_rows=None, index=None):
     """htree attention of validated `q [B, S, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv,
     V]` (`q`, `k` in `rope_layout` order; `q_layout="given"`: `q` in the caller's order,
     which the wide kernels read as it is, no permuted copy of q; elsewhere it is permuted
@@ -271,7 +274,9 @@ def attend(q, k, v, config: HTreeConfig, impl: str | Plan, packing=None, positio
     values are the first `value_dim` latent features of `k`, read from the keys by the
     wide kernels (elsewhere they are copied out first). `rank_rows`: block selection's
     ranking rows (SPEC 12) of a context shard, whose blocks may start in the shard
-    before (`reference.attend_tree`); None: from `q`."""
+    before (`reference.attend_tree`); None: from `q`. `index` (`core.indexer.Index`,
+    `selection="indexer"`): the indexer's inputs; SPEC 13's loss `[B, S, H_kv]` comes
+    last, differentiable in them."""
     check_query_layout(q_layout, wide=True)
     B, S, H, K = q.shape
     V = value_dim if v is None else v.shape[-1]
@@ -287,11 +292,12 @@ def attend(q, k, v, config: HTreeConfig, impl: str | Plan, packing=None, positio
         v = latent_values(k, config, value_dim)
     call = Call(config=config, tuning=tuning, interpret=plan.impl == "pallas_interpret", export=export,
                 positions=positions, packing=packing, rank_rows=rank_rows, value_dim=value_dim if v is None else None,
-                q_layout=q_layout, selection_route=plan.selection_route)
+                q_layout=q_layout, selection_route=plan.selection_route, index=index)
     o, selected, *exported = route.attend(q, k, v, call)
+    loss = () if index is None else (exported.pop(),)
     if packing is not None:
         o = jnp.where(packing.fits[:, None, None, None], o, jnp.asarray(jnp.nan, o.dtype))
-    return (o, selected, *(jax.lax.stop_gradient(x) for x in exported))
+    return (o, selected, *(jax.lax.stop_gradient(x) for x in exported), *loss)
 
 
 def decode_backend(backend: str, head_dim: int, value_dim: int, group: int, latent_half: int | None = None,

@@ -422,6 +422,9 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None, t
 
 def check_decode_config(config) -> HTreeConfig:
     config = check_config(config)
+    if config.selection == "indexer":
+        raise ValueError("selection='indexer' (SPEC 13) does not decode yet: full sequences on backend='reference' "
+                         "only (the cache keeps no index keys' tree)")
     if not config.strict_causal:
         raise ValueError(
             "config.strict_causal must be True for decoding: with False a query's selection "

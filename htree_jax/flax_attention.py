@@ -173,11 +173,21 @@ def check_no_dropout(dropout_rate) -> None:
         )
 
 
-def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_documents=None, max_document_len=None):
+def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_documents=None, max_document_len=None,
+           index=None):
     """`htree_attention` on `[batch..., T, heads, dim]` projections (any number of
-    leading batch axes; `segment_ids [batch..., T]` for packed documents)."""
+    leading batch axes; `segment_ids [batch..., T]` for packed documents). With `index`
+    (an `Index` of `[batch..., T, ...]` arrays, SPEC 13): `(o, SPEC 13's loss [batch...,
+    T, H_kv])`."""
     batch_shape = q.shape[:-3]
     flat = lambda x: x.reshape((-1,) + x.shape[-3:])
+    if index is not None:
+        from htree_jax.core.indexer import Index  # noqa: PLC0415 - the indexer's call only
+
+        rows = lambda x, axes: x.reshape((-1,) + x.shape[-axes:])
+        o, loss = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, block_sizes=block_sizes,
+                                  index=Index(rows(index.q, 3), rows(index.k, 3), rows(index.w, 2)))
+        return o.reshape(batch_shape + o.shape[1:]), loss.reshape(batch_shape + loss.shape[1:])
     if segment_ids is not None:
         if tuple(segment_ids.shape) != tuple(q.shape[:-2]):
             raise ValueError(f"segment_ids must have shape [batch..., T] = {list(q.shape[:-2])}, "
@@ -237,6 +247,9 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
     `htree_attention(..., segment_ids=...)`.
     """
     config = check_config(config)
+    if config.selection == "indexer":
+        raise ValueError("attention_fn does not take selection='indexer' (SPEC 13): Flax's attention modules pass no "
+                         "indexer inputs; use htree_attention(..., index=htree_jax.Index(...))")
     check_backend(backend)
     check_block_sizes(block_sizes)
     if not (check_mask is True or check_mask is False or check_mask == "device"):

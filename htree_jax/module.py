@@ -8,6 +8,7 @@ twin is `htree_jax.linen.HTreeAttention`.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
@@ -16,9 +17,18 @@ from flax.nnx.nn.linear import default_kernel_init
 from htree_jax.backends import check_backend, check_block_sizes
 from htree_jax.cache import init_cache
 from htree_jax.core.config import HTreeConfig
+from htree_jax.core.indexer import Index, IndexerConfig
 from htree_jax.core.validation import check_config
 from htree_jax.decode import check_decode_block_sizes, prefill
 from htree_jax.flax_attention import attend, check_causal_mask, check_inputs, module_dims
+
+
+class IndexLoss(nnx.Variable):
+    """SPEC 13's loss of a module's last call (`HTreeAttention` with an indexer), a float32
+    scalar: the mean over its queries and kv heads of the KL divergence from the
+    attention's distribution over each layer's candidates to the indexer's. Add the sum
+    of a model's to its training loss, read inside the differentiated function:
+    `sum(jax.tree.leaves(nnx.state(model, htree_jax.IndexLoss)))`."""
 
 
 class HTreeAttention(nnx.Module):
@@ -50,6 +60,12 @@ class HTreeAttention(nnx.Module):
         decoding uses the backend's decode kernels).
       decode_block_sizes: the Pallas decode kernels' `DecodeBlockSizes`, as `prefill` and
         `decode_step` take them (None: the defaults).
+      indexer: with `config.selection="indexer"` (SPEC 13), the learned indexer's
+        `IndexerConfig` (None: `IndexerConfig()`): the module owns its projections
+        (`index_query`, `index_key`, `index_weight`, from the inputs with no gradient back
+        into them: the indexer learns from its loss alone) and records each call's loss
+        in `self.index_loss` (`IndexLoss`) for the training step to add. Full
+        sequences on `backend="reference"` only, for now.
       rngs: `nnx.Rngs` for the parameter initialisers.
 
     `__call__(inputs, *, mask=None)`: `mask` may be `None` (causal) or the causal mask
@@ -80,6 +96,7 @@ class HTreeAttention(nnx.Module):
         block_sizes=None,
         decode: bool = False,
         decode_block_sizes=None,
+        indexer: IndexerConfig | None = None,
         rngs: nnx.Rngs,
     ):
         dims = module_dims(num_heads, in_features, num_kv_heads, head_dim, out_features)
@@ -105,6 +122,14 @@ class HTreeAttention(nnx.Module):
         self.value = nnx.LinearGeneral(dims.in_features, (dims.num_kv_heads, dims.head_dim), **linear)
         self.out = nnx.LinearGeneral((dims.num_heads, dims.head_dim), dims.out_features, axis=(-2, -1),
                                      **linear)
+        self.indexer = index_config(self.config, indexer, dims.num_kv_heads)
+        if self.indexer is not None:
+            ix = self.indexer
+            self.index_query = nnx.LinearGeneral(dims.in_features, (ix.heads, ix.head_dim), **linear)
+            self.index_key = nnx.LinearGeneral(dims.in_features, (ix.key_heads(dims.num_kv_heads), ix.head_dim),
+                                               **linear)
+            self.index_weight = nnx.LinearGeneral(dims.in_features, (ix.heads,), **linear)
+            self.index_loss = IndexLoss(jnp.zeros((), jnp.float32))
 
     def init_cache(self, batch_size_or_input_shape, max_len: int | None = None, dtype=None, token_dtype=None):
         """Makes an empty decode cache (`htree_jax.init_cache`). Two calls:
@@ -168,6 +193,15 @@ class HTreeAttention(nnx.Module):
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=self.num_heads, seq_len=T,
                           is_causal=mask is None)
         q, k, v = self.query(inputs), self.key(inputs), self.value(inputs)
+        if self.indexer is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids: selection='indexer' (SPEC 13) takes one document a row for now")
+            x = jax.lax.stop_gradient(inputs)  # the indexer learns from its own loss only
+            index = Index(self.index_query(x), self.index_key(x),
+                          self.index_weight(x) * self.indexer.weight_scale())
+            o, loss = attend(q, k, v, self.config, self.backend, self.block_sizes, index=index)
+            self.index_loss.set_value(jnp.mean(loss))
+            return self.out(o)
         o = attend(q, k, v, self.config, self.backend, self.block_sizes, segment_ids, max_documents,
                    max_document_len)
         return self.out(o)
@@ -184,3 +218,21 @@ class HTreeAttention(nnx.Module):
                            block_sizes=self.decode_block_sizes)
         self.cache.set_value(cache)
         return self.out(o)
+
+
+def index_config(config: HTreeConfig, indexer: IndexerConfig | None, num_kv_heads: int) -> IndexerConfig | None:
+    """The module's indexer: `indexer` (or `IndexerConfig()`) with `selection="indexer"`,
+    None otherwise; a ValueError naming the rule where the two disagree or the heads do
+    not divide."""
+    if config.selection != "indexer":
+        if indexer is not None:
+            raise ValueError(f"indexer is for HTreeConfig(selection='indexer') (SPEC 13), got selection="
+                             f"{config.selection!r}")
+        return None
+    indexer = IndexerConfig() if indexer is None else indexer
+    if not isinstance(indexer, IndexerConfig):
+        raise TypeError(f"indexer must be an htree_jax.IndexerConfig or None, got {type(indexer).__name__}")
+    if indexer.heads % indexer.key_heads(num_kv_heads):
+        raise ValueError(f"IndexerConfig.heads ({indexer.heads}) must be a multiple of the index key heads "
+                         f"({indexer.key_heads(num_kv_heads)}: shared_key=False gives one a kv head)")
+    return indexer

@@ -21,6 +21,14 @@ from jax import lax
 from htree_jax.core.blocks import block_rows
 from htree_jax.core.bounds import bound_scores, tree_radii
 from htree_jax.core.config import FORCED_IMPORTANCE, HTreeConfig
+from htree_jax.core.indexer import (
+    forced_index_key,
+    index_kl,
+    index_scores,
+    index_tree,
+    pack_index_scores,
+    per_kv_head,
+)
 from htree_jax.core.indexing import (
     candidate_count,
     candidate_nodes,
@@ -162,7 +170,7 @@ def select_top_k(importance_keys, valid, nodes, top_k, max_candidates, values=No
 
 
 def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True, base=None,
-                   return_importance: bool = False, q_rank=None):
+                   return_importance: bool = False, q_rank=None, index=None):
     """All layers for one `(b, h_kv)` and a chunk of positions (SPEC 2, top down).
 
     `q [C, G, K]`, `t [C]` int32, `layers [(K_l [N_l, K], V_l [N_l, V]), ...]` bottom
@@ -181,6 +189,11 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
 
     Block selection (SPEC 12): `q_rank [C, R, K]`, each query's ranking rows (`block_rows`);
     the layers above 0 rank by their scores instead of the query's own.
+
+    The indexer (SPEC 13, `config.selection == "indexer"`): `index = (iq [C, n_i, D_I],
+    iw [C, n_i], [IK_l [N_l, D_I], ...])`, the ranking query's index heads and the index
+    tree; the layers above 0 rank by the index scores, and the walk returns its loss
+    `[C]` (summed over those layers) after everything else.
     """
     r, k_top, M = config.compression_rate, config.top_k, config.max_candidates
     L = len(layers)
@@ -200,6 +213,7 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     )
     q = q.astype(jnp.float32)
     selections, importances = [], []
+    index_loss = jnp.zeros((C,), jnp.float32)
     for l in reversed(range(L)):
         K_l, V_l = layers[l][:2]
         n = candidate_count(num_parents(parents)[:, 0], t, r, l)  # [C]
@@ -218,12 +232,19 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
             rows = q if q_rank is None else q_rank.astype(jnp.float32)
             # SPEC 12: the block's ranking rows score the same buffer (same n, same rotation).
             ranked = s if q_rank is None else scores(rows, gathered.reshape(C, k_top, r, K), n, alpha, cos, sin, r)
-            if config.ranks_by_bound:  # SPEC 11: rank by what a token under the node could score
-                ranked = bound_scores(ranked, rows, layers[l][2][safe_nodes], alpha, R)
-            # Selection is a discrete choice: no gradient flows through it.
-            exported = importance(lax.stop_gradient(ranked), in_norm, config.importance)
-            imp = jnp.where(rightmost, FORCED_IMPORTANCE, exported)
-            keys = pack_importance(imp, p[None, :], config.log_n)
+            if index is not None:  # SPEC 13: the indexer ranks; its loss against the attention's mass
+                x = index_scores(index[0], index[1], index[2][l][safe_nodes])
+                index_loss = index_loss + index_kl(ranked, x, in_norm)
+                exported = lax.stop_gradient(x)
+                keys = jnp.where(rightmost, forced_index_key(p[None, :], config.log_n),
+                                 pack_index_scores(exported, p[None, :], config.log_n))
+            else:
+                if config.ranks_by_bound:  # SPEC 11: rank by what a token under the node could score
+                    ranked = bound_scores(ranked, rows, layers[l][2][safe_nodes], alpha, R)
+                # Selection is a discrete choice: no gradient flows through it.
+                exported = importance(lax.stop_gradient(ranked), in_norm, config.importance)
+                imp = jnp.where(rightmost, FORCED_IMPORTANCE, exported)
+                keys = pack_importance(imp, p[None, :], config.log_n)
             selected, parents, kept = select_top_k(keys, valid, nodes, k_top, M, exported)
             merged = valid & ~selected
             selections.append(parents)
@@ -232,9 +253,8 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
             merged = valid
         values = V_l[safe_nodes].astype(jnp.float32)
         state = merge(state, s, values, merged)
-    if return_importance:
-        return normalize(state), selections, importances
-    return normalize(state), selections
+    extra = ([importances] if return_importance else []) + ([index_loss] if index is not None else [])
+    return (normalize(state), selections, *extra)
 
 
 def rotate_by_child_offset(layer_keys, config: HTreeConfig):
@@ -252,13 +272,13 @@ def rotate_by_child_offset(layer_keys, config: HTreeConfig):
 
 @functools.partial(jax.jit, static_argnames=("config", "query_chunk", "return_importance"))
 def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int, positions=None, return_importance=False,
-                      rank_rows=None):
+                      rank_rows=None, index=None):
     layers = build_tree(k, v, config)
     radii = with_radii(layers, config)
     layers = [(rotate_by_child_offset(kl, config), vl) + rho for (kl, vl), rho in zip(layers, radii)]
     positions = jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
     return attend_tree(q, layers, positions, config, query_chunk, return_importance=return_importance,
-                       rank_rows=rank_rows)
+                       rank_rows=rank_rows, index=index)
 
 
 def with_radii(layers, config: HTreeConfig, exists=None):
@@ -273,7 +293,7 @@ def with_radii(layers, config: HTreeConfig, exists=None):
 
 
 def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True,
-                base=None, return_importance: bool = False, rank_rows=None):
+                base=None, return_importance: bool = False, rank_rows=None, index=None):
     """Queries `q [B, S, H, K]` at token positions `positions [S]`, or `[B, S]` per batch
     row (int32, may be traced), walk the tree `layers` (bottom first, `[B, N_l, H_kv, *]`; keys as `_walk_one_head`
     takes them). Returns `(o [B, S, H, V] in q.dtype, selections)`. Packed sequences:
@@ -281,7 +301,9 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
     `return_importance`: also the selections' importance (SPEC 8), `(o, selections,
     importance)`. Block selection (SPEC 12): `rank_rows [B, S, H_kv, R, K]`, each query's
     ranking rows (`block_rows`), where the rows above `q`'s first are elsewhere (a decode
-    cache, a context shard's neighbour); None: from `q` itself.
+    cache, a context shard's neighbour); None: from `q` itself. The indexer (SPEC 13):
+    `index`, a `core.indexer.Index` over the same positions as `q` (one document a row):
+    the layers above 0 rank by it, and its loss `[B, S, H_kv]` comes last.
 
     The tree may hold more tokens than `positions` reach (a decode cache sized for
     `max_len`): by strict causality (SPEC 3) nothing after a query changes its output."""
@@ -305,43 +327,61 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
         if rank_rows is None:
             rank_rows = block_rows(q5, jnp.arange(S, dtype=jnp.int32), jnp.broadcast_to(positions, (B, S)), config)
         ranks = lax.stop_gradient(rank_rows)
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, num_chunks * C - S), (0, 0), (0, 0), (0, 0)))
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, num_chunks * C - S)) + ((0, 0),) * (x.ndim - 2))
+    indexed = None
+    if index is not None:  # SPEC 13: each query's ranking index heads (its block's first's), the index tree
+        iq, iw, _ = per_kv_head(index, H_kv)  # [B, S, H_kv, n_i, D_I], [B, S, H_kv, n_i]
+        if config.selects_by_block:
+            rows = jnp.arange(S, dtype=jnp.int32)
+            pos = jnp.broadcast_to(positions, (B, S))
+            iq = block_rows(iq, rows, pos, config)
+            iw = block_rows(iw[..., None], rows, pos, config)[..., 0]
+        indexed = (iq, iw)
     if num_chunks * C != S:
         q5 = pad(q5)
         ranks = None if ranks is None else pad(ranks)
+        indexed = None if indexed is None else tuple(pad(x) for x in indexed)
+    ik_layers = None if index is None else index_tree(index, config, H_kv)
 
     # vmap over batch (axis 0 of everything) then kv heads (axis 2 of q5, the layers).
-    per_head = jax.vmap(
-        lambda qh, t, lay, b, qr: _walk_one_head(qh, t, lay, config, alpha, keys_rotated, b, return_importance, qr),
-        in_axes=(1, None, 1, None, None if ranks is None else 1)
-    )
+    walk = lambda qh, t, lay, b, qr, ix: _walk_one_head(qh, t, lay, config, alpha, keys_rotated, b,
+                                                        return_importance, qr, ix)
+    ix_axes = lambda axis: None if index is None else (axis, axis, axis)
+    per_head = jax.vmap(walk, in_axes=(1, None, 1, None, None if ranks is None else 1, ix_axes(1)))
     per_batch = jax.vmap(per_head, in_axes=(0, 0 if per_row else None, 0, None if base is None else 0,
-                                            None if ranks is None else 0))
+                                            None if ranks is None else 0, ix_axes(0)))
 
     def chunk(i):
         qc = lax.dynamic_slice_in_dim(q5, i * C, C, axis=1)  # [B, C, H_kv, G, K]
         t = lax.dynamic_slice_in_dim(padded, i * C, C, axis=padded.ndim - 1)
         b = None if bases is None else lax.dynamic_slice_in_dim(bases, i * C, C, axis=1)
         qr = None if ranks is None else lax.dynamic_slice_in_dim(ranks, i * C, C, axis=1)
-        return per_batch(qc, t, layers, b, qr)  # o [B, H_kv, C, G, V], sels [B, H_kv, C, k_top]
+        ix = None if index is None else tuple(lax.dynamic_slice_in_dim(x, i * C, C, axis=1) for x in indexed) + (
+            ik_layers,)
+        return per_batch(qc, t, layers, b, qr, ix)  # o [B, H_kv, C, G, V], sels [B, H_kv, C, k_top]
 
     # Rematerialised under autodiff: the backward keeps only each chunk's inputs, not its
     # [chunk, M, K] gathers, so gradient memory is bounded by the same chunking.
-    o, sels, *imps = lax.map(jax.checkpoint(chunk), jnp.arange(num_chunks, dtype=jnp.int32))
+    o, sels, *extra = lax.map(jax.checkpoint(chunk), jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, H_kv, C, G, V] -> [B, S, H, V]
     o = jnp.transpose(o, (1, 0, 3, 2, 4, 5)).reshape(B, num_chunks * C, H, -1)[:, :S]
     per_query = lambda s: jnp.transpose(s, (1, 0, 3, 2, 4)).reshape(B, num_chunks * C, H_kv, -1)[:, :S]
-    sels = [per_query(s) for s in sels]
+    result = (o.astype(q.dtype), [per_query(s) for s in sels])
     if return_importance:
-        return o.astype(q.dtype), sels, [per_query(x) for x in imps[0]]
-    return o.astype(q.dtype), sels
+        result += ([per_query(x) for x in extra[0]],)
+    if index is not None:  # [chunks, B, H_kv, C] -> [B, S, H_kv]
+        result += (jnp.transpose(extra[-1], (1, 0, 3, 2)).reshape(B, num_chunks * C, H_kv)[:, :S],)
+    return result
 
 
 def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int | None = None, positions=None,
-                              return_importance: bool = False, rank_rows=None):
+                              return_importance: bool = False, rank_rows=None, index=None):
     """htree attention with static shapes; inputs already validated. `positions [S]`
     int32: the queries' positions among `k`'s tokens (`q [B, S, H, K]`; None: all).
     `rank_rows`: block selection's ranking rows where they are not `q`'s own (`attend_tree`).
+    `index` (`core.indexer.Index`, with `selection="indexer"`, SPEC 13): the layers
+    above 0 rank by the indexer, and SPEC 13's loss `[B, T, H_kv]` float32 comes last
+    (zeros for a one-layer tree, where nothing selects).
 
     Returns `(o [B,T,H,V] in q.dtype, selections)`, selections being the selected node
     lists of layers `L-1 .. 1` (top first), each int32 `[B, T, H_kv, top_k]`, `-1` padded.
@@ -361,15 +401,19 @@ def htree_attention_reference(q, k, v, config: HTreeConfig, *, query_chunk: int 
     """
     B, T, H, K = q.shape
     H_kv, Vd = k.shape[2], v.shape[-1]
+    if (config.selection == "indexer") != (index is not None):
+        raise ValueError("index goes with selection='indexer' (SPEC 13), and only with it: selection="
+                         f"{config.selection!r}, index {'given' if index is not None else 'None'}")
     if query_chunk is None:
         query_chunk = default_query_chunk(config, B, T, H_kv, H // H_kv, K, Vd)
     elif isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
         raise ValueError(f"query_chunk must be a positive int, got {query_chunk!r}")
     if one_layer(config, k.shape[1]):  # exact causal attention: nothing selects, nothing to walk
         o = causal_attention_reference(q, k, v, config, positions=positions, budget_bytes=chunk_budget_bytes())
-        return (o, [], []) if return_importance else (o, [])
+        loss = () if index is None else (jnp.zeros((B, q.shape[1], H_kv), jnp.float32),)
+        return (o, [], [], *loss) if return_importance else (o, [], *loss)
     check_candidate_buffer(config, B, H_kv, H // H_kv, K, Vd)
-    return reference_forward(q, k, v, config, min(query_chunk, T), positions, return_importance, rank_rows)
+    return reference_forward(q, k, v, config, min(query_chunk, T), positions, return_importance, rank_rows, index)
 
 
 def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, query_chunk: int | None = None,
@@ -380,6 +424,8 @@ def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, q
     with document-local positions; its keys are rotated as gathered (a top node's place
     in its document is not its row's)."""
     B, T, H, K = q.shape
+    if config.selection == "indexer":
+        raise ValueError("selection='indexer' (SPEC 13) does not take packed rows yet: one document a row")
     if packing.num_layers > 1:
         check_candidate_buffer(config, B, k.shape[2], H // k.shape[2], K, v.shape[-1])
     if query_chunk is None:

@@ -65,7 +65,8 @@ class Call:
     `S = T`); `packing` packed rows; `rank_rows` a context shard's block-selection ranking
     rows (the reference's, SPEC 12); `value_dim` with `v=None`; `q_layout` q's feature
     order (`"given"` only on routes that read it so); `selection_route` block selection's
-    route for its ranking rows."""
+    route for its ranking rows; `index` the learned indexer's inputs (SPEC 13,
+    `core.indexer.Index`; the reference's)."""
 
     config: HTreeConfig
     tuning: KernelConfigs
@@ -77,6 +78,7 @@ class Call:
     value_dim: int | None = None
     q_layout: str = "rope_layout"
     selection_route: str | None = None
+    index: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +118,9 @@ ALL_DTYPES = dtype_names((jnp.float32, jnp.bfloat16, jnp.float16))
 KERNELS = "a GPU; interpreted anywhere"
 REFERENCE = Support(
     runs_on="any platform", dtypes=ALL_DTYPES, head_dims="any even K", group="any", tree="any",
-    selection="per query and by block", packed="yes (`reference_packed`)", context_shards="yes",
-    values_from_keys="copied out", export="yes", backward="XLA autodiff")
+    selection="per query and by block; the learned indexer (SPEC 13, one document a row)",
+    packed="yes (`reference_packed`)", context_shards="yes", values_from_keys="copied out", export="yes",
+    backward="XLA autodiff")
 DENSE = Support(
     runs_on="a GPU (cuDNN)", dtypes=dtype_names(DENSE_DTYPES),
     head_dims=f"K = V <= {DENSE_MAX_HEAD_DIM}, a multiple of 8", group="any", tree="one layer",
@@ -189,7 +192,8 @@ def _guarded(attention, q, k, v, positions):
 
 def _reference(q, k, v, c: Call):
     return _guarded(lambda q, k, v: htree_attention_reference(q, k, v, c.config, positions=c.positions,
-                                                              return_importance=c.export, rank_rows=c.rank_rows),
+                                                              return_importance=c.export, rank_rows=c.rank_rows,
+                                                              index=c.index),
                     q, k, v, c.positions)
 
 

@@ -121,6 +121,41 @@ def pack_importance(importance_f32, positions, log_n):
     return (bits & ~mask) | (mask - np.asarray(positions, np.int64))
 
 
+def pack_index_scores(x_f32, positions, log_n):
+    """SPEC 13: index scores (float32) as order-preserving non-negative keys, the low
+    `log_n` bits replaced by `~p` (int64 keys): `u = bits ^ 0x80000000` (x >= 0) or
+    `~bits` (x < 0) as uint32, then `u >> 1`; -0 as +0, a NaN as key 0."""
+    mask = (1 << log_n) - 1
+    x = np.asarray(x_f32, np.float32)
+    x = np.where(x == 0, np.float32(0), x)
+    bits = x.view(np.uint32).astype(np.int64)
+    u = np.where(bits >= 1 << 31, (~bits) & 0xFFFFFFFF, bits ^ (1 << 31))
+    u = np.where(np.isnan(x), 0, u >> 1)
+    return (u & ~mask) | (mask - np.asarray(positions, np.int64))
+
+
+FORCED_INDEX_KEY = 0x7FFFFFFF  # SPEC 13: the rightmost position's key before its position bits
+
+
+def index_scores(iq_rows, iw_rows, ik_nodes):
+    """SPEC 13: `x[p] = sum_i iw[i] * max(0, <iq[i], IK[j(p)]>)`, float64: `iq_rows [n_i,
+    D_I]`, `iw_rows [n_i]`, `ik_nodes [n, D_I]` -> `[n]`."""
+    return iw_rows @ np.maximum(0.0, iq_rows @ ik_nodes.T)
+
+
+def index_kl(scores, x, in_norm):
+    """SPEC 13's loss at one layer: `KL(P || softmax_R(x))`, `P` the group-summed softmax
+    importance of `scores [G, n]` over `R = in_norm`, normalised; 0 for an empty `R`."""
+    if not in_norm.any():
+        return 0.0
+    imp = importance(scores, in_norm, "softmax")[in_norm]
+    P = imp / imp.sum()
+    xr = x[in_norm]
+    log_q = xr - (xr.max() + np.log(np.exp(xr - xr.max()).sum()))
+    nz = P > 0
+    return float(np.sum(P[nz] * (np.log(P[nz]) - log_q[nz])))
+
+
 def importance(scores, in_norm, mode):
     """`scores [G, n]`, `in_norm [n]` (the set R) -> float64 importance `[n]` (SPEC 2.3)."""
     G, n = scores.shape
@@ -144,6 +179,7 @@ class LayerTrace:
     merged: np.ndarray  # node indices folded into the softmax
     fragile: bool  # the selection could flip under a FRAGILE_RTOL change of importance
     importance: np.ndarray = None  # float64 importance of `selected` (SPEC 8: the rightmost's formula value)
+    index_loss: float = 0.0  # SPEC 13: this layer's KL(P || Q) (selection="indexer")
 
 
 @dataclasses.dataclass
@@ -155,14 +191,20 @@ class QueryTrace:
     def fragile(self) -> bool:
         return any(lt.fragile for lt in self.layers)
 
+    @property
+    def index_loss(self) -> float:
+        return sum(lt.index_loss for lt in self.layers)
 
-def trace_query(q_group, layers, t, config, alpha, radii=None, groups=None, q_rank=None):
+
+def trace_query(q_group, layers, t, config, alpha, radii=None, groups=None, q_rank=None, index=None):
     """One `(b, t, h_kv)`: `q_group [G, K]` float64, `layers` from `build_tree_numpy`
     sliced to one batch row and kv head (`[(K_l [N_l, K], V_l [N_l, V]), ...]`). With
     `config.selection == "bound"`, `radii` (per layer `[N_l, n_groups]`, `tree_radii`
     sliced alike) and the feature `groups` (SPEC 11). With block selection (SPEC 12)
     `q_rank [R, K]` float64, the block's ranking rows (`ranking_rows`): the layers above 0
-    rank by their scores on the same buffer; the merge keeps the query's own."""
+    rank by their scores on the same buffer; the merge keeps the query's own. With
+    `config.selection == "indexer"` (SPEC 13), `index = (iq [n_i, D_I], iw [n_i], [IK_l
+    [N_l, D_I], ...])` float64, the ranking query's index heads and the index tree."""
     r, k_top, L = config.compression_rate, config.top_k, len(layers)
     G = q_group.shape[0]
     Vd = layers[0][1].shape[-1]
@@ -186,30 +228,45 @@ def trace_query(q_group, layers, t, config, alpha, radii=None, groups=None, q_ra
             rows = q_group if q_rank is None else q_rank
             ranked = s if q_rank is None else alpha * rope(rows, np.full(1, n - 1), config.rope_base,
                                                            config.rope_dim) @ k_rot.T  # SPEC 12
-            if getattr(config, "selection", "mean") == "bound":  # SPEC 11: rank by the bound
-                ranked = ranked + alpha * group_norms(rows, groups) @ radii[l][nodes].T
-            imp64 = importance(ranked, in_norm, config.importance)
-            imp = imp64.astype(np.float32)
-            imp[n - 1] = np.float32(FORCED_IMPORTANCE)
-            keys = pack_importance(imp, pos, log_n)
+            index_loss = 0.0
+            if getattr(config, "selection", "mean") == "indexer":  # SPEC 13: the indexer ranks
+                x = index_scores(index[0], index[1], index[2][l][nodes])
+                index_loss = index_kl(ranked, x, in_norm)
+                imp64 = x  # what the keys and the fragile band are made from
+                imp = x.astype(np.float32)
+                keys = pack_index_scores(imp, pos, log_n)
+                keys[n - 1] = (FORCED_INDEX_KEY & ~((1 << log_n) - 1)) | ((1 << log_n) - 1 - (n - 1))
+            else:
+                if getattr(config, "selection", "mean") == "bound":  # SPEC 11: rank by the bound
+                    ranked = ranked + alpha * group_norms(rows, groups) @ radii[l][nodes].T
+                imp64 = importance(ranked, in_norm, config.importance)
+                imp = imp64.astype(np.float32)
+                imp[n - 1] = np.float32(FORCED_IMPORTANCE)
+                keys = pack_importance(imp, pos, log_n)
             chosen = np.argsort(-keys, kind="stable")[: min(k_top, n)]
             is_sel = np.zeros(n, bool)
             is_sel[chosen] = True
             merged_mask = ~is_sel
             if n > k_top:
-                lo = imp64 * (1 - FRAGILE_RTOL)
-                hi = imp64 * (1 + FRAGILE_RTOL)
-                lo[n - 1] = hi[n - 1] = np.float32(FORCED_IMPORTANCE)
-                weakest_kept = pack_importance(lo.astype(np.float32), pos, log_n)[is_sel].min()
-                strongest_dropped = pack_importance(hi.astype(np.float32), pos, log_n)[~is_sel].max()
-                fragile = bool(strongest_dropped > weakest_kept)
+                if getattr(config, "selection", "mean") == "indexer":  # scores of either sign
+                    band = np.abs(imp64) * FRAGILE_RTOL
+                    lo, hi = pack_index_scores((imp64 - band).astype(np.float32), pos, log_n), pack_index_scores(
+                        (imp64 + band).astype(np.float32), pos, log_n)
+                    lo[n - 1] = hi[n - 1] = keys[n - 1]
+                else:
+                    lo = imp64 * (1 - FRAGILE_RTOL)
+                    hi = imp64 * (1 + FRAGILE_RTOL)
+                    lo[n - 1] = hi[n - 1] = np.float32(FORCED_IMPORTANCE)
+                    lo, hi = (pack_importance(x.astype(np.float32), pos, log_n) for x in (lo, hi))
+                fragile = bool(hi[~is_sel].max() > lo[is_sel].min())
             selected = nodes[is_sel]  # ascending: nodes increase with buffer position
             kept_importance = imp64[is_sel]
         else:
             merged_mask = np.ones(n, bool)
             selected = nodes[:0]
             kept_importance = np.zeros(0)
-        traces.append(LayerTrace(l, nodes, s, selected, nodes[merged_mask], fragile, kept_importance))
+        traces.append(LayerTrace(l, nodes, s, selected, nodes[merged_mask], fragile, kept_importance,
+                                 index_loss if l > 0 else 0.0))
         if merged_mask.any():
             s_m = s[:, merged_mask]
             m_new = np.maximum(m, s_m.max(axis=1))
@@ -248,6 +305,8 @@ def htree_attention_numpy(
     query_positions=None,
     return_fragile: bool = False,
     return_importance: bool = False,
+    index=None,
+    return_index_loss: bool = False,
 ):
     """float64 htree attention, the oracle.
 
@@ -265,6 +324,9 @@ def htree_attention_numpy(
       return_importance: also return the importance of the selected nodes (SPEC 8),
         per layer `l >= 1` float64 `[B, T', H_kv, top_k]`, aligned with the
         selections, 0 where they are `-1` (returned after the selections).
+      index: `(iq [B,T,H_I,D_I], ik [B,T,H_ik,D_I], iw [B,T,H_I])`, the indexer's
+        inputs (SPEC 13), with `config.selection == "indexer"`.
+      return_index_loss: also return SPEC 13's loss, float64 `[B, T', H_kv]` (last).
 
     Returns:
       `o` float64 `[B, T', H, V]`, then the selections and/or fragile flags if asked.
@@ -282,6 +344,16 @@ def htree_attention_numpy(
     groups = feature_groups(K, config.rope_dim) if bound else None
     radii = tree_radii([kl for kl, _ in layers], config, groups) if bound else None
     q64 = q.astype(np.float64)
+    indexer = getattr(config, "selection", "mean") == "indexer"
+    if indexer != (index is not None):
+        raise ValueError("index (iq, ik, iw) goes with selection='indexer' (SPEC 13), and only with it")
+    if indexer:
+        iq, ik, iw = (np.asarray(x) for x in index)
+        ik_layers = [kl for kl, _ in build_tree_numpy(ik, ik, config)]
+        iq64, iw64 = iq.astype(np.float64), iw.astype(np.float64)
+        H_ik = ik.shape[2]
+        per_key = iq.shape[2] // H_ik  # index heads a key head
+    index_loss = np.zeros((B, len(positions), H_kv))
     out = np.zeros((B, len(positions), H, v.shape[-1]))
     selected = [np.full((B, len(positions), H_kv, config.top_k), -1, np.int64) for _ in range(L - 1)]
     fragile = np.zeros((B, len(positions), H_kv), bool)
@@ -290,10 +362,19 @@ def htree_attention_numpy(
         for h_kv in range(H_kv):
             head_layers = [(K_l[b, :, h_kv], V_l[b, :, h_kv]) for K_l, V_l in layers]
             head_radii = None if radii is None else [rho[b, :, h_kv] for rho in radii]
+            if indexer:
+                c = h_kv // (H_kv // H_ik)
+                ik_head = [x[b, :, c] for x in ik_layers]
+                index_heads = slice(c * per_key, (c + 1) * per_key)
             for i, t in enumerate(positions):
                 heads = slice(h_kv * G, (h_kv + 1) * G)
+                index_rows = None
+                if indexer:  # SPEC 13: the ranking query's (the block's first, SPEC 12)
+                    t_rank = int(t) - int(t) % getattr(config, "selection_block", 1)
+                    index_rows = (iq64[b, t_rank, index_heads], iw64[b, t_rank, index_heads], ik_head)
                 tr = trace_query(q64[b, t, heads], head_layers, int(t), config, alpha, head_radii, groups,
-                                 ranking_rows(q64, b, int(t), heads, config))
+                                 ranking_rows(q64, b, int(t), heads, config), index_rows)
+                index_loss[b, i, h_kv] = tr.index_loss
                 out[b, i, h_kv * G : (h_kv + 1) * G] = tr.output
                 fragile[b, i, h_kv] = tr.fragile
                 for j, lt in enumerate(tr.layers[:-1]):
@@ -306,4 +387,6 @@ def htree_attention_numpy(
         result += (exported,)
     if return_fragile:
         result += (fragile,)
+    if return_index_loss:
+        result += (index_loss,)
     return result[0] if len(result) == 1 else result

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 IMPORTANCE_MODES = ("softmax", "shared_max")
-SELECTION_RULES = ("mean", "bound")
+SELECTION_RULES = ("mean", "bound", "indexer")
 BLOCK_SOURCES = ("first", "previous")
 # SPEC 2.3: the rightmost candidate's importance, above every possible importance (<= G).
 FORCED_IMPORTANCE = 1e6
@@ -62,6 +62,10 @@ class HTreeConfig:
         with dense attention keeps its recall under htree (RESULTS, selection transfer).
         `"mean"`, the original rule: by their mean keys' scores. The merge uses the mean
         keys' scores either way. Every backend, full sequences and decoding.
+        `"indexer"` (SPEC 13): by a learned indexer's scores, the caller's
+        `htree_jax.Index(q, k, w)` given with the call; SPEC 13's KL loss trains it. The
+        JAX reference only for now (full sequences, one document a row; with block
+        selection `block_source="first"`).
       selection_block: `compression_rate` (block selection, SPEC 12: the queries of one
         bottom node share one selection at every layer, ranked by `block_source`'s rows)
         or `1` (each query selects for itself). `None` (the default) is
@@ -124,6 +128,9 @@ class HTreeConfig:
         object.__setattr__(self, "selection_block", int(b))
         if self.block_source not in BLOCK_SOURCES:
             raise ValueError(f"block_source must be one of {BLOCK_SOURCES}, got {self.block_source!r}")
+        if self.selection == "indexer" and self.selection_block > 1 and self.block_source != "first":
+            raise ValueError("selection='indexer' with block selection ranks with the block's first query "
+                             f"(SPEC 13): block_source must be 'first', got {self.block_source!r}")
         R = self.rope_dim
         if R is not None:
             if not _is_int(R) or int(R) <= 0 or int(R) % 2:
