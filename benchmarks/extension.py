@@ -13,7 +13,9 @@ warm-up and cosine schedule, gradients clipped), logging the held-out curve ever
 `--eval-every` steps and the median wall time of its steps. Variants: `dense`
 (`jax.nn.dot_product_attention`, cuDNN on a GPU), `block:K` (block selection,
 `selection_block = compression_rate`, `block_source="first"`, `top_k=K`), `query:K`
-(per-query selection, `top_k=K`). Each extended model is then scored on the frontier's
+(per-query selection, `top_k=K`), `indexer:K` (block selection ranked by a learned
+indexer, SPEC 13: its projections fresh, trained by its loss beside the model's; on the
+JAX reference, the kernels not taking it yet). Each extended model is then scored on the frontier's
 held-out windows (`benchmarks/frontier.py`'s draw, `--window-seed`) at each of
 `--eval-lens` with its own attention. Prints one markdown table (bits per byte and step
 time against the dense extension's, all in this one process: the same machine and
@@ -40,14 +42,17 @@ from benchmarks.text_quality import eval_windows  # noqa: E402
 
 
 def parse_variant(text: str) -> dict:
-    """`"dense"`, `"block:K"` or `"query:K"` -> `{name, attention, top_k, selection_block}`."""
+    """`"dense"`, `"block:K"`, `"query:K"` or `"indexer:K"` (block selection ranked by a
+    learned indexer, SPEC 13, trained beside the model from a fresh start) -> `{name,
+    attention, top_k, block, selection}` (`selection` None: the run's `--selection`)."""
     kind, _, k = text.partition(":")
     if kind == "dense" and not k:
-        return dict(name="dense", attention="dense", top_k=None, block=False)
-    if kind in ("block", "query") and k.isdigit() and int(k) > 0:
-        return dict(name=f"{'block' if kind == 'block' else 'per-query'} top_k={k}", attention="htree",
-                    top_k=int(k), block=kind == "block")
-    raise ValueError(f"--variants: each is dense, block:K or query:K (K a positive int), got {text!r}")
+        return dict(name="dense", attention="dense", top_k=None, block=False, selection=None)
+    if kind in ("block", "query", "indexer") and k.isdigit() and int(k) > 0:
+        name = {"block": "block", "query": "per-query", "indexer": "indexer"}[kind]
+        return dict(name=f"{name} top_k={k}", attention="htree", top_k=int(k), block=kind != "query",
+                    selection="indexer" if kind == "indexer" else None)
+    raise ValueError(f"--variants: each is dense, block:K, query:K or indexer:K (K a positive int), got {text!r}")
 
 
 def extension_args(a, variant: dict, trained: dict):
@@ -57,7 +62,8 @@ def extension_args(a, variant: dict, trained: dict):
             "--seq-len", str(a.seq_len), "--batch", str(rows), "--lr", str(a.lr), "--grad-clip", str(a.grad_clip),
             "--backend", a.backend, "--eval-size", str(a.eval_size), "--eval-batch", "1",
             "--eval-every", str(a.eval_every), "--seed", str(a.seed), "--log-every", str(max(1, a.steps // 10)),
-            "--no-progress", "--compression-rate", str(a.compression_rate), "--selection", a.selection]
+            "--no-progress", "--compression-rate", str(a.compression_rate),
+            "--selection", variant.get("selection") or a.selection]
     if variant["top_k"] is not None:
         argv += ["--top-k", str(variant["top_k"])]
     if variant["attention"] == "htree":  # each variant names its selection

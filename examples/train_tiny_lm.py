@@ -280,14 +280,14 @@ class Block(nnx.Module):
     head, which takes this model thousands of steps on the recall task."""
 
     def __init__(self, d_model, num_heads, num_kv_heads, attention, config, backend, rngs, dtype=None,
-                 dense_implementation=None, token_shift=False):
+                 dense_implementation=None, token_shift=False, indexer=None):
         self.norm1 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
         self.shift = nnx.Linear(d_model, d_model, use_bias=False, dtype=dtype, rngs=rngs) if token_shift else None
         if attention == "htree":
             # No biases, as `DenseAttention`: the two take each other's weights (`nnx.update`).
             self.attention = htree_jax.HTreeAttention(num_heads, d_model, num_kv_heads=num_kv_heads,
                                                       config=config, backend=backend, dtype=dtype, use_bias=False,
-                                                      rngs=rngs)
+                                                      indexer=indexer, rngs=rngs)
         else:
             self.attention = DenseAttention(num_heads, d_model, num_kv_heads=num_kv_heads,
                                             rope_base=config.rope_base, scale=config.scale, dtype=dtype,
@@ -306,13 +306,14 @@ class Block(nnx.Module):
 
 class TinyLM(nnx.Module):
     """Embedding, `num_layers` blocks, RMSNorm, unembedding. Parameters float32, computation
-    in `dtype` (None: float32); `token_shift`: see `Block`."""
+    in `dtype` (None: float32); `token_shift`: see `Block`; `indexer`: each htree layer's
+    `htree_jax.IndexerConfig` with `config.selection="indexer"` (SPEC 13)."""
 
     def __init__(self, vocab, d_model, num_layers, num_heads, num_kv_heads, attention, config, backend, rngs,
-                 dtype=None, dense_implementation=None, token_shift=False):
+                 dtype=None, dense_implementation=None, token_shift=False, indexer=None):
         self.embed = nnx.Embed(vocab, d_model, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, attention, config, backend, rngs, dtype,
-                                      dense_implementation, token_shift) for _ in range(num_layers)])
+                                      dense_implementation, token_shift, indexer) for _ in range(num_layers)])
         self.norm = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab, dtype=dtype, rngs=rngs)
 
@@ -332,6 +333,21 @@ def query_loss(model, tokens, targets):
     return loss, jnp.mean(jnp.argmax(logits, -1) == targets)
 
 
+def index_loss_of(model):
+    """The sum over the model's htree layers of SPEC 13's loss in their last call
+    (`htree_jax.IndexLoss`; 0 without an indexer)."""
+    return sum(jax.tree.leaves(nnx.state(model, htree_jax.IndexLoss)), jnp.zeros((), jnp.float32))
+
+
+def training_loss(model, tokens, targets, index_weight: float = 1.0):
+    """What a step minimises: `query_loss`, plus `index_weight` times the indexer's loss
+    (`index_loss_of`: it trains the indexer alone, whose inputs are detached). Aux:
+    `(loss, accuracy, index loss)`."""
+    loss, acc = query_loss(model, tokens, targets)
+    index = index_loss_of(model)
+    return loss + index_weight * index, (loss, acc, index)
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model's shape and htree config (shared with `generate.py`)."""
     p.add_argument("--d-model", type=int, default=64)
@@ -341,8 +357,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression-rate", type=int, default=4)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--rope-base", type=float, default=10000.0)
-    p.add_argument("--selection", choices=("mean", "bound"), default="bound",
-                   help="htree's ranking of nodes for refinement (HTreeConfig.selection)")
+    p.add_argument("--selection", choices=("mean", "bound", "indexer"), default="bound",
+                   help="htree's ranking of nodes for refinement (HTreeConfig.selection; indexer: SPEC 13's learned "
+                        "indexer, trained by its loss beside the model's, on backend reference)")
+    p.add_argument("--indexer-heads", type=int, default=4, help="with --selection indexer: IndexerConfig.heads")
+    p.add_argument("--indexer-dim", type=int, default=32, help="with --selection indexer: IndexerConfig.head_dim")
     p.add_argument("--selection-block", type=int, default=None,
                    help="HTreeConfig.selection_block: the compression rate selects by block (SPEC 12), 1 per query; "
                         "default: the library's (by block)")
@@ -383,6 +402,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--grad-clip", type=float, default=None,
                    help="clip the gradients' global norm to this (optax.clip_by_global_norm); none by default")
+    p.add_argument("--index-loss-weight", type=float, default=1.0,
+                   help="with --selection indexer: the indexer's loss's weight in each step's (it trains the "
+                        "indexer alone)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: min(100, steps/10 + 1))")
     p.add_argument("--eval-size", type=int, default=512)
     p.add_argument("--eval-batch", type=int, default=None, help="eval rows per call (default: --batch)")
@@ -418,6 +440,11 @@ def parse_args(argv=None):
         p.error("--seq-len must be >= 4")
     if args.dense_steps < 0 or args.dense_steps >= max(args.steps, 1):
         p.error("--dense-steps must be in [0, --steps)")
+    if args.selection == "indexer" and (args.dense_steps or args.attention != "htree"):
+        p.error("--selection indexer: htree attention from the first step (its indexer learns beside it; a dense "
+                "warm-up would leave it untrained)")
+    if args.indexer_heads < 1 or args.indexer_dim < 1:
+        p.error("--indexer-heads and --indexer-dim must be >= 1")
     if args.len_warmup_steps < 0 or args.len_warmup_steps >= max(args.steps, 1):
         p.error("--len-warmup-steps must be in [0, --steps)")
     shortest = min(args.seq_len, args.len_warmup_start) if args.len_warmup_steps else args.seq_len
@@ -516,10 +543,29 @@ def read_params(directory, like: dict | None = None) -> dict:
 
 def load_params(model, directory) -> None:
     """Sets `model`'s parameters to those `save_model` wrote to `directory` (the same
-    shapes: `load_shape_flags` made the model so)."""
+    shapes: `load_shape_flags` made the model so). A model with an indexer (SPEC 13)
+    continuing a checkpoint without one (a dense base) keeps its own fresh index
+    projections: the checkpoint gives every other parameter."""
     state = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(state, read_params(directory, like=nnx.to_pure_dict(state)))
+    nnx.replace_by_pure_dict(state, matched(nnx.to_pure_dict(state), read_params(directory)))
     nnx.update(model, state)
+
+
+def matched(mine: dict, saved: dict) -> dict:
+    """`mine` (a model's pure dict of parameters) with each value `saved` holds (its keys
+    as written: a list's entries may come back as strings); an indexer's projections
+    (`index_*`) that `saved` lacks keep `mine`'s, and those `saved` has that `mine`
+    lacks are left out (a dense model evaluating an indexer's checkpoint)."""
+    out = {}
+    for key, value in mine.items():
+        there = saved[key] if key in saved else saved.get(str(key))
+        if there is None:
+            if not str(key).startswith("index_"):
+                raise KeyError(f"the checkpoint has no parameter {key!r}")
+            out[key] = value
+        else:
+            out[key] = matched(value, there) if isinstance(value, dict) else there
+    return out
 
 
 def compute_dtype(name: str):
@@ -553,10 +599,13 @@ def build_model(args, attention: str | None = None, **config_fields) -> TinyLM:
     `selection`). Models that differ only there have the same parameters."""
     config = htree_config(args, **config_fields)
     dtype = compute_dtype(args.dtype)
+    attention = attention or args.attention
+    indexer = (htree_jax.IndexerConfig(heads=args.indexer_heads, head_dim=args.indexer_dim)
+               if attention == "htree" and config.selection == "indexer" else None)
     return TinyLM(task_of(args).vocab, args.d_model, args.layers, args.heads, args.kv_heads,
-                  attention or args.attention, config, args.backend, nnx.Rngs(args.seed), dtype=dtype,
+                  attention, config, args.backend, nnx.Rngs(args.seed), dtype=dtype,
                   dense_implementation=dense_implementation(dtype, args.dense_implementation),
-                  token_shift=args.token_shift)
+                  token_shift=args.token_shift, indexer=indexer)
 
 
 def dense_implementation(dtype, choice: str = "auto") -> str:
@@ -630,9 +679,10 @@ def train(args, on_step=None) -> tuple[TinyLM, dict]:
 
     @nnx.jit
     def train_step(model, optimizer, tokens, targets):
-        (loss, acc), grads = nnx.value_and_grad(query_loss, has_aux=True)(model, tokens, targets)
+        (_, (loss, acc, index)), grads = nnx.value_and_grad(training_loss, has_aux=True)(
+            model, tokens, targets, args.index_loss_weight)
         optimizer.update(model, grads)
-        return loss, acc
+        return loss, acc, index
 
     layers = config.layer_sizes(args.seq_len) if args.attention == "htree" else (args.seq_len,)
     attention = (args.attention if args.attention == "htree"
@@ -649,7 +699,7 @@ def train(args, on_step=None) -> tuple[TinyLM, dict]:
         from tqdm import tqdm
 
         steps = bar = tqdm(steps, desc=f"train {args.attention}", mininterval=0.5)
-    losses, accuracies, step_seconds, eval_curve = [], [], [], []
+    losses, accuracies, step_seconds, eval_curve, index_losses = [], [], [], [], []
     per_byte = lambda loss: f" ({loss / math.log(2):.4f} bits per byte)" if args.task == "text" else ""
     start = time.perf_counter()
     schedule = length_schedule(args.steps, args.seq_len, args.len_warmup_start, args.len_warmup_steps)
@@ -665,17 +715,19 @@ def train(args, on_step=None) -> tuple[TinyLM, dict]:
             nnx.update(optimizer, nnx.state(dense_optimizer))
         tic = time.perf_counter()
         if step < dense_steps:
-            loss, acc = train_step(dense_model, dense_optimizer, jnp.asarray(tokens), jnp.asarray(targets))
+            loss, acc, index = train_step(dense_model, dense_optimizer, jnp.asarray(tokens), jnp.asarray(targets))
         else:
-            loss, acc = train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(targets))
+            loss, acc, index = train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(targets))
         losses.append(float(loss))                      # waits for the step
+        index_losses.append(float(index))
         step_seconds.append(time.perf_counter() - tic)
         accuracies.append(float(acc))
         if bar is not None:
             tokens_per_s = args.batch * args.seq_len / step_seconds[-1]
             bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{accuracies[-1]:.2f}", tok_s=f"{tokens_per_s:,.0f}")
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            print(f"step {step + 1:5d}  loss {losses[-1]:.4f}  batch acc {accuracies[-1]:.3f}", flush=True)
+            indexed = f"  index loss {index_losses[-1]:.4f}" if args.selection == "indexer" else ""
+            print(f"step {step + 1:5d}  loss {losses[-1]:.4f}  batch acc {accuracies[-1]:.3f}{indexed}", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             eval_curve.append([step + 1, eval_accuracy(model, args, args.seq_len)[1]])
             print(f"step {step + 1:5d}  held out: loss {eval_curve[-1][1]:.4f}{per_byte(eval_curve[-1][1])}",
@@ -700,6 +752,7 @@ def train(args, on_step=None) -> tuple[TinyLM, dict]:
                   rope_base=args.rope_base, len_warmup_steps=args.len_warmup_steps,
                   dense_implementation=dense_implementation(dtype, args.dense_implementation),
                   len_warmup_start=args.len_warmup_start, dense_steps=dense_steps, losses=losses,
+                  index_losses=index_losses if args.selection == "indexer" else None,
                   batch_accuracies=accuracies,
                   eval_loss=eval_loss, accuracy=accuracy, chance=chance_of(args), train_seconds=train_s,
                   step_ms=step_ms, tokens_per_second=args.batch * args.seq_len / (step_ms / 1e3),

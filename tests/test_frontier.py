@@ -160,21 +160,27 @@ def test_extension_continues_a_short_dense_checkpoint_at_a_longer_length(tmp_pat
                   "--no-progress", "--save", str(tmp_path / "ck")])
     out = tmp_path / "extension.json"
     rows = extension.main(["--checkpoint", str(tmp_path / "ck"), "--seq-len", "64", "--steps", "2",
-                           "--variants", "dense,block:2,query:2", "--compression-rate", "4", "--eval-every", "1",
+                           "--variants", "dense,block:2,query:2,indexer:2", "--compression-rate", "4", "--eval-every", "1",
                            "--eval-windows", "1", "--eval-lens", "64,256", "--backend", "reference", "--out", str(out)])
-    assert [(r["variant"], r["T"]) for r in rows] == [(v, T) for v in ("dense", "block top_k=2", "per-query top_k=2")
-                                                     for T in (64, 256)]
+    assert [(r["variant"], r["T"]) for r in rows] == [(v, T) for v in ("dense", "block top_k=2", "per-query top_k=2",
+                                                                       "indexer top_k=2") for T in (64, 256)]
     assert json.loads(out.read_text()) == json.loads(json.dumps(rows, default=float))
     for r in rows:
         assert np.isfinite(r["bits"]) and r["step_ms"] > 0 and [s for s, _ in r["curve"]] == [1, 2]
         assert r["change"] == pytest.approx(100 * (r["bits"] / r["dense_bits"] - 1))
         assert r["speedup"] == pytest.approx(r["dense_step_ms"] / r["step_ms"])
     assert rows[2]["bits"] != rows[4]["bits"]  # block and per-query selection are two models
+    assert rows[6]["bits"] != rows[2]["bits"]  # the indexer (SPEC 13) ranks otherwise
     args = extension.extension_args(extension.parse_args(["--checkpoint", str(tmp_path / "ck"), "--seq-len", "64",
                                                           "--steps", "1"]), extension.parse_variant("block:8"),
                                     {"batch": 4, "seq_len": 32})
     assert (args.batch, args.selection_block, args.block_source, args.top_k) == (2, extension.frontier.DEFAULT_RATE,
                                                                                  "first", 8)
+    assert args.selection == "bound"
+    indexed = extension.extension_args(extension.parse_args(["--checkpoint", str(tmp_path / "ck"), "--seq-len", "64",
+                                                             "--steps", "1"]), extension.parse_variant("indexer:8"),
+                                       {"batch": 4, "seq_len": 32})
+    assert (indexed.selection, indexed.selection_block, indexed.top_k) == ("indexer", extension.frontier.DEFAULT_RATE, 8)
     table = extension.table(rows)
     assert "| dense |" in table and "| block top_k=2 |" in table and "x) |" in table
     with pytest.raises(SystemExit):
