@@ -21,6 +21,7 @@ import numpy as np
 from htree_jax.attention import htree_attention
 from htree_jax.backends import check_backend, check_block_sizes
 from htree_jax.core.config import HTreeConfig
+from htree_jax.core.indexer import Index
 from htree_jax.core.validation import check_config
 
 CAUSAL_ONLY = (
@@ -182,8 +183,6 @@ def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_doc
     batch_shape = q.shape[:-3]
     flat = lambda x: x.reshape((-1,) + x.shape[-3:])
     if index is not None:
-        from htree_jax.core.indexer import Index  # noqa: PLC0415 - the indexer's call only
-
         rows = lambda x, axes: x.reshape((-1,) + x.shape[-axes:])
         o, loss = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, block_sizes=block_sizes,
                                   index=Index(rows(index.q, 3), rows(index.k, 3), rows(index.w, 2)))
