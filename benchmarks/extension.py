@@ -55,6 +55,14 @@ def parse_variant(text: str) -> dict:
     raise ValueError(f"--variants: each is dense, block:K, query:K or indexer:K (K a positive int), got {text!r}")
 
 
+def name_warm_up(variants: list[dict], steps: int) -> None:
+    """Each indexer variant's name says its warm-up (`--index-warmup`): part of what its
+    rows measure, and its stage's file in `extension_seed.py`."""
+    for variant in variants:
+        if variant["selection"] == "indexer" and steps:
+            variant["name"] += f" (warm-up {steps})"
+
+
 def extension_args(a, variant: dict, trained: dict):
     """`train_tiny_lm` arguments that continue `a.checkpoint` at `a.seq_len` as `variant`."""
     rows = max(1, int(trained["batch"]) * int(trained["seq_len"]) // a.seq_len)
@@ -64,6 +72,8 @@ def extension_args(a, variant: dict, trained: dict):
             "--eval-every", str(a.eval_every), "--seed", str(a.seed), "--log-every", str(max(1, a.steps // 10)),
             "--no-progress", "--compression-rate", str(a.compression_rate),
             "--selection", variant.get("selection") or a.selection]
+    if variant.get("selection") == "indexer" and a.index_warmup:
+        argv += ["--index-warmup-steps", str(a.index_warmup)]
     if variant["top_k"] is not None:
         argv += ["--top-k", str(variant["top_k"])]
     if variant["attention"] == "htree":  # each variant names its selection
@@ -148,6 +158,9 @@ def parse_args(argv=None):
     p.add_argument("--selection", choices=("bound", "mean"), default="bound")
     p.add_argument("--lr", type=float, default=3e-4, help="the continued run's peak learning rate")
     p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--index-warmup", type=int, default=0,
+                   help="indexer:K variants: steps of the indexer alone before the extension's (train_tiny_lm "
+                        "--index-warmup-steps)")
     p.add_argument("--eval-every", type=int, default=0, help="the held-out curve every N steps (0: the end only)")
     p.add_argument("--eval-size", type=int, default=2, help="held-out rows of the curve's points")
     p.add_argument("--eval-lens", default="", help="lengths scored (default: the extended length and 4x it)")
@@ -162,6 +175,9 @@ def parse_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     a.eval_lens = [int(x) for x in a.eval_lens.split(",") if x]
+    if a.index_warmup < 0:
+        p.error("--index-warmup must be >= 0")
+    name_warm_up(a.variants, a.index_warmup)
     if not a.variants or a.steps < 1 or a.seq_len < 1 or a.eval_windows < 1:
         p.error("--variants: at least one; --steps, --seq-len, --eval-windows: at least 1")
     if a.variants[0]["attention"] != "dense" and any(v["attention"] == "dense" for v in a.variants):

@@ -144,7 +144,7 @@ def extension_options(a, directory: pathlib.Path):
     return extension.parse_args(["--checkpoint", str(directory / "base"), "--seq-len", str(a.seq_len),
                                  "--steps", str(a.steps), "--eval-every", str(a.eval_every),
                                  "--eval-windows", str(a.eval_windows), "--eval-lens", a.eval_lens,
-                                 "--backend", a.backend, "--seed", str(a.seed)]
+                                 "--backend", a.backend, "--seed", str(a.seed), "--index-warmup", str(a.index_warmup)]
                                 + (["--data", a.data] if a.data else []))
 
 
@@ -228,6 +228,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-windows", type=int, default=8, help="held-out windows of each length")
     p.add_argument("--eval-every", type=int, default=0, help="each extension's held-out curve every N steps")
     p.add_argument("--backend", default="auto", help="htree's backend")
+    p.add_argument("--index-warmup", type=int, default=0,
+                   help="indexer:K variants: steps of the indexer alone first (extension.py's --index-warmup)")
     p.add_argument("--progress-every", type=int, default=100, help="a progress line every N steps")
     p.add_argument("--pieces", default=None, help="write the base as bfloat16 pieces of <= 16 MiB here")
     p.add_argument("--from-pieces", default=None, help="rebuild the base from pieces there first")
@@ -236,6 +238,9 @@ def parse_args(argv=None):
         a.variants = [extension.parse_variant(x) for x in a.variants.split(",") if x]
     except ValueError as e:
         p.error(str(e))
+    if a.index_warmup < 0:
+        p.error("--index-warmup must be >= 0")
+    extension.name_warm_up(a.variants, a.index_warmup)
     if not a.variants or a.variants[0]["attention"] != "dense":
         p.error("--variants: dense first (the others are measured against it)")
     for name in ("base_len", "base_steps", "base_batch", "seq_len", "steps", "eval_windows", "progress_every"):

@@ -339,6 +339,35 @@ def index_loss_of(model):
     return sum(jax.tree.leaves(nnx.state(model, htree_jax.IndexLoss)), jnp.zeros((), jnp.float32))
 
 
+INDEX_PARAMS = nnx.All(nnx.Param, nnx.Any(*(nnx.PathContains(name)
+                                            for name in ("index_query", "index_key", "index_weight"))))
+
+
+def warm_up_indexer(model, task, args) -> None:
+    """`args.index_warmup_steps` steps of the indexer alone (SPEC 13's loss, Adam at
+    `args.lr`, the batches of a seed of their own): the model's other parameters are
+    held, so its selections start from a trained indexer, as DeepSeek's indexer is
+    warmed up before its sparse training."""
+    optimizer = nnx.Optimizer(model, optax.adam(args.lr), wrt=INDEX_PARAMS)
+
+    @nnx.jit
+    def step(model, optimizer, tokens):
+        def loss(model):
+            model(tokens)
+            return index_loss_of(model)
+
+        value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, INDEX_PARAMS))(model)
+        optimizer.update(model, grads)
+        return value
+
+    rng = np.random.default_rng(args.seed + 1_000_003)
+    for i in range(args.index_warmup_steps):
+        tokens, _ = task.batch(rng, args.batch, args.seq_len)
+        value = float(step(model, optimizer, jnp.asarray(tokens)))
+        if (i + 1) % args.log_every == 0 or i + 1 == args.index_warmup_steps:
+            print(f"index warm-up {i + 1:5d}  index loss {value:.4f}", flush=True)
+
+
 def training_loss(model, tokens, targets, index_weight: float = 1.0):
     """What a step minimises: `query_loss`, plus `index_weight` times the indexer's loss
     (`index_loss_of`: it trains the indexer alone, whose inputs are detached). Aux:
@@ -362,6 +391,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "indexer, trained by its loss beside the model's, on backend reference)")
     p.add_argument("--indexer-heads", type=int, default=4, help="with --selection indexer: IndexerConfig.heads")
     p.add_argument("--indexer-dim", type=int, default=32, help="with --selection indexer: IndexerConfig.head_dim")
+    p.add_argument("--index-warmup-steps", type=int, default=0,
+                   help="with --selection indexer: steps before --steps that train the indexer alone (the "
+                        "model's other parameters held, its loss not followed), as DeepSeek warms its indexer up")
     p.add_argument("--selection-block", type=int, default=None,
                    help="HTreeConfig.selection_block: the compression rate selects by block (SPEC 12), 1 per query; "
                         "default: the library's (by block)")
@@ -445,6 +477,8 @@ def parse_args(argv=None):
                 "warm-up would leave it untrained)")
     if args.indexer_heads < 1 or args.indexer_dim < 1:
         p.error("--indexer-heads and --indexer-dim must be >= 1")
+    if args.index_warmup_steps < 0 or (args.index_warmup_steps and args.selection != "indexer"):
+        p.error("--index-warmup-steps: a count >= 0, with --selection indexer")
     if args.len_warmup_steps < 0 or args.len_warmup_steps >= max(args.steps, 1):
         p.error("--len-warmup-steps must be in [0, --steps)")
     shortest = min(args.seq_len, args.len_warmup_start) if args.len_warmup_steps else args.seq_len
@@ -684,6 +718,9 @@ def train(args, on_step=None) -> tuple[TinyLM, dict]:
         optimizer.update(model, grads)
         return loss, acc, index
 
+    if args.index_warmup_steps:
+        warm_up_indexer(model, task, args)
+
     layers = config.layer_sizes(args.seq_len) if args.attention == "htree" else (args.seq_len,)
     attention = (args.attention if args.attention == "htree"
                  else f"dense ({dense_implementation(dtype, args.dense_implementation)})")
@@ -753,6 +790,7 @@ def train(args, on_step=None) -> tuple[TinyLM, dict]:
                   dense_implementation=dense_implementation(dtype, args.dense_implementation),
                   len_warmup_start=args.len_warmup_start, dense_steps=dense_steps, losses=losses,
                   index_losses=index_losses if args.selection == "indexer" else None,
+                  index_warmup_steps=args.index_warmup_steps,
                   batch_accuracies=accuracies,
                   eval_loss=eval_loss, accuracy=accuracy, chance=chance_of(args), train_seconds=train_s,
                   step_ms=step_ms, tokens_per_second=args.batch * args.seq_len / (step_ms / 1e3),

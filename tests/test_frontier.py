@@ -161,9 +161,11 @@ def test_extension_continues_a_short_dense_checkpoint_at_a_longer_length(tmp_pat
     out = tmp_path / "extension.json"
     rows = extension.main(["--checkpoint", str(tmp_path / "ck"), "--seq-len", "64", "--steps", "2",
                            "--variants", "dense,block:2,query:2,indexer:2", "--compression-rate", "4", "--eval-every", "1",
+                           "--index-warmup", "2",
                            "--eval-windows", "1", "--eval-lens", "64,256", "--backend", "reference", "--out", str(out)])
     assert [(r["variant"], r["T"]) for r in rows] == [(v, T) for v in ("dense", "block top_k=2", "per-query top_k=2",
-                                                                       "indexer top_k=2") for T in (64, 256)]
+                                                                       "indexer top_k=2 (warm-up 2)")
+                                                     for T in (64, 256)]
     assert json.loads(out.read_text()) == json.loads(json.dumps(rows, default=float))
     for r in rows:
         assert np.isfinite(r["bits"]) and r["step_ms"] > 0 and [s for s, _ in r["curve"]] == [1, 2]

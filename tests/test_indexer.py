@@ -206,3 +206,25 @@ def test_the_module_trains_its_indexer_from_its_loss_alone():
     with pytest.raises(ValueError, match=r"IndexerConfig.heads \(3\) must be a multiple"):
         HTreeAttention(4, 32, num_kv_heads=2, config=config, indexer=IndexerConfig(heads=3, shared_key=False),
                        rngs=nnx.Rngs(0))
+
+
+def test_the_warm_up_trains_the_indexer_and_holds_the_model(tmp_path):
+    """`train_tiny_lm --index-warmup-steps`: the indexer's projections move; every other
+    parameter stays as it was."""
+    from tests.test_examples import load_example, write_corpus
+
+    example = load_example()
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, example)
+    args = example.parse_args(["--data", str(corpus), "--seq-len", "64", "--steps", "1", "--batch", "2",
+                               "--d-model", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+                               "--compression-rate", "4", "--top-k", "2", "--selection", "indexer",
+                               "--index-warmup-steps", "8", "--log-every", "100"])
+    model = example.build_model(args)
+    before = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    example.warm_up_indexer(model, example.task_of(args), args)
+    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    moved = {"/".join(map(str, p)): bool(np.any(np.asarray(a) != np.asarray(b)))
+             for (p, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(before)[0],
+                                       jax.tree_util.tree_flatten_with_path(after)[0])}
+    assert moved and all(changed == ("index_" in name) for name, changed in moved.items()), moved
