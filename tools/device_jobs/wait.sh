@@ -1,0 +1,15 @@
+#!/bin/bash
+# Waits on job.sh up to $1 seconds (default 540: one device call), prints the logs' ends,
+# and packs what there is into $OUT: results.tgz (JSON and logs, not the checkpoint) and
+# the base's pieces once written (at most 8 files of 16 MiB come back).
+D=/tmp/g; end=$(( $(date +%s) + ${1:-540} ))
+while [ $(date +%s) -lt $end ] && ! grep -q '^done' $D/stages 2>/dev/null; do sleep 10; done
+cat $D/card.txt $D/env.txt $D/stages 2>/dev/null
+grep -v "^\s*$" $D/account.log 2>/dev/null | tail -${ACC:-40}
+grep -v "^\s*$" $D/seed.log 2>/dev/null | tail -30
+tail -20 $D/train.log 2>/dev/null
+if [ -n "$OUT" ]; then
+  tar czf $OUT/results.tgz -C $D --exclude='seed0/base' --exclude='pieces0' . 2>/dev/null
+  if [ -f $D/pieces0/base.index.json ]; then cp $D/pieces0/* $OUT/ 2>/dev/null; fi
+  ls -la $OUT
+fi
