@@ -52,7 +52,9 @@ class HTreeAttention(nn.Module):
     def _checked(self):
         dims = module_dims(self.num_heads, self.in_features, self.num_kv_heads, self.head_dim,
                            self.out_features)
-        check_config(self.config)
+        if check_config(self.config).selection == "indexer":
+            raise ValueError("the linen HTreeAttention does not take selection='indexer' yet (SPEC 13): the nnx "
+                             "HTreeAttention(..., indexer=htree_jax.IndexerConfig()) owns the indexer's projections")
         check_backend(self.backend)
         check_block_sizes(self.block_sizes)
         check_decode_block_sizes(self.decode_block_sizes)

@@ -164,6 +164,10 @@ def test_what_the_indexer_does_not_take_is_refused_by_name():
     from htree_jax import attention_fn
     with pytest.raises(ValueError, match="attention_fn does not take selection='indexer'"):
         attention_fn(config)
+    from htree_jax.linen import HTreeAttention as LinenAttention
+    with pytest.raises(ValueError, match="linen HTreeAttention does not take selection='indexer'"):
+        LinenAttention(num_heads=4, in_features=16, num_kv_heads=2, config=config).init(
+            jax.random.key(0), jnp.zeros((1, 64, 16)))
 
 
 def htree_jax_init_cache(config):
