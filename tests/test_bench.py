@@ -86,7 +86,8 @@ def test_profile_names_a_profiler_for_every_pass_and_refuses_the_rest(capsys):
 
     assert profile.PROFILERS[("decode", "mla")] is decode_mla
     assert profile.PROFILERS[("one-layer", "benchmark")] is one_layer
-    assert {p for p, _ in profile.PROFILERS} == {"forward", "backward", "decode", "one-layer", "block-backward"}
+    assert {p for p, _ in profile.PROFILERS} == {"forward", "backward", "decode", "one-layer", "block-backward",
+                                                      "account"}
     with pytest.raises(SystemExit):
         profile.main(["--pass", "forward", "--shape", "mla"])
     assert "--shape mla is profiled with --pass decode only" in capsys.readouterr().err
