@@ -106,6 +106,25 @@ def test_the_loss_trains_the_indexer_alone_and_the_output_the_model_alone():
         np.testing.assert_allclose(float(numeric), float(analytic), rtol=5e-3)
 
 
+@pytest.mark.parametrize("block", [1, 4])
+def test_no_output_or_loss_depends_on_a_later_token(block):
+    """Causality (SPEC 3 with SPEC 13): changing every input after position p (q, k, v and
+    the index's q, k, w) changes no output and no loss at or before p."""
+    config = HTreeConfig(compression_rate=4, top_k=4, selection="indexer", selection_block=block)
+    (q, k, v), index = inputs(8, 1, 150, 4, 2, 16, 4, 1, 8)
+    (q2, k2, v2), other = inputs(9, 1, 150, 4, 2, 16, 4, 1, 8)
+    p = 97
+    later = lambda a, b: jnp.concatenate([a[:, :p + 1], b[:, p + 1:]], axis=1)
+    o, _, loss = htree_attention_reference(q, k, v, config, index=index)
+    o2, _, loss2 = htree_attention_reference(later(q, q2), later(k, k2), later(v, v2), config,
+                                             index=Index(*(later(a, b) for a, b in
+                                                           ((index.q, other.q), (index.k, other.k),
+                                                            (index.w, other.w)))))
+    np.testing.assert_array_equal(np.asarray(o[:, :p + 1]), np.asarray(o2[:, :p + 1]))
+    np.testing.assert_array_equal(np.asarray(loss[:, :p + 1]), np.asarray(loss2[:, :p + 1]))
+    assert float(jnp.abs(o[:, p + 1:] - o2[:, p + 1:]).max()) > 0
+
+
 def test_the_keys_order_as_the_scores_and_tie_to_the_smaller_position():
     rng = np.random.default_rng(5)
     x = np.concatenate([rng.standard_normal(200) * 10.0 ** rng.integers(-30, 30, 200), [0.0, -0.0, np.inf, -np.inf]])

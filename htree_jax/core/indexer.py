@@ -89,13 +89,18 @@ def check_index(index: Index, q, k) -> None:
         raise ValueError(f"index.w must be [B, T, H_I] with H_I = {H_I} as index.q's, got {index.w.shape}")
 
 
+def key_head_of(num_kv_heads: int, num_key_heads: int):
+    """`[H_kv]` int: the index key head each kv head ranks with (SPEC 13)."""
+    return jnp.arange(num_kv_heads) // (num_kv_heads // num_key_heads)
+
+
 def per_kv_head(index: Index, num_kv_heads: int):
     """`(q [B, T, H_kv, n_i, D_I], w [B, T, H_kv, n_i], key_head [H_kv])`: each kv head's
     index heads (`n_i = H_I / H_ik` of them) and the index key head it ranks with."""
     B, T, H_I, D_I = index.q.shape
     H_ik = index.k.shape[2]
     n_i = H_I // H_ik
-    key_head = jnp.arange(num_kv_heads) // (num_kv_heads // H_ik)  # [H_kv]
+    key_head = key_head_of(num_kv_heads, H_ik)
     q = jnp.take(index.q.reshape(B, T, H_ik, n_i, D_I), key_head, axis=2)
     w = jnp.take(index.w.reshape(B, T, H_ik, n_i), key_head, axis=2)
     return q, w, key_head
@@ -107,7 +112,7 @@ def index_tree(index: Index, config, num_kv_heads: int):
     layers = [index.k]
     for _ in config.layer_sizes(index.k.shape[1])[1:]:
         layers.append(pool_layer(layers[-1], config.compression_rate))
-    key_head = jnp.arange(num_kv_heads) // (num_kv_heads // index.k.shape[2])
+    key_head = key_head_of(num_kv_heads, index.k.shape[2])
     return [jnp.take(x, key_head, axis=2) for x in layers]
 
 
