@@ -43,6 +43,7 @@ from htree_jax.reference import htree_attention_reference, htree_attention_refer
 from pallas_kernels.block.attention import block_attention, packed_block_attention
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import MERGES, block_forward_pallas
+from pallas_kernels.block.layout import PackedLayout
 from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
 from pallas_kernels.block.mosaic_merge import DTYPES as MOSAIC_DTYPES
 from pallas_kernels.block.mosaic_merge import HALVES, MAX_PROGRAM_ROWS, RATES, VALUE_DIMS, spoken
@@ -315,8 +316,8 @@ def _block_packed(q, k, v, c: Call, merge: str):
     blocks, firsts, exported = packed_block_selections(q, zero_non_finite(k), zero_non_finite(v), c.packing,
                                                        config=c.config, tuning=c.tuning, interpret=c.interpret,
                                                        export=c.export)
-    o = packed_block_attention(q, k, v, blocks, firsts, c.packing, config=c.config, tuning=c.tuning, merge=merge,
-                               interpret=c.interpret)
+    o = packed_block_attention(q, k, v, blocks, PackedLayout(c.packing, firsts), config=c.config, tuning=c.tuning,
+                               merge=merge, interpret=c.interpret)
     block_of = (c.packing.position // c.config.selection_block)[:, :, None, None]
     tokens = lambda x: jnp.take_along_axis(x, block_of, axis=1)
     selected = local_selections([tokens(s) for s in blocks], c.packing, c.config.compression_rate)

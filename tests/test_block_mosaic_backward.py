@@ -20,11 +20,11 @@ from pallas_kernels.block.backward import block_backward_pallas, chosen_sum, cho
 from pallas_kernels.block.forward import block_static
 from pallas_kernels.block.layout import table_positions
 from pallas_kernels.block.inverted import inverted_index
-from pallas_kernels.block.merge import rope_tables, rotate_halves
+from pallas_kernels.block.merge import BlockLaunch, rope_tables, rotate_halves
 from pallas_kernels.block.mosaic_backward import TILE, BackwardPipeline, block_backward_mosaic, check_mosaic_backward_dims
 from pallas_kernels.block.mosaic_merge import from_program_layout, program_layout
 from pallas_kernels.block.mosaic_sums import check_mosaic_sum_dims, ring_stages
-from pallas_kernels.block.partials import chunk_bounds, entry_keys, range_lanes, slab_widths, sum_partials
+from pallas_kernels.block.partials import SumLaunch, chunk_bounds, entry_keys, range_lanes, slab_widths, sum_partials
 from pallas_kernels.shared.configs import BlockConfig
 from tests.test_block_kernels import block_config, hopper, inputs
 from tests.test_block_routes import LOWERS_FOR_CUDA
@@ -87,8 +87,8 @@ def test_the_mosaic_walk_of_packed_rows_and_of_a_shard_lowers_on_the_cpu(packed,
 
     def walk(q5, do5, lse, delta, layers, sel, extra):
         more = dict(firsts=extra) if packed else dict(offset=extra)
-        return block_backward_mosaic(q5, do5, lse, delta, layers, sel, config, st, 128, rows, nodes,
-                                     widths=slab_widths(nodes, rows, st), **more)
+        launch = BlockLaunch(config, st, 128, rows, nodes, widths=slab_widths(nodes, rows, st))
+        return block_backward_mosaic((q5, do5, lse, delta), layers, sel, launch, **more)
 
     f = jax.jit(walk)
     dq5, slabs, ranges = jax.eval_shape(f, q5, q5, vec, vec, layers, sel, extra)
@@ -168,9 +168,9 @@ def test_partials_of_keys_turned_by_position_are_turned_back_when_summed(rng, dt
     for l, ix in enumerate(index):
         U = ix.offsets.shape[-1] - 1
         bounds = chunk_bounds(entry_keys(ix, NB), U, NB, 0, NB)
-        args = dict(r=4, width=width, per_block=1, layer=l, interpret=True)
-        want = sum_partials(first, *bounds, ix, ranges, pk.astype(jnp.float32), pv, **args)
-        got = sum_partials(first, *bounds, ix, ranges, turned, pv, tables=(cos, sin), **args)
+        launch = SumLaunch(r=4, width=width, per_block=1, layer=l, interpret=True)
+        want = sum_partials(first, bounds, ix, ranges, (pk.astype(jnp.float32), pv), launch=launch)
+        got = sum_partials(first, bounds, ix, ranges, (turned, pv), launch=launch, tables=(cos, sin))
         for a, b in zip(got, want):
             assert relative(a, b) < 1e-5
 

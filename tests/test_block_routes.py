@@ -17,7 +17,7 @@ import pytest
 from htree_jax import HTreeConfig, htree_attention
 from pallas_kernels.block.forward import merge_static
 from pallas_kernels.block.layout import table_positions
-from pallas_kernels.block.merge import rope_tables, rotate_back, rotate_halves
+from pallas_kernels.block.merge import BlockLaunch, rope_tables, rotate_back, rotate_halves
 from pallas_kernels.block.mosaic_merge import (NARROW_PIPELINE, PIPELINE, Pipeline, block_merge_mosaic, check_mosaic_dims,
                                               count_entries, earlier_bits, refined_bitmaps, turned_keys,
                                               with_firsts, with_offset)
@@ -105,8 +105,8 @@ def mosaic_merge_abstract(r, top_k, T, G, H_kv, K, V, dtype, pipe):
         layers += [jax.ShapeDtypeStruct((1, H_kv, n_p, 2 * st.half), dtype),
                    jax.ShapeDtypeStruct((1, H_kv, n_p, st.vp), dtype)]
     sel = [jax.ShapeDtypeStruct((1, Tp // r, H_kv, st.width), jnp.int32)] * (st.num_layers - 1)
-    merge = jax.jit(lambda q5, layers, sel: block_merge_mosaic(q5, layers, sel, config, st, K,
-                                                               table_positions(config, T, st), pipe=pipe))
+    launch = BlockLaunch(config, st, K, table_positions(config, T, st))
+    merge = jax.jit(lambda q5, layers, sel: block_merge_mosaic(q5, layers, sel, launch, pipe=pipe))
     return merge, (q5, layers, sel), st
 
 
@@ -302,9 +302,9 @@ def test_the_mosaic_merge_of_a_context_shard_lowers_on_the_cpu():
     S = q5.shape[1] // 4
     q5 = jax.ShapeDtypeStruct((1, S) + q5.shape[2:], q5.dtype)
     sel = [jax.ShapeDtypeStruct((1, S // 16) + x.shape[2:], x.dtype) for x in sel]
-    shard = jax.jit(lambda q5, layers, sel, offset: block_merge_mosaic(
-        q5, layers, sel, config, st, 128, table_positions(config, BENCHMARK_SHAPE[2], st), pipe=PIPELINE,
-        offset=offset))
+    launch = BlockLaunch(config, st, 128, table_positions(config, BENCHMARK_SHAPE[2], st))
+    shard = jax.jit(lambda q5, layers, sel, offset: block_merge_mosaic(q5, layers, sel, launch, pipe=PIPELINE,
+                                                                       offset=offset))
     offset = jax.ShapeDtypeStruct((), jnp.int32)
     assert "mosaic_gpu" in shard.trace(q5, layers, sel, offset).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -314,6 +314,6 @@ def test_the_mosaic_merge_of_packed_rows_lowers_on_the_cpu():
     merge, (q5, layers, sel), st = mosaic_merge_abstract(*BENCHMARK_SHAPE, PIPELINE)
     config = HTreeConfig(compression_rate=16, top_k=512, selection_block=16)
     firsts = jax.ShapeDtypeStruct((1, q5.shape[1] // 16), jnp.int32)
-    packed = jax.jit(lambda q5, layers, sel, f: block_merge_mosaic(
-        q5, layers, sel, config, st, 128, table_positions(config, BENCHMARK_SHAPE[2], st), pipe=PIPELINE, firsts=f))
+    launch = BlockLaunch(config, st, 128, table_positions(config, BENCHMARK_SHAPE[2], st))
+    packed = jax.jit(lambda q5, layers, sel, f: block_merge_mosaic(q5, layers, sel, launch, pipe=PIPELINE, firsts=f))
     assert "mosaic_gpu" in packed.trace(q5, layers, sel, firsts).lower(lowering_platforms=("cuda",)).as_text()

@@ -27,11 +27,11 @@ from pallas_kernels.block.backward import block_backward_launch, block_backward_
 from pallas_kernels.block.forward import block_forward_pallas, block_static
 from pallas_kernels.block.layout import block_layout, table_positions
 from pallas_kernels.block.inverted import inverted_index
-from pallas_kernels.block.merge import layer_arrays, rope_tables, selection_lists
+from pallas_kernels.block.merge import BlockLaunch, layer_arrays, rope_tables, selection_lists
 from pallas_kernels.block.mosaic_backward import TILE, block_backward_mosaic, walk_layers
 from pallas_kernels.block.mosaic_sums import mosaic_sum_partials
-from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_edges, entry_keys, slab_widths, sum_partials,
-                                         zero_totals)
+from pallas_kernels.block.partials import (LANES, SumLaunch, chunk_blocks, chunk_edges, entry_keys, slab_widths,
+                                         sum_partials, zero_totals)
 from pallas_kernels.shared.common import pad_axis, pad_rope_halves
 from pallas_kernels.shared.configs import BlockConfig
 
@@ -97,13 +97,13 @@ def main(argv=None):
         cut = lambda x, per: lax.slice_in_dim(x, 0, count * per, axis=1)
 
         # The Mosaic GPU walk's layers are laid out once a backward (`walk_layers`), as there.
-        prepared = jax.jit(lambda layers: walk_layers(layers, config, st, K, table_rows))(layers) if (
-            walk == "mosaic_gpu") else None
+        settings = BlockLaunch(config, st, K, table_rows, nodes, ip, widths)
+        prepared = jax.jit(lambda layers: walk_layers(layers, settings))(layers) if walk == "mosaic_gpu" else None
 
         def walk_chunk(rows, layers, lists, prepared):
             more = {} if prepared is None else dict(prepared=prepared)
-            return launch(*(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], config, st, K, table_rows,
-                          nodes, ip, sums="partials", offset=jnp.int32(0), widths=widths, **more)
+            return launch(tuple(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], settings,
+                          sums="partials", offset=jnp.int32(0), **more)
 
         walk_ms = median_ms(jax.jit(walk_chunk), (rows, layers, lists, prepared), args.iters)
         dq5, *out = jax.jit(walk_chunk)(rows, layers, lists, prepared)
@@ -117,15 +117,14 @@ def main(argv=None):
         for variant in variants:
             for l, ix in enumerate(index):
                 totals = zero_totals(B, H_kv, -(-nodes[l] // r), r, 2 * st.half, st.vp)
-                common = dict(r=r, width=widths[l], per_block=r // st.queries, layer=l)
                 if variant == "mosaic":
-                    add = jax.jit(lambda ix, lo, hi, ranges, pk, pv, tables, totals, c=common: mosaic_sum_partials(
-                        jnp.zeros((LANES,), jnp.int32), lo, hi, ix, ranges, pk, pv, tables=tables, totals=totals, **c))
+                    sums, kernel = SumLaunch(r, widths[l], r // st.queries, l), mosaic_sum_partials
                 else:
-                    add = jax.jit(lambda ix, lo, hi, ranges, pk, pv, tables, totals, c=common, w=variant[0],
-                                  s=variant[1]: sum_partials(jnp.zeros((LANES,), jnp.int32), lo, hi, ix, ranges, pk,
-                                                             pv, num_warps=w, num_stages=s, tables=tables,
-                                                             totals=totals, interpret=ip, **c))
+                    sums = SumLaunch(r, widths[l], r // st.queries, l, variant[0], variant[1], ip)
+                    kernel = sum_partials
+                add = jax.jit(lambda ix, lo, hi, ranges, pk, pv, tables, totals, s=sums, f=kernel: f(
+                    jnp.zeros((LANES,), jnp.int32), (lo, hi), ix, ranges, (pk, pv), launch=s, tables=tables,
+                    totals=totals))
                 sum_ms.setdefault(variant, []).append(median_ms(
                     add, (ix, bounds[l][0], bounds[l][1], ranges, slabs[2 * l], slabs[2 * l + 1], tables, totals),
                     args.iters))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.layout import PackedLayout, row_layout
-from pallas_kernels.shared.guarded import KernelCall, guarded_vjp
+from pallas_kernels.shared.guarded import KernelCall, Saved, guarded_vjp
 
 
 def forward(q, k, v, operands, call: KernelCall):
@@ -27,10 +27,12 @@ def forward(q, k, v, operands, call: KernelCall):
     return o, lse, (), None
 
 
-def backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
-    """`block_backward_pallas` over `operands["layout"]`, as the guard calls it: `(dq, dk, dv)`."""
-    return block_backward_pallas(q, k, v, o, lse, do, operands["selections"], operands["layout"], config=call.config,
-                                 block=call.tuning.block, interpret=call.interpret, dead_rows=dead)
+def backward(q, k, v, saved: Saved, call: KernelCall):
+    """`block_backward_pallas` over `saved.operands["layout"]`, as the guard calls it: `(dq, dk, dv)`."""
+    operands = saved.operands
+    return block_backward_pallas(q, k, v, saved.o, saved.lse, saved.do, operands["selections"], operands["layout"],
+                                 config=call.config, block=call.tuning.block, interpret=call.interpret,
+                                 dead_rows=saved.dead)
 
 
 attention = guarded_vjp(forward, backward)
@@ -52,14 +54,14 @@ def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpre
     return attention(q, k, v, operands, call)[0]
 
 
-def packed_block_attention(q, k, v, selections, firsts, packing, *, config, tuning, merge: str,
+def packed_block_attention(q, k, v, selections, layout: PackedLayout, *, config, tuning, merge: str,
                            interpret: bool = False):
-    """`block_attention` over packed rows (`layout.PackedLayout`; `merge` one of
-    `forward.MERGES`): `selections` the virtual blocks' lists (virtual tree rows, `[B,
-    T_v / b, H_kv, top_k]` each), `firsts [B, T_v / b]` each one's document's first top
-    node, `packing` the rows' `htree_jax.core.packing.Packing`. Returns `o [B, T, H, V]`."""
+    """`block_attention` over packed rows (`merge` one of `forward.MERGES`): `selections`
+    the virtual blocks' lists (virtual tree rows, `[B, T_v / b, H_kv, top_k]` each),
+    `layout` the rows' `layout.PackedLayout` (the `Packing` and `firsts [B, T_v / b]`,
+    each block's document's first top node). Returns `o [B, T, H, V]`."""
     call = KernelCall(config, tuning, interpret, merge=merge)
-    operands = {"selections": list(selections), "layout": PackedLayout(packing, firsts)}
+    operands = {"selections": list(selections), "layout": layout}
     return attention(q, k, v, operands, call)[0]
 
 

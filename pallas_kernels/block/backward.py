@@ -19,6 +19,7 @@ tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,11 +33,12 @@ from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
 from pallas_kernels.block.mosaic_backward import block_backward_mosaic, check_mosaic_backward_dims, walk_layers
 from pallas_kernels.block.mosaic_sums import mosaic_sum_partials
-from pallas_kernels.block.partials import (LANES, chunk_blocks, chunk_edges, entry_keys, range_lanes, slab_widths,
+from pallas_kernels.block.partials import (LANES, SumLaunch, chunk_blocks, chunk_edges, entry_keys, range_lanes, slab_widths,
                                          sum_partials, totals_by_node, zero_totals)
 from pallas_kernels.block.forward import block_static, on_hopper
 from pallas_kernels.block.layout import row_layout
 from pallas_kernels.block.merge import (
+    BlockLaunch,
     BlockStatic,
     block_inputs,
     block_scalars,
@@ -44,7 +46,6 @@ from pallas_kernels.block.merge import (
     layer_walk,
     merged_mask,
     operand,
-    rope_tables,
     rotate_back,
     rotated_keys,
     rotated_rows,
@@ -136,24 +137,24 @@ def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, 
         range_ref[...] = walked
 
 
-@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "node_counts", "interpret",
-                                             "sums", "widths"))
-def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTreeConfig, st: BlockStatic,
-                          head_dim: int, table_rows: int, node_counts: tuple, interpret: bool = False,
-                          sums: str = "atomics", firsts=None, offset=None, widths: tuple = ()):
+@functools.partial(jax.jit, static_argnames=("launch", "sums"))
+def block_backward_launch(rows, layers, selections, launch: BlockLaunch, sums: str = "atomics", firsts=None,
+                          offset=None):
     """`(dq [B, Tp, H_kv, Gp, 2 * half]` float32, `[dk_l, dv_l]` float32 as `layers`)`
-    for the rows of `q5` (as `merge.block_merge_pallas` takes them) with cotangents `do5
-    [B, Tp, H_kv, Gp, vp]`, their log-sum-exp `lse` and `delta = rowsum(do * o)`
-    `[B, Tp, H_kv, Gp]`; `node_counts` each layer's nodes (the gradients have a spare
-    row past them). `sums="partials"`: `(dq, [pk_l, pv_l], ranges)`,
-    each program's slab of `widths[l]` positions a layer (`[B, H_kv, NP * widths[l],
-    D]`, program `p` at rows `p * widths[l] ..`) and the `[start, stop)` positions it
-    walked (`ranges [B, H_kv, NP, partials.range_lanes(L)]` int32; `partials.py` sums
-    them). `firsts` (packed rows) and `offset` (a context shard's rows) as
-    `merge.block_merge_pallas` takes them."""
+    for `rows = (q5, do5, lse, delta)`: the queries `q5` (as `merge.block_merge_pallas`
+    takes them) with cotangents `do5 [B, Tp, H_kv, Gp, vp]`, their log-sum-exp `lse` and
+    `delta = rowsum(do * o)` `[B, Tp, H_kv, Gp]`; `launch.node_counts` each layer's nodes
+    (the gradients have a spare row past them). `sums="partials"`: `(dq, [pk_l, pv_l],
+    ranges)`, each program's slab of `launch.widths[l]` positions a layer (`[B, H_kv, NP
+    * widths[l], D]`, program `p` at rows `p * widths[l] ..`) and the `[start, stop)`
+    positions it walked (`ranges [B, H_kv, NP, partials.range_lanes(L)]` int32;
+    `partials.py` sums them). `firsts` (packed rows) and `offset` (a context shard's
+    rows) as `merge.block_merge_pallas` takes them."""
+    q5, do5, lse, delta = rows
+    st, table_rows, node_counts = launch.st, launch.table_rows, launch.node_counts
     B, Tp, H_kv, gp, kp = q5.shape
     qb = st.queries
-    cos, sin = rope_tables(config, head_dim, table_rows, st)
+    cos, sin = launch.tables
     per_block = st.r // qb
     rows_spec = lambda d: pl.BlockSpec((None, qb, None, gp, d), lambda i, j, h: (i, j, h, 0, 0))
     vec_spec = pl.BlockSpec((None, qb, None, gp), lambda i, j, h: (i, j, h, 0))
@@ -169,7 +170,7 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
         jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in zeros]
     if sums == "partials":
         NP = Tp // qb
-        for W in widths:
+        for W in launch.widths:
             for d in (kp, st.vp):
                 out_specs.append(pl.BlockSpec((None, None, W, d), lambda i, j, h: (i, h, j, 0)))
                 out_shape.append(jax.ShapeDtypeStruct((B, H_kv, NP * W, d), jnp.float32))
@@ -188,45 +189,48 @@ def block_backward_launch(q5, do5, lse, delta, layers, selections, config: HTree
         out_shape=out_shape,
         input_output_aliases={first_zero + i: 1 + i for i in range(len(zeros))},
         compiler_params=compiler_params(st.num_warps, st.num_stages),
-        interpret=interpret,
+        interpret=launch.interpret,
     )(q5, do5, lse, delta, cos, sin, *scalars, *selections, *layers, *zeros)
 
 
-def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, st: BlockStatic, head_dim: int,
-                       T: int, table_rows: int, node_counts: tuple, budget: int, interpret: bool = False,
-                       firsts=None, offset=None, walk: str = "pallas_triton", sum_launch: tuple[int, int] = (8, 1),
-                       sum_kernel: str = "pallas_triton"):
+def launch_by_partials(rows, layers, selections, lists, *, launch: BlockLaunch, layout, block: BlockConfig,
+                       walk: str = "pallas_triton"):
     """`block_backward_launch`'s `(dq5, [dk_l, dv_l])` with the key and value gradients
     summed by node from partial sums (`partials.py`): chunks of blocks whose slabs fit
-    `budget` bytes, each walked (`sums="partials"`) and then summed a layer, the totals
-    added chunk after chunk in block order. `rows` `(q5, do5, lse, delta)`, `lists` and
-    `selections` (as `block_backward_pallas` has them), `T` the keys (a packed row's
-    virtual length), `node_counts` each layer's nodes, `firsts` (packed rows) and
-    `offset` (a context shard's first position) as the launch takes them. `walk`: the
-    kernel that walks the blocks, `"pallas_triton"` (`block_backward_launch`, float32
-    slabs of `dk` turned back) or `"mosaic_gpu"` (`mosaic_backward.block_backward_mosaic`,
-    slabs in the inputs' dtype, `dk` turned back by the sums; `st.tile` its `TILE`);
-    `sum_launch` the sums' `(warps, stages)`; `sum_kernel` theirs (`"mosaic_gpu"`:
-    `mosaic_sums.py`, with the Mosaic GPU walk only: a ValueError otherwise)."""
+    `block.backward_partial_bytes`, each walked (`sums="partials"`) and then summed a
+    layer, the totals added chunk after chunk in block order. `rows` `(q5, do5, lse,
+    delta)`, `lists` and `selections` (as `block_backward_pallas` has them), `layout`
+    the rows' (`layout.py`: the keys' length, a packed row's virtual one, and the
+    launch's `firsts` or `offset`). `walk`: the kernel that walks the blocks,
+    `"pallas_triton"` (`block_backward_launch`, float32 slabs of `dk` turned back) or
+    `"mosaic_gpu"` (`mosaic_backward.block_backward_mosaic`, slabs in the inputs' dtype,
+    `dk` turned back by the sums; `st.tile` its `TILE`); the sums' kernel and its
+    `(warps, stages)` as `block` says (`backward_sum_kernel="mosaic_gpu"`: `mosaic_sums.py`,
+    with the Mosaic GPU walk only: a ValueError otherwise)."""
+    sum_kernel = block.backward_sum_kernel
     if sum_kernel == "mosaic_gpu" and walk != "mosaic_gpu":
         raise ValueError(f"BlockConfig(backward_sum_kernel='mosaic_gpu') sums the Mosaic GPU walk's slabs; this "
                          f"launch walks on {walk!r} (16-bit inputs, K and V up to 128: see backward_walk)")
+    st, table_rows, node_counts = launch.st, launch.table_rows, launch.node_counts
+    extras, T = layout.extras(), layout.length
+    firsts, offset = extras.get("firsts"), extras.get("offset")
     q5 = rows[0]
     B, Tp, H_kv = q5.shape[:3]
     r, L = st.r, st.num_layers
     NB, per_block = Tp // r, r // st.queries
     mosaic = walk == "mosaic_gpu"
-    launch = block_backward_mosaic if mosaic else block_backward_launch
     widths = slab_widths(node_counts, table_rows, st)
+    launch = dataclasses.replace(launch, widths=widths)
+    walk_launch = block_backward_mosaic if mosaic else block_backward_launch
     itemsize = jnp.dtype(q5.dtype).itemsize if mosaic else 4
     per_program = B * H_kv * sum(widths) * (q5.shape[-1] + st.vp) * itemsize
     tables, prepared = None, {}
     if mosaic:  # each key's angle by its buffer position, to `max(widths)` (identity past the table)
-        prepared = dict(prepared=walk_layers(layers, config, st, head_dim, table_rows))  # once, not a chunk
-        cos, sin = rope_tables(config, head_dim, table_rows, st)
+        prepared = dict(prepared=walk_layers(layers, launch))  # once, not a chunk
+        cos, sin = launch.tables
         pad = ((0, max(0, max(widths) - table_rows)), (0, 0))
         tables = (jnp.pad(cos, pad, constant_values=1.0), jnp.pad(sin, pad))
-    count = chunk_blocks(NB, per_block, per_program, budget)
+    count = chunk_blocks(NB, per_block, per_program, block.backward_partial_bytes)
     tiles = [-(-n // r) for n in node_counts]
     full, rest = divmod(NB, count)
     with jax.named_scope("htree_index"):
@@ -241,24 +245,20 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
         cut = lambda x, per: lax.dynamic_slice_in_dim(x, first_block * per, n_blocks * per, axis=1)
         start = first_block * r if offset is None else offset + first_block * r
         with jax.named_scope("htree_walk"):
-            dq5, *out = launch(
-                *(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], config, st, head_dim, table_rows,
-                node_counts, interpret, sums="partials", firsts=None if firsts is None else cut(firsts, 1),
-                offset=jnp.asarray(start, jnp.int32), widths=widths, **prepared)
+            dq5, *out = walk_launch(
+                tuple(cut(x, r) for x in rows), layers, [cut(x, 1) for x in lists], launch, sums="partials",
+                firsts=None if firsts is None else cut(firsts, 1), offset=jnp.asarray(start, jnp.int32), **prepared)
         slabs, ranges = (out[0], out[1]) if mosaic else (out[:-1], out[-1])
         first = jnp.full((LANES,), first_block, jnp.int32)
         new = []
         for l in range(L):
-            lo, hi, pk, pv = bounds[l][c], bounds[l][c + 1], slabs[2 * l], slabs[2 * l + 1]
+            span, layer_slabs = (bounds[l][c], bounds[l][c + 1]), (slabs[2 * l], slabs[2 * l + 1])
+            sums = SumLaunch(r, widths[l], per_block, l, block.backward_sum_num_warps, block.backward_sum_num_stages,
+                             launch.interpret)
             with jax.named_scope("htree_sums"):
-                if sum_kernel == "mosaic_gpu":
-                    new.append(mosaic_sum_partials(first, lo, hi, index[l], ranges, pk, pv, r=r, width=widths[l],
-                                                   per_block=per_block, layer=l, tables=tables, totals=totals[l]))
-                    continue
-                new.append(sum_partials(
-                    first, lo, hi, index[l], ranges, pk, pv, r=r, width=widths[l], per_block=per_block, layer=l,
-                    num_warps=sum_launch[0], num_stages=sum_launch[1], interpret=interpret, tables=tables,
-                    totals=totals[l]))
+                add = mosaic_sum_partials if sum_kernel == "mosaic_gpu" else sum_partials
+                new.append(add(first, span, index[l], ranges, layer_slabs, launch=sums, tables=tables,
+                               totals=totals[l]))
         return dq5, new
 
     totals = [zero_totals(B, H_kv, u, r, q5.shape[-1], st.vp) for u in tiles]
@@ -279,11 +279,6 @@ def launch_by_partials(rows, layers, selections, lists, *, config: HTreeConfig, 
     with jax.named_scope("htree_sums"):
         grads = [g for layer in totals for g in totals_by_node(layer, r)]
     return jnp.concatenate(dqs, axis=1) if len(dqs) > 1 else dqs[0], grads
-
-
-def sum_launch(block: BlockConfig) -> tuple[int, int]:
-    """The partial sums' `(warps, stages)` (`BlockConfig.backward_sum_num_warps`, `_stages`)."""
-    return block.backward_sum_num_warps, block.backward_sum_num_stages
 
 
 def chosen_sum(block: BlockConfig, interpret: bool) -> str:
@@ -349,15 +344,12 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, confi
                                                           delta))
         layers, table_rows = layout.layers(k, v, config, st), layout.table_rows(config, st)
         lists, node_counts = selection_lists(selections, st), layout.node_counts(config, st)
+    launch = BlockLaunch(config, st, K, table_rows, node_counts, interpret)
     if chosen_sum(block, interpret) == "partials":
-        dq5, grads = launch_by_partials(rows, layers, selections, lists, config=config, st=st, head_dim=K,
-                                        T=layout.length, table_rows=table_rows, node_counts=node_counts,
-                                        budget=block.backward_partial_bytes, interpret=interpret, walk=walk,
-                                        sum_launch=sum_launch(block), sum_kernel=block.backward_sum_kernel,
-                                        **layout.extras())
+        dq5, grads = launch_by_partials(rows, layers, selections, lists, launch=launch, layout=layout, block=block,
+                                        walk=walk)
     else:
-        dq5, *grads = block_backward_launch(*rows, layers, lists, config, st, K, table_rows, node_counts, interpret,
-                                            sums="atomics", **layout.extras())
+        dq5, *grads = block_backward_launch(rows, layers, lists, launch, sums="atomics", **layout.extras())
     with jax.named_scope("htree_dq"):
         dq = layout.tokens(unpad_rope_halves(dq5[:, :, :, :G], K)).astype(q.dtype)
     with jax.named_scope("htree_push_down"):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from htree_jax.core.config import HTreeConfig
 from pallas_kernels.block import mosaic_merge
 from pallas_kernels.block.layout import row_layout
-from pallas_kernels.block.merge import BlockStatic, block_merge_pallas, block_queries, selection_lists
+from pallas_kernels.block.merge import BlockLaunch, BlockStatic, block_merge_pallas, block_queries, selection_lists
 from pallas_kernels.shared.common import next_power_of_two, pad_rope_halves
 from pallas_kernels.shared.configs import MERGE_ROUTES, BlockConfig
 
@@ -135,7 +135,7 @@ def block_forward_pallas(q, k, v, selections, layout=None, *, config: HTreeConfi
     check_merge_route(merge, st, K, V, q.dtype, interpret)
     if len(selections) != st.num_layers - 1:
         raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
+    launch = BlockLaunch(config, st, K, layout.table_rows(config, st), interpret=interpret)
     o, lse = MERGES[merge].launch(layout.rows(pad_rope_halves(q, st.half), H_kv, st), layout.layers(k, v, config, st),
-                                  selection_lists(selections, st), config, st, K, layout.table_rows(config, st),
-                                  interpret=interpret, **layout.extras())
+                                  selection_lists(selections, st), launch, **layout.extras())
     return layout.tokens(o[:, :, :, :G, :V]), layout.tokens(lse[:, :, :, :G])

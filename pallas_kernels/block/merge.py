@@ -67,6 +67,28 @@ class BlockStatic:
         return self.queries * self.group
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockLaunch:
+    """What a block kernel's launch is compiled for besides its arrays (static under
+    `jit`): the function (`config`), the launch `st`, the real head dim `head_dim` the
+    RoPE tables are built for, the tables' `table_rows` (at least every `n` of a layer
+    rounded up to `st.tile`), each layer's `node_counts` and the partial sums' slab
+    `widths` (the backward's), and interpret mode."""
+
+    config: HTreeConfig
+    st: BlockStatic
+    head_dim: int
+    table_rows: int
+    node_counts: tuple = ()
+    interpret: bool = False
+    widths: tuple = ()
+
+    @property
+    def tables(self):
+        """`rope_tables` for the launch: `(cos, sin)` float32 `[table_rows, half]`."""
+        return rope_tables(self.config, self.head_dim, self.table_rows, self.st)
+
+
 def block_queries(b: int, G: int, widest: int) -> int:
     """Queries of one block per program: all `b` while `b * G` fits the rows (`MAX_ROWS`,
     half that where the padded `K` or `V`, `widest`, passes 128), else the most that fit
@@ -334,22 +356,21 @@ def first_spec(st: BlockStatic):
     return pl.BlockSpec((None, None, None, FIRST_LANES), lambda i, j, h: (i, j // (st.r // st.queries), h, 0))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret"))
-def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
-                       interpret: bool = False, firsts=None, offset=None):
+@functools.partial(jax.jit, static_argnames=("launch",))
+def block_merge_pallas(q5, layers, selections, launch: BlockLaunch, firsts=None, offset=None):
     """Every layer's merge for queries `q5 [B, Tp, H_kv, Gp, 2 * half]` (rope layout,
     halves padded; `Tp` a multiple of `b`) given the tree `layers` (`layer_arrays`) and
     the blocks' selections (`selection_lists`, `[B, Tp / b, H_kv, width]` each, top
-    layer first). Returns `(o [B, Tp, H_kv, Gp, vp]` in q's dtype, `lse [B, Tp, H_kv,
-    Gp]` float32)`: each row's output and the log-sum-exp of its merged scores.
-    `head_dim` the real `K`; `table_rows` RoPE positions, at least every `n` of a layer
-    rounded up to `st.tile`. `firsts [B, Tp / b]` int32: packed rows laid out virtually,
+    layer first), launched as `launch` says (`BlockLaunch`). Returns `(o [B, Tp, H_kv,
+    Gp, vp]` in q's dtype, `lse [B, Tp, H_kv, Gp]` float32)`: each row's output and the
+    log-sum-exp of its merged scores. `firsts [B, Tp / b]` int32: packed rows laid out virtually,
     each block's document's first top node (`layer_walk`); None: a document a row.
     `offset` int32: the rows are a context shard's, from that position (a multiple of
     `b`) of the tree's sequence; None: from 0."""
+    st, table_rows = launch.st, launch.table_rows
     B, Tp, H_kv, gp, kp = q5.shape
     b, qb = st.r, st.queries
-    cos, sin = rope_tables(config, head_dim, table_rows, st)
+    cos, sin = launch.tables
     per_block = b // qb
     q_spec = pl.BlockSpec((None, qb, None, gp, kp), lambda i, j, h: (i, j, h, 0, 0))
     table_spec = pl.BlockSpec((table_rows, st.half), lambda i, j, h: (0, 0))
@@ -366,5 +387,5 @@ def block_merge_pallas(q5, layers, selections, config: HTreeConfig, st: BlockSta
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H_kv, gp, st.vp), q5.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H_kv, gp), jnp.float32)],
         compiler_params=compiler_params(st.num_warps, st.num_stages),
-        interpret=interpret,
+        interpret=launch.interpret,
     )(q5, cos, sin, *scalars, *selections, *layers)

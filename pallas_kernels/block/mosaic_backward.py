@@ -47,9 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count
-from pallas_kernels.block.merge import BlockStatic, layer_parent_counts, rope_tables, rotate_back
+from pallas_kernels.block.merge import BlockLaunch, BlockStatic, layer_parent_counts, rope_tables, rotate_back
 from pallas_kernels.block.mosaic_merge import (DTYPES, WORD, count_entries, from_program_layout, layer_bounds,
                                                node_first_row, per_program_lists, program_layout,
                                                shifted_position,
@@ -354,12 +353,13 @@ def scratch_shapes(st: BlockStatic, pipe: BackwardPipeline, dtype, list_shape, w
     ]
 
 
-def walk_layers(layers, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int) -> list:
-    """The tree's layers (`merge.layer_arrays`, bottom first) as the walk lands them: each
+def walk_layers(layers, launch: BlockLaunch) -> list:
+    """The tree's layers (`merge.layer_arrays`, bottom first) as `launch`'s walk lands them: each
     layer's keys' halves in `TILE / r` copies turned by their offset in a step (the top
     layer in one, turned by its node: `mosaic_merge.turned_keys`), then its values'
     halves: `[k_lo, k_hi, v_lo, v_hi]` a layer."""
-    cos32, sin32 = rope_tables(config, head_dim, _table_rows(table_rows), st)
+    st = launch.st
+    cos32, sin32 = rope_tables(launch.config, launch.head_dim, _table_rows(launch.table_rows), st)
     keys = turned_keys(split_layers(layers, st), cos32, sin32, st, TILE, absolute_top=True)
     out = []
     for k_lo, k_hi, v in zip(keys[0::3], keys[1::3], keys[2::3]):
@@ -390,12 +390,9 @@ def halves(x, axis: int):
     return jnp.moveaxis(x.reshape(x.shape[:-1] + (2, HALF)), -2, axis)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "node_counts", "interpret",
-                                             "sums", "widths", "pipe"))
-def block_backward_mosaic(q5, do5, lse, delta, layers, selections, config: HTreeConfig, st: BlockStatic,
-                          head_dim: int, table_rows: int, node_counts: tuple, interpret: bool = False,
-                          sums: str = "partials", firsts=None, offset=None, widths: tuple = (),
-                          pipe: BackwardPipeline | None = None, prepared=None):
+@functools.partial(jax.jit, static_argnames=("launch", "sums", "pipe"))
+def block_backward_mosaic(rows, layers, selections, launch: BlockLaunch, sums: str = "partials", firsts=None,
+                          offset=None, pipe: BackwardPipeline | None = None, prepared=None):
     """`backward.block_backward_launch` with `sums="partials"` (same arguments and
     results: `(dq5 [B, Tp, H_kv, Gp, 2 * half]` float32, `[pk_l, pv_l]` each `[B, H_kv,
     NP * widths[l], D]` in the inputs' dtype, `ranges [B, H_kv, NP, lanes]` int32)`) on
@@ -406,18 +403,20 @@ def block_backward_mosaic(q5, do5, lse, delta, layers, selections, config: HTree
     copies at 512K that a chunk's call would repeat). No interpret mode (refused); a layout
     whose buffers pass a block's shared memory is refused (ValueError) before it is
     built."""
-    if interpret:
+    if launch.interpret:
         raise ValueError("BlockConfig(backward_walk='mosaic_gpu') has no interpret mode; interpreted runs take "
                          "'pallas_triton'")
+    q5, do5, lse, delta = rows
+    config, st, head_dim, widths = launch.config, launch.st, launch.head_dim, launch.widths
     if sums != "partials" or st.tile != TILE:
         raise ValueError(f"backward_walk='mosaic_gpu' writes partial sums {TILE} candidates a step (got "
                          f"sums={sums!r}, tile {st.tile})")
     pipe = pipe or BACKWARD_PIPELINE
     B, Tp, H_kv, gp, kp = q5.shape
     dtype, C, L = q5.dtype, TILE, st.num_layers
-    check_mosaic_backward_dims(st, head_dim, st.vp, dtype, table_rows, pipe)
+    check_mosaic_backward_dims(st, head_dim, st.vp, dtype, launch.table_rows, pipe)
     packed, shard = firsts is not None, offset is not None
-    table_rows = _table_rows(table_rows)
+    table_rows = _table_rows(launch.table_rows)
     nj, nb = Tp // st.queries, Tp // st.r
     words = table_rows // WORD
     list_boxes, word_boxes = tma_boxes(next_power_of_two(st.top_k, 4)), tma_boxes(words)
@@ -443,7 +442,7 @@ def block_backward_mosaic(q5, do5, lse, delta, layers, selections, config: HTree
     q_lo, q_hi = rotated_queries(q5, counts, cos32, sin32, st, PROGRAM_ROWS, dtype, offset)
     do2 = halves(program_layout(do5, st, PROGRAM_ROWS), 3)  # [B, NJ, H_kv, 2, rows, HALF]
     lse_p, delta_p = (program_layout(x, st, PROGRAM_ROWS) for x in (lse, delta))
-    inputs = walk_layers(layers, config, st, head_dim, table_rows) if prepared is None else prepared
+    inputs = walk_layers(layers, launch) if prepared is None else prepared
     node_tiles = C // st.r
     bars = [plgpu.Barrier(num_arrivals=7),  # setup: counts, lists, bitmaps, cotangents' halves, lse, delta
             plgpu.Barrier(num_arrivals=2),  # a layer's queries' halves

@@ -51,10 +51,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count
-from pallas_kernels.block.merge import (PAST_NODES, BlockStatic, layer_parent_counts, rope_tables, rotate_back,
-                                       rotate_halves)
+from pallas_kernels.block.merge import (PAST_NODES, BlockLaunch, BlockStatic, layer_parent_counts, rope_tables,
+                                       rotate_back, rotate_halves)
 from pallas_kernels.shared.common import next_power_of_two
 from pallas_kernels.shared.shared_memory import LIMIT
 
@@ -716,22 +715,23 @@ def shared_bytes(scratch) -> int:
     return sum(-(-n // 1024) * 1024 for n in sizes) + 1024
 
 
-@functools.partial(jax.jit, static_argnames=("config", "st", "head_dim", "table_rows", "interpret", "pipe"))
-def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockStatic, head_dim: int, table_rows: int,
-                       interpret: bool = False, pipe: Pipeline | None = None, firsts=None, offset=None):
+@functools.partial(jax.jit, static_argnames=("launch", "pipe"))
+def block_merge_mosaic(q5, layers, selections, launch: BlockLaunch, pipe: Pipeline | None = None, firsts=None,
+                       offset=None):
     """`merge.block_merge_pallas` (same arguments and results, no interpret mode:
-    `interpret=True` is refused) on the Mosaic GPU kernel above, laid out as `pipe`
-    says (None: `pipeline_for(st)`; `table_rows` is rounded up to `pipe.tile`). `firsts`:
+    `launch.interpret` is refused) on the Mosaic GPU kernel above, laid out as `pipe`
+    says (None: `pipeline_for(st)`; `launch.table_rows` is rounded up to `pipe.tile`). `firsts`:
     packed rows, as there: the top layer's walk starts at the step of each block's
     document's first node (`with_firsts`), and `refined_bitmaps` marks the nodes before
     it in that step. `offset`: a context shard's rows, as there. A layout whose buffers pass the
     shared memory a block holds is refused (ValueError) before it is built."""
-    if interpret:
+    if launch.interpret:
         raise ValueError("block_merge='mosaic_gpu' has no interpret mode; interpreted runs take 'pallas_triton'")
+    st = launch.st
     pipe = pipe or pipeline_for(st)
     B, Tp, H_kv, gp, _ = q5.shape
     dtype, C, S = q5.dtype, pipe.tile, pipe.stages
-    table_rows = -(-max(table_rows, 4 * WORD) // C) * C  # a bitmap a TMA copy of at least 16 bytes
+    table_rows = -(-max(launch.table_rows, 4 * WORD) // C) * C  # a bitmap a TMA copy of at least 16 bytes
     rows, nj, nb = program_rows(st), Tp // st.queries, Tp // st.r
     consumers = rows // ROWS
     words = table_rows // WORD
@@ -743,7 +743,7 @@ def block_merge_mosaic(q5, layers, selections, config: HTreeConfig, st: BlockSta
         raise ValueError(f"block_merge='mosaic_gpu': Pipeline(tile={C}, stages={S}) takes {shared_bytes(scratch)} "
                          f"bytes of shared memory at {rows} rows, K / 2 = {st.half}, V = {st.vp} (a block holds "
                          f"{LIMIT}): fewer stages or a smaller tile")
-    cos32, sin32 = rope_tables(config, head_dim, table_rows, st)
+    cos32, sin32 = rope_tables(launch.config, launch.head_dim, table_rows, st)
     turned = pipe.turned
     chunk = C // pipe.chunks  # positions a base angle serves
     tables = [cos32[::chunk], sin32[::chunk]]  # each chunk's first angle

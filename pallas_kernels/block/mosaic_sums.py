@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.block.inverted import InvertedLayer
 from pallas_kernels.block.merge import rotate_back
+from pallas_kernels.block.partials import SumLaunch
 from pallas_kernels.shared.shared_memory import LIMIT
 
 WINDOW = 256  # index entries a copy lands (1 KB of int32, one TMA box)
@@ -178,12 +179,14 @@ def ring_stages(r: int, programs: int) -> int:
     return next((s for s in (4, 3) if _shared_bytes(r, programs, s) <= LIMIT), 2)
 
 
-@functools.partial(jax.jit, static_argnames=("r", "width", "per_block", "layer"))
-def mosaic_sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, r: int, width: int, per_block: int,
-                        layer: int, tables, totals):
+@functools.partial(jax.jit, static_argnames=("launch",))
+def mosaic_sum_partials(first, bounds, index: InvertedLayer, ranges, slabs, *, launch: SumLaunch, tables, totals):
     """`partials.sum_partials(..., tables=tables, totals=totals)` (same arguments and
     results; `totals` `(dk, dv)` each `[B, H_kv, U, R, 128]` float32, rows `r ..` of a
-    tile left as they come) on the kernel above."""
+    tile left as they come) on the kernel above; `launch`'s warps, stages and interpret
+    mode are Pallas-Triton's and not read."""
+    (lo, hi), (pk, pv) = bounds, slabs
+    r, width, per_block, layer = launch.r, launch.width, launch.per_block, launch.layer
     B, H_kv, U = lo.shape
     programs = ranges.shape[2]
     stages = ring_stages(r, programs)

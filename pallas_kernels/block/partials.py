@@ -18,6 +18,7 @@ layer's totals, chunk after chunk in block order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -92,22 +93,35 @@ def _sum_kernel(first_ref, lo_ref, hi_ref, blk_ref, slot_ref, range_ref, pk_ref,
         dv_ref[...] = dv
 
 
-@functools.partial(jax.jit, static_argnames=("r", "width", "per_block", "layer", "num_warps", "num_stages",
-                                             "interpret"))
-def sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, r: int, width: int, per_block: int,
-                 layer: int, num_warps: int = 4, num_stages: int = 1, interpret: bool = False, tables=None,
-                 totals=None):
-    """Layer `layer`'s `(dk [B, H_kv, U, R, kp], dv [B, H_kv, U, R, vp])` float32
-    (`totals_layout`) with one chunk's partials added: `pk [B, H_kv, NPc * width, kp]`,
-    `pv` (program `p`'s slab at rows `p * width ..`) and walked `ranges [B, H_kv, NPc,
-    lanes]`; node tile `u` adds its index entries `lo[..., u] .. hi[..., u] - 1` (the
-    chunk's blocks, whose first is `first [16]`'s lane 0), each block's programs in
-    order, to its totals so far (`totals`, `(dk, dv)` in that layout, which the result
+@dataclasses.dataclass(frozen=True)
+class SumLaunch:
+    """What one layer's sum of a chunk's partials is compiled for: the compression rate
+    `r`, the layer's slab `width` a program, the programs a block `per_block`, the
+    `layer`, and the Pallas-Triton launch's warps, stages and interpret mode."""
+
+    r: int
+    width: int
+    per_block: int
+    layer: int
+    num_warps: int = 4
+    num_stages: int = 1
+    interpret: bool = False
+
+
+@functools.partial(jax.jit, static_argnames=("launch",))
+def sum_partials(first, bounds, index: InvertedLayer, ranges, slabs, *, launch: SumLaunch, tables=None, totals=None):
+    """Layer `launch.layer`'s `(dk [B, H_kv, U, R, kp], dv [B, H_kv, U, R, vp])` float32
+    (`totals_layout`) with one chunk's partials `slabs = (pk, pv)` added: `pk [B, H_kv,
+    NPc * width, kp]`, `pv` (program `p`'s slab at rows `p * width ..`) and walked
+    `ranges [B, H_kv, NPc, lanes]`; node tile `u` adds its index entries `lo[..., u] ..
+    hi[..., u] - 1` (`bounds = (lo, hi)`, the chunk's blocks, whose first is `first
+    [16]`'s lane 0), each block's programs in order, to its totals so far (`totals`, `(dk, dv)` in that layout, which the result
     aliases: a tile with no entries keeps them untouched; None: zeros). `tables`: `(cos, sin) [>= width, kp / 2]` float32
     where each `dk` partial is the gradient of its key turned by its buffer position
     (`mosaic_backward.py`'s slabs): each is turned back by it before the add; None: the
     slabs hold `dk` as it is (`backward.py`'s). Slabs in any float dtype, summed in
     float32."""
+    (lo, hi), (pk, pv), r = bounds, slabs, launch.r
     B, H_kv, U = lo.shape
     kp, vp = pk.shape[-1], pv.shape[-1]
     if totals is None:
@@ -115,19 +129,20 @@ def sum_partials(first, lo, hi, index: InvertedLayer, ranges, pk, pv, *, r: int,
     whole = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda i, h, u: (i, h) + (0,) * (x.ndim - 2))
     tile = lambda d: pl.BlockSpec((None, None, None, tile_rows(r), d), lambda i, h, u: (i, h, u, 0, 0))
     rotated = tables is not None
-    tables = () if tables is None else tuple(x[:width] for x in tables)
+    tables = () if tables is None else tuple(x[:launch.width] for x in tables)
     table_specs = [pl.BlockSpec(x.shape, lambda i, h, u: (0, 0)) for x in tables]
     first_total = 8 + len(tables)
     return tuple(pl.pallas_call(
-        functools.partial(_sum_kernel, r=r, width=width, per_block=per_block, layer=layer, rotated=rotated),
+        functools.partial(_sum_kernel, r=r, width=launch.width, per_block=launch.per_block, layer=launch.layer,
+                          rotated=rotated),
         grid=(B, H_kv, U),
         in_specs=[pl.BlockSpec((LANES,), lambda i, h, u: (0,)), whole(lo), whole(hi), whole(index.blocks),
                   whole(index.slots), whole(ranges), whole(pk), whole(pv)] + table_specs + [tile(kp), tile(vp)],
         out_specs=[tile(kp), tile(vp)],
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in totals],
         input_output_aliases={first_total: 0, first_total + 1: 1},
-        compiler_params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
+        compiler_params=compiler_params(launch.num_warps, launch.num_stages),
+        interpret=launch.interpret,
     )(first, lo, hi, index.blocks, index.slots, ranges, pk, pv, *tables, *totals))
 
 
@@ -174,5 +189,5 @@ def chunk_bounds(keys, num_tiles: int, num_blocks: int, first, count: int):
     return bounds[0], bounds[1]
 
 
-__all__ = ["chunk_blocks", "chunk_bounds", "chunk_edges", "entry_keys", "range_lanes", "slab_widths", "sum_partials",
+__all__ = ["SumLaunch", "chunk_blocks", "chunk_bounds", "chunk_edges", "entry_keys", "range_lanes", "slab_widths", "sum_partials",
            "totals_by_node", "zero_totals"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pallas_kernels.gqa.backward import htree_backward_pallas
 from pallas_kernels.gqa.forward import htree_forward_pallas
-from pallas_kernels.shared.guarded import KernelCall, guarded_vjp
+from pallas_kernels.shared.guarded import KernelCall, Saved, guarded_vjp
 
 
 def forward(q, k, v, operands, call: KernelCall):
@@ -26,11 +26,11 @@ def forward(q, k, v, operands, call: KernelCall):
     return o, lse, (selected, *exported), kept
 
 
-def backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
+def backward(q, k, v, saved: Saved, call: KernelCall):
     """`htree_backward_pallas` as the guard calls it: `(dq, dk, dv)`."""
-    return htree_backward_pallas(q, k, v, o, lse, do, config=call.config, block_sizes=call.tuning,
-                                 interpret=call.interpret, dead_rows=dead, selections=kept,
-                                 packing=operands["packing"], positions=operands["positions"])
+    return htree_backward_pallas(q, k, v, saved.o, saved.lse, saved.do, config=call.config, block_sizes=call.tuning,
+                                 interpret=call.interpret, dead_rows=saved.dead, selections=saved.residual,
+                                 packing=saved.operands["packing"], positions=saved.operands["positions"])
 
 
 attention = guarded_vjp(forward, backward)

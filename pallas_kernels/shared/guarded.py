@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,20 @@ class KernelCall:
     merge: str | None = None
 
 
+class Saved(NamedTuple):
+    """What a family's backward reads besides `q, k, v` (the guarded copies): the
+    forward's output `o [B, S, H, V]` and `lse [B, S, H]` float32, the cotangent `do`,
+    `dead [B, S, H]` bool the rows without a cotangent, the forward's `residual` (the
+    selections it kept, or None) and the call's `operands`."""
+
+    o: Any
+    lse: Any
+    do: Any
+    dead: Any
+    residual: Any
+    operands: dict
+
+
 def query_positions(positions, q):
     """The queries' token positions `[S]`: `positions`, or `0 .. S-1`."""
     return jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
@@ -57,8 +72,9 @@ def guarded_vjp(forward, backward):
       their non-finite entries zeroed: `o [B, S, H, V]`, `lse [B, S, H]` float32, the
       `results` returned after `o` (a tuple: selections, importance), and `residual`,
       what the backward reads besides (e.g. the selections; None for nothing).
-    - `backward(q, k, v, o, lse, do, dead, residual, operands, call) -> (dq, dk, dv)`,
-      `dead [B, S, H]` bool the rows without a cotangent (`dv` None where `v` is)."""
+    - `backward(q, k, v, saved, call) -> (dq, dk, dv)`, `saved` a `Saved` (the output,
+      its cotangent, the rows without one, the residual, the operands; `dv` None where
+      `v` is)."""
 
     def guarded_forward(q, k, v, operands, call):
         first = first_non_finite(k, k[..., :0] if v is None else v, jnp.arange(k.shape[1], dtype=jnp.int32))
@@ -76,12 +92,12 @@ def guarded_vjp(forward, backward):
         # Rows set to NaN depend on nothing: no cotangent flows from them (and their NaN
         # `o` must not reach `delta`); entries of k, v zeroed by the guard get no gradient.
         dead = dead_rows(query_positions(operands.get("positions"), q), first, q.shape[2])
-        dq, dk, dv = backward(q, zero_non_finite(k), None if v is None else zero_non_finite(v), o, lse,
-                              cotangents[0], dead, residual, operands, call)
+        saved = Saved(o, lse, cotangents[0], dead, residual, operands)
+        dq, dk, dv = backward(q, zero_non_finite(k), None if v is None else zero_non_finite(v), saved, call)
         return (dq, *zero_late_tokens(dk, dv, first), None)  # the selections and importance: no cotangent
 
     attention.defvjp(guarded_forward, guarded_backward)
     return attention
 
 
-__all__ = ["KernelCall", "guarded_vjp", "query_positions"]
+__all__ = ["KernelCall", "Saved", "guarded_vjp", "query_positions"]

@@ -8,7 +8,7 @@ GQA family's.
 
 from __future__ import annotations
 
-from pallas_kernels.shared.guarded import KernelCall, guarded_vjp
+from pallas_kernels.shared.guarded import KernelCall, Saved, guarded_vjp
 from pallas_kernels.wide.backward import wide_backward_pallas
 from pallas_kernels.wide.forward import wide_forward_pallas
 
@@ -23,12 +23,13 @@ def forward(q, k, v, operands, call: KernelCall):
     return o, lse, (selected, *exported), selected if call.tuning.save_selections else None
 
 
-def backward(q, k, v, o, lse, do, dead, kept, operands, call: KernelCall):
+def backward(q, k, v, saved: Saved, call: KernelCall):
     """`wide_backward_pallas` as the guard calls it: `(dq, dk, dv)`, `dv` None for values
     read from the keys."""
-    return wide_backward_pallas(q, k, v, o, lse, do, config=call.config, block_sizes=call.tuning,
-                                interpret=call.interpret, dead_rows=dead, selections=kept,
-                                positions=operands["positions"], value_dim=call.value_dim, q_layout=call.q_layout)
+    return wide_backward_pallas(q, k, v, saved.o, saved.lse, saved.do, config=call.config, block_sizes=call.tuning,
+                                interpret=call.interpret, dead_rows=saved.dead, selections=saved.residual,
+                                positions=saved.operands["positions"], value_dim=call.value_dim,
+                                q_layout=call.q_layout)
 
 
 attention = guarded_vjp(forward, backward)

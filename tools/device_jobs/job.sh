@@ -2,9 +2,9 @@
 # A device allotment's job, started under setsid from the repository root on the device
 # machine (the device tool's run), its logs in /tmp/g; follow it with wait.sh (each call
 # within 30 s of the last). Stages in the order they pay (issues 103, 104): the backward's
-# launch account (python -m benchmarks.profile --pass account), seed 0 of the extension
-# study (resumable by stage; the base's bfloat16 pieces for a later allotment), the whole
-# model's step. Not yet run: every device start of 2026-12-07 was refused.
+# launch account (python -m benchmarks.profile --pass account), the whole model's step,
+# seed 0 of the extension study (resumable by stage; the base's bfloat16 pieces for a
+# later allotment, the longest stage last).
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 D=/tmp/g; mkdir -p $D
 COMMIT=${COMMIT:-unknown}
@@ -14,10 +14,10 @@ echo "account start $(date +%s)" >> $D/stages
 python -m benchmarks.profile --pass account --shapes 32/4,32/8 --sizes 131072,524288 --iters 3 \
     --json $D/account.json > $D/account.log 2>&1
 echo "account rc=$? $(date +%s)" >> $D/stages
-python benchmarks/extension_seed.py --dir $D/seed0 --seed 0 --pieces $D/pieces0 --progress-every 200 \
-    --variants dense,block:512,block:256,query:512 > $D/seed.log 2>&1
-echo "seed rc=$? $(date +%s)" >> $D/stages
 python benchmarks/bench_train_step.py --models frontier,g4 --sizes 65536,131072 --inputs random,text --iters 3 \
     --json $D/train_step.json --commit $COMMIT > $D/train.log 2>&1
 echo "train rc=$? $(date +%s)" >> $D/stages
+python benchmarks/extension_seed.py --dir $D/seed0 --seed 0 --pieces $D/pieces0 --progress-every 200 \
+    --variants dense,block:512,block:256,query:512 > $D/seed.log 2>&1
+echo "seed rc=$? $(date +%s)" >> $D/stages
 echo done >> $D/stages

@@ -31,7 +31,7 @@ from htree_jax.kernel_trace import kernel_times
 from pallas_kernels.block import mosaic_merge
 from pallas_kernels.block.forward import block_forward_pallas, merge_static
 from pallas_kernels.block.layout import block_layout, table_positions
-from pallas_kernels.block.merge import layer_arrays, selection_lists
+from pallas_kernels.block.merge import BlockLaunch, layer_arrays, selection_lists
 from pallas_kernels.shared.common import pad_rope_halves
 from pallas_kernels.shared.configs import BlockConfig
 from tests.conftest import random_qkv
@@ -54,8 +54,8 @@ def mosaic_merge_call(q, k, v, selections, config, pipe):
     Tp = -(-T // b) * b
     q5 = block_layout(pad_rope_halves(q, st.half), H_kv, st, Tp)
     layers = layer_arrays(build_tree(k, v, config), st)
-    o, lse = mosaic_merge.block_merge_mosaic(q5, layers, selection_lists(selections, st), config, st, K,
-                                             table_positions(config, T, st), pipe=pipe)
+    launch = BlockLaunch(config, st, K, table_positions(config, T, st))
+    o, lse = mosaic_merge.block_merge_mosaic(q5, layers, selection_lists(selections, st), launch, pipe=pipe)
     G = H // H_kv
     return o[:, :T, :, :G, :V].reshape(B, T, H, V), lse[:, :T, :, :G].reshape(B, T, H)
 
