@@ -29,6 +29,7 @@ from benchmarks.bench_decode import DTYPE, H, H_KV, K, V, block_start_lengths, f
 from htree_jax import DecodeBlockSizes, HTreeConfig
 from htree_jax.bench import gpu_header, int_list
 from htree_jax.cli import DefaultsHelpFormatter
+from htree_jax.core.tree import CacheTree
 from pallas_kernels.decode.kept import kept_step_pallas
 from pallas_kernels.decode.walk import attend_cache_pallas
 
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
         # Every array a jitted call reads is its argument: captured, the cache's 2 GB would be
         # compiled in as constants (minutes a compile).
         walk = jax.jit(lambda q, keys, values, radii, positions, chosen: attend_cache_pallas(
-            q, keys, values, positions, config, zero_unmerged=False, radii=radii, chosen=chosen))
+            q, CacheTree(keys, values, radii), positions, config, zero_unmerged=False, chosen=chosen))
         _, kept = walk(ranking, cache.keys, cache.values, cache.radii, starts[:, None], ())
         kept = tuple(x[:, 0] for x in kept)
         positions = starts + 1

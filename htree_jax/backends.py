@@ -31,8 +31,9 @@ from htree_jax.core.config import HTreeConfig
 from htree_jax.core.one_layer import dense_takes, one_layer
 from htree_jax.core.quantize import dequantize_rows
 from htree_jax.core.rope import rope_layout
+from htree_jax.core.tree import CacheTree
 from htree_jax.core.validation import Dims
-from htree_jax.reference import attend_tree, default_query_chunk
+from htree_jax.reference import TreeWalk, attend_tree, default_query_chunk
 from htree_jax.routes import ROUTES, Call, Route, block_selections, latent_values
 from pallas_kernels.block.forward import check_merge_route, chosen_merge, merge_static
 from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
@@ -236,8 +237,8 @@ def blocks_of(q, k, v, config: HTreeConfig, block_sizes=None, impl: str = "palla
     dims = Dims(q.shape[0], k.shape[1], q.shape[2], k.shape[2], q.shape[-1], v.shape[-1])
     tuning = KernelConfigs.resolve(block_sizes, dims.head_dim, dims.value_dim)
     route = ranking_route(impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning)
-    return block_selections(q, k, v, config=config, tuning=tuning, selection_route=route,
-                            interpret=impl == "pallas_interpret")[0]
+    call = Call(config=config, tuning=tuning, interpret=impl == "pallas_interpret", selection_route=route)
+    return block_selections(q, k, v, call)[0]
 
 
 def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs) -> None:
@@ -328,19 +329,17 @@ def check_block_decode_dims(group: int, config: HTreeConfig, backend: str) -> No
 
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl", "block_sizes", "value_dim"))
-def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: str,
-                 block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0, scales=(), rank_rows=None,
-                 chosen=()):
+@functools.partial(jax.jit, static_argnames=("config", "impl", "block_sizes"))
+def attend_cache(q, tree: CacheTree, positions, config: HTreeConfig, impl: str, *,
+                 block_sizes: DecodeBlockSizes | None = None, rank_rows=None, chosen=()):
     """Queries `q [B, S, H, K]` (in `rope_layout` order) at `positions [B, S]` over a
-    decode cache's tree layers (`keys`, `values`, bottom first, un-rotated; `radii` of
-    layers 1.. with `selection="bound"`, else `()`), on the concrete backend `impl`
-    (the Pallas kernels' `block_sizes`, None: the defaults): `(o [B, S, H, V],
-    selections)`. `value_dim > 0`: `values` is `()`, the values are the keys' first
-    `value_dim` latent features (the kernels read them from the gathered keys).
-    `scales` (FP8 tokens, `htree_jax.core.quantize`): layer 0's keys (and values) are
-    e4m3, these their float32 row scales `[B, H_kv, N_0]`; the reference reads them
-    back in q's dtype, the kernels scale each token's score and weight. Block selection
+    decode cache's `tree` (`core.tree.CacheTree`: its layers bottom first, un-rotated,
+    the radii of layers 1.. with `selection="bound"`, FP8 scales, `value_dim`), on the
+    concrete backend `impl` (the Pallas kernels' `block_sizes`, None: the defaults):
+    `(o [B, S, H, V], selections)`. `tree.value_dim > 0`: the values are the keys' first
+    `value_dim` latent features (the kernels read them from the gathered keys). FP8
+    tokens (`tree.scales`): the reference reads them back in q's dtype, the kernels
+    scale each token's score and weight. Block selection
     (SPEC 12): `rank_rows [B, S, H_kv, R, K]`, each query's ranking rows
     (`reference.block_rows` over the cache's recent queries and `q`), which the
     reference ranks with; the kernels keep `chosen` (every layer's kept nodes above 0,
@@ -348,14 +347,13 @@ def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: s
     empty, make them with `rank_cache`."""
     if impl != "reference":
         if config.selects_by_block and rank_rows is not None and not chosen:
-            chosen = rank_cache(rank_rows, keys, values, radii, positions, config, impl, block_sizes, value_dim,
-                                scales)
+            chosen = rank_cache(rank_rows, tree, positions, config, impl, block_sizes)
         # One new token is the newest in the cache: nothing after it can be NaN, so the
         # decode kernels need not zero the values it does not merge (SPEC 10).
-        return attend_cache_pallas(q, keys, values, positions, config, block_sizes or DecodeBlockSizes(),
+        return attend_cache_pallas(q, tree, positions, config, block_sizes=block_sizes or DecodeBlockSizes(),
                                    interpret=impl == "pallas_interpret", zero_unmerged=q.shape[1] > 1,
-                                   radii=tuple(radii), value_dim=value_dim, scales=tuple(scales),
                                    chosen=tuple(chosen))
+    keys, values, radii, scales, value_dim = tree.keys, tree.values, tree.radii, tree.scales, tree.value_dim
     if scales:
         read_back = lambda x, scale: dequantize_rows(x, jnp.swapaxes(scale, 1, 2), q.dtype)
         keys = (read_back(keys[0], scales[0]),) + tuple(keys[1:])
@@ -368,11 +366,11 @@ def attend_cache(q, keys, values, radii, positions, config: HTreeConfig, impl: s
     chunk = min(S, default_query_chunk(config, B, S, H_kv, H // H_kv, K, V))
     layers = [(keys[0], values[0])] + [(kl, vl) + tuple(rho) for kl, vl, *rho in
                                        zip(keys[1:], values[1:], *([radii] if radii else []))]
-    return attend_tree(q, layers, positions, config, chunk, keys_rotated=False, rank_rows=rank_rows)
+    return attend_tree(q, layers, positions, TreeWalk(config, chunk, keys_rotated=False), rank_rows=rank_rows)
 
 
-def rank_cache(rank_rows, keys, values, radii, positions, config: HTreeConfig, impl: str,
-               block_sizes: DecodeBlockSizes | None = None, value_dim: int = 0, scales=()):
+def rank_cache(rank_rows, tree: CacheTree, positions, config: HTreeConfig, impl: str,
+               block_sizes: DecodeBlockSizes | None = None):
     """Block selection (SPEC 12) on the decode kernels: each query's kept nodes of every
     layer above 0 (top first, `[B, S, H_kv, top_k]`), those its ranking rows `rank_rows
     [B, S, H_kv, R, K]` keep when they walk the cache as one query's `R` heads at the
@@ -382,7 +380,7 @@ def rank_cache(rank_rows, keys, values, radii, positions, config: HTreeConfig, i
     the rightmost nodes only, which are kept whatever they hold and rank nothing."""
     B, S, H_kv, R, K = rank_rows.shape
     starts = positions - positions % config.selection_block
-    _, selections = attend_cache_pallas(rank_rows.reshape(B, S, H_kv * R, K), keys, values, starts, config,
-                                        block_sizes or DecodeBlockSizes(), interpret=impl == "pallas_interpret",
-                                        radii=tuple(radii), value_dim=value_dim, scales=tuple(scales))
+    _, selections = attend_cache_pallas(rank_rows.reshape(B, S, H_kv * R, K), tree, starts, config,
+                                        block_sizes=block_sizes or DecodeBlockSizes(),
+                                        interpret=impl == "pallas_interpret")
     return tuple(selections)

@@ -31,6 +31,7 @@ from htree_jax.kernel_trace import kernel_ms
 from htree_jax.memory import MemoryPlan
 from htree_jax.reference import htree_attention_reference
 from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.wide.forward import bottom_merge, chunk_start, prepare_wide, select_and_merge, valid_count
 
 B, H, H_KV, K, V = 1, 32, 4, 128, 128
@@ -387,7 +388,8 @@ def bottom_merge_tflops(config, args, iters: int, value_dim: int | None = None) 
     R = config.partial_rope(q.shape[-1])
     V = value_dim if v is None else v.shape[-1]
     bs = KernelConfigs.resolve(None, q.shape[-1], V)
-    plan = jax.jit(lambda q, k: prepare_wide(q, rope_layout(k, R), v, config, bs, value_dim=V, q_layout="given"))(q, k)
+    call = KernelCall(config, bs, value_dim=V, q_layout="given")
+    plan = jax.jit(lambda q, k: prepare_wide(q, rope_layout(k, R), v, call))(q, k)
 
     def above(plan):
         queries, norms, t, parents, state = chunk_start(plan, plan.num_chunks // 2)

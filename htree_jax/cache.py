@@ -30,7 +30,7 @@ from htree_jax.core.one_layer import fitted_to_length
 from htree_jax.core.bounds import children_radii, num_groups
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.quantize import FP8, dequantize_rows, is_fp8, quantize_rows
-from htree_jax.core.tree import child_reciprocals, round_to_storage
+from htree_jax.core.tree import CacheTree, child_reciprocals, round_to_storage
 from htree_jax.core.validation import check_config, check_dtype, check_latent_value_dim
 
 
@@ -87,6 +87,11 @@ class HTreeCache:
     @property
     def values_from_keys(self) -> bool:
         return self.value_dim > 0
+
+    @property
+    def tree(self) -> CacheTree:
+        """The tree the attention over the cache reads (`core.tree.CacheTree`)."""
+        return CacheTree(tuple(self.keys), tuple(self.values), tuple(self.radii), tuple(self.scales), self.value_dim)
 
     @property
     def fp8_tokens(self) -> bool:
@@ -316,9 +321,10 @@ def _set_rows(layer, index, rows):
     return jax.lax.bitcast_convert_type(as_bits(layer).at[index].set(as_bits(rows), mode="drop"), layer.dtype)
 
 
-def _append_row(keys, values, radii, scales, start, k, v, count, r: int, rope_dim):
-    """One row: appends the first `count` of `k [S, H_kv, K]`, `v [S, H_kv, V]` at
-    `start` and updates the tree above them (layers `[N_l, H_kv, D]`), and the radii of
+def _append_row(arrays, start, k, v, count, r: int, rope_dim):
+    """One row of the cache's `arrays = (keys, values, radii, scales)`: appends the first
+    `count` of `k [S, H_kv, K]`, `v [S, H_kv, V]` at `start` and updates the tree above
+    them (layers `[N_l, H_kv, D]`), and the radii of
     the rewritten nodes where `radii` holds them (SPEC 11: `rho_i = max over the existing
     children of rho_j + ||K_j - K_i||`, from the stored keys, as `core.bounds` computes
     them for a whole tree). `scales` (FP8 tokens, `[H_kv, N_0]` each): the tokens are
@@ -326,7 +332,7 @@ def _append_row(keys, values, radii, scales, start, k, v, count, r: int, rope_di
     in the nodes' dtype (the tree is `build_tree` of those tokens, bit for bit).
     `count = 0` changes nothing (the nodes it rewrites get their own values back)."""
     S = k.shape[0]
-    keys, values, radii, scales = list(keys), list(values), list(radii), list(scales)
+    keys, values, radii, scales = (list(x) for x in arrays)
     s = jnp.arange(S, dtype=jnp.int32)
     positions = jnp.where(s < count, start + s, keys[0].shape[0])  # past the layer: dropped
     for i, (layer, rows) in enumerate(((keys, k), (values, v))[:2 if values else 1]):
@@ -414,8 +420,8 @@ def append_to_cache(cache: HTreeCache, k, v, config: HTreeConfig, counts=None, t
         scales = cache.scales
     else:
         append = jax.vmap(functools.partial(_append_row, r=r, rope_dim=rope_dim))
-        keys, values, radii, scales = append(cache.keys, cache.values, cache.radii, cache.scales, cache.lengths, k, v,
-                                             counts)
+        keys, values, radii, scales = append((cache.keys, cache.values, cache.radii, cache.scales), cache.lengths, k,
+                                             v, counts)
     return HTreeCache(keys, values, (cache.lengths + counts).astype(jnp.int32), radii, cache.value_dim, scales,
                       cache.compute_dtype, cache.queries, cache.selections)
 

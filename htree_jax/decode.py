@@ -101,10 +101,9 @@ def _attend_cache(q, cache: HTreeCache, positions, config: HTreeConfig, impl: st
                   chosen=()):
     if jax.device_count() > 1:
         # A cache sharded along the batch or the kv heads: one local walk per shard.
-        return partitioned_cache_attention(q, cache.keys, cache.values, cache.radii, positions, config, impl,
-                                           block_sizes, cache.value_dim, cache.scales, rank_rows)
-    return attend_cache(q, cache.keys, cache.values, cache.radii, positions, config, impl, block_sizes,
-                        cache.value_dim, cache.scales, rank_rows, chosen)
+        return partitioned_cache_attention(q, cache.tree, positions, config, impl, block_sizes, rank_rows)
+    return attend_cache(q, cache.tree, positions, config, impl, block_sizes=block_sizes, rank_rows=rank_rows,
+                        chosen=chosen)
 
 
 def _block_attend(q, cache: HTreeCache, positions, counts, rank_rows, config: HTreeConfig, impl: str, block_sizes):

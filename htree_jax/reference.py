@@ -10,6 +10,7 @@ Queries are processed in chunks of `query_chunk` positions (`lax.map`), so the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -169,13 +170,26 @@ def select_top_k(importance_keys, valid, nodes, top_k, max_candidates, values=No
 
 
 
-def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool = True, base=None,
-                   return_importance: bool = False, q_rank=None, index=None):
-    """All layers for one `(b, h_kv)` and a chunk of positions (SPEC 2, top down).
+@dataclasses.dataclass(frozen=True)
+class TreeWalk:
+    """How `attend_tree` walks a tree: the function (`config`), the queries a chunk
+    (`query_chunk`), whether the layers' keys are rotated by child offset
+    (`keys_rotated`; False: as stored, each gathered candidate rotated instead) and
+    whether the selections' importance (SPEC 8) is returned."""
+
+    config: HTreeConfig
+    query_chunk: int
+    keys_rotated: bool = True
+    return_importance: bool = False
+
+
+def _walk_one_head(q, t, layers, walk: TreeWalk, base=None, q_rank=None, index=None):
+    """All layers for one `(b, h_kv)` and a chunk of positions (SPEC 2, top down), as
+    `walk` says.
 
     `q [C, G, K]`, `t [C]` int32, `layers [(K_l [N_l, K], V_l [N_l, V]), ...]` bottom
     first, the keys rotated by child offset (`rotate_by_child_offset`), or as stored
-    with `keys_rotated=False` (then the gathered candidates are rotated, the same
+    with `walk.keys_rotated=False` (then the gathered candidates are rotated, the same
     float32 arithmetic: what decoding does, rather than rotate a whole cache per step).
     With `config.selection == "bound"` each layer is `(K_l, V_l, rho_l [N_l, n_groups])`,
     its radii (SPEC 11), and the layers that select rank by the bound.
@@ -195,9 +209,11 @@ def _walk_one_head(q, t, layers, config: HTreeConfig, alpha, keys_rotated: bool 
     tree; the layers above 0 rank by the index scores, and the walk returns its loss
     `[C]` (summed over those layers) after everything else.
     """
+    config, keys_rotated, return_importance = walk.config, walk.keys_rotated, walk.return_importance
     r, k_top, M = config.compression_rate, config.top_k, config.max_candidates
     L = len(layers)
     C, G, K = q.shape
+    alpha = config.score_scale(K)
     Vd = layers[0][1].shape[-1]
     R = config.partial_rope(K)
     cos, sin = (jnp.asarray(a) for a in rope_table(M, K, float(config.rope_base), R))
@@ -277,7 +293,7 @@ def reference_forward(q, k, v, config: HTreeConfig, query_chunk: int, positions=
     radii = with_radii(layers, config)
     layers = [(rotate_by_child_offset(kl, config), vl) + rho for (kl, vl), rho in zip(layers, radii)]
     positions = jnp.arange(q.shape[1], dtype=jnp.int32) if positions is None else positions
-    return attend_tree(q, layers, positions, config, query_chunk, return_importance=return_importance,
+    return attend_tree(q, layers, positions, TreeWalk(config, query_chunk, return_importance=return_importance),
                        rank_rows=rank_rows, index=index)
 
 
@@ -292,13 +308,13 @@ def with_radii(layers, config: HTreeConfig, exists=None):
                                          exists)]
 
 
-def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, keys_rotated: bool = True,
-                base=None, return_importance: bool = False, rank_rows=None, index=None):
+def attend_tree(q, layers, positions, walk: TreeWalk, *, base=None, rank_rows=None, index=None):
     """Queries `q [B, S, H, K]` at token positions `positions [S]`, or `[B, S]` per batch
-    row (int32, may be traced), walk the tree `layers` (bottom first, `[B, N_l, H_kv, *]`; keys as `_walk_one_head`
-    takes them). Returns `(o [B, S, H, V] in q.dtype, selections)`. Packed sequences:
+    row (int32, may be traced), walk the tree `layers` (bottom first, `[B, N_l, H_kv, *]`;
+    keys as `_walk_one_head` takes them) as `walk` says (`TreeWalk`). Returns `(o [B, S,
+    H, V] in q.dtype, selections)`. Packed sequences:
     `positions` inside each document and `base [B, S]` its virtual start (`_walk_one_head`).
-    `return_importance`: also the selections' importance (SPEC 8), `(o, selections,
+    `walk.return_importance`: also the selections' importance (SPEC 8), `(o, selections,
     importance)`. Block selection (SPEC 12): `rank_rows [B, S, H_kv, R, K]`, each query's
     ranking rows (`block_rows`), where the rows above `q`'s first are elsewhere (a decode
     cache, a context shard's neighbour); None: from `q` itself. The indexer (SPEC 13):
@@ -307,11 +323,11 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
 
     The tree may hold more tokens than `positions` reach (a decode cache sized for
     `max_len`): by strict causality (SPEC 3) nothing after a query changes its output."""
+    config, return_importance = walk.config, walk.return_importance
     B, S, H, K = q.shape
     H_kv = layers[0][0].shape[2]
     G = H // H_kv
-    alpha = config.score_scale(K)
-    C = query_chunk
+    C = walk.query_chunk
     num_chunks = -(-S // C)
     q5 = q.reshape(B, S, H_kv, G, K)
     per_row = positions.ndim == 2
@@ -344,10 +360,9 @@ def attend_tree(q, layers, positions, config: HTreeConfig, query_chunk: int, key
     ik_layers = None if index is None else index_tree(index, config, H_kv)
 
     # vmap over batch (axis 0 of everything) then kv heads (axis 2 of q5, the layers).
-    walk = lambda qh, t, lay, b, qr, ix: _walk_one_head(qh, t, lay, config, alpha, keys_rotated, b,
-                                                        return_importance, qr, ix)
+    one_head = lambda qh, t, lay, b, qr, ix: _walk_one_head(qh, t, lay, walk, b, qr, ix)
     ix_axes = lambda axis: None if index is None else (axis, axis, axis)
-    per_head = jax.vmap(walk, in_axes=(1, None, 1, None, None if ranks is None else 1, ix_axes(1)))
+    per_head = jax.vmap(one_head, in_axes=(1, None, 1, None, None if ranks is None else 1, ix_axes(1)))
     per_batch = jax.vmap(per_head, in_axes=(0, 0 if per_row else None, 0, None if base is None else 0,
                                             None if ranks is None else 0, ix_axes(0)))
 
@@ -435,5 +450,5 @@ def htree_attention_reference_packed(q, k, v, packing, config: HTreeConfig, *, q
                                packing.num_layers)
     radii = with_radii(layers, config, layer_exists(exists, packing.num_layers, config.compression_rate))
     layers = [layer + rho for layer, rho in zip(layers, radii)]
-    return attend_tree(q, layers, packing.offset(), config, min(query_chunk, T), keys_rotated=False,
-                       base=packing.doc_start, return_importance=return_importance)
+    walk = TreeWalk(config, min(query_chunk, T), keys_rotated=False, return_importance=return_importance)
+    return attend_tree(q, layers, packing.offset(), walk, base=packing.doc_start)

@@ -53,7 +53,7 @@ from pallas_kernels.gqa.forward import htree_forward_pallas
 from pallas_kernels.shared.common import KERNEL_GROUP, MAX_GROUP, MAX_HEAD_DIM, MAX_VALUE_DIM, MIN_DIM
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.dead_rows import poison_rows_in_place
-from pallas_kernels.shared.guarded import query_positions
+from pallas_kernels.shared.guarded import KernelCall, query_positions
 from pallas_kernels.wide.attention import wide_attention
 from pallas_kernels.wide.backward import wide_backward_pallas
 from pallas_kernels.wide.forward import FeatureSplit, wide_forward_pallas
@@ -80,6 +80,11 @@ class Call:
     q_layout: str = "rope_layout"
     selection_route: str | None = None
     index: object = None
+
+    def kernel_call(self, merge: str | None = None) -> KernelCall:
+        """What a kernel family's differentiable call is compiled for (`guarded.KernelCall`),
+        with block selection's `merge`."""
+        return KernelCall(self.config, self.tuning, self.interpret, self.export, self.value_dim, self.q_layout, merge)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,16 +225,14 @@ def _dense(q, k, v, c: Call):
 
 
 def _gqa(q, k, v, c: Call):
-    o, selected, *exported = gqa_attention(q, k, v, config=c.config, tuning=c.tuning, interpret=c.interpret,
-                                           export=c.export, positions=c.positions, packing=c.packing)
+    o, selected, *exported = gqa_attention(q, k, v, c.kernel_call(), positions=c.positions, packing=c.packing)
     if c.packing is not None:
         selected = local_selections(selected, c.packing, c.config.compression_rate)
     return (o, selected, *exported)
 
 
 def _wide(q, k, v, c: Call):
-    return wide_attention(q, k, v, config=c.config, tuning=c.tuning, interpret=c.interpret, export=c.export,
-                          positions=c.positions, value_dim=c.value_dim, q_layout=c.q_layout)
+    return wide_attention(q, k, v, c.kernel_call(), positions=c.positions)
 
 
 def block_ranking_rows(q, num_kv_heads: int, config: HTreeConfig):
@@ -255,26 +258,26 @@ def shard_ranking_rows(rank_rows, config: HTreeConfig):
     return rank_rows[:, :: config.selection_block].reshape(B, -1, H_kv * R, K)
 
 
-def block_selections(q, k, v, *, config: HTreeConfig, tuning: KernelConfigs, selection_route: str,
-                     interpret: bool = False, export: bool = False, offset=None, rank_rows=None):
+def block_selections(q, k, v, c: Call, offset=None):
     """`(selections, importance)` of every block (SPEC 12): the forward of the per-query
-    route `selection_route` (`backends.ranking_route`), run on each block's ranking rows
-    at its first position, chooses what the block refines. Each `[B, ceil(S / b), H_kv,
-    top_k]`, top layer first (importance `[]` without `export`). Their outputs are not
-    used: the block merge recomputes every row's. Constants under autodiff. A context
-    shard: `q [B, S, H, K]` from position `offset` of `k`'s `T` tokens, `rank_rows` its
-    queries' ranking rows (`shard_ranking_rows`; None: from `q`, which holds each
-    block's first query but not the block before a shard's first)."""
+    route `c.selection_route` (`backends.ranking_route`), run on each block's ranking
+    rows at its first position, chooses what the block refines. Each `[B, ceil(S / b),
+    H_kv, top_k]`, top layer first (importance `[]` without `c.export`). Their outputs
+    are not used: the block merge recomputes every row's. Constants under autodiff. A
+    context shard: `q [B, S, H, K]` from position `offset` of `k`'s `T` tokens,
+    `c.rank_rows` its queries' ranking rows (`shard_ranking_rows`; None: from `q`, which
+    holds each block's first query but not the block before a shard's first)."""
+    config, rank_rows = c.config, c.rank_rows
     b = config.selection_block
     starts = jnp.arange(-(-q.shape[1] // b), dtype=jnp.int32) * b
     if offset is not None:
         starts = starts + offset
     rows = block_ranking_rows(q, k.shape[2], config) if rank_rows is None else shard_ranking_rows(rank_rows, config)
     rows, k, v = (jax.lax.stop_gradient(x) for x in (rows, k, v))
-    _, selected, *exported = ROUTES[selection_route].forward(
-        rows, k, v, config=dataclasses.replace(config, selection_block=1), block_sizes=tuning, interpret=interpret,
-        positions=starts, return_importance=export)
-    return selected, (exported[0] if export else [])
+    _, selected, *exported = ROUTES[c.selection_route].forward(
+        rows, k, v, config=dataclasses.replace(config, selection_block=1), block_sizes=c.tuning, interpret=c.interpret,
+        positions=starts, return_importance=c.export)
+    return selected, (exported[0] if c.export else [])
 
 
 def packed_block_selections(q, k, v, packing, *, config: HTreeConfig, tuning: KernelConfigs,
@@ -316,8 +319,7 @@ def _block_packed(q, k, v, c: Call, merge: str):
     blocks, firsts, exported = packed_block_selections(q, zero_non_finite(k), zero_non_finite(v), c.packing,
                                                        config=c.config, tuning=c.tuning, interpret=c.interpret,
                                                        export=c.export)
-    o = packed_block_attention(q, k, v, blocks, PackedLayout(c.packing, firsts), config=c.config, tuning=c.tuning,
-                               merge=merge, interpret=c.interpret)
+    o = packed_block_attention(q, k, v, blocks, PackedLayout(c.packing, firsts), c.kernel_call(merge))
     block_of = (c.packing.position // c.config.selection_block)[:, :, None, None]
     tokens = lambda x: jnp.take_along_axis(x, block_of, axis=1)
     selected = local_selections([tokens(s) for s in blocks], c.packing, c.config.compression_rate)
@@ -345,11 +347,8 @@ def _block(q, k, v, c: Call, merge: str):
         return _block_packed(q, k, v, c, merge)
     b, T = c.config.selection_block, q.shape[1]
     offset = shard_offset(c)
-    blocks, exported = block_selections(q, zero_non_finite(k), zero_non_finite(v), config=c.config, tuning=c.tuning,
-                                        selection_route=c.selection_route, interpret=c.interpret, export=c.export,
-                                        offset=offset, rank_rows=c.rank_rows)
-    o = block_attention(q, k, v, blocks, config=c.config, tuning=c.tuning, merge=merge, interpret=c.interpret,
-                        positions=c.positions)
+    blocks, exported = block_selections(q, zero_non_finite(k), zero_non_finite(v), c, offset)
+    o = block_attention(q, k, v, blocks, c.kernel_call(merge), positions=c.positions)
     return (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if c.export else []))
 
 

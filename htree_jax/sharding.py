@@ -52,6 +52,7 @@ from htree_jax.backends import attend as attend_locally
 from htree_jax.backends import attend_cache
 from htree_jax.core.blocks import block_rows, recent_queries
 from htree_jax.core.packing import pack_layout
+from htree_jax.core.tree import CacheTree
 
 
 def _axes(spec, ndim):
@@ -331,8 +332,9 @@ def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: 
         keys, values = layers[:num_layers], layers[num_layers:num_layers + num_values]
         radii = layers[num_layers + num_values:len(layers) - num_scales]
         scales = layers[len(layers) - num_scales:]
-        o, selected = attend_cache(q5.reshape(B, S, H_kv * G, K), keys, values, radii, positions, config, impl,
-                                   block_sizes, value_dim, scales, rank_rows)
+        tree = CacheTree(tuple(keys), tuple(values), tuple(radii), tuple(scales), value_dim)
+        o, selected = attend_cache(q5.reshape(B, S, H_kv * G, K), tree, positions, config, impl,
+                                   block_sizes=block_sizes, rank_rows=rank_rows)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
 
     call = custom_partitioning(walk)
@@ -364,13 +366,13 @@ def _partitioned_cache_call(config, impl: str, num_layers: int, num_selections: 
     return call
 
 
-def partitioned_cache_attention(q, keys, values, radii, positions, config, impl: str, block_sizes=None,
-                                value_dim: int = 0, scales=(), rank_rows=None):
+def partitioned_cache_attention(q, tree: CacheTree, positions, config, impl: str, block_sizes=None, rank_rows=None):
     """`backends.attend_cache` through a custom-partitioned call: under `jit` with a cache
     (and queries) sharded along the batch and/or the kv heads, one local walk per shard
-    (`value_dim > 0`: `values` is `()`, read from the keys; `scales`: FP8 tokens' row
-    scales `[B, H_kv, N_0]`, sharded as the layers; `rank_rows`: block selection's
-    ranking rows, sharded as the queries)."""
+    (`tree` the cache's, `core.tree.CacheTree`: FP8 tokens' row scales `[B, H_kv, N_0]`
+    sharded as the layers; `rank_rows`: block selection's ranking rows, sharded as the
+    queries)."""
+    keys, values, radii, scales, value_dim = tree.keys, tree.values, tree.radii, tree.scales, tree.value_dim
     B, S, H, K = q.shape
     H_kv, L = keys[0].shape[2], len(keys)
     ranks = () if rank_rows is None else (rank_rows,)

@@ -17,6 +17,7 @@ import pytest
 from htree_jax import DecodeBlockSizes, HTreeConfig, build_tree, htree_attention
 from htree_jax.backends import attend
 from htree_jax.core.blocks import block_rows
+from htree_jax.core.tree import CacheTree
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.merge import block_queries
@@ -170,8 +171,9 @@ def test_the_one_launch_decode_step_matches_the_walk(rng, r, top_k, T, G, H_kv, 
     q = jnp.asarray(rng.standard_normal((B, 1, H, K)), dtype)
     ranking = jnp.asarray(rng.standard_normal((B, 1, H, K)), dtype)
     starts = (positions - positions % r)[:, None]
-    _, kept = attend_cache_pallas(ranking, keys, values, starts, config, sizes, interpret=True)
-    want, _ = attend_cache_pallas(q, keys, values, positions[:, None], config, sizes, interpret=True,
+    tree = CacheTree(keys, values)
+    _, kept = attend_cache_pallas(ranking, tree, starts, config, block_sizes=sizes, interpret=True)
+    want, _ = attend_cache_pallas(q, tree, positions[:, None], config, block_sizes=sizes, interpret=True,
                                   zero_unmerged=False, chosen=tuple(kept))
     assert kept_merge_dims(config, G, K, V, dtype, False, False)
     got = kept_step_pallas(q[:, 0], keys, values, positions, tuple(x[:, 0] for x in kept), config, sizes,

@@ -295,10 +295,8 @@ def test_pallas_attend_cache_in_chunks_equals_the_reference_walk(rng):
     per_query = B * H_kv * 16 * (4 * 16 + 12)  # Mp = 16 candidates, 16 rows
     blocks = DecodeBlockSizes(chunk_budget_bytes=7 * per_query)
     assert query_chunk(config, B, S, H_kv, 16, 16, blocks) == 7  # 6 chunks, the last padded
-    o, sel = attend_cache_pallas(q, cache.keys, cache.values, positions, config, blocks, interpret=True,
-                                 radii=cache.radii)
-    o_ref, sel_ref = attend_cache(q, cache.keys, cache.values, cache.radii, jnp.broadcast_to(positions, (B, S)), config,
-                                  "reference")
+    o, sel = attend_cache_pallas(q, cache.tree, positions, config, block_sizes=blocks, interpret=True)
+    o_ref, sel_ref = attend_cache(q, cache.tree, jnp.broadcast_to(positions, (B, S)), config, "reference")
     assert len(sel) == len(sel_ref) == 2
     for a, b in zip(sel, sel_ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

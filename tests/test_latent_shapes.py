@@ -235,11 +235,9 @@ def test_two_stage_decode_kernels_equal_the_reference_walk(rng, r, top_k, span, 
         _, cache = prefill(q, k, None if values_from_keys else v, cache, config, backend="reference")
         qr, _ = rotation_layout(q, k, config)
         positions = jnp.arange(T - 8, T, dtype=jnp.int32)[None]
-        want, sel_want = attend_cache(qr[:, -8:], cache.keys, cache.values, cache.radii, positions, config,
-                                      "reference", value_dim=cache.value_dim)
-        got, sel = attend_cache_pallas(qr[:, -8:], cache.keys, cache.values, positions, config,
-                                       DecodeBlockSizes(span=span), interpret=True, value_dim=cache.value_dim,
-                                       radii=cache.radii)
+        want, sel_want = attend_cache(qr[:, -8:], cache.tree, positions, config, "reference")
+        got, sel = attend_cache_pallas(qr[:, -8:], cache.tree, positions, config,
+                                       block_sizes=DecodeBlockSizes(span=span), interpret=True)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
         for a, b in zip(sel, sel_want):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -270,9 +268,9 @@ def test_decode_programs_and_feature_pieces(rng, G, K, rope_dim, wide_rows):
     _, cache = prefill(q, k, v, init_cache(1, T, 1, K, V, config, jnp.float32), config, backend="reference")
     q, _ = rotation_layout(q, k, config)
     positions = jnp.arange(T - 8, T, dtype=jnp.int32)[None]
-    want, sel_want = attend_cache(q[:, -8:], cache.keys, cache.values, cache.radii, positions, config, "reference")
-    got, sel = attend_cache_pallas(q[:, -8:], cache.keys, cache.values, positions, config,
-                                   DecodeBlockSizes(wide_rows=wide_rows), interpret=True, radii=cache.radii)
+    want, sel_want = attend_cache(q[:, -8:], cache.tree, positions, config, "reference")
+    got, sel = attend_cache_pallas(q[:, -8:], cache.tree, positions, config,
+                                   block_sizes=DecodeBlockSizes(wide_rows=wide_rows), interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     for a, b in zip(sel, sel_want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -200,3 +200,40 @@ def test_pallas_jaxprs_finds_every_kernel_of_the_passes():
     assert pallas_jaxprs.compare({"c": {"forward": {"calls": 1, "digest": "a", "kernels": ["a"]}}},
                                  {"c": {"forward": {"calls": 1, "digest": "b", "kernels": ["b"]}}}) == [
         "c forward: 1 -> 1 calls, differing at [0]"]
+
+
+# Helpers a kernel body calls (their arguments are the kernel's refs and traced values):
+# kernel code, as the `*_kernel` functions themselves are.
+KERNEL_HELPERS = {"score_span", "score_tile", "_tile_scores", "cache_span_scores", "unmerged_at_minus_inf"}
+MOST_LONG_SIGNATURES = 12  # issue 102's bar (52 when it was filed)
+
+
+def long_signatures(min_params: int = 10):
+    """`[(path:line, qualified name, parameters)]` of the library's functions outside
+    kernel bodies taking `min_params` or more parameters (`self` not counted)."""
+    found = []
+
+    def visit(node, stack, path):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = child.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                kernel = any(s.endswith("_kernel") for s in stack + [child.name]) or child.name in KERNEL_HELPERS
+                if len(names) >= min_params and not kernel:
+                    found.append((f"{path.relative_to(ROOT)}:{child.lineno}", ".".join(stack + [child.name]),
+                                  len(names)))
+                visit(child, stack + [child.name], path)
+            else:
+                visit(child, stack + ([child.name] if isinstance(child, ast.ClassDef) else []), path)
+
+    for path in python_files(*LIBRARY):
+        visit(ast.parse(path.read_text(), str(path)), [], path)
+    return found
+
+
+def test_few_functions_take_ten_or_more_parameters():
+    """A launch takes its arrays and one small settings object, not a row of positional
+    flags: at most `MOST_LONG_SIGNATURES` functions of ten or more parameters (the public
+    API's among them: `htree_attention`, the modules, Flax's `attention_fn` protocol)."""
+    found = long_signatures()
+    assert len(found) <= MOST_LONG_SIGNATURES, "\n".join(f"{w} {n} ({p})" for w, n, p in found)

@@ -19,6 +19,7 @@ from htree_jax.core.tree import build_tree
 from htree_jax.memory import constant_argument_bytes, resident_bytes
 from htree_jax.reference import (
     CPU_CHUNK_BUDGET_BYTES,
+    TreeWalk,
     chunk_budget_bytes,
     reference_forward,
     attend_tree,
@@ -62,7 +63,7 @@ def test_default_config_t16384_matches_oracle_at_sampled_positions():
     assert np.all(pos // config.compression_rate + 1 > config.top_k)
     tree = build_tree(k, v, config)
     layers = [(rotate_by_child_offset(kl, config), vl) + rho for (kl, vl), rho in zip(tree, with_radii(tree, config))]
-    o, sel = attend_tree(jnp.asarray(q[:, pos]), layers, jnp.asarray(pos, jnp.int32), config, query_chunk=2)
+    o, sel = attend_tree(jnp.asarray(q[:, pos]), layers, jnp.asarray(pos, jnp.int32), TreeWalk(config, query_chunk=2))
     ref, ref_sel, fragile = htree_attention_numpy(q, k, v, config, return_selected=True, query_positions=pos,
                                                   return_fragile=True)
     assert not fragile.any()

@@ -25,7 +25,7 @@ from pallas_kernels.gqa.top_backward import (
     top_node_grads_pallas,
 )
 from pallas_kernels.gqa.top_layer import top_importance_keys_pallas
-from pallas_kernels.shared.common import LayerStatic, next_power_of_two, pad_nodes, zeros_after
+from pallas_kernels.shared.common import LayerInputs, LayerStatic, RowStats, TopInputs, next_power_of_two, pad_nodes, zeros_after
 from pallas_kernels.shared.configs import UNIT_ENTRIES, BlockSizes, LayerConfig, TopBackwardConfig
 from pallas_kernels.shared.importance import importance_keys_pallas
 from pallas_kernels.shared.node_index import UNIT, node_buffers, node_gradient, node_index, spill_segments
@@ -73,23 +73,23 @@ def test_layer_backward_equals_twin(rng, config, G, block_sizes, entries_per_ste
     N, vp = a["layer_k"].shape[2], a["layer_v"].shape[-1]
     lse, delta, do = _row_stats(rng, (B, Q, H_kv, gp), vp)
     phases = key_operands(rotate_phases(a["layer_k"], a["cos"], a["sin"], st), st.precision)
-    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], phases, a["cos"], a["sin"], st, True)
+    layer = lambda k, keys=None, tau=None: LayerInputs(a["parents"], a["n"], keys, tau, k, a["layer_v"], a["cos"],
+                                                       a["sin"])
+    keys = importance_keys_pallas(a["q"], layer(phases), st, True)
     _, tau = select_top_k_pallas(keys, a["parents"], a["n"], st, True)
     gt = next_power_of_two(G)
     index = node_index(a["parents"], a["n"], st.r, -(-N // UNIT), entries_per_program)
     if entries_per_program < UNIT_ENTRIES:
         assert int(jnp.max(index.segments[..., 3])) > 0  # the case is the split's
     for k_, t_ in [(keys, tau), (None, None)]:
-        dq = layer_backward_pallas(a["q"], a["parents"], a["n"], k_, t_, phases, a["layer_v"], a["cos"], a["sin"],
-                                   lse, do, delta, st, True)
+        dq = layer_backward_pallas(a["q"], layer(phases, k_, t_), RowStats(lse, do, delta), st, True)
         # The node kernel adds to what the accumulators hold (earlier chunks' sums).
         before = _random_accumulators(rng, node_buffers(B, H_kv, N, kp, vp))
         dk_acc, dv_acc = layer_node_grads_pallas(
-            a["q"][:, :, :, :gt], a["parents"], a["n"], k_, t_, phases, a["layer_v"], a["cos"], a["sin"],
-            lse[..., :gt], do[..., :gt, :], delta[..., :gt], index, before, st, True, entries_per_step)
+            a["q"][:, :, :, :gt], layer(phases, k_, t_), RowStats(lse[..., :gt], do[..., :gt, :], delta[..., :gt]),
+            index, before, st, True, entries_per_step)
         dk_acc, dv_acc = dk_acc - before[0], dv_acc - before[1]
-        want = layer_backward_twin(a["q"], a["parents"], a["n"], k_, t_, a["layer_k"], a["layer_v"], a["cos"],
-                                   a["sin"], lse, do, delta, st)
+        want = layer_backward_twin(a["q"], layer(a["layer_k"], k_, t_), RowStats(lse, do, delta), st)
         dk = node_gradient(dk_acc, N, a["cos"], a["sin"], st.r)
         _assert_gradients_close((dq, dk, dv_acc[:, :, :N]), want, atol=1e-5 * 8)
         assert float(jnp.max(jnp.abs(want[1]))) > 0 and float(jnp.max(jnp.abs(want[0]))) > 0
@@ -158,20 +158,20 @@ def test_top_backward_equals_twin(rng, config, G, dq_launch, dkv_launch, documen
     k_rot = key_operands(rotate_keys(layer_k, a["cos"], a["sin"], pad), st.precision)
     v = pad_nodes(layer_v, pad)
     first = jnp.zeros_like(n)
-    keys = top_importance_keys_pallas(q_rot, n, first, k_rot, Mp, st_dq, interpret=True)
+    keys = top_importance_keys_pallas(q_rot, TopInputs(n, first, None, None, k_rot, None), Mp, st_dq, interpret=True)
     _, tau = select_top_k_twin(keys, parents, n, st)
     lse, delta, do = _row_stats(rng, q.shape[:4], v.shape[-1])
     q_ops, documents = top_backward_queries(q_rot, st), first if documents else None
     for k_, t_ in [(keys, tau), (None, None)]:
-        dq_rot = top_dq_pallas(q_ops, n, documents, k_, t_, k_rot, v, lse, do, delta, st_dq, interpret=True)
+        top, stats = TopInputs(n, documents, k_, t_, k_rot, v), RowStats(lse, do, delta)
+        dq_rot = top_dq_pallas(q_ops, top, stats, st_dq, interpret=True)
         before = _random_accumulators(rng, (k_rot[0], v))
-        dk_acc, dv_acc = top_node_grads_pallas(q_ops, n, documents, k_, t_, k_rot, v, lse, do, delta, before, st_dkv,
-                                               interpret=True, segments=segments)
+        dk_acc, dv_acc = top_node_grads_pallas(q_ops, top, stats, before, st_dkv, interpret=True, segments=segments)
         dk_acc, dv_acc = dk_acc - before[0], dv_acc - before[1]
         position = n - 1
         dq = apply_rope(dq_rot, a["cos"][position], -a["sin"][position])
         dk = apply_rope(dk_acc[:, :, :N], a["cos"][:N], -a["sin"][:N])
-        want = layer_backward_twin(q, parents, n, k_, t_, layer_k, layer_v, a["cos"], a["sin"], lse, do, delta, st)
+        want = layer_backward_twin(q, LayerInputs(parents, n, k_, t_, layer_k, layer_v, a["cos"], a["sin"]), stats, st)
         _assert_gradients_close((dq, dk, dv_acc[:, :, :N]), want, atol=1e-5 * 8)
         assert not np.any(np.asarray(dv_acc[:, :, N:]))  # padding nodes get nothing
 
@@ -245,7 +245,8 @@ def test_middle_layer_backward_error_from_mixed_precisions_is_bounded(rng):
     phases = rotate_phases(layer_k, a["cos"], a["sin"], st)
     k_imp, k_merge = key_operands(phases, st.precision, BF16X3), key_operands(phases, st.merge_precision, "bfloat16")
     args = (a["parents"], a["n"])
-    keys, scores = importance_keys_pallas(q, *args, k_imp, a["cos"], a["sin"], st, True, return_scores=True)
+    layer = lambda k, keys=None, tau=None: LayerInputs(*args, keys, tau, k, a["layer_v"], a["cos"], a["sin"])
+    keys, scores = importance_keys_pallas(q, layer(k_imp), st, True, return_scores=True)
     _, tau = select_top_k_pallas(keys, *args, st, True)
     # The rows' log-sum-exp of this layer's merged candidates, from the stored scores.
     Mp = scores.shape[-1]
@@ -253,9 +254,8 @@ def test_middle_layer_backward_error_from_mixed_precisions_is_bounded(rng):
     lse = jax.nn.logsumexp(jnp.where(merged[..., None, :], scores, -jnp.inf), axis=-1)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     _, delta, do = _row_stats(rng, lse.shape, a["layer_v"].shape[-1])
-    want = layer_backward_twin(q, *args, keys, tau, layer_k, a["layer_v"], a["cos"], a["sin"], lse, do, delta, st)[0]
-    got = layer_backward_pallas(q, *args, keys, tau, k_merge, a["layer_v"], a["cos"], a["sin"], lse, do, delta, st,
-                                True)
+    want = layer_backward_twin(q, layer(layer_k, keys, tau), RowStats(lse, do, delta), st)[0]
+    got = layer_backward_pallas(q, layer(k_merge, keys, tau), RowStats(lse, do, delta), st, True)
     real = (slice(None),) * 3 + (slice(0, 2),)
     rel = float(jnp.linalg.norm((got - want)[real]) / jnp.linalg.norm(want[real]))
     assert rel < 0.08, rel  # measured 0.012-0.025 over six seeds (a bf16 step is 2^-8 = 0.004)

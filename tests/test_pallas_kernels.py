@@ -17,7 +17,7 @@ from htree_jax.core.indexing import top_layer_parents
 from pallas_kernels.gqa.merge import merge_pallas, merge_scored_pallas, merge_scored_twin, merge_twin
 from pallas_kernels.gqa.plan import layout
 from pallas_kernels.gqa.top_layer import top_importance_keys_pallas, top_merge_pallas
-from pallas_kernels.shared.common import LayerStatic, pad_axis, pad_nodes, pad_rope_halves
+from pallas_kernels.shared.common import LayerInputs, LayerStatic, TopInputs, pad_axis, pad_nodes, pad_rope_halves
 from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
 from pallas_kernels.shared.importance import importance_keys_pallas, importance_keys_twin
 from pallas_kernels.shared.precision import BF16X3, key_operands
@@ -121,7 +121,8 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries, block_sizes):
     st = a["st"]
     phases = rotate_phases(a["layer_k"], a["cos"], a["sin"], st)
     k_rot = key_operands(phases, st.precision)
-    keys = importance_keys_pallas(a["q"], a["parents"], a["n"], k_rot, a["cos"], a["sin"], st, True)
+    layer = lambda k, keys=None, tau=None, v=None: LayerInputs(a["parents"], a["n"], keys, tau, k, v, a["cos"], a["sin"])
+    keys = importance_keys_pallas(a["q"], layer(k_rot), st, True)
     keys_twin = importance_keys_twin(a["q"], a["parents"], a["n"], a["layer_k"], a["cos"], a["sin"], st)
     # The exact selection is checked via the same keys below.
     _assert_same_keys(keys, keys_twin, st.log_n)
@@ -129,13 +130,13 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries, block_sizes):
     st_high = dataclasses.replace(st, precision=jax.lax.Precision.HIGH)
     k_high = key_operands(phases, st_high.precision)
     assert len(k_high) == 2
-    keys_high = importance_keys_pallas(a["q"], a["parents"], a["n"], k_high, a["cos"], a["sin"], st_high, True)
+    keys_high = importance_keys_pallas(a["q"], layer(k_high), st_high, True)
     _assert_same_keys(keys_high, keys_twin, st.log_n)
     # ... or as bfloat16 pairs (BF16X3, ~4e-6 relative).
     st_x3 = dataclasses.replace(st_high, importance_operands=BF16X3)
     k_x3 = key_operands(phases, st_x3.precision, BF16X3)
     assert len(k_x3) == 2 and k_x3[0].dtype == jnp.bfloat16
-    keys_x3 = importance_keys_pallas(a["q"], a["parents"], a["n"], k_x3, a["cos"], a["sin"], st_x3, True)
+    keys_x3 = importance_keys_pallas(a["q"], layer(k_x3), st_x3, True)
     _assert_same_keys(keys_x3, keys_twin, st.log_n)
 
     per_query = lambda x: jnp.repeat(x, block_queries, axis=1)
@@ -144,11 +145,10 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries, block_sizes):
     np.testing.assert_array_equal(np.asarray(tau), np.asarray(tau_t))
     np.testing.assert_array_equal(np.asarray(nxt)[..., : st.top_k], np.asarray(nxt_t)[..., : st.top_k])
 
-    args = (a["q"], a["parents"], a["n"], keys, tau, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
+    args = (a["q"], layer(a["layer_k"], keys, tau, a["layer_v"]), a["state"], st)
     # The merge from the scores the importance pass stored (what the forward runs above
     # the bottom): against the twin on the same scores, and against scoring afresh.
-    _, scores = importance_keys_pallas(a["q"], a["parents"], a["n"], k_rot, a["cos"], a["sin"], st, True,
-                                       return_scores=True)
+    _, scores = importance_keys_pallas(a["q"], layer(k_rot), st, True, return_scores=True)
     scored = merge_scored_pallas(scores, a["parents"], a["n"], keys, tau, a["layer_v"], a["state"], st, True)
     scored_twin = merge_scored_twin(scores, a["parents"], a["n"], keys, tau, a["layer_v"], a["state"], st)
     # The kernel rotates the query once per span (relative RoPE), the twin each key by
@@ -160,17 +160,15 @@ def test_layer_kernels_equal_twins(rng, config, G, block_queries, block_sizes):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=5e-5)
 
     # The bottom layer: every valid candidate merged, scored in the kernel, normalised.
-    bottom = (a["q"], a["parents"], a["n"], None, None, a["layer_k"], a["layer_v"], a["cos"], a["sin"], a["state"], st)
-    o = merge_pallas(a["q"], a["parents"], a["n"], k_rot, a["layer_v"], a["cos"], a["sin"], a["state"], st,
-                     interpret=True)
+    bottom = (a["q"], layer(a["layer_k"], v=a["layer_v"]), a["state"], st)
+    o = merge_pallas(a["q"], layer(k_rot, v=a["layer_v"]), a["state"], st, interpret=True)
     o_t = merge_twin(*bottom)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
     # bfloat16 dot operands and keys stored rotated in bfloat16 (the default for bf16
     # inputs): output precision only.
     st_bf16 = dataclasses.replace(st, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
     k_bf16 = key_operands(phases, st_bf16.merge_precision, "bfloat16")
-    o = merge_pallas(a["q"], a["parents"], a["n"], k_bf16, a["layer_v"], a["cos"], a["sin"], a["state"], st_bf16,
-                     interpret=True)
+    o = merge_pallas(a["q"], layer(k_bf16, v=a["layer_v"]), a["state"], st_bf16, interpret=True)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
     assert not np.allclose(np.asarray(o), np.asarray(o_t), rtol=1e-6, atol=1e-6)  # it did round
 
@@ -218,31 +216,33 @@ def test_top_layer_kernels_equal_twins(rng, config, G, block_queries, top_tile):
 
     # first=None: one document per row (no per-document loop); zeros: the packed form.
     for first in (None, jnp.zeros_like(n)):
-        keys = top_importance_keys_pallas(q_rot, n, first, k_rot, Mp, st_top, interpret=True)
+        top = lambda k, keys=None, tau=None, v=None, first=first: TopInputs(n, first, keys, tau, k, v)
+        keys = top_importance_keys_pallas(q_rot, top(k_rot), Mp, st_top, interpret=True)
         keys_twin = importance_keys_twin(q, parents, n, layer_k, a["cos"], a["sin"], st)
         _assert_same_keys(keys, keys_twin, st.log_n)
         st_high = dataclasses.replace(st_top, precision=jax.lax.Precision.HIGH)
-        keys_high = top_importance_keys_pallas(q_rot, n, first, key_operands(rotated, st_high.precision), Mp, st_high,
+        keys_high = top_importance_keys_pallas(q_rot, top(key_operands(rotated, st_high.precision)), Mp, st_high,
                                                interpret=True)
         _assert_same_keys(keys_high, keys_twin, st.log_n)
         st_x3 = dataclasses.replace(st_high, importance_operands=BF16X3)
-        keys_x3 = top_importance_keys_pallas(q_rot, n, first, key_operands(rotated, st_high.precision, BF16X3), Mp, st_x3,
+        keys_x3 = top_importance_keys_pallas(q_rot, top(key_operands(rotated, st_high.precision, BF16X3)), Mp, st_x3,
                                              interpret=True)
         _assert_same_keys(keys_x3, keys_twin, st.log_n)
 
         _, tau = select_top_k_twin(keys, parents, n, st)
         state = tuple(x[:, :, :, : q.shape[3]] for x in a["state"])
-        got = top_merge_pallas(q_rot, n, first, keys, tau, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
-        want = merge_twin(q, parents, n, keys, tau, layer_k, layer_v, a["cos"], a["sin"], state, st)
+        twin_layer = lambda keys=None, tau=None: LayerInputs(parents, n, keys, tau, layer_k, layer_v, a["cos"], a["sin"])
+        got = top_merge_pallas(q_rot, top(k_rot, keys, tau, pad_nodes(layer_v, top_tile)), state, st_top, interpret=True)
+        want = merge_twin(q, twin_layer(keys, tau), state, st)
         for x, y in zip(got, want):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
-        o = top_merge_pallas(q_rot, n, first, None, None, k_rot, pad_nodes(layer_v, top_tile), state, st_top, interpret=True)
-        o_t = merge_twin(q, parents, n, None, None, layer_k, layer_v, a["cos"], a["sin"], state, st)
+        o = top_merge_pallas(q_rot, top(k_rot, v=pad_nodes(layer_v, top_tile)), state, st_top, interpret=True)
+        o_t = merge_twin(q, twin_layer(), state, st)
         np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=1e-5, atol=1e-5)
         st_bf16 = dataclasses.replace(st_top, merge_operands="bfloat16", merge_precision=jax.lax.Precision.DEFAULT)
         k_bf16 = key_operands(rotated, st_bf16.merge_precision, "bfloat16")
-        o = top_merge_pallas(q_rot, n, first, None, None, k_bf16, pad_nodes(layer_v, top_tile), state, st_bf16, interpret=True)
+        o = top_merge_pallas(q_rot, top(k_bf16, v=pad_nodes(layer_v, top_tile)), state, st_bf16, interpret=True)
         np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), rtol=3e-2, atol=3e-2)
 
 

@@ -20,6 +20,7 @@ from htree_jax.reference import htree_attention_reference
 from pallas_kernels.shared import shared_memory
 from pallas_kernels.shared.common import WideBound, head_block
 from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.top_k import select_top_k_pallas
 from pallas_kernels.wide import kernels as wide
 from pallas_kernels.wide import forward as wide_forward
@@ -70,7 +71,7 @@ def test_short_importance_steps_and_one_stage(rng, monkeypatch):
     q, k, v = random_qkv(rng, 1, 600, 32, 1, 64, 32)  # M = 64: 3 layers
     q, k = laid_out(q, k, config)
     v = jnp.asarray(v)
-    plan = wide_forward.prepare_wide(q, k, v, config, KernelConfigs(), interpret=True)
+    plan = wide_forward.prepare_wide(q, k, v, KernelCall(config, KernelConfigs(), interpret=True))
     assert (plan.ws.tile, plan.ws.importance_tile, plan.ws.num_stages) == (64, 16, 1)
     assert_same(wide_forward_pallas(q, k, v, config=config, block_sizes=BlockSizes(), interpret=True),
                 htree_attention_reference(q, k, v, config))
@@ -384,7 +385,7 @@ def test_the_merge_reads_the_stored_scores_as_it_would_score_them(rng, selection
     config = HTreeConfig(compression_rate=4, top_k=4, rope_dim=32, selection=selection)
     q, k, v = random_qkv(rng, 1, 150, 32, 1, 64, 32)
     q, k = laid_out(q, k, config)
-    plan = wide_forward.prepare_wide(q, k, jnp.asarray(v), config, KernelConfigs(), interpret=True)
+    plan = wide_forward.prepare_wide(q, k, jnp.asarray(v), KernelCall(config, KernelConfigs(), interpret=True))
     queries, norms, t, parents, state = wide_forward.chunk_start(plan, 0)
     layer = plan.layers[-1]
     n = wide_forward.valid_count(plan, parents, t, plan.num_layers - 1)
@@ -393,9 +394,9 @@ def test_the_merge_reads_the_stored_scores_as_it_would_score_them(rng, selection
                                                         plan.tables, plan.ws, True, bound=bound)
     keys = wide.combine_importance(ranked, shift, n, plan.st_select)
     _, tau = select_top_k_pallas(keys, parents, n, plan.st_select, True)
-    merge = functools.partial(wide.wide_merge_pallas, queries, parents, n, keys, tau, layer["lat"])
-    scored = merge(layer["rope_merge"], layer["values"], plan.tables, state, plan.ws, True)
-    stored = merge((), layer["values"], plan.tables, state, plan.ws, True, scores=scores)
+    inputs = lambda rope: wide.WideLayer(parents, n, keys, tau, layer["lat"], rope, layer["values"], plan.tables)
+    scored = wide.wide_merge_pallas(queries, inputs(layer["rope_merge"]), state, plan.ws, True)
+    stored = wide.wide_merge_pallas(queries, inputs(()), state, plan.ws, True, scores=scores)
     for a, b in zip(stored, scored):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     valid = (np.arange(ranked.shape[-1]) < np.asarray(n))[..., None, :]
@@ -414,6 +415,7 @@ def test_chunks_sized_with_the_stored_scores_only_where_they_are_stored(rng):
         config = HTreeConfig(compression_rate=4, top_k=16, rope_dim=32, selection=selection)
         ql, kl = laid_out(q, k, config)
         for stored in (True, False):
-            chunks[selection, stored] = wide_forward.prepare_wide(ql, kl, jnp.asarray(v), config, tuning,
-                                                                  interpret=True, score_chunks=stored).chunk
+            chunks[selection, stored] = wide_forward.prepare_wide(ql, kl, jnp.asarray(v),
+                                                                  KernelCall(config, tuning, interpret=True),
+                                                                  score_chunks=stored).chunk
     assert chunks["bound", True] < chunks["mean", True] < chunks["mean", False] == chunks["bound", False]

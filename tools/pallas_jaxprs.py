@@ -184,9 +184,8 @@ def case_traces(case: Case) -> dict:
         B = 8
         cache = jax.eval_shape(lambda: init_cache(B, case.T, case.H_kv, case.K, case.V, case.config, dtype,
                                                   values_from_keys=case.latent))
-        step = lambda q, cache: attend_cache(q, cache.keys, cache.values, cache.radii,
-                                             jnp.full((B, 1), case.T - 1, jnp.int32), case.config, "pallas",
-                                             value_dim=cache.value_dim)[0]
+        step = lambda q, cache: attend_cache(q, cache.tree, jnp.full((B, 1), case.T - 1, jnp.int32), case.config,
+                                             "pallas")[0]
         out["decode"] = both(jax.make_jaxpr(step)(spec(B, 1, case.H, case.K), cache))
     if case.kept_step:
         B = 8

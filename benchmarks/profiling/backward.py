@@ -32,8 +32,9 @@ from pallas_kernels.gqa.top_backward import (
     top_dq_pallas,
     top_node_grads_pallas,
 )
-from pallas_kernels.shared.common import next_power_of_two
+from pallas_kernels.shared.common import LayerInputs, RowStats, TopInputs, next_power_of_two
 from pallas_kernels.shared.configs import UNIT_ENTRIES, KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.node_index import UNIT, node_buffers, node_index
 from pallas_kernels.shared.precision import Precisions
 
@@ -74,7 +75,7 @@ def main(argv=None):
     config = HTreeConfig(top_k=args.top_k, selection=args.selection)
     q, k, v = INPUTS[args.inputs](T)
     bs = KernelConfigs.resolve(None, q.shape[-1], v.shape[-1])
-    prep = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, Precisions.for_dtype(q.dtype),
+    prep = jax.jit(lambda q, k, v: prepare(q, k, v, KernelCall(config, bs, ip), Precisions.for_dtype(q.dtype),
                                            for_backward=True))(q, k, v)
     st, Qc, P, L = prep.st, prep.chunk, prep.parents_width, len(prep.layers) + 1
     st_dq, st_dkv, segments = top_backward_statics(prep.st_top, bs.top_backward, jnp.dtype(q.dtype).itemsize,
@@ -91,7 +92,7 @@ def main(argv=None):
     lse = jax.random.normal(key[0], (B, Qc, H_KV, gp), jnp.float32) + 8.0
     delta = jax.random.normal(key[1], (B, Qc, H_KV, gp), jnp.float32)
     do = jax.random.normal(key[2], (B, Qc, H_KV, gp, vp), jnp.float32)
-    stats = lambda g: (lse[..., :g], do[..., :g, :], delta[..., :g])
+    stats = lambda g: RowStats(lse[..., :g], do[..., :g, :], delta[..., :g])
     rows = []
 
     def timed(name, fn, *a):
@@ -102,8 +103,8 @@ def main(argv=None):
           f"chunk {Qc} x {chunks}", flush=True)
     rows, t, n_top, first, q_top, (keys, tau, parents) = timed(
         "chunk set-up + top layer importance and top-K (recomputed)", lambda: chunk_queries(prep, c, T, L, ip))
-    top = (top_backward_queries(q_top, prep.st_top), n_top, first, keys, tau, prep.top_k_merge,
-           prep.top_v, *stats(gt))
+    top = (top_backward_queries(q_top, prep.st_top), TopInputs(n_top, first, keys, tau, prep.top_k_merge, prep.top_v),
+           stats(gt))
     top_acc = (jnp.zeros(prep.top_k_merge[0].shape, jnp.float32), jnp.zeros(prep.top_v.shape, jnp.float32))
     timed("top: dq kernel", lambda *a: top_dq_pallas(*a, st_dq, ip), *top)
     timed("top: node kernel (dk, dv)", lambda *a: top_node_grads_pallas(*a, top_acc, st_dkv, ip, segments), *top)
@@ -116,26 +117,26 @@ def main(argv=None):
             if l > 0:
                 keys, nxt, tau, _, _ = timed(f"layer {l}: importance keys and top-K (recomputed)",
                                              lambda *a: select_below_top(prep, rows, *a, l, ip), parents, n)
-            la = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
-            timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, *stats(gp), st, ip), *la)
+            la = (LayerInputs(parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin),)
+            timed(f"layer {l}: dq kernel", lambda *a: layer_backward_pallas(q_rows, *a, stats(gp), st, ip), *la)
             for variant in filter(None, args.dq_variants.split(",")):
                 w, stages = (int(x) for x in variant.split(":"))
                 stv = dataclasses.replace(st, merge_num_warps=w, num_stages=stages)
                 timed(f"  variant: layer {l} dq kernel, {w} warps, {stages} stages",
-                      lambda *a, stv=stv: layer_backward_pallas(q_rows, *a, *stats(gp), stv, ip), *la)
+                      lambda *a, stv=stv: layer_backward_pallas(q_rows, *a, stats(gp), stv, ip), *la)
             units = -(-sizes[l] // UNIT)
             index = timed(f"layer {l}: inverse index (sort)",
                           lambda p_, n_: node_index(p_, n_, st.r, units, args.entries_per_program), parents, n)
             print(f"layer {l}: inverse index of the chunk: {node_index_load(index)}", flush=True)
             nacc = node_buffers(B, H_KV, sizes[l], kp, vp)
             timed(f"layer {l}: node kernel (dk, dv)",
-                  lambda *a: layer_node_grads_pallas(rows.top, *a, *stats(gt), index, nacc, st, ip,
+                  lambda *a: layer_node_grads_pallas(rows.top, *a, stats(gt), index, nacc, st, ip,
                                                      num_warps=bs.layer.node_num_warps), *la)
             for variant in filter(None, args.node_variants.split(",")):
                 e, w, *stages = (int(x) for x in variant.split(":"))
                 stv = dataclasses.replace(st, num_stages=stages[0]) if stages else st
                 timed(f"  variant: layer {l} node kernel, {e} pairs/step, {w} warps, {stv.num_stages} stages",
-                      lambda *a, e=e, w=w, stv=stv: layer_node_grads_pallas(rows.top, *a, *stats(gt),
+                      lambda *a, e=e, w=w, stv=stv: layer_node_grads_pallas(rows.top, *a, stats(gt),
                                                                             index, nacc, stv, ip, e, w), *la)
             if l > 0:
                 parents = nxt[..., :P]

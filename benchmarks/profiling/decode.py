@@ -81,7 +81,7 @@ def main(argv=None) -> int:
             return c, c.lengths
 
         def walk(c):  # the cache unchanged: the walk at a fixed length
-            o, _ = attend_cache(q_t[:, None], c.keys, c.values, c.radii, c.lengths[:, None] - 1, config, args.backend)
+            o, _ = attend_cache(q_t[:, None], c.tree, c.lengths[:, None] - 1, config, args.backend)
             return c, o
 
         cases = [("dispatch floor (lengths + 1)", bump), ("decode_step", step), ("tree append only", append),

@@ -26,8 +26,9 @@ from pallas_kernels.gqa.chunks import valid_candidates
 from pallas_kernels.gqa.merge import merge_pallas, merge_scored_pallas
 from pallas_kernels.gqa.plan import group_rows, prepare
 from pallas_kernels.gqa.top_layer import top_importance_keys_pallas, top_merge_pallas
-from pallas_kernels.shared.common import next_power_of_two, pad_axis
+from pallas_kernels.shared.common import LayerInputs, TopInputs, next_power_of_two, pad_axis
 from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.importance import importance_keys_pallas
 from pallas_kernels.shared.precision import Precisions
 from pallas_kernels.shared.rope import rotate_queries
@@ -100,7 +101,7 @@ def main(argv=None):
         "top.keys_stages": args.top_keys_stages, "layer.num_warps": args.warps,
         "layer.merge_num_warps": args.merge_warps})
     precisions = precisions_from(args.merge_operands, args.importance_operands, q.dtype)
-    prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, config, bs, ip, precisions))
+    prep_fn = jax.jit(lambda q, k, v: prepare(q, k, v, KernelCall(config, bs, ip), precisions))
     tree_ms = median_ms(prep_fn, (q, k, v), args.iters)
     prep = prep_fn(q, k, v)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
@@ -124,12 +125,12 @@ def main(argv=None):
     kblk = f"{st_top.block_queries} queries/program, tile {prep.st_top_keys.tile}, {prep.st_top_keys.num_stages} stages"
     if L == 1:
         call = jax.jit(lambda *a: top_merge_pallas(*a, st_top, ip, out_dtype=q.dtype))
-        margs = (q_top, n_top, first, None, None, prep.top_k_merge, prep.top_v, empty(gt))
+        margs = (q_top, TopInputs(n_top, first, None, None, prep.top_k_merge, prep.top_v), empty(gt))
         rows.append((f"layer 0 (top) merge + normalise ({blk}, mean n={mean_n:.0f})",
                      median_ms(call, margs, args.iters), chunks))
     else:
         keys_call = jax.jit(lambda *a: top_importance_keys_pallas(*a, Mp, prep.st_top_keys, ip))
-        kargs = (q_top, n_top, first, prep.top_k_imp)
+        kargs = (q_top, TopInputs(n_top, first, None, None, prep.top_k_imp, None))
         rows.append((f"layer {L - 1} (top) importance keys ({kblk}, 2 score passes, mean n={mean_n:.0f})",
                      median_ms(keys_call, kargs, args.iters), chunks))
         keys = keys_call(*kargs)
@@ -139,7 +140,7 @@ def main(argv=None):
                      median_ms(select_call, (keys, parents, n_top), args.iters), chunks))
         nxt, tau = select_call(keys, parents, n_top)
         merge_call = jax.jit(lambda *a: top_merge_pallas(*a, st_top, ip))
-        margs = (q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, empty(gt))
+        margs = (q_top, TopInputs(n_top, first, keys, tau, prep.top_k_merge, prep.top_v), empty(gt))
         rows.append((f"layer {L - 1} (top) merge ({blk}, 1 score pass + values)",
                      median_ms(merge_call, margs, args.iters), chunks))
         state = tuple(pad_axis(x, 3, gp) for x in merge_call(*margs))
@@ -151,7 +152,7 @@ def main(argv=None):
         mean_n = float(jnp.mean(n))
         if l > 0:
             keys_call = jax.jit(lambda *a: importance_keys_pallas(*a, st, ip, return_scores=True))
-            kargs = (q_rows, parents, n, kl, prep.cos, prep.sin)
+            kargs = (q_rows, LayerInputs(parents, n, None, None, kl, None, prep.cos, prep.sin))
             rows.append((f"layer {l} importance keys (1 query/program, 1 score pass, scores stored, "
                          f"mean n={mean_n:.0f})", median_ms(keys_call, kargs, args.iters), chunks, gathered(n, kl)))
             for stv, label in variants(args.keys_variants, st, "num_warps"):
@@ -179,7 +180,7 @@ def main(argv=None):
             parents = nxt[..., :P]
         else:
             bottom = jax.jit(lambda *a: merge_pallas(*a, st, ip, out_dtype=q.dtype))
-            bargs = (q_rows, parents, n, kl_rot, vl, prep.cos, prep.sin, state)
+            bargs = (q_rows, LayerInputs(parents, n, None, None, kl_rot, vl, prep.cos, prep.sin), state)
             rows.append((f"layer 0 merge + normalise (1 query/program, 1 score pass + values, mean n={mean_n:.0f})",
                          median_ms(bottom, bargs, args.iters), chunks, gathered(n, (*kl_rot, vl))))
             for stv, label in variants(args.bottom_variants, st, "merge_num_warps"):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,3 +88,23 @@ def build_tree(k, v, config: HTreeConfig | None = None) -> list[tuple[jax.Array,
         k_up, v_up = layers[-1]
         layers.append((pool_layer(k_up, config.compression_rate), pool_layer(v_up, config.compression_rate)))
     return layers
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "radii", "scales"],
+                   meta_fields=["value_dim"])
+@dataclasses.dataclass(frozen=True)
+class CacheTree:
+    """A decode cache's tree as the attention over it reads it: the per-layer `keys`
+    `[B, N_l, H_kv, K]` and `values` `[B, N_l, H_kv, V]` (bottom first, un-rotated), the
+    `radii` `[B, N_l, H_kv, n_groups]` of layers 1.. (`selection="bound"`, else `()`),
+    FP8 tokens' row `scales` (`htree_jax.core.quantize`: layer 0's keys, and values
+    unless read from the keys, e4m3 with these float32 row scales `[B, H_kv, N_0]`;
+    else `()`), and `value_dim > 0` where the values are the keys' first `value_dim`
+    latent features (DeepSeek's absorbed form; `values` is then `()`). A pytree whose
+    `value_dim` is static."""
+
+    keys: tuple
+    values: tuple
+    radii: tuple = ()
+    scales: tuple = ()
+    value_dim: int = 0

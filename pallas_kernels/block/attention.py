@@ -38,29 +38,26 @@ def backward(q, k, v, saved: Saved, call: KernelCall):
 attention = guarded_vjp(forward, backward)
 
 
-def block_attention(q, k, v, selections, *, config, tuning, merge: str, interpret: bool = False, positions=None):
+def block_attention(q, k, v, selections, call: KernelCall, *, positions=None):
     """htree attention with block selection given the blocks' `selections` (layers `L-1
     .. 1`, each `[B, ceil(T / b), H_kv, top_k]` int32, `-1` padded), differentiable (the
     selections constant): `q [B, T, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv, V]` in
-    `rope_layout` order, validated by the caller, one document a row; `merge` the merge's
-    kernel (`forward.MERGES`), `tuning.block` the launches. Returns `o [B, T, H, V]` in
+    `rope_layout` order, validated by the caller, one document a row; `call.merge` the
+    merge's kernel (`forward.MERGES`), `call.tuning.block` the launches. Returns `o [B, T, H, V]` in
     q's dtype. `positions [S]` int32: a context shard's `q [B, S, H, K]` at those
     positions of the `T` tokens, consecutive from a multiple of `b` (`layout.row_layout`'s
     `offset`; SPEC 10's guard reads them); `dk`, `dv` are its share of every token's."""
-    call = KernelCall(config, tuning, interpret, merge=merge)
     offset = None if positions is None else positions[0].astype("int32")
-    operands = {"selections": list(selections), "layout": row_layout(q, k, config, offset),
+    operands = {"selections": list(selections), "layout": row_layout(q, k, call.config, offset),
                 **({} if positions is None else {"positions": positions})}
     return attention(q, k, v, operands, call)[0]
 
 
-def packed_block_attention(q, k, v, selections, layout: PackedLayout, *, config, tuning, merge: str,
-                           interpret: bool = False):
-    """`block_attention` over packed rows (`merge` one of `forward.MERGES`): `selections`
+def packed_block_attention(q, k, v, selections, layout: PackedLayout, call: KernelCall):
+    """`block_attention` over packed rows (`call.merge` one of `forward.MERGES`): `selections`
     the virtual blocks' lists (virtual tree rows, `[B, T_v / b, H_kv, top_k]` each),
     `layout` the rows' `layout.PackedLayout` (the `Packing` and `firsts [B, T_v / b]`,
     each block's document's first top node). Returns `o [B, T, H, V]`."""
-    call = KernelCall(config, tuning, interpret, merge=merge)
     operands = {"selections": list(selections), "layout": layout}
     return attention(q, k, v, operands, call)[0]
 

@@ -21,7 +21,8 @@ from pallas_kernels.decode.scores import (
     partial_shapes,
     stored_tile_starts,
 )
-from pallas_kernels.shared.common import NEG_INF, LayerStatic, compiler_params, merge_score_precision, span_candidates
+from pallas_kernels.shared.common import (NEG_INF, LayerInputs, LayerStatic, compiler_params, merge_score_precision,
+                                         span_candidates)
 from pallas_kernels.shared.importance import feature_pieces
 from pallas_kernels.shared.precision import weighted_values
 from pallas_kernels.shared.softmax import fold
@@ -146,13 +147,15 @@ def values_in_key_tiles(value_pieces: tuple, K: int, latent_half: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "zero_unmerged", "value_pieces", "values_from_keys"))
-def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, cos, sin, st: LayerStatic,
-                        interpret: bool = False, zero_unmerged: bool = True, value_pieces: tuple | None = None,
-                        values_from_keys: bool = False, state=None, scales=None):
+def decode_merge_pallas(q_or_scores, layer: LayerInputs, st: LayerStatic, interpret: bool = False, *,
+                        zero_unmerged: bool = True, value_pieces: tuple | None = None, values_from_keys: bool = False,
+                        state=None, scales=None):
     """Partial states `(m, S [B, Q, H_kv, splits, Gp], U [..., Gp, V])` of a layer's
-    merged candidates. Bottom layer (`keys=None`): `q_or_scores` is the queries
-    `[B, Q, H_kv, Gp, K]` and every valid candidate merges; above it, the scores from
-    `decode_scores_pallas` and the candidates with `keys < tau` merge. `value_pieces`
+    merged candidates (`layer`: the cache layer's `parents, n`, `keys, tau`, its keys
+    `k` as stored (the bottom's; None above it), values `v`, and the RoPE tables). Bottom
+    layer (`keys=None`): `q_or_scores` is the queries `[B, Q, H_kv, Gp, K]` and every
+    valid candidate merges; above it, the scores from `decode_scores_pallas` and the
+    candidates with `keys < tau` merge. `value_pieces`
     (`cache_value_pieces`; None: all of `layer_v`): where the values lie in `layer_v`,
     which may be the key layer: `values_from_keys` says so (`layer_v` is then `layer_k`
     at the bottom, whose gathered tiles serve as the values where they can,
@@ -163,6 +166,7 @@ def decode_merge_pallas(q_or_scores, parents, n, keys, tau, layer_k, layer_v, co
     journal, 2026-11-25 (8)). `scales` (bottom,
     FP8 tokens): the keys' (and, unless `values_from_keys`, the values') float32 row
     scales `[B, H_kv, N]`."""
+    parents, n, keys, tau, layer_k, layer_v, cos, sin = layer
     bottom = keys is None
     if scales is not None and not bottom:
         raise ValueError("decode_merge_pallas: FP8 row scales are the bottom layer's (the tokens')")

@@ -71,6 +71,7 @@ from htree_jax.core.bounds import group_count, group_norms
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexing import candidate_count, num_parents, top_layer_parents
 from htree_jax.core.rope import rope_table
+from htree_jax.core.tree import CacheTree
 from pallas_kernels.decode.merge import cache_value_pieces, decode_merge_pallas, values_in_key_tiles
 from pallas_kernels.decode.scores import decode_keys_pallas, decode_scores_pallas
 from pallas_kernels.shared import shared_memory
@@ -81,6 +82,7 @@ from pallas_kernels.shared.common import (
     MAX_VALUE_DIM,
     MIN_DIM,
     NEG_INF,
+    LayerInputs,
     LayerStatic,
     check_group,
     next_power_of_two,
@@ -230,17 +232,34 @@ def kept_keys(parents, kept, r: int, Mp: int):
     return keys.reshape(lead + (Mp,))
 
 
-def _walk_layers(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: int, cos, sin, interpret: bool,
-          zero_unmerged: bool = True, qn=None, radii=(), value_dim: int = 0, scales=(), chosen=()):
+@dataclasses.dataclass(frozen=True)
+class WalkSettings:
+    """What a chunk's walk is compiled for: the function, the kernels' statics `sts`,
+    the candidate buffer `Mp`, interpret mode and whether unmerged values are zeroed
+    (`attend_cache_pallas`'s `zero_unmerged`)."""
+
+    config: HTreeConfig
+    sts: WalkStatics
+    Mp: int
+    interpret: bool = False
+    zero_unmerged: bool = True
+
+
+def _walk_layers(q, t, tree: CacheTree, walk: WalkSettings, tables, qn=None, chosen=()):
     """All layers, top down, for queries `q [B, Q, H_kv, Gp, K]` at positions `t [B, Q]`
-    (each batch row its own), the kernels' statics `sts`. `selection="bound"`: `qn [B,
-    Q, H_kv, Gp, n_groups]` the query rows' group norms, `radii` the layers' from layer 1 up (SPEC 11). `value_dim
-    > 0`: `values` is `()`, the values the keys' first `value_dim` latent features, read
-    from the key layers. `scales`: FP8 tokens' row scales (the bottom merge's).
-    `chosen` (block selection, SPEC 12): the kept nodes of every layer above 0, top
-    first, `[B, Q, H_kv / split, top_k]` (ascending, `-1` padded): the queries score and
-    merge with their own rows but keep these nodes (no importance, no top-K; `qn` is
-    not needed). Returns `(o [B, Q, H_kv, Gp, V] in q's dtype, selections)`."""
+    (each batch row its own) over the cache's `tree`, as `walk` says; `tables = (cos,
+    sin) [Mp, K / 2]`. `selection="bound"`: `qn [B, Q, H_kv, Gp, n_groups]` the query
+    rows' group norms, `tree.radii` the layers' from layer 1 up (SPEC 11).
+    `walk.value_dim > 0`: `tree.values` is `()`, the values the keys' first `value_dim`
+    latent features, read from the key layers. `tree.scales`: FP8 tokens' row scales
+    (the bottom merge's). `chosen` (block selection, SPEC 12): the kept nodes of every
+    layer above 0, top first, `[B, Q, H_kv / split, top_k]` (ascending, `-1` padded):
+    the queries score and merge with their own rows but keep these nodes (no
+    importance, no top-K; `qn` is not needed). Returns `(o [B, Q, H_kv, Gp, V] in q's
+    dtype, selections)`."""
+    keys, values, radii, scales, value_dim = tree.keys, tree.values, tree.radii, tree.scales, tree.value_dim
+    config, sts, Mp, interpret, zero_unmerged = walk.config, walk.sts, walk.Mp, walk.interpret, walk.zero_unmerged
+    cos, sin = tables
     r, L = config.compression_rate, len(keys)
     st = sts.scores
     B, Q, H_kv, gp, _ = q.shape
@@ -268,8 +287,9 @@ def _walk_layers(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: 
     for l in reversed(range(L)):
         n = candidate_count(num_parents(parents), t, r, l).astype(jnp.int32)
         if l == 0:
-            partials = decode_merge_pallas(q, parents, n, None, None, keys[0], values[0], cos, sin, sts.bottom,
-                                           interpret, zero_unmerged, pieces, values_from_keys=bool(value_dim),
+            layer = LayerInputs(parents, n, None, None, keys[0], values[0], cos, sin)
+            partials = decode_merge_pallas(q, layer, sts.bottom, interpret, zero_unmerged=zero_unmerged,
+                                           value_pieces=pieces, values_from_keys=bool(value_dim),
                                            state=state if carried else None, scales=scales or None)
             if carried and state is not None:
                 return partials, selections
@@ -278,8 +298,9 @@ def _walk_layers(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: 
             kept = pad_axis(chosen[L - 1 - l] + 1, 3, P) - 1  # `-1` padded to the walk's width
             packed = virtual_heads(kept_keys(real_heads(parents, split), kept, r, Mp), split)
             tau = jnp.ones(packed.shape[:-1] + (1,), jnp.int32)
-            partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, sts.merge,
-                                           interpret, zero_unmerged, pieces, values_from_keys=bool(value_dim),
+            layer = LayerInputs(parents, n, packed, tau, None, values[l], cos, sin)
+            partials = decode_merge_pallas(scores, layer, sts.merge, interpret, zero_unmerged=zero_unmerged,
+                                           value_pieces=pieces, values_from_keys=bool(value_dim),
                                            state=state if carried else None)
             parents = virtual_heads(kept, split)
             selections.append(kept[..., : config.top_k])
@@ -296,8 +317,9 @@ def _walk_layers(q, t, keys, values, config: HTreeConfig, sts: WalkStatics, Mp: 
             next_parents, tau = select_top_k_pallas(packed, real_heads(parents, split), real_heads(n, split), st,
                                                     interpret)
             packed, next_parents, tau = (virtual_heads(x, split) for x in (packed, next_parents, tau))
-            partials = decode_merge_pallas(scores, parents, n, packed, tau, None, values[l], cos, sin, sts.merge,
-                                           interpret, zero_unmerged, pieces, values_from_keys=bool(value_dim),
+            layer = LayerInputs(parents, n, packed, tau, None, values[l], cos, sin)
+            partials = decode_merge_pallas(scores, layer, sts.merge, interpret, zero_unmerged=zero_unmerged,
+                                           value_pieces=pieces, values_from_keys=bool(value_dim),
                                            state=state if carried else None)
             parents = next_parents[..., :P]
             selections.append(real_heads(parents[..., : config.top_k], split))
@@ -316,31 +338,28 @@ def query_chunk(config: HTreeConfig, B: int, S: int, H_kv: int, gp: int, Mp: int
     return int(max(1, min(S, block_sizes.chunk_budget_bytes // per_query)))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "zero_unmerged", "value_dim"))
-def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
+@functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "zero_unmerged"))
+def attend_cache_pallas(q, tree: CacheTree, positions, config: HTreeConfig, *,
                         block_sizes: DecodeBlockSizes = DecodeBlockSizes(), interpret: bool = False,
-                        zero_unmerged: bool = True, radii=(), value_dim: int = 0, scales=(), chosen=()):
+                        zero_unmerged: bool = True, chosen=()):
     """htree attention of queries `q [B, S, H, K]` (un-rotated) at token positions
     `positions [S]`, or `[B, S]` per batch row (int32, may be traced; each row's
-    candidates and work from its own positions), over a decode cache's tree: `keys`, `values`
-    the per-layer `[B, N_l, H_kv, K]`, `[B, N_l, H_kv, V]` (bottom first, un-rotated).
+    candidates and work from its own positions), over a decode cache's `tree`
+    (`CacheTree`: its keys, values, radii, FP8 scales and `value_dim`).
     The twin of `htree_jax.reference.attend_tree(..., keys_rotated=False)`: returns
     `(o [B, S, H, V] in q.dtype, selections)`, selections top first, `[B, S, H_kv,
     top_k]`. Dims as `check_pallas_decode_dims` allows (checked by the caller).
     `zero_unmerged=False` skips zeroing the values a query does not merge, which only
     matters (SPEC 10: a NaN value times a weight of 0) where the cache holds tokens
     after a query: safe only when every query is the newest token, as in a one-token
-    decode step. `selection="bound"` (SPEC 11) needs `radii`, the cache's `[B, N_l, H_kv,
-    n_groups]` of layers 1.. (`q` then in `rope_layout` order, as the cache's keys).
-    `value_dim > 0`: no `values` (`()`); they are the keys' first `value_dim` latent
-    features, read from the key layers in place (DeepSeek's absorbed form). `scales`: FP8
-    tokens (`htree_jax.core.quantize`): layer 0's keys (and values) e4m3, these their
-    float32 row scales `[B, H_kv, N_0]` (keys', then values' unless read from the keys);
-    the bottom merge widens each gathered row to q's dtype (exact) and scales its score
-    and its weight. `chosen` (block selection, SPEC 12): every layer's kept nodes above
+    decode step. `selection="bound"` (SPEC 11) needs `tree.radii` (`q` then in
+    `rope_layout` order, as the cache's keys). `tree.value_dim > 0`: the values are read
+    from the key layers in place. FP8 tokens (`tree.scales`): the bottom merge widens
+    each gathered row to q's dtype (exact) and scales its score and its weight. `chosen` (block selection, SPEC 12): every layer's kept nodes above
     0, top first, `[B, S, H_kv, top_k]` each (the selections a walk returned): the
     queries keep those instead of choosing (`_walk_layers`); they are returned as the
     selections. The statics are those of q's dtype."""
+    keys, values, radii, value_dim = tree.keys, tree.values, tree.radii, tree.value_dim
     B, S, H, K = q.shape
     H_kv, V = keys[0].shape[2], value_dim or values[0].shape[-1]
     itemsize = jnp.dtype(q.dtype).itemsize  # FP8 tokens are widened to it in the kernel
@@ -367,12 +386,13 @@ def attend_cache_pallas(q, keys, values, positions, config: HTreeConfig,
     repeat_last = lambda x: jnp.concatenate([x, jnp.repeat(x[:, -1:], num_chunks * C - S, axis=1)], axis=1)
     padded = repeat_last(jnp.broadcast_to(positions, (B, S)))
     chosen = tuple(repeat_last(x) for x in chosen)
+    tree = CacheTree(tuple(keys), tuple(values), tuple(radii), tuple(tree.scales), value_dim)
+    walk = WalkSettings(config, sts, Mp, interpret, zero_unmerged)
 
     def chunk(i):
         rows = lambda x: lax.dynamic_slice_in_dim(x, i * C, C, axis=1)
         qn_c = None if qn is None else rows(qn)
-        return _walk_layers(rows(q5), rows(padded), keys, values, config, sts, Mp, cos, sin, interpret, zero_unmerged,
-                            qn_c, tuple(radii), value_dim, tuple(scales), tuple(map(rows, chosen)))
+        return _walk_layers(rows(q5), rows(padded), tree, walk, (cos, sin), qn_c, tuple(map(rows, chosen)))
 
     o, sels = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # o: [chunks, B, C, H_kv, Gp, V] -> [B, S, H, V]

@@ -36,16 +36,15 @@ def backward(q, k, v, saved: Saved, call: KernelCall):
 attention = guarded_vjp(forward, backward)
 
 
-def gqa_attention(q, k, v, *, config, tuning, interpret: bool = False, export: bool = False, positions=None,
-                  packing=None):
+def gqa_attention(q, k, v, call: KernelCall, *, positions=None, packing=None):
     """htree attention on the GQA family, differentiable (its backward is
     `htree_backward_pallas`): `q [B, S, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv, V]`
-    in `rope_layout` order, validated by the caller; `config` an `HTreeConfig`, `tuning`
-    the kernels' `KernelConfigs`; `positions [S]` the queries' positions among `k`'s
+    in `rope_layout` order, validated by the caller; `call` what it is compiled for
+    (`KernelCall`: the function, the kernels' configs, interpret mode, the export);
+    `positions [S]` the queries' positions among `k`'s
     tokens (None: `S = T`); `packing` packed rows (`htree_jax.core.packing.Packing`; the
     selections returned are then rows of the virtual tree). Returns `(o [B, S, H, V],
-    selections, *importance)` (the importance with `export`, SPEC 8)."""
-    call = KernelCall(config, tuning, interpret, export)
+    selections, *importance)` (the importance with `call.export`, SPEC 8)."""
     return attention(q, k, v, {"positions": positions, "packing": packing}, call)
 
 

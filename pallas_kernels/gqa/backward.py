@@ -68,11 +68,14 @@ from htree_jax.core.rope import apply_rope
 from pallas_kernels.gqa.chunks import chunk_queries, select_below_top, valid_candidates
 from pallas_kernels.gqa.layer_backward import layer_backward_pallas
 from pallas_kernels.gqa.node_backward import layer_node_grads_pallas
-from pallas_kernels.gqa.plan import group_rows, prepare, split_heads
+from pallas_kernels.gqa.plan import Places, group_rows, prepare, split_heads
 from pallas_kernels.gqa.top_backward import top_backward_queries, top_backward_statics, top_dq_pallas, top_node_grads_pallas
 from pallas_kernels.shared import shared_memory
 from pallas_kernels.shared.common import (
     KERNEL_GROUP,
+    LayerInputs,
+    RowStats,
+    TopInputs,
     next_power_of_two,
     pad_axis,
     unpad_rope_halves,
@@ -81,6 +84,7 @@ from pallas_kernels.shared.common import (
 )
 from pallas_kernels.shared.common import check_query_layout
 from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.node_index import UNIT, node_buffers, node_gradient, node_index
 from pallas_kernels.shared.precision import Precisions
 from pallas_kernels.shared.tree_backward import child_counts_by_layer, kept_keys, pad_nodes_list, push_down
@@ -134,8 +138,8 @@ def htree_backward_pallas(q, k, v, o, lse, do, *, config: HTreeConfig,
     tuning = dataclasses.replace(tuning, layer=dataclasses.replace(tuning.layer, num_stages=stages))
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
-    prep = prepare(q, k, v, config, tuning, interpret, Precisions.for_dtype(q.dtype), for_backward=True,
-                   packing=packing, positions=positions, split=split)
+    prep = prepare(q, k, v, KernelCall(config, tuning, interpret), Precisions.for_dtype(q.dtype),
+                   places=Places(packing, positions), for_backward=True, split=split)
     st, st_top, Qc, P, L = prep.st, prep.st_top, prep.chunk, prep.parents_width, len(prep.layers) + 1
     num_chunks = prep.q4.shape[1] // Qc
     kp, vp = prep.q4.shape[-1], prep.top_v.shape[-1]
@@ -186,13 +190,13 @@ def htree_backward_pallas(q, k, v, o, lse, do, *, config: HTreeConfig,
         # the queries: `gt` (the top layer's and the node kernels', a power of two) and
         # `gp` (the per-query kernels').
         q_gt, q_rows = rows.top, rows.per_query
-        stats_gt = [pad_axis(x, 3, gt) for x in (lse_c, do_c, delta_c)]
-        stats_gp = [pad_axis(x, 3, gp) for x in (lse_c, do_c, delta_c)]
-        top_data = (prep.top_k_merge, prep.top_v, *stats_gt)
+        stats_gt = RowStats(*(pad_axis(x, 3, gt) for x in (lse_c, do_c, delta_c)))
+        stats_gp = RowStats(*(pad_axis(x, 3, gp) for x in (lse_c, do_c, delta_c)))
         q_ops = top_backward_queries(q_top, st_top)
-        dq_rot = top_dq_pallas(q_ops, n_top, first, keys, tau, *top_data, st_dq, interpret)
-        top_acc = top_node_grads_pallas(q_ops, n_top, first, rows_keys, tau, *top_data, top_acc, st_dkv,
-                                        interpret, segments)
+        top = TopInputs(n_top, first, keys, tau, prep.top_k_merge, prep.top_v)
+        dq_rot = top_dq_pallas(q_ops, top, stats_gt, st_dq, interpret)
+        top_acc = top_node_grads_pallas(q_ops, top._replace(keys=rows_keys), stats_gt, top_acc, st_dkv, interpret,
+                                        segments)
         position = n_top - 1
         dq = apply_rope(dq_rot, prep.cos[position], -prep.sin[position])[:, :, :, :G]
         if L > 1:
@@ -205,11 +209,10 @@ def htree_backward_pallas(q, k, v, o, lse, do, *, config: HTreeConfig,
                     next_parents = pad_nodes_list(kept[L - 1 - l], P)[..., :P]
                 elif l > 0:
                     keys, next_parents, tau, _, _ = select_below_top(prep, rows, parents, n, l, interpret)
-                layer_args = (parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
-                dq_l = layer_backward_pallas(q_rows, *layer_args, *stats_gp, st, interpret)
+                inputs = LayerInputs(parents, n, keys, tau, k_merge, vl, prep.cos, prep.sin)
+                dq_l = layer_backward_pallas(q_rows, inputs, stats_gp, st, interpret)
                 index = node_index(parents, n, st.r, -(-sizes[l] // UNIT), tuning.layer.node_entries)
-                layer_acc[l] = layer_node_grads_pallas(q_gt, *layer_args, *stats_gt, index,
-                                                       layer_acc[l], st, interpret,
+                layer_acc[l] = layer_node_grads_pallas(q_gt, inputs, stats_gt, index, layer_acc[l], st, interpret,
                                                        num_warps=tuning.layer.node_num_warps)
                 dq = dq + dq_l[:, :, :, :G]
                 if l > 0:

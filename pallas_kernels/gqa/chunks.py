@@ -21,7 +21,7 @@ from htree_jax.core.config import FORCED_IMPORTANCE
 from htree_jax.core.indexing import candidate_count, num_parents, pack_importance, top_layer_parents
 from pallas_kernels.gqa.plan import Prepared
 from pallas_kernels.gqa.top_layer import top_importance_keys_pallas
-from pallas_kernels.shared.common import Bound, next_power_of_two, pad_axis, real_heads, virtual_heads
+from pallas_kernels.shared.common import Bound, LayerInputs, TopInputs, next_power_of_two, pad_axis, real_heads, virtual_heads
 from pallas_kernels.shared.importance import importance_keys_pallas
 from pallas_kernels.shared.rope import rotate_queries
 from pallas_kernels.shared.top_k import kept_values, select_top_k_pallas
@@ -117,12 +117,12 @@ def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool,
     packs it."""
     split, st, width = prep.head_split, prep.st_top_keys, prep.cos.shape[0]
     bound = None if norms is None else Bound(norms, prep.top_radii)
+    top = TopInputs(n_top, first, None, None, prep.top_k_imp, None)
     if split == 1:
-        out = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret, export,
-                                         bound=bound)
+        out = top_importance_keys_pallas(q_top, top, width, st, interpret, export, bound=bound)
         return out if export else (out, None)
-    _, imp, shift = top_importance_keys_pallas(q_top, n_top, first, prep.top_k_imp, width, st, interpret,
-                                               export=True, with_shift=True, bound=bound)
+    _, imp, shift = top_importance_keys_pallas(q_top, top, width, st, interpret, export=True, with_shift=True,
+                                               bound=bound)
     B, Q = imp.shape[:2]
     imp = imp.reshape(B, Q, -1, split, width)
     if st.importance == "shared_max":
@@ -146,8 +146,9 @@ def select_below_top(prep: Prepared, rows: ChunkRows, parents, n, layer: int, in
     11, on the rows' norms)."""
     split, q_rows = prep.head_split, rows.per_query
     bound = None if rows.norms is None else Bound(rows.norms, prep.radii[layer])
-    keys, scores = importance_keys_pallas(q_rows, parents, n, prep.layers[layer][0], prep.cos, prep.sin, prep.st_scores,
-                                          interpret, return_scores=True, export=export, split=split, bound=bound)
+    inputs = LayerInputs(parents, n, None, None, prep.layers[layer][0], None, prep.cos, prep.sin)
+    keys, scores = importance_keys_pallas(q_rows, inputs, prep.st_scores, interpret, return_scores=True, export=export,
+                                          split=split, bound=bound)
     imp = None
     if export:
         keys, imp = keys

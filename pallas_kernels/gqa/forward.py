@@ -18,11 +18,12 @@ from jax import lax
 from htree_jax.core.config import HTreeConfig
 from pallas_kernels.gqa.chunks import chunk_queries, select_below_top, valid_candidates
 from pallas_kernels.gqa.merge import merge_pallas, merge_scored_pallas
-from pallas_kernels.gqa.plan import Prepared, group_rows, prepare, split_heads
+from pallas_kernels.gqa.plan import Places, Prepared, group_rows, prepare, split_heads
 from pallas_kernels.gqa.top_layer import top_merge_pallas
-from pallas_kernels.shared.common import next_power_of_two, real_heads
+from pallas_kernels.shared.common import LayerInputs, TopInputs, next_power_of_two, real_heads
 from pallas_kernels.shared.common import check_query_layout
 from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.precision import Precisions
 
 
@@ -31,8 +32,8 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out
     `[B, Qc, H_kv, Gp, Vp]`, `[B, Qc, H_kv, Gp]`."""
     _, k_merge, v0 = prep.layers[0]
     n = valid_candidates(parents, t, 0, prep)
-    return merge_pallas(q_rows, parents, n, k_merge, v0, prep.cos, prep.sin, state, prep.st_merge,
-                        interpret, out_dtype=out_dtype, return_lse=True)
+    layer = LayerInputs(parents, n, None, None, k_merge, v0, prep.cos, prep.sin)
+    return merge_pallas(q_rows, layer, state, prep.st_merge, interpret, out_dtype=out_dtype, return_lse=True)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
@@ -69,8 +70,8 @@ def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSize
                          "kv head, BlockSizes.wide_rows > 0, one document per row")
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
-    prep = prepare(q, k, v, config, tuning, interpret, precisions or Precisions.for_dtype(q.dtype),
-                   packing=packing, positions=positions, split=split, query_packing=query_packing)
+    prep = prepare(q, k, v, KernelCall(config, tuning, interpret), precisions or Precisions.for_dtype(q.dtype),
+                   places=Places(packing, positions, query_packing), split=split)
     st_top, Qc, L = prep.st_top, prep.chunk, len(prep.layers) + 1
     st_scored = dataclasses.replace(prep.st_merge, merge_num_warps=tuning.layer.scored_merge_num_warps)
     num_chunks = prep.q4.shape[1] // Qc
@@ -86,11 +87,12 @@ def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSize
         keys, tau, parents = top[:3]
         exported = list(top[3:])
         if L == 1:
-            o, lse = top_merge_pallas(q_top, n_top, first, None, None, prep.top_k_merge, prep.top_v, empty_state(gt),
-                                      st_top, interpret, out_dtype=q.dtype, return_lse=True)
+            inputs = TopInputs(n_top, first, None, None, prep.top_k_merge, prep.top_v)
+            o, lse = top_merge_pallas(q_top, inputs, empty_state(gt), st_top, interpret, out_dtype=q.dtype,
+                                      return_lse=True)
             return o[:, :, :, :G], lse[..., :G], [], []
-        state = top_merge_pallas(q_top, n_top, first, keys, tau, prep.top_k_merge, prep.top_v, empty_state(gt), st_top,
-                                 interpret)
+        inputs = TopInputs(n_top, first, keys, tau, prep.top_k_merge, prep.top_v)
+        state = top_merge_pallas(q_top, inputs, empty_state(gt), st_top, interpret)
         # The layers below: one query per program, its G heads padded to Gp rows (`group_rows`).
         rows_to_gp = lambda rows, ndim: [(0, 0)] * 3 + [(0, gp - rows)] + [(0, 0)] * (ndim - 4)
         state = tuple(jnp.pad(x, rows_to_gp(x.shape[3], x.ndim)) for x in state)

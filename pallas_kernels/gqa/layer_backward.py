@@ -27,7 +27,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.shared.common import (
+    LayerInputs,
     LayerStatic,
+    RowStats,
     block_specs,
     compiler_params,
     layer_refs,
@@ -104,13 +106,13 @@ def _layer_backward_kernel(*refs, st: LayerStatic, bottom: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def layer_backward_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, lse, do, delta, st: LayerStatic,
-                          interpret=False):
+def layer_backward_pallas(q, layer: LayerInputs, stats: RowStats, st: LayerStatic, interpret=False):
     """`dq [B, Q, H_kv, Gp, Kp]` float32 (un-rotated) from one per-query layer's merged
-    candidates (the bottom with `keys=None`). `q` and the layer inputs as for
-    `merge_pallas` (`k_phases` its merge operands); `lse, delta [B, Q, H_kv, Gp]` float32
-    and `do [B, Q, H_kv, Gp, Vp]`. Above the bottom the merged candidates are those with
-    `keys < tau`."""
+    candidates (the bottom with `layer.keys=None`). `q` and `layer` as for `merge_pallas`
+    (`layer.k` its merge operands); `stats` the rows' `lse, do, delta` (`Gp` rows).
+    Above the bottom the merged candidates are those with `keys < tau`."""
+    parents, n, keys, tau, k_phases, layer_v, cos, sin = layer
+    lse, do, delta = stats
     check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gp, kp = q.shape
     bottom = keys is None
@@ -134,10 +136,12 @@ def layer_backward_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin,
 # The twin: autodiff of the layer's share of the output with `lse` held constant.
 
 
-def layer_backward_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, lse, do, delta, st: LayerStatic):
-    """Twin of `layer_backward_pallas` (`layer_k` un-rotated): `(dq, dk [B, H_kv, N, Kp],
-    dv [B, H_kv, N, Vp])` as the gradient of `sum p * (do . v - delta)` over the merged
-    candidates, `p = exp(s - lse)` with `lse`, `delta` constant (float32, exact)."""
+def layer_backward_twin(q, layer: LayerInputs, stats: RowStats, st: LayerStatic):
+    """Twin of `layer_backward_pallas` (`layer.k` un-rotated): `(dq, dk [B, H_kv, N,
+    Kp], dv [B, H_kv, N, Vp])` as the gradient of `sum p * (do . v - delta)` over the
+    merged candidates, `p = exp(s - lse)` with `lse`, `delta` constant (float32, exact)."""
+    parents, n, keys, tau, layer_k, layer_v, cos, sin = layer
+    lse, do, delta = stats
 
     def share(q, layer_k, layer_v):
         scores, valid, nodes, _, _ = scores_twin(q, parents, n, layer_k, cos, sin, st)

@@ -26,6 +26,7 @@ from htree_jax.core.indexing import candidate_nodes as nodes_of_positions
 from htree_jax.core.softmax import merge, normalize
 from pallas_kernels.shared.common import (
     NEG_INF,
+    LayerInputs,
     LayerStatic,
     block_specs,
     layer_params,
@@ -130,13 +131,15 @@ def _merge_scored_kernel(scores_ref, par_ref, n_ref, keys_ref, tau_ref, v_ref, m
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype", "return_lse"))
-def merge_pallas(q, parents, n, k_phases, layer_v, cos, sin, state, st: LayerStatic, interpret=False,
-                 out_dtype=jnp.float32, return_lse=False):
-    """The bottom layer (SPEC 2.4, every valid candidate merges): the normalised output
-    `[B, Q, H_kv, Gp, Vp]` in `out_dtype` (with `return_lse`, `(o, lse [B, Q, H_kv, Gp])`,
-    the rows' log-sum-exp for the backward). `q, parents, n, cos, sin` as for
-    `importance.importance_keys_pallas`; `k_phases` as `key_operands(rotate_phases(...),
-    merge precision, st.merge_operands)`; `state` the layers above's `(m, S, U)`."""
+def merge_pallas(q, layer: LayerInputs, state, st: LayerStatic, interpret=False, out_dtype=jnp.float32,
+                 return_lse=False):
+    """The bottom layer (SPEC 2.4, every valid candidate merges; `layer.keys` not
+    read): the normalised output `[B, Q, H_kv, Gp, Vp]` in `out_dtype` (with
+    `return_lse`, `(o, lse [B, Q, H_kv, Gp])`, the rows' log-sum-exp for the backward).
+    `q` as for `importance.importance_keys_pallas`; `layer.k` as
+    `key_operands(rotate_phases(...), merge precision, st.merge_operands)`; `state` the
+    layers above's `(m, S, U)`."""
+    parents, n, k_phases, layer_v, cos, sin = layer.parents, layer.n, layer.k, layer.v, layer.cos, layer.sin
     check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gp, _ = q.shape
     vp = layer_v.shape[-1]
@@ -184,11 +187,12 @@ def merge_scored_pallas(scores, parents, n, keys, tau, layer_v, state, st: Layer
 # Pure-JAX twins, written with the reference's `merge`.
 
 
-def merge_twin(q, parents, n, keys, tau, layer_k, layer_v, cos, sin, state, st: LayerStatic,
-               out_dtype=jnp.float32):
-    """Twin of `merge_pallas` (`keys=None`: every valid candidate, then normalised) and of
-    the top layer's `top_merge_pallas` (with `keys, tau`: the candidates not kept, the
-    state), written with the reference's `merge` and `normalize`."""
+def merge_twin(q, layer: LayerInputs, state, st: LayerStatic, out_dtype=jnp.float32):
+    """Twin of `merge_pallas` (`layer.keys=None`: every valid candidate, then
+    normalised) and of the top layer's `top_merge_pallas` (with `keys, tau`: the
+    candidates not kept, the state), written with the reference's `merge` and
+    `normalize`; `layer.k` the un-rotated keys."""
+    parents, n, keys, tau, layer_k, layer_v, cos, sin = layer
     B, Q, H_kv, gp, _ = q.shape
     scores, valid, nodes, _, _ = scores_twin(q, parents, n, layer_k, cos, sin, st)
     flat = lambda x: x.reshape((B * Q * H_kv,) + x.shape[3:])

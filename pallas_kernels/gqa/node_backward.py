@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gqa.layer_backward import grads_of_block
-from pallas_kernels.shared.common import LayerStatic, compiler_params, merge_score_precision
+from pallas_kernels.shared.common import LayerInputs, LayerStatic, RowStats, compiler_params, merge_score_precision
 from pallas_kernels.shared.node_index import UNIT, NodeIndex, fold_spilled, whole_slice
 from pallas_kernels.shared.precision import check_key_parts, dot_rows, key_parts, product, split_rows
 
@@ -146,19 +146,19 @@ def _unit_rows(x):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "entries_per_step", "num_warps"))
-def layer_node_grads_pallas(q, parents, n, keys, tau, k_phases, layer_v, cos, sin, lse, do, delta,
-                            index: NodeIndex, accumulators, st: LayerStatic, interpret=False, entries_per_step=None,
-                            num_warps=None):
-    """`dk`, `dv` of one layer below the top (the bottom with `keys=None`) added to
-    `accumulators` (`node_buffers`), deterministically.
+def layer_node_grads_pallas(q, layer: LayerInputs, stats: RowStats, index: NodeIndex, accumulators, st: LayerStatic,
+                            interpret=False, entries_per_step=None, num_warps=None):
+    """`dk`, `dv` of one layer below the top (the bottom with `layer.keys=None`) added
+    to `accumulators` (`node_buffers`), deterministically.
 
-    `q [B, Q, H_kv, Gt, Kp]` un-rotated, halves padded apart; `keys, tau, k_phases,
-    layer_v, cos, sin` as for `layer_backward_pallas`; `lse, delta [B, Q, H_kv, Gt]`, `do [B, Q,
-    H_kv, Gt, Vp]` float32; `index = node_index(parents, n, r, units, node_entries)`
-    (`parents`, `n` are read through it; with spilled segments, three launches: their
+    `q [B, Q, H_kv, Gt, Kp]` un-rotated, halves padded apart; `layer` as for
+    `layer_backward_pallas`; `stats` the rows' `lse, do, delta` (`Gt` rows, `do`
+    float32); `index = node_index(parents, n, r, units, node_entries)` (`layer.parents`,
+    `layer.n` are read through it; with spilled segments, three launches: their
     partials, the units' own sums, the fold). `entries_per_step`: pairs per step
     (default: 64 rows)."""
-    del parents, n  # read through the index
+    _, _, keys, tau, k_phases, layer_v, cos, sin = layer  # parents, n: read through the index
+    lse, do, delta = stats
     check_key_parts(k_phases, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gt, kp = q.shape
     bottom = keys is None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ from pallas_kernels.shared.common import (
     pad_rope_halves,
 )
 from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.precision import Precisions, key_operands
 from pallas_kernels.shared.rope import padded_rope_table, rotate_keys, rotate_phases
 from pallas_kernels.shared.tree_build import PoolBlockSizes, pool_layer_pallas
@@ -214,19 +216,31 @@ def packed_tree(k, v, packing, config: HTreeConfig):
     return layers, top_local
 
 
-def prepare(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool,
-            precisions: Precisions, for_backward: bool = False, packing=None, positions=None,
-            split: int = 1, query_packing=None) -> Prepared:
-    """The padded tree, keys as the products read them, tables and queries. With
-    `for_backward`, every layer below the top keeps merge keys: the backward scores every
-    merged candidate again with the merge dots. With `packing` the tree is laid out
-    virtually (`htree_jax.core.packing`), its top keys rotated by their place in their
-    document, the top layer padded by a tile more (tiles read from a document's start).
-    `positions [S]`: the queries' positions in the sequence of `k, v` (context
-    parallelism: a shard's queries against every token; `None`: `q` holds them all).
-    `split`: `k, v` hold each kv head `split` times (`split_heads`). `query_packing`
-    (with `packing`): the queries' own virtual places (`Packing.position`, `doc_start`
-    `[B, S]`), where `q` is not the tokens of `k` (block selection's ranking rows)."""
+class Places(NamedTuple):
+    """Where a call's queries and tokens sit, each None where it does not apply:
+    `packing` the rows' packed documents (`htree_jax.core.packing.Packing`; the tree is
+    then laid out virtually), `positions [S]` the queries' positions in the sequence of
+    `k, v` (context parallelism: a shard's queries against every token; None: `q` holds
+    them all), `query_packing` (with `packing`) the queries' own virtual places
+    (`Packing.position`, `doc_start` `[B, S]`), where `q` is not the tokens of `k` (block
+    selection's ranking rows)."""
+
+    packing: Any = None
+    positions: Any = None
+    query_packing: Any = None
+
+
+def prepare(q, k, v, call: KernelCall, precisions: Precisions, *, places: Places = Places(), for_backward: bool = False,
+            split: int = 1) -> Prepared:
+    """The padded tree, keys as the products read them, tables and queries, for `call`
+    (its config, the kernels' configs and interpret mode) and the queries' `places`.
+    With `for_backward`, every layer below the top keeps merge keys: the backward scores
+    every merged candidate again with the merge dots. With `places.packing` the tree is
+    laid out virtually (`htree_jax.core.packing`), its top keys rotated by their place
+    in their document, the top layer padded by a tile more (tiles read from a
+    document's start). `split`: `k, v` hold each kv head `split` times (`split_heads`)."""
+    config, tuning, interpret = call.config, call.tuning, call.interpret
+    packing, positions, query_packing = places
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], v.shape[-1]
     G = H // H_kv

@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.gqa.layer_backward import grads_of_block
 from pallas_kernels.gqa.top_layer import BASE2, block_rows, by_document, check_top_inputs, per_row, query_refs, tile_rows, \
     top_specs
-from pallas_kernels.shared.common import LayerStatic, compiler_params, layer_refs, merge_score_precision, next_power_of_two
+from pallas_kernels.shared.common import (LayerStatic, RowStats, TopInputs, compiler_params, layer_refs,
+                                         merge_score_precision, next_power_of_two)
 from pallas_kernels.shared.configs import TopBackwardConfig
 from pallas_kernels.shared.precision import check_key_parts, dot_rows, key_parts, product, split_rows, whole_keys
 
@@ -130,12 +131,14 @@ def _top_dq_kernel(*refs, st: LayerStatic, bottom: bool, documents: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret"))
-def top_dq_pallas(q_ops, n, first, keys, tau, k_rot, v, lse, do, delta, st: LayerStatic, interpret=False):
+def top_dq_pallas(q_ops, top: TopInputs, stats: RowStats, st: LayerStatic, interpret=False):
     """`dq_rot [B, Q, H_kv, Gt, Kp]` float32 from the top layer's merged candidates (all
-    valid ones with `keys=None`, `L = 1`), in the rotated queries' frame (the caller
-    rotates it back). `q_ops = top_backward_queries(q_rot, st)`; `n, first, keys, tau,
-    k_rot, v` as for `top_merge_pallas` (`first=None`: one document per row); `lse,
-    delta [B, Q, H_kv, Gt]` float32, `do [B, Q, H_kv, Gt, Vp]`."""
+    valid ones with `top.keys=None`, `L = 1`), in the rotated queries' frame (the caller
+    rotates it back). `q_ops = top_backward_queries(q_rot, st)`; `top` as for
+    `top_merge_pallas` (`first=None`: one document per row); `stats` the rows' `lse, do,
+    delta` (`Gt` rows)."""
+    n, first, keys, tau, k_rot, v = top
+    lse, do, delta = stats
     bottom = keys is None
     width = st.tile if bottom else keys.shape[-1]
     check_top_inputs(st, q_ops, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),),
@@ -239,15 +242,17 @@ def block_ranges(n, first, block_queries: int, tile: int, num_tiles: int):
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "segments"))
-def top_node_grads_pallas(q_ops, n, first, keys, tau, k_rot, v, lse, do, delta, accumulators, st: LayerStatic,
-                          interpret=False, segments: int = 1):
-    """`dk`, `dv` of the top layer (all valid candidates with `keys=None`) added to
-    `accumulators` (float32, shaped like `k_rot [B, H_kv, Np, Kp]` and `v`),
-    deterministically; inputs as for `top_dq_pallas`, `keys [B, Q, H_kv, Np]` indexed
+def top_node_grads_pallas(q_ops, top: TopInputs, stats: RowStats, accumulators, st: LayerStatic, interpret=False,
+                          segments: int = 1):
+    """`dk`, `dv` of the top layer (all valid candidates with `top.keys=None`) added to
+    `accumulators` (float32, shaped like `top.k [B, H_kv, Np, Kp]` and `top.v`),
+    deterministically; inputs as for `top_dq_pallas`, `top.keys [B, Q, H_kv, Np]` indexed
     by node row. `dk` in the rotated keys' frame (`rotate_keys`). `segments > 1`: each
     node tile's queries split among that many programs (more programs to spread over
     the GPU: in a chunk only the tiles its queries reach have work), their partial sums
     added in order afterwards."""
+    n, first, keys, tau, k_rot, v = top
+    lse, do, delta = stats
     check_key_parts(k_rot, (key_parts(merge_score_precision(st), st.merge_operands),))
     B, Q, H_kv, gt, kp = q_ops.shape
     tile, bq = st.tile, st.block_queries

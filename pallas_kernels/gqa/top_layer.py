@@ -47,7 +47,8 @@ from jax.experimental import pallas as pl
 from htree_jax.core.config import FORCED_IMPORTANCE
 from htree_jax.core.indexing import pack_importance
 from pallas_kernels.gqa.merge import merge_outputs, merged_tile, read_state, write_merged
-from pallas_kernels.shared.common import NEG_INF, Bound, LayerStatic, compiler_params, layer_refs, merge_score_precision
+from pallas_kernels.shared.common import (NEG_INF, Bound, LayerStatic, TopInputs, compiler_params, layer_refs,
+                                         merge_score_precision)
 from pallas_kernels.shared.importance import importance_shift, write_key_tiles
 from pallas_kernels.shared.precision import check_key_parts, dot_rows, key_parts, split_rows
 from pallas_kernels.shared.softmax import fold, fold_max_sum
@@ -247,9 +248,10 @@ def check_top_inputs(st: LayerStatic, q, k_parts, width: int, expected_parts: tu
 
 
 @functools.partial(jax.jit, static_argnames=("width", "st", "interpret", "export", "with_shift"))
-def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStatic, interpret=False, export=False,
+def top_importance_keys_pallas(q_rot, top: TopInputs, width: int, st: LayerStatic, interpret=False, export=False,
                                with_shift=False, bound=None):
-    """Packed importance keys `[B, Q, H_kv, width]` of the top layer, `st.block_queries`
+    """Packed importance keys `[B, Q, H_kv, width]` of the top layer (`top.n`,
+    `top.first`, `top.k`; its keys, tau and values not read), `st.block_queries`
     queries per program; with `export`, `(keys, importance [B, Q, H_kv, width] float32)`
     (SPEC 8, 0 where invalid); `with_shift` (and `export`) adds the rows' importance
     shifts `[B, Q, H_kv, Gt]` (what split heads need to sum their importance). `q_rot = rotate_queries(q, n, ...)`, `k_rot =
@@ -258,6 +260,7 @@ def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStat
     query rows' feature-group norms and `key_operands` of the layer's radii `[B, H_kv,
     Np, Gn]` (padded like `k_rot`): the importance is then the bound scores'.
     `first=None`: one document per row (candidate `p` is row `p`), one pass per tile."""
+    n, first, k_rot = top.n, top.first, top.k
     check_top_inputs(st, q_rot, k_rot, width, (1, key_parts(st.precision, st.importance_operands)))
     B, Q, H_kv = q_rot.shape[:3]
     documents = first is not None
@@ -289,13 +292,14 @@ def top_importance_keys_pallas(q_rot, n, first, k_rot, width: int, st: LayerStat
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "out_dtype", "return_lse"))
-def top_merge_pallas(q_rot, n, first, keys, tau, k_rot, v, state, st: LayerStatic, interpret=False,
-                     out_dtype=jnp.float32, return_lse=False):
-    """With `keys [B, Q, H_kv, width], tau`: the state after merging the top layer's
+def top_merge_pallas(q_rot, top: TopInputs, state, st: LayerStatic, interpret=False, out_dtype=jnp.float32,
+                     return_lse=False):
+    """With `top.keys [B, Q, H_kv, width], tau`: the state after merging the top layer's
     candidates not kept. With `keys=None` (`L = 1`): the normalised output
     `[B, Q, H_kv, Gt, Vp]` in `out_dtype` (and its rows' log-sum-exp with `return_lse`). `v` padded like `k_rot` (`pad_nodes`), `k_rot =
     key_operands(rotate_keys(...), merge precision, st.merge_operands)`; `first=None`: one
     document per row."""
+    n, first, keys, tau, k_rot, v = top
     bottom = keys is None
     width = st.tile if bottom else keys.shape[-1]
     check_top_inputs(st, q_rot, k_rot, width, (key_parts(merge_score_precision(st), st.merge_operands),))

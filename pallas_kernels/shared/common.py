@@ -54,6 +54,52 @@ class Bound(NamedTuple):
     radii: Any
 
 
+class LayerInputs(NamedTuple):
+    """One per-query layer (below the top) as a GQA launch takes it beside the queries:
+    `parents [B, Q / BQ, H_kv, P]` and `n [B, Q / BQ, H_kv, 1]` int32, one row per block
+    of `BQ = st.block_queries` queries that share them; the kept candidates' packed
+    importance `keys [B, Q, H_kv, Mp]` and threshold `tau` (those with `keys < tau`
+    merge; None, None: every valid candidate, the bottom layer); the layer's keys `k`
+    (the kernels: `precision.key_operands` parts of `rotate_phases`; the twins: the
+    un-rotated keys `[B, H_kv, N, Kp]`); its values `v [B, H_kv, N, Vp]` (None where a
+    launch reads none); the RoPE tables `cos, sin [Mp, Kp / 2]`."""
+
+    parents: Any
+    n: Any
+    keys: Any
+    tau: Any
+    k: Any
+    v: Any
+    cos: Any
+    sin: Any
+
+
+class TopInputs(NamedTuple):
+    """The top layer as a GQA launch takes it beside the rotated queries: `n [B, Q,
+    H_kv, 1]` each query's candidates, `first` (packed rows: each query's document's
+    first node, same shape; None: one document a row), the kept candidates' `keys` and
+    `tau` as `LayerInputs` holds them (None, None: every valid one), the rotated keys'
+    `precision.key_operands` parts `k` and the values `v` padded like them (None where
+    a launch reads none)."""
+
+    n: Any
+    first: Any
+    keys: Any
+    tau: Any
+    k: Any
+    v: Any
+
+
+class RowStats(NamedTuple):
+    """A backward launch's rows beside the queries: `lse`, `delta [B, Q, H_kv, Gr]`
+    float32 (the forward's log-sum-exp, `rowsum(do * o)`) and the cotangent `do [B,
+    Q, H_kv, Gr, Vp]`."""
+
+    lse: Any
+    do: Any
+    delta: Any
+
+
 class WideBound(NamedTuple):
     """`selection="bound"` (SPEC 11) as the wide kernels take it (`wide/kernels.py`): the queries'
     latent features' norms `|q|` and RoPE pairs' norms, and the layer's radii in the same

@@ -37,6 +37,7 @@ from htree_jax.core.rope import apply_rope
 from htree_jax.core.softmax import importance
 from pallas_kernels.shared.common import (
     NEG_INF,
+    LayerInputs,
     LayerStatic,
     block_specs,
     layer_params,
@@ -209,17 +210,17 @@ def group_keys_from_scores(scores, shift, n, st: LayerStatic, split: int = 1, ex
 
 
 @functools.partial(jax.jit, static_argnames=("st", "interpret", "return_scores", "export", "split"))
-def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, interpret=False,
-                           return_scores=False, export=False, split=1, bound=None):
+def importance_keys_pallas(q, layer: LayerInputs, st: LayerStatic, interpret=False, return_scores=False, export=False,
+                           split=1, bound=None):
     """Packed importance keys `[B, Q, H_kv, Mp]` int32 of every candidate position: the
     scores kernel, then `keys_from_scores`. With `return_scores`, `(keys, scores)`:
     the scores `[B, Q, H_kv, Gp, Mp]` float32 (scaled by alpha; only the real heads'
     rows of the valid tiles are written) for `merge_scored_pallas`.
 
-    `q [B, Q, H_kv, Gp, Kp]`; `parents [B, Q/BQ, H_kv, P]` and `n [B, Q/BQ, H_kv, 1]`
-    one row per block of `BQ = st.block_queries` queries that share them; `k_phases` the
-    layer's keys from `rotate_phases`, as `key_operands(..., st.precision,
-    st.importance_operands)`. Holds `B * Q * H_kv * Gp * Mp` float32 scores meanwhile.
+    `q [B, Q, H_kv, Gp, Kp]`; `layer` (`common.LayerInputs`; its keys, tau and values
+    not read): `parents [B, Q/BQ, H_kv, P]` and `n [B, Q/BQ, H_kv, 1]` one row per block
+    of `BQ = st.block_queries` queries that share them; `k` the layer's keys from
+    `rotate_phases`, as `key_operands(..., st.precision, st.importance_operands)`. Holds `B * Q * H_kv * Gp * Mp` float32 scores meanwhile.
     `split > 1`: the kv heads are virtual, `split` per real one (`gqa.plan.split_heads`,
     `Gp = st.group` rows each): the keys (and importance) are those of the real kv heads,
     `[B, Q, H_kv / split, Mp]`, from the whole group's scores; the scores stay virtual.
@@ -228,6 +229,7 @@ def importance_keys_pallas(q, parents, n, k_phases, cos, sin, st: LayerStatic, i
     Gn]`: the keys rank by the bound scores (stored meanwhile beside the scores); the
     scores returned are still the plain ones, for the merge.
     """
+    parents, n, k_phases, cos, sin = layer.parents, layer.n, layer.k, layer.cos, layer.sin
     check_key_parts(k_phases, (key_parts(st.precision, st.importance_operands),))
     B, Q, H_kv, gp = q.shape[:4]
     Mp = cos.shape[0]

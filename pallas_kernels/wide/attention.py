@@ -35,15 +35,13 @@ def backward(q, k, v, saved: Saved, call: KernelCall):
 attention = guarded_vjp(forward, backward)
 
 
-def wide_attention(q, k, v, *, config, tuning, interpret: bool = False, export: bool = False, positions=None,
-                   value_dim: int | None = None, q_layout: str = "rope_layout"):
+def wide_attention(q, k, v, call: KernelCall, *, positions=None):
     """htree attention on the wide family, differentiable (its backward is
-    `wide_backward_pallas`): `q [B, S, H, K]` (`q_layout`: `"rope_layout"`, or `"given"`,
-    the caller's order, sliced as it is), `k [B, T, H_kv, K]` in `rope_layout` order, `v
-    [B, T, H_kv, V]`, or None with `value_dim` (the values are the first `value_dim`
-    latent features of `k`), validated by the caller; the rest as `gqa_attention` takes
-    them. Returns `(o [B, S, H, V], selections, *importance)`."""
-    call = KernelCall(config, tuning, interpret, export, value_dim=value_dim, q_layout=q_layout)
+    `wide_backward_pallas`): `q [B, S, H, K]` (`call.q_layout`: `"rope_layout"`, or
+    `"given"`, the caller's order, sliced as it is), `k [B, T, H_kv, K]` in `rope_layout`
+    order, `v [B, T, H_kv, V]`, or None with `call.value_dim` (the values are the first
+    `value_dim` latent features of `k`), validated by the caller; the rest as
+    `gqa_attention` takes them. Returns `(o [B, S, H, V], selections, *importance)`."""
     return attention(q, k, v, {"positions": positions}, call)
 
 

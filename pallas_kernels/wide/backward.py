@@ -39,15 +39,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from htree_jax.core.config import HTreeConfig
-from pallas_kernels.shared.common import WideBound, compiler_params, pad_axis, span_candidates
+from pallas_kernels.shared.common import RowStats, WideBound, compiler_params, pad_axis, span_candidates
 from pallas_kernels.shared.common import head_block
 from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.node_index import UNIT, NodeIndex, fold_spilled, node_gradient, node_index
 from pallas_kernels.shared.precision import Precisions, dot_rows, product, split_rows, whole_keys
 from pallas_kernels.shared.top_k import select_top_k_pallas
 from pallas_kernels.shared.tree_backward import kept_keys, pad_nodes_list, push_down
 from pallas_kernels.wide.forward import FeatureSplit, WidePlan, chunk_start, prepare_wide, valid_count
-from pallas_kernels.wide.kernels import WideStatic, combine_importance, latent_dots, latent_product, layer_inputs, layer_refs, query_specs, wide_importance_pallas
+from pallas_kernels.wide.kernels import WideLayer, WideStatic, combine_importance, latent_dots, latent_product, layer_inputs, layer_refs, query_specs, wide_importance_pallas
 
 
 def _rotate(q_lo, q_hi, c, s):
@@ -128,15 +129,15 @@ def _dq_kernel(ql_ref, qr_ref, par_ref, n_ref, *refs, ws: WideStatic, bottom: bo
 
 
 @functools.partial(jax.jit, static_argnames=("ws", "tile", "interpret"))
-def wide_dq_pallas(q_lat, q_rope, parents, n, keys, tau, lat, rope_merge, values, tables, lse, delta, do, dq,
-                   ws: WideStatic, tile: int, interpret=False):
+def wide_dq_pallas(q_lat, q_rope, layer: WideLayer, stats: RowStats, dq, ws: WideStatic, tile: int, interpret=False):
     """`dq` of one layer's merged candidates added to `dq = (latent [B, Q, H_kv, G, Wl],
     RoPE halves [.., G, 2 hp])` float32 (the RoPE part un-rotated). `q_lat` stored dtype,
-    `q_rope [.., G, 2 hp]` float32 un-rotated; `parents, n, keys, tau` as for
-    `wide_merge_pallas` (`keys=None`: the bottom); `lat`, `rope_merge`, `values` the
-    layer's (None: the first `Wv` latent features); `tables = (cos, sin) [Mp, 2 hp]`;
-    `lse, delta [B, Q, H_kv, G]` float32, `do [.., G, Wv]`. `tile` candidates a step
-    (dividing `ws.tile`)."""
+    `q_rope [.., G, 2 hp]` float32 un-rotated; `layer` as for `wide_merge_pallas`
+    (`keys=None`: the bottom; `values=None`: the first `Wv` latent features); `stats`
+    the rows' `lse, do, delta` (`lse, delta [B, Q, H_kv, G]` float32, `do [.., G, Wv]`).
+    `tile` candidates a step (dividing `ws.tile`)."""
+    parents, n, keys, tau, lat, rope_merge, values, tables = layer
+    lse, do, delta = stats
     B, Q, H_kv, G, _ = q_rope.shape
     bottom = keys is None
     query_rows, per_query, layer, table, row_vec = query_specs(ws)
@@ -268,12 +269,15 @@ def _per_head(x):
 
 
 @functools.partial(jax.jit, static_argnames=("ws", "interpret"))
-def wide_node_grads_pallas(q_lat, q_rope, keys, tau, lat, rope_merge, values, tables, lse, delta, do,
-                           index: NodeIndex, accumulators, ws: WideStatic, interpret=False):
-    """`dk`, `dv` of one layer (the bottom with `keys=None`) added to `accumulators`
-    (`node_accumulators`), deterministically. Arguments as for `wide_dq_pallas`; `index =
-    node_index(parents, n, r, units, entries)` (with spilled segments, three launches:
-    their partials, the units' own sums, the fold)."""
+def wide_node_grads_pallas(q_lat, q_rope, layer: WideLayer, stats: RowStats, index: NodeIndex, accumulators,
+                           ws: WideStatic, interpret=False):
+    """`dk`, `dv` of one layer (the bottom with `layer.keys=None`) added to
+    `accumulators` (`node_accumulators`), deterministically. Arguments as for
+    `wide_dq_pallas`; `index = node_index(parents, n, r, units, entries)` (`layer.parents`,
+    `layer.n` read through it; with spilled segments, three launches: their partials,
+    the units' own sums, the fold)."""
+    _, _, keys, tau, lat, rope_merge, values, tables = layer
+    lse, do, delta = stats
     B, Q, H_kv, G, _ = q_rope.shape
     bottom = keys is None
     num_units = index.bounds.shape[2]
@@ -383,8 +387,8 @@ def wide_backward_pallas(q, k, v, o, lse, do, *, config: HTreeConfig,
     H_kv = k.shape[2]
     G = H // H_kv
     tuning = KernelConfigs.resolve(block_sizes, K, value_dim if v is None else v.shape[-1])
-    plan = prepare_wide(q, k, v, config, tuning, interpret, Precisions.for_dtype(q.dtype), value_dim,
-                        positions, q_layout, score_chunks=selections is None)
+    call = KernelCall(config, tuning, interpret, value_dim=value_dim, q_layout=q_layout)
+    plan = prepare_wide(q, k, v, call, Precisions.for_dtype(q.dtype), positions, score_chunks=selections is None)
     ws, r, Qc, P, L = plan.ws, plan.ws.r, plan.chunk, plan.parents_width, plan.num_layers
     ws_b, dq_tile = backward_static(ws, G, tuning, q.dtype, v is not None)
     split = FeatureSplit(K, config.partial_rope(K) or K)
@@ -425,10 +429,11 @@ def wide_backward_pallas(q, k, v, o, lse, do, *, config: HTreeConfig,
                 keys = combine_importance(scores, shift, n, plan.st_select)
                 next_parents, tau = select_top_k_pallas(keys, parents, n, plan.st_select, interpret)
                 next_parents = next_parents[..., :P]
-            layer_args = (keys, tau, kl["lat"], kl["rope_merge"], kl["values"], plan.tables, lse_c, delta_c, do_c)
-            dq = wide_dq_pallas(q_lat, q_rope, parents, n, *layer_args, dq, ws_b, dq_tile, interpret)
+            layer = WideLayer(parents, n, keys, tau, kl["lat"], kl["rope_merge"], kl["values"], plan.tables)
+            stats = RowStats(lse_c, do_c, delta_c)
+            dq = wide_dq_pallas(q_lat, q_rope, layer, stats, dq, ws_b, dq_tile, interpret)
             index = node_index(parents, n, r, acc[l][0].shape[2] // UNIT, tuning.layer.node_entries)
-            acc[l] = wide_node_grads_pallas(q_lat, q_rope, *layer_args, index, acc[l], ws_b, interpret)
+            acc[l] = wide_node_grads_pallas(q_lat, q_rope, layer, stats, index, acc[l], ws_b, interpret)
             parents = next_parents
         hp = q_rope.shape[-1] // 2
         R2 = split.rope_dim // 2

@@ -29,13 +29,15 @@ from pallas_kernels.shared.common import LayerStatic, check_query_layout, WideBo
 from pallas_kernels.shared.common import dividing_chunk
 from pallas_kernels.shared.common import head_block
 from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.importance import feature_pieces
 from pallas_kernels.shared.precision import Precisions, key_operands
 from pallas_kernels.shared.rope import full_width, padded_rope_table, rotate_copies, rotate_half
 from pallas_kernels.shared.shared_memory import program_shape
 from pallas_kernels.shared.top_k import kept_values, select_top_k_pallas
 from pallas_kernels.shared.tree_build import PoolBlockSizes, pool_layer_pallas
-from pallas_kernels.wide.kernels import WideStatic, combine_importance, wide_importance_pallas, wide_merge_pallas
+from pallas_kernels.wide.kernels import (WideLayer, WideStatic, combine_importance, wide_importance_pallas,
+                                        wide_merge_pallas)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,14 +153,15 @@ def importance_step(tile: int, r: int, Wl: int, hp: int, itemsize: int, bound: b
     return shared_memory.first_fitting(candidates, footprint, shared_memory.WIDE_STAGED_BYTES)[0]
 
 
-def prepare_wide(q, k, v, config: HTreeConfig, tuning: KernelConfigs, interpret: bool = False,
-                 precisions: Precisions | None = None, value_dim: int | None = None, positions=None,
-                 q_layout: str = "rope_layout", score_chunks: bool = True) -> WidePlan:
-    """The tree, keys and queries as the wide kernels read them (arguments as for
-    `wide_forward_pallas`). `score_chunks`: the chunks hold the importance's stored
+def prepare_wide(q, k, v, call: KernelCall, precisions: Precisions | None = None, positions=None,
+                 score_chunks: bool = True) -> WidePlan:
+    """The tree, keys and queries as the wide kernels read them for `call` (its config,
+    the kernels' configs, interpret mode, `value_dim` and `q_layout`; the rest as
+    `wide_forward_pallas` takes them). `score_chunks`: the chunks hold the importance's stored
     scores (sized with them); a backward with saved selections stores none, and its
     chunks, sized without, stay as large as its node gradients want (64K, fwd+bwd:
     5627 ms with them counted, journal 2026-11-27 (5))."""
+    config, tuning, interpret, value_dim, q_layout = call.config, call.tuning, call.interpret, call.value_dim, call.q_layout
     B, S, H, K = q.shape
     T, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
@@ -294,8 +297,8 @@ def select_and_merge(plan: WidePlan, layer: int, queries, norms, parents, t, sta
     if export:
         keys, imp = keys
     next_parents, tau = select_top_k_pallas(keys, parents, n, plan.st_select, interpret)
-    state = wide_merge_pallas(queries, parents, n, keys, tau, kl["lat"], (), kl["values"], plan.tables, state, ws,
-                              interpret, scores=scores)
+    layer_in = WideLayer(parents, n, keys, tau, kl["lat"], (), kl["values"], plan.tables)
+    state = wide_merge_pallas(queries, layer_in, state, ws, interpret, scores=scores)
     result = (state, next_parents[..., :plan.parents_width])
     return result + (kept_values(keys, tau, imp, plan.st_select.top_k),) if export else result
 
@@ -305,8 +308,8 @@ def bottom_merge(plan: WidePlan, queries, parents, t, state, interpret: bool, ou
     lse [B, Qc, H_kv, G])`."""
     kl = plan.layers[0]
     n = valid_count(plan, parents, t, 0)
-    o, lse = wide_merge_pallas(queries, parents, n, None, None, kl["lat"], kl["rope_merge"], kl["values"], plan.tables,
-                               state, plan.ws, interpret, out_dtype=out_dtype, return_lse=True)
+    layer = WideLayer(parents, n, None, None, kl["lat"], kl["rope_merge"], kl["values"], plan.tables)
+    o, lse = wide_merge_pallas(queries, layer, state, plan.ws, interpret, out_dtype=out_dtype, return_lse=True)
     return o[..., :plan.value_dim], lse
 
 
@@ -324,7 +327,8 @@ def wide_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSizes
     B, S, H, K = q.shape
     check_query_layout(q_layout, wide=True)
     tuning = KernelConfigs.resolve(block_sizes, K, value_dim if v is None else v.shape[-1])
-    plan = prepare_wide(q, k, v, config, tuning, interpret, precisions, value_dim, positions, q_layout)
+    call = KernelCall(config, tuning, interpret, value_dim=value_dim, q_layout=q_layout)
+    plan = prepare_wide(q, k, v, call, precisions, positions)
     Qc, num_chunks, V = plan.chunk, plan.num_chunks, plan.value_dim
 
     def chunk(c):

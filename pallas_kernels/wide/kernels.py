@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,25 @@ from pallas_kernels.shared.common import NEG_INF, LayerStatic, WideBound, compil
 from pallas_kernels.shared.importance import importance_shift, keys_from_scores
 from pallas_kernels.shared.precision import dot_rows, split_rows, weighted_values
 from pallas_kernels.shared.softmax import fold, fold_max_sum, log_sum_exp, normalized
+
+
+class WideLayer(NamedTuple):
+    """One layer as the wide merge and backward launches take it beside the queries:
+    `parents`, `n` (as `wide_importance_pallas` takes them), the kept candidates'
+    packed `keys [B, Q, H_kv, Mp]` and threshold `tau [B, Q, H_kv, 1]` (merged: valid
+    and `keys < tau`; None, None: the bottom layer, every valid candidate), the layer's
+    latent keys `lat`, its RoPE copies `rope` as `key_operands` for the merge dots (`()`
+    where stored scores are read instead), its `values [B, H_kv, N, Wv]` (None: the first
+    `Wv` latent features of `lat`) and `tables = (cos, sin) [Mp, 2 hp]`."""
+
+    parents: Any
+    n: Any
+    keys: Any
+    tau: Any
+    lat: Any
+    rope: Any
+    values: Any
+    tables: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,19 +357,17 @@ def _merge_kernel(ql_ref, qr_ref, qh_ref, par_ref, n_ref, *refs, ws: WideStatic,
 
 
 @functools.partial(jax.jit, static_argnames=("ws", "interpret", "out_dtype", "return_lse"))
-def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, tables, state, ws: WideStatic,
-                      interpret=False, out_dtype=None, return_lse=False, scores=None):
-    """SPEC 2.4 for wide groups: folds a layer's merged candidates into `state = (m, S
-    [B, Q, H_kv, G], U [B, Q, H_kv, G, Wv])` float32. `keys [B, Q, H_kv, Mp]`, `tau [B,
-    Q, H_kv, 1]`: the layer's packed keys and threshold (merged: valid and `keys < tau`);
-    `keys=None`: the bottom layer (every valid candidate), which returns `o [B, Q, H_kv,
-    G, Wv]` in `out_dtype` (and the rows' LSE with `return_lse`). `queries` as for
-    `wide_importance_pallas` (`q_lat` in the merge dots' dtype); `rope_merge` the RoPE
-    copies as `key_operands` for the merge dots; `values [B, H_kv, N, Wv]`, or None: the
-    first `Wv` latent features of `lat`. `scores [B, Q, H_kv, G, Mp]` (a layer above the
-    bottom): the plain scores `wide_importance_pallas` stored, read instead of scored
-    again: the merge then makes only the values' product (nothing of `rope_merge` or the
-    queries read)."""
+def wide_merge_pallas(queries, layer: WideLayer, state, ws: WideStatic, interpret=False, out_dtype=None,
+                      return_lse=False, scores=None):
+    """SPEC 2.4 for wide groups: folds `layer`'s merged candidates (`WideLayer`) into
+    `state = (m, S [B, Q, H_kv, G], U [B, Q, H_kv, G, Wv])` float32; with `layer.keys =
+    None`, the bottom layer (every valid candidate), it returns `o [B, Q, H_kv, G, Wv]`
+    in `out_dtype` (and the rows' LSE with `return_lse`). `queries` as for
+    `wide_importance_pallas` (`q_lat` in the merge dots' dtype). `scores [B, Q, H_kv, G,
+    Mp]` (a layer above the bottom): the plain scores `wide_importance_pallas` stored,
+    read instead of scored again: the merge then makes only the values' product
+    (nothing of `layer.rope` or the queries read)."""
+    parents, n, keys, tau, lat, rope_merge, values, tables = layer
     q_lat, q_rope, q_half = queries
     B, Q, H_kv, G, _ = q_rope.shape
     bottom = keys is None
@@ -384,5 +402,5 @@ def wide_merge_pallas(queries, parents, n, keys, tau, lat, rope_merge, values, t
     return tuple(out) if (not bottom or return_lse) else out[0]
 
 
-__all__ = ["WideStatic", "combine_importance", "latent_product", "layer_inputs", "layer_refs", "query_specs",
+__all__ = ["WideLayer", "WideStatic", "combine_importance", "latent_product", "layer_inputs", "layer_refs", "query_specs",
            "wide_importance_pallas", "wide_merge_pallas"]

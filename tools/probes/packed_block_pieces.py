@@ -20,7 +20,7 @@ import numpy as np
 from htree_jax.bench import median_ms
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.packing import pack_layout, virtual_length
-from htree_jax.routes import block_selections, packed_block_selections
+from htree_jax.routes import Call, block_selections, packed_block_selections
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas, block_static
 from pallas_kernels.block.layout import PackedLayout
@@ -52,8 +52,8 @@ def main(argv=None) -> None:
 
     sel_p = jax.jit(lambda q, k, v: packed_block_selections(q, k, v, packing, config=config, tuning=tuning,
                                                             interpret=interpret)[:2])
-    sel_u = jax.jit(lambda q, k, v: block_selections(q, k, v, config=config, tuning=tuning, selection_route="gqa",
-                                                     interpret=interpret)[0])
+    call = Call(config=config, tuning=tuning, interpret=interpret, selection_route="gqa")
+    sel_u = jax.jit(lambda q, k, v: block_selections(q, k, v, call)[0])
     fwd_p = jax.jit(lambda q, k, v, s, f: block_forward_pallas(q, k, v, s, PackedLayout(packing, f), config=config,
                                                                merge=merge, interpret=interpret))
     fwd_u = jax.jit(lambda q, k, v, s: block_forward_pallas(q, k, v, s, config=config, merge=merge,
