@@ -142,17 +142,18 @@ def htree_attention(
     check_block_sizes(block_sizes)
     # One layer is causal attention whatever top_k is: no buffer sized by a larger top_k.
     config = fitted_to_length(config, dims.seq_len)
+    packed = segment_ids is not None
+    packing, segment_ids = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len,
+                                      max_document_len)
     # What runs the call, decided once here (the backend, the route, block selection's
-    # ranking route) and passed down: nothing below chooses again.
-    plan = full_sequence_plan(backend, dims, config, packed=segment_ids is not None, dtype=q.dtype, latent=latent,
-                              block_sizes=block_sizes)
+    # ranking route, merge, backward walk and sum, over the packed layout where there is
+    # one) and passed down: nothing below chooses again.
+    plan = full_sequence_plan(backend, dims, config, packed=packed, dtype=q.dtype, latent=latent,
+                              block_sizes=block_sizes, packing=packing)
     for name, flag in (("return_selected", return_selected), ("return_importance", return_importance)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
-    check_indexer_call(index, config, q, k, packed=segment_ids is not None, latent=latent,
-                       return_importance=return_importance)
-    packing, segment_ids = packing_of(segment_ids, max_documents, config, dims.batch, dims.seq_len,
-                                      max_document_len)
+    check_indexer_call(index, config, q, k, packed=packed, latent=latent, return_importance=return_importance)
     q, k = jnp.asarray(q), jnp.asarray(k)
     v = None if latent else jnp.asarray(v)
     # Partial RoPE (SPEC 7) as full rotate-half RoPE on permuted features (`rope_layout`).

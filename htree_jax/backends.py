@@ -29,13 +29,16 @@ import jax.numpy as jnp
 
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.one_layer import dense_takes, one_layer
+from htree_jax.core.packing import Packing
 from htree_jax.core.quantize import dequantize_rows
 from htree_jax.core.rope import rope_layout
 from htree_jax.core.tree import CacheTree
 from htree_jax.core.validation import Dims
 from htree_jax.reference import TreeWalk, attend_tree, default_query_chunk
 from htree_jax.routes import ROUTES, Call, Route, block_selections, latent_values
+from pallas_kernels.block.backward import backward_routes
 from pallas_kernels.block.forward import check_merge_route, chosen_merge, merge_static
+from pallas_kernels.block.layout import PackedLayout, RowLayout
 from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
 from pallas_kernels.decode.walk import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.gqa.plan import check_pallas_dims
@@ -98,22 +101,47 @@ class Plan:
     """What runs a full-sequence call, decided once (`plan_call`) and passed down: the
     concrete backend `impl` (`"reference"`, `"pallas"` or `"pallas_interpret"`), the
     `route` (a key of `htree_jax.routes.ROUTES`) and, for block selection, the
-    `selection_route` its ranking rows take (`ranking_route`)."""
+    `selection_route` its ranking rows take (`ranking_route`); `tuning` the kernels'
+    configs the call runs with, block selection's choices in them made (`block_routes`:
+    the merge, the backward's walk and sum; no `"auto"` left for the kernels to read)."""
 
     impl: str
     route: str
     selection_route: str | None = None
+    tuning: KernelConfigs | None = None
 
 
-def plan_call(backend: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs, packed: bool = False,
+def block_routes(tuning: KernelConfigs, route: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype,
+                 packed=False) -> KernelConfigs:
+    """`tuning` with block selection's choices made for the call (`route` a
+    `"block_<merge>"` route): `block_merge` the route's merge, and the backward's
+    `BlockConfig.backward_walk` and `backward_sum` as `block.backward.backward_routes`
+    chooses them over the call's layout (one document a row; packed rows: `packed`, their
+    `Packing`, whose static fields are all it reads; with `packed=True`, the layout
+    unknown, the two are left as given, for the backward to choose)."""
+    tuning = dataclasses.replace(tuning, block_merge=route.removeprefix("block_"))
+    packing = packed if isinstance(packed, Packing) else None
+    if packed is True:
+        return tuning
+    layout = (PackedLayout(packing, None) if packing is not None
+              else RowLayout(keys=dims.seq_len, queries=dims.seq_len, b=config.selection_block, offset=None))
+    walk, sums = backward_routes(layout, config, G=dims.group_size, K=dims.head_dim, V=dims.value_dim, dtype=dtype,
+                                 block=tuning.block, interpret=impl == "pallas_interpret")
+    return dataclasses.replace(tuning, block=dataclasses.replace(tuning.block, backward_walk=walk, backward_sum=sums))
+
+
+def plan_call(backend: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs, packed=False,
               latent: bool = False, context_shard: bool = False, check_limits: bool = True) -> Plan:
     """The `Plan` of a full-sequence call with `dims`, inputs in `dtype`, `tuning` the
-    kernels' configs (`packed`, `latent`, `context_shard` as `choose_route` takes them):
-    the backend `backend` names (`choose_backend`, each candidate's route chosen once,
-    its limits checked), the route's explicit asks checked (`check_route`), and block
-    selection's ranking route. `check_limits=False`: `backend` is already concrete and
-    its limits were checked by the caller (a shard of a call planned whole)."""
-    facts = dict(dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packed, latent=latent,
+    kernels' configs (`packed`, `latent`, `context_shard` as `choose_route` takes them;
+    `packed` packed rows: True, or their `htree_jax.core.packing.Packing`, whose layout
+    block selection's backward choice reads): the backend `backend` names
+    (`choose_backend`, each candidate's route chosen once, its limits checked), the
+    route's explicit asks checked (`check_route`), and block selection's ranking route
+    and its choices in `tuning` (`block_routes`). `check_limits=False`: `backend` is
+    already concrete and its limits were checked by the caller (a shard of a call
+    planned whole)."""
+    facts = dict(dims=dims, config=config, dtype=dtype, tuning=tuning, packed=bool(packed), latent=latent,
                  context_shard=context_shard)
     routes = {}
 
@@ -123,19 +151,23 @@ def plan_call(backend: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     impl = choose_backend(backend, route_on) if check_limits else backend
     route = routes[impl] if impl in routes else choose_route(impl, **facts, check_limits=check_limits)
     check_route(route, impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
-    selection = (ranking_route(impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
-                 if route.startswith("block_") else None)
-    return Plan(impl=impl, route=route, selection_route=selection)
+    selection = None
+    if route.startswith("block_"):
+        selection = ranking_route(impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
+        tuning = block_routes(tuning, route, impl, dims=dims, config=config, dtype=dtype, packed=packed)
+    return Plan(impl=impl, route=route, selection_route=selection, tuning=tuning)
 
 
 def full_sequence_plan(backend: str, dims: Dims, config: HTreeConfig | None = None, packed: bool = False,
-                       dtype=jnp.float32, latent: bool = False, block_sizes=None) -> Plan:
+                       dtype=jnp.float32, latent: bool = False, block_sizes=None, packing=None) -> Plan:
     """`plan_call` for `htree_attention` with `dims` (`core.validation.Dims`), inputs in
     `dtype` (`latent`: `v=None`, the values read from the keys; `packed`: the call has
-    `segment_ids`): the kernels where `choose_route` finds a kernel route."""
+    `segment_ids`, laid out as `packing` where given): the kernels where `choose_route`
+    finds a kernel route."""
     config = config or HTreeConfig()
     tuning = KernelConfigs.resolve(block_sizes, dims.head_dim, dims.value_dim)
-    return plan_call(backend, dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packed, latent=latent)
+    return plan_call(backend, dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packing or packed,
+                     latent=latent)
 
 
 def full_sequence_backend(backend: str, dims: Dims, config: HTreeConfig | None = None, packed: bool = False,
@@ -281,11 +313,12 @@ def attend(q, k, v, config: HTreeConfig, impl: str | Plan, packing=None, positio
     check_query_layout(q_layout, wide=True)
     B, S, H, K = q.shape
     V = value_dim if v is None else v.shape[-1]
-    tuning = KernelConfigs.resolve(block_sizes, K, V)
     dims = Dims(B, k.shape[1], H, k.shape[2], K, V)
     plan = impl if isinstance(impl, Plan) else plan_call(
-        impl, dims=dims, config=config, dtype=q.dtype, tuning=tuning, packed=packing is not None, latent=v is None,
+        impl, dims=dims, config=config, dtype=q.dtype, tuning=KernelConfigs.resolve(block_sizes, K, V),
+        packed=packing if packing is not None else False, latent=v is None,
         context_shard=positions is not None or rank_rows is not None, check_limits=False)
+    tuning = plan.tuning or KernelConfigs.resolve(block_sizes, K, V)
     route = ROUTES[plan.route]
     if q_layout == "given" and not route.given_layout:
         q, q_layout = rope_layout(q, config.partial_rope(K)), "rope_layout"

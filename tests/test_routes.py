@@ -17,6 +17,7 @@ from htree_jax import HTreeConfig, backends, htree_attention
 from htree_jax.backends import attend, choose_route, ranking_route
 from htree_jax.core.validation import Dims
 from htree_jax.routes import KERNEL_ROUTES, ROUTES
+from pallas_kernels.block import backward as block_backward
 from pallas_kernels.block import forward as block_forward
 from pallas_kernels.block.forward import MERGES
 from pallas_kernels.shared.configs import MERGE_ROUTES, KernelConfigs
@@ -256,3 +257,28 @@ def test_the_plan_is_made_once_a_call(monkeypatch, config, H, routes):
     counts = counted_planning(monkeypatch)
     jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, k)
     assert counts == {"plan_call": 1, "choose_backend": 1, "choose_route": routes, "check_route": 1}, counts
+
+
+# Block selection's choices the plan makes (`backends.block_routes`): (what, on a Hopper
+# GPU, impl, dims, dtype, merge, backward walk, backward sum).
+PLANNED = [
+    ("interpreted", False, "pallas_interpret", dims(), BF16, "pallas_triton", "pallas_triton", "atomics"),
+    ("a GPU not Hopper", False, "pallas", dims(), BF16, "pallas_triton", "pallas_triton", "partials"),
+    ("Hopper, bf16", True, "pallas", dims(), BF16, "mosaic_gpu", "mosaic_gpu", "partials"),
+    ("Hopper, f32", True, "pallas", dims(), F32, "pallas_triton", "pallas_triton", "partials"),
+]
+
+
+@pytest.mark.parametrize("what, on_hopper, impl, d, dtype, merge, walk, sums", PLANNED, ids=[c[0] for c in PLANNED])
+def test_the_plan_makes_block_selections_choices(monkeypatch, what, on_hopper, impl, d, dtype, merge, walk, sums):
+    """The plan leaves no `"auto"` for the block kernels to resolve: its `tuning` names
+    the merge, and the backward's walk and sum, as `block.backward.backward_routes`
+    chooses them over the call's layout (packed rows: their packing's)."""
+    monkeypatch.setattr(block_forward, "on_hopper", lambda: on_hopper)
+    monkeypatch.setattr(block_backward, "on_hopper", lambda: on_hopper)
+    tuning = tuned(d.head_dim, d.value_dim)
+    assert (tuning.block_merge, tuning.block.backward_walk, tuning.block.backward_sum) == ("auto", "auto", "auto")
+    plan = backends.plan_call(impl, dims=d, config=BLOCK, dtype=dtype, tuning=tuning, check_limits=False)
+    chosen = plan.tuning
+    assert (chosen.block_merge, chosen.block.backward_walk, chosen.block.backward_sum) == (merge, walk, sums)
+    assert plan.route == "block_" + merge

@@ -312,6 +312,18 @@ def chosen_walk(block: BlockConfig, st: BlockStatic, K: int, V: int, dtype, tabl
     return "mosaic_gpu"
 
 
+def backward_routes(layout, config: HTreeConfig, *, G: int, K: int, V: int, dtype, block: BlockConfig,
+                    interpret: bool) -> tuple[str, str]:
+    """`(walk, sum)`: the kernel that walks the blocks and how the key and value gradients
+    are summed (`chosen_walk`, `chosen_sum`) for a backward over `layout` (its static
+    fields: the keys' length, the layer count, the RoPE table's rows; `layout.py`), `G`
+    heads a kv head, head dims `K`, `V`, inputs in `dtype`. `backends.plan_call` resolves
+    `BlockConfig`'s `"auto"` with it once a call; `block_backward_pallas` reads the names."""
+    st = layout.static(block_static(config, layout.length, G, K, V, dtype, MOSAIC_TILE, block.backward_num_warps))
+    return (chosen_walk(block, st, K, V, dtype, layout.table_rows(config, st), interpret),
+            chosen_sum(block, interpret))
+
+
 @functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))
 def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, config: HTreeConfig,
                           block: BlockConfig = BlockConfig(), interpret: bool = False, dead_rows=None):
@@ -329,12 +341,9 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, confi
     K, H_kv, V = q.shape[-1], k.shape[2], v.shape[-1]
     G = q.shape[2] // H_kv
     layout = row_layout(q, k, config) if layout is None else layout
-    static = lambda tile: layout.static(block_static(config, layout.length, G, K, V, q.dtype, tile,
-                                                     block.backward_num_warps))
-    st = static(MOSAIC_TILE)
-    walk = chosen_walk(block, st, K, V, q.dtype, layout.table_rows(config, st), interpret)
-    if walk != "mosaic_gpu":
-        st = static(block.backward_tile)
+    walk, sums = backward_routes(layout, config, G=G, K=K, V=V, dtype=q.dtype, block=block, interpret=interpret)
+    tile = MOSAIC_TILE if walk == "mosaic_gpu" else block.backward_tile
+    st = layout.static(block_static(config, layout.length, G, K, V, q.dtype, tile, block.backward_num_warps))
     with jax.named_scope("htree_layout"):  # the rows, the tree and the lists as the walk reads them
         if dead_rows is not None:
             do = jnp.where(dead_rows[..., None], jnp.zeros((), do.dtype), do)
@@ -345,7 +354,7 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, confi
         layers, table_rows = layout.layers(k, v, config, st), layout.table_rows(config, st)
         lists, node_counts = selection_lists(selections, st), layout.node_counts(config, st)
     launch = BlockLaunch(config, st, K, table_rows, node_counts, interpret)
-    if chosen_sum(block, interpret) == "partials":
+    if sums == "partials":
         dq5, grads = launch_by_partials(rows, layers, selections, lists, launch=launch, layout=layout, block=block,
                                         walk=walk)
     else:
@@ -357,4 +366,4 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, confi
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-__all__ = ["block_backward_launch", "block_backward_pallas", "launch_by_partials"]
+__all__ = ["backward_routes", "block_backward_launch", "block_backward_pallas", "launch_by_partials"]

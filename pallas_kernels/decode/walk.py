@@ -346,7 +346,7 @@ def attend_cache_pallas(q, tree: CacheTree, positions, config: HTreeConfig, *,
     `positions [S]`, or `[B, S]` per batch row (int32, may be traced; each row's
     candidates and work from its own positions), over a decode cache's `tree`
     (`CacheTree`: its keys, values, radii, FP8 scales and `value_dim`).
-    The twin of `htree_jax.reference.attend_tree(..., keys_rotated=False)`: returns
+    The twin of `htree_jax.reference.attend_tree` (`TreeWalk(..., keys_rotated=False)`): returns
     `(o [B, S, H, V] in q.dtype, selections)`, selections top first, `[B, S, H_kv,
     top_k]`. Dims as `check_pallas_decode_dims` allows (checked by the caller).
     `zero_unmerged=False` skips zeroing the values a query does not merge, which only
