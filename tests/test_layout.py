@@ -184,6 +184,21 @@ def test_q_walks_a_short_road_through_the_passes():
             assert max(road.entries.values()) <= 4, road.entries
 
 
+def test_htree_attentions_road_to_its_kernels_does_not_grow():
+    """`tools/walk.py --road`: the default call's road from `htree_attention` to its
+    kernels (2026-12-07: 25 stops in 15 files, 15 of them the per-query pass that ranks
+    the blocks; one climb back up, from the ranking pass to the block route) does not
+    grow. Issue 102 asks 16 stops and 2 climbs."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import walk
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    stops, climbs, _ = walk.road(walk.HTreeConfig(compression_rate=4, top_k=4))
+    assert stops[0] == ("htree_jax/attention.py", "htree_attention") and len(stops) <= 25, stops
+    assert len(climbs) <= 2, climbs
+
+
 def test_pallas_jaxprs_finds_every_kernel_of_the_passes():
     """`tools/pallas_jaxprs.py` finds the pallas_calls of the forward, its gradient and a
     decode step, and tells equal digests from different ones."""

@@ -4,6 +4,7 @@ file it left. A newcomer follows q the same way; the counts say how long that re
 
     python tools/walk.py                 # forward and backward, both rules
     python tools/walk.py --pass backward --rule bound --stops   # and every stop in order
+    python tools/walk.py --road          # htree_attention's road to its kernels (`road`)
 
 Method (the journal's, 2026-11-27): the pass on the interpreted kernels under
 `jax.disable_jit`, `jax.jvp` in q only (k, v and the rest constants, so only what depends
@@ -22,6 +23,7 @@ import collections
 import collections.abc
 import contextlib
 import dataclasses
+import inspect
 import os
 import sys
 
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from htree_jax import HTreeConfig
+from htree_jax import HTreeConfig, htree_attention
 from htree_jax.cli import DefaultsHelpFormatter
 
 DESCRIPTION = __doc__.split("\n\n")[0]
@@ -143,13 +145,65 @@ def walk(pass_name: str, rule: str) -> Walk:
     return Walk(stops)
 
 
+def _layer(path: str) -> int:
+    """0 the core, 1 the kernels, 2 the rest of `htree_jax` (the backends, the API)."""
+    return 0 if path.startswith("htree_jax/core") else 1 if path.startswith("pallas_kernels") else 2
+
+
+def road(config: HTreeConfig, backend: str = "pallas_interpret") -> tuple:
+    """The road `htree_attention`'s forward takes to its kernels, as a reader follows it:
+    the project functions on the call stack at each `pallas_call` (launches not entered,
+    the call staged by `jax.eval_shape` under `disable_jit`), in first-visit order, and
+    the *climbs*: between two consecutive launches, the reader goes back up to the
+    deepest function both stacks share; a climb is such a return into a higher layer
+    (`htree_jax`'s modules above `pallas_kernels`, both above `htree_jax/core`) than
+    the last launch's file's, against the way dependencies point. Returns `(stops, climbs, launches)`: `[(file,
+    function)]`, the climbs' `[(from file, to file)]`, the launches' count. (Checks and
+    route choices are not on a launch's stack: not counted.)"""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((1, T, H, K), (1, T, H_KV, K), (1, T, H_KV, V)))
+    stacks = []
+
+    def launch(kernel, out_shape, *args, **kwargs):
+        frames = [f for f in inspect.stack() if f.filename.startswith(PROJECT)]
+        stacks.append([(os.path.relpath(f.filename, ROOT), f.function) for f in reversed(frames)])
+        return _zeros_pallas_call(kernel, out_shape, *args, **kwargs)
+
+    real = pl.pallas_call
+    pl.pallas_call = launch
+    try:
+        with jax.disable_jit():
+            jax.eval_shape(lambda q: htree_attention(q, k, v, config, backend=backend), q)
+    finally:
+        pl.pallas_call = real
+    stops, climbs = [], []
+    for before, after in zip([[]] + stacks, stacks):
+        shared = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+        if before and shared and _layer(before[shared - 1][0]) > _layer(before[-1][0]):
+            climbs.append((before[-1][0], before[shared - 1][0]))
+        stops += [x for x in after if x not in stops]
+    return stops, climbs, len(stacks)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--pass", dest="passes", nargs="+", default=["forward", "backward"],
                         choices=["forward", "backward"])
     parser.add_argument("--rule", nargs="+", default=["bound", "mean"], choices=["bound", "mean"])
     parser.add_argument("--stops", action="store_true", help="print every stop, in order")
+    parser.add_argument("--road", action="store_true",
+                        help="instead: htree_attention's road to its kernels at the default (block selection)")
     args = parser.parse_args(argv)
+    if args.road:
+        stops, climbs, launches = road(HTreeConfig(compression_rate=4, top_k=4))
+        print(f"road: {len(stops)} stops in {len({f for f, _ in stops})} files, {len(climbs)} climbs back up, "
+              f"{launches} launches")
+        for f, name in stops:
+            print(f"  {f}: {name}")
+        for a, b in climbs:
+            print(f"  climb: {a} -> {b}")
+        return 0
     for pass_name in args.passes:
         for rule in args.rule:
             w = walk(pass_name, rule)
