@@ -25,7 +25,8 @@ from pallas_kernels.gqa.top_backward import (
     top_node_grads_pallas,
 )
 from pallas_kernels.gqa.top_layer import top_importance_keys_pallas
-from pallas_kernels.shared.common import LayerInputs, LayerStatic, RowStats, TopInputs, next_power_of_two, pad_nodes, zeros_after
+from pallas_kernels.shared.common import (LayerInputs, LayerStatic, RowStats, TopInputs, next_power_of_two, pad_nodes,
+                                         zeros_after)
 from pallas_kernels.shared.configs import UNIT_ENTRIES, BlockSizes, LayerConfig, TopBackwardConfig
 from pallas_kernels.shared.importance import importance_keys_pallas
 from pallas_kernels.shared.node_index import UNIT, node_buffers, node_gradient, node_index, spill_segments

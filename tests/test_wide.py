@@ -6,8 +6,6 @@ features, values read from the keys."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -33,8 +33,8 @@ from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.mosaic_backward import TILE as MOSAIC_TILE
 from pallas_kernels.block.mosaic_backward import block_backward_mosaic, check_mosaic_backward_dims, walk_layers
 from pallas_kernels.block.mosaic_sums import mosaic_sum_partials
-from pallas_kernels.block.partials import (LANES, SumLaunch, chunk_blocks, chunk_edges, entry_keys, range_lanes, slab_widths,
-                                         sum_partials, totals_by_node, zero_totals)
+from pallas_kernels.block.partials import (LANES, SumLaunch, chunk_blocks, chunk_edges, entry_keys, range_lanes,
+                                         slab_widths, sum_partials, totals_by_node, zero_totals)
 from pallas_kernels.block.forward import block_static, on_hopper
 from pallas_kernels.block.layout import row_layout
 from pallas_kernels.block.merge import (

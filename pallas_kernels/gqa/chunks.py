@@ -21,7 +21,8 @@ from htree_jax.core.config import FORCED_IMPORTANCE
 from htree_jax.core.indexing import candidate_count, num_parents, pack_importance, top_layer_parents
 from pallas_kernels.gqa.plan import Prepared
 from pallas_kernels.gqa.top_layer import top_importance_keys_pallas
-from pallas_kernels.shared.common import Bound, LayerInputs, TopInputs, next_power_of_two, pad_axis, real_heads, virtual_heads
+from pallas_kernels.shared.common import (Bound, LayerInputs, TopInputs, next_power_of_two, pad_axis, real_heads,
+                                         virtual_heads)
 from pallas_kernels.shared.importance import importance_keys_pallas
 from pallas_kernels.shared.rope import rotate_queries
 from pallas_kernels.shared.top_k import kept_values, select_top_k_pallas

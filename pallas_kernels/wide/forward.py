@@ -161,7 +161,8 @@ def prepare_wide(q, k, v, call: KernelCall, precisions: Precisions | None = None
     scores (sized with them); a backward with saved selections stores none, and its
     chunks, sized without, stay as large as its node gradients want (64K, fwd+bwd:
     5627 ms with them counted, journal 2026-11-27 (5))."""
-    config, tuning, interpret, value_dim, q_layout = call.config, call.tuning, call.interpret, call.value_dim, call.q_layout
+    config, tuning, interpret = call.config, call.tuning, call.interpret
+    value_dim, q_layout = call.value_dim, call.q_layout
     B, S, H, K = q.shape
     T, H_kv = k.shape[1], k.shape[2]
     G = H // H_kv
