@@ -17,6 +17,7 @@ cat $D/card.txt $D/env.txt $D/stages 2>/dev/null
 grep -v "^\s*$" $D/account.log 2>/dev/null | tail -${ACC:-40}
 grep -v "^\s*$" $D/seed.log 2>/dev/null | tail -30
 tail -20 $D/train.log 2>/dev/null
+grep -v "^\s*$" $D/gate_block.log 2>/dev/null | tail -8
 if [ -n "$OUT" ]; then
   tar czf $OUT/results.tgz -C $D --exclude='seed0/base' --exclude='pieces0' . 2>/dev/null
   if [ -f $D/pieces0/base.index.json ]; then cp $D/pieces0/* $OUT/ 2>/dev/null; fi
