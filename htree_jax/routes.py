@@ -40,7 +40,8 @@ from htree_jax.core.non_finite import first_non_finite, poison_rows, zero_non_fi
 from htree_jax.core.one_layer import DENSE_DTYPES, DENSE_MAX_HEAD_DIM, one_layer_attention
 from htree_jax.core.packing import Packing, local_selections, tokens_to_virtual, virtual_doc_starts
 from htree_jax.reference import htree_attention_reference, htree_attention_reference_packed
-from pallas_kernels.block.attention import block_attention, packed_block_attention
+from pallas_kernels.block.attention import attention as block_attention
+from pallas_kernels.block.attention import block_operands
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import MERGES, block_forward_pallas
 from pallas_kernels.block.layout import PackedLayout
@@ -262,11 +263,12 @@ def block_selections(q, k, v, c: Call, offset=None):
     """`(selections, importance)` of every block (SPEC 12): the forward of the per-query
     route `c.selection_route` (`backends.ranking_route`), run on each block's ranking
     rows at its first position, chooses what the block refines. Each `[B, ceil(S / b),
-    H_kv, top_k]`, top layer first (importance `[]` without `c.export`). Their outputs
-    are not used: the block merge recomputes every row's. Constants under autodiff. A
+    H_kv, top_k]`, top layer first (importance `[]` without `c.export`). Constants
+    under autodiff. A
     context shard: `q [B, S, H, K]` from position `offset` of `k`'s `T` tokens,
     `c.rank_rows` its queries' ranking rows (`shard_ranking_rows`; None: from `q`, which
-    holds each block's first query but not the block before a shard's first)."""
+    holds each block's first query but not the block before a shard's first). No merge
+    runs (`selections_only`): the block merge computes every row's output."""
     config, rank_rows = c.config, c.rank_rows
     b = config.selection_block
     starts = jnp.arange(-(-q.shape[1] // b), dtype=jnp.int32) * b
@@ -276,7 +278,7 @@ def block_selections(q, k, v, c: Call, offset=None):
     rows, k, v = (jax.lax.stop_gradient(x) for x in (rows, k, v))
     _, selected, *exported = ROUTES[c.selection_route].forward(
         rows, k, v, config=dataclasses.replace(config, selection_block=1), block_sizes=c.tuning, interpret=c.interpret,
-        positions=starts, return_importance=c.export)
+        positions=starts, return_importance=c.export, selections_only=True)
     return selected, (exported[0] if c.export else [])
 
 
@@ -300,7 +302,7 @@ def packed_block_selections(q, k, v, packing, *, config: HTreeConfig, tuning: Ke
     rows, k, v = (jax.lax.stop_gradient(x) for x in (rows, k, v))
     _, selected, *exported = ROUTES["gqa"].forward(
         rows, k, v, config=dataclasses.replace(config, selection_block=1), block_sizes=tuning, interpret=interpret,
-        packing=packing, query_packing=places, return_importance=export)
+        packing=packing, query_packing=places, return_importance=export, selections_only=True)
     return selected, doc // r ** (L - 1), (exported[0] if export else [])
 
 
@@ -319,7 +321,8 @@ def _block_packed(q, k, v, c: Call, merge: str):
     blocks, firsts, exported = packed_block_selections(q, zero_non_finite(k), zero_non_finite(v), c.packing,
                                                        config=c.config, tuning=c.tuning, interpret=c.interpret,
                                                        export=c.export)
-    o = packed_block_attention(q, k, v, blocks, PackedLayout(c.packing, firsts), c.kernel_call(merge))
+    operands = block_operands(q, k, blocks, c.config, layout=PackedLayout(c.packing, firsts))
+    o = block_attention(q, k, v, operands, c.kernel_call(merge))[0]
     block_of = (c.packing.position // c.config.selection_block)[:, :, None, None]
     tokens = lambda x: jnp.take_along_axis(x, block_of, axis=1)
     selected = local_selections([tokens(s) for s in blocks], c.packing, c.config.compression_rate)
@@ -348,7 +351,7 @@ def _block(q, k, v, c: Call, merge: str):
     b, T = c.config.selection_block, q.shape[1]
     offset = shard_offset(c)
     blocks, exported = block_selections(q, zero_non_finite(k), zero_non_finite(v), c, offset)
-    o = block_attention(q, k, v, blocks, c.kernel_call(merge), positions=c.positions)
+    o = block_attention(q, k, v, block_operands(q, k, blocks, c.config, positions=c.positions), c.kernel_call(merge))[0]
     return (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if c.export else []))
 
 

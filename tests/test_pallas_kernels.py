@@ -342,3 +342,38 @@ def test_pallas_backend_edge_sizes(rng, B, T, G, r, top_k):
     for a, b in zip(sel, sel_ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, G, selection, packed, export", [
+    ("gqa", 2, "mean", False, True), ("gqa", 16, "bound", False, False), ("gqa", 32, "mean", False, True),
+    ("gqa", 4, "bound", True, True), ("wide", 32, "bound", False, True), ("wide", 32, "mean", False, False)])
+def test_the_ranking_pass_selects_as_the_forward_does(rng, family, G, selection, packed, export):
+    """`selections_only=True` (block selection's ranking pass, `routes.block_selections`)
+    runs no merge and returns the forward's selections and importance bit for bit:
+    3-layer trees, queries at some positions or packed rows, split heads (G = 32 on the
+    GQA kernels), the wide kernels; `return_lse` beside it is refused."""
+    from htree_jax.core.packing import pack_layout, virtual_length
+    from htree_jax.core.rope import rope_layout
+    from pallas_kernels.wide.forward import wide_forward_pallas
+    from pallas_kernels.gqa.forward import htree_forward_pallas
+    config = HTreeConfig(compression_rate=4, top_k=4, selection=selection, selection_block=1)
+    q, k, v = random_qkv(rng, 2, 100, G, 1, 64, 32)
+    R = config.partial_rope(64)
+    q, k, v = rope_layout(jnp.asarray(q), R), rope_layout(jnp.asarray(k), R), jnp.asarray(v)
+    forward = htree_forward_pallas if family == "gqa" else wide_forward_pallas
+    places = {}
+    if packed:
+        segments = jnp.asarray([[0] * 60 + [1] * 40, [0] * 100])
+        places["packing"] = pack_layout(segments, config, virtual_length(config, 100, 2))
+    else:
+        places["positions"] = jnp.arange(30, 100, dtype=jnp.int32)
+        q = q[:, 30:]
+    run = lambda only: forward(q, k, v, config=config, block_sizes=BlockSizes(), interpret=True,
+                               return_importance=export, selections_only=only, **places)
+    full, ranked = run(False), run(True)
+    assert ranked[0] is None and full[0].shape == q.shape[:3] + (32,)
+    assert len(ranked[1]) == len(full[1]) == 2
+    for a, b in zip(jax.tree.leaves(ranked[1:]), jax.tree.leaves(full[1:])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="return_lse"):
+        forward(q, k, v, config=config, interpret=True, return_lse=True, selections_only=True, **places)

@@ -201,7 +201,8 @@ def test_a_route_runs_the_forward_and_backward_of_its_row(name):
         rows = spec(1, -(-T // config.selection_block), H, K)
         per_query = dataclasses.replace(config, selection_block=1)
         select = jax.make_jaxpr(lambda q, k, v: ranking.forward(q, k, v, config=per_query, block_sizes=tuning,
-                                                                positions=jnp.zeros(q.shape[1], jnp.int32)))
+                                                                positions=jnp.zeros(q.shape[1], jnp.int32),
+                                                                selections_only=True))
         blocks = [jax.ShapeDtypeStruct((1, rows.shape[1], H_kv, config.top_k), jnp.int32)
                   for _ in range(config.num_layers(T) - 1)]
         forward = jax.make_jaxpr(lambda q, k, v, s: route.forward(q, k, v, s, config=config, block=tuning.block))

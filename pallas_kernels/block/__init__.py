@@ -17,8 +17,8 @@ their `b * G` rows.
   that merged it; `partials`: the partial sums' chunks and their sum
   by node (Pallas-Triton); `mosaic_backward`: the walk that writes the partial sums on
   Mosaic GPU; `mosaic_sums`: their sum by node on Mosaic GPU.
-- `attention`: `block_attention` (and `packed_block_attention`, its layout packed), the
-  pair as one `custom_vjp`.
+- `attention`: the pair as one `custom_vjp` (`attention`), its operands for one
+  document a row, a context shard or packed rows (`block_operands`).
 The blocks' selections come from the per-query families run on the ranking rows
 (`htree_jax.routes.block_selections`).
 """

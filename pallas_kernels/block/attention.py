@@ -1,5 +1,5 @@
 """Block selection's differentiable call once the blocks' selections are known
-(`block_attention`, SPEC 12): the block merge and the block backward as SPEC 10's guard
+(`attention` over `block_operands`, SPEC 12): the block merge and the block backward as SPEC 10's guard
 calls them, paired as one `jax.custom_vjp` at the bottom (`shared/guarded.py`). The
 selections come from the per-query families run on each block's ranking rows
 (`htree_jax.routes` composes the two).
@@ -14,17 +14,9 @@ may differ in their last bits run to run. `dq` is summed in a fixed order either
 from __future__ import annotations
 
 from pallas_kernels.block.backward import block_backward_pallas
-from pallas_kernels.block.forward import block_forward_pallas
+from pallas_kernels.block.forward import forward
 from pallas_kernels.block.layout import PackedLayout, row_layout
 from pallas_kernels.shared.guarded import KernelCall, Saved, guarded_vjp
-
-
-def forward(q, k, v, operands, call: KernelCall):
-    """`block_forward_pallas` over `operands["layout"]` with the merge `call.merge`, as
-    the guard calls it: `(o, lse, (), None)` (the selections are the caller's)."""
-    o, lse = block_forward_pallas(q, k, v, operands["selections"], operands["layout"], config=call.config,
-                                  block=call.tuning.block, merge=call.merge, interpret=call.interpret)
-    return o, lse, (), None
 
 
 def backward(q, k, v, saved: Saved, call: KernelCall):
@@ -38,28 +30,25 @@ def backward(q, k, v, saved: Saved, call: KernelCall):
 attention = guarded_vjp(forward, backward)
 
 
-def block_attention(q, k, v, selections, call: KernelCall, *, positions=None):
-    """htree attention with block selection given the blocks' `selections` (layers `L-1
-    .. 1`, each `[B, ceil(T / b), H_kv, top_k]` int32, `-1` padded), differentiable (the
-    selections constant): `q [B, T, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv, V]` in
-    `rope_layout` order, validated by the caller, one document a row; `call.merge` the
-    merge's kernel (`forward.MERGES`), `call.tuning.block` the launches. Returns `o [B, T, H, V]` in
-    q's dtype. `positions [S]` int32: a context shard's `q [B, S, H, K]` at those
-    positions of the `T` tokens, consecutive from a multiple of `b` (`layout.row_layout`'s
-    `offset`; SPEC 10's guard reads them); `dk`, `dv` are its share of every token's."""
+def block_operands(q, k, selections, config, *, layout: PackedLayout | None = None, positions=None) -> dict:
+    """`attention`'s operands: htree attention with block selection given the blocks'
+    `selections` (layers `L-1 .. 1`, each `[B, ceil(T / b), H_kv, top_k]` int32, `-1`
+    padded; constant under autodiff) for `q [B, T, H, K]`, `k [B, T, H_kv, K]` in
+    `rope_layout` order, validated by the caller. `attention(q, k, v, operands, call)`
+    then returns `(o [B, T, H, V],)` in q's dtype, `call.merge` the merge's kernel
+    (`forward.MERGES`), `call.tuning.block` the launches.
+
+    One document a row (`layout` None): `positions [S]` int32, a context shard's `q [B,
+    S, H, K]` at those positions of the `T` tokens, consecutive from a multiple of `b`
+    (`layout.row_layout`'s `offset`; SPEC 10's guard reads them); `dk`, `dv` are its
+    share of every token's. Packed rows: `layout` their `PackedLayout` (the `Packing`
+    and `firsts [B, T_v / b]`, each block's document's first top node), `selections`
+    the virtual blocks' lists (virtual tree rows, `[B, T_v / b, H_kv, top_k]`)."""
+    if layout is not None:
+        return {"selections": list(selections), "layout": layout}
     offset = None if positions is None else positions[0].astype("int32")
-    operands = {"selections": list(selections), "layout": row_layout(q, k, call.config, offset),
-                **({} if positions is None else {"positions": positions})}
-    return attention(q, k, v, operands, call)[0]
+    return {"selections": list(selections), "layout": row_layout(q, k, config, offset),
+            **({} if positions is None else {"positions": positions})}
 
 
-def packed_block_attention(q, k, v, selections, layout: PackedLayout, call: KernelCall):
-    """`block_attention` over packed rows (`call.merge` one of `forward.MERGES`): `selections`
-    the virtual blocks' lists (virtual tree rows, `[B, T_v / b, H_kv, top_k]` each),
-    `layout` the rows' `layout.PackedLayout` (the `Packing` and `firsts [B, T_v / b]`,
-    each block's document's first top node). Returns `o [B, T, H, V]`."""
-    operands = {"selections": list(selections), "layout": layout}
-    return attention(q, k, v, operands, call)[0]
-
-
-__all__ = ["attention", "backward", "block_attention", "forward", "packed_block_attention"]
+__all__ = ["attention", "backward", "block_operands", "forward"]

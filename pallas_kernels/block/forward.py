@@ -24,7 +24,8 @@ from pallas_kernels.block import mosaic_merge
 from pallas_kernels.block.layout import row_layout
 from pallas_kernels.block.merge import BlockLaunch, BlockStatic, block_merge_pallas, block_queries, selection_lists
 from pallas_kernels.shared.common import next_power_of_two, pad_rope_halves
-from pallas_kernels.shared.configs import MERGE_ROUTES, BlockConfig
+from pallas_kernels.shared.configs import MERGE_ROUTES, BlockConfig, KernelConfigs
+from pallas_kernels.shared.guarded import KernelCall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,25 @@ def check_merge_route(route: str, st: BlockStatic, K: int, V: int, dtype, interp
         merge.check(st, K, V, dtype)
 
 
+def forward(q, k, v, operands: dict, call: KernelCall):
+    """`block_forward_pallas` as SPEC 10's guard calls it (`shared/guarded.py`):
+    `operands["selections"]` over `operands["layout"]`, the merge `call.merge`, the
+    launch `call.tuning.block`. Returns `(o, lse, (), None)` (the selections are the
+    caller's)."""
+    config, block, merge, interpret = call.config, call.tuning.block, call.merge, call.interpret
+    selections, layout = operands["selections"], operands["layout"]
+    K, H_kv, V = q.shape[-1], k.shape[2], v.shape[-1]
+    G = q.shape[2] // H_kv
+    st = layout.static(merge_static(config, layout.length, G, K, V, q.dtype, block, merge))
+    check_merge_route(merge, st, K, V, q.dtype, interpret)
+    if len(selections) != st.num_layers - 1:
+        raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
+    launch = BlockLaunch(config, st, K, layout.table_rows(config, st), interpret=interpret)
+    o, lse = MERGES[merge].launch(layout.rows(pad_rope_halves(q, st.half), H_kv, st), layout.layers(k, v, config, st),
+                                  selection_lists(selections, st), launch, **layout.extras())
+    return layout.tokens(o[:, :, :, :G, :V]), layout.tokens(lse[:, :, :, :G]), (), None
+
+
 @functools.partial(jax.jit, static_argnames=("config", "block", "merge", "interpret"))
 def block_forward_pallas(q, k, v, selections, layout=None, *, config: HTreeConfig, block: BlockConfig = BlockConfig(),
                          merge: str = "pallas_triton", interpret: bool = False):
@@ -128,14 +148,6 @@ def block_forward_pallas(q, k, v, selections, layout=None, *, config: HTreeConfi
     rows, `PackedLayout`: `selections` the virtual blocks' lists (virtual tree rows,
     `[B, T_v / b, H_kv, top_k]`). `merge` names the merge's kernel (`MERGES`; each takes
     every layout), `block` its launch (`BlockConfig.merge_tile`, `merge_num_warps`)."""
-    K, H_kv, V = q.shape[-1], k.shape[2], v.shape[-1]
-    G = q.shape[2] // H_kv
-    layout = row_layout(q, k, config) if layout is None else layout
-    st = layout.static(merge_static(config, layout.length, G, K, V, q.dtype, block, merge))
-    check_merge_route(merge, st, K, V, q.dtype, interpret)
-    if len(selections) != st.num_layers - 1:
-        raise ValueError(f"selections: {st.num_layers - 1} layers' lists expected, got {len(selections)}")
-    launch = BlockLaunch(config, st, K, layout.table_rows(config, st), interpret=interpret)
-    o, lse = MERGES[merge].launch(layout.rows(pad_rope_halves(q, st.half), H_kv, st), layout.layers(k, v, config, st),
-                                  selection_lists(selections, st), launch, **layout.extras())
-    return layout.tokens(o[:, :, :, :G, :V]), layout.tokens(lse[:, :, :, :G])
+    operands = {"selections": selections, "layout": row_layout(q, k, config) if layout is None else layout}
+    call = KernelCall(config, KernelConfigs(block=block), interpret, merge=merge)
+    return forward(q, k, v, operands, call)[:2]

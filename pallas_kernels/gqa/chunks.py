@@ -98,7 +98,14 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
     if not select:
         return rows, t, n_top, first, q_top, (None, None, None)
     split = prep.head_split
-    keys, imp = top_keys(prep, q_top, n_top, first, interpret, export, top_norms)
+    bound = None if top_norms is None else Bound(top_norms, prep.top_radii)
+    top_in = TopInputs(n_top, first, None, None, prep.top_k_imp, None)
+    if split == 1:
+        out = top_importance_keys_pallas(q_top, top_in, prep.cos.shape[0], prep.st_top_keys, interpret, export,
+                                         bound=bound)
+        keys, imp = out if export else (out, None)
+    else:
+        keys, imp = split_top_keys(prep, q_top, top_in, interpret, bound)
     parents = jnp.broadcast_to(top_layer_parents(offset[..., 0], st.r, num_layers, prep.parents_width),
                                (B, Qc, H_kv // split, prep.parents_width))
     next_parents, tau = select_top_k_pallas(keys, parents, real_heads(n_top, split), prep.st_select, interpret)
@@ -109,19 +116,14 @@ def chunk_queries(prep: Prepared, c, T: int, num_layers: int, interpret: bool, s
     return rows, t, n_top, first, q_top, tuple(virtual_heads(x, split) for x in top)
 
 
-def top_keys(prep: Prepared, q_top, n_top, first, interpret: bool, export: bool, norms=None):
-    """The top layer's packed importance keys `[B, Q, H_kv, Mp]` for the real kv heads,
-    and with `export` their importance (else None); `norms`: the bound's group norms of
-    `q_top` (`chunk_rows`), None without the bound. Split heads (`head_split`):
-    the kernel's per-split importance, summed over the group here (`shared_max`: each
-    split's rescaled from its own group max to the largest), then packed as the kernel
-    packs it."""
+def split_top_keys(prep: Prepared, q_top, top: TopInputs, interpret: bool, bound: Bound | None = None):
+    """The top layer's packed importance keys `[B, Q, H_kv, Mp]` for the real kv heads
+    of split heads (`head_split` > 1), and their importance: the kernel's per-split
+    importance, summed over the group here (`shared_max`: each split's rescaled from its
+    own group max to the largest), then packed as the kernel packs it. `bound`: the
+    bound's group norms of `q_top` (`chunk_rows`) and the top radii, None without it."""
     split, st, width = prep.head_split, prep.st_top_keys, prep.cos.shape[0]
-    bound = None if norms is None else Bound(norms, prep.top_radii)
-    top = TopInputs(n_top, first, None, None, prep.top_k_imp, None)
-    if split == 1:
-        out = top_importance_keys_pallas(q_top, top, width, st, interpret, export, bound=bound)
-        return out if export else (out, None)
+    n_top = top.n
     _, imp, shift = top_importance_keys_pallas(q_top, top, width, st, interpret, export=True, with_shift=True,
                                                bound=bound)
     B, Q = imp.shape[:2]

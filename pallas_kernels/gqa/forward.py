@@ -37,11 +37,11 @@ def bottom_merge(prep: Prepared, q_rows, parents, t, state, interpret: bool, out
 
 
 @functools.partial(jax.jit, static_argnames=("config", "block_sizes", "interpret", "precisions", "return_lse",
-                                             "return_importance", "value_dim", "q_layout"))
+                                             "return_importance", "value_dim", "q_layout", "selections_only"))
 def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
                          interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
                          packing=None, positions=None, return_importance: bool = False, value_dim: int | None = None,
-                         q_layout: str = "rope_layout", query_packing=None):
+                         q_layout: str = "rope_layout", query_packing=None, selections_only: bool = False):
     """htree attention with Pallas kernels. Inputs validated by the caller.
     `packing`: packed rows (`htree_jax.core.packing.Packing`); the selections returned are
     then rows of the virtual tree (`packing.local_selections` makes them document-local);
@@ -59,7 +59,9 @@ def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSize
     for `K, V`) or a `KernelConfigs` (`configs.KernelConfigs.resolve`).
     Returns `(o [B, T, H, V] in q.dtype, selections)` like the
     JAX reference; with `return_lse`, also the log-sum-exp of every row's merged scores
-    `[B, T, H]` float32 (what the backward needs besides `o`).
+    `[B, T, H]` float32 (what the backward needs besides `o`). `selections_only`: no
+    merge runs and `o` is None (block selection's ranking pass, SPEC 12, reads only
+    the choices; `return_lse` is then refused).
     """
     B, T, H, K = q.shape
     H_kv, V = k.shape[2], value_dim if v is None else v.shape[-1]
@@ -68,6 +70,8 @@ def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSize
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
                          "kv head, BlockSizes.wide_rows > 0, one document per row")
+    if selections_only and return_lse:
+        raise ValueError("selections_only=True merges nothing: there is no log-sum-exp to return (return_lse)")
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
     prep = prepare(q, k, v, KernelCall(config, tuning, interpret), precisions or Precisions.for_dtype(q.dtype),
@@ -86,16 +90,19 @@ def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSize
         rows, t, n_top, first, q_top, top = chunk_queries(prep, c, T, L, interpret, export=return_importance)
         keys, tau, parents = top[:3]
         exported = list(top[3:])
+        if L == 1 and selections_only:
+            return None, [], []
         if L == 1:
             inputs = TopInputs(n_top, first, None, None, prep.top_k_merge, prep.top_v)
             o, lse = top_merge_pallas(q_top, inputs, empty_state(gt), st_top, interpret, out_dtype=q.dtype,
                                       return_lse=True)
-            return o[:, :, :, :G], lse[..., :G], [], []
-        inputs = TopInputs(n_top, first, keys, tau, prep.top_k_merge, prep.top_v)
-        state = top_merge_pallas(q_top, inputs, empty_state(gt), st_top, interpret)
-        # The layers below: one query per program, its G heads padded to Gp rows (`group_rows`).
-        rows_to_gp = lambda rows, ndim: [(0, 0)] * 3 + [(0, gp - rows)] + [(0, 0)] * (ndim - 4)
-        state = tuple(jnp.pad(x, rows_to_gp(x.shape[3], x.ndim)) for x in state)
+            return (o[:, :, :, :G], lse[..., :G]), [], []
+        state = None
+        if not selections_only:
+            inputs = TopInputs(n_top, first, keys, tau, prep.top_k_merge, prep.top_v)
+            state = top_merge_pallas(q_top, inputs, empty_state(gt), st_top, interpret)
+            # The layers below: one query per program, its G heads padded to Gp rows (`group_rows`).
+            state = tuple(jnp.pad(x, [(0, 0)] * 3 + [(0, gp - gt)] + [(0, 0)] * (x.ndim - 4)) for x in state)
         selections = [parents[..., : config.top_k]]
         for l in reversed(range(1, L - 1)):
             vl = prep.layers[l][2]
@@ -105,18 +112,24 @@ def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSize
                                                                     return_importance)
             if return_importance:
                 exported.append(imp)
-            state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
+            if not selections_only:
+                state = merge_scored_pallas(scores, parents, n, keys, tau, vl, state, st_scored, interpret)
             parents = next_parents
             selections.append(parents[..., : config.top_k])
+        if selections_only:
+            return None, selections, exported
         o, lse = bottom_merge(prep, rows.per_query, parents, t, state, interpret, q.dtype)
-        return o[:, :, :, :G], lse[..., :G], selections, exported
+        return (o[:, :, :, :G], lse[..., :G]), selections, exported
 
-    o, lse, sels, imps = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
-    # o: [chunks, B, Qc, H_kv, G, vp] -> [B, T, H, V]
-    o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H_kv, G, vp)[:, :T, :, :, :V]
+    merged, sels, imps = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     # Selections (and importance) of the real kv heads: each split head holds its kv head's.
     sels = [real_heads(jnp.moveaxis(s, 0, 1).reshape(B, num_chunks * Qc, H_kv, -1)[:, :T], split) for s in sels]
-    result = (o.reshape(B, T, H, V), sels)
+    if merged is None:
+        result = (None, sels)
+    else:
+        o, lse = merged  # o: [chunks, B, Qc, H_kv, G, vp] -> [B, T, H, V]
+        o = jnp.moveaxis(o, 0, 1).reshape(B, num_chunks * Qc, H_kv, G, vp)[:, :T, :, :, :V]
+        result = (o.reshape(B, T, H, V), sels)
     if return_lse:
         result += (jnp.moveaxis(lse, 0, 1).reshape(B, num_chunks * Qc, H_kv * G)[:, :T],)
     if return_importance:

@@ -275,7 +275,9 @@ def prepare(q, k, v, call: KernelCall, precisions: Precisions, *, places: Places
     if packing is None:
         layers = [as_kernel_layer(k, v)]
         for _ in config.layer_sizes(k.shape[1])[1:]:
-            layers.append(tuple(pool_layer_pallas(x, r, PoolBlockSizes(), interpret) for x in layers[-1]))
+            keys, values = layers[-1]
+            layers.append((pool_layer_pallas(keys, r, PoolBlockSizes(), interpret),
+                           pool_layer_pallas(values, r, PoolBlockSizes(), interpret)))
     else:
         tree, top_local = packed_tree(k, v, packing, config)
         layers = [as_kernel_layer(kl, vl) for kl, vl in tree]

@@ -76,16 +76,14 @@ def guarded_vjp(forward, backward):
       its cotangent, the rows without one, the residual, the operands; `dv` None where
       `v` is)."""
 
-    def guarded_forward(q, k, v, operands, call):
+    # One function is both the primal (`(o, *results)`) and, with `save`, the forward
+    # rule (and what the backward reads).
+    def guarded_forward(q, k, v, operands, call, *, save=False):
         first = first_non_finite(k, k[..., :0] if v is None else v, jnp.arange(k.shape[1], dtype=jnp.int32))
         o, lse, results, residual = forward(q, zero_non_finite(k), None if v is None else zero_non_finite(v),
                                             operands, call)
         o = poison_rows(o, query_positions(operands.get("positions"), q), first)
-        return (o, *results), (q, k, v, operands, o, lse, first, residual)
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-    def attention(q, k, v, operands, call):
-        return guarded_forward(q, k, v, operands, call)[0]
+        return ((o, *results), (q, k, v, operands, o, lse, first, residual)) if save else (o, *results)
 
     def guarded_backward(call, saved, cotangents):
         q, k, v, operands, o, lse, first, residual = saved
@@ -96,7 +94,8 @@ def guarded_vjp(forward, backward):
         dq, dk, dv = backward(q, zero_non_finite(k), None if v is None else zero_non_finite(v), saved, call)
         return (dq, *zero_late_tokens(dk, dv, first), None)  # the selections and importance: no cotangent
 
-    attention.defvjp(guarded_forward, guarded_backward)
+    attention = jax.custom_vjp(guarded_forward, nondiff_argnums=(4,))
+    attention.defvjp(functools.partial(guarded_forward, save=True), guarded_backward)
     return attention
 
 

@@ -287,8 +287,9 @@ def valid_count(plan: WidePlan, parents, t, layer: int):
 def select_and_merge(plan: WidePlan, layer: int, queries, norms, parents, t, state, interpret: bool,
                      export: bool = False):
     """A layer above the bottom: importance, shared top-K, the merge of what it did not
-    keep. Returns `(state, next parents [B, Qc, H_kv, P])`, and with `export` the kept
-    nodes' importance `[B, Qc, H_kv, top_k]` (SPEC 8)."""
+    keep (none where `state` is None: selections only). Returns `(state, next parents
+    [B, Qc, H_kv, P])`, and with `export` the kept nodes' importance `[B, Qc, H_kv,
+    top_k]` (SPEC 8)."""
     kl, ws = plan.layers[layer], plan.ws
     n = valid_count(plan, parents, t, layer)
     bound = None if norms is None else WideBound(*norms, *kl["radii"])
@@ -298,8 +299,9 @@ def select_and_merge(plan: WidePlan, layer: int, queries, norms, parents, t, sta
     if export:
         keys, imp = keys
     next_parents, tau = select_top_k_pallas(keys, parents, n, plan.st_select, interpret)
-    layer_in = WideLayer(parents, n, keys, tau, kl["lat"], (), kl["values"], plan.tables)
-    state = wide_merge_pallas(queries, layer_in, state, ws, interpret, scores=scores)
+    if state is not None:
+        layer_in = WideLayer(parents, n, keys, tau, kl["lat"], (), kl["values"], plan.tables)
+        state = wide_merge_pallas(queries, layer_in, state, ws, interpret, scores=scores)
     result = (state, next_parents[..., :plan.parents_width])
     return result + (kept_values(keys, tau, imp, plan.st_select.top_k),) if export else result
 
@@ -317,15 +319,18 @@ def bottom_merge(plan: WidePlan, queries, parents, t, state, interpret: bool, ou
 def wide_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSizes | KernelConfigs | None = None,
                         interpret: bool = False, precisions: Precisions | None = None, return_lse: bool = False,
                         positions=None, return_importance: bool = False, value_dim: int | None = None,
-                        q_layout: str = "rope_layout"):
+                        q_layout: str = "rope_layout", selections_only: bool = False):
     """htree attention for wide groups. `q [B, S, H, K]`, `k [B, T, H_kv, K]` in
     `rope_layout` order (validated by the caller; `q_layout="given"`: `q` in the
     caller's order, each chunk's parts sliced from it, no permuted copy of q); `v [B, T, H_kv, V]`, or None with
     `value_dim = V`: the values are the first `V` latent features of `k` (read from the
     keys, no copy); `positions [S]` the queries' positions among the `T` tokens (None:
     `S = T`, all of them). `block_sizes` as `htree_forward_pallas` takes them. Returns
-    what `htree_forward_pallas` does: `(o, selections[, lse][, importance])`."""
+    what `htree_forward_pallas` does: `(o, selections[, lse][, importance])`;
+    `selections_only`: no merge runs and `o` is None (refused with `return_lse`)."""
     B, S, H, K = q.shape
+    if selections_only and return_lse:
+        raise ValueError("selections_only=True merges nothing: there is no log-sum-exp to return (return_lse)")
     check_query_layout(q_layout, wide=True)
     tuning = KernelConfigs.resolve(block_sizes, K, value_dim if v is None else v.shape[-1])
     call = KernelCall(config, tuning, interpret, value_dim=value_dim, q_layout=q_layout)
@@ -334,18 +339,20 @@ def wide_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSizes
 
     def chunk(c):
         queries, norms, t, parents, state = chunk_start(plan, c)
+        state = None if selections_only else state
         selections, exported = [], []
         for l in reversed(range(1, plan.num_layers)):
             state, parents, *imp = select_and_merge(plan, l, queries, norms, parents, t, state, interpret,
                                                     return_importance)
             selections.append(parents[..., :config.top_k])
             exported += imp
-        o, lse = bottom_merge(plan, queries, parents, t, state, interpret, q.dtype)
-        return o, lse, selections, exported
+        merged = None if selections_only else bottom_merge(plan, queries, parents, t, state, interpret, q.dtype)
+        return merged, selections, exported
 
-    o, lse, sels, imps = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
+    merged, sels, imps = lax.map(chunk, jnp.arange(num_chunks, dtype=jnp.int32))
     per_query = lambda x: jnp.moveaxis(x, 0, 1).reshape((B, num_chunks * Qc) + x.shape[3:])[:, :S]
-    result = (per_query(o).reshape(B, S, H, V), [per_query(s)[..., :config.top_k] for s in sels])
+    o, lse = (None, None) if merged is None else merged
+    result = (None if o is None else per_query(o).reshape(B, S, H, V), [per_query(s)[..., :config.top_k] for s in sels])
     if return_lse:
         result += (per_query(lse).reshape(B, S, H),)
     if return_importance:
