@@ -38,6 +38,7 @@ from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.shared.configs import BlockConfig, KernelConfigs
+from pallas_kernels.shared.kernels import BlockKernels
 
 
 def merge_flops(blocks, config: HTreeConfig, T: int, G: int, K: int, V: int) -> float:
@@ -58,11 +59,10 @@ def bitwise_repeatable(fn, args) -> bool:
     return all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)))
 
 
-def sum_and_walk(text: str) -> dict:
-    """`"partials:mosaic_gpu"` -> `BlockConfig`'s `backward_sum` and (after the colon)
-    `backward_walk`."""
+def sum_and_walk(text: str) -> BlockKernels:
+    """`"partials:mosaic_gpu"` -> `BlockKernels`'s `sums` and (after the colon) `walk`."""
     summed, _, walk = text.partition(":")
-    return dict(backward_sum=summed, **({"backward_walk": walk} if walk else {}))
+    return BlockKernels(sums=summed, **({"walk": walk} if walk else {}))
 
 
 def parse_variants(text: str) -> list[tuple[int, int]]:
@@ -116,9 +116,9 @@ def run(args):
                     key = f"backward_{tile}x{warps}" + ("" if summed == "atomics" else "_" + summed.replace(":", "_"))
                     sums = sum_and_walk(summed)
                     grads = jax.jit(lambda q, k, v, o, lse, s, c=config, t=tile, w=warps, m=sums:
-                                    block_backward_pallas(q, k, v, o, lse, o, s, config=c,
+                                    block_backward_pallas(q, k, v, o, lse, o, s, config=c, kernels=m,
                                                           block=BlockConfig(backward_tile=t, backward_num_warps=w,
-                                                                            backward_partial_bytes=budget, **m)))
+                                                                            backward_partial_bytes=budget)))
                     try:
                         ms = median_ms(grads, (q, k, v, o, lse, blocks), args.iters)
                         row[f"{key}_ms"] = ms
@@ -130,13 +130,11 @@ def run(args):
                 row["fwd_bwd_ms"] = median_ms(jax.jit(grad_of_sum(full)), (q, k, v), args.iters)
                 row["fwd_bwd_speedup"] = dense_fwd_bwd_ms / row["fwd_bwd_ms"]
                 for summed in args.backward_sums.split(","):  # the default's sums are the row's own
-                    if summed == BlockConfig().backward_sum:
+                    if summed == BlockKernels().sums:
                         continue
-                    tuning = KernelConfigs.resolve(None, K, V).with_changes(
-                        {**{f"block.{name}": x for name, x in sum_and_walk(summed).items()},
-                         "block.backward_partial_bytes": budget})
-                    step = jax.jit(grad_of_sum(lambda q, k, v, c=config, t=tuning: htree_attention(
-                        q, k, v, c, backend="pallas", block_sizes=t)))
+                    tuning = KernelConfigs.resolve(None, K, V).with_changes({"block.backward_partial_bytes": budget})
+                    step = jax.jit(grad_of_sum(lambda q, k, v, c=config, t=tuning, m=sum_and_walk(summed): htree_attention(
+                        q, k, v, c, backend="pallas", block_sizes=t, block_kernels=m)))
                     name = summed.replace(":", "_")
                     row[f"fwd_bwd_{name}_ms"] = median_ms(step, (q, k, v), args.iters)
                     row[f"fwd_bwd_{name}_speedup"] = dense_fwd_bwd_ms / row[f"fwd_bwd_{name}_ms"]
@@ -156,8 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="random,correlated", help="input kinds (htree_jax.bench.INPUTS)")
     ap.add_argument("--variants", default="64x8", help="the merge's tile x warps to time apart")
     ap.add_argument("--backward-variants", default="32x8", help="the backward's tile x warps to time apart")
-    ap.add_argument("--backward-sums", default="atomics", help="BlockConfig.backward_sum values to time apart, each optionally "
-                    "':WALK' (BlockConfig.backward_walk: partials:mosaic_gpu, partials:pallas_triton)")
+    ap.add_argument("--backward-sums", default="atomics", help="BlockKernels.sums values to time apart, each optionally "
+                    "':WALK' (BlockKernels.walk: partials:mosaic_gpu, partials:pallas_triton)")
     ap.add_argument("--backward-partial-bytes", type=int, default=BlockConfig().backward_partial_bytes,
                     help="BlockConfig.backward_partial_bytes with --backward-sums partials")
     ap.add_argument("--backward-sizes", default="131072", help="lengths also timed forward+backward")

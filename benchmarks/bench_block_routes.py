@@ -1,4 +1,4 @@
-"""Issue 73: the block merge by route (`KernelConfigs.block_merge`): `--check` each route
+"""Issue 73: the block merge by route (`BlockKernels.merge`): `--check` each route
 against Pallas-Triton on small shapes, `--time` each at T=131072 (merge kernel, merge call,
 whole forward) beside dense cuDNN. `--routes=a,b` picks routes, `--T=a,b` the lengths of `--time` (131072), `--kinds=` its
 inputs (random,correlated). Needs a CUDA GPU.
@@ -12,7 +12,7 @@ from htree_jax.backends import blocks_of
 from htree_jax.bench import INPUTS, median_ms, dense_fn
 from htree_jax.kernel_trace import kernel_times
 from pallas_kernels.block.forward import block_forward_pallas
-from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.kernels import BlockKernels
 from tests.conftest import random_qkv
 
 ROUTES = next((a.split("=")[1].split(",") for a in sys.argv if a.startswith("--routes=")), ["pallas_triton", "mosaic_gpu"])
@@ -68,8 +68,8 @@ for T, kind in ((int(t), kind) for t in LENGTHS for kind in KINDS if TIME):
                 row[f"{route}_kernels"] = sorted(((round(t / 1e3, 3), n[:60]) for n, (t, _) in times.items()), reverse=True)[:5]
             except Exception as e:
                 row[f"{route}_kernels"] = f"{type(e).__name__}: {str(e)[:200]}"
-            tuning = KernelConfigs.resolve(None, K, V).with_changes({"block_merge": route})
-            full = jax.jit(lambda q, k, v, t=tuning: htree_attention(q, k, v, config, backend="pallas", block_sizes=t))
+            full = jax.jit(lambda q, k, v, m=BlockKernels(merge=route): htree_attention(q, k, v, config, backend="pallas",
+                                                                                       block_kernels=m))
             row[f"{route}_forward_ms"] = median_ms(full, (q, k, v), 10)
         except Exception as e:
             row[f"{route}"] = f"FAIL {type(e).__name__}: {str(e)[:600]}"

@@ -1,7 +1,7 @@
 """htree-jax: hierarchical sparse (htree) attention for JAX and Flax.
 
 Public API: `HTreeConfig`, `build_tree`, `htree_attention` (and `BlockSizes`, the Pallas
-kernels' tuning; `Index`, a learned indexer's inputs with `selection="indexer"`), the Flax NNX module `HTreeAttention` (linen twin:
+kernels' tuning; `BlockKernels`, which kernel runs each part of block selection; `Index`, a learned indexer's inputs with `selection="indexer"`), the Flax NNX module `HTreeAttention` (linen twin:
 `htree_jax.linen.HTreeAttention`), `attention_fn` for `nnx.MultiHeadAttention` /
 `nn.MultiHeadDotProductAttention`, and incremental decoding: `init_cache`, `prefill`,
 `decode_step`, `reset_rows` (`HTreeCache`; `DecodeBlockSizes`, the decode kernels'
@@ -31,6 +31,7 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
+    "BlockKernels": "pallas_kernels.shared.kernels",
     "BlockSizes": "pallas_kernels.shared.configs",
     "DecodeBlockSizes": "pallas_kernels.shared.configs",
     "HTreeAttention": "htree_jax.module",
@@ -83,3 +84,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from htree_jax.flax_attention import attention_fn
     from htree_jax.module import HTreeAttention, IndexLoss
     from pallas_kernels.shared.configs import BlockSizes, DecodeBlockSizes
+    from pallas_kernels.shared.kernels import BlockKernels

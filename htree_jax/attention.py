@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from htree_jax.backends import attend, check_block_sizes, full_sequence_plan
+from htree_jax.backends import attend, check_block_kernels, check_block_sizes, full_sequence_plan
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexer import Index, check_index
 from htree_jax.core.one_layer import fitted_to_length
@@ -15,6 +15,7 @@ from htree_jax.core.validation import as_jax_takes_it, check_config, check_laten
 from htree_jax.routes import latent_values
 from htree_jax.sharding import partitioned_attention
 from pallas_kernels.shared.configs import BlockSizes
+from pallas_kernels.shared.kernels import BlockKernels
 
 
 def htree_attention(
@@ -32,6 +33,7 @@ def htree_attention(
     block_sizes: BlockSizes | None = None,
     value_dim: int | None = None,
     index: Index | None = None,
+    block_kernels: BlockKernels | None = None,
 ):
     """Hierarchical sparse (htree) attention, causal, with RoPE applied inside.
 
@@ -100,6 +102,11 @@ def htree_attention(
       block_sizes: the Pallas kernels' tiling and launch parameters
         (`htree_jax.BlockSizes`, static; `None`, and each field left `None`: the tuned
         value for the head dims). The reference ignores them.
+      block_kernels: which kernel runs each part of block selection (`htree_jax.
+        BlockKernels`: the merge, the backward's walk, its sums and their kernel;
+        static; `None`, and each field `"auto"`: the plan's choice, the fastest measured
+        where it takes the call). A kernel asked for that cannot take the call is a
+        ValueError naming the rule. Other selections and the reference ignore it.
 
     Non-finite inputs (SPEC 10): a NaN or infinity in `k` or `v` at position `p` changes
     no output before `p`; every output row of that kv head's group from `p` on is NaN,
@@ -113,13 +120,12 @@ def htree_attention(
       families): all three, no atomics (key and value gradients are summed per tree
       node in a fixed order);
     - block selection on the Pallas kernels (`selection_block > 1`, `HTreeConfig()`'s
-      default): `dq` is, and on a GPU `dk` and `dv` are too (`BlockConfig.backward_sum=
+      default): `dq` is, and on a GPU `dk` and `dv` are too (`BlockKernels.sums=
       "auto"`): each block's sums written out as partial sums, each node's summed over
       the blocks that merged it in block order, with up to
       `BlockConfig.backward_partial_bytes` (16 GiB) more memory; interpreted, or with
-      `block_sizes=KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum":
-      "atomics"})`, they are added into the nodes with float32 atomics, in no fixed order
-      (they may differ in the last bits);
+      `block_kernels=BlockKernels(sums="atomics")`, they are added into the nodes with
+      float32 atomics, in no fixed order (they may differ in the last bits);
     - the reference: XLA autodiff; on a GPU its gathers' transposes are scatter-adds,
       reproducible only under XLA's `--xla_gpu_deterministic_ops=true`.
     The selections themselves are a hard top-K: a near-tie of two nodes' importances may
@@ -140,6 +146,7 @@ def htree_attention(
     dims = check_qkv(q, k, v)
     config.check_rope_dim(dims.head_dim)
     check_block_sizes(block_sizes)
+    check_block_kernels(block_kernels)
     # One layer is causal attention whatever top_k is: no buffer sized by a larger top_k.
     config = fitted_to_length(config, dims.seq_len)
     packed = segment_ids is not None
@@ -149,7 +156,7 @@ def htree_attention(
     # ranking route, merge, backward walk and sum, over the packed layout where there is
     # one) and passed down: nothing below chooses again.
     plan = full_sequence_plan(backend, dims, config, packed=packed, dtype=q.dtype, latent=latent,
-                              block_sizes=block_sizes, packing=packing)
+                              block_sizes=block_sizes, packing=packing, kernels=block_kernels)
     for name, flag in (("return_selected", return_selected), ("return_importance", return_importance)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -174,7 +181,8 @@ def htree_attention(
         # backend named is refused.
         o, selected = partitioned_attention(q, k, v, config, plan.impl, segment_ids, None if packing is None else
                                             packing.virtual_len, max_document_len, block_sizes,
-                                            context_impl="reference" if backend == "auto" else None)
+                                            context_impl="reference" if backend == "auto" else None,
+                                            block_kernels=block_kernels)
     else:
         # (The importance export and the indexer are not partitioned yet: with either, the plain call.)
         o, selected, *exported = attend(q, k, v, config, plan, packing, export=return_importance,

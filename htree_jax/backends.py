@@ -36,14 +36,15 @@ from htree_jax.core.tree import CacheTree
 from htree_jax.core.validation import Dims
 from htree_jax.reference import TreeWalk, attend_tree, default_query_chunk
 from htree_jax.routes import ROUTES, Call, Route, block_selections, latent_values
-from pallas_kernels.block.backward import backward_routes
+from pallas_kernels.block.backward import backward_kernels
 from pallas_kernels.block.forward import check_merge_route, chosen_merge, merge_static
 from pallas_kernels.block.layout import PackedLayout, RowLayout
 from pallas_kernels.block.merge import MAX_DIM as BLOCK_MAX_DIM
 from pallas_kernels.decode.walk import attend_cache_pallas, check_pallas_decode_dims
 from pallas_kernels.gqa.plan import check_pallas_dims
 from pallas_kernels.shared.common import MAX_GROUP, check_query_layout
-from pallas_kernels.shared.configs import BlockSizes, DecodeBlockSizes, KernelConfigs
+from pallas_kernels.shared.configs import BlockConfig, BlockSizes, DecodeBlockSizes, KernelConfigs
+from pallas_kernels.shared.kernels import BlockKernels
 from pallas_kernels.wide.forward import wide_eligible
 
 BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
@@ -64,6 +65,12 @@ def check_block_sizes(block_sizes) -> None:
     `pallas_kernels.shared.configs.KernelConfigs` (static under `jit`: frozen, hashable)."""
     if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, KernelConfigs)):
         raise TypeError(f"block_sizes must be an htree_jax.BlockSizes or None, got {type(block_sizes).__name__}")
+
+
+def check_block_kernels(block_kernels) -> None:
+    """`block_kernels` must be None or a `BlockKernels` (static under `jit`: frozen, hashable)."""
+    if block_kernels is not None and not isinstance(block_kernels, BlockKernels):
+        raise TypeError(f"block_kernels must be an htree_jax.BlockKernels or None, got {type(block_kernels).__name__}")
 
 
 def choose_backend(backend: str, check_kernel_limits) -> str:
@@ -102,47 +109,62 @@ class Plan:
     concrete backend `impl` (`"reference"`, `"pallas"` or `"pallas_interpret"`), the
     `route` (a key of `htree_jax.routes.ROUTES`) and, for block selection, the
     `selection_route` its ranking rows take (`ranking_route`); `tuning` the kernels'
-    configs the call runs with, block selection's choices in them made (`block_routes`:
-    the merge, the backward's walk and sum; no `"auto"` left for the kernels to read)."""
+    configs the call runs with; `kernels` block selection's kernels, chosen
+    (`block_kernels`: the merge, the backward's walk and sum; no `"auto"` left for the
+    kernels to read)."""
 
     impl: str
     route: str
     selection_route: str | None = None
     tuning: KernelConfigs | None = None
+    kernels: BlockKernels = BlockKernels()
 
 
-def block_routes(tuning: KernelConfigs, route: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype,
-                 packed=False) -> KernelConfigs:
-    """`tuning` with block selection's choices made for the call (`route` a
-    `"block_<merge>"` route): `block_merge` the route's merge, and the backward's
-    `BlockConfig.backward_walk` and `backward_sum` as `block.backward.backward_routes`
-    chooses them over the call's layout (one document a row; packed rows: `packed`, their
-    `Packing`, whose static fields are all it reads; with `packed=True`, the layout
-    unknown, the two are left as given, for the backward to choose)."""
-    tuning = dataclasses.replace(tuning, block_merge=route.removeprefix("block_"))
+def block_kernels(kernels: BlockKernels, route: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype,
+                  block: BlockConfig, packed=False) -> BlockKernels:
+    """`kernels` (the call's asks) with block selection's choices made for the call
+    (`route` a `"block_<merge>"` route): the route's merge, and the backward's walk and
+    sum as `block.backward.backward_kernels` chooses them over the call's layout (one
+    document a row; packed rows: `packed`, their `Packing`, whose static fields are all it
+    reads; with `packed=True`, the layout unknown, the two are left as asked, for the
+    backward to choose), `block` the launch."""
+    kernels = dataclasses.replace(kernels, merge=route.removeprefix("block_"))
     packing = packed if isinstance(packed, Packing) else None
     if packed is True:
-        return tuning
+        return kernels
     layout = (PackedLayout(packing, None) if packing is not None
               else RowLayout(keys=dims.seq_len, queries=dims.seq_len, b=config.selection_block, offset=None))
-    walk, sums = backward_routes(layout, config, G=dims.group_size, K=dims.head_dim, V=dims.value_dim, dtype=dtype,
-                                 block=tuning.block, interpret=impl == "pallas_interpret")
-    return dataclasses.replace(tuning, block=dataclasses.replace(tuning.block, backward_walk=walk, backward_sum=sums))
+    return backward_kernels(layout, config, G=dims.group_size, K=dims.head_dim, V=dims.value_dim, dtype=dtype,
+                            block=block, kernels=kernels, interpret=impl == "pallas_interpret")
 
 
-def plan_call(backend: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs, packed=False,
-              latent: bool = False, context_shard: bool = False, check_limits: bool = True) -> Plan:
-    """The `Plan` of a full-sequence call with `dims`, inputs in `dtype`, `tuning` the
-    kernels' configs (`packed`, `latent`, `context_shard` as `choose_route` takes them;
-    `packed` packed rows: True, or their `htree_jax.core.packing.Packing`, whose layout
-    block selection's backward choice reads): the backend `backend` names
+@dataclasses.dataclass(frozen=True)
+class CallKind:
+    """What a full-sequence call's rows are besides their sizes (`Dims`): `packed` packed
+    rows (True, or their `htree_jax.core.packing.Packing`, whose static layout block
+    selection's backward choice reads), `latent` `v=None` (the values read from the
+    keys), `context_shard` the queries a shard of the sequence (positions or ranking rows
+    given)."""
+
+    packed: object = False
+    latent: bool = False
+    context_shard: bool = False
+
+    @property
+    def is_packed(self) -> bool:
+        return self.packed is not None and self.packed is not False
+
+
+def plan_call(backend: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs,
+              kernels: BlockKernels = BlockKernels(), kind: CallKind = CallKind(), check_limits: bool = True) -> Plan:
+    """The `Plan` of a full-sequence call with `dims`, inputs in `dtype`, rows of `kind`,
+    `tuning` the kernels' configs, `kernels` block selection's asks: the backend `backend` names
     (`choose_backend`, each candidate's route chosen once, its limits checked), the
     route's explicit asks checked (`check_route`), and block selection's ranking route
-    and its choices in `tuning` (`block_routes`). `check_limits=False`: `backend` is
+    and its kernels (`block_kernels`). `check_limits=False`: `backend` is
     already concrete and its limits were checked by the caller (a shard of a call
     planned whole)."""
-    facts = dict(dims=dims, config=config, dtype=dtype, tuning=tuning, packed=bool(packed), latent=latent,
-                 context_shard=context_shard)
+    facts = dict(dims=dims, config=config, dtype=dtype, tuning=tuning, kernels=kernels, kind=kind)
     routes = {}
 
     def route_on(name):  # what `choose_backend` asks of a candidate: its route, or the rule it breaks
@@ -154,20 +176,23 @@ def plan_call(backend: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     selection = None
     if route.startswith("block_"):
         selection = ranking_route(impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
-        tuning = block_routes(tuning, route, impl, dims=dims, config=config, dtype=dtype, packed=packed)
-    return Plan(impl=impl, route=route, selection_route=selection, tuning=tuning)
+        kernels = block_kernels(kernels, route, impl, dims=dims, config=config, dtype=dtype, block=tuning.block,
+                                packed=kind.packed)
+    return Plan(impl=impl, route=route, selection_route=selection, tuning=tuning, kernels=kernels)
 
 
 def full_sequence_plan(backend: str, dims: Dims, config: HTreeConfig | None = None, packed: bool = False,
-                       dtype=jnp.float32, latent: bool = False, block_sizes=None, packing=None) -> Plan:
+                       dtype=jnp.float32, latent: bool = False, block_sizes=None, packing=None,
+                       kernels: BlockKernels | None = None) -> Plan:
     """`plan_call` for `htree_attention` with `dims` (`core.validation.Dims`), inputs in
     `dtype` (`latent`: `v=None`, the values read from the keys; `packed`: the call has
-    `segment_ids`, laid out as `packing` where given): the kernels where `choose_route`
-    finds a kernel route."""
+    `segment_ids`, laid out as `packing` where given; `kernels` block selection's asks,
+    None: every choice the plan's): the kernels where `choose_route` finds a kernel
+    route."""
     config = config or HTreeConfig()
     tuning = KernelConfigs.resolve(block_sizes, dims.head_dim, dims.value_dim)
-    return plan_call(backend, dims=dims, config=config, dtype=dtype, tuning=tuning, packed=packing or packed,
-                     latent=latent)
+    return plan_call(backend, dims=dims, config=config, dtype=dtype, tuning=tuning, kernels=kernels or BlockKernels(),
+                     kind=CallKind(packed=packing or packed, latent=latent))
 
 
 def full_sequence_backend(backend: str, dims: Dims, config: HTreeConfig | None = None, packed: bool = False,
@@ -201,20 +226,19 @@ def check_block_kernel_dims(dims: Dims, config: HTreeConfig, backend: str) -> No
 
 
 def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs,
-                 packed: bool = False, latent: bool = False, context_shard: bool = False,
+                 kernels: BlockKernels = BlockKernels(), kind: CallKind = CallKind(),
                  check_limits: bool = True) -> str:
     """The route (a key of `htree_jax.routes.ROUTES`) a full-sequence call takes on the
     concrete backend `impl`: `dims` the call's sizes (`seq_len` the keys' `T`; `H` the
-    queries' heads), inputs in `dtype`, `tuning` the kernels' configs; `packed`: packed
-    rows; `latent`: `v=None`; `context_shard`: the queries are a shard of the sequence
-    (positions or ranking rows given). On a kernel backend a call no kernel route takes
-    is a ValueError naming the rule (what "auto" catches to take the reference);
+    queries' heads), inputs in `dtype`, `tuning` the kernels' configs, `kernels` block
+    selection's asks, `kind` the rows (`CallKind`: packed, latent, a context shard). On a
+    kernel backend a call no kernel route takes is a ValueError naming the rule (what "auto" catches to take the reference);
     `check_limits=False` (`attend`, whose caller has chosen the backend with them) skips
     the kernels' size limits, not which routes take packed rows or context shards.
 
     - `"reference"`, `"reference_packed"`: `impl == "reference"`.
     - `"block_<merge>"`: block selection (SPEC 12) past one layer, the merge
-      `tuning.block_merge` (`"auto"`: `block.forward.chosen_merge`, Mosaic GPU on a
+      `kernels.merge` (`"auto"`: `block.forward.chosen_merge`, Mosaic GPU on a
       Hopper GPU where it takes the shape; `check_block_kernel_dims`; whether a named
       merge runs the shapes is `check_route`'s, an error under backend "auto" too).
     - `"dense"`: a one-layer tree (exact causal attention) on a GPU that cuDNN takes:
@@ -223,7 +247,7 @@ def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     - `"wide"`: groups of 32 or more heads (`wide_eligible`).
     - `"gqa"`: every other call the kernels take (`check_pallas_dims`)."""
     if impl == "reference":
-        return "reference_packed" if packed else "reference"
+        return "reference_packed" if kind.is_packed else "reference"
     if config.selection == "indexer":
         raise ValueError(f"backend {impl!r}: selection='indexer' (SPEC 13) runs on backend='reference' only; the "
                          "kernels do not rank by an indexer yet")
@@ -231,14 +255,14 @@ def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     if config.selects_by_block and not whole:
         if check_limits:
             check_block_kernel_dims(dims, config, impl)
-        return "block_" + chosen_merge(tuning.block_merge, config, dims.seq_len, dims.group_size, dims.head_dim,
+        return "block_" + chosen_merge(kernels.merge, config, dims.seq_len, dims.group_size, dims.head_dim,
                                        dims.value_dim, dtype, tuning.block, impl == "pallas_interpret")
     if check_limits:
         check_pallas_dims(dims, impl)
-    if (whole and impl == "pallas" and not (packed or latent or context_shard)
+    if (whole and impl == "pallas" and not (kind.is_packed or kind.latent or kind.context_shard)
             and dense_takes(dtype, dims.head_dim, dims.value_dim)):
         return "dense"
-    if wide_eligible(dims.group_size, dims.head_dim, dims.value_dim, tuning, True if packed else None):
+    if wide_eligible(dims.group_size, dims.head_dim, dims.value_dim, tuning, True if kind.is_packed else None):
         return "wide"
     return "gqa"
 
@@ -250,7 +274,7 @@ def ranking_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: 
     rows = config.selection_block if config.block_source == "previous" else 1
     return choose_route(impl, dims=dataclasses.replace(dims, num_heads=dims.num_heads * rows),
                         config=dataclasses.replace(config, selection_block=1), dtype=dtype, tuning=tuning,
-                        context_shard=True, check_limits=False)
+                        kind=CallKind(context_shard=True), check_limits=False)
 
 
 def kernel_route(q, k, v, config: HTreeConfig, block_sizes=None, impl: str = "pallas") -> Route:
@@ -276,7 +300,7 @@ def blocks_of(q, k, v, config: HTreeConfig, block_sizes=None, impl: str = "palla
 def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: KernelConfigs) -> None:
     """What a call asked for explicitly and the chosen route cannot do, a ValueError
     naming the rule ("auto" does not fall back from it): block selection's merge
-    (the route's, `tuning.block_merge` resolved) on these shapes (`check_merge_route`).
+    (the route's, `BlockKernels.merge` resolved) on these shapes (`check_merge_route`).
     Every merge takes packed rows and context shards."""
     if name.startswith("block_"):
         merge = name[len("block_"):]
@@ -285,10 +309,11 @@ def check_route(name: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype,
         check_merge_route(merge, st, dims.head_dim, dims.value_dim, dtype, impl == "pallas_interpret")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim", "q_layout"))
+@functools.partial(jax.jit, static_argnames=("config", "impl", "export", "block_sizes", "value_dim", "q_layout",
+                                             "block_kernels"))
 def attend(q, k, v, config: HTreeConfig, impl: str | Plan, packing=None, positions=None, export: bool = False,
            block_sizes: BlockSizes | KernelConfigs | None = None, value_dim: int | None = None,
-           q_layout: str = "rope_layout", rank_rows=None, index=None):
+           q_layout: str = "rope_layout", rank_rows=None, index=None, block_kernels: BlockKernels | None = None):
     """htree attention of validated `q [B, S, H, K]`, `k [B, T, H_kv, K]`, `v [B, T, H_kv,
     V]` (`q`, `k` in `rope_layout` order; `q_layout="given"`: `q` in the caller's order,
     which the wide kernels read as it is, no permuted copy of q; elsewhere it is permuted
@@ -303,7 +328,8 @@ def attend(q, k, v, config: HTreeConfig, impl: str | Plan, packing=None, positio
     their selections are counted inside each token's document. `positions [S]` int32: the
     queries' positions among `k`'s `T` tokens (a context-parallel shard's queries;
     `None`: `S = T`). `block_sizes`: the Pallas kernels' tiling (`BlockSizes`, None:
-    the tuned values; `configs.KernelConfigs.resolve`). `v=None` with `value_dim`: the
+    the tuned values; `configs.KernelConfigs.resolve`); `block_kernels`: block
+    selection's asks where `impl` is a backend (a `Plan` has them). `v=None` with `value_dim`: the
     values are the first `value_dim` latent features of `k`, read from the keys by the
     wide kernels (elsewhere they are copied out first). `rank_rows`: block selection's
     ranking rows (SPEC 12) of a context shard, whose blocks may start in the shard
@@ -316,8 +342,9 @@ def attend(q, k, v, config: HTreeConfig, impl: str | Plan, packing=None, positio
     dims = Dims(B, k.shape[1], H, k.shape[2], K, V)
     plan = impl if isinstance(impl, Plan) else plan_call(
         impl, dims=dims, config=config, dtype=q.dtype, tuning=KernelConfigs.resolve(block_sizes, K, V),
-        packed=packing if packing is not None else False, latent=v is None,
-        context_shard=positions is not None or rank_rows is not None, check_limits=False)
+        kernels=block_kernels or BlockKernels(), check_limits=False,
+        kind=CallKind(packed=packing if packing is not None else False, latent=v is None,
+                      context_shard=positions is not None or rank_rows is not None))
     tuning = plan.tuning or KernelConfigs.resolve(block_sizes, K, V)
     route = ROUTES[plan.route]
     if q_layout == "given" and not route.given_layout:
@@ -326,7 +353,7 @@ def attend(q, k, v, config: HTreeConfig, impl: str | Plan, packing=None, positio
         v = latent_values(k, config, value_dim)
     call = Call(config=config, tuning=tuning, interpret=plan.impl == "pallas_interpret", export=export,
                 positions=positions, packing=packing, rank_rows=rank_rows, value_dim=value_dim if v is None else None,
-                q_layout=q_layout, selection_route=plan.selection_route, index=index)
+                q_layout=q_layout, selection_route=plan.selection_route, kernels=plan.kernels, index=index)
     o, selected, *exported = route.attend(q, k, v, call)
     loss = () if index is None else (exported.pop(),)
     if packing is not None:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from htree_jax.attention import htree_attention
-from htree_jax.backends import check_backend, check_block_sizes
+from htree_jax.backends import check_backend, check_block_kernels, check_block_sizes
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexer import Index
 from htree_jax.core.validation import check_config
@@ -175,7 +175,7 @@ def check_no_dropout(dropout_rate) -> None:
 
 
 def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_documents=None, max_document_len=None,
-           index=None):
+           index=None, block_kernels=None):
     """`htree_attention` on `[batch..., T, heads, dim]` projections (any number of
     leading batch axes; `segment_ids [batch..., T]` for packed documents). With `index`
     (an `Index` of `[batch..., T, ...]` arrays, SPEC 13): `(o, SPEC 13's loss [batch...,
@@ -185,7 +185,7 @@ def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_doc
     if index is not None:
         rows = lambda x, axes: x.reshape((-1,) + x.shape[-axes:])
         o, loss = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, block_sizes=block_sizes,
-                                  index=Index(rows(index.q, 3), rows(index.k, 3), rows(index.w, 2)))
+                                  block_kernels=block_kernels, index=Index(rows(index.q, 3), rows(index.k, 3), rows(index.w, 2)))
         return o.reshape(batch_shape + o.shape[1:]), loss.reshape(batch_shape + loss.shape[1:])
     if segment_ids is not None:
         if tuple(segment_ids.shape) != tuple(q.shape[:-2]):
@@ -193,7 +193,7 @@ def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_doc
                              f"got {list(segment_ids.shape)}")
         segment_ids = segment_ids.reshape(-1, segment_ids.shape[-1])
     o = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, block_sizes=block_sizes,
-                        segment_ids=segment_ids, max_documents=max_documents, max_document_len=max_document_len)
+                        block_kernels=block_kernels, segment_ids=segment_ids, max_documents=max_documents, max_document_len=max_document_len)
     return o.reshape(batch_shape + o.shape[1:])
 
 
@@ -209,7 +209,7 @@ def traced_mask_rule(check_mask, is_causal) -> str:
 
 
 def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", block_sizes=None,
-                 check_mask: bool | str = True):
+                 check_mask: bool | str = True, block_kernels=None):
     """htree attention with the `attention_fn` contract of `nnx.MultiHeadAttention` and
     `nn.MultiHeadDotProductAttention`, so an existing Flax model switches with one argument:
 
@@ -238,7 +238,8 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
         htree never forms).
       qk_attn_weights_einsum, attn_weights_value_einsum: must be `None`.
 
-    `config`: the `HTreeConfig` (static); `backend`, `block_sizes`: as in `htree_attention`.
+    `config`: the `HTreeConfig` (static); `backend`, `block_sizes`, `block_kernels`: as in
+    `htree_attention`.
 
     Packed documents cannot come through here: Flax's attention modules pass no segment
     ids to `attention_fn` (and a block-diagonal `mask` is refused above). Pack through
@@ -251,6 +252,7 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
                          "indexer inputs; use htree_attention(..., index=htree_jax.Index(...))")
     check_backend(backend)
     check_block_sizes(block_sizes)
+    check_block_kernels(block_kernels)
     if not (check_mask is True or check_mask is False or check_mask == "device"):
         raise ValueError(f"check_mask must be True, False or 'device', got {check_mask!r}")
 
@@ -306,6 +308,6 @@ def attention_fn(config: HTreeConfig | None = None, *, backend: str = "auto", bl
                           traced=traced_mask_rule(check_mask, is_causal))
         if dtype is not None:
             query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
-        return attend(query, key, value, config, backend, block_sizes)
+        return attend(query, key, value, config, backend, block_sizes, block_kernels=block_kernels)
 
     return htree_attention_fn

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax.numpy as jnp
 
-from htree_jax.backends import check_backend, check_block_sizes
+from htree_jax.backends import check_backend, check_block_kernels, check_block_sizes
 from htree_jax.cache import init_cache
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.validation import check_config
@@ -42,6 +42,8 @@ class HTreeAttention(nn.Module):
     precision: Any = None
     backend: str = "auto"
     block_sizes: Any = None
+    # Block selection's kernels (`htree_jax.BlockKernels`, None: the plan's), as in `htree_attention`.
+    block_kernels: Any = None
     decode: bool = False
     # The Pallas decode kernels' `DecodeBlockSizes` (None: the defaults).
     decode_block_sizes: Any = None
@@ -57,6 +59,7 @@ class HTreeAttention(nn.Module):
                              "HTreeAttention(..., indexer=htree_jax.IndexerConfig()) owns the indexer's projections")
         check_backend(self.backend)
         check_block_sizes(self.block_sizes)
+        check_block_kernels(self.block_kernels)
         check_decode_block_sizes(self.decode_block_sizes)
         return dims
 
@@ -106,4 +109,4 @@ class HTreeAttention(nn.Module):
         check_causal_mask(mask, batch_shape=batch_shape, num_heads=dims.num_heads, seq_len=T,
                           is_causal=mask is None)
         return out(attend(q, k, v, config, self.backend, self.block_sizes, segment_ids, max_documents,
-                          max_document_len))
+                          max_document_len, block_kernels=self.block_kernels))

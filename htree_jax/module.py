@@ -14,7 +14,7 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
 
-from htree_jax.backends import check_backend, check_block_sizes
+from htree_jax.backends import check_backend, check_block_kernels, check_block_sizes
 from htree_jax.cache import init_cache
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.indexer import Index, IndexerConfig
@@ -56,7 +56,7 @@ class HTreeAttention(nnx.Module):
         or float16).
       param_dtype, use_bias, kernel_init, bias_init, precision: as in `nnx.MultiHeadAttention`
         (applied to the four projections).
-      backend, block_sizes: as in `htree_attention` (`"auto"`: Pallas kernels on a GPU;
+      backend, block_sizes, block_kernels: as in `htree_attention` (`"auto"`: Pallas kernels on a GPU;
         decoding uses the backend's decode kernels).
       decode_block_sizes: the Pallas decode kernels' `DecodeBlockSizes`, as `prefill` and
         `decode_step` take them (None: the defaults).
@@ -94,6 +94,7 @@ class HTreeAttention(nnx.Module):
         precision=None,
         backend: str = "auto",
         block_sizes=None,
+        block_kernels=None,
         decode: bool = False,
         decode_block_sizes=None,
         indexer: IndexerConfig | None = None,
@@ -104,6 +105,8 @@ class HTreeAttention(nnx.Module):
         self.backend = check_backend(backend)
         check_block_sizes(block_sizes)
         self.block_sizes = block_sizes
+        check_block_kernels(block_kernels)
+        self.block_kernels = block_kernels
         check_decode_block_sizes(decode_block_sizes)
         self.decode_block_sizes = decode_block_sizes
         if not isinstance(decode, bool):
@@ -199,11 +202,12 @@ class HTreeAttention(nnx.Module):
             x = jax.lax.stop_gradient(inputs)  # the indexer learns from its own loss only
             index = Index(self.index_query(x), self.index_key(x),
                           self.index_weight(x) * self.indexer.weight_scale())
-            o, loss = attend(q, k, v, self.config, self.backend, self.block_sizes, index=index)
+            o, loss = attend(q, k, v, self.config, self.backend, self.block_sizes, index=index,
+                             block_kernels=self.block_kernels)
             self.index_loss.set_value(jnp.mean(loss))
             return self.out(o)
         o = attend(q, k, v, self.config, self.backend, self.block_sizes, segment_ids, max_documents,
-                   max_document_len)
+                   max_document_len, block_kernels=self.block_kernels)
         return self.out(o)
 
     def _decode(self, inputs, mask, lengths):

@@ -55,6 +55,7 @@ from pallas_kernels.shared.common import KERNEL_GROUP, MAX_GROUP, MAX_HEAD_DIM, 
 from pallas_kernels.shared.configs import KernelConfigs
 from pallas_kernels.shared.dead_rows import poison_rows_in_place
 from pallas_kernels.shared.guarded import KernelCall, query_positions
+from pallas_kernels.shared.kernels import BlockKernels
 from pallas_kernels.wide.attention import wide_attention
 from pallas_kernels.wide.backward import wide_backward_pallas
 from pallas_kernels.wide.forward import FeatureSplit, wide_forward_pallas
@@ -67,8 +68,8 @@ class Call:
     `S = T`); `packing` packed rows; `rank_rows` a context shard's block-selection ranking
     rows (the reference's, SPEC 12); `value_dim` with `v=None`; `q_layout` q's feature
     order (`"given"` only on routes that read it so); `selection_route` block selection's
-    route for its ranking rows; `index` the learned indexer's inputs (SPEC 13,
-    `core.indexer.Index`; the reference's)."""
+    route for its ranking rows, `kernels` its kernels (the plan's, each named); `index`
+    the learned indexer's inputs (SPEC 13, `core.indexer.Index`; the reference's)."""
 
     config: HTreeConfig
     tuning: KernelConfigs
@@ -80,12 +81,15 @@ class Call:
     value_dim: int | None = None
     q_layout: str = "rope_layout"
     selection_route: str | None = None
+    kernels: BlockKernels = BlockKernels()
     index: object = None
 
     def kernel_call(self, merge: str | None = None) -> KernelCall:
         """What a kernel family's differentiable call is compiled for (`guarded.KernelCall`),
-        with block selection's `merge`."""
-        return KernelCall(self.config, self.tuning, self.interpret, self.export, self.value_dim, self.q_layout, merge)
+        block selection's kernels with the route's `merge`."""
+        kernels = self.kernels if merge is None else dataclasses.replace(self.kernels, merge=merge)
+        return KernelCall(self.config, self.tuning, self.interpret, self.export, self.value_dim, self.q_layout,
+                          kernels)
 
 
 @dataclasses.dataclass(frozen=True)

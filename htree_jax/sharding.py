@@ -119,7 +119,7 @@ def context_backend(impl: str, config, t, context_impl: str | None, shard_len: i
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned_calls(config, impl: str, num_selections: int, packed=None, block_sizes=None,
+def _partitioned_calls(config, impl: str, num_selections: int, packed=None, kernels=(None, None),
                        context_impl: str | None = None):
     """`(forward, backward)`: custom-partitioned local calls for `config` and `impl`.
 
@@ -130,15 +130,16 @@ def _partitioned_calls(config, impl: str, num_selections: int, packed=None, bloc
     all-gathers `k`, `v` along `t` (the tree is built from every token), attends its
     queries at their own positions (`axis_index(t) * S + s`), and in the backward
     reduce-scatters its share of `dk`, `dv` back along `t` (`psum_scatter`).
-    `block_sizes`: the Pallas kernels' (`backends.attend`); `context_impl`: as
-    `context_backend`."""
+    `kernels`: `(block_sizes, block_kernels)`, the Pallas kernels' tiling and block
+    selection's asks (`backends.attend`); `context_impl`: as `context_backend`."""
+    block_sizes, block_kernels = kernels
 
     def attend(t, q5, k, v, positions=None, rank_rows=None, segment_ids=None):
         B, S, H_kv, G, K = q5.shape
         packing = None if segment_ids is None else pack_layout(segment_ids, config, packed[0], packed[1])
         local = context_backend(impl, config, t, context_impl, S)
         o, selected = attend_locally(q5.reshape(B, S, H_kv * G, K), k, v, config, local, packing, positions,
-                                     block_sizes=block_sizes, rank_rows=rank_rows)
+                                     block_sizes=block_sizes, rank_rows=rank_rows, block_kernels=block_kernels)
         return (o.reshape(B, S, H_kv, G, -1), *selected)
 
     def gathered(q5, k, v, t):
@@ -246,20 +247,20 @@ def _num_selections(config, T: int, packed) -> int:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _attend_partitioned(q5, k, v, segment_ids, config, impl, packed, block_sizes, context_impl):
-    return _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, block_sizes, context_impl)[0]
+def _attend_partitioned(q5, k, v, segment_ids, config, impl, packed, kernels, context_impl):
+    return _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, kernels, context_impl)[0]
 
 
-def _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, block_sizes, context_impl):
-    fwd, _ = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, block_sizes,
+def _attend_partitioned_fwd(q5, k, v, segment_ids, config, impl, packed, kernels, context_impl):
+    fwd, _ = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, kernels,
                                 context_impl)
     o5, *selected = fwd(q5, k, v, *([] if segment_ids is None else [segment_ids]))
     return (o5, selected), (q5, k, v, segment_ids)
 
 
-def _attend_partitioned_bwd(config, impl, packed, block_sizes, context_impl, residuals, cotangents):
+def _attend_partitioned_bwd(config, impl, packed, kernels, context_impl, residuals, cotangents):
     q5, k, v, segment_ids = residuals
-    _, bwd = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, block_sizes,
+    _, bwd = _partitioned_calls(config, impl, _num_selections(config, q5.shape[1], packed), packed, kernels,
                                 context_impl)
     extra = [] if segment_ids is None else [segment_ids]
     return tuple(bwd(q5, k, v, *extra, cotangents[0])) + (None,)
@@ -292,12 +293,13 @@ def check_input_shardings(q, k, v) -> None:
 
 
 def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_len=None, max_document_len=None,
-                          block_sizes=None, context_impl: str | None = None):
+                          block_sizes=None, context_impl: str | None = None, block_kernels=None):
     """`(o [B, T, H, V], selections)` of validated inputs through the custom-partitioned
     calls: under `jit` with batch- or head-sharded inputs, one local call per shard.
     `impl`: a concrete backend (`backends.choose_backend`). Packed rows: `segment_ids
     [B, T]` int32 (checked) and the static layout (`virtual_len`, `max_document_len`,
-    `htree_jax.core.packing`). `block_sizes`: the Pallas kernels' (None: tuned).
+    `htree_jax.core.packing`). `block_sizes`: the Pallas kernels' (None: tuned);
+    `block_kernels`: block selection's asks (`htree_jax.BlockKernels`, None: the plan's).
     `context_impl`: the backend of a context shard's local call where `impl`'s kernels
     cannot take the shards (block selection's, where a shard holds part of a block:
     `context_backend`); None refuses such a call, naming the mesh axis."""
@@ -306,7 +308,7 @@ def partitioned_attention(q, k, v, config, impl: str, segment_ids=None, virtual_
     H_kv = k.shape[2]
     packed = None if segment_ids is None else (virtual_len, max_document_len)
     o5, selected = _attend_partitioned(q.reshape(B, T, H_kv, H // H_kv, K), k, v, segment_ids, config, impl, packed,
-                                       block_sizes, context_impl)
+                                       (block_sizes, block_kernels), context_impl)
     return o5.reshape(B, T, H, -1), list(selected)
 
 

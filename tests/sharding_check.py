@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from htree_jax import HTreeConfig, htree_attention, memory_plan  # noqa: E402
 from htree_jax.backends import attend  # noqa: E402
 from htree_jax.memory import resident_bytes  # noqa: E402
-from pallas_kernels.shared.configs import KernelConfigs  # noqa: E402
+from pallas_kernels.shared.kernels import BlockKernels  # noqa: E402
 from tools import gpu_gate  # noqa: E402
 
 # 3 layers at T=152; the mean named, as the bound (the default) has runs of its own below.
@@ -368,9 +368,8 @@ def block_context_check(config, mesh, q, k, v, w) -> int:
     np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), np.asarray(want), rtol=1e-5, atol=1e-5)
     # Interpreted, the default sums the key and value gradients by atomics; on a GPU from
     # partial sums, which each shard's backward takes here by name.
-    partials = KernelConfigs.resolve(None, q.shape[-1], v.shape[-1]).with_changes({"block.backward_sum": "partials"})
-    for sums, tuning in (("", None), (", partial sums", partials)):
-        g = lambda q, k, v, t=tuning: jnp.sum(htree_attention(q, k, v, config, backend=impl, block_sizes=t) * w)
+    for sums, asks in (("", None), (", partial sums", BlockKernels(sums="partials"))):
+        g = lambda q, k, v, a=asks: jnp.sum(htree_attention(q, k, v, config, backend=impl, block_kernels=a) * w)
         grads = jax.jit(jax.grad(g, argnums=(0, 1, 2)))(*args)
         for a, b in zip(grads, want_g):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

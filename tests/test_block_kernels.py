@@ -23,7 +23,7 @@ from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.merge import block_queries
 from pallas_kernels.decode.kept import kept_merge_dims, kept_step_pallas
 from pallas_kernels.decode.walk import attend_cache_pallas
-from pallas_kernels.shared.configs import BlockConfig
+from pallas_kernels.shared.kernels import BlockKernels
 from tests.conftest import random_qkv
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -126,8 +126,8 @@ LOWERED = [(32, 4, 128, 128, jnp.bfloat16), (8, 1, 128, 128, jnp.float32), (8, 1
 @pytest.mark.parametrize("H, H_kv, K, V, dtype", LOWERED)
 def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
     """Interpret mode cannot see a lowering fault: each block launch (forward, and the
-    backward with each `BlockConfig.backward_sum`: the by-node one launches the `dq` pass
-    and a pass a layer, the partials' one the walk and a sum a layer) lowered to Triton for a Hopper GPU, here on the CPU
+    backward with each `BlockKernels.sums`: the atomics' one launches the walk, the
+    partials' one the walk and a sum a layer) lowered to Triton for a Hopper GPU, here on the CPU
     (`lowering_platforms`; it does not compile to PTX: shared memory and registers are
     the GPU gate's)."""
     T, config = 4096, HTreeConfig(top_k=8, selection_block=16)
@@ -139,9 +139,9 @@ def test_the_block_kernels_lower_to_triton(H, H_kv, K, V, dtype):
     assert config.num_layers(T) == 3
     with hopper():
         forward = jax.jit(lambda q, k, v, s: block_forward_pallas(q, k, v, s, config=config)).trace(q, k, v, blocks)
-        backward = [jax.jit(lambda q, k, v, o, lse, s, block=block: block_backward_pallas(
-            q, k, v, o, lse, o, s, config=config, block=block)).trace(q, k, v, o, lse, blocks)
-            for block in (BlockConfig(), BlockConfig(backward_sum="partials"))]
+        backward = [jax.jit(lambda q, k, v, o, lse, s, kernels=kernels: block_backward_pallas(
+            q, k, v, o, lse, o, s, config=config, kernels=kernels)).trace(q, k, v, o, lse, blocks)
+            for kernels in (BlockKernels(), BlockKernels(sums="partials"))]
         for traced in (forward, *backward):
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
             assert "triton" in text

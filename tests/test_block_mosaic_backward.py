@@ -1,5 +1,5 @@
 """The block backward's walk on Mosaic GPU (`pallas_kernels.block.mosaic_backward`,
-`BlockConfig(backward_walk=...)`): CI has no GPU and Mosaic GPU has no interpret mode
+`BlockKernels(walk=...)`): CI has no GPU and Mosaic GPU has no interpret mode
 for WGMMA, so here it is lowered for CUDA at each shape class (what Mosaic GPU checks
 before the GPU compiler: layouts, shared memory, copies), its refusals are checked by
 name, and the pieces around it that run in XLA or Pallas-Triton (the partial sums'
@@ -26,10 +26,11 @@ from pallas_kernels.block.mosaic_merge import from_program_layout, program_layou
 from pallas_kernels.block.mosaic_sums import check_mosaic_sum_dims, ring_stages
 from pallas_kernels.block.partials import SumLaunch, chunk_bounds, entry_keys, range_lanes, slab_widths, sum_partials
 from pallas_kernels.shared.configs import BlockConfig
+from pallas_kernels.shared.kernels import BlockKernels
 from tests.test_block_kernels import block_config, hopper, inputs
 from tests.test_block_routes import LOWERS_FOR_CUDA
 
-MOSAIC = BlockConfig(backward_sum="partials", backward_walk="mosaic_gpu")
+MOSAIC = BlockKernels(sums="partials", walk="mosaic_gpu")
 
 
 def relative(a, b) -> float:
@@ -49,17 +50,17 @@ LOWERED = [(16, 8, 4096, 32, 4, 128, 128, jnp.bfloat16, 1 << 22), (8, 8, 1500, 8
 @pytest.mark.parametrize("sums", ["pallas_triton", "mosaic_gpu"])
 @pytest.mark.parametrize("r, top_k, T, H, H_kv, K, V, dtype, budget", LOWERED)
 def test_the_mosaic_backward_lowers_on_the_cpu(r, top_k, T, H, H_kv, K, V, dtype, budget, sums):
-    """The walk, then the sums by node on either kernel (`BlockConfig.backward_sum_kernel`)."""
+    """The walk, then the sums by node on either kernel (`BlockKernels.sum_kernel`)."""
     config = HTreeConfig(compression_rate=r, top_k=top_k, selection_block=r)
     q = jax.ShapeDtypeStruct((1, T, H, K), dtype)
     k = jax.ShapeDtypeStruct((1, T, H_kv, K), dtype)
     v = jax.ShapeDtypeStruct((1, T, H_kv, V), dtype)
     o, lse = jax.ShapeDtypeStruct((1, T, H, V), dtype), jax.ShapeDtypeStruct((1, T, H), jnp.float32)
     blocks = [jax.ShapeDtypeStruct((1, -(-T // r), H_kv, top_k), jnp.int32)] * (config.num_layers(T) - 1)
-    block = BlockConfig(backward_sum="partials", backward_walk="mosaic_gpu", backward_partial_bytes=budget,
-                        backward_sum_kernel=sums)
+    block = BlockConfig(backward_partial_bytes=budget)
+    kernels = BlockKernels(sums="partials", walk="mosaic_gpu", sum_kernel=sums)
     grads = jax.jit(lambda q, k, v, o, lse, s: block_backward_pallas(q, k, v, o, lse, o, s, config=config,
-                                                                      block=block))
+                                                                      block=block, kernels=kernels))
     dq, dk, dv = jax.eval_shape(grads, q, k, v, o, lse, blocks)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     with hopper():
@@ -102,18 +103,18 @@ def test_the_walk_is_chosen_by_name_and_refused_where_it_cannot_run():
     st = block_static(config, 4096, 8, 128, 128, jnp.bfloat16, TILE)
     rows = table_positions(config, 4096, st)
     # Interpreted, "auto" sums by atomics and walks on Pallas-Triton; on a GPU, from partials.
-    assert chosen_sum(BlockConfig(), interpret=True) == "atomics"
-    assert chosen_sum(BlockConfig(), interpret=False) == "partials"
-    assert chosen_walk(BlockConfig(), st, 128, 128, jnp.bfloat16, rows, interpret=True) == "pallas_triton"
-    assert chosen_walk(BlockConfig(backward_sum="atomics"), st, 128, 128, jnp.bfloat16, rows, False) == "pallas_triton"
+    assert chosen_sum(BlockKernels(), interpret=True) == "atomics"
+    assert chosen_sum(BlockKernels(), interpret=False) == "partials"
+    assert chosen_walk(BlockKernels(), st, 128, 128, jnp.bfloat16, rows, interpret=True) == "pallas_triton"
+    assert chosen_walk(BlockKernels(sums="atomics"), st, 128, 128, jnp.bfloat16, rows, False) == "pallas_triton"
     with pytest.raises(ValueError, match="no interpret mode"):
         chosen_walk(MOSAIC, st, 128, 128, jnp.bfloat16, rows, interpret=True)
-    with pytest.raises(ValueError, match="backward_walk must be one of"):
-        BlockConfig(backward_walk="cuda")
-    with pytest.raises(ValueError, match="takes backward_sum='partials'"):
-        BlockConfig(backward_sum="atomics", backward_walk="mosaic_gpu")
-    with pytest.raises(ValueError, match="backward_sum_kernel must be"):
-        BlockConfig(backward_sum_kernel="xla")
+    with pytest.raises(ValueError, match="BlockKernels.walk must be one of"):
+        BlockKernels(walk="cuda")
+    with pytest.raises(ValueError, match="takes sums='partials'"):
+        BlockKernels(sums="atomics", walk="mosaic_gpu")
+    with pytest.raises(ValueError, match="BlockKernels.sum_kernel must be"):
+        BlockKernels(sum_kernel="xla")
     with pytest.raises(ValueError, match="take|sums the Mosaic GPU walk's slabs"):
         check_mosaic_sum_dims(4, 128, 128, 64, 4)
     with pytest.raises(ValueError, match="ranges within shared memory"):
@@ -137,7 +138,7 @@ def test_the_walk_is_chosen_by_name_and_refused_where_it_cannot_run():
     blocks = blocks_of(q, k, v, config4, impl="pallas_interpret")
     with pytest.raises(ValueError, match="sums the Mosaic GPU walk's slabs"):
         block_backward_pallas(q, k, v, q, q[..., 0], q, blocks, config=config4, interpret=True,
-                              block=BlockConfig(backward_sum="partials", backward_sum_kernel="mosaic_gpu"))
+                              kernels=BlockKernels(sums="partials", sum_kernel="mosaic_gpu"))
     for bad in (dict(stages=1), dict(consumer_registers=208, memory_registers=96), dict(consumer_registers=160),
                 dict(memory_registers=172, consumer_registers=168)):
         with pytest.raises(ValueError, match="BackwardPipeline"):

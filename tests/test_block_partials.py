@@ -1,5 +1,5 @@
 """The block backward's key and value gradients from partial sums (`pallas_kernels.block.
-partials`, `BlockConfig(backward_sum="partials")`, interpreted): the chunks' index ranges,
+partials`, `BlockKernels(sums="partials")`, interpreted): the chunks' index ranges,
 packed rows against each document alone, context shards against the whole sequence. The
 gradients against the JAX reference, against the atomics' sums in several chunks and two
 calls equal bitwise: `tests/test_block_sums.py`. (Its launches are lowered to Triton
@@ -17,13 +17,17 @@ from htree_jax.core.blocks import block_rows
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.block.partials import chunk_blocks, chunk_bounds, entry_keys
 from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.kernels import BlockKernels
 from tests.test_block_kernels import block_config, inputs
 from tests.conftest import random_qkv
 from tests.test_packing import assert_gradients_equal_per_document, segments
 
 
+PARTIALS = BlockKernels(sums="partials")
+
+
 def partials_tuning(K, V, **changes):
-    return KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum": "partials", **changes})
+    return KernelConfigs.resolve(None, K, V).with_changes(changes)
 
 
 def test_the_chunks_cover_each_tiles_entries_once(rng):
@@ -62,7 +66,8 @@ def test_packed_gradients_from_partials_equal_each_document_alone(rng):
     seg = segments(rows)
     tuning = partials_tuning(32, 32, **{"block.backward_partial_bytes": 2 ** 21})  # several chunks
     packed = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, segment_ids=seg, max_documents=4,
-                                                     backend="pallas_interpret", block_sizes=tuning) * w)
+                                                     backend="pallas_interpret", block_sizes=tuning,
+                                                     block_kernels=PARTIALS) * w)
     assert_gradients_equal_per_document(packed, q, k, v, w, rows, config)
 
 
@@ -89,7 +94,7 @@ def test_context_shards_from_partials_equal_the_whole_sequence(rng):
 
         def shard(q_s, k, v, positions=positions, rows=rows, start=start):
             o_s, _ = attend(q_s, k, v, config, "pallas_interpret", positions=positions, rank_rows=rows,
-                            block_sizes=tuning)
+                            block_sizes=tuning, block_kernels=PARTIALS)
             return jnp.sum(o_s * w[:, start:start + S])
 
         dq_s, dk_s, dv_s = jax.grad(shard, argnums=(0, 1, 2))(q[:, start:start + S], k, v)

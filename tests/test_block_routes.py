@@ -1,4 +1,4 @@
-"""The block merge's route off Pallas-Triton, Mosaic GPU (`KernelConfigs.block_merge`,
+"""The block merge's route off Pallas-Triton, Mosaic GPU (`BlockKernels.merge`,
 `docs/backends.md`): it is checked before any kernel runs (a clear error naming the
 rule), and on a GPU it equals the Pallas-Triton kernel on fresh inputs.
 The GPU's own checks are the gate's `via` cases (`tools/gpu_gate.py`); the ones
@@ -22,6 +22,7 @@ from pallas_kernels.block.mosaic_merge import (NARROW_PIPELINE, PIPELINE, Pipeli
                                               count_entries, earlier_bits, refined_bitmaps, turned_keys,
                                               with_firsts, with_offset)
 from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.kernels import BlockKernels
 from tests.conftest import random_qkv
 from tools.probes import block_backward_blocks, block_backward_ladder, block_merge_pipelines
 
@@ -29,8 +30,8 @@ GPU = jax.default_backend() == "gpu"
 
 
 def test_an_unknown_route_is_refused_by_name():
-    with pytest.raises(ValueError, match="block_merge must be .auto. or one of"):
-        KernelConfigs(block_merge="cuda")
+    with pytest.raises(ValueError, match="BlockKernels.merge must be .auto. or one of"):
+        BlockKernels(merge="cuda")
 
 
 @pytest.mark.parametrize("route", ["mosaic_gpu"])
@@ -38,9 +39,8 @@ def test_routes_off_pallas_triton_refuse_interpret_mode_before_any_kernel(route)
     config = HTreeConfig(compression_rate=4, top_k=4, selection_block=4)
     q = jnp.ones((1, 64, 4, 64), jnp.float32)
     k = jnp.ones((1, 64, 2, 64), jnp.float32)
-    tuning = KernelConfigs().with_changes({"block_merge": route})
     with pytest.raises(ValueError, match="has no interpret mode"):
-        htree_attention(q, k, k, config, backend="pallas_interpret", block_sizes=tuning)
+        htree_attention(q, k, k, config, backend="pallas_interpret", block_kernels=BlockKernels(merge=route))
 
 
 def test_the_mosaic_route_names_each_rule_it_refuses():
@@ -49,7 +49,7 @@ def test_the_mosaic_route_names_each_rule_it_refuses():
         check_mosaic_dims(4, 256, 256, 32, jnp.float32)
     text = str(e.value)
     for rule in ("bfloat16 or float16", "compression_rate 8, 16, 32 or 64", "at most 128 rows",
-                 "K / 2 of 32 or 64", "block_merge='pallas_triton'"):
+                 "K / 2 of 32 or 64", "BlockKernels(merge='pallas_triton')"):
         assert rule in text
 
 
@@ -67,8 +67,8 @@ def test_each_route_equals_the_pallas_triton_merge(rng, r, top_k, T, H, H_kv, K,
     q, k, v = (jnp.asarray(x, dtype) for x in random_qkv(rng, 1, T, H, H_kv, K, V))
     base = np.asarray(htree_attention(q, k, v, config, backend="pallas"), np.float64)
     for route in routes:
-        tuning = KernelConfigs.resolve(None, K, V).with_changes({"block_merge": route})
-        o = np.asarray(htree_attention(q, k, v, config, backend="pallas", block_sizes=tuning), np.float64)
+        o = np.asarray(htree_attention(q, k, v, config, backend="pallas", block_kernels=BlockKernels(merge=route)),
+                       np.float64)
         error = np.linalg.norm(o - base) / np.linalg.norm(base)
         assert error < (1e-5 if dtype == jnp.float32 else 1e-2), (route, error)
 

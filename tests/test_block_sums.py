@@ -1,5 +1,5 @@
-"""The block backward's key and value gradients summed without atomics (`BlockConfig(
-backward_sum="partials")`, interpreted): the inverted index the sums read against a
+"""The block backward's key and value gradients summed without atomics (`BlockKernels(
+sums="partials")`, interpreted): the inverted index the sums read against a
 brute-force inversion of the blocks' selections, the gradients against the JAX
 reference on multi-layer trees (both sources, padded heads, ragged lengths, partial
 RoPE, bfloat16, a group split over programs), and against the atomics' sums, two calls
@@ -20,6 +20,7 @@ from pallas_kernels.block.backward import block_backward_pallas
 from pallas_kernels.block.forward import block_forward_pallas
 from pallas_kernels.block.inverted import inverted_index
 from pallas_kernels.shared.configs import BlockConfig, KernelConfigs
+from pallas_kernels.shared.kernels import BlockKernels
 from tests.test_block_kernels import CASES, block_config, inputs, relative
 
 def brute_inversion(selections, r, T, L, layer_sizes):
@@ -70,8 +71,7 @@ def test_the_inverted_index_is_the_brute_force_inversion(rng, r, top_k, T, H_kv,
             assert offsets[b, h, -1] == sum(len(x) for x in tiles.values())
 
 
-def partials_tuning(K, V):
-    return KernelConfigs.resolve(None, K, V).with_changes({"block.backward_sum": "partials"})
+PARTIALS = BlockKernels(sums="partials")
 
 
 # The cases the partials' path branches on (each program's slab and walked range):
@@ -83,13 +83,13 @@ def test_gradients_summed_from_partials_match_the_reference(rng, case):
     q, k, v = inputs(rng, 1, T, H, H_kv, K, V, dtype)
     weights = jnp.asarray(rng.standard_normal((1, T, H, V)), jnp.float32)
 
-    def grads(backend, tuning=None):
+    def grads(backend, kernels=None):
         loss = lambda q, k, v: jnp.sum(htree_attention(q, k, v, config, backend=backend,
-                                                       block_sizes=tuning).astype(jnp.float32) * weights)
+                                                       block_kernels=kernels).astype(jnp.float32) * weights)
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     tolerance = 1e-5 if dtype == jnp.float32 else 3e-2
-    for name, a, b in zip("qkv", grads("pallas_interpret", partials_tuning(K, V)), grads("reference")):
+    for name, a, b in zip("qkv", grads("pallas_interpret", PARTIALS), grads("reference")):
         assert relative(a.astype(jnp.float32), b.astype(jnp.float32)) < tolerance, name
 
 
@@ -106,22 +106,23 @@ def test_sums_without_atomics_equal_the_atomics_and_are_the_same_every_call(rng,
     selections = blocks_of(q, k, v, config, impl="pallas_interpret")
     o, lse = block_forward_pallas(q, k, v, selections, config=config, interpret=True)
     do = jnp.asarray(rng.standard_normal(o.shape), dtype)
-    run = lambda block: block_backward_pallas(q, k, v, o, lse, do, selections, config=config, block=block,
-                                              interpret=True)
-    atomics = run(BlockConfig())
+    run = lambda block, kernels: block_backward_pallas(q, k, v, o, lse, do, selections, config=config, block=block,
+                                                       kernels=kernels, interpret=True)
+    atomics = run(BlockConfig(), BlockKernels())
     tolerance = 1e-6 if dtype == jnp.float32 else 1e-4
-    for block in (BlockConfig(backward_sum="partials", backward_partial_bytes=n) for n in (2 ** 20, 1)):
-        first, second = run(block), run(block)
+    for block in (BlockConfig(backward_partial_bytes=n) for n in (2 ** 20, 1)):
+        first, second = run(block, PARTIALS), run(block, PARTIALS)
         for name, a, b, c in zip("qkv", atomics, first, second):
             assert relative(b, a) < tolerance, (name, block, relative(b, a))
             np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(c, np.float32))
 
 
 def test_an_unknown_sum_is_refused_by_name():
-    with pytest.raises(ValueError, match="backward_sum must be one of"):
-        BlockConfig(backward_sum="sorted")
+    with pytest.raises(ValueError, match="BlockKernels.sums must be one of"):
+        BlockKernels(sums="sorted")
     with pytest.raises(ValueError, match="backward_partial_bytes"):
-        BlockConfig(backward_sum="partials", backward_partial_bytes=0)
-    with pytest.raises(ValueError, match="backward_sum must be one of"):
-        BlockConfig(backward_sum="by_node")  # left the library on 12-07 (1476 ms against 297 at 128K)
-    assert KernelConfigs().with_changes({"block.backward_sum": "partials"}).block == BlockConfig(backward_sum="partials")
+        BlockConfig(backward_partial_bytes=0)
+    with pytest.raises(ValueError, match="BlockKernels.sums must be one of"):
+        BlockKernels(sums="by_node")  # left the library on 12-07 (1476 ms against 297 at 128K)
+    assert KernelConfigs().with_changes({"block.backward_partial_bytes": 2 ** 20}).block == BlockConfig(
+        backward_partial_bytes=2 ** 20)

@@ -14,13 +14,14 @@ import jax.numpy as jnp
 import pytest
 
 from htree_jax import HTreeConfig, backends, htree_attention
-from htree_jax.backends import attend, choose_route, ranking_route
+from htree_jax.backends import CallKind, attend, choose_route, ranking_route
 from htree_jax.core.validation import Dims
 from htree_jax.routes import KERNEL_ROUTES, ROUTES
 from pallas_kernels.block import backward as block_backward
 from pallas_kernels.block import forward as block_forward
 from pallas_kernels.block.forward import MERGES
-from pallas_kernels.shared.configs import MERGE_ROUTES, KernelConfigs
+from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.kernels import MERGE_ROUTES, BlockKernels
 
 try:
     from jax.extend.core import jaxprs_in_params
@@ -83,10 +84,10 @@ CLASSES = [
     ("block selection, packed", "pallas", dims(), BLOCK, BF16, dict(packed=True), "block_pallas_triton"),
     ("block selection, context shard", "pallas", dims(), BLOCK, BF16, dict(context_shard=True), "block_pallas_triton"),
     ("block selection, the Mosaic GPU merge", "pallas", dims(), BLOCK, BF16,
-     dict(tuning=tuned(block_merge="mosaic_gpu")), "block_mosaic_gpu"),
+     dict(kernels=BlockKernels(merge="mosaic_gpu")), "block_mosaic_gpu"),
 ]
 
-# `block_merge="auto"` (the default) on a Hopper GPU: Mosaic GPU where it takes the shape.
+# `BlockKernels.merge="auto"` (the default) on a Hopper GPU: Mosaic GPU where it takes the shape.
 ON_HOPPER = [
     ("bf16", dims(), BLOCK, BF16, "pallas", "block_mosaic_gpu"),
     ("f16, previous", dims(), PREVIOUS, jnp.float16, "pallas", "block_mosaic_gpu"),
@@ -101,7 +102,7 @@ ON_HOPPER = [
 def test_the_default_merge_is_mosaic_gpu_on_hopper_where_it_takes_the_shape(monkeypatch, what, d, config, dtype,
                                                                            impl, route):
     monkeypatch.setattr(block_forward, "on_hopper", lambda: True)
-    assert KernelConfigs().block_merge == "auto"
+    assert BlockKernels().merge == "auto"
     tuning = tuned(d.head_dim, d.value_dim)
     assert choose_route(impl, dims=d, config=config, dtype=dtype, tuning=tuning) == route
 
@@ -109,7 +110,7 @@ def test_the_default_merge_is_mosaic_gpu_on_hopper_where_it_takes_the_shape(monk
 def test_packed_rows_take_the_mosaic_gpu_merge_on_hopper_too(monkeypatch):
     monkeypatch.setattr(block_forward, "on_hopper", lambda: True)
     assert choose_route("pallas", dims=dims(), config=BLOCK, dtype=BF16, tuning=tuned(128, 128),
-                        packed=True) == "block_mosaic_gpu"
+                        kind=CallKind(packed=True)) == "block_mosaic_gpu"
 
 
 def test_the_default_merge_off_hopper_is_pallas_triton():
@@ -121,7 +122,9 @@ def test_the_default_merge_off_hopper_is_pallas_triton():
 def test_each_shape_class_takes_its_route(what, impl, d, config, dtype, options, route):
     options = dict(options)
     tuning = options.pop("tuning", tuned(d.head_dim, d.value_dim))
-    assert choose_route(impl, dims=d, config=config, dtype=dtype, tuning=tuning, **options) == route
+    kernels = options.pop("kernels", BlockKernels())
+    assert choose_route(impl, dims=d, config=config, dtype=dtype, tuning=tuning, kernels=kernels,
+                        kind=CallKind(**options)) == route
 
 
 def test_every_route_is_reached_and_every_merge_is_a_route():
@@ -260,7 +263,7 @@ def test_the_plan_is_made_once_a_call(monkeypatch, config, H, routes):
     assert counts == {"plan_call": 1, "choose_backend": 1, "choose_route": routes, "check_route": 1}, counts
 
 
-# Block selection's choices the plan makes (`backends.block_routes`): (what, on a Hopper
+# Block selection's choices the plan makes (`backends.block_kernels`): (what, on a Hopper
 # GPU, impl, dims, dtype, merge, backward walk, backward sum).
 PLANNED = [
     ("interpreted", False, "pallas_interpret", dims(), BF16, "pallas_triton", "pallas_triton", "atomics"),
@@ -272,14 +275,15 @@ PLANNED = [
 
 @pytest.mark.parametrize("what, on_hopper, impl, d, dtype, merge, walk, sums", PLANNED, ids=[c[0] for c in PLANNED])
 def test_the_plan_makes_block_selections_choices(monkeypatch, what, on_hopper, impl, d, dtype, merge, walk, sums):
-    """The plan leaves no `"auto"` for the block kernels to resolve: its `tuning` names
-    the merge, and the backward's walk and sum, as `block.backward.backward_routes`
-    chooses them over the call's layout (packed rows: their packing's)."""
+    """The plan leaves no `"auto"` for the block kernels to resolve: its `kernels` names
+    the merge, and the backward's walk and sum, as `block.backward.backward_kernels`
+    chooses them over the call's layout (packed rows: their packing's); the configs
+    hold no such choice."""
     monkeypatch.setattr(block_forward, "on_hopper", lambda: on_hopper)
     monkeypatch.setattr(block_backward, "on_hopper", lambda: on_hopper)
     tuning = tuned(d.head_dim, d.value_dim)
-    assert (tuning.block_merge, tuning.block.backward_walk, tuning.block.backward_sum) == ("auto", "auto", "auto")
     plan = backends.plan_call(impl, dims=d, config=BLOCK, dtype=dtype, tuning=tuning, check_limits=False)
-    chosen = plan.tuning
-    assert (chosen.block_merge, chosen.block.backward_walk, chosen.block.backward_sum) == (merge, walk, sums)
+    chosen = plan.kernels
+    assert (chosen.merge, chosen.walk, chosen.sums, chosen.sum_kernel) == (merge, walk, sums, "pallas_triton")
+    assert plan.tuning == tuning
     assert plan.route == "block_" + merge

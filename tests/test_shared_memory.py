@@ -233,16 +233,16 @@ def test_every_gate_case_sets_up_on_the_cpu():
     long = [s for name, s in setups.items() if name.endswith(" T=4096")]
     partials = [s for name, s in setups.items() if name.split(" T=")[0].endswith(" by partials")]
     assert partials and all(s.partials and s.block and s.route is None and
-                            s.tuning["block_sizes"].block.backward_sum == "partials" for s in partials)
+                            s.tuning["block_kernels"].sums == "partials" for s in partials)
     assert any(s.packed for s in partials) and any(s.shard for s in partials)
     assert long and all(s.T == 4096 and (s.route == "mosaic_gpu" or s.packed or s.partials) for s in long)
-    walks = {name: s.tuning["block_sizes"].block.backward_walk for name, s in setups.items() if " walk " in name}
+    walks = {name: s.tuning["block_kernels"].walk for name, s in setups.items() if " walk " in name}
     assert set(walks.values()) == {"pallas_triton", "mosaic_gpu"}
     assert all(setups[name].partials for name in walks)
     sums = [s for name, s in setups.items() if " sums mosaic_gpu " in name]
-    assert sums and all(s.partials and s.tuning["block_sizes"].block.backward_sum_kernel == "mosaic_gpu" for s in sums)
+    assert sums and all(s.partials and s.tuning["block_kernels"].sum_kernel == "mosaic_gpu" for s in sums)
     atomics = [s for name, s in setups.items() if name.endswith(" by atomics")]
-    assert atomics and all(s.tuning["block_sizes"].block.backward_sum == "atomics" for s in atomics)
+    assert atomics and all(s.tuning["block_kernels"].sums == "atomics" for s in atomics)
     packed = [s for name, s in setups.items() if " block " in name and " packed" in name]
     assert packed and all(s.packed and s.block and s.config.block_source in ("first", "previous") for s in packed)
     assert {s.packed for s in packed} == {2, 8}  # " packed 8": eight documents

@@ -26,12 +26,12 @@ decode steps, against the float32 JAX reference with exact dots:
 Block selection (SPEC 12, `selection_block=16`: `pallas_kernels.block`) has its cases
 with each source: the same checks, decoding included (the decode kernels keep the
 block's selection, `cache.selections`).
-The block merge's default (`KernelConfigs.block_merge="auto"`) is Mosaic GPU on a Hopper
+The block merge's default (`BlockKernels.merge="auto"`) is Mosaic GPU on a Hopper
 GPU where it takes the shape, so the block cases without `via` run it at bf16 and f16;
 each merge by name (`"pallas_triton"`, `"mosaic_gpu"`;
 `docs/backends.md`) has `via` cases: the forward and gradients (decoding does not take
 the route), and the benchmark shape at T=131072. The
-block backward from partial sums (`BlockConfig(backward_sum="partials")`) has `by
+block backward from partial sums (`BlockKernels(sums="partials")`) has `by
 partials` cases (packed and a shard among them), and by atomics `by atomics` ones: the
 gradients against the reference, and (partials) twice, bitwise equal. The
 whole gate takes more than one 10-minute device call (2026-12-07, H100, `--workers 16`:
@@ -81,6 +81,7 @@ from htree_jax.cli import DefaultsHelpFormatter
 from pallas_kernels.gqa.plan import top_importance_launch
 from pallas_kernels.shared.common import KERNEL_GROUP, wide_head_dims
 from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.kernels import BlockKernels
 from pallas_kernels.shared.shared_memory import LIMIT
 from reference_numpy import htree_attention_numpy
 
@@ -174,7 +175,7 @@ def matrix(full: bool):
     yield (8, 128, 128, None), "bfloat16", "bound", "block previous shard via pallas_triton T=1024"
     yield (8, 128, 128, None), "float32", "bound", "block previous shard T=1024"
     yield (4, 64, 64, None), "float16", "bound", "block first shard T=8192"
-    # The block merge's routes by name (`KernelConfigs.block_merge`, `docs/backends.md`;
+    # The block merge's routes by name (`BlockKernels.merge`, `docs/backends.md`;
     # the cases above take "auto": Mosaic GPU on an H200 where it takes the shape): forward
     # and gradients (the decode kernels do not take them).
     for route in ("pallas_triton", "mosaic_gpu"):
@@ -190,7 +191,7 @@ def matrix(full: bool):
     yield (16, 128, 128, None), "float16", "bound", "block first via mosaic_gpu"
     for shape in ((8, 128, 128, None), (16, 64, 64, None)):  # several steps a layer, three layers
         yield shape, "bfloat16", "bound", "block first via mosaic_gpu T=4096"
-    # The block backward from partial sums (`backward_sum="partials"`, issue 83): every
+    # The block backward from partial sums (`BlockKernels(sums="partials")`, issue 83): every
     # GQA shape class, each dtype and source on the benchmark's head dims, packed rows and
     # context shards; each case also runs the gradients twice and asks them bitwise equal.
     for shape in GQA_SHAPES:
@@ -200,7 +201,7 @@ def matrix(full: bool):
     yield (8, 128, 128, None), "bfloat16", "bound", "block previous by partials"
     yield (8, 128, 128, None), "bfloat16", "bound", "block first packed by partials"
     yield (8, 128, 128, None), "bfloat16", "bound", "block previous shard by partials T=1024"
-    # The walk's kernels by name (`BlockConfig.backward_walk`; the cases above take "auto":
+    # The walk's kernels by name (`BlockKernels.walk`; the cases above take "auto":
     # Mosaic GPU on an H200 where it takes the launch): the Pallas-Triton twin, and the
     # Mosaic GPU walk with several steps a layer, two programs a block, partial RoPE and
     # padded head dims, float16.
@@ -208,7 +209,7 @@ def matrix(full: bool):
     for shape in ((8, 128, 128, None), (16, 128, 128, None), (4, 96, 96, 32)):
         yield shape, "bfloat16", "bound", "block first walk mosaic_gpu by partials T=4096"
     yield (8, 128, 128, None), "float16", "bound", "block previous walk mosaic_gpu by partials"
-    # The Mosaic GPU sums (`BlockConfig.backward_sum_kernel`, opt-in): several steps a layer,
+    # The Mosaic GPU sums (`BlockKernels.sum_kernel`, opt-in): several steps a layer,
     # two programs a block, packed rows, float16.
     for shape in ((8, 128, 128, None), (16, 128, 128, None)):
         yield shape, "bfloat16", "bound", "block first sums mosaic_gpu by partials T=4096"
@@ -266,8 +267,9 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     and the decode kernels with the block's selection kept in the cache), optionally
     followed by " packed" (two documents; " packed N": N documents told their longest
     length, whose tree's top layer then spans several of a merge's steps), " via ROUTE"
-    (the merge's kernel), " walk NAME" (the backward's walk for partial sums, `BlockConfig.
-    backward_walk`), " sums NAME" (their kernel, `backward_sum_kernel`), " by partials" or " by atomics" (the backward's sums), " shard" (two context
+    (the merge's kernel), " walk NAME" (the backward's walk for partial sums,
+    `BlockKernels.walk`), " sums NAME" (their kernel, `BlockKernels.sum_kernel`), " by
+    partials" or " by atomics" (the backward's sums), " shard" (two context
     shards, `run_shard_case`) and " T=4096" (that length, so that every layer takes
     several of a merge's steps: at T=600 each fits in one)."""
     G, K, V, rope = shape
@@ -294,10 +296,9 @@ def case_setup(shape, sel, packed) -> CaseSetup:
     partials = block and packed.endswith(" by partials")
     atomics = block and packed.endswith(" by atomics")
     sums = "partials" if partials else "atomics" if atomics else None
-    changes = {**({"block_merge": route} if route else {}), **({"block.backward_sum": sums} if sums else {}),
-               **({"block.backward_walk": walk.group(1)} if walk else {}),
-               **({"block.backward_sum_kernel": sum_kernel.group(1)} if sum_kernel else {})}
-    tuning = dict(block_sizes=KernelConfigs.resolve(None, K, V).with_changes(changes)) if changes else {}
+    asks = {**({"merge": route} if route else {}), **({"sums": sums} if sums else {}),
+            **({"walk": walk.group(1)} if walk else {}), **({"sum_kernel": sum_kernel.group(1)} if sum_kernel else {})}
+    tuning = dict(block_kernels=BlockKernels(**asks)) if asks else {}
     return CaseSetup(T=int(length.group(1)) if length else GATE_T, H_kv=1 if G > 16 else 2, config=config,
                      block=block, packed=documents, route=route, tuning=tuning, shard=shard,
                      partials=partials)
@@ -324,14 +325,14 @@ def run_shard_case(rng, setup: CaseSetup, dtype, G: int, K: int, V: int):
     on the rows whose selections agree, `dq` there and the shards' `dk`, `dv` summed,
     to the dtype's tolerance."""
     T, H_kv, config = setup.T, setup.H_kv, setup.config
-    tuning = setup.tuning.get("block_sizes")
+    asks = setup.tuning.get("block_kernels")
     q, k, v = (jnp.asarray(rng.standard_normal((1, T, h, d)).astype(np.float32), dtype)
                for h, d in ((G * H_kv, K), (H_kv, K), (H_kv, V)))
     w = jnp.asarray(rng.standard_normal((1, T, G * H_kv, V)).astype(np.float32))
     S = T // 2
 
     def call(q, k, v, w, **shard):
-        o, selected = attend_on(q, k, v, config, "pallas", block_sizes=tuning, **shard)
+        o, selected = attend_on(q, k, v, config, "pallas", block_kernels=asks, **shard)
         return jnp.sum(o.astype(jnp.float32) * w), (o, selected)
 
     run = jax.jit(jax.value_and_grad(call, argnums=(0, 1, 2), has_aux=True))
@@ -485,13 +486,13 @@ def run_case(rng, shape, dtype, sel, packed):
 
 def run_benchmark_shape(rng, sel, top_k, T_big, source=None, route="auto"):
     """`source`: block selection's (`selection_block=16`), None: per query; `route` the
-    block merge's kernel (`KernelConfigs.block_merge`)."""
+    block merge's kernel (`BlockKernels.merge`)."""
     config = HTreeConfig(top_k=top_k, selection=sel,
                          **(dict(selection_block=16, block_source=source) if source else dict(selection_block=1)))
-    tuning = KernelConfigs.resolve(None, 128, 128).with_changes({"block_merge": route})
+    asks = BlockKernels(merge=route)
     q, k, v = (jnp.asarray(rng.standard_normal((1, T_big, h, 128)).astype(np.float32), jnp.bfloat16)
                for h in (32, 4, 4))
-    attend = lambda q, k, v: htree_attention(q, k, v, config, backend="pallas", block_sizes=tuning)
+    attend = lambda q, k, v: htree_attention(q, k, v, config, backend="pallas", block_kernels=asks)
     o = jax.jit(attend)(q, k, v)
     loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
     g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)

@@ -34,6 +34,7 @@ from pallas_kernels.block.partials import (LANES, SumLaunch, chunk_blocks, chunk
                                          sum_partials, zero_totals)
 from pallas_kernels.shared.common import pad_axis, pad_rope_halves
 from pallas_kernels.shared.configs import BlockConfig
+from pallas_kernels.shared.kernels import BlockKernels
 
 
 def main(argv=None):
@@ -41,10 +42,10 @@ def main(argv=None):
     p.add_argument("--T", type=int, default=131072)
     p.add_argument("--top-k", type=int, default=512)
     p.add_argument("--budgets", default="16", help="backward_partial_bytes to profile, GiB")
-    p.add_argument("--walk", default="auto", help="BlockConfig.backward_walk")
+    p.add_argument("--walk", default="auto", help="BlockKernels.walk")
     p.add_argument("--inputs", default="random", choices=sorted(INPUTS))
     p.add_argument("--sum-variants", default="8:1", help="the sums' warps:stages to time (the first is the whole "
-                   "backward's), or 'mosaic' (BlockConfig.backward_sum_kernel='mosaic_gpu', with the Mosaic GPU walk)")
+                   "backward's), or 'mosaic' (BlockKernels.sum_kernel='mosaic_gpu', with the Mosaic GPU walk)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (Pallas-Triton, interpreted)")
     args = p.parse_args(argv)
@@ -63,15 +64,18 @@ def main(argv=None):
         budget = int(gib * 2**30)
         variants = [item if item == "mosaic" else tuple(int(x) for x in item.split(":"))
                     for item in args.sum_variants.split(",")]
-        launch_of = dict(backward_sum_kernel="mosaic_gpu") if variants[0] == "mosaic" else dict(
-            backward_sum_num_warps=variants[0][0], backward_sum_num_stages=variants[0][1])
-        block = BlockConfig(backward_sum="partials", backward_walk=args.walk, backward_partial_bytes=budget,
-                            **launch_of)
-        whole = jax.jit(lambda *a, b=block: block_backward_pallas(*a, config=config, block=b, interpret=ip))
+        mosaic_sums = variants[0] == "mosaic"
+        launch_of = {} if mosaic_sums else dict(backward_sum_num_warps=variants[0][0],
+                                                backward_sum_num_stages=variants[0][1])
+        block = BlockConfig(backward_partial_bytes=budget, **launch_of)
+        kernels = BlockKernels(sums="partials", walk=args.walk,
+                               sum_kernel="mosaic_gpu" if mosaic_sums else "pallas_triton")
+        whole = jax.jit(lambda *a, b=block: block_backward_pallas(*a, config=config, block=b, kernels=kernels,
+                                                                  interpret=ip))
         whole_ms = median_ms(whole, (q, k, v, o, lse, o, selections), args.iters)
         # The launch's operands as `block_backward_pallas` lays them out.
         st = block_static(config, T, G, K, V, q.dtype, TILE, block.backward_num_warps)
-        walk = chosen_walk(block, st, K, V, q.dtype, table_positions(config, T, st), ip)
+        walk = chosen_walk(kernels, st, K, V, q.dtype, table_positions(config, T, st), ip)
         if walk != "mosaic_gpu":
             st = block_static(config, T, G, K, V, q.dtype, block.backward_tile, block.backward_num_warps)
         Tp, NB = -(-T // r) * r, -(-T // r)

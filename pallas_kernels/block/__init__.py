@@ -10,7 +10,7 @@ their `b * G` rows.
   `PackedLayout` (packed rows, `segment_ids`: the queries laid out as the tree and each
   block's top layer from its document's first node).
 - `forward`: `block_forward_pallas` (the tree and queries laid out, one launch, over any
-  layout) and `MERGES`, the merge's kernels by name (`KernelConfigs.block_merge`).
+  layout) and `MERGES`, the merge's kernels by name (`BlockKernels.merge`).
 - `backward`: `block_backward_pallas` (over any layout; `dq` per program; `dk`, `dv` added per node with
   float32 atomics, or written as partial sums and summed by node, then pushed down the
   tree); `inverted`: the blocks' selections inverted, for each node tile the blocks

@@ -4,7 +4,7 @@ calls them, paired as one `jax.custom_vjp` at the bottom (`shared/guarded.py`). 
 selections come from the per-query families run on each block's ranking rows
 (`htree_jax.routes` composes the two).
 
-Determinism follows `BlockConfig.backward_sum` (`backward.chosen_sum`): on a GPU, by
+Determinism follows `BlockKernels.sums` (`backward.chosen_sum`): on a GPU, by
 default, each block's key and value gradients are written as partial sums and summed by
 node in block order (bitwise the same run to run); interpreted, or with `"atomics"`,
 they are added into the nodes with float32 atomics, in no fixed order, so `dk` and `dv`
@@ -23,7 +23,8 @@ def backward(q, k, v, saved: Saved, call: KernelCall):
     """`block_backward_pallas` over `saved.operands["layout"]`, as the guard calls it: `(dq, dk, dv)`."""
     operands = saved.operands
     return block_backward_pallas(q, k, v, saved.o, saved.lse, saved.do, operands["selections"], operands["layout"],
-                                 config=call.config, block=call.tuning.block, interpret=call.interpret,
+                                 config=call.config, block=call.tuning.block, kernels=call.kernels,
+                                 interpret=call.interpret,
                                  dead_rows=saved.dead)
 
 
@@ -35,8 +36,8 @@ def block_operands(q, k, selections, config, *, layout: PackedLayout | None = No
     `selections` (layers `L-1 .. 1`, each `[B, ceil(T / b), H_kv, top_k]` int32, `-1`
     padded; constant under autodiff) for `q [B, T, H, K]`, `k [B, T, H_kv, K]` in
     `rope_layout` order, validated by the caller. `attention(q, k, v, operands, call)`
-    then returns `(o [B, T, H, V],)` in q's dtype, `call.merge` the merge's kernel
-    (`forward.MERGES`), `call.tuning.block` the launches.
+    then returns `(o [B, T, H, V],)` in q's dtype, `call.kernels` the kernels
+    (`forward.MERGES`, the plan's walk and sums), `call.tuning.block` the launches.
 
     One document a row (`layout` None): `positions [S]` int32, a context shard's `q [B,
     S, H, K]` at those positions of the `T` tokens, consecutive from a multiple of `b`

@@ -7,7 +7,7 @@ delta)`. A program gathers each candidate tile once for all its rows (as the for
 does), sums its rows' `dq` over the tile in the layer's rotated frame and adds it,
 rotated back, to `dq` once a layer. The tile's `dk = alpha * ds^T q` (rotated back by
 each candidate's position) and `dv = p^T do`, summed over the program's rows, are
-summed over the blocks one of two ways (`BlockConfig.backward_sum`): `"partials"`, the
+summed over the blocks one of two ways (`BlockKernels.sums`): `"partials"`, the
 default on a GPU, stores them in the program's slab and sums them by node in block
 order afterwards (`partials.py`, `launch_by_partials`; bitwise reproducible); or
 `"atomics"`, the default interpreted, adds them to the layer's float32 accumulators
@@ -64,6 +64,7 @@ from pallas_kernels.shared.common import (
     unpad_rope_halves,
 )
 from pallas_kernels.shared.configs import BlockConfig
+from pallas_kernels.shared.kernels import BlockKernels
 
 
 def _block_backward_kernel(q_ref, do_ref, lse_ref, delta_ref, cos_ref, sin_ref, *refs, st: BlockStatic,
@@ -194,7 +195,7 @@ def block_backward_launch(rows, layers, selections, launch: BlockLaunch, sums: s
 
 
 def launch_by_partials(rows, layers, selections, lists, *, launch: BlockLaunch, layout, block: BlockConfig,
-                       walk: str = "pallas_triton"):
+                       walk: str = "pallas_triton", sum_kernel: str = "pallas_triton"):
     """`block_backward_launch`'s `(dq5, [dk_l, dv_l])` with the key and value gradients
     summed by node from partial sums (`partials.py`): chunks of blocks whose slabs fit
     `block.backward_partial_bytes`, each walked (`sums="partials"`) and then summed a
@@ -204,13 +205,12 @@ def launch_by_partials(rows, layers, selections, lists, *, launch: BlockLaunch, 
     launch's `firsts` or `offset`). `walk`: the kernel that walks the blocks,
     `"pallas_triton"` (`block_backward_launch`, float32 slabs of `dk` turned back) or
     `"mosaic_gpu"` (`mosaic_backward.block_backward_mosaic`, slabs in the inputs' dtype,
-    `dk` turned back by the sums; `st.tile` its `TILE`); the sums' kernel and its
-    `(warps, stages)` as `block` says (`backward_sum_kernel="mosaic_gpu"`: `mosaic_sums.py`,
-    with the Mosaic GPU walk only: a ValueError otherwise)."""
-    sum_kernel = block.backward_sum_kernel
+    `dk` turned back by the sums; `st.tile` its `TILE`); the sums' kernel `sum_kernel`
+    (`"mosaic_gpu"`: `mosaic_sums.py`, with the Mosaic GPU walk only: a ValueError
+    otherwise) and its `(warps, stages)` as `block` says."""
     if sum_kernel == "mosaic_gpu" and walk != "mosaic_gpu":
-        raise ValueError(f"BlockConfig(backward_sum_kernel='mosaic_gpu') sums the Mosaic GPU walk's slabs; this "
-                         f"launch walks on {walk!r} (16-bit inputs, K and V up to 128: see backward_walk)")
+        raise ValueError(f"BlockKernels(sum_kernel='mosaic_gpu') sums the Mosaic GPU walk's slabs; this launch walks "
+                         f"on {walk!r} (16-bit inputs, K and V up to 128: see BlockKernels.walk)")
     st, table_rows, node_counts = launch.st, launch.table_rows, launch.node_counts
     extras, T = layout.extras(), layout.length
     firsts, offset = extras.get("firsts"), extras.get("offset")
@@ -281,25 +281,26 @@ def launch_by_partials(rows, layers, selections, lists, *, launch: BlockLaunch, 
     return jnp.concatenate(dqs, axis=1) if len(dqs) > 1 else dqs[0], grads
 
 
-def chosen_sum(block: BlockConfig, interpret: bool) -> str:
-    """How the key and value gradients are summed (`BlockConfig.backward_sum`); `"auto"`:
-    from partial sums on a GPU, by atomics interpreted (the reason in `BlockConfig`)."""
-    if block.backward_sum != "auto":
-        return block.backward_sum
+def chosen_sum(kernels: BlockKernels, interpret: bool) -> str:
+    """How the key and value gradients are summed (`BlockKernels.sums`); `"auto"`: from
+    partial sums on a GPU, by atomics interpreted (the reason in `BlockKernels`)."""
+    if kernels.sums != "auto":
+        return kernels.sums
     return "atomics" if interpret else "partials"
 
 
-def chosen_walk(block: BlockConfig, st: BlockStatic, K: int, V: int, dtype, table_rows: int, interpret: bool) -> str:
-    """The kernel that walks the blocks for partial sums (`BlockConfig.backward_walk`):
+def chosen_walk(kernels: BlockKernels, st: BlockStatic, K: int, V: int, dtype, table_rows: int,
+                interpret: bool) -> str:
+    """The kernel that walks the blocks for partial sums (`BlockKernels.walk`):
     Pallas-Triton for the other sums; `"mosaic_gpu"` where asked (a ValueError naming
     the rule where it cannot take the launch `st`, whose tile is its `TILE`); `"auto"`:
     Mosaic GPU on a Hopper GPU wherever it takes the launch, else Pallas-Triton."""
-    route = block.backward_walk
-    if chosen_sum(block, interpret) != "partials" or route == "pallas_triton":
+    route = kernels.walk
+    if chosen_sum(kernels, interpret) != "partials" or route == "pallas_triton":
         return "pallas_triton"
     if route == "mosaic_gpu":
         if interpret:
-            raise ValueError("BlockConfig(backward_walk='mosaic_gpu') has no interpret mode; interpreted runs take "
+            raise ValueError("BlockKernels(walk='mosaic_gpu') has no interpret mode; interpreted runs take "
                              "'pallas_triton'")
         check_mosaic_backward_dims(st, K, V, dtype, table_rows)
         return route
@@ -312,36 +313,40 @@ def chosen_walk(block: BlockConfig, st: BlockStatic, K: int, V: int, dtype, tabl
     return "mosaic_gpu"
 
 
-def backward_routes(layout, config: HTreeConfig, *, G: int, K: int, V: int, dtype, block: BlockConfig,
-                    interpret: bool) -> tuple[str, str]:
-    """`(walk, sum)`: the kernel that walks the blocks and how the key and value gradients
-    are summed (`chosen_walk`, `chosen_sum`) for a backward over `layout` (its static
-    fields: the keys' length, the layer count, the RoPE table's rows; `layout.py`), `G`
-    heads a kv head, head dims `K`, `V`, inputs in `dtype`. `backends.plan_call` resolves
-    `BlockConfig`'s `"auto"` with it once a call; `block_backward_pallas` reads the names."""
+def backward_kernels(layout, config: HTreeConfig, *, G: int, K: int, V: int, dtype, block: BlockConfig,
+                     kernels: BlockKernels, interpret: bool) -> BlockKernels:
+    """`kernels` with the backward's walk and sums named (`chosen_walk`, `chosen_sum`) for
+    a backward over `layout` (its static fields: the keys' length, the layer count, the
+    RoPE table's rows; `layout.py`), `G` heads a kv head, head dims `K`, `V`, inputs in
+    `dtype`, the launch `block`. `backends.plan_call` resolves `"auto"` with it once a
+    call; `block_backward_pallas` resolves whatever is left the same way."""
     st = layout.static(block_static(config, layout.length, G, K, V, dtype, MOSAIC_TILE, block.backward_num_warps))
-    return (chosen_walk(block, st, K, V, dtype, layout.table_rows(config, st), interpret),
-            chosen_sum(block, interpret))
+    return dataclasses.replace(kernels, walk=chosen_walk(kernels, st, K, V, dtype, layout.table_rows(config, st),
+                                                         interpret),
+                               sums=chosen_sum(kernels, interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "block", "kernels", "interpret"))
 def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, config: HTreeConfig,
-                          block: BlockConfig = BlockConfig(), interpret: bool = False, dead_rows=None):
+                          block: BlockConfig = BlockConfig(), kernels: BlockKernels = BlockKernels(),
+                          interpret: bool = False, dead_rows=None):
     """`(dq, dk, dv)` in the dtypes of `q, k, v` of `block_forward.block_forward_pallas`'s
     output `o [B, T, H, V]` with its `lse [B, T, H]`, cotangent `do`, and the blocks'
     `selections` and `layout` (`layout.py`; None: one document a row) it was given.
     `dead_rows [B, T, H]` bool (optional): rows whose output is a constant (SPEC 10's NaN
     rows), taken as having no cotangent. `block`: the launch (`BlockConfig.backward_tile`,
-    `backward_num_warps`) and how the key and value gradients are summed
-    (`BlockConfig.backward_sum`): `"atomics"`, added by every block that merged a node
-    with float32 atomics, not bitwise reproducible run to run; or `"partials"`
-    (`partials.py`), each block's sums written out and summed by node in block order,
-    bitwise reproducible. A context shard (`row_layout(q, k, config, offset)`): `dq` of
+    `backward_num_warps`); `kernels`: the walk's and the sums' kernels and how the key
+    and value gradients are summed (`BlockKernels.sums`, `"auto"` resolved here as the
+    plan does): `"atomics"`, added by every block that merged a node with float32
+    atomics, not bitwise reproducible run to run; or `"partials"` (`partials.py`), each
+    block's sums written out and summed by node in block order, bitwise reproducible. A context shard (`row_layout(q, k, config, offset)`): `dq` of
     its queries, `dk`, `dv` its rows' share of every token's (atomics or partials)."""
     K, H_kv, V = q.shape[-1], k.shape[2], v.shape[-1]
     G = q.shape[2] // H_kv
     layout = row_layout(q, k, config) if layout is None else layout
-    walk, sums = backward_routes(layout, config, G=G, K=K, V=V, dtype=q.dtype, block=block, interpret=interpret)
+    kernels = backward_kernels(layout, config, G=G, K=K, V=V, dtype=q.dtype, block=block, kernels=kernels,
+                               interpret=interpret)
+    walk, sums = kernels.walk, kernels.sums
     tile = MOSAIC_TILE if walk == "mosaic_gpu" else block.backward_tile
     st = layout.static(block_static(config, layout.length, G, K, V, q.dtype, tile, block.backward_num_warps))
     with jax.named_scope("htree_layout"):  # the rows, the tree and the lists as the walk reads them
@@ -356,7 +361,7 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, confi
     launch = BlockLaunch(config, st, K, table_rows, node_counts, interpret)
     if sums == "partials":
         dq5, grads = launch_by_partials(rows, layers, selections, lists, launch=launch, layout=layout, block=block,
-                                        walk=walk)
+                                        walk=walk, sum_kernel=kernels.sum_kernel)
     else:
         dq5, *grads = block_backward_launch(rows, layers, lists, launch, sums="atomics", **layout.extras())
     with jax.named_scope("htree_dq"):
@@ -366,4 +371,4 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, confi
     return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-__all__ = ["backward_routes", "block_backward_launch", "block_backward_pallas", "launch_by_partials"]
+__all__ = ["backward_kernels", "block_backward_launch", "block_backward_pallas", "launch_by_partials"]

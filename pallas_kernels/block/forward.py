@@ -24,13 +24,14 @@ from pallas_kernels.block import mosaic_merge
 from pallas_kernels.block.layout import row_layout
 from pallas_kernels.block.merge import BlockLaunch, BlockStatic, block_merge_pallas, block_queries, selection_lists
 from pallas_kernels.shared.common import next_power_of_two, pad_rope_halves
-from pallas_kernels.shared.configs import MERGE_ROUTES, BlockConfig, KernelConfigs
+from pallas_kernels.shared.configs import BlockConfig, KernelConfigs
 from pallas_kernels.shared.guarded import KernelCall
+from pallas_kernels.shared.kernels import MERGE_ROUTES, BlockKernels
 
 
 @dataclasses.dataclass(frozen=True)
 class Merge:
-    """One kernel of the block merge (`KernelConfigs.block_merge` names it): its launch,
+    """One kernel of the block merge (`BlockKernels.merge` names it): its launch,
     with `merge.block_merge_pallas`'s arguments and results; the candidates it steps
     (None: `BlockConfig.merge_tile`); whether it runs interpreted; and `check(st, K, V,
     dtype)`, raising a ValueError that names the rule where it cannot run the launch."""
@@ -53,7 +54,7 @@ MERGES = {
     "pallas_triton": Merge(block_merge_pallas, interprets=True),
     "mosaic_gpu": Merge(mosaic_merge.block_merge_mosaic, tile=mosaic_merge.TILE, check=_check_mosaic),
 }
-assert tuple(MERGES) == MERGE_ROUTES, "configs.MERGE_ROUTES names the merges here"
+assert tuple(MERGES) == MERGE_ROUTES, "kernels.MERGE_ROUTES names the merges here"
 
 
 def block_static(config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, tile: int = BlockConfig.merge_tile,
@@ -84,7 +85,7 @@ def on_hopper() -> bool:
 
 def chosen_merge(route: str, config: HTreeConfig, T: int, G: int, K: int, V: int, dtype, block: BlockConfig,
                  interpret: bool) -> str:
-    """The merge `KernelConfigs.block_merge = route` names for a launch; `"auto"`: Mosaic
+    """The merge `BlockKernels.merge = route` names for a launch; `"auto"`: Mosaic
     GPU where it is the fastest measured (a Hopper GPU, not interpreted) and takes the
     shape (`check_mosaic_dims`: 16-bit inputs, the head dims and rows it holds), else
     Pallas-Triton. Any other name is itself (`check_merge_route` checks it)."""
@@ -106,20 +107,21 @@ def check_merge_route(route: str, st: BlockStatic, K: int, V: int, dtype, interp
     Mosaic GPU one takes only what
     `mosaic_merge.check_mosaic_dims` allows. Raises a ValueError naming the rule."""
     if route not in MERGES:
-        raise ValueError(f"block_merge must be one of {MERGE_ROUTES}, got {route!r}")
+        raise ValueError(f"BlockKernels.merge must be one of {MERGE_ROUTES}, got {route!r}")
     merge = MERGES[route]
     if interpret and not merge.interprets:
-        raise ValueError(f"block_merge={route!r} has no interpret mode; interpreted runs take 'pallas_triton'")
+        raise ValueError(f"BlockKernels(merge={route!r}) has no interpret mode; interpreted runs take "
+                         "'pallas_triton'")
     if merge.check is not None:
         merge.check(st, K, V, dtype)
 
 
 def forward(q, k, v, operands: dict, call: KernelCall):
     """`block_forward_pallas` as SPEC 10's guard calls it (`shared/guarded.py`):
-    `operands["selections"]` over `operands["layout"]`, the merge `call.merge`, the
+    `operands["selections"]` over `operands["layout"]`, the merge `call.kernels.merge`, the
     launch `call.tuning.block`. Returns `(o, lse, (), None)` (the selections are the
     caller's)."""
-    config, block, merge, interpret = call.config, call.tuning.block, call.merge, call.interpret
+    config, block, merge, interpret = call.config, call.tuning.block, call.kernels.merge, call.interpret
     selections, layout = operands["selections"], operands["layout"]
     K, H_kv, V = q.shape[-1], k.shape[2], v.shape[-1]
     G = q.shape[2] // H_kv
@@ -149,5 +151,5 @@ def block_forward_pallas(q, k, v, selections, layout=None, *, config: HTreeConfi
     `[B, T_v / b, H_kv, top_k]`). `merge` names the merge's kernel (`MERGES`; each takes
     every layout), `block` its launch (`BlockConfig.merge_tile`, `merge_num_warps`)."""
     operands = {"selections": selections, "layout": row_layout(q, k, config) if layout is None else layout}
-    call = KernelCall(config, KernelConfigs(block=block), interpret, merge=merge)
+    call = KernelCall(config, KernelConfigs(block=block), interpret, kernels=BlockKernels(merge=merge))
     return forward(q, k, v, operands, call)[:2]

@@ -112,8 +112,8 @@ def check_mosaic_backward_dims(st: BlockStatic, K: int, V: int, dtype, table_row
             rules.append(f"buffers within a block's {LIMIT} bytes of shared memory (top_k={st.top_k} and "
                          f"{st.num_layers} layers take {need})")
     if rules:
-        raise ValueError("BlockConfig(backward_walk='mosaic_gpu') takes " + "; ".join(rules)
-                         + ": use BlockConfig(backward_walk='pallas_triton')")
+        raise ValueError("BlockKernels(walk='mosaic_gpu') takes " + "; ".join(rules)
+                         + ": use BlockKernels(walk='pallas_triton')")
 
 
 def launch_scratch(st: BlockStatic, pipe: BackwardPipeline, dtype, table_rows: int, packed: bool, shard: bool):
@@ -404,12 +404,12 @@ def block_backward_mosaic(rows, layers, selections, launch: BlockLaunch, sums: s
     whose buffers pass a block's shared memory is refused (ValueError) before it is
     built."""
     if launch.interpret:
-        raise ValueError("BlockConfig(backward_walk='mosaic_gpu') has no interpret mode; interpreted runs take "
+        raise ValueError("BlockKernels(walk='mosaic_gpu') has no interpret mode; interpreted runs take "
                          "'pallas_triton'")
     q5, do5, lse, delta = rows
     config, st, head_dim, widths = launch.config, launch.st, launch.head_dim, launch.widths
     if sums != "partials" or st.tile != TILE:
-        raise ValueError(f"backward_walk='mosaic_gpu' writes partial sums {TILE} candidates a step (got "
+        raise ValueError(f"BlockKernels(walk='mosaic_gpu') writes partial sums {TILE} candidates a step (got "
                          f"sums={sums!r}, tile {st.tile})")
     pipe = pipe or BACKWARD_PIPELINE
     B, Tp, H_kv, gp, kp = q5.shape
@@ -435,7 +435,7 @@ def block_backward_mosaic(rows, layers, selections, launch: BlockLaunch, sums: s
         bits = refined_bitmaps(selections, st, words, firsts)
     else:  # a one-layer tree: nothing refined, no list read
         if packed:
-            raise ValueError("backward_walk='mosaic_gpu': packed rows of a one-layer tree have no top layer to mark")
+            raise ValueError("BlockKernels(walk='mosaic_gpu'): packed rows of a one-layer tree have no top layer to mark")
         sel = jnp.zeros((1, B, nb, H_kv, st.top_k), jnp.int32)
         bits = jnp.zeros((1, B, nb, H_kv, words), jnp.int32)
     sel, bits = per_program_lists(sel, list_boxes), per_program_lists(bits, word_boxes)

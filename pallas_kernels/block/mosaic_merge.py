@@ -92,7 +92,7 @@ def check_mosaic_dims(r: int, rows: int, K: int, V: int, dtype) -> None:
         rules.append(f"K / 2 of {spoken(HALVES)} and V of {spoken(VALUE_DIMS)}, padded to powers of two (got K = "
                      f"{K}, V = {V})")
     if rules:
-        raise ValueError("block_merge='mosaic_gpu' takes " + "; ".join(rules) + ": use block_merge='pallas_triton'")
+        raise ValueError("BlockKernels(merge='mosaic_gpu') takes " + "; ".join(rules) + ": use BlockKernels(merge='pallas_triton')")
 
 
 def program_rows(st: BlockStatic) -> int:
@@ -726,7 +726,7 @@ def block_merge_mosaic(q5, layers, selections, launch: BlockLaunch, pipe: Pipeli
     it in that step. `offset`: a context shard's rows, as there. A layout whose buffers pass the
     shared memory a block holds is refused (ValueError) before it is built."""
     if launch.interpret:
-        raise ValueError("block_merge='mosaic_gpu' has no interpret mode; interpreted runs take 'pallas_triton'")
+        raise ValueError("BlockKernels(merge='mosaic_gpu') has no interpret mode; interpreted runs take 'pallas_triton'")
     st = launch.st
     pipe = pipe or pipeline_for(st)
     B, Tp, H_kv, gp, _ = q5.shape
@@ -740,7 +740,7 @@ def block_merge_mosaic(q5, layers, selections, launch: BlockLaunch, pipe: Pipeli
     lp = count_entries(st.num_layers, firsts is not None, offset is not None)
     scratch = scratch_shapes(st, pipe, dtype, (L_lists,) + list_boxes, (L_lists,) + word_boxes, lp)
     if shared_bytes(scratch) > LIMIT:
-        raise ValueError(f"block_merge='mosaic_gpu': Pipeline(tile={C}, stages={S}) takes {shared_bytes(scratch)} "
+        raise ValueError(f"BlockKernels(merge='mosaic_gpu'): Pipeline(tile={C}, stages={S}) takes {shared_bytes(scratch)} "
                          f"bytes of shared memory at {rows} rows, K / 2 = {st.half}, V = {st.vp} (a block holds "
                          f"{LIMIT}): fewer stages or a smaller tile")
     cos32, sin32 = rope_tables(launch.config, launch.head_dim, table_rows, st)
@@ -762,7 +762,7 @@ def block_merge_mosaic(q5, layers, selections, launch: BlockLaunch, pipe: Pipeli
         bits = refined_bitmaps(selections, st, words, firsts)
     else:  # a one-layer tree: nothing refined, no list read
         if firsts is not None:
-            raise ValueError("block_merge='mosaic_gpu': packed rows of a one-layer tree have no top layer to mark")
+            raise ValueError("BlockKernels(merge='mosaic_gpu'): packed rows of a one-layer tree have no top layer to mark")
         sel = jnp.zeros((1, B, nb, H_kv, st.top_k), jnp.int32)
         bits = jnp.zeros((1, B, nb, H_kv, words), jnp.int32)
     sel, bits = per_program_lists(sel, list_boxes), per_program_lists(bits, word_boxes)

@@ -13,7 +13,7 @@ a zero tile instead. `plgpu.kernel` has no input-output aliasing, so each progra
 its tile's totals so far and writes the new ones, every tile of the layer a chunk.
 
 Needs a Hopper GPU (no interpret mode); `partials.sum_partials` is its twin, which CI runs
-interpreted and the gate compares against (`BlockConfig.backward_sum_kernel`). Opt-in:
+interpreted and the gate compares against (`BlockKernels.sum_kernel`). Opt-in:
 writing every tile of the layer a chunk makes layer 0 slower than the twin's in-place sums
 (benchmarks/RESULTS.md, "The block backward without atomics").
 """
@@ -51,8 +51,8 @@ def check_mosaic_sum_dims(r: int, kp: int, vp: int, programs: int, stages: int) 
         rules.append(f"its ring of {stages} entries and a chunk's {programs} programs' ranges within shared memory "
                      f"(fewer blocks a chunk: BlockConfig.backward_partial_bytes)")
     if rules:
-        raise ValueError("BlockConfig(backward_sum_kernel='mosaic_gpu') takes " + "; ".join(rules)
-                         + ": use backward_sum_kernel='pallas_triton'")
+        raise ValueError("BlockKernels(sum_kernel='mosaic_gpu') takes " + "; ".join(rules)
+                         + ": use BlockKernels(sum_kernel='pallas_triton')")
 
 
 def _padded_programs(programs: int) -> int:

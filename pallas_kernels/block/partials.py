@@ -1,5 +1,5 @@
 """The block backward's key and value gradients as partial sums, summed by node in a
-fixed order (SPEC 5 with SPEC 12's selections constant; `BlockConfig.backward_sum =
+fixed order (SPEC 5 with SPEC 12's selections constant; `BlockKernels.sums =
 "partials"`): no atomics, so `dk`, `dv` are bitwise the same run to run.
 
 The walk is `backward.py`'s, block-major (the rows held, the candidates gathered, as

@@ -32,9 +32,6 @@ import dataclasses
 
 from pallas_kernels.shared.common import KERNEL_GROUP, wide_head_dims
 
-# The block-selection merge's kernels (`pallas_kernels.block.forward`, `docs/backends.md`).
-MERGE_ROUTES = ("pallas_triton", "mosaic_gpu")
-
 # Entries (query, parent pairs) one node-kernel program walks before the rest of a
 # unit's list spills to programs of its own (`node_backward`).
 UNIT_ENTRIES = 512
@@ -143,43 +140,23 @@ class WideConfig:
             raise ValueError(f"WideConfig.backward_rows must be >= {KERNEL_GROUP}, got {self.backward_rows!r}")
 
 
-BACKWARD_SUMS = ("auto", "atomics", "partials")
-BACKWARD_WALKS = ("auto", "pallas_triton", "mosaic_gpu")
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
     """Block selection's family (SPEC 12, `pallas_kernels/block/`): a program per `(block,
     kv head)` holds the block's `b * G` rows. The merge's candidates a step (a multiple of
-    `r`, two node tiles at r = 16) and warps, and the backward's; the merge's kernel
-    itself is `KernelConfigs.block_merge`. The Mosaic GPU merge steps its own 64 or
-    128 candidates (`block/mosaic_merge.pipeline_for`)."""
+    `r`, two node tiles at r = 16) and warps, and the backward's; which kernel runs each
+    part is the call's `shared.kernels.BlockKernels`, not a config. The Mosaic GPU merge
+    steps its own 64 or 128 candidates (`block/mosaic_merge.pipeline_for`)."""
 
     merge_tile: int = 32
     merge_num_warps: int = 4
     backward_tile: int = 32  # the backward holds five [rows, tile] float32 arrays
     backward_num_warps: int = 8
-    # How the backward sums the key and value gradients (`block/backward.py`): float32
-    # atomics from every block that merged a node (not bitwise reproducible run to run);
-    # `"partials"` (`block/partials.py`), each block's sums written to a buffer, then
-    # summed by node in block order (bitwise reproducible); or `"auto"`: partials on a GPU,
-    # atomics interpreted. At the benchmark shape's 128K (RESULTS, H200) partials take
-    # 305 ms on the Mosaic GPU walk and 681 on the Pallas-Triton one against the atomics'
-    # 877. Interpreted runs keep the atomics: there the partials' walk and sums compile in
-    # about twice the atomics' time (3.9 s against 2.1 at T=150), which the CPU suite
-    # feels, and it tests the partials by name.
-    backward_sum: str = "auto"
     # With partial sums: the blocks go in chunks whose partial buffer stays under this
     # many bytes (temporaries of the backward; at 128K, 16 GiB is 512 blocks a chunk of
     # 8192 on the Mosaic GPU walk's 16-bit slabs; fewer, larger chunks are faster: the
     # Pallas-Triton walk took 681 ms at 16 GiB against 795 at 4).
     backward_partial_bytes: int = 1 << 34
-    # The kernel that walks the blocks for partial sums (`backward_sum="partials"`):
-    # `"mosaic_gpu"` (`block/mosaic_backward.py`: WGMMA, TMA, warp-specialized; 16-bit
-    # inputs, K and V up to 128), `"pallas_triton"` (`block/backward.py`, its twin, the
-    # one interpreted runs take), or `"auto"`: Mosaic GPU on a Hopper GPU wherever it
-    # takes the launch, else Pallas-Triton.
-    backward_walk: str = "auto"
     # The partial sums' launch (`partials.sum_partials`, Pallas-Triton): warps and the
     # pipeline stages of its loop over a tile's entries (each entry's loads depend on the
     # index's, so one stage waits on each; more might overlap them). Timed apart at 128K
@@ -187,25 +164,9 @@ class BlockConfig:
     # H100, RESULTS): 8:1 43.1 ms, 8:2 43.2, 4:3 47.7; the default stays 8:1.
     backward_sum_num_warps: int = 8
     backward_sum_num_stages: int = 1
-    # The kernel of the Mosaic GPU walk's sums: `"pallas_triton"` (`block/partials.py`, in
-    # place) or `"mosaic_gpu"` (`block/mosaic_sums.py`: TMA, every tile a chunk, since it
-    # cannot alias its totals). Mosaic GPU is opt-in: gated, but its sums took 333 ms
-    # against 225 at 512K (H200; layer 0 3.85 ms a chunk against 2.15) for 40.7 against
-    # 43.1 at 128K (H100) (RESULTS).
-    backward_sum_kernel: str = "pallas_triton"
 
     def __post_init__(self):
         _check_fields(self, warps=("merge_num_warps", "backward_num_warps", "backward_sum_num_warps"))
-        if self.backward_sum not in BACKWARD_SUMS:
-            raise ValueError(f"BlockConfig.backward_sum must be one of {BACKWARD_SUMS}, got {self.backward_sum!r}")
-        if self.backward_walk not in BACKWARD_WALKS:
-            raise ValueError(f"BlockConfig.backward_walk must be one of {BACKWARD_WALKS}, got {self.backward_walk!r}")
-        if self.backward_sum_kernel not in ("pallas_triton", "mosaic_gpu"):
-            raise ValueError(f"BlockConfig.backward_sum_kernel must be 'pallas_triton' or 'mosaic_gpu', got "
-                             f"{self.backward_sum_kernel!r}")
-        if self.backward_walk == "mosaic_gpu" and self.backward_sum not in ("auto", "partials"):
-            raise ValueError(f"BlockConfig.backward_walk='mosaic_gpu' writes partial sums: it takes "
-                             f"backward_sum='partials', got {self.backward_sum!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,15 +276,6 @@ class KernelConfigs:
     block: BlockConfig = BlockConfig()
     save_selections: bool = True
     chunk_budget_bytes: int = 2 << 30
-    # The block-selection merge's kernel (`MERGE_ROUTES`): Pallas-Triton or Mosaic GPU
-    # (`docs/backends.md`); "auto": Mosaic GPU on a Hopper GPU
-    # where it takes the shape, else Pallas-Triton (`block.forward.chosen_merge`).
-    block_merge: str = "auto"
-
-    def __post_init__(self):
-        if self.block_merge not in ("auto",) + MERGE_ROUTES:
-            raise ValueError(f"KernelConfigs.block_merge must be 'auto' or one of {MERGE_ROUTES}, "
-                             f"got {self.block_merge!r}")
 
     @classmethod
     def resolve(cls, block_sizes: "BlockSizes | KernelConfigs | None", K: int, V: int) -> "KernelConfigs":

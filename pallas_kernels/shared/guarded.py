@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from htree_jax.core.config import HTreeConfig
 from htree_jax.core.non_finite import dead_rows, first_non_finite, poison_rows, zero_late_tokens, zero_non_finite
 from pallas_kernels.shared.configs import KernelConfigs
+from pallas_kernels.shared.kernels import BlockKernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,7 @@ class KernelCall:
     (`config`), the launches (`tuning`), interpret mode, the importance export (SPEC 8),
     values read from the keys' first `value_dim` latent features (`v=None`; the wide
     family), the queries' feature order (`q_layout`, `"given"`: the wide family's), and
-    block selection's merge kernel (`merge`, `pallas_kernels.block.forward.MERGES`)."""
+    block selection's kernels (`kernels`, each named: the plan's choices)."""
 
     config: HTreeConfig
     tuning: KernelConfigs
@@ -40,7 +41,7 @@ class KernelCall:
     export: bool = False
     value_dim: int | None = None
     q_layout: str = "rope_layout"
-    merge: str | None = None
+    kernels: BlockKernels = BlockKernels()
 
 
 class Saved(NamedTuple):
