@@ -231,10 +231,19 @@ def test_every_gate_case_sets_up_on_the_cpu():
     setups = {gpu_gate.case_name("small", c, 0): gpu_gate.case_setup(c[0], c[2], c[3])
               for c in gpu_gate.matrix(full=True)}
     long = [s for name, s in setups.items() if name.endswith(" T=4096")]
-    partials = [s for name, s in setups.items() if name.split(" T=")[0].endswith(" by partials")]
-    assert partials and all(s.partials and s.block and s.route is None and
-                            s.tuning["block_kernels"].sums == "partials" for s in partials)
-    assert any(s.packed for s in partials) and any(s.shard for s in partials)
+    named = [s for name, s in setups.items() if name.split(" T=")[0].endswith(" by partials")]
+    assert named and all(s.partials and s.block and s.route is None and
+                         s.tuning["block_kernels"].sums == "partials" for s in named)
+    # Partial sums are the GPU's default: every block case but the atomics' checks them bitwise.
+    for name, s in setups.items():
+        assert s.partials == (s.block and not name.endswith(" by atomics")), name
+    assert any(s.packed and s.partials for s in setups.values()) and any(s.shard and s.partials
+                                                                         for s in setups.values())
+    # No two cases run the same kernels on a Hopper GPU: Mosaic GPU by name only where "auto" does not take it.
+    mosaic_named = {(c[0], c[1], c[3].replace(" via mosaic_gpu", "")) for c in gpu_gate.matrix(full=False)
+                    if isinstance(c[3], str) and " via mosaic_gpu" in c[3]}
+    defaults = {(c[0], c[1], c[3]) for c in gpu_gate.matrix(full=False)}
+    assert mosaic_named and not mosaic_named & defaults, mosaic_named & defaults
     assert long and all(s.T == 4096 and (s.route == "mosaic_gpu" or s.packed or s.partials) for s in long)
     walks = {name: s.tuning["block_kernels"].walk for name, s in setups.items() if " walk " in name}
     assert set(walks.values()) == {"pallas_triton", "mosaic_gpu"}

@@ -27,13 +27,14 @@ Block selection (SPEC 12, `selection_block=16`: `pallas_kernels.block`) has its 
 with each source: the same checks, decoding included (the decode kernels keep the
 block's selection, `cache.selections`).
 The block merge's default (`BlockKernels.merge="auto"`) is Mosaic GPU on a Hopper
-GPU where it takes the shape, so the block cases without `via` run it at bf16 and f16;
-each merge by name (`"pallas_triton"`, `"mosaic_gpu"`;
-`docs/backends.md`) has `via` cases: the forward and gradients (decoding does not take
-the route), and the benchmark shape at T=131072. The
-block backward from partial sums (`BlockKernels(sums="partials")`) has `by
-partials` cases (packed and a shard among them), and by atomics `by atomics` ones: the
-gradients against the reference, and (partials) twice, bitwise equal. The
+GPU (the gate's cards) where it takes the shape, so the block cases without `via` run it
+at bf16 and f16; each merge by name (`"pallas_triton"`, `"mosaic_gpu"`;
+`docs/backends.md`) has `via` cases where the defaults do not run it: the forward and
+gradients (decoding does not take the route), and the benchmark shape at T=131072. The
+block backward from partial sums is the default on a GPU: every block case but the
+shards' runs its gradients twice and asks them bitwise equal; the walk's and the sums'
+kernels by name have `walk` and `sums` cases (`by partials`), and the atomics `by
+atomics` ones, their gradients against the reference. The
 whole gate takes more than one 10-minute device call (2026-12-07, H100, `--workers 16`:
 three calls for the small cases): run it in parts with `--big-T 0 --only R` (for instance
 `'^(?!.*block)'`, `'block.*by (partials|atomics)'`, `'block(?!.*by (partials|atomics))'`),
@@ -175,40 +176,35 @@ def matrix(full: bool):
     yield (8, 128, 128, None), "bfloat16", "bound", "block previous shard via pallas_triton T=1024"
     yield (8, 128, 128, None), "float32", "bound", "block previous shard T=1024"
     yield (4, 64, 64, None), "float16", "bound", "block first shard T=8192"
-    # The block merge's routes by name (`BlockKernels.merge`, `docs/backends.md`;
-    # the cases above take "auto": Mosaic GPU on an H200 where it takes the shape): forward
-    # and gradients (the decode kernels do not take them).
-    for route in ("pallas_triton", "mosaic_gpu"):
-        for source in ("first", "previous"):
-            yield (8, 128, 128, None), "bfloat16", "bound", f"block {source} via {route}"
-        yield (4, 64, 64, None), "bfloat16", "bound", f"block first via {route}"
-        yield (8, 128, 128, None), "float16", "bound", f"block first via {route}"
-    # The Mosaic GPU merge at the group sizes and head dims it takes (`mosaic_merge.
-    # check_mosaic_dims`: K / 2 and V padded to 32/64 and 64/128; one consumer warpgroup up
-    # to 64 rows a program, two past it; partial RoPE).
-    for shape in ((1, 64, 64, None), (2, 128, 128, None), (8, 96, 96, 32), (16, 128, 128, None)):
+    # The block merge's routes by name (`BlockKernels.merge`, `docs/backends.md`): forward
+    # and gradients (the decode kernels do not take them). The cases above take "auto",
+    # Mosaic GPU on a Hopper GPU (the only cards the gate runs on) where it takes the shape,
+    # so Mosaic GPU by name is asked only where no case above runs it: the Pallas-Triton
+    # merge at the shapes above, Mosaic GPU at the group sizes and head dims it takes
+    # that the shape classes leave out (`mosaic_merge.check_mosaic_dims`: K / 2 and V
+    # padded to 32/64 and 64/128; one consumer warpgroup up to 64 rows a program, two past
+    # it) and at several steps a layer.
+    for source in ("first", "previous"):
+        yield (8, 128, 128, None), "bfloat16", "bound", f"block {source} via pallas_triton"
+    yield (4, 64, 64, None), "bfloat16", "bound", "block first via pallas_triton"
+    yield (8, 128, 128, None), "float16", "bound", "block first via pallas_triton"
+    for shape in ((1, 64, 64, None), (2, 128, 128, None)):
         yield shape, "bfloat16", "bound", "block first via mosaic_gpu"
     yield (16, 128, 128, None), "float16", "bound", "block first via mosaic_gpu"
     for shape in ((8, 128, 128, None), (16, 64, 64, None)):  # several steps a layer, three layers
         yield shape, "bfloat16", "bound", "block first via mosaic_gpu T=4096"
-    # The block backward from partial sums (`BlockKernels(sums="partials")`, issue 83): every
-    # GQA shape class, each dtype and source on the benchmark's head dims, packed rows and
-    # context shards; each case also runs the gradients twice and asks them bitwise equal.
-    for shape in GQA_SHAPES:
-        yield shape, "bfloat16", "bound", "block first by partials"
-    for dtype in ("float32", "float16"):
-        yield (8, 128, 128, None), dtype, "bound", "block first by partials"
-    yield (8, 128, 128, None), "bfloat16", "bound", "block previous by partials"
-    yield (8, 128, 128, None), "bfloat16", "bound", "block first packed by partials"
-    yield (8, 128, 128, None), "bfloat16", "bound", "block previous shard by partials T=1024"
+    # The block backward from partial sums (`BlockKernels(sums="partials")`, issue 83) is
+    # the default on a GPU: every block case above but the shards' runs the gradients twice
+    # and asks them bitwise equal (`CaseSetup.partials`). By name below: the walk's and the
+    # sums' kernels.
     # The walk's kernels by name (`BlockKernels.walk`; the cases above take "auto":
-    # Mosaic GPU on an H200 where it takes the launch): the Pallas-Triton twin, and the
-    # Mosaic GPU walk with several steps a layer, two programs a block, partial RoPE and
-    # padded head dims, float16.
+    # Mosaic GPU on a Hopper GPU where it takes the launch, float16 and both sources
+    # among them; `via mosaic_gpu T=4096` its several steps a layer at G=8): the
+    # Pallas-Triton twin, and the Mosaic GPU walk with several steps a layer at two
+    # programs a block and at partial RoPE with padded head dims.
     yield (8, 128, 128, None), "bfloat16", "bound", "block first walk pallas_triton by partials"
-    for shape in ((8, 128, 128, None), (16, 128, 128, None), (4, 96, 96, 32)):
+    for shape in ((16, 128, 128, None), (4, 96, 96, 32)):
         yield shape, "bfloat16", "bound", "block first walk mosaic_gpu by partials T=4096"
-    yield (8, 128, 128, None), "float16", "bound", "block previous walk mosaic_gpu by partials"
     # The Mosaic GPU sums (`BlockKernels.sum_kernel`, opt-in): several steps a layer,
     # two programs a block, packed rows, float16.
     for shape in ((8, 128, 128, None), (16, 128, 128, None)):
@@ -257,7 +253,7 @@ class CaseSetup:
     route: str | None  # the block merge's kernel, where not the default
     tuning: dict  # htree_attention's block_sizes where the case changes them
     shard: bool = False  # the rows as two context shards (`run_shard_case`)
-    partials: bool = False  # the block backward's key and value sums from partial sums
+    partials: bool = False  # the block backward's key and value sums from partial sums (on a GPU)
 
 
 def case_setup(shape, sel, packed) -> CaseSetup:
@@ -293,9 +289,9 @@ def case_setup(shape, sel, packed) -> CaseSetup:
               if block else dict(selection_block=1))
     # "one layer": an oversized top_k, which a one-layer tree fits to T (64 at T=600).
     config = HTreeConfig(top_k=2**20 if packed == "one layer" else 8, rope_dim=rope, selection=sel, **chosen)
-    partials = block and packed.endswith(" by partials")
     atomics = block and packed.endswith(" by atomics")
-    sums = "partials" if partials else "atomics" if atomics else None
+    sums = "partials" if block and packed.endswith(" by partials") else "atomics" if atomics else None
+    partials = block and not atomics  # "auto": from partial sums on a GPU
     asks = {**({"merge": route} if route else {}), **({"sums": sums} if sums else {}),
             **({"walk": walk.group(1)} if walk else {}), **({"sum_kernel": sum_kernel.group(1)} if sum_kernel else {})}
     tuning = dict(block_kernels=BlockKernels(**asks)) if asks else {}
@@ -458,7 +454,8 @@ def run_case(rng, shape, dtype, sel, packed):
     nan_rows = lambda backend: np.isnan(np.asarray(attend(q, k_bad, v, backend=backend), np.float32)).any(-1)
     out["nan_rows"] = bool(np.array_equal(nan_rows("pallas"), nan_rows("reference")))
     out["decode"], out["decode_bar"], out["decode_waived"] = 0.0, TOLERANCE[dtype], 0.0
-    if not packed and not route and not partials:  # a decode cache holds one document a row
+    # A decode cache holds one document a row; the kernels asked by name are not the decode kernels'.
+    if not packed and not tuning:
         cache = init_cache(1, T, H_kv, K, V, config, q.dtype, num_heads=G * H_kv if block else None)
         # Block selection: steps on both sides of a block's start (592), which walks the
         # ranking rows; the others keep the block's selection from the cache.
