@@ -14,9 +14,9 @@ fi
 D=/tmp/g; end=$(( $(date +%s) + ${1:-540} ))
 while [ $(date +%s) -lt $end ] && ! grep -q '^done' $D/stages 2>/dev/null; do sleep 10; done
 cat $D/card.txt $D/env.txt $D/stages 2>/dev/null
-grep -v "^\s*$" $D/account.log 2>/dev/null | tail -${ACC:-40}
+for f in $D/account_*.log; do [ -f "$f" ] && { echo "== $f"; grep -v "^\s*$" $f | tail -${ACC:-40}; }; done
 grep -v "^\s*$" $D/seed.log 2>/dev/null | tail -30
-tail -20 $D/train.log 2>/dev/null
+for f in $D/train_*.log; do [ -f "$f" ] && { echo "== $f"; tail -20 $f; }; done
 grep -v "^\s*$" $D/gate_block.log 2>/dev/null | tail -8
 if [ -n "$OUT" ]; then
   tar czf $OUT/results.tgz -C $D --exclude='seed0/base' --exclude='pieces0' . 2>/dev/null
