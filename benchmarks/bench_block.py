@@ -133,8 +133,9 @@ def run(args):
                     if summed == BlockKernels().sums:
                         continue
                     tuning = KernelConfigs.resolve(None, K, V).with_changes({"block.backward_partial_bytes": budget})
-                    step = jax.jit(grad_of_sum(lambda q, k, v, c=config, t=tuning, m=sum_and_walk(summed): htree_attention(
-                        q, k, v, c, backend="pallas", block_sizes=t, block_kernels=m)))
+                    step = jax.jit(grad_of_sum(lambda q, k, v, c=config, t=tuning, m=sum_and_walk(summed):
+                                               htree_attention(q, k, v, c, backend="pallas", block_sizes=t,
+                                                               block_kernels=m)))
                     name = summed.replace(":", "_")
                     row[f"fwd_bwd_{name}_ms"] = median_ms(step, (q, k, v), args.iters)
                     row[f"fwd_bwd_{name}_speedup"] = dense_fwd_bwd_ms / row[f"fwd_bwd_{name}_ms"]
@@ -154,7 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="random,correlated", help="input kinds (htree_jax.bench.INPUTS)")
     ap.add_argument("--variants", default="64x8", help="the merge's tile x warps to time apart")
     ap.add_argument("--backward-variants", default="32x8", help="the backward's tile x warps to time apart")
-    ap.add_argument("--backward-sums", default="atomics", help="BlockKernels.sums values to time apart, each optionally "
+    ap.add_argument("--backward-sums", default="atomics", help="BlockKernels.sums values to time apart, each "
+                    "optionally "
                     "':WALK' (BlockKernels.walk: partials:mosaic_gpu, partials:pallas_triton)")
     ap.add_argument("--backward-partial-bytes", type=int, default=BlockConfig().backward_partial_bytes,
                     help="BlockConfig.backward_partial_bytes with --backward-sums partials")

@@ -68,8 +68,8 @@ for T, kind in ((int(t), kind) for t in LENGTHS for kind in KINDS if TIME):
                 row[f"{route}_kernels"] = sorted(((round(t / 1e3, 3), n[:60]) for n, (t, _) in times.items()), reverse=True)[:5]
             except Exception as e:
                 row[f"{route}_kernels"] = f"{type(e).__name__}: {str(e)[:200]}"
-            full = jax.jit(lambda q, k, v, m=BlockKernels(merge=route): htree_attention(q, k, v, config, backend="pallas",
-                                                                                       block_kernels=m))
+            full = jax.jit(lambda q, k, v, m=BlockKernels(merge=route): htree_attention(
+                q, k, v, config, backend="pallas", block_kernels=m))
             row[f"{route}_forward_ms"] = median_ms(full, (q, k, v), 10)
         except Exception as e:
             row[f"{route}"] = f"FAIL {type(e).__name__}: {str(e)[:600]}"

@@ -1,7 +1,8 @@
 """htree-jax: hierarchical sparse (htree) attention for JAX and Flax.
 
 Public API: `HTreeConfig`, `build_tree`, `htree_attention` (and `BlockSizes`, the Pallas
-kernels' tuning; `BlockKernels`, which kernel runs each part of block selection; `Index`, a learned indexer's inputs with `selection="indexer"`), the Flax NNX module `HTreeAttention` (linen twin:
+kernels' tuning; `BlockKernels`, which kernel runs each part of block selection;
+`Index`, a learned indexer's inputs with `selection="indexer"`), the Flax NNX module `HTreeAttention` (linen twin:
 `htree_jax.linen.HTreeAttention`), `attention_fn` for `nnx.MultiHeadAttention` /
 `nn.MultiHeadDotProductAttention`, and incremental decoding: `init_cache`, `prefill`,
 `decode_step`, `reset_rows` (`HTreeCache`; `DecodeBlockSizes`, the decode kernels'

@@ -232,7 +232,8 @@ def choose_route(impl: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     concrete backend `impl`: `dims` the call's sizes (`seq_len` the keys' `T`; `H` the
     queries' heads), inputs in `dtype`, `tuning` the kernels' configs, `kernels` block
     selection's asks, `kind` the rows (`CallKind`: packed, latent, a context shard). On a
-    kernel backend a call no kernel route takes is a ValueError naming the rule (what "auto" catches to take the reference);
+    kernel backend a call no kernel route takes is a ValueError naming the rule (what
+    "auto" catches to take the reference);
     `check_limits=False` (`attend`, whose caller has chosen the backend with them) skips
     the kernels' size limits, not which routes take packed rows or context shards.
 

@@ -185,7 +185,8 @@ def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_doc
     if index is not None:
         rows = lambda x, axes: x.reshape((-1,) + x.shape[-axes:])
         o, loss = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, block_sizes=block_sizes,
-                                  block_kernels=block_kernels, index=Index(rows(index.q, 3), rows(index.k, 3), rows(index.w, 2)))
+                                  block_kernels=block_kernels,
+                                  index=Index(rows(index.q, 3), rows(index.k, 3), rows(index.w, 2)))
         return o.reshape(batch_shape + o.shape[1:]), loss.reshape(batch_shape + loss.shape[1:])
     if segment_ids is not None:
         if tuple(segment_ids.shape) != tuple(q.shape[:-2]):
@@ -193,7 +194,8 @@ def attend(q, k, v, config, backend, block_sizes=None, segment_ids=None, max_doc
                              f"got {list(segment_ids.shape)}")
         segment_ids = segment_ids.reshape(-1, segment_ids.shape[-1])
     o = htree_attention(flat(q), flat(k), flat(v), config, backend=backend, block_sizes=block_sizes,
-                        block_kernels=block_kernels, segment_ids=segment_ids, max_documents=max_documents, max_document_len=max_document_len)
+                        block_kernels=block_kernels, segment_ids=segment_ids, max_documents=max_documents,
+                        max_document_len=max_document_len)
     return o.reshape(batch_shape + o.shape[1:])
 
 

@@ -339,7 +339,8 @@ def block_backward_pallas(q, k, v, o, lse, do, selections, layout=None, *, confi
     and value gradients are summed (`BlockKernels.sums`, `"auto"` resolved here as the
     plan does): `"atomics"`, added by every block that merged a node with float32
     atomics, not bitwise reproducible run to run; or `"partials"` (`partials.py`), each
-    block's sums written out and summed by node in block order, bitwise reproducible. A context shard (`row_layout(q, k, config, offset)`): `dq` of
+    block's sums written out and summed by node in block order, bitwise reproducible. A
+    context shard (`row_layout(q, k, config, offset)`): `dq` of
     its queries, `dk`, `dv` its rows' share of every token's (atomics or partials)."""
     K, H_kv, V = q.shape[-1], k.shape[2], v.shape[-1]
     G = q.shape[2] // H_kv
