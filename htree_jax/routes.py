@@ -268,8 +268,7 @@ def block_selections(q, k, v, c: Call, offset=None):
     route `c.selection_route` (`backends.ranking_route`), run on each block's ranking
     rows at its first position, chooses what the block refines. Each `[B, ceil(S / b),
     H_kv, top_k]`, top layer first (importance `[]` without `c.export`). Constants
-    under autodiff. A
-    context shard: `q [B, S, H, K]` from position `offset` of `k`'s `T` tokens,
+    under autodiff. A context shard: `q [B, S, H, K]` from position `offset` of `k`'s `T` tokens,
     `c.rank_rows` its queries' ranking rows (`shard_ranking_rows`; None: from `q`, which
     holds each block's first query but not the block before a shard's first). No merge
     runs (`selections_only`): the block merge computes every row's output."""
@@ -355,7 +354,8 @@ def _block(q, k, v, c: Call, merge: str):
     b, T = c.config.selection_block, q.shape[1]
     offset = shard_offset(c)
     blocks, exported = block_selections(q, zero_non_finite(k), zero_non_finite(v), c, offset)
-    o = block_attention(q, k, v, block_operands(q, k, blocks, c.config, positions=c.positions), c.kernel_call(merge))[0]
+    operands = block_operands(q, k, blocks, c.config, positions=c.positions)
+    o = block_attention(q, k, v, operands, c.kernel_call(merge))[0]
     return (o, [per_token(s, b, T) for s in blocks], *([[per_token(x, b, T) for x in exported]] if c.export else []))
 
 

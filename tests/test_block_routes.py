@@ -32,6 +32,9 @@ GPU = jax.default_backend() == "gpu"
 def test_an_unknown_route_is_refused_by_name():
     with pytest.raises(ValueError, match="BlockKernels.merge must be .auto. or one of"):
         BlockKernels(merge="cuda")
+    q = jnp.ones((1, 64, 4, 64), jnp.float32)
+    with pytest.raises(TypeError, match="block_kernels must be an htree_jax.BlockKernels"):
+        htree_attention(q, q[:, :, :2], q[:, :, :2], backend="pallas_interpret", block_kernels="mosaic_gpu")
 
 
 @pytest.mark.parametrize("route", ["mosaic_gpu"])

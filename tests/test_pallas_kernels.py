@@ -14,6 +14,9 @@ import pytest
 
 from htree_jax import HTreeConfig, htree_attention
 from htree_jax.core.indexing import top_layer_parents
+from htree_jax.core.packing import pack_layout, virtual_length
+from htree_jax.core.rope import rope_layout
+from pallas_kernels.gqa.forward import htree_forward_pallas
 from pallas_kernels.gqa.merge import merge_pallas, merge_scored_pallas, merge_scored_twin, merge_twin
 from pallas_kernels.gqa.plan import layout
 from pallas_kernels.gqa.top_layer import top_importance_keys_pallas, top_merge_pallas
@@ -24,6 +27,7 @@ from pallas_kernels.shared.precision import BF16X3, key_operands
 from pallas_kernels.shared.rope import padded_rope_table, rotate_keys, rotate_phases, rotate_queries
 from pallas_kernels.shared.top_k import select_top_k_pallas, select_top_k_twin
 from pallas_kernels.shared.tree_build import pool_layer_pallas, pool_layer_twin
+from pallas_kernels.wide.forward import wide_forward_pallas
 from tests.conftest import random_qkv
 from tests.test_oracle_agreement import assert_matches_oracle
 
@@ -352,10 +356,6 @@ def test_the_ranking_pass_selects_as_the_forward_does(rng, family, G, selection,
     runs no merge and returns the forward's selections and importance bit for bit:
     3-layer trees, queries at some positions or packed rows, split heads (G = 32 on the
     GQA kernels), the wide kernels; `return_lse` beside it is refused."""
-    from htree_jax.core.packing import pack_layout, virtual_length
-    from htree_jax.core.rope import rope_layout
-    from pallas_kernels.wide.forward import wide_forward_pallas
-    from pallas_kernels.gqa.forward import htree_forward_pallas
     config = HTreeConfig(compression_rate=4, top_k=4, selection=selection, selection_block=1)
     q, k, v = random_qkv(rng, 2, 100, G, 1, 64, 32)
     R = config.partial_rope(64)

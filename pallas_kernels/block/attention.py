@@ -1,6 +1,6 @@
 """Block selection's differentiable call once the blocks' selections are known
-(`attention` over `block_operands`, SPEC 12): the block merge and the block backward as SPEC 10's guard
-calls them, paired as one `jax.custom_vjp` at the bottom (`shared/guarded.py`). The
+(`attention` over `block_operands`, SPEC 12): the block merge and the block backward as
+SPEC 10's guard calls them, paired as one `jax.custom_vjp` (`shared/guarded.py`). The
 selections come from the per-query families run on each block's ranking rows
 (`htree_jax.routes` composes the two).
 

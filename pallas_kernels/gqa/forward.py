@@ -21,7 +21,7 @@ from pallas_kernels.gqa.merge import merge_pallas, merge_scored_pallas
 from pallas_kernels.gqa.plan import Places, Prepared, group_rows, prepare, split_heads
 from pallas_kernels.gqa.top_layer import top_merge_pallas
 from pallas_kernels.shared.common import LayerInputs, TopInputs, next_power_of_two, real_heads
-from pallas_kernels.shared.common import check_query_layout
+from pallas_kernels.shared.common import check_query_layout, check_selections_only
 from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
 from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.precision import Precisions
@@ -70,8 +70,7 @@ def htree_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSize
     if v is None:
         raise ValueError("values read from the keys (v=None) need the wide kernels: groups of 32 or more heads per "
                          "kv head, BlockSizes.wide_rows > 0, one document per row")
-    if selections_only and return_lse:
-        raise ValueError("selections_only=True merges nothing: there is no log-sum-exp to return (return_lse)")
+    check_selections_only(selections_only, return_lse)
     k, v, split = split_heads(k, v, H // H_kv)
     H_kv, G = H_kv * split, H // (H_kv * split)
     prep = prepare(q, k, v, KernelCall(config, tuning, interpret), precisions or Precisions.for_dtype(q.dtype),

@@ -314,6 +314,13 @@ def dividing_chunk(T: int, Qc: int, multiple: int) -> int:
     return Qc
 
 
+def check_selections_only(selections_only: bool, return_lse: bool) -> None:
+    """A forward asked for its selections only (block selection's ranking pass) merges
+    nothing, so it has no log-sum-exp to return: refused by name."""
+    if selections_only and return_lse:
+        raise ValueError("selections_only=True merges nothing: there is no log-sum-exp to return (return_lse)")
+
+
 def check_query_layout(q_layout: str, wide: bool = False) -> None:
     """`q_layout`: `"rope_layout"` (every kernel) or `"given"` (the caller's feature order:
     the wide kernels only)."""

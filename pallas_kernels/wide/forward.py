@@ -27,7 +27,7 @@ from htree_jax.core.indexing import candidate_count, num_parents, top_layer_pare
 from pallas_kernels.shared import shared_memory
 from pallas_kernels.shared.common import LayerStatic, check_query_layout, WideBound, next_power_of_two, pad_axis, pad_rope_halves, wide_head_dims
 from pallas_kernels.shared.common import dividing_chunk
-from pallas_kernels.shared.common import head_block
+from pallas_kernels.shared.common import check_selections_only, head_block
 from pallas_kernels.shared.configs import BlockSizes, KernelConfigs
 from pallas_kernels.shared.guarded import KernelCall
 from pallas_kernels.shared.importance import feature_pieces
@@ -329,8 +329,7 @@ def wide_forward_pallas(q, k, v, *, config: HTreeConfig, block_sizes: BlockSizes
     what `htree_forward_pallas` does: `(o, selections[, lse][, importance])`;
     `selections_only`: no merge runs and `o` is None (refused with `return_lse`)."""
     B, S, H, K = q.shape
-    if selections_only and return_lse:
-        raise ValueError("selections_only=True merges nothing: there is no log-sum-exp to return (return_lse)")
+    check_selections_only(selections_only, return_lse)
     check_query_layout(q_layout, wide=True)
     tuning = KernelConfigs.resolve(block_sizes, K, value_dim if v is None else v.shape[-1])
     call = KernelCall(config, tuning, interpret, value_dim=value_dim, q_layout=q_layout)
