@@ -110,7 +110,7 @@ class Plan:
     `route` (a key of `htree_jax.routes.ROUTES`) and, for block selection, the
     `selection_route` its ranking rows take (`ranking_route`); `tuning` the kernels'
     configs the call runs with; `kernels` block selection's kernels, chosen
-    (`block_kernels`: the merge, the backward's walk and sum; no `"auto"` left for the
+    (`resolve_block_kernels`: the merge, the backward's walk and sum; no `"auto"` left for the
     kernels to read)."""
 
     impl: str
@@ -120,8 +120,8 @@ class Plan:
     kernels: BlockKernels = BlockKernels()
 
 
-def block_kernels(kernels: BlockKernels, route: str, impl: str, *, dims: Dims, config: HTreeConfig, dtype,
-                  block: BlockConfig, packed=False) -> BlockKernels:
+def resolve_block_kernels(kernels: BlockKernels, route: str, impl: str, *, dims: Dims, config: HTreeConfig,
+                          dtype, block: BlockConfig, packed=False) -> BlockKernels:
     """`kernels` (the call's asks) with block selection's choices made for the call
     (`route` a `"block_<merge>"` route): the route's merge, and the backward's walk and
     sum as `block.backward.backward_kernels` chooses them over the call's layout (one
@@ -161,7 +161,7 @@ def plan_call(backend: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     `tuning` the kernels' configs, `kernels` block selection's asks: the backend `backend` names
     (`choose_backend`, each candidate's route chosen once, its limits checked), the
     route's explicit asks checked (`check_route`), and block selection's ranking route
-    and its kernels (`block_kernels`). `check_limits=False`: `backend` is
+    and its kernels (`resolve_block_kernels`). `check_limits=False`: `backend` is
     already concrete and its limits were checked by the caller (a shard of a call
     planned whole)."""
     facts = dict(dims=dims, config=config, dtype=dtype, tuning=tuning, kernels=kernels, kind=kind)
@@ -176,8 +176,8 @@ def plan_call(backend: str, *, dims: Dims, config: HTreeConfig, dtype, tuning: K
     selection = None
     if route.startswith("block_"):
         selection = ranking_route(impl, dims=dims, config=config, dtype=dtype, tuning=tuning)
-        kernels = block_kernels(kernels, route, impl, dims=dims, config=config, dtype=dtype, block=tuning.block,
-                                packed=kind.packed)
+        kernels = resolve_block_kernels(kernels, route, impl, dims=dims, config=config, dtype=dtype,
+                                        block=tuning.block, packed=kind.packed)
     return Plan(impl=impl, route=route, selection_route=selection, tuning=tuning, kernels=kernels)
 
 

@@ -263,7 +263,7 @@ def test_the_plan_is_made_once_a_call(monkeypatch, config, H, routes):
     assert counts == {"plan_call": 1, "choose_backend": 1, "choose_route": routes, "check_route": 1}, counts
 
 
-# Block selection's choices the plan makes (`backends.block_kernels`): (what, on a Hopper
+# Block selection's choices the plan makes (`backends.resolve_block_kernels`): (what, on a Hopper
 # GPU, impl, dims, dtype, merge, backward walk, backward sum).
 PLANNED = [
     ("interpreted", False, "pallas_interpret", dims(), BF16, "pallas_triton", "pallas_triton", "atomics"),
